@@ -1,0 +1,26 @@
+# Compile options for flatshard's own targets (generated code does not get -Werror).
+#
+#   flatshard_target_defaults(<target>)  warnings as errors, repository-rooted includes.
+
+# -fno-math-errno lets GCC vectorize loops that call sqrtf (the optimizer kernels);
+# PyTorch builds with it too. It changes no result: only errno is left untouched.
+add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fno-math-errno>)
+
+if(FLATSHARD_SANITIZE)
+  if(NOT FLATSHARD_SANITIZE MATCHES "^(address|undefined|thread)$")
+    message(FATAL_ERROR "FLATSHARD_SANITIZE must be address, undefined or thread, not '${FLATSHARD_SANITIZE}'")
+  endif()
+  set(_flatshard_san -fsanitize=${FLATSHARD_SANITIZE} -fno-omit-frame-pointer)
+  if(FLATSHARD_SANITIZE STREQUAL "undefined")
+    list(APPEND _flatshard_san -fno-sanitize-recover=undefined)
+  endif()
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:${_flatshard_san}>)
+  add_link_options(${_flatshard_san})
+endif()
+
+function(flatshard_target_defaults target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror>)
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>)
+endfunction()

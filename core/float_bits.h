@@ -1,0 +1,91 @@
+// Scalar conversions between float32 and the 16-bit float formats, on raw bit patterns.
+//
+// Header-only and branch-light so that the loops in kernels/ that call them vectorize.
+// Semantics follow PyTorch's scalar c10::BFloat16 / c10::Half constructors (`.to()`):
+//  - float32 -> bfloat16 and -> float16 round to nearest, ties to even;
+//  - overflow of float16 (|x| >= 65520) gives +-Inf; subnormal results are exact (no FTZ);
+//  - NaN gives the canonical quiet NaN: 0x7FC0 for bfloat16 (sign dropped, as c10 does),
+//    sign | 0x7E00 for float16;
+//  - widening (16 -> 32 bits) is exact for every input, NaN payloads included.
+// All functions are pure and thread-safe.
+//
+//   uint16_t h = FloatToHalfBits(1.0f);      // 0x3C00
+//   float f = BFloat16BitsToFloat(0x3F80);   // 1.0f
+#ifndef FLATSHARD_CORE_FLOAT_BITS_H_
+#define FLATSHARD_CORE_FLOAT_BITS_H_
+
+#include <bit>
+#include <cstdint>
+
+namespace flatshard {
+
+inline uint16_t FloatToBFloat16Bits(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  const bool is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  // Adding 0x7FFF plus the lowest kept bit rounds to nearest with ties to even; carries
+  // into the exponent give the next binade or Inf, as they should.
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return is_nan ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+inline float BFloat16BitsToFloat(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
+
+inline uint16_t FloatToHalfBits(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+
+  // Normal results: rebias the exponent (127 -> 15) and round 23 -> 10 mantissa bits.
+  const uint32_t rebiased = magnitude - (112u << 23);
+  const uint32_t normal = (rebiased + 0x0FFFu + ((rebiased >> 13) & 1u)) >> 13;
+
+  // Subnormal results: the value in units of 2^-24 is mantissa_with_hidden >> shift,
+  // rounded to nearest even on the bits shifted out. shift is 14..24 for exponents
+  // 102..112, the only ones that use it; clamping to [1, 25] keeps every shift defined.
+  const int32_t exponent = static_cast<int32_t>(magnitude >> 23);
+  const uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u;
+  const int32_t unclamped_shift = 126 - exponent;
+  const uint32_t shift = static_cast<uint32_t>(
+      unclamped_shift < 1 ? 1 : (unclamped_shift > 25 ? 25 : unclamped_shift));
+  const uint32_t kept = mantissa >> shift;
+  const uint32_t rest = mantissa & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  const uint32_t subnormal = kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u);
+
+  uint32_t result;
+  if (magnitude > 0x7F800000u) {
+    result = 0x7E00u;  // NaN
+  } else if (magnitude >= 0x477FF000u) {
+    result = 0x7C00u;  // rounds past 65504: Inf (Inf itself included)
+  } else if (magnitude >= 0x38800000u) {
+    result = normal;  // >= 2^-14
+  } else if (magnitude >= 0x33000000u) {
+    result = subnormal;  // >= 2^-25
+  } else {
+    result = 0u;
+  }
+  return static_cast<uint16_t>(sign | result);
+}
+
+inline float HalfBitsToFloat(uint16_t bits) {
+  const uint32_t sign = (static_cast<uint32_t>(bits) & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1Fu;
+  const uint32_t mantissa = bits & 0x3FFu;
+  uint32_t result;
+  if (exponent == 0x1Fu) {
+    result = 0x7F800000u | (mantissa << 13);  // Inf / NaN, payload kept
+  } else if (exponent != 0) {
+    result = ((exponent + 112u) << 23) | (mantissa << 13);
+  } else {
+    // Zero or subnormal: mantissa * 2^-24 is exact in float32.
+    const float subnormal = static_cast<float>(mantissa) * 0x1.0p-24f;
+    return sign ? -subnormal : subnormal;
+  }
+  return std::bit_cast<float>(sign | result);
+}
+
+}  // namespace flatshard
+
+#endif  // FLATSHARD_CORE_FLOAT_BITS_H_

@@ -1,0 +1,25 @@
+// Discovery of CUDA devices, in plain C++ (no CUDA header leaks out of this folder).
+// Thread-safe.
+//
+//   FLATSHARD_ASSIGN_OR_RETURN(int gpus, kernels::cuda::DeviceCount());
+//   if (gpus == 0) { /* CPU-only path */ }
+#ifndef FLATSHARD_KERNELS_CUDA_DEVICE_H_
+#define FLATSHARD_KERNELS_CUDA_DEVICE_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace flatshard::kernels::cuda {
+
+// The number of usable CUDA devices. A machine without a driver or without a device
+// (cudaErrorInsufficientDriver, cudaErrorNoDevice) has 0; any other failure of the
+// runtime is returned as Internal with the CUDA message.
+[[nodiscard]] absl::StatusOr<int> DeviceCount();
+
+// "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)" for device `ordinal`, or Internal.
+[[nodiscard]] absl::StatusOr<std::string> DeviceDescription(int ordinal);
+
+}  // namespace flatshard::kernels::cuda
+
+#endif  // FLATSHARD_KERNELS_CUDA_DEVICE_H_

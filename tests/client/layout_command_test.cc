@@ -1,0 +1,84 @@
+#include "client/cli/layout_command.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace flatshard::cli {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kSpec[] = R"({"servers": 3, "align": 0, "tensors": [
+    {"name": "fc.weight", "shape": [4, 3], "dtype": "float32"},
+    {"name": "fc.bias", "shape": [4], "dtype": "float32"},
+    {"name": "tiny", "shape": [], "dtype": "bfloat16"}]})";
+
+TEST(LayoutCommandTest, TableShowsRangesMemoryAndTensors) {
+  std::istringstream in(kSpec);
+  std::ostringstream out, err;
+  ASSERT_EQ(RunLayoutCommand({}, in, out, err), 0) << err.str();
+  const std::string table = out.str();
+  // U = 17, S = 6: server 2 holds all of fc.bias and tiny, padded by 1.
+  EXPECT_THAT(table, HasSubstr("unpadded 17 elements, shard 6, padded 18"));
+  EXPECT_THAT(table, HasSubstr("[12, 17)"));
+  EXPECT_THAT(table, HasSubstr("  fc.weight[6:12]\n"));
+  EXPECT_THAT(table, HasSubstr("  fc.bias[0:4] tiny[0:1]\n"));
+  EXPECT_THAT(table, HasSubstr("24 B"));   // 6 fp32 parameters
+  EXPECT_THAT(table, HasSubstr("48 B"));   // Adam: two moments
+  EXPECT_TRUE(err.str().empty());
+}
+
+TEST(LayoutCommandTest, InvalidSpecExitsTwoWithOneLine) {
+  std::istringstream in(R"({"servers": 2, "tensors": [{"name": "a", "shape": [-1]}]})");
+  std::ostringstream out, err;
+  EXPECT_EQ(RunLayoutCommand({}, in, out, err), 2);
+  EXPECT_EQ(err.str(), "flatshard layout: tensors[0] 'a': dimension 0 is -1, must be >= 0\n");
+  EXPECT_TRUE(out.str().empty());
+}
+
+// Runs the real binary: `sh -c` with the spec on stdin; returns (exit code, stdout).
+std::pair<int, std::string> RunBinary(const std::string& args, const std::string& stdin_text) {
+  // One file per test: ctest runs the tests of this binary in parallel.
+  const std::string spec_path = ::testing::TempDir() + "/" +
+                                ::testing::UnitTest::GetInstance()->current_test_info()->name() +
+                                ".json";
+  std::ofstream(spec_path) << stdin_text;
+  const std::string command = std::string(FLATSHARD_CLI_PATH) + " layout " + args + " < " +
+                              spec_path + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string output;
+  char buffer[4096];
+  size_t read;
+  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, read);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+TEST(LayoutBinaryTest, JsonFromStdin) {
+  auto [code, output] = RunBinary("--json", kSpec);
+  ASSERT_EQ(code, 0) << output;
+  const nlohmann::json json = nlohmann::json::parse(output);
+  EXPECT_EQ(json["padded_numel"], 18);
+  EXPECT_EQ(json["shards"][2]["params"][2]["offset_in_shard"], 4);
+}
+
+TEST(LayoutBinaryTest, MalformedJsonExitsTwo) {
+  auto [code, output] = RunBinary("-", "{\"servers\": 2,");
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(output, HasSubstr("flatshard layout: malformed JSON"));
+}
+
+TEST(LayoutBinaryTest, MissingFileExitsTwo) {
+  auto [code, output] = RunBinary("/nonexistent/spec.json", "");
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(output, HasSubstr("cannot open '/nonexistent/spec.json'"));
+}
+
+}  // namespace
+}  // namespace flatshard::cli
