@@ -5,6 +5,7 @@
 //   kernels/cpu/accumulate.h  float32 += any float dtype
 //   kernels/cpu/scale.h       x *= alpha
 //   kernels/cpu/norm.h        squared L2 norm (double accumulation), max |x|
+//   kernels/cpu/optimizer.h   fused SGD / Adam / AdamW updates (torch.optim rules)
 // CUDA builds add the same families under kernels/cuda/ (FLATSHARD_HAVE_CUDA).
 #ifndef FLATSHARD_KERNELS_KERNELS_H_
 #define FLATSHARD_KERNELS_KERNELS_H_
@@ -12,6 +13,7 @@
 #include "kernels/cpu/accumulate.h"
 #include "kernels/cpu/cast.h"
 #include "kernels/cpu/norm.h"
+#include "kernels/cpu/optimizer.h"
 #include "kernels/cpu/scale.h"
 
 #endif  // FLATSHARD_KERNELS_KERNELS_H_
