@@ -1,0 +1,186 @@
+#include "server/data_server.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace flatshard::server {
+namespace {
+
+using transport::Connection;
+using transport::DataOp;
+using transport::Request;
+
+absl::Time DeadlineFromTimeout(int64_t timeout_ms) {
+  return absl::Now() + absl::Milliseconds(std::clamp<int64_t>(timeout_ms, 0, 24 * 3600 * 1000));
+}
+
+}  // namespace
+
+DataServer::DataServer(Registry& registry, const SessionTokens& sessions, ServerStats& stats,
+                       DataServerOptions options)
+    : registry_(registry), sessions_(sessions), stats_(stats), options_(options) {}
+
+DataServer::~DataServer() { Stop(); }
+
+absl::Status DataServer::Start(const std::string& host, int port) {
+  FLATSHARD_ASSIGN_OR_RETURN(listener_, transport::ListenTcp(host, port));
+  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  return absl::OkStatus();
+}
+
+int DataServer::port() const { return listener_ ? listener_->port() : 0; }
+
+void DataServer::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& [id, conn] : connections_) conn->Shutdown();
+  }
+  if (listener_) listener_->Shutdown();
+  if (accept_thread_.joinable()) accept_thread_.join();
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](std::map<uint64_t, Connection*>* conns) { return conns->empty(); }, &connections_));
+}
+
+void DataServer::AcceptLoop() {
+  while (true) {
+    absl::StatusOr<std::unique_ptr<Connection>> conn = listener_->Accept();
+    if (!conn.ok()) {
+      if (absl::IsCancelled(conn.status())) return;
+      continue;  // transient accept failure (e.g. out of fds): keep serving
+    }
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    const uint64_t id = next_id_++;
+    connections_[id] = conn->get();
+    std::thread([this, id, c = std::move(*conn)]() mutable { ServeConnection(id, std::move(c)); })
+        .detach();
+  }
+}
+
+void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) {
+  ++stats_.open_data_connections;
+  if (Authenticate(*conn)) {
+    while (true) {
+      if (!conn->SetTimeout(options_.idle_timeout).ok()) break;
+      absl::StatusOr<Request> request = transport::RecvRequest(*conn);
+      if (!request.ok()) {
+        if (absl::IsInvalidArgument(request.status())) {
+          ++stats_.errors;
+          (void)transport::SendResponse(*conn, request.status(), 0, {});
+        }
+        break;  // garbage or a closed peer: the stream cannot be trusted any more
+      }
+      if (!conn->SetTimeout(options_.io_timeout).ok()) break;
+      if (!ServeRequest(*conn, *request)) break;
+    }
+  }
+  --stats_.open_data_connections;
+  absl::MutexLock lock(&mu_);
+  connections_.erase(id);
+  conn.reset();  // close the socket before Stop() may return
+}
+
+bool DataServer::Authenticate(Connection& conn) {
+  if (!conn.SetTimeout(options_.hello_timeout).ok()) return false;
+  absl::StatusOr<Request> hello = transport::RecvRequest(conn);
+  if (!hello.ok()) return false;  // silent or garbage peer
+  if (hello->op != DataOp::kHello || hello->payload_bytes > transport::kMaxTokenBytes) {
+    ++stats_.errors;
+    (void)transport::SendResponse(
+        conn, absl::UnauthenticatedError("the first request must be a hello with a session token"),
+        0, {});
+    return false;
+  }
+  std::string token(static_cast<size_t>(hello->payload_bytes), '\0');
+  if (!conn.Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(token.data()), token.size())).ok()) {
+    return false;
+  }
+  if (!sessions_.Valid(token)) {
+    ++stats_.errors;
+    (void)transport::SendResponse(
+        conn, absl::UnauthenticatedError("invalid data-plane session token; call OpenSession"), 0,
+        {});
+    return false;
+  }
+  return transport::SendResponse(conn, absl::OkStatus(), 0, {}).ok();
+}
+
+bool DataServer::ServeRequest(Connection& conn, const Request& request) {
+  switch (request.op) {
+    case DataOp::kGather:
+      return ServeGather(conn, request);
+    case DataOp::kScatter:
+    case DataOp::kPushInit:
+      return ServeReceive(conn, request);
+    case DataOp::kHello:
+      return Refuse(conn, request,
+                    absl::FailedPreconditionError("this connection is already authenticated"));
+  }
+  return false;
+}
+
+bool DataServer::Refuse(Connection& conn, const Request& request, const absl::Status& status) {
+  ++stats_.errors;
+  if (request.payload_bytes > options_.max_drain_bytes) {
+    (void)transport::SendResponse(conn, status, 0, {});
+    return false;
+  }
+  if (!transport::DrainPayload(conn, request.payload_bytes).ok()) return false;
+  return transport::SendResponse(conn, status, 0, {}).ok();
+}
+
+bool DataServer::ServeGather(Connection& conn, const Request& request) {
+  if (request.payload_bytes != 0) {
+    return Refuse(conn, request, absl::InvalidArgumentError("a gather request carries no payload"));
+  }
+  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
+  if (!group.ok()) return Refuse(conn, request, group.status());
+  absl::StatusOr<GatherSnapshot> snapshot =
+      (*group)->Gather(request.version, request.dtype, DeadlineFromTimeout(request.timeout_ms));
+  if (!snapshot.ok()) return Refuse(conn, request, snapshot.status());
+  const absl::Status sent = transport::SendResponse(conn, absl::OkStatus(), snapshot->version,
+                                                    absl::MakeConstSpan(*snapshot->bytes));
+  if (!sent.ok()) return false;
+  ++stats_.gathers;
+  stats_.bytes_sent += static_cast<int64_t>(snapshot->bytes->size());
+  return true;
+}
+
+bool DataServer::ServeReceive(Connection& conn, const Request& request) {
+  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
+  if (!group.ok()) return Refuse(conn, request, group.status());
+  const bool scatter = request.op == DataOp::kScatter;
+  const int64_t expected = (*group)->shard_numel() * static_cast<int64_t>(DTypeSize(request.dtype));
+  if (request.payload_bytes != expected) {
+    return Refuse(conn, request,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      scatter ? "scatter" : "init", " to group '", request.group, "' carries ",
+                      request.payload_bytes, " bytes; expected ", expected, " (",
+                      (*group)->shard_numel(), " ", DTypeName(request.dtype),
+                      " elements of this server's shard)")));
+  }
+  absl::StatusOr<ReceiveSlot> slot =
+      scatter ? (*group)->BeginScatter(request.version, request.worker_rank, request.dtype)
+              : (*group)->BeginPushInit(request.dtype);
+  if (!slot.ok()) return Refuse(conn, request, slot.status());
+  if (!conn.Recv(slot->buffer).ok()) {
+    // The peer died or stalled mid-transfer: nothing partial is kept.
+    scatter ? (*group)->AbortScatter(*slot) : (*group)->AbortPushInit(*slot);
+    ++stats_.errors;
+    return false;
+  }
+  stats_.bytes_received += request.payload_bytes;
+  const absl::Status committed =
+      scatter ? (*group)->CommitScatter(*slot) : (*group)->CommitPushInit(*slot);
+  if (scatter && committed.ok()) ++stats_.scatters;
+  if (!committed.ok()) ++stats_.errors;
+  return transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,82 @@
+// DataServer: the server side of the TCP data plane. Accepts connections, requires a
+// kHello with a valid session token first (within hello_timeout, or the connection is
+// closed), then serves gather, scatter and init requests (transport/data_protocol.h)
+// against the Registry, one thread per connection. Gradient bytes are received straight
+// into the group's staging slot and gather bytes are sent straight from the version's
+// snapshot. A refused request gets a precise status and the connection stays usable
+// when its stream is still in sync; garbage frames close it. Nothing a peer sends can
+// crash the server or stop it from serving others.
+//
+// Start/Stop from one thread; the rest is internal.
+//
+//   DataServer data(registry, sessions, stats, {});
+//   FLATSHARD_RETURN_IF_ERROR(data.Start("127.0.0.1", 7071));
+//   ...; data.Stop();
+#ifndef FLATSHARD_SERVER_DATA_SERVER_H_
+#define FLATSHARD_SERVER_DATA_SERVER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/auth.h"
+#include "server/registry.h"
+#include "server/stats.h"
+#include "transport/data_protocol.h"
+#include "transport/transport.h"
+
+namespace flatshard::server {
+
+struct DataServerOptions {
+  absl::Duration hello_timeout = absl::Seconds(5);  // connect -> valid hello
+  absl::Duration io_timeout = absl::Seconds(60);    // silence inside a request
+  absl::Duration idle_timeout = absl::Hours(24);    // silence between requests
+  int64_t max_drain_bytes = int64_t{256} << 20;     // larger refused payloads close the connection
+};
+
+class DataServer {
+ public:
+  DataServer(Registry& registry, const SessionTokens& sessions, ServerStats& stats,
+             DataServerOptions options);
+  ~DataServer();
+
+  // Binds host:port (0: any free port) and starts accepting. Unavailable if it cannot bind.
+  [[nodiscard]] absl::Status Start(const std::string& host, int port);
+  int port() const;
+  // Stops accepting, shuts every connection down (failing transfers in flight) and
+  // waits for all connection threads to finish. Idempotent.
+  void Stop();
+
+ private:
+  void AcceptLoop();
+  void ServeConnection(uint64_t id, std::unique_ptr<transport::Connection> conn);
+  // Returns false when the connection must be closed.
+  bool Authenticate(transport::Connection& conn);
+  bool ServeRequest(transport::Connection& conn, const transport::Request& request);
+  bool ServeGather(transport::Connection& conn, const transport::Request& request);
+  bool ServeReceive(transport::Connection& conn, const transport::Request& request);
+  // Refuses a request whose payload is still on the wire: drains it when small enough.
+  bool Refuse(transport::Connection& conn, const transport::Request& request,
+              const absl::Status& status);
+
+  Registry& registry_;
+  const SessionTokens& sessions_;
+  ServerStats& stats_;
+  const DataServerOptions options_;
+  std::unique_ptr<transport::Listener> listener_;
+  std::thread accept_thread_;
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, transport::Connection*> connections_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_DATA_SERVER_H_

@@ -1,0 +1,141 @@
+// Group: one flat parameter's shard on this server and the step engine around it
+// (DESIGN.md, "The training step", synchronous mode).
+//
+//  - version() = optimizer steps applied. Gathers wait (with a deadline) for a version.
+//  - Each of the job's W workers contributes its gradient slice for step == version()
+//    exactly once; duplicates, stale and future steps are refused with
+//    FailedPrecondition naming the expected step.
+//  - When all W are in, the server reduces them in fp32 in worker-rank order (bitwise
+//    reproducible), divides by W for a mean, runs the optimizer and publishes v + 1.
+//  - A contribution is received in two phases so the bytes land straight in its staging
+//    slot without holding the lock: BeginScatter reserves the slot, the caller fills
+//    it, then CommitScatter (or AbortScatter if the transfer failed: the worker may
+//    send again, nothing partial is ever applied).
+//
+// Thread-safe: every public method may be called from any thread.
+//
+//   auto slot = group.BeginScatter(step, worker, DType::kBFloat16);
+//   conn.Recv(slot->buffer);  group.CommitScatter(*slot);
+#ifndef FLATSHARD_SERVER_GROUP_H_
+#define FLATSHARD_SERVER_GROUP_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/layout.h"
+#include "server/job.h"
+#include "server/optimizer.h"
+
+namespace flatshard::server {
+
+// Immutable bytes of the shard at one version, in one dtype; shared by all gathers of
+// that version.
+struct GatherSnapshot {
+  int64_t version = 0;
+  std::shared_ptr<const std::vector<std::byte>> bytes;
+};
+
+// A reserved staging slot for one worker's contribution (scatter) or for pushed initial
+// values. `buffer` is owned by the Group and valid until Commit/Abort.
+struct ReceiveSlot {
+  int64_t step = 0;
+  int worker_rank = 0;
+  DType dtype = DType::kFloat32;
+  absl::Span<std::byte> buffer;
+};
+
+struct GroupStats {
+  int64_t version = 0;
+  int64_t bytes = 0;
+  int pending_contributions = 0;
+};
+
+class Group {
+ public:
+  // `layout` is the group's layout over the cluster; this server holds shard `rank`.
+  Group(std::string job, std::string name, FlatLayout layout, int rank, JobSettings job_settings,
+        OptimizerConfig optimizer);
+
+  const std::string& job() const { return job_; }
+  const std::string& name() const { return name_; }
+  const FlatLayout& layout() const { return layout_; }
+  int64_t shard_numel() const { return layout_.shard_numel(); }
+  std::string optimizer_name() const;
+
+  // True when `layout` and `optimizer` equal this group's (idempotent registration).
+  bool SameSpec(const FlatLayout& layout, const OptimizerConfig& optimizer) const;
+
+  int64_t version() const;
+  // Blocks until version() >= min_version or `deadline`; returns the version, or
+  // DeadlineExceeded naming both versions.
+  [[nodiscard]] absl::StatusOr<int64_t> WaitVersion(int64_t min_version, absl::Time deadline) const;
+
+  // Waits like WaitVersion, then returns the shard at the current version in `dtype`.
+  [[nodiscard]] absl::StatusOr<GatherSnapshot> Gather(int64_t min_version, DType dtype,
+                                                      absl::Time deadline);
+
+  // Reserves the slot for `worker_rank`'s gradient for `step`. FailedPrecondition for a
+  // stale, future or duplicate contribution (or one already being received),
+  // InvalidArgument for a worker rank outside [0, W) or a non-float dtype.
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype);
+  // Records the filled slot; the last contribution of a step runs the optimizer before
+  // returning. Returns the step's status.
+  [[nodiscard]] absl::Status CommitScatter(const ReceiveSlot& slot);
+  void AbortScatter(const ReceiveSlot& slot);
+
+  // Initial values: a slot for this server's shard (shard_numel elements of `dtype`).
+  // FailedPrecondition once the group has stepped (version > 0).
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginPushInit(DType dtype);
+  [[nodiscard]] absl::Status CommitPushInit(const ReceiveSlot& slot);
+  void AbortPushInit(const ReceiveSlot& slot);
+
+  // Deterministic initialization: element k of tensor t gets a value derived from
+  // (seed, t's name, k) only, uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)); the same on
+  // any number of servers. FailedPrecondition once the group has stepped.
+  [[nodiscard]] absl::Status InitFromSeed(uint64_t seed);
+
+  // New hyper-parameters from the next step on (same optimizer kind).
+  [[nodiscard]] absl::Status SetOptimizer(const OptimizerConfig& optimizer);
+
+  GroupStats stats() const;
+
+ private:
+  enum class SlotState { kEmpty, kReceiving, kReady };
+
+  absl::Status CheckContribution(int64_t step, int worker_rank) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ApplyStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishNewValues() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string job_;
+  const std::string name_;
+  const FlatLayout layout_;
+  const int rank_;
+  const JobSettings job_settings_;
+
+  mutable absl::Mutex mu_;
+  int64_t version_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<float> params_ ABSL_GUARDED_BY(mu_);  // fp32 master shard
+  std::vector<float> grad_ ABSL_GUARDED_BY(mu_);    // reduced gradient of the step
+  ShardOptimizer optimizer_ ABSL_GUARDED_BY(mu_);
+  std::vector<SlotState> slot_states_ ABSL_GUARDED_BY(mu_);
+  std::vector<DType> slot_dtypes_ ABSL_GUARDED_BY(mu_);
+  // One staging buffer per worker; a slot in kReceiving is written without the lock by
+  // the one connection that reserved it.
+  std::vector<std::vector<std::byte>> staging_;
+  int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
+  bool init_receiving_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::byte> init_staging_;
+  // Gather snapshots of the current version, per dtype (index = DType).
+  std::shared_ptr<const std::vector<std::byte>> snapshots_[3] ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_GROUP_H_

@@ -1,0 +1,89 @@
+// flatshard-server: one shard server of a cluster. See README.md, "Running servers".
+#include <signal.h>
+
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "core/command_line.h"
+#include "server/server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC control-plane address HOST:PORT");
+ABSL_FLAG(std::string, data_listen, "", "TCP data-plane address HOST:PORT (default: control port + 1)");
+ABSL_FLAG(int, rank, 0, "this server's rank: its index in --cluster");
+ABSL_FLAG(std::string, cluster, "",
+          "every server's control address in rank order, comma-separated; the same list on "
+          "every server and client (default: --listen alone)");
+ABSL_FLAG(std::string, memory, "host", "storage tier: host, pinned or device (GPU build)");
+ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's shared token (empty: no auth)");
+ABSL_FLAG(std::string, checkpoint_root, "", "directory that confines every checkpoint path");
+ABSL_FLAG(int, threads, 0, "gRPC server threads (0: gRPC's default)");
+ABSL_FLAG(std::string, log_level, "info", "info or debug");
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::cerr << "flatshard-server: " << message << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("flatshard-server --listen=HOST:PORT --rank=I --cluster=A0,A1,...");
+  const std::vector<std::string> positional =
+      flatshard::ParseCommandLineOrExit(argc, argv, "flatshard-server");
+  if (!positional.empty()) return Fail("unexpected argument '" + positional[0] + "'");
+  const std::string log_level = absl::GetFlag(FLAGS_log_level);
+  if (log_level != "info" && log_level != "debug") return Fail("--log_level must be info or debug");
+
+  flatshard::server::ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.data_listen = absl::GetFlag(FLAGS_data_listen);
+  options.rank = absl::GetFlag(FLAGS_rank);
+  const std::string cluster = absl::GetFlag(FLAGS_cluster);
+  options.cluster = cluster.empty() ? std::vector<std::string>{options.listen}
+                                    : absl::StrSplit(cluster, ',', absl::SkipEmpty());
+  options.memory = absl::GetFlag(FLAGS_memory);
+  options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    std::ifstream file(path);
+    if (!file) return Fail("cannot read --auth_token_file=" + path);
+    std::stringstream text;
+    text << file.rdbuf();
+    options.auth_token = std::string(absl::StripAsciiWhitespace(text.str()));
+    if (options.auth_token.empty()) return Fail("--auth_token_file=" + path + " is empty");
+  }
+  if (absl::Status valid = flatshard::server::ValidateServerOptions(options); !valid.ok()) {
+    return Fail(std::string(valid.message()));
+  }
+
+  // Block the stop signals in every thread; the main thread waits for them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  flatshard::server::Server server(options);
+  if (absl::Status started = server.Start(); !started.ok()) {
+    std::cerr << "flatshard-server: " << started.message() << "\n";
+    return 1;
+  }
+  std::cerr << "flatshard-server rank " << options.rank << "/" << options.cluster.size()
+            << ": control " << options.listen << " (gRPC), data port " << server.data_port()
+            << " (TCP), memory " << options.memory
+            << (options.auth_token.empty() ? ", no auth" : ", token auth") << std::endl;
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  std::cerr << "flatshard-server rank " << options.rank << ": " << strsignal(signal_number)
+            << ", shutting down" << std::endl;
+  server.Shutdown();
+  return 0;
+}

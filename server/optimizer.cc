@@ -1,0 +1,108 @@
+#include "server/optimizer.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace flatshard::server {
+
+using kernels::cpu::AdamHyperparams;
+using kernels::cpu::SgdHyperparams;
+
+std::string OptimizerName(const OptimizerConfig& config) {
+  if (const auto* adam = std::get_if<AdamHyperparams>(&config)) {
+    return adam->decoupled_weight_decay ? "adamw" : "adam";
+  }
+  return "sgd";
+}
+
+bool SameOptimizer(const OptimizerConfig& a, const OptimizerConfig& b) {
+  if (a.index() != b.index()) return false;
+  if (const auto* x = std::get_if<SgdHyperparams>(&a)) {
+    const auto& y = std::get<SgdHyperparams>(b);
+    return x->lr == y.lr && x->momentum == y.momentum && x->dampening == y.dampening &&
+           x->weight_decay == y.weight_decay && x->nesterov == y.nesterov;
+  }
+  const auto& x = std::get<AdamHyperparams>(a);
+  const auto& y = std::get<AdamHyperparams>(b);
+  return x.lr == y.lr && x.beta1 == y.beta1 && x.beta2 == y.beta2 && x.eps == y.eps &&
+         x.weight_decay == y.weight_decay && x.amsgrad == y.amsgrad &&
+         x.decoupled_weight_decay == y.decoupled_weight_decay;
+}
+
+absl::Status ValidateOptimizer(const OptimizerConfig& config) {
+  if (const auto* sgd = std::get_if<SgdHyperparams>(&config)) {
+    if (!(sgd->lr >= 0)) return absl::InvalidArgumentError(absl::StrCat("sgd.lr: ", sgd->lr, " < 0"));
+    if (!(sgd->momentum >= 0)) return absl::InvalidArgumentError("sgd.momentum: must be >= 0");
+    if (!(sgd->weight_decay >= 0)) return absl::InvalidArgumentError("sgd.weight_decay: must be >= 0");
+    if (sgd->nesterov && (sgd->momentum <= 0 || sgd->dampening != 0)) {
+      return absl::InvalidArgumentError("sgd.nesterov: requires momentum > 0 and dampening = 0");
+    }
+    return absl::OkStatus();
+  }
+  const auto& adam = std::get<AdamHyperparams>(config);
+  if (!(adam.lr >= 0)) return absl::InvalidArgumentError(absl::StrCat("adam.lr: ", adam.lr, " < 0"));
+  if (!(adam.beta1 >= 0 && adam.beta1 < 1)) return absl::InvalidArgumentError("adam.beta1: must be in [0, 1)");
+  if (!(adam.beta2 >= 0 && adam.beta2 < 1)) return absl::InvalidArgumentError("adam.beta2: must be in [0, 1)");
+  if (!(adam.eps > 0)) return absl::InvalidArgumentError("adam.eps: must be > 0");
+  if (!(adam.weight_decay >= 0)) return absl::InvalidArgumentError("adam.weight_decay: must be >= 0");
+  return absl::OkStatus();
+}
+
+ShardOptimizer::ShardOptimizer(OptimizerConfig config, int64_t shard_numel)
+    : config_(std::move(config)) {
+  const size_t n = static_cast<size_t>(shard_numel);
+  if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
+    exp_avg_.assign(n, 0.0f);
+    exp_avg_sq_.assign(n, 0.0f);
+    if (adam->amsgrad) max_exp_avg_sq_.assign(n, 0.0f);
+  } else if (std::get<SgdHyperparams>(config_).momentum != 0.0f) {
+    exp_avg_.assign(n, 0.0f);
+  }
+}
+
+void ShardOptimizer::Step(absl::Span<float> params, absl::Span<const float> grad) {
+  ++steps_;
+  if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
+    kernels::cpu::AdamStep(*adam, steps_, params, grad, absl::MakeSpan(exp_avg_),
+                           absl::MakeSpan(exp_avg_sq_), absl::MakeSpan(max_exp_avg_sq_));
+    return;
+  }
+  const auto& sgd = std::get<SgdHyperparams>(config_);
+  if (sgd.momentum != 0.0f && exp_avg_.size() != params.size()) {
+    exp_avg_.assign(params.size(), 0.0f);  // momentum turned on by SetConfig
+  }
+  // torch initializes the momentum buffer on the first step that uses momentum.
+  const bool first_momentum_step = !momentum_initialized_;
+  kernels::cpu::SgdStep(sgd, first_momentum_step, params, grad, absl::MakeSpan(exp_avg_));
+  if (sgd.momentum != 0.0f) momentum_initialized_ = true;
+}
+
+absl::Status ShardOptimizer::SetConfig(const OptimizerConfig& config) {
+  if (config.index() != config_.index()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "optimizer is ", OptimizerName(config_), "; cannot switch to ", OptimizerName(config)));
+  }
+  if (const auto* adam = std::get_if<AdamHyperparams>(&config)) {
+    if (adam->amsgrad && max_exp_avg_sq_.size() != exp_avg_.size()) {
+      max_exp_avg_sq_.assign(exp_avg_.size(), 0.0f);
+    }
+  }
+  config_ = config;
+  return absl::OkStatus();
+}
+
+void ShardOptimizer::Reset() {
+  steps_ = 0;
+  momentum_initialized_ = false;
+  std::fill(exp_avg_.begin(), exp_avg_.end(), 0.0f);
+  std::fill(exp_avg_sq_.begin(), exp_avg_sq_.end(), 0.0f);
+  std::fill(max_exp_avg_sq_.begin(), max_exp_avg_sq_.end(), 0.0f);
+}
+
+int64_t ShardOptimizer::state_bytes() const {
+  return static_cast<int64_t>((exp_avg_.size() + exp_avg_sq_.size() + max_exp_avg_sq_.size()) *
+                              sizeof(float));
+}
+
+}  // namespace flatshard::server

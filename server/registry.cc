@@ -1,0 +1,79 @@
+#include "server/registry.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace flatshard::server {
+
+absl::Status Registry::ConfigureJob(const std::string& job, const JobSettings& settings) {
+  if (job.empty()) return absl::InvalidArgumentError("job: empty name");
+  if (settings.num_workers < 1 || settings.num_workers > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_workers: ", settings.num_workers, ", must be in [1, 65536]"));
+  }
+  if (settings.max_grad_norm < 0 || std::isnan(settings.max_grad_norm)) {
+    return absl::InvalidArgumentError("max_grad_norm: must be >= 0 (0: no clipping)");
+  }
+  if (settings.max_grad_norm > 0) {
+    return absl::UnimplementedError(
+        "gradient clipping (max_grad_norm > 0) is not implemented yet; configure the job "
+        "without it");
+  }
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = jobs_.emplace(job, settings);
+  if (!inserted && !(it->second == settings)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job, "' is already configured differently (num_workers ", it->second.num_workers,
+        ", reduce ", it->second.reduce_mean ? "mean" : "sum", "); every worker must send the same settings"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Registry::Registration> Registry::RegisterGroup(const std::string& job,
+                                                               const std::string& name,
+                                                               std::vector<TensorSpec> tensors,
+                                                               int64_t align,
+                                                               const OptimizerConfig& optimizer) {
+  if (name.empty()) return absl::InvalidArgumentError("group: empty name");
+  FLATSHARD_RETURN_IF_ERROR(ValidateOptimizer(optimizer));
+  FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
+                             FlatLayout::Create(std::move(tensors), align, num_servers_));
+  absl::MutexLock lock(&mu_);
+  const auto job_it = jobs_.find(job);
+  if (job_it == jobs_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job, "' is not configured; call ConfigureJob first"));
+  }
+  auto& slot = groups_[{job, name}];
+  if (slot != nullptr) {
+    if (!slot->SameSpec(layout, optimizer)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "group '", name, "' in job '", job,
+          "' is already registered with a different spec (tensors, align or optimizer)"));
+    }
+    return Registration{slot, false};
+  }
+  slot = std::make_shared<Group>(job, name, std::move(layout), rank_, job_it->second, optimizer);
+  return Registration{slot, true};
+}
+
+absl::StatusOr<std::shared_ptr<Group>> Registry::FindGroup(const std::string& job,
+                                                           const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = groups_.find({job, name});
+  if (it == groups_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown group '", name, "' in job '", job, "'"));
+  }
+  return it->second;
+}
+
+std::vector<std::shared_ptr<Group>> Registry::groups() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Group>> result;
+  for (const auto& [key, group] : groups_) result.push_back(group);
+  return result;
+}
+
+}  // namespace flatshard::server

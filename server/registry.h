@@ -1,0 +1,62 @@
+// Registry: the jobs and groups this server holds. Registration is idempotent: the same
+// spec returns the same group, a different spec under the same name is refused.
+// Thread-safe. Groups are shared_ptr so requests in flight keep them alive.
+//
+//   FLATSHARD_RETURN_IF_ERROR(registry.ConfigureJob("default", {.num_workers = 2}));
+//   FLATSHARD_ASSIGN_OR_RETURN(auto group, registry.FindGroup("default", "mlp.0"));
+#ifndef FLATSHARD_SERVER_REGISTRY_H_
+#define FLATSHARD_SERVER_REGISTRY_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/group.h"
+#include "server/job.h"
+
+namespace flatshard::server {
+
+class Registry {
+ public:
+  // This server is shard `rank` of `num_servers`.
+  Registry(int rank, int num_servers) : rank_(rank), num_servers_(num_servers) {}
+
+  // Creates job `job` or checks that it exists with the same settings
+  // (FailedPrecondition naming the difference otherwise). InvalidArgument for W < 1 or
+  // a norm type other than 2 or inf; Unimplemented for gradient clipping (not yet).
+  [[nodiscard]] absl::Status ConfigureJob(const std::string& job, const JobSettings& settings);
+
+  struct Registration {
+    std::shared_ptr<Group> group;
+    bool created = false;
+  };
+  // FailedPrecondition if the job is not configured; AlreadyExists if `name` is taken by
+  // a different spec; layout and optimizer validation errors as InvalidArgument.
+  [[nodiscard]] absl::StatusOr<Registration> RegisterGroup(const std::string& job,
+                                                           const std::string& name,
+                                                           std::vector<TensorSpec> tensors,
+                                                           int64_t align,
+                                                           const OptimizerConfig& optimizer);
+
+  // NotFound naming the group and job.
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<Group>> FindGroup(const std::string& job,
+                                                                 const std::string& name) const;
+
+  std::vector<std::shared_ptr<Group>> groups() const;
+  int rank() const { return rank_; }
+
+ private:
+  const int rank_;
+  const int num_servers_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, JobSettings> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, std::shared_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_REGISTRY_H_

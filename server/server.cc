@@ -1,0 +1,104 @@
+#include "server/server.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace flatshard::server {
+
+absl::Status ValidateServerOptions(const ServerOptions& options) {
+  std::string host;
+  int port = 0;
+  FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.listen, host, port));
+  if (options.cluster.empty()) return absl::InvalidArgumentError("--cluster: empty");
+  if (options.rank < 0 || options.rank >= static_cast<int>(options.cluster.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("--rank=", options.rank, " is outside the ",
+                                                   options.cluster.size(), " servers of --cluster"));
+  }
+  std::set<std::string> seen;
+  for (const std::string& address : options.cluster) {
+    FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(address, host, port));
+    if (!seen.insert(address).second) {
+      return absl::InvalidArgumentError(absl::StrCat("--cluster lists ", address, " twice"));
+    }
+  }
+  if (options.cluster[options.rank] != options.listen) {
+    return absl::InvalidArgumentError(absl::StrCat("--listen=", options.listen, " but --cluster[",
+                                                   options.rank, "] is ",
+                                                   options.cluster[options.rank]));
+  }
+  if (options.memory == "pinned" || options.memory == "device") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--memory=", options.memory,
+        " needs the GPU storage tier, which this build does not have yet; use --memory=host"));
+  }
+  if (options.memory != "host") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--memory=", options.memory, ": expected host, pinned or device"));
+  }
+  if (!options.data_listen.empty()) {
+    FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
+  }
+  return absl::OkStatus();
+}
+
+Server::Server(ServerOptions options)
+    : options_(std::move(options)),
+      registry_(options_.rank, static_cast<int>(options_.cluster.size())) {}
+
+Server::~Server() { Shutdown(); }
+
+absl::Status Server::Start() {
+  FLATSHARD_RETURN_IF_ERROR(ValidateServerOptions(options_));
+  std::string host;
+  int port = 0;
+  FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options_.listen, host, port));
+  std::string data_host = host;
+  int data_port = port + 1;
+  if (!options_.data_listen.empty()) {
+    FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options_.data_listen, data_host, data_port));
+  } else if (port == 0) {
+    data_port = 0;
+  }
+  data_ = std::make_unique<DataServer>(registry_, sessions_, stats_, options_.data);
+  FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
+
+  ServiceIdentity identity{.rank = options_.rank,
+                           .cluster = options_.cluster,
+                           .control_address = options_.listen,
+                           .data_address = absl::StrCat(data_host, ":", data_->port()),
+                           .memory = options_.memory,
+                           .auth_token = options_.auth_token};
+  service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, sessions_, stats_);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &control_port_);
+  builder.RegisterService(service_.get());
+  builder.SetMaxReceiveMessageSize(16 << 20);
+  if (options_.threads > 0) {
+    builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
+                                options_.threads);
+  }
+  grpc_server_ = builder.BuildAndStart();
+  if (grpc_server_ == nullptr || control_port_ == 0) {
+    data_->Stop();
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen,
+                                               " (address in use or not local)"));
+  }
+  return absl::OkStatus();
+}
+
+void Server::Shutdown() {
+  if (grpc_server_) {
+    // In-flight RPCs (e.g. WaitVersion) get a short grace period, then are cancelled.
+    grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    grpc_server_->Wait();
+    grpc_server_.reset();
+  }
+  if (data_) data_->Stop();
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,69 @@
+// Server: one flatshard-server, assembled from its parts (registry of groups, gRPC
+// control plane, TCP data plane). Start() binds both planes or fails with the reason;
+// Shutdown() stops accepting, cancels in-flight requests and joins every thread.
+// Start/Shutdown from one thread.
+//
+//   Server server(options);
+//   FLATSHARD_RETURN_IF_ERROR(server.Start());
+//   ... server.Shutdown();
+#ifndef FLATSHARD_SERVER_SERVER_H_
+#define FLATSHARD_SERVER_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/auth.h"
+#include "server/data_server.h"
+#include "server/registry.h"
+#include "server/service.h"
+#include "server/stats.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace flatshard::server {
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1:7070";  // gRPC control plane
+  std::string data_listen;                // default: control port + 1
+  int rank = 0;
+  std::vector<std::string> cluster;       // every server's control address, rank order
+  std::string memory = "host";
+  std::string auth_token;                 // empty: no authentication
+  std::string checkpoint_root;
+  int threads = 0;                        // gRPC sync-server threads (0: gRPC's default)
+  DataServerOptions data;
+};
+
+// InvalidArgument naming the flag for: a rank outside the cluster, a duplicate address,
+// --listen not equal to cluster[rank], a memory tier other than host (this build has no
+// pinned or device storage yet).
+[[nodiscard]] absl::Status ValidateServerOptions(const ServerOptions& options);
+
+class Server {
+ public:
+  explicit Server(ServerOptions options);
+  ~Server();
+
+  [[nodiscard]] absl::Status Start();
+  void Shutdown();
+  int control_port() const { return control_port_; }
+  int data_port() const { return data_ ? data_->port() : 0; }
+
+ private:
+  ServerOptions options_;
+  Registry registry_;
+  SessionTokens sessions_;
+  ServerStats stats_;
+  std::unique_ptr<DataServer> data_;
+  std::unique_ptr<FlatshardService> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  int control_port_ = 0;
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_SERVER_H_

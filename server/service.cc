@@ -1,0 +1,189 @@
+#include "server/service.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "proto/convert.h"
+
+namespace flatshard::server {
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
+  const auto deadline = ctx->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+}  // namespace
+
+absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& proto) {
+  switch (proto.kind_case()) {
+    case v1::OptimizerSettings::kSgd: {
+      const v1::SgdSettings& sgd = proto.sgd();
+      return OptimizerConfig(kernels::cpu::SgdHyperparams{
+          .lr = static_cast<float>(sgd.lr()),
+          .momentum = static_cast<float>(sgd.momentum()),
+          .dampening = static_cast<float>(sgd.dampening()),
+          .weight_decay = static_cast<float>(sgd.weight_decay()),
+          .nesterov = sgd.nesterov()});
+    }
+    case v1::OptimizerSettings::kAdam: {
+      const v1::AdamSettings& adam = proto.adam();
+      return OptimizerConfig(kernels::cpu::AdamHyperparams{
+          .lr = static_cast<float>(adam.lr()),
+          .beta1 = static_cast<float>(adam.beta1()),
+          .beta2 = static_cast<float>(adam.beta2()),
+          .eps = static_cast<float>(adam.eps()),
+          .weight_decay = static_cast<float>(adam.weight_decay()),
+          .amsgrad = adam.amsgrad(),
+          .decoupled_weight_decay = adam.decoupled_weight_decay()});
+    }
+    default:
+      return absl::InvalidArgumentError("optimizer: none set (sgd or adam)");
+  }
+}
+
+FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
+                                   SessionTokens& sessions, const ServerStats& stats)
+    : identity_(std::move(identity)), registry_(registry), sessions_(sessions), stats_(stats) {}
+
+grpc::Status FlatshardService::Authenticate(const grpc::ServerContext* ctx) const {
+  if (identity_.auth_token.empty()) return grpc::Status::OK;
+  const auto& metadata = ctx->client_metadata();
+  const auto it = metadata.find("authorization");
+  if (it == metadata.end()) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing authorization token");
+  }
+  const absl::string_view presented(it->second.data(), it->second.size());
+  if (!ConstantTimeEquals(presented, absl::StrCat("Bearer ", identity_.auth_token))) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "wrong authorization token");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::GetClusterInfo(grpc::ServerContext* ctx,
+                                              const v1::GetClusterInfoRequest*,
+                                              v1::ClusterInfo* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  response->set_rank(identity_.rank);
+  for (const std::string& address : identity_.cluster) response->add_cluster(address);
+  response->set_data_address(identity_.data_address);
+  response->set_memory(identity_.memory);
+  response->set_version("0.1.0");
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::OpenSession(grpc::ServerContext* ctx, const v1::OpenSessionRequest*,
+                                           v1::OpenSessionResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  response->set_session_token(sessions_.Issue());
+  response->set_data_address(identity_.data_address);
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::ConfigureJob(grpc::ServerContext* ctx,
+                                            const v1::ConfigureJobRequest* request,
+                                            v1::ConfigureJobResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  const v1::JobSettings& proto = request->settings();
+  if (proto.mode() == v1::JobSettings::ASYNC) {
+    return ToGrpc(absl::UnimplementedError("asynchronous mode is not implemented yet; use sync"));
+  }
+  const double norm_type = proto.norm_type() == 0 ? 2.0 : proto.norm_type();
+  if (norm_type != 2.0 && !std::isinf(norm_type)) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat("norm_type: ", norm_type, "; supported: 2 and inf")));
+  }
+  const JobSettings settings{.num_workers = proto.num_workers(),
+                             .reduce_mean = proto.reduce() == v1::JobSettings::MEAN,
+                             .max_grad_norm = proto.max_grad_norm(),
+                             .norm_type = norm_type};
+  return ToGrpc(registry_.ConfigureJob(request->job(), settings));
+}
+
+grpc::Status FlatshardService::RegisterGroup(grpc::ServerContext* ctx,
+                                             const v1::RegisterGroupRequest* request,
+                                             v1::RegisterGroupResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<std::vector<TensorSpec>> tensors = FromProto(request->tensors());
+  if (!tensors.ok()) return ToGrpc(tensors.status());
+  absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(request->optimizer());
+  if (!optimizer.ok()) return ToGrpc(optimizer.status());
+  absl::StatusOr<Registry::Registration> registration = registry_.RegisterGroup(
+      request->job(), request->group(), std::move(*tensors), request->align(), *optimizer);
+  if (!registration.ok()) return ToGrpc(registration.status());
+  const Group& group = *registration->group;
+  response->set_unpadded_numel(group.layout().unpadded_numel());
+  response->set_shard_numel(group.shard_numel());
+  response->set_version(group.version());
+  response->set_created(registration->created);
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::InitGroup(grpc::ServerContext* ctx,
+                                         const v1::InitGroupRequest* request,
+                                         v1::InitGroupResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
+  if (!group.ok()) return ToGrpc(group.status());
+  return ToGrpc((*group)->InitFromSeed(request->seed()));
+}
+
+grpc::Status FlatshardService::SetHyperparams(grpc::ServerContext* ctx,
+                                              const v1::SetHyperparamsRequest* request,
+                                              v1::SetHyperparamsResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
+  if (!group.ok()) return ToGrpc(group.status());
+  absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(request->optimizer());
+  if (!optimizer.ok()) return ToGrpc(optimizer.status());
+  return ToGrpc((*group)->SetOptimizer(*optimizer));
+}
+
+grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
+                                           const v1::WaitVersionRequest* request,
+                                           v1::WaitVersionResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
+  if (!group.ok()) return ToGrpc(group.status());
+  absl::StatusOr<int64_t> version = (*group)->WaitVersion(request->min_version(), DeadlineOf(ctx));
+  if (!version.ok()) return ToGrpc(version.status());
+  response->set_version(*version);
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
+                                         v1::ServerStatus* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  response->set_rank(identity_.rank);
+  response->set_control_address(identity_.control_address);
+  response->set_data_address(identity_.data_address);
+  response->set_memory(identity_.memory);
+  for (const auto& group : registry_.groups()) {
+    const GroupStats stats = group->stats();
+    v1::GroupStatus* proto = response->add_groups();
+    proto->set_job(group->job());
+    proto->set_group(group->name());
+    proto->set_version(stats.version);
+    proto->set_unpadded_numel(group->layout().unpadded_numel());
+    proto->set_shard_numel(group->shard_numel());
+    proto->set_bytes(stats.bytes);
+    proto->set_optimizer(group->optimizer_name());
+    proto->set_pending_contributions(stats.pending_contributions);
+  }
+  response->set_bytes_received(stats_.bytes_received.load());
+  response->set_bytes_sent(stats_.bytes_sent.load());
+  response->set_gathers(stats_.gathers.load());
+  response->set_scatters(stats_.scatters.load());
+  response->set_errors(stats_.errors.load());
+  response->set_open_data_connections(stats_.open_data_connections.load());
+  response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  return grpc::Status::OK;
+}
+
+}  // namespace flatshard::server

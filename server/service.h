@@ -1,0 +1,65 @@
+// FlatshardService: the gRPC control plane of one server, a thin layer that checks the
+// token, converts protobufs to domain types and calls the Registry and Groups. Uses
+// gRPC's synchronous API on purpose: WaitVersion blocks until a version exists, and the
+// sync server's thread pool is the right home for that. Thread-safe.
+#ifndef FLATSHARD_SERVER_SERVICE_H_
+#define FLATSHARD_SERVER_SERVICE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "proto/flatshard.grpc.pb.h"
+#include "server/auth.h"
+#include "server/registry.h"
+#include "server/stats.h"
+
+namespace flatshard::server {
+
+struct ServiceIdentity {
+  int rank = 0;
+  std::vector<std::string> cluster;
+  std::string control_address;
+  std::string data_address;
+  std::string memory = "host";
+  std::string auth_token;  // empty: no authentication
+};
+
+class FlatshardService final : public v1::Flatshard::Service {
+ public:
+  FlatshardService(ServiceIdentity identity, Registry& registry, SessionTokens& sessions,
+                   const ServerStats& stats);
+
+  grpc::Status GetClusterInfo(grpc::ServerContext* ctx, const v1::GetClusterInfoRequest* request,
+                              v1::ClusterInfo* response) override;
+  grpc::Status OpenSession(grpc::ServerContext* ctx, const v1::OpenSessionRequest* request,
+                           v1::OpenSessionResponse* response) override;
+  grpc::Status ConfigureJob(grpc::ServerContext* ctx, const v1::ConfigureJobRequest* request,
+                            v1::ConfigureJobResponse* response) override;
+  grpc::Status RegisterGroup(grpc::ServerContext* ctx, const v1::RegisterGroupRequest* request,
+                             v1::RegisterGroupResponse* response) override;
+  grpc::Status InitGroup(grpc::ServerContext* ctx, const v1::InitGroupRequest* request,
+                         v1::InitGroupResponse* response) override;
+  grpc::Status SetHyperparams(grpc::ServerContext* ctx, const v1::SetHyperparamsRequest* request,
+                              v1::SetHyperparamsResponse* response) override;
+  grpc::Status WaitVersion(grpc::ServerContext* ctx, const v1::WaitVersionRequest* request,
+                           v1::WaitVersionResponse* response) override;
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* request,
+                         v1::ServerStatus* response) override;
+
+ private:
+  grpc::Status Authenticate(const grpc::ServerContext* ctx) const;
+
+  const ServiceIdentity identity_;
+  Registry& registry_;
+  SessionTokens& sessions_;
+  const ServerStats& stats_;
+  const absl::Time started_ = absl::Now();
+};
+
+// Reads an OptimizerSettings proto; InvalidArgument when none is set.
+[[nodiscard]] absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& proto);
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_SERVICE_H_

@@ -1,0 +1,22 @@
+// Traffic counters of one server, updated lock-free by the data plane and read by the
+// status RPC. Thread-safe.
+#ifndef FLATSHARD_SERVER_STATS_H_
+#define FLATSHARD_SERVER_STATS_H_
+
+#include <atomic>
+#include <cstdint>
+
+namespace flatshard::server {
+
+struct ServerStats {
+  std::atomic<int64_t> bytes_received{0};
+  std::atomic<int64_t> bytes_sent{0};
+  std::atomic<int64_t> gathers{0};
+  std::atomic<int64_t> scatters{0};
+  std::atomic<int64_t> errors{0};
+  std::atomic<int32_t> open_data_connections{0};
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_STATS_H_

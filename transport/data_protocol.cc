@@ -1,0 +1,116 @@
+#include "transport/data_protocol.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace flatshard::transport {
+namespace {
+
+template <typename T>
+absl::Span<std::byte> BytesOf(T& value) {
+  return absl::MakeSpan(reinterpret_cast<std::byte*>(&value), sizeof(T));
+}
+
+absl::Span<const std::byte> BytesOf(absl::string_view text) {
+  return absl::MakeConstSpan(reinterpret_cast<const std::byte*>(text.data()), text.size());
+}
+
+absl::Status RecvString(Connection& conn, size_t bytes, std::string& out) {
+  out.resize(bytes);
+  return conn.Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(out.data()), bytes));
+}
+
+}  // namespace
+
+absl::Status SendRequest(Connection& conn, RequestHeader header, absl::string_view job,
+                         absl::string_view group, absl::Span<const std::byte> payload) {
+  if (job.size() > kMaxNameBytes || group.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job and group names are limited to ", kMaxNameBytes, " bytes"));
+  }
+  header.magic = kRequestMagic;
+  header.job_bytes = static_cast<uint16_t>(job.size());
+  header.group_bytes = static_cast<uint16_t>(group.size());
+  header.payload_bytes = static_cast<int64_t>(payload.size());
+  return conn.Send({BytesOf(header), BytesOf(job), BytesOf(group), payload});
+}
+
+absl::StatusOr<Request> RecvRequest(Connection& conn) {
+  RequestHeader header;
+  FLATSHARD_RETURN_IF_ERROR(conn.Recv(BytesOf(header)));
+  if (header.magic != kRequestMagic) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad frame: magic 0x", absl::Hex(header.magic), " is not a flatshard request"));
+  }
+  if (header.op < static_cast<uint8_t>(DataOp::kHello) ||
+      header.op > static_cast<uint8_t>(DataOp::kPushInit)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad frame: unknown op ", header.op));
+  }
+  if (header.dtype > static_cast<uint8_t>(DType::kFloat16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad frame: dtype ", header.dtype, " is not float32, bfloat16 or float16"));
+  }
+  if (header.job_bytes > kMaxNameBytes || header.group_bytes > kMaxNameBytes) {
+    return absl::InvalidArgumentError("bad frame: job or group name too long");
+  }
+  if (header.payload_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad frame: payload of ", header.payload_bytes, " bytes"));
+  }
+  Request request;
+  request.op = static_cast<DataOp>(header.op);
+  request.dtype = static_cast<DType>(header.dtype);
+  request.worker_rank = header.worker_rank;
+  request.version = header.version;
+  request.payload_bytes = header.payload_bytes;
+  request.timeout_ms = header.timeout_ms;
+  FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.job_bytes, request.job));
+  FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.group_bytes, request.group));
+  return request;
+}
+
+absl::Status SendResponse(Connection& conn, const absl::Status& status, int64_t version,
+                          absl::Span<const std::byte> payload) {
+  ResponseHeader header;
+  header.code = static_cast<int32_t>(status.code());
+  header.version = version;
+  const absl::string_view message = status.message().substr(0, kMaxMessageBytes);
+  header.message_bytes = static_cast<uint32_t>(message.size());
+  if (!status.ok()) payload = {};
+  header.payload_bytes = static_cast<int64_t>(payload.size());
+  return conn.Send({BytesOf(header), BytesOf(message), payload});
+}
+
+absl::StatusOr<int64_t> RecvResponse(Connection& conn, absl::Span<std::byte> payload_dest) {
+  ResponseHeader header;
+  FLATSHARD_RETURN_IF_ERROR(conn.Recv(BytesOf(header)));
+  if (header.magic != kResponseMagic || header.message_bytes > kMaxMessageBytes ||
+      header.code < 0 || header.code > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
+    return absl::DataLossError(absl::StrCat("malformed response from ", conn.peer()));
+  }
+  std::string message;
+  FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.message_bytes, message));
+  if (header.code != 0) return absl::Status(static_cast<absl::StatusCode>(header.code), message);
+  if (header.payload_bytes != 0 &&
+      header.payload_bytes != static_cast<int64_t>(payload_dest.size())) {
+    return absl::DataLossError(absl::StrCat(conn.peer(), " sent ", header.payload_bytes,
+                                            " bytes, expected ", payload_dest.size()));
+  }
+  if (header.payload_bytes != 0) FLATSHARD_RETURN_IF_ERROR(conn.Recv(payload_dest));
+  return header.version;
+}
+
+absl::Status DrainPayload(Connection& conn, int64_t bytes) {
+  std::vector<std::byte> scratch(std::min<int64_t>(bytes, 1 << 20));
+  while (bytes > 0) {
+    const int64_t chunk = std::min<int64_t>(bytes, static_cast<int64_t>(scratch.size()));
+    FLATSHARD_RETURN_IF_ERROR(conn.Recv(absl::MakeSpan(scratch.data(), chunk)));
+    bytes -= chunk;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace flatshard::transport

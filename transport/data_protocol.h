@@ -1,0 +1,104 @@
+// The data-plane wire protocol, shared by the client and the server. Strictly
+// request/response on one Connection:
+//
+//   worker -> server  Request:  RequestHeader | job | group | payload
+//   server -> worker  Response: ResponseHeader | message | payload
+//
+// The first request on a connection must be kHello with the session token (issued by
+// the authenticated OpenSession RPC) as its payload; the server closes connections that
+// do not start that way. Headers are fixed-size little-endian structs; every length is
+// bounded before anything is allocated. Pure functions; thread-safe on distinct
+// connections.
+//
+//   FLATSHARD_RETURN_IF_ERROR(SendRequest(conn, header, "default", "mlp.0", grad_bytes));
+//   FLATSHARD_ASSIGN_OR_RETURN(int64_t version, RecvResponse(conn, absl::MakeSpan(dest)));
+#ifndef FLATSHARD_TRANSPORT_DATA_PROTOCOL_H_
+#define FLATSHARD_TRANSPORT_DATA_PROTOCOL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/dtype.h"
+#include "transport/transport.h"
+
+namespace flatshard::transport {
+
+enum class DataOp : uint8_t {
+  kHello = 1,     // payload: session token
+  kGather = 2,    // version = min_version; response payload: the shard in `dtype`
+  kScatter = 3,   // version = step; payload: this server's gradient slice in `dtype`
+  kPushInit = 4,  // payload: this server's shard of initial values in `dtype`
+};
+
+inline constexpr uint32_t kRequestMagic = 0x31445346;   // "FSD1"
+inline constexpr uint32_t kResponseMagic = 0x31525346;  // "FSR1"
+inline constexpr uint32_t kMaxNameBytes = 1024;
+inline constexpr uint32_t kMaxMessageBytes = 4096;
+inline constexpr uint32_t kMaxTokenBytes = 256;
+
+#pragma pack(push, 1)
+struct RequestHeader {
+  uint32_t magic = kRequestMagic;
+  uint8_t op = 0;
+  uint8_t dtype = 0;  // flatshard::DType
+  uint16_t job_bytes = 0;
+  uint16_t group_bytes = 0;
+  uint16_t reserved = 0;
+  int32_t worker_rank = 0;
+  int64_t version = 0;
+  int64_t payload_bytes = 0;
+  int64_t timeout_ms = 0;  // how long the server may wait (gather's min_version)
+};
+struct ResponseHeader {
+  uint32_t magic = kResponseMagic;
+  int32_t code = 0;  // absl::StatusCode
+  int64_t version = 0;
+  int64_t payload_bytes = 0;
+  uint32_t message_bytes = 0;
+  uint32_t reserved = 0;
+};
+#pragma pack(pop)
+static_assert(sizeof(RequestHeader) == 40);
+static_assert(sizeof(ResponseHeader) == 32);
+
+// A request whose header and names have been read and checked; the payload (if any) is
+// still on the connection.
+struct Request {
+  DataOp op = DataOp::kHello;
+  DType dtype = DType::kFloat32;
+  int32_t worker_rank = 0;
+  int64_t version = 0;
+  int64_t payload_bytes = 0;
+  int64_t timeout_ms = 0;
+  std::string job;
+  std::string group;
+};
+
+// Sends header + names + payload (header.payload_bytes is set from `payload`).
+[[nodiscard]] absl::Status SendRequest(Connection& conn, RequestHeader header,
+                                       absl::string_view job, absl::string_view group,
+                                       absl::Span<const std::byte> payload);
+
+// Reads and validates a request header and its names. InvalidArgument for a bad magic,
+// op, dtype or length (the caller should then close the connection: the stream can no
+// longer be trusted); transport errors as Connection::Recv returns them.
+[[nodiscard]] absl::StatusOr<Request> RecvRequest(Connection& conn);
+
+// Sends `status` (its code and message), `version` and, when OK, `payload`.
+[[nodiscard]] absl::Status SendResponse(Connection& conn, const absl::Status& status,
+                                        int64_t version, absl::Span<const std::byte> payload);
+
+// Reads a response. On an OK response with a payload, the payload must be exactly
+// `payload_dest.size()` bytes and is received straight into it (DataLoss otherwise).
+// Returns the server's version, or the status it sent.
+[[nodiscard]] absl::StatusOr<int64_t> RecvResponse(Connection& conn,
+                                                   absl::Span<std::byte> payload_dest);
+
+// Reads and throws away `bytes` bytes (a refused request's payload), in bounded chunks.
+[[nodiscard]] absl::Status DrainPayload(Connection& conn, int64_t bytes);
+
+}  // namespace flatshard::transport
+
+#endif  // FLATSHARD_TRANSPORT_DATA_PROTOCOL_H_

@@ -1,0 +1,230 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace flatshard::transport {
+namespace {
+
+constexpr int kSocketBufferBytes = 4 << 20;
+
+absl::Status ErrnoStatus(absl::string_view what, int err) {
+  if (err == EAGAIN || err == EWOULDBLOCK || err == ETIMEDOUT) {
+    return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
+  }
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(err)));
+}
+
+absl::StatusOr<sockaddr_in> ResolveIpv4(absl::string_view host, int port) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("port ", port, " out of range"));
+  }
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const std::string name = host == "localhost" ? "127.0.0.1" : std::string(host);
+  if (inet_pton(AF_INET, name.c_str(), &addr.sin_addr) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", host, "' is not an IPv4 address (use e.g. 127.0.0.1)"));
+  }
+  return addr;
+}
+
+void TuneSocket(int fd) {
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBufferBytes, sizeof(kSocketBufferBytes));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &kSocketBufferBytes, sizeof(kSocketBufferBytes));
+}
+
+std::string PeerName(int fd) {
+  sockaddr_in addr{};
+  socklen_t len = sizeof(addr);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "?";
+  char text[INET_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET, &addr.sin_addr, text, sizeof(text));
+  return absl::StrCat(text, ":", ntohs(addr.sin_port));
+}
+
+class TcpConnection final : public Connection {
+ public:
+  explicit TcpConnection(int fd) : fd_(fd), peer_(PeerName(fd)) {}
+  ~TcpConnection() override { close(fd_); }
+
+  absl::Status Send(std::initializer_list<absl::Span<const std::byte>> buffers) override {
+    std::vector<iovec> iov;
+    for (absl::Span<const std::byte> buffer : buffers) {
+      if (!buffer.empty()) {
+        iov.push_back({const_cast<std::byte*>(buffer.data()), buffer.size()});
+      }
+    }
+    size_t first = 0;
+    while (first < iov.size()) {
+      msghdr msg{};
+      msg.msg_iov = iov.data() + first;
+      msg.msg_iovlen = iov.size() - first;
+      const ssize_t sent = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+      if (sent < 0) {
+        if (errno == EINTR) continue;
+        return ErrnoStatus(absl::StrCat("send to ", peer_), errno);
+      }
+      size_t left = static_cast<size_t>(sent);
+      while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+      if (first < iov.size()) {
+        iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
+        iov[first].iov_len -= left;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Recv(absl::Span<std::byte> buffer) override {
+    size_t done = 0;
+    while (done < buffer.size()) {
+      const ssize_t got = recv(fd_, buffer.data() + done, buffer.size() - done, 0);
+      if (got == 0) {
+        return absl::UnavailableError(absl::StrCat(peer_, " closed the connection after ", done,
+                                                   " of ", buffer.size(), " bytes"));
+      }
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        return ErrnoStatus(absl::StrCat("receive from ", peer_, " after ", done, " of ",
+                                        buffer.size(), " bytes"),
+                           errno);
+      }
+      done += static_cast<size_t>(got);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SetTimeout(absl::Duration timeout) override {
+    timeval tv{};
+    if (timeout != absl::InfiniteDuration()) tv = absl::ToTimeval(timeout);
+    if (setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
+        setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) != 0) {
+      return ErrnoStatus("setsockopt(SO_RCVTIMEO)", errno);
+    }
+    return absl::OkStatus();
+  }
+
+  void Shutdown() override { shutdown(fd_, SHUT_RDWR); }
+
+  std::string peer() const override { return peer_; }
+
+ private:
+  const int fd_;
+  const std::string peer_;
+};
+
+class TcpListener final : public Listener {
+ public:
+  TcpListener(int fd, int port) : fd_(fd), port_(port) {}
+  ~TcpListener() override { close(fd_); }
+
+  absl::StatusOr<std::unique_ptr<Connection>> Accept() override {
+    while (true) {
+      if (shut_down_.load()) return absl::CancelledError("listener shut down");
+      pollfd pfd{fd_, POLLIN, 0};
+      const int ready = poll(&pfd, 1, 200);  // wake up regularly to notice Shutdown()
+      if (ready < 0 && errno != EINTR) return ErrnoStatus("poll", errno);
+      if (ready <= 0) continue;
+      const int conn = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (conn < 0) {
+        if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
+        return ErrnoStatus("accept", errno);
+      }
+      TuneSocket(conn);
+      return std::make_unique<TcpConnection>(conn);
+    }
+  }
+
+  void Shutdown() override { shut_down_.store(true); }
+  int port() const override { return port_; }
+
+ private:
+  const int fd_;
+  const int port_;
+  std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace
+
+absl::Status SplitHostPort(absl::string_view address, std::string& host, int& port) {
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "' is not HOST:PORT (e.g. 127.0.0.1:7070)"));
+  }
+  host = std::string(address.substr(0, colon));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Listener>> ListenTcp(absl::string_view host, int port) {
+  FLATSHARD_ASSIGN_OR_RETURN(sockaddr_in addr, ResolveIpv4(host, port));
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus("socket", errno);
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(fd);
+    return ErrnoStatus(absl::StrCat("bind ", host, ":", port), err);
+  }
+  if (listen(fd, 512) != 0) {
+    const int err = errno;
+    close(fd);
+    return ErrnoStatus("listen", err);
+  }
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  return std::make_unique<TcpListener>(fd, ntohs(addr.sin_port));
+}
+
+absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, int port,
+                                                       absl::Duration timeout) {
+  FLATSHARD_ASSIGN_OR_RETURN(sockaddr_in addr, ResolveIpv4(host, port));
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return ErrnoStatus("socket", errno);
+  const std::string what = absl::StrCat("connect to ", host, ":", port);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (errno != EINPROGRESS) {
+      const int err = errno;
+      close(fd);
+      return ErrnoStatus(what, err);
+    }
+    pollfd pfd{fd, POLLOUT, 0};
+    const int ready = poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (ready <= 0) {
+      err = ready == 0 ? ETIMEDOUT : errno;
+    } else {
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    }
+    if (err != 0) {
+      close(fd);
+      return ErrnoStatus(what, err);
+    }
+  }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  TuneSocket(fd);
+  return std::make_unique<TcpConnection>(fd);
+}
+
+}  // namespace flatshard::transport

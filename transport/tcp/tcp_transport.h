@@ -1,0 +1,35 @@
+// TCP implementation of the data plane (transport/transport.h): blocking sockets with
+// TCP_NODELAY, large socket buffers and SO_RCVTIMEO/SO_SNDTIMEO inactivity timeouts.
+// Factories are thread-safe; each Connection follows the interface's rules.
+//
+//   FLATSHARD_ASSIGN_OR_RETURN(auto listener, transport::ListenTcp("127.0.0.1", 0));
+//   FLATSHARD_ASSIGN_OR_RETURN(auto conn, transport::ConnectTcp("127.0.0.1",
+//                                                               listener->port(), absl::Seconds(5)));
+#ifndef FLATSHARD_TRANSPORT_TCP_TCP_TRANSPORT_H_
+#define FLATSHARD_TRANSPORT_TCP_TCP_TRANSPORT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "transport/transport.h"
+
+namespace flatshard::transport {
+
+// Binds and listens on host:port (IPv4 dotted quad or "localhost"; port 0 picks a free
+// port). Returns Unavailable with errno's text if the address cannot be bound.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Listener>> ListenTcp(absl::string_view host, int port);
+
+// Connects to host:port within `timeout`. Returns Unavailable or DeadlineExceeded.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host,
+                                                                     int port,
+                                                                     absl::Duration timeout);
+
+// Splits "host:port"; InvalidArgument naming the text otherwise.
+[[nodiscard]] absl::Status SplitHostPort(absl::string_view address, std::string& host, int& port);
+
+}  // namespace flatshard::transport
+
+#endif  // FLATSHARD_TRANSPORT_TCP_TCP_TRANSPORT_H_

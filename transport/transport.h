@@ -1,0 +1,63 @@
+// The data plane's byte-moving interface: a Connection moves raw bytes between a worker
+// and a server, a Listener accepts them. Implementations: TCP (transport/tcp/, always
+// built); NCCL and CUDA IPC move device memory and arrive with the GPU path.
+//
+// A Connection is used by one sender and one receiver at a time (the request/response
+// protocol in data_protocol.h is strictly alternating); Shutdown() may be called from
+// any thread to unblock both. Bytes are received straight into caller memory.
+//
+//   FLATSHARD_ASSIGN_OR_RETURN(auto conn, transport::ConnectTcp("127.0.0.1", 7071, timeout));
+//   FLATSHARD_RETURN_IF_ERROR(conn->Send({header_bytes, payload}));
+#ifndef FLATSHARD_TRANSPORT_TRANSPORT_H_
+#define FLATSHARD_TRANSPORT_TRANSPORT_H_
+
+#include <cstddef>
+#include <initializer_list>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace flatshard::transport {
+
+class Connection {
+ public:
+  virtual ~Connection() = default;
+
+  // Sends the buffers in order as one stream of bytes; returns once the kernel has
+  // them. Returns Unavailable if the peer is gone and DeadlineExceeded if it stops
+  // reading for longer than the timeout; the Connection is then unusable.
+  [[nodiscard]] virtual absl::Status Send(
+      std::initializer_list<absl::Span<const std::byte>> buffers) = 0;
+
+  // Fills `buffer` completely. Returns Unavailable if the peer closes first (naming how
+  // many bytes arrived) and DeadlineExceeded if no byte arrives for the timeout.
+  [[nodiscard]] virtual absl::Status Recv(absl::Span<std::byte> buffer) = 0;
+
+  // Inactivity timeout for each later Send/Recv (absl::InfiniteDuration(): none).
+  [[nodiscard]] virtual absl::Status SetTimeout(absl::Duration timeout) = 0;
+
+  // Unblocks a Send or Recv in progress on another thread; later calls fail.
+  virtual void Shutdown() = 0;
+
+  // "127.0.0.1:41234", for logs and errors.
+  virtual std::string peer() const = 0;
+};
+
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  // Blocks until a peer connects. Returns Cancelled after Shutdown().
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<Connection>> Accept() = 0;
+  // Stops accepting; unblocks Accept(). Thread-safe.
+  virtual void Shutdown() = 0;
+  // The bound port (useful after binding port 0).
+  virtual int port() const = 0;
+};
+
+}  // namespace flatshard::transport
+
+#endif  // FLATSHARD_TRANSPORT_TRANSPORT_H_
