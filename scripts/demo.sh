@@ -1,10 +1,36 @@
 #!/usr/bin/env bash
-# The README's main command (make demo). Until the server lands (issue: the shard server
-# and the TCP data plane), it shows what a user can already run: the layout planner.
+# The README's main command (make demo): a local cluster of 2 servers on 127.0.0.1,
+# 2 training workers of examples/mlp_worker.cc (AdamW on a two-layer MLP), the cluster's
+# status, then a clean shutdown. Ports: FLATSHARD_DEMO_PORT (default 17070) and up.
 set -euo pipefail
 build_dir=${1:-build}
-echo "make demo: the cluster demo arrives with flatshard-server; for now, the layout planner:"
-"$build_dir/bin/flatshard" layout <<'SPEC'
+bin="$build_dir/bin"
+port=${FLATSHARD_DEMO_PORT:-17070}
+cluster="127.0.0.1:$port,127.0.0.1:$((port + 2))"
+
+"$bin/flatshard" local-cluster --servers=2 --base_port="$port" &
+cluster_pid=$!
+trap 'kill -TERM $cluster_pid 2>/dev/null || true; wait $cluster_pid 2>/dev/null || true' EXIT
+
+# Wait until both servers answer.
+for _ in $(seq 50); do
+  if "$bin/flatshard" status --cluster="$cluster" >/dev/null 2>&1; then break; fi
+  sleep 0.1
+done
+
+echo "== training: 2 workers, 2 servers, AdamW =="
+"$bin/mlp_worker" --cluster="$cluster" --worker_rank=1 --num_workers=2 &
+worker1=$!
+"$bin/mlp_worker" --cluster="$cluster" --worker_rank=0 --num_workers=2
+wait $worker1
+
+echo
+echo "== flatshard status =="
+"$bin/flatshard" status --cluster="$cluster"
+
+echo
+echo "== layout of a bigger model over 3 servers (flatshard layout) =="
+"$bin/flatshard" layout <<'SPEC'
 {"servers": 3, "align": 4, "tensors": [
   {"name": "fc1.weight", "shape": [1024, 512]}, {"name": "fc1.bias", "shape": [1024]},
   {"name": "fc2.weight", "shape": [10, 1024], "dtype": "bfloat16"}, {"name": "fc2.bias", "shape": [10]}]}

@@ -84,7 +84,7 @@ absl::Status SendResponse(Connection& conn, const absl::Status& status, int64_t 
   return conn.Send({BytesOf(header), BytesOf(message), payload});
 }
 
-absl::StatusOr<int64_t> RecvResponse(Connection& conn, absl::Span<std::byte> payload_dest) {
+absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> payload_dest) {
   ResponseHeader header;
   FLATSHARD_RETURN_IF_ERROR(conn.Recv(BytesOf(header)));
   if (header.magic != kResponseMagic || header.message_bytes > kMaxMessageBytes ||
@@ -93,14 +93,17 @@ absl::StatusOr<int64_t> RecvResponse(Connection& conn, absl::Span<std::byte> pay
   }
   std::string message;
   FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.message_bytes, message));
-  if (header.code != 0) return absl::Status(static_cast<absl::StatusCode>(header.code), message);
+  if (header.code != 0) {
+    return Response{absl::Status(static_cast<absl::StatusCode>(header.code), message),
+                    header.version};
+  }
   if (header.payload_bytes != 0 &&
       header.payload_bytes != static_cast<int64_t>(payload_dest.size())) {
     return absl::DataLossError(absl::StrCat(conn.peer(), " sent ", header.payload_bytes,
                                             " bytes, expected ", payload_dest.size()));
   }
   if (header.payload_bytes != 0) FLATSHARD_RETURN_IF_ERROR(conn.Recv(payload_dest));
-  return header.version;
+  return Response{absl::OkStatus(), header.version};
 }
 
 absl::Status DrainPayload(Connection& conn, int64_t bytes) {

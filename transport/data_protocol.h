@@ -90,11 +90,18 @@ struct Request {
 [[nodiscard]] absl::Status SendResponse(Connection& conn, const absl::Status& status,
                                         int64_t version, absl::Span<const std::byte> payload);
 
+// What the server answered: its status for the request and its version.
+struct Response {
+  absl::Status status;
+  int64_t version = 0;
+};
+
 // Reads a response. On an OK response with a payload, the payload must be exactly
-// `payload_dest.size()` bytes and is received straight into it (DataLoss otherwise).
-// Returns the server's version, or the status it sent.
-[[nodiscard]] absl::StatusOr<int64_t> RecvResponse(Connection& conn,
-                                                   absl::Span<std::byte> payload_dest);
+// `payload_dest.size()` bytes and is received straight into it. The outer status is the
+// transport's (the connection is unusable after an error: Unavailable, DeadlineExceeded,
+// DataLoss for a malformed response); the server's own verdict is Response::status.
+[[nodiscard]] absl::StatusOr<Response> RecvResponse(Connection& conn,
+                                                    absl::Span<std::byte> payload_dest);
 
 // Reads and throws away `bytes` bytes (a refused request's payload), in bounded chunks.
 [[nodiscard]] absl::Status DrainPayload(Connection& conn, int64_t bytes);

@@ -9,21 +9,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/cli/human_bytes.h"
 #include "core/layout_json.h"
 
 namespace flatshard::cli {
 namespace {
-
-std::string HumanBytes(int64_t bytes) {
-  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double value = static_cast<double>(bytes);
-  int unit = 0;
-  while (value >= 1024.0 && unit + 1 < static_cast<int>(std::size(kUnits))) {
-    value /= 1024.0;
-    ++unit;
-  }
-  return unit == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", value, kUnits[unit]);
-}
 
 // "fc.weight[0:12]" for each tensor piece a shard holds.
 std::string ShardTensors(const FlatLayout& layout, int rank) {

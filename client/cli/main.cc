@@ -1,16 +1,31 @@
-// `flatshard`: the admin command line. Subcommands:
-//   flatshard layout [SPEC.json|-] [--json]   print a group's flat layout per server
+// `flatshard`: the admin command line.
+//   flatshard layout [SPEC.json|-] [--json]          a group's flat layout per server
+//   flatshard status --cluster=A0,A1,... [--json]    servers, groups, versions, traffic
+//   flatshard local-cluster --servers=N [--base_port=P]  N servers on 127.0.0.1
+#include <unistd.h>
+
+#include <climits>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/cli/layout_command.h"
+#include "client/cli/local_cluster_command.h"
+#include "client/cli/status_command.h"
+#include "core/command_line.h"
 
-ABSL_FLAG(bool, json, false, "layout: print the full layout as JSON instead of a table");
+ABSL_FLAG(bool, json, false, "layout, status: print JSON instead of a table");
+ABSL_FLAG(std::string, cluster, "", "status: every server's control address, comma-separated");
+ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (empty: none)");
+ABSL_FLAG(int, servers, 2, "local-cluster: number of servers");
+ABSL_FLAG(int, base_port, 7070, "local-cluster: server i listens on base_port+2i (data +1)");
+ABSL_FLAG(std::string, checkpoint_root, "", "local-cluster: passed to every server");
 
 namespace {
 
@@ -18,37 +33,87 @@ constexpr char kUsage[] =
     "flatshard <command> [args]\n"
     "\n"
     "commands:\n"
-    "  layout [SPEC.json|-] [--json]  read a layout spec (file or stdin) and print the\n"
-    "                                 layout per server: shard ranges, memory, tensors\n";
+    "  layout [SPEC.json|-] [--json]   read a layout spec (file or stdin) and print the\n"
+    "                                  layout per server: shard ranges, memory, tensors\n"
+    "  status --cluster=A0,A1,... [--json]\n"
+    "                                  servers, groups, versions, memory and traffic\n"
+    "  local-cluster --servers=N [--base_port=P]\n"
+    "                                  start N servers on 127.0.0.1 and wait; Ctrl-C stops them\n";
 
-int Layout(const std::vector<char*>& args) {
+int Layout(const std::vector<std::string>& args) {
   const flatshard::cli::LayoutCommandOptions options{.json = absl::GetFlag(FLAGS_json)};
-  if (args.size() > 3) {
+  if (args.size() > 2) {
     std::cerr << "flatshard layout: expected at most one spec file\n";
     return 2;
   }
-  if (args.size() < 3 || std::string(args[2]) == "-") {
+  if (args.size() < 2 || args[1] == "-") {
     return flatshard::cli::RunLayoutCommand(options, std::cin, std::cout, std::cerr);
   }
-  std::ifstream file(args[2]);
+  std::ifstream file(args[1]);
   if (!file) {
-    std::cerr << "flatshard layout: cannot open '" << args[2] << "'\n";
+    std::cerr << "flatshard layout: cannot open '" << args[1] << "'\n";
     return 2;
   }
   return flatshard::cli::RunLayoutCommand(options, file, std::cout, std::cerr);
+}
+
+bool ReadToken(std::string& token) {
+  const std::string path = absl::GetFlag(FLAGS_auth_token_file);
+  if (path.empty()) return true;
+  std::ifstream file(path);
+  if (!file) {
+    std::cerr << "flatshard: cannot read --auth_token_file=" << path << "\n";
+    return false;
+  }
+  std::stringstream text;
+  text << file.rdbuf();
+  token = std::string(absl::StripAsciiWhitespace(text.str()));
+  return true;
+}
+
+int Status() {
+  flatshard::cli::StatusCommandOptions options;
+  options.servers = absl::StrSplit(absl::GetFlag(FLAGS_cluster), ',', absl::SkipEmpty());
+  options.json = absl::GetFlag(FLAGS_json);
+  if (options.servers.empty()) {
+    std::cerr << "flatshard status: --cluster is required\n";
+    return 2;
+  }
+  if (!ReadToken(options.token)) return 2;
+  return flatshard::cli::RunStatusCommand(options, std::cout, std::cerr);
+}
+
+// flatshard-server next to this binary.
+std::string SiblingBinary(const char* name) {
+  char self[PATH_MAX] = {};
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  std::string dir = len > 0 ? std::string(self, len) : std::string(".");
+  dir = dir.substr(0, dir.rfind('/'));
+  return dir + "/" + name;
+}
+
+int LocalCluster() {
+  flatshard::cli::LocalClusterOptions options;
+  options.servers = absl::GetFlag(FLAGS_servers);
+  options.base_port = absl::GetFlag(FLAGS_base_port);
+  options.server_binary = SiblingBinary("flatshard-server");
+  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  return flatshard::cli::RunLocalClusterCommand(options);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
-  const std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() < 2) {
+  const std::vector<std::string> args = flatshard::ParseCommandLineOrExit(argc, argv, "flatshard");
+  if (args.empty()) {
     std::cerr << kUsage;
     return 2;
   }
-  const std::string command = args[1];
-  if (command == "layout") return Layout(args);
-  std::cerr << "flatshard: unknown command '" << command << "'\n\n" << kUsage;
+  if (args[0] == "layout") return Layout(args);
+  if (args[0] == "status") return Status();
+  if (args[0] == "local-cluster") return LocalCluster();
+  std::cerr << "flatshard: unknown command '" << args[0] << "'\n\n" << kUsage;
   return 2;
 }

@@ -1,0 +1,66 @@
+#include "client/cli/status_command.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <nlohmann/json.hpp>
+#include <ostream>
+
+#include "absl/strings/str_format.h"
+#include "client/cli/human_bytes.h"
+#include "client/cluster_status.h"
+
+namespace flatshard::cli {
+
+int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std::ostream& err) {
+  const auto statuses = FetchClusterStatus(options.servers, options.token, options.timeout);
+  int exit_code = 0;
+  if (options.json) {
+    nlohmann::json servers = nlohmann::json::array();
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      if (!statuses[i].ok()) {
+        servers.push_back({{"address", options.servers[i]},
+                           {"error", std::string(statuses[i].status().message())}});
+        exit_code = 1;
+        continue;
+      }
+      std::string text;
+      google::protobuf::util::JsonPrintOptions print;
+      print.always_print_primitive_fields = true;
+      print.preserve_proto_field_names = true;
+      (void)google::protobuf::util::MessageToJsonString(*statuses[i], &text, print);
+      servers.push_back(nlohmann::json::parse(text));
+    }
+    out << nlohmann::json{{"servers", servers}}.dump(2) << "\n";
+    return exit_code;
+  }
+  out << absl::StrFormat("%-4s %-21s %-6s %6s %5s %10s %10s %8s %8s %6s\n", "rank", "address",
+                         "memory", "groups", "conns", "sent", "received", "gathers", "scatters",
+                         "errors");
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    if (!statuses[i].ok()) {
+      out << absl::StrFormat("%-4s %-21s unreachable: %s\n", "?", options.servers[i],
+                             std::string(statuses[i].status().message()));
+      exit_code = 1;
+      continue;
+    }
+    const v1::ServerStatus& s = *statuses[i];
+    out << absl::StrFormat("%-4d %-21s %-6s %6d %5d %10s %10s %8d %8d %6d\n", s.rank(),
+                           s.control_address(), s.memory(), s.groups_size(),
+                           s.open_data_connections(), HumanBytes(s.bytes_sent()),
+                           HumanBytes(s.bytes_received()), s.gathers(), s.scatters(), s.errors());
+  }
+  out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s\n", "rank", "job/group", "version",
+                         "shard_numel", "memory", "optimizer", "pending");
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    for (const v1::GroupStatus& g : status->groups()) {
+      out << absl::StrFormat("%-4d %-28s %8d %12d %10s %10s %8d\n", status->rank(),
+                             g.job() + "/" + g.group(), g.version(), g.shard_numel(),
+                             HumanBytes(g.bytes()), g.optimizer(), g.pending_contributions());
+    }
+  }
+  if (exit_code != 0) err << "flatshard status: some servers did not answer\n";
+  return exit_code;
+}
+
+}  // namespace flatshard::cli

@@ -1,0 +1,26 @@
+// `flatshard status`: every server's groups, versions, memory and traffic, as a table
+// or as JSON (--json) for scripts. Stateless.
+#ifndef FLATSHARD_CLIENT_CLI_STATUS_COMMAND_H_
+#define FLATSHARD_CLIENT_CLI_STATUS_COMMAND_H_
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace flatshard::cli {
+
+struct StatusCommandOptions {
+  std::vector<std::string> servers;
+  std::string token;
+  bool json = false;
+  absl::Duration timeout = absl::Seconds(5);
+};
+
+// Returns 0 when every server answered, 1 otherwise (unreachable servers are listed).
+int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace flatshard::cli
+
+#endif  // FLATSHARD_CLIENT_CLI_STATUS_COMMAND_H_

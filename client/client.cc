@@ -1,0 +1,347 @@
+#include "flatshard/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <limits>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "client/data_channel.h"
+#include "core/status_macros.h"
+#include "proto/convert.h"
+#include "proto/flatshard.grpc.pb.h"
+#include "transport/data_protocol.h"
+
+namespace flatshard {
+namespace {
+
+using client_internal::DataChannel;
+
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view server) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat("server ", server, ": ", status.error_message()));
+}
+
+v1::OptimizerSettings OptimizerToProto(const OptimizerOptions& optimizer) {
+  v1::OptimizerSettings proto;
+  if (const auto* sgd = std::get_if<SgdOptions>(&optimizer)) {
+    v1::SgdSettings* out = proto.mutable_sgd();
+    out->set_lr(sgd->lr);
+    out->set_momentum(sgd->momentum);
+    out->set_dampening(sgd->dampening);
+    out->set_weight_decay(sgd->weight_decay);
+    out->set_nesterov(sgd->nesterov);
+  } else {
+    const auto& adam = std::get<AdamOptions>(optimizer);
+    v1::AdamSettings* out = proto.mutable_adam();
+    out->set_lr(adam.lr);
+    out->set_beta1(adam.beta1);
+    out->set_beta2(adam.beta2);
+    out->set_eps(adam.eps);
+    out->set_weight_decay(adam.weight_decay);
+    out->set_amsgrad(adam.amsgrad);
+    out->set_decoupled_weight_decay(adam.decoupled_weight_decay);
+  }
+  return proto;
+}
+
+// Collects the per-server results of one transfer and completes its promise once.
+template <typename Result>
+class Completion {
+ public:
+  Completion(int parts) : remaining_(parts) {}
+  std::future<Result> future() { return promise_.get_future(); }
+
+  void Finish(const absl::Status& status, int64_t version) {
+    absl::MutexLock lock(&mu_);
+    if (!status.ok() && status_.ok()) status_ = status;
+    min_version_ = std::min(min_version_, version);
+    if (--remaining_ > 0) return;
+    if constexpr (std::is_same_v<Result, absl::Status>) {
+      promise_.set_value(status_);
+    } else {
+      promise_.set_value(status_.ok() ? Result(min_version_) : Result(status_));
+    }
+  }
+
+ private:
+  absl::Mutex mu_;
+  int remaining_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  int64_t min_version_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<int64_t>::max();
+  std::promise<Result> promise_;
+};
+
+template <typename Result>
+std::future<Result> ReadyFuture(Result result) {
+  std::promise<Result> promise;
+  promise.set_value(std::move(result));
+  return promise.get_future();
+}
+
+class ClientImpl final : public Client {
+ public:
+  explicit ClientImpl(ClientOptions options) : options_(std::move(options)) {}
+
+  absl::Status Init() {
+    if (options_.servers.empty()) return absl::InvalidArgumentError("servers: empty list");
+    if (options_.num_workers < 1 || options_.worker_rank < 0 ||
+        options_.worker_rank >= options_.num_workers) {
+      return absl::InvalidArgumentError(absl::StrCat("worker_rank ", options_.worker_rank,
+                                                     " outside [0, num_workers=",
+                                                     options_.num_workers, ")"));
+    }
+    for (size_t i = 0; i < options_.servers.size(); ++i) {
+      const std::string& address = options_.servers[i];
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(16 << 20);
+      stubs_.push_back(v1::Flatshard::NewStub(
+          grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+      v1::ClusterInfo info;
+      FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::GetClusterInfo,
+                                     v1::GetClusterInfoRequest(), &info));
+      const std::vector<std::string> cluster(info.cluster().begin(), info.cluster().end());
+      if (cluster != options_.servers || info.rank() != static_cast<int>(i)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "server ", address, " is rank ", info.rank(), " of cluster [",
+            absl::StrJoin(cluster, ","), "]; this client expects rank ", i, " of [",
+            absl::StrJoin(options_.servers, ","), "]"));
+      }
+      v1::OpenSessionRequest session_request;
+      session_request.set_worker_rank(options_.worker_rank);
+      v1::OpenSessionResponse session;
+      FLATSHARD_RETURN_IF_ERROR(
+          Call(i, &v1::Flatshard::Stub::OpenSession, session_request, &session));
+      channels_.push_back(std::make_unique<DataChannel>(
+          session.data_address(), session.session_token(), options_.max_in_flight,
+          options_.timeout + absl::Seconds(5)));
+    }
+    return absl::OkStatus();
+  }
+
+  const ClientOptions& options() const override { return options_; }
+
+  absl::Status ConfigureJob(const JobOptions& job) override {
+    v1::ConfigureJobRequest request;
+    request.set_job(options_.job);
+    v1::JobSettings* settings = request.mutable_settings();
+    settings->set_num_workers(options_.num_workers);
+    settings->set_reduce(job.reduce_mean ? v1::JobSettings::MEAN : v1::JobSettings::SUM);
+    settings->set_max_grad_norm(job.max_grad_norm);
+    settings->set_norm_type(job.norm_type);
+    v1::ConfigureJobResponse response;
+    return CallAll(&v1::Flatshard::Stub::ConfigureJob, request, &response);
+  }
+
+  absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group,
+                                                  std::vector<TensorSpec> tensors, int64_t align,
+                                                  const OptimizerOptions& optimizer) override {
+    FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
+                               FlatLayout::Create(tensors, align, num_servers()));
+    v1::RegisterGroupRequest request;
+    request.set_job(options_.job);
+    request.set_group(group);
+    ToProto(tensors, request.mutable_tensors());
+    request.set_align(align);
+    *request.mutable_optimizer() = OptimizerToProto(optimizer);
+    v1::RegisterGroupResponse response;
+    FLATSHARD_RETURN_IF_ERROR(CallAll(&v1::Flatshard::Stub::RegisterGroup, request, &response));
+    absl::MutexLock lock(&mu_);
+    auto& slot = layouts_[group];
+    if (slot == nullptr || !(*slot == layout)) slot = std::make_unique<FlatLayout>(std::move(layout));
+    return slot.get();
+  }
+
+  absl::Status InitGroup(const std::string& group, absl::Span<const float> flat) override {
+    FLATSHARD_ASSIGN_OR_RETURN(const FlatLayout* layout, FindLayout(group));
+    if (static_cast<int64_t>(flat.size()) != layout->unpadded_numel() &&
+        static_cast<int64_t>(flat.size()) != layout->padded_numel()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "initial values for group '", group, "': ", flat.size(), " elements, expected ",
+          layout->unpadded_numel(), " (or padded ", layout->padded_numel(), ")"));
+    }
+    // Each server gets its shard, right-padded with zeros.
+    std::vector<std::vector<float>> shards(num_servers());
+    for (int rank = 0; rank < num_servers(); ++rank) {
+      shards[rank].assign(layout->shard_numel(), 0.0f);
+      std::copy(flat.begin() + layout->shard_start(rank), flat.begin() + layout->shard_end(rank),
+                shards[rank].begin());
+    }
+    std::vector<absl::Span<const std::byte>> parts;
+    for (const auto& shard : shards) parts.push_back(AsBytes(shard));
+    return Transfer<absl::Status>(transport::DataOp::kPushInit, group, 0, DType::kFloat32, parts,
+                                  {})
+        .get();
+  }
+
+  absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed) override {
+    v1::InitGroupRequest request;
+    request.set_job(options_.job);
+    request.set_group(group);
+    request.set_seed(seed);
+    v1::InitGroupResponse response;
+    return CallAll(&v1::Flatshard::Stub::InitGroup, request, &response);
+  }
+
+  std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version,
+                                              DType dtype, absl::Span<std::byte> out) override {
+    absl::StatusOr<std::vector<absl::Span<std::byte>>> parts = Split(group, dtype, out);
+    if (!parts.ok()) return ReadyFuture<absl::StatusOr<int64_t>>(parts.status());
+    return Transfer<absl::StatusOr<int64_t>>(transport::DataOp::kGather, group, min_version,
+                                             dtype, {}, *parts);
+  }
+
+  std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
+                                    absl::Span<const std::byte> grad) override {
+    absl::StatusOr<std::vector<absl::Span<std::byte>>> parts =
+        Split(group, dtype, absl::MakeSpan(const_cast<std::byte*>(grad.data()), grad.size()));
+    if (!parts.ok()) return ReadyFuture<absl::Status>(parts.status());
+    std::vector<absl::Span<const std::byte>> sends(parts->begin(), parts->end());
+    return Transfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype, sends, {});
+  }
+
+  absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version) override {
+    v1::WaitVersionRequest request;
+    request.set_job(options_.job);
+    request.set_group(group);
+    request.set_min_version(min_version);
+    int64_t version = std::numeric_limits<int64_t>::max();
+    for (int i = 0; i < num_servers(); ++i) {
+      v1::WaitVersionResponse response;
+      FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::WaitVersion, request, &response));
+      version = std::min(version, response.version());
+    }
+    return version;
+  }
+
+  absl::Status SetHyperparams(const std::string& group, const OptimizerOptions& optimizer) override {
+    v1::SetHyperparamsRequest request;
+    request.set_job(options_.job);
+    request.set_group(group);
+    *request.mutable_optimizer() = OptimizerToProto(optimizer);
+    v1::SetHyperparamsResponse response;
+    return CallAll(&v1::Flatshard::Stub::SetHyperparams, request, &response);
+  }
+
+ private:
+  template <typename Request, typename Response>
+  using StubMethod = grpc::Status (v1::Flatshard::Stub::*)(grpc::ClientContext*, const Request&,
+                                                          Response*);
+
+  template <typename Request, typename Response>
+  absl::Status Call(size_t server, StubMethod<Request, Response> method, const Request& request,
+                    Response* response) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+    if (!options_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.token);
+    return FromGrpc((stubs_[server].get()->*method)(&ctx, request, response),
+                    options_.servers[server]);
+  }
+
+  template <typename Request, typename Response>
+  absl::Status CallAll(StubMethod<Request, Response> method, const Request& request,
+                       Response* response) {
+    for (size_t i = 0; i < stubs_.size(); ++i) {
+      FLATSHARD_RETURN_IF_ERROR(Call(i, method, request, response));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<const FlatLayout*> FindLayout(const std::string& group) {
+    absl::MutexLock lock(&mu_);
+    const auto it = layouts_.find(group);
+    if (it == layouts_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("group '", group, "' was not registered by this client; call RegisterGroup"));
+    }
+    return it->second.get();
+  }
+
+  // Splits a full flat buffer (padded_numel elements of dtype) into per-server slices.
+  absl::StatusOr<std::vector<absl::Span<std::byte>>> Split(const std::string& group, DType dtype,
+                                                           absl::Span<std::byte> full) {
+    FLATSHARD_ASSIGN_OR_RETURN(const FlatLayout* layout, FindLayout(group));
+    if (!IsFloatingParamDType(dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype ", DTypeName(dtype), " is not float32, bfloat16 or float16"));
+    }
+    const size_t slice = static_cast<size_t>(layout->shard_numel()) * DTypeSize(dtype);
+    if (full.size() != slice * num_servers()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffer for group '", group, "' holds ", full.size(), " bytes; expected ",
+          slice * num_servers(), " (padded_numel ", layout->padded_numel(), " x ",
+          DTypeSize(dtype), " bytes of ", DTypeName(dtype), ")"));
+    }
+    std::vector<absl::Span<std::byte>> parts;
+    for (int i = 0; i < num_servers(); ++i) parts.push_back(full.subspan(i * slice, slice));
+    return parts;
+  }
+
+  // One request per server on its data channel: `sends[i]` is server i's payload, or
+  // `receives[i]` its response payload's destination.
+  template <typename Result>
+  std::future<Result> Transfer(transport::DataOp op, const std::string& group, int64_t version,
+                               DType dtype, std::vector<absl::Span<const std::byte>> sends,
+                               std::vector<absl::Span<std::byte>> receives) {
+    auto completion = std::make_shared<Completion<Result>>(num_servers());
+    std::future<Result> future = completion->future();
+    for (int i = 0; i < num_servers(); ++i) {
+      transport::RequestHeader header;
+      header.op = static_cast<uint8_t>(op);
+      header.dtype = static_cast<uint8_t>(dtype);
+      header.worker_rank = options_.worker_rank;
+      header.version = version;
+      header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+      const absl::Span<const std::byte> send = sends.empty() ? absl::Span<const std::byte>() : sends[i];
+      const absl::Span<std::byte> receive = receives.empty() ? absl::Span<std::byte>() : receives[i];
+      const std::string server = options_.servers[i];
+      channels_[i]->Submit([=, this](absl::StatusOr<transport::Connection*> conn) {
+        auto fail = [&](const absl::Status& status) {
+          completion->Finish(absl::Status(status.code(),
+                                          absl::StrCat("server ", server, ": ", status.message())),
+                             0);
+        };
+        if (!conn.ok()) {
+          fail(conn.status());
+          return true;
+        }
+        absl::Status sent = transport::SendRequest(**conn, header, options_.job, group, send);
+        if (!sent.ok()) {
+          fail(sent);
+          return false;
+        }
+        absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, receive);
+        if (!response.ok()) {
+          fail(response.status());
+          return false;
+        }
+        if (!response->status.ok()) {
+          fail(response->status);
+        } else {
+          completion->Finish(absl::OkStatus(), response->version);
+        }
+        return true;
+      });
+    }
+    return future;
+  }
+
+  const ClientOptions options_;
+  std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs_;
+  std::vector<std::unique_ptr<DataChannel>> channels_;
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<FlatLayout>> layouts_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  auto client = std::make_unique<ClientImpl>(std::move(options));
+  FLATSHARD_RETURN_IF_ERROR(client->Init());
+  return client;
+}
+
+}  // namespace flatshard

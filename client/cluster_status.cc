@@ -1,0 +1,31 @@
+#include "client/cluster_status.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "proto/flatshard.grpc.pb.h"
+
+namespace flatshard {
+
+std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(
+    const std::vector<std::string>& servers, const std::string& token, absl::Duration timeout) {
+  std::vector<absl::StatusOr<v1::ServerStatus>> result;
+  for (const std::string& address : servers) {
+    auto stub = v1::Flatshard::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+    v1::ServerStatus status;
+    const grpc::Status rpc = stub->GetStatus(&ctx, v1::GetStatusRequest(), &status);
+    if (rpc.ok()) {
+      result.emplace_back(std::move(status));
+    } else {
+      result.emplace_back(absl::Status(static_cast<absl::StatusCode>(rpc.error_code()),
+                                       absl::StrCat(address, ": ", rpc.error_message())));
+    }
+  }
+  return result;
+}
+
+}  // namespace flatshard

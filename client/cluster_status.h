@@ -1,0 +1,23 @@
+// Fetches every server's status over the control plane, for `flatshard status` and
+// tools. Not part of the public client API (it exposes the protobufs). Thread-safe.
+//
+//   auto statuses = FetchClusterStatus({"127.0.0.1:7070"}, token, absl::Seconds(5));
+#ifndef FLATSHARD_CLIENT_CLUSTER_STATUS_H_
+#define FLATSHARD_CLIENT_CLUSTER_STATUS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/flatshard.pb.h"
+
+namespace flatshard {
+
+// One entry per server, in order: its status, or why it could not be read.
+std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(
+    const std::vector<std::string>& servers, const std::string& token, absl::Duration timeout);
+
+}  // namespace flatshard
+
+#endif  // FLATSHARD_CLIENT_CLUSTER_STATUS_H_

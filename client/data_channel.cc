@@ -1,0 +1,74 @@
+#include "client/data_channel.h"
+
+#include "core/status_macros.h"
+#include "transport/data_protocol.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace flatshard::client_internal {
+
+DataChannel::DataChannel(std::string data_address, std::string session_token, int connections,
+                         absl::Duration timeout)
+    : data_address_(std::move(data_address)),
+      session_token_(std::move(session_token)),
+      timeout_(timeout) {
+  for (int i = 0; i < std::max(1, connections); ++i) threads_.emplace_back([this] { Run(); });
+}
+
+DataChannel::~DataChannel() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  for (std::thread& thread : threads_) thread.join();
+}
+
+void DataChannel::Submit(DataTask task) {
+  absl::MutexLock lock(&mu_);
+  tasks_.push_back(std::move(task));
+}
+
+absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open() {
+  std::string host;
+  int port = 0;
+  FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(data_address_, host, port));
+  FLATSHARD_ASSIGN_OR_RETURN(auto conn, transport::ConnectTcp(host, port, timeout_));
+  FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(timeout_));
+  transport::RequestHeader hello;
+  hello.op = static_cast<uint8_t>(transport::DataOp::kHello);
+  FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(
+      *conn, hello, "", "",
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(session_token_.data()),
+                          session_token_.size())));
+  FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(*conn, {}));
+  FLATSHARD_RETURN_IF_ERROR(response.status);
+  return conn;
+}
+
+void DataChannel::Run() {
+  std::unique_ptr<transport::Connection> conn;
+  while (true) {
+    DataTask task;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](DataChannel* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return self->stopping_ || !self->tasks_.empty();
+          },
+          this));
+      if (tasks_.empty()) return;  // stopping, and everything submitted has run
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    if (conn == nullptr) {
+      absl::StatusOr<std::unique_ptr<transport::Connection>> opened = Open();
+      if (!opened.ok()) {
+        task(opened.status());
+        continue;
+      }
+      conn = std::move(*opened);
+    }
+    if (!task(conn.get())) conn.reset();
+  }
+}
+
+}  // namespace flatshard::client_internal

@@ -1,0 +1,132 @@
+// The flatshard client library: what a training worker links to gather full parameters
+// and scatter gradients (DESIGN.md, "The training step").
+//
+// A Client talks to every server of the cluster: gRPC for control, TCP data connections
+// for bytes. Gather and Scatter return futures so a worker can prefetch the next group
+// while computing on this one; at most `max_in_flight` transfers run per server at once
+// (FSDP's limit_all_gathers). Bytes land straight in the caller's buffers, which must
+// stay valid until the future is ready. All methods are thread-safe.
+//
+//   auto client = flatshard::Client::Connect({.servers = {"127.0.0.1:7070"}, .num_workers = 2});
+//   (*client)->ConfigureJob({});
+//   auto layout = (*client)->RegisterGroup("mlp", tensors, 0, flatshard::AdamOptions{.lr = 1e-3});
+//   std::vector<float> params((*layout)->padded_numel());
+//   auto version = (*client)->Gather("mlp", 0, flatshard::DType::kFloat32, AsBytes(params)).get();
+#ifndef FLATSHARD_CLIENT_INCLUDE_FLATSHARD_CLIENT_H_
+#define FLATSHARD_CLIENT_INCLUDE_FLATSHARD_CLIENT_H_
+
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/dtype.h"
+#include "core/layout.h"
+
+namespace flatshard {
+
+struct ClientOptions {
+  std::vector<std::string> servers;  // control addresses in rank order (as --cluster)
+  std::string token;                 // the cluster's shared token; empty: none
+  int worker_rank = 0;
+  int num_workers = 1;
+  std::string job = "default";
+  absl::Duration timeout = absl::Seconds(30);  // per RPC, per transfer, per version wait
+  int max_in_flight = 2;                       // concurrent transfers per server
+};
+
+struct JobOptions {
+  bool reduce_mean = true;   // false: sum
+  double max_grad_norm = 0;  // 0: no clipping
+  double norm_type = 2.0;
+};
+
+struct SgdOptions {
+  double lr = 1e-2;
+  double momentum = 0;
+  double dampening = 0;
+  double weight_decay = 0;
+  bool nesterov = false;
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;
+  bool amsgrad = false;
+  bool decoupled_weight_decay = false;  // true: AdamW
+};
+
+using OptimizerOptions = std::variant<SgdOptions, AdamOptions>;
+
+class Client {
+ public:
+  // Connects to every server, checks that each one believes in the same cluster (same
+  // address list, its rank = its index) and opens the data connections. Unavailable if a
+  // server cannot be reached, FailedPrecondition on a cluster mismatch, Unauthenticated
+  // on a wrong token.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+  virtual ~Client() = default;
+
+  virtual const ClientOptions& options() const = 0;
+  int num_servers() const { return static_cast<int>(options().servers.size()); }
+
+  // Idempotent on every server: each worker may send the same settings.
+  [[nodiscard]] virtual absl::Status ConfigureJob(const JobOptions& job) = 0;
+
+  // Registers (or finds the identical) group on every server and returns its layout over
+  // the cluster; the pointer stays valid for the Client's lifetime.
+  [[nodiscard]] virtual absl::StatusOr<const FlatLayout*> RegisterGroup(
+      const std::string& group, std::vector<TensorSpec> tensors, int64_t align,
+      const OptimizerOptions& optimizer) = 0;
+
+  // Pushes initial values: `flat` holds unpadded_numel() or padded_numel() fp32 values in
+  // flat-layout order (see Flatten in core/flat_buffer.h); padding is ignored.
+  [[nodiscard]] virtual absl::Status InitGroup(const std::string& group,
+                                               absl::Span<const float> flat) = 0;
+  // Deterministic initialization on the servers, independent of the server count.
+  [[nodiscard]] virtual absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed) = 0;
+
+  // Fills `out` (padded_numel() elements of `dtype`) with the parameters at a version
+  // >= min_version and returns that version (the lowest one any server sent).
+  // `group` must have been registered by this Client.
+  virtual std::future<absl::StatusOr<int64_t>> Gather(const std::string& group,
+                                                      int64_t min_version, DType dtype,
+                                                      absl::Span<std::byte> out) = 0;
+
+  // Sends this worker's full flat gradient (padded_numel() elements of `dtype`) for
+  // `step`: each server receives its slice. Ready once every server holds it; it does
+  // not wait for the other workers.
+  virtual std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
+                                            absl::Span<const std::byte> grad) = 0;
+
+  // Waits until every server's shard of `group` reaches min_version.
+  [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group,
+                                                            int64_t min_version) = 0;
+
+  // New hyper-parameters from the next step on (same optimizer kind as registered).
+  [[nodiscard]] virtual absl::Status SetHyperparams(const std::string& group,
+                                                    const OptimizerOptions& optimizer) = 0;
+};
+
+// Views a typed buffer as bytes, for Gather and Scatter.
+template <typename T>
+absl::Span<std::byte> AsBytes(std::vector<T>& values) {
+  return absl::MakeSpan(reinterpret_cast<std::byte*>(values.data()), values.size() * sizeof(T));
+}
+template <typename T>
+absl::Span<const std::byte> AsBytes(const std::vector<T>& values) {
+  return absl::MakeConstSpan(reinterpret_cast<const std::byte*>(values.data()),
+                             values.size() * sizeof(T));
+}
+
+}  // namespace flatshard
+
+#endif  // FLATSHARD_CLIENT_INCLUDE_FLATSHARD_CLIENT_H_
