@@ -1,0 +1,222 @@
+// Bad input and faults against real server processes: each gets a precise status and
+// the servers keep serving.
+#include <grpcpp/grpcpp.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "proto/flatshard.grpc.pb.h"
+#include "tests/integration/test_cluster.h"
+#include "transport/data_protocol.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace flatshard {
+namespace {
+
+using ::testing::HasSubstr;
+
+class FaultsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    client_ = cluster_.Connect(0, 2);
+    ASSERT_TRUE(client_.ok()) << client_.status();
+    ASSERT_TRUE((*client_)->ConfigureJob({}).ok());
+    auto layout = (*client_)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    layout_ = *layout;
+  }
+
+  // An authenticated raw data connection to server 0 (hello done).
+  std::unique_ptr<transport::Connection> RawConnection(bool send_hello = true,
+                                                      std::string token_override = "") {
+    auto stub = v1::Flatshard::NewStub(
+        grpc::CreateChannel(cluster_.addresses()[0], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + cluster_.token());
+    v1::OpenSessionResponse session;
+    EXPECT_TRUE(stub->OpenSession(&ctx, v1::OpenSessionRequest(), &session).ok());
+    std::string host;
+    int port = 0;
+    EXPECT_TRUE(transport::SplitHostPort(session.data_address(), host, port).ok());
+    auto conn = transport::ConnectTcp(host, port, absl::Seconds(5));
+    EXPECT_TRUE(conn.ok());
+    EXPECT_TRUE((*conn)->SetTimeout(absl::Seconds(10)).ok());
+    if (send_hello) {
+      const std::string token = token_override.empty() ? session.session_token() : token_override;
+      transport::RequestHeader hello;
+      hello.op = static_cast<uint8_t>(transport::DataOp::kHello);
+      EXPECT_TRUE(transport::SendRequest(**conn, hello, "", "",
+                                         absl::MakeConstSpan(reinterpret_cast<const std::byte*>(token.data()),
+                                                             token.size())).ok());
+      auto response = transport::RecvResponse(**conn, {});
+      EXPECT_TRUE(response.ok());
+      if (token_override.empty()) {
+        EXPECT_TRUE(response->status.ok()) << response->status;
+      }
+    }
+    return std::move(*conn);
+  }
+
+  absl::Status RawScatter(transport::Connection& conn, const std::string& group, int64_t step,
+                          int worker, int64_t bytes) {
+    std::vector<std::byte> payload(bytes);
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(transport::DataOp::kScatter);
+    header.version = step;
+    header.worker_rank = worker;
+    if (absl::Status sent = transport::SendRequest(conn, header, "test", group, payload); !sent.ok()) return sent;
+    auto response = transport::RecvResponse(conn, {});
+    if (!response.ok()) return response.status();
+    return response->status;
+  }
+
+  // The cluster still trains: both workers complete `step`.
+  void ExpectStepCompletes(int64_t step) {
+    auto worker1 = cluster_.Connect(1, 2);
+    ASSERT_TRUE(worker1.ok());
+    ASSERT_TRUE((*worker1)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+    std::vector<float> grad(layout_->padded_numel(), 1.0f);
+    auto a = (*client_)->Scatter("g", step, DType::kFloat32, AsBytes(grad));
+    auto b = (*worker1)->Scatter("g", step, DType::kFloat32, AsBytes(grad));
+    ASSERT_TRUE(a.get().ok());
+    ASSERT_TRUE(b.get().ok());
+    EXPECT_EQ(*(*client_)->WaitVersion("g", step + 1), step + 1);
+  }
+
+  testing::TestCluster cluster_{3, "tok", ::testing::TempDir()};
+  absl::StatusOr<std::unique_ptr<Client>> client_;
+  const FlatLayout* layout_ = nullptr;
+};
+
+TEST_F(FaultsTest, WrongOrMissingTokenIsUnauthenticated) {
+  ClientOptions options{.servers = cluster_.addresses(), .token = "wrong"};
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_THAT(std::string(client.status().message()), HasSubstr("wrong authorization token"));
+  options.token = "";
+  client = Client::Connect(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnauthenticated);
+}
+
+TEST_F(FaultsTest, RegistrationIsIdempotentAndRefusesADifferentSpec) {
+  EXPECT_TRUE((*client_)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  auto other = (*client_)->RegisterGroup("g", {{"w", {11}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kAlreadyExists);
+  auto bad = (*client_)->RegisterGroup("h", {{"w", {-1}, DType::kFloat32}}, 0, SgdOptions{});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("dimension 0 is -1"));
+}
+
+TEST_F(FaultsTest, UnknownGroupWrongSizesAndDTypes) {
+  auto conn = RawConnection();
+  absl::Status unknown = RawScatter(*conn, "nope", 0, 0, 16);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(unknown.message()), HasSubstr("unknown group 'nope' in job 'test'"));
+  absl::Status wrong_size = RawScatter(*conn, "g", 0, 0, 7);
+  EXPECT_EQ(wrong_size.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(wrong_size.message()), HasSubstr("carries 7 bytes; expected 16"));
+  // Same connection still works: a valid gather after refused requests.
+  std::vector<float> shard(layout_->shard_numel());
+  transport::RequestHeader gather;
+  gather.op = static_cast<uint8_t>(transport::DataOp::kGather);
+  ASSERT_TRUE(transport::SendRequest(*conn, gather, "test", "g", {}).ok());
+  auto response = transport::RecvResponse(*conn, AsBytes(shard));
+  ASSERT_TRUE(response.ok());
+  EXPECT_TRUE(response->status.ok()) << response->status;
+
+  std::vector<float> too_small(3);
+  EXPECT_EQ((*client_)->Gather("g", 0, DType::kFloat32, AsBytes(too_small)).get().status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<float> full(layout_->padded_numel());
+  EXPECT_EQ((*client_)->Gather("g", 0, DType::kInt32, AsBytes(full)).get().status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(FaultsTest, DuplicateStaleAndFutureScattersNameTheExpectedStep) {
+  auto conn = RawConnection();
+  const int64_t bytes = layout_->shard_numel() * 4;
+  ASSERT_TRUE(RawScatter(*conn, "g", 0, 0, bytes).ok());
+  absl::Status duplicate = RawScatter(*conn, "g", 0, 0, bytes);
+  EXPECT_EQ(duplicate.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(duplicate.message()), HasSubstr("duplicate contribution"));
+  absl::Status future = RawScatter(*conn, "g", 3, 1, bytes);
+  EXPECT_EQ(future.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(future.message()), HasSubstr("expected step 0"));
+  absl::Status bad_worker = RawScatter(*conn, "g", 0, 5, bytes);
+  EXPECT_EQ(bad_worker.code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(RawScatter(*conn, "g", 0, 1, bytes).ok());  // step 0 completes on server 0
+  absl::Status stale = RawScatter(*conn, "g", 0, 1, bytes);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("already applied; expected step 1"));
+}
+
+TEST_F(FaultsTest, GarbageFramesAndBadTokensAreClosedAndServersKeepServing) {
+  {
+    auto conn = RawConnection();
+    const std::string garbage = "GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789012345678901234567890123";
+    ASSERT_TRUE(conn->Send({absl::MakeConstSpan(reinterpret_cast<const std::byte*>(garbage.data()), 40)}).ok());
+    auto response = transport::RecvResponse(*conn, {});
+    ASSERT_TRUE(response.ok());
+    EXPECT_EQ(response->status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(response->status.message()), HasSubstr("bad frame"));
+    std::byte byte;
+    EXPECT_FALSE(conn->Recv(absl::MakeSpan(&byte, 1)).ok());  // closed by the server
+  }
+  {
+    auto conn = RawConnection(/*send_hello=*/true, /*token_override=*/"not-a-session-token");
+    std::byte byte;
+    EXPECT_FALSE(conn->Recv(absl::MakeSpan(&byte, 1)).ok());
+  }
+  {
+    // Truncated frame: half a header, then the peer goes away.
+    auto conn = RawConnection();
+    std::vector<std::byte> half(20, std::byte{0x46});
+    ASSERT_TRUE(conn->Send({half}).ok());
+  }
+  ExpectStepCompletes(0);
+}
+
+TEST_F(FaultsTest, WorkerKilledMidScatterIsReplacedAndNothingPartialApplies) {
+  {
+    auto conn = RawConnection();
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(transport::DataOp::kScatter);
+    header.payload_bytes = layout_->shard_numel() * 4;
+    header.worker_rank = 1;
+    header.job_bytes = 4;
+    header.group_bytes = 1;
+    std::vector<std::byte> half(8, std::byte{0x7F});  // 8 of 16 payload bytes, then gone
+    ASSERT_TRUE(conn->Send({absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&header), sizeof(header)),
+                            absl::MakeConstSpan(reinterpret_cast<const std::byte*>("testg"), 5), half}).ok());
+  }
+  // The replacement contribution from worker 1 is accepted; the step applies once with
+  // the full gradients (SGD lr 0.5, mean of ones: every element moves by exactly -0.5).
+  ExpectStepCompletes(0);
+  std::vector<float> params(layout_->padded_numel());
+  ASSERT_TRUE((*client_)->Gather("g", 1, DType::kFloat32, AsBytes(params)).get().ok());
+  for (int64_t i = 0; i < layout_->unpadded_numel(); ++i) EXPECT_EQ(params[i], -0.5f) << i;
+}
+
+TEST_F(FaultsTest, SilentClientIsDisconnected) {
+  auto conn = RawConnection(/*send_hello=*/false);
+  std::byte byte;
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(conn->Recv(absl::MakeSpan(&byte, 1)).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(9));  // closed by the server's hello timeout
+  ExpectStepCompletes(0);
+}
+
+TEST_F(FaultsTest, GatherOfAFutureVersionTimesOut) {
+  ClientOptions options{.servers = cluster_.addresses(), .token = cluster_.token(),
+                        .job = "test", .timeout = absl::Milliseconds(300)};
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  std::vector<float> full(layout_->padded_numel());
+  auto version = (*client)->Gather("g", 5, DType::kFloat32, AsBytes(full)).get();
+  EXPECT_EQ(version.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(version.status().message()), HasSubstr("timed out waiting for version 5"));
+}
+
+}  // namespace
+}  // namespace flatshard

@@ -1,0 +1,183 @@
+// 3 server processes x 2 worker threads train several groups (one smaller than the server
+// count, so some shards hold only padding) for 20 steps with mixed gather and scatter
+// dtypes. The parameters must equal a single-process computation of the same math
+// bit for bit.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <thread>
+
+#include "core/flat_buffer.h"
+#include "core/float_bits.h"
+#include "kernels/kernels.h"
+#include "tests/integration/test_cluster.h"
+
+namespace flatshard {
+namespace {
+
+constexpr int kWorkers = 2;
+constexpr int kSteps = 20;
+
+struct GroupCase {
+  std::string name;
+  std::vector<TensorSpec> tensors;
+  int64_t align;
+  OptimizerOptions optimizer;
+  DType scatter_dtype[kWorkers];  // per worker
+  DType gather_dtype;
+};
+
+std::vector<GroupCase> Cases() {
+  return {
+      {"big",
+       {{"a.weight", {7, 5}, DType::kFloat32}, {"a.bias", {3}, DType::kFloat32}, {"b", {11}, DType::kFloat32}},
+       4,
+       AdamOptions{.lr = 1e-2, .weight_decay = 0.1},
+       {DType::kFloat32, DType::kFloat32},
+       DType::kFloat32},
+      {"tiny",
+       {{"scale", {2}, DType::kFloat32}},
+       0,
+       SgdOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true},
+       {DType::kFloat32, DType::kFloat16},
+       DType::kFloat32},
+      {"mixed",
+       {{"emb", {4, 4}, DType::kBFloat16}, {"norm", {}, DType::kFloat32}},
+       0,
+       AdamOptions{.lr = 5e-3, .weight_decay = 0.01, .amsgrad = true, .decoupled_weight_decay = true},
+       {DType::kBFloat16, DType::kFloat32},
+       DType::kBFloat16},
+  };
+}
+
+// Worker w's gradient for `step`, in fp32 (deterministic).
+std::vector<float> Gradient(const FlatLayout& layout, int group_index, int step, int worker) {
+  std::mt19937 rng(static_cast<uint32_t>(group_index * 100000 + step * 10 + worker));
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  std::vector<float> grad(layout.padded_numel(), 0.0f);
+  for (const TensorPiece& piece : layout.MapRange(0, layout.padded_numel())) {
+    for (int64_t k = 0; k < piece.numel; ++k) grad[piece.flat_offset + k] = normal(rng);
+  }
+  return grad;
+}
+
+std::vector<std::byte> Encode(const std::vector<float>& values, DType dtype) {
+  std::vector<std::byte> bytes(values.size() * DTypeSize(dtype));
+  EXPECT_TRUE(kernels::cpu::Cast(DType::kFloat32, values.data(), dtype, bytes.data(),
+                                 static_cast<int64_t>(values.size())).ok());
+  return bytes;
+}
+
+std::vector<float> InitialValues(const FlatLayout& layout) {
+  std::vector<float> flat(layout.padded_numel(), 0.0f);
+  for (const TensorPiece& piece : layout.MapRange(0, layout.padded_numel())) {
+    for (int64_t k = 0; k < piece.numel; ++k) {
+      flat[piece.flat_offset + k] = 0.01f * static_cast<float>((piece.flat_offset + k) % 17) - 0.05f;
+    }
+  }
+  return flat;
+}
+
+// The same math in one process: reduce in worker order, mean, optimizer on the whole
+// flat buffer (elementwise, so sharding cannot change a bit).
+std::vector<float> Reference(const GroupCase& c, const FlatLayout& layout, int group_index) {
+  std::vector<float> params = InitialValues(layout);
+  const size_t n = params.size();
+  std::vector<float> m(n), v(n), v_max(n), grad(n);
+  for (int step = 0; step < kSteps; ++step) {
+    for (int w = 0; w < kWorkers; ++w) {
+      const std::vector<std::byte> bytes = Encode(Gradient(layout, group_index, step, w), c.scatter_dtype[w]);
+      if (w == 0) {
+        EXPECT_TRUE(kernels::cpu::Cast(c.scatter_dtype[w], bytes.data(), DType::kFloat32, grad.data(), n).ok());
+      } else {
+        EXPECT_TRUE(kernels::cpu::Accumulate(c.scatter_dtype[w], bytes.data(), absl::MakeSpan(grad)).ok());
+      }
+    }
+    kernels::cpu::Scale(absl::MakeSpan(grad), 1.0f / kWorkers);
+    if (const auto* adam = std::get_if<AdamOptions>(&c.optimizer)) {
+      kernels::cpu::AdamStep({.lr = static_cast<float>(adam->lr), .beta1 = static_cast<float>(adam->beta1),
+                              .beta2 = static_cast<float>(adam->beta2), .eps = static_cast<float>(adam->eps),
+                              .weight_decay = static_cast<float>(adam->weight_decay), .amsgrad = adam->amsgrad,
+                              .decoupled_weight_decay = adam->decoupled_weight_decay},
+                             step + 1, absl::MakeSpan(params), grad, absl::MakeSpan(m), absl::MakeSpan(v),
+                             absl::MakeSpan(v_max));
+    } else {
+      const auto& sgd = std::get<SgdOptions>(c.optimizer);
+      kernels::cpu::SgdStep({.lr = static_cast<float>(sgd.lr), .momentum = static_cast<float>(sgd.momentum),
+                             .dampening = static_cast<float>(sgd.dampening),
+                             .weight_decay = static_cast<float>(sgd.weight_decay), .nesterov = sgd.nesterov},
+                            step == 0, absl::MakeSpan(params), grad, absl::MakeSpan(m));
+    }
+  }
+  return params;
+}
+
+void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<GroupCase>& cases) {
+  auto client = cluster.Connect(rank, kWorkers);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<const FlatLayout*> layouts;
+  for (const GroupCase& c : cases) {
+    auto layout = (*client)->RegisterGroup(c.name, c.tensors, c.align, c.optimizer);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    layouts.push_back(*layout);
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t g = 0; g < cases.size(); ++g) {
+      std::vector<std::byte> params(layouts[g]->padded_numel() * DTypeSize(cases[g].gather_dtype));
+      auto version = (*client)->Gather(cases[g].name, step, cases[g].gather_dtype, absl::MakeSpan(params)).get();
+      ASSERT_TRUE(version.ok()) << version.status();
+      ASSERT_GE(*version, step);
+      const std::vector<std::byte> grad =
+          Encode(Gradient(*layouts[g], static_cast<int>(g), step, rank), cases[g].scatter_dtype[rank]);
+      const absl::Status sent = (*client)->Scatter(cases[g].name, step, cases[g].scatter_dtype[rank],
+                                                   absl::MakeConstSpan(grad)).get();
+      ASSERT_TRUE(sent.ok()) << sent;
+    }
+  }
+}
+
+TEST(TrainingIntegrationTest, ThreeServersTwoWorkersMatchSingleProcessBitwise) {
+  testing::TestCluster cluster(3, "s3cret-token", ::testing::TempDir());
+  const std::vector<GroupCase> cases = Cases();
+  auto setup = cluster.Connect(0, kWorkers);
+  ASSERT_TRUE(setup.ok()) << setup.status();
+  ASSERT_TRUE((*setup)->ConfigureJob({}).ok());
+  std::vector<const FlatLayout*> layouts;
+  for (const GroupCase& c : cases) {
+    auto layout = (*setup)->RegisterGroup(c.name, c.tensors, c.align, c.optimizer);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    ASSERT_TRUE((*setup)->InitGroup(c.name, InitialValues(**layout)).ok());
+    layouts.push_back(*layout);
+  }
+  EXPECT_EQ(layouts[1]->shard_numel(), 1);  // "tiny": server 2 holds padding only
+  EXPECT_EQ(layouts[1]->shard_padding(2), 1);
+
+  std::vector<std::thread> workers;
+  for (int rank = 0; rank < kWorkers; ++rank) {
+    workers.emplace_back([&, rank] { RunWorker(cluster, rank, cases); });
+  }
+  for (std::thread& worker : workers) worker.join();
+  if (::testing::Test::HasFatalFailure()) return;
+
+  for (size_t g = 0; g < cases.size(); ++g) {
+    ASSERT_EQ(*(*setup)->WaitVersion(cases[g].name, kSteps), kSteps);
+    const std::vector<float> expected = Reference(cases[g], *layouts[g], static_cast<int>(g));
+    std::vector<float> actual(layouts[g]->padded_numel(), -1.0f);
+    auto version = (*setup)->Gather(cases[g].name, kSteps, DType::kFloat32, AsBytes(actual)).get();
+    ASSERT_TRUE(version.ok()) << version.status();
+    EXPECT_EQ(*version, kSteps);
+    for (size_t i = 0; i < expected.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(actual[i]), std::bit_cast<uint32_t>(expected[i]))
+          << cases[g].name << " element " << i << ": " << actual[i] << " vs " << expected[i];
+    }
+    // Low-precision gathers are exactly the cast of the fp32 master.
+    std::vector<uint16_t> bf16(layouts[g]->padded_numel());
+    ASSERT_TRUE((*setup)->Gather(cases[g].name, kSteps, DType::kBFloat16, AsBytes(bf16)).get().ok());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      ASSERT_EQ(bf16[i], FloatToBFloat16Bits(expected[i])) << cases[g].name << " element " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flatshard
