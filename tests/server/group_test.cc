@@ -1,0 +1,137 @@
+// The step engine without a network: exactly-once contributions, rank-order reduction,
+// version waits, initialization.
+#include "server/group.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+
+#include "core/float_bits.h"
+
+namespace flatshard::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+Group MakeGroup(int workers, bool mean = true, int rank = 0, int shards = 2) {
+  auto layout = FlatLayout::Create({{"w", {3}, DType::kFloat32}, {"b", {2}, DType::kFloat32}}, 0, shards);
+  return Group("job", "g", *layout, rank, JobSettings{.num_workers = workers, .reduce_mean = mean},
+               kernels::cpu::SgdHyperparams{.lr = 1.0f});
+}
+
+absl::Status Contribute(Group& group, int64_t step, int worker, const std::vector<float>& grad) {
+  absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(step, worker, DType::kFloat32);
+  if (!slot.ok()) return slot.status();
+  std::memcpy(slot->buffer.data(), grad.data(), slot->buffer.size());
+  return group.CommitScatter(*slot);
+}
+
+std::vector<float> Params(Group& group) {
+  absl::StatusOr<GatherSnapshot> snapshot = group.Gather(0, DType::kFloat32, absl::InfiniteFuture());
+  std::vector<float> values(group.shard_numel());
+  std::memcpy(values.data(), snapshot->bytes->data(), snapshot->bytes->size());
+  return values;
+}
+
+TEST(GroupTest, StepAppliesOnceAllWorkersContributed) {
+  Group group = MakeGroup(3, /*mean=*/false);
+  ASSERT_EQ(group.shard_numel(), 3);
+  ASSERT_TRUE(Contribute(group, 0, 2, {1, 2, 3}).ok());
+  ASSERT_TRUE(Contribute(group, 0, 0, {10, 20, 30}).ok());
+  EXPECT_EQ(group.version(), 0);
+  EXPECT_EQ(group.stats().pending_contributions, 2);
+  ASSERT_TRUE(Contribute(group, 0, 1, {100, 200, 300}).ok());
+  EXPECT_EQ(group.version(), 1);
+  EXPECT_EQ(Params(group), (std::vector<float>{-111, -222, -333}));  // SGD lr 1, sum
+}
+
+TEST(GroupTest, MeanReductionInRankOrderIsReproducible) {
+  // Arrival order must not change a bit: the sum runs in worker-rank order.
+  const std::vector<std::vector<float>> grads = {{1e8f, 1, 0.1f}, {1, -1e8f, 0.2f}, {-1e8f, 3, 0.3f}};
+  std::vector<float> results[2];
+  for (int trial = 0; trial < 2; ++trial) {
+    Group group = MakeGroup(3);
+    const int order[2][3] = {{0, 1, 2}, {2, 0, 1}};
+    for (int w : order[trial]) ASSERT_TRUE(Contribute(group, 0, w, grads[w]).ok());
+    results[trial] = Params(group);
+  }
+  EXPECT_EQ(results[0], results[1]);
+  const float expected0 = -(((1e8f + 1.0f) + -1e8f) * (1.0f / 3.0f));
+  EXPECT_EQ(results[0][0], expected0);
+}
+
+TEST(GroupTest, RefusesDuplicateStaleFutureAndInFlight) {
+  Group group = MakeGroup(2);
+  ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
+  absl::Status duplicate = Contribute(group, 0, 0, {1, 1, 1});
+  EXPECT_EQ(duplicate.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(duplicate.message()), HasSubstr("duplicate contribution"));
+  absl::Status future = Contribute(group, 1, 1, {1, 1, 1});
+  EXPECT_THAT(std::string(future.message()), HasSubstr("future contribution"));
+  EXPECT_THAT(std::string(future.message()), HasSubstr("expected step 0"));
+
+  absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(0, 1, DType::kBFloat16);
+  ASSERT_TRUE(slot.ok());
+  EXPECT_EQ(slot->buffer.size(), 6u);
+  EXPECT_THAT(std::string(group.BeginScatter(0, 1, DType::kFloat32).status().message()),
+              HasSubstr("already being received"));
+  group.AbortScatter(*slot);  // the transfer died: the worker may send again
+  ASSERT_TRUE(Contribute(group, 0, 1, {1, 1, 1}).ok());
+  EXPECT_EQ(group.version(), 1);
+  absl::Status stale = Contribute(group, 0, 1, {1, 1, 1});
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("already applied; expected step 1"));
+  EXPECT_EQ(group.BeginScatter(1, 2, DType::kFloat32).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(group.BeginScatter(1, 0, DType::kInt32).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(GroupTest, GatherWaitsForTheVersionOrTheDeadline) {
+  Group group = MakeGroup(1);
+  absl::StatusOr<GatherSnapshot> late = group.Gather(1, DType::kFloat32, absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
+  std::thread stepper([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    ASSERT_TRUE(Contribute(group, 0, 0, {1, 2, 3}).ok());
+  });
+  absl::StatusOr<GatherSnapshot> snapshot = group.Gather(1, DType::kBFloat16, absl::Now() + absl::Seconds(10));
+  stepper.join();
+  ASSERT_TRUE(snapshot.ok());
+  EXPECT_EQ(snapshot->version, 1);
+  ASSERT_EQ(snapshot->bytes->size(), 6u);
+  uint16_t first;
+  std::memcpy(&first, snapshot->bytes->data(), 2);
+  EXPECT_EQ(first, FloatToBFloat16Bits(-1.0f));
+}
+
+TEST(GroupTest, SeedInitIsIndependentOfServerCountAndPaddingStaysZero) {
+  // Tensor values from 1 shard of 1 vs 3 shards of 3.
+  std::vector<float> whole;
+  {
+    Group one = MakeGroup(1, true, 0, 1);
+    ASSERT_TRUE(one.InitFromSeed(42).ok());
+    whole = Params(one);
+  }
+  std::vector<float> pieces;
+  for (int rank = 0; rank < 3; ++rank) {
+    Group part = MakeGroup(1, true, rank, 3);
+    ASSERT_TRUE(part.InitFromSeed(42).ok());
+    const std::vector<float> shard = Params(part);
+    pieces.insert(pieces.end(), shard.begin(), shard.end());
+  }
+  pieces.resize(whole.size() + 1);
+  EXPECT_EQ(pieces.back(), 0.0f);  // U = 5, N*S = 6: the last element is padding
+  pieces.pop_back();
+  EXPECT_EQ(pieces, whole);
+  for (float v : whole) {
+    EXPECT_NE(v, 0.0f);
+    EXPECT_LE(std::fabs(v), 1.0f);
+  }
+  Group stepped = MakeGroup(1);
+  ASSERT_TRUE(Contribute(stepped, 0, 0, {1, 1, 1}).ok());
+  EXPECT_EQ(stepped.InitFromSeed(1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(stepped.BeginPushInit(DType::kFloat32).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace flatshard::server
