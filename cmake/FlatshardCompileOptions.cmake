@@ -14,7 +14,7 @@ if(FLATSHARD_SANITIZE)
   if(FLATSHARD_SANITIZE STREQUAL "undefined")
     list(APPEND _flatshard_san -fno-sanitize-recover=undefined)
   endif()
-  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:${_flatshard_san}>)
+  add_compile_options("$<$<COMPILE_LANGUAGE:CXX>:${_flatshard_san}>")
   add_link_options(${_flatshard_san})
 endif()
 

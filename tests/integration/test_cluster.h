@@ -24,17 +24,23 @@ extern char** environ;
 
 namespace flatshard::testing {
 
-// A port that was free a moment ago (bound to port 0, then released).
-inline int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
+// `count` distinct ports that were free a moment ago: all are bound to port 0 at once
+// (so the kernel cannot hand out one twice), then released for the servers to bind.
+inline std::vector<int> FreePorts(int count) {
+  std::vector<int> fds, ports;
+  for (int i = 0; i < count; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    fds.push_back(fd);
+    ports.push_back(ntohs(addr.sin_port));
+  }
+  for (int fd : fds) close(fd);
+  return ports;
 }
 
 class TestCluster {
@@ -43,10 +49,11 @@ class TestCluster {
       : token_(std::move(token)) {
     const std::string token_file = scratch_dir + "/token";
     std::ofstream(token_file) << token_ << "\n";
+    const std::vector<int> ports = FreePorts(2 * servers);
     std::vector<int> data_ports;
     for (int i = 0; i < servers; ++i) {
-      addresses_.push_back(absl::StrCat("127.0.0.1:", FreePort()));
-      data_ports.push_back(FreePort());
+      addresses_.push_back(absl::StrCat("127.0.0.1:", ports[2 * i]));
+      data_ports.push_back(ports[2 * i + 1]);
     }
     for (int i = 0; i < servers; ++i) {
       std::vector<std::string> args = {FLATSHARD_SERVER_PATH,
