@@ -47,7 +47,8 @@ class TestCluster {
  public:
   TestCluster(int servers, std::string token, const std::string& scratch_dir)
       : token_(std::move(token)) {
-    const std::string token_file = scratch_dir + "/token";
+    // One file per process: ctest runs several clusters at once in the same TempDir().
+    const std::string token_file = absl::StrCat(scratch_dir, "/token-", getpid());
     std::ofstream(token_file) << token_ << "\n";
     const std::vector<int> ports = FreePorts(2 * servers);
     std::vector<int> data_ports;
