@@ -131,6 +131,7 @@ class Group {
   std::vector<std::vector<std::byte>> staging_;
   int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
   bool init_receiving_ ABSL_GUARDED_BY(mu_) = false;
+  // Written without the lock by the one connection that set init_receiving_.
   std::vector<std::byte> init_staging_;
   // Gather snapshots of the current version, per dtype (index = DType).
   std::shared_ptr<const std::vector<std::byte>> snapshots_[3] ABSL_GUARDED_BY(mu_);

@@ -11,7 +11,8 @@
 // connections.
 //
 //   FLATSHARD_RETURN_IF_ERROR(SendRequest(conn, header, "default", "mlp.0", grad_bytes));
-//   FLATSHARD_ASSIGN_OR_RETURN(int64_t version, RecvResponse(conn, absl::MakeSpan(dest)));
+//   FLATSHARD_ASSIGN_OR_RETURN(Response response, RecvResponse(conn, absl::MakeSpan(dest)));
+//   FLATSHARD_RETURN_IF_ERROR(response.status);  // the server's verdict
 #ifndef FLATSHARD_TRANSPORT_DATA_PROTOCOL_H_
 #define FLATSHARD_TRANSPORT_DATA_PROTOCOL_H_
 

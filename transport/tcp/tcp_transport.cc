@@ -12,8 +12,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -67,7 +67,7 @@ class TcpConnection final : public Connection {
   ~TcpConnection() override { close(fd_); }
 
   absl::Status Send(std::initializer_list<absl::Span<const std::byte>> buffers) override {
-    std::vector<iovec> iov;
+    absl::InlinedVector<iovec, 4> iov;  // no allocation per send
     for (absl::Span<const std::byte> buffer : buffers) {
       if (!buffer.empty()) {
         iov.push_back({const_cast<std::byte*>(buffer.data()), buffer.size()});
