@@ -132,6 +132,8 @@ class ClientImpl final : public Client {
     settings->set_reduce(job.reduce_mean ? v1::JobSettings::MEAN : v1::JobSettings::SUM);
     settings->set_max_grad_norm(job.max_grad_norm);
     settings->set_norm_type(job.norm_type);
+    settings->set_mode(job.async ? v1::JobSettings::ASYNC : v1::JobSettings::SYNC);
+    if (job.max_staleness >= 0) settings->set_max_staleness(job.max_staleness);
     v1::ConfigureJobResponse response;
     return CallAll(&v1::Flatshard::Stub::ConfigureJob, request, &response);
   }

@@ -19,9 +19,9 @@ absl::Time DeadlineFromTimeout(int64_t timeout_ms) {
 
 }  // namespace
 
-DataServer::DataServer(Registry& registry, const SessionTokens& sessions, ServerStats& stats,
-                       DataServerOptions options)
-    : registry_(registry), sessions_(sessions), stats_(stats), options_(options) {}
+DataServer::DataServer(Registry& registry, ClipCoordinator& clip, const SessionTokens& sessions,
+                       ServerStats& stats, DataServerOptions options)
+    : registry_(registry), clip_(clip), sessions_(sessions), stats_(stats), options_(options) {}
 
 DataServer::~DataServer() { Stop(); }
 
@@ -176,9 +176,17 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
     return false;
   }
   stats_.bytes_received += request.payload_bytes;
-  const absl::Status committed =
-      scatter ? (*group)->CommitScatter(*slot) : (*group)->CommitPushInit(*slot);
-  if (scatter && committed.ok()) ++stats_.scatters;
+  absl::Status committed;
+  if (scatter) {
+    absl::StatusOr<CommitOutcome> outcome = (*group)->CommitScatter(*slot);
+    committed = outcome.status();
+    if (outcome.ok() && *outcome == CommitOutcome::kReduced) {
+      committed = clip_.OnGroupReduced(request.job, request.version);
+    }
+    if (outcome.ok()) ++stats_.scatters;
+  } else {
+    committed = (*group)->CommitPushInit(*slot);
+  }
   if (!committed.ok()) ++stats_.errors;
   return transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
 }

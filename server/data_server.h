@@ -9,7 +9,7 @@
 //
 // Start/Stop from one thread; the rest is internal.
 //
-//   DataServer data(registry, sessions, stats, {});
+//   DataServer data(registry, clip, sessions, stats, {});
 //   FLATSHARD_RETURN_IF_ERROR(data.Start("127.0.0.1", 7071));
 //   ...; data.Stop();
 #ifndef FLATSHARD_SERVER_DATA_SERVER_H_
@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/auth.h"
+#include "server/clip_coordinator.h"
 #include "server/registry.h"
 #include "server/stats.h"
 #include "transport/data_protocol.h"
@@ -41,8 +42,8 @@ struct DataServerOptions {
 
 class DataServer {
  public:
-  DataServer(Registry& registry, const SessionTokens& sessions, ServerStats& stats,
-             DataServerOptions options);
+  DataServer(Registry& registry, ClipCoordinator& clip, const SessionTokens& sessions,
+             ServerStats& stats, DataServerOptions options);
   ~DataServer();
 
   // Binds host:port (0: any free port) and starts accepting. Unavailable if it cannot bind.
@@ -65,6 +66,7 @@ class DataServer {
               const absl::Status& status);
 
   Registry& registry_;
+  ClipCoordinator& clip_;
   const SessionTokens& sessions_;
   ServerStats& stats_;
   const DataServerOptions options_;

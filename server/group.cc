@@ -47,7 +47,8 @@ Group::Group(std::string job, std::string name, FlatLayout layout, int rank,
       optimizer_(std::move(optimizer), layout_.shard_numel()),
       slot_states_(job_settings.num_workers, SlotState::kEmpty),
       slot_dtypes_(job_settings.num_workers, DType::kFloat32),
-      staging_(job_settings.num_workers) {}
+      staging_(job_settings.num_workers),
+      last_async_step_(job_settings.num_workers, -1) {}
 
 std::string Group::optimizer_name() const {
   absl::MutexLock lock(&mu_);
@@ -96,6 +97,31 @@ absl::StatusOr<GatherSnapshot> Group::Gather(int64_t min_version, DType dtype,
 }
 
 absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
+  if (job_settings_.async) {
+    if (step > version_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("future contribution to group '", name_, "' from worker ", worker_rank,
+                       ": computed from version ", step, " but the group is at version ", version_));
+    }
+    if (job_settings_.max_staleness >= 0 && version_ - step > job_settings_.max_staleness) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "stale contribution to group '", name_, "' from worker ", worker_rank,
+          ": computed from version ", step, ", ", version_ - step,
+          " versions old; the bound is ", job_settings_.max_staleness, "; gather version ",
+          version_, " and recompute"));
+    }
+    if (step <= last_async_step_[worker_rank]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "duplicate contribution to group '", name_, "' from worker ", worker_rank,
+          ": it already contributed from version ", last_async_step_[worker_rank],
+          "; expected a version after it"));
+    }
+    if (slot_states_[worker_rank] == SlotState::kReceiving) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker ", worker_rank, "'s contribution to group '", name_, "' is already being received"));
+    }
+    return absl::OkStatus();
+  }
   if (step < version_) {
     return absl::FailedPreconditionError(
         absl::StrCat("stale contribution to group '", name_, "' from worker ", worker_rank,
@@ -141,10 +167,53 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
   return ReceiveSlot{step, worker_rank, dtype, absl::MakeSpan(staging)};
 }
 
-absl::Status Group::CommitScatter(const ReceiveSlot& slot) {
+absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
+  if (job_settings_.async) return CommitAsync(slot);
   slot_states_[slot.worker_rank] = SlotState::kReady;
-  if (++ready_count_ == job_settings_.num_workers) ApplyStep();
+  if (++ready_count_ < job_settings_.num_workers) return CommitOutcome::kPending;
+  ReduceContributions();
+  if (job_settings_.clipping()) {
+    reduced_ = true;
+    return CommitOutcome::kReduced;
+  }
+  StepOptimizer();
+  return CommitOutcome::kApplied;
+}
+
+CommitOutcome Group::CommitAsync(const ReceiveSlot& slot) {
+  // Cannot fail: the dtype was checked in BeginScatter.
+  (void)kernels::cpu::Cast(slot.dtype, staging_[slot.worker_rank].data(), DType::kFloat32,
+                           grad_.data(), static_cast<int64_t>(grad_.size()));
+  if (job_settings_.reduce_mean && job_settings_.num_workers > 1) {
+    kernels::cpu::Scale(absl::MakeSpan(grad_), 1.0f / static_cast<float>(job_settings_.num_workers));
+  }
+  last_async_step_[slot.worker_rank] = slot.step;
+  slot_states_[slot.worker_rank] = SlotState::kEmpty;
+  StepOptimizer();
+  return CommitOutcome::kApplied;
+}
+
+bool Group::reduced_at(int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  return reduced_ && version_ == step;
+}
+
+double Group::NormPartial(double norm_type) const {
+  absl::MutexLock lock(&mu_);
+  if (std::isinf(norm_type)) return kernels::cpu::MaxAbs(grad_);
+  return kernels::cpu::SquaredNorm(grad_);
+}
+
+absl::Status Group::FinishClippedStep(int64_t step, float clip_coef) {
+  absl::MutexLock lock(&mu_);
+  if (!reduced_ || version_ != step) {
+    return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' has no reduced gradient for step ",
+                                                      step, " (at version ", version_, ")"));
+  }
+  if (!(clip_coef >= 1.0f)) kernels::cpu::Scale(absl::MakeSpan(grad_), clip_coef);
+  reduced_ = false;
+  StepOptimizer();
   return absl::OkStatus();
 }
 
@@ -153,7 +222,7 @@ void Group::AbortScatter(const ReceiveSlot& slot) {
   slot_states_[slot.worker_rank] = SlotState::kEmpty;
 }
 
-void Group::ApplyStep() {
+void Group::ReduceContributions() {
   const absl::Span<float> grad = absl::MakeSpan(grad_);
   // Worker-rank order makes the fp32 sum bitwise reproducible.
   for (int worker = 0; worker < job_settings_.num_workers; ++worker) {
@@ -169,10 +238,13 @@ void Group::ApplyStep() {
   if (job_settings_.reduce_mean && job_settings_.num_workers > 1) {
     kernels::cpu::Scale(grad, 1.0f / static_cast<float>(job_settings_.num_workers));
   }
-  optimizer_.Step(absl::MakeSpan(params_), grad);
+}
+
+void Group::StepOptimizer() {
+  optimizer_.Step(absl::MakeSpan(params_), grad_);
   ++version_;
   ready_count_ = 0;
-  std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
+  if (!job_settings_.async) std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
   PublishNewValues();
 }
 

@@ -7,6 +7,12 @@
 //    FailedPrecondition naming the expected step.
 //  - When all W are in, the server reduces them in fp32 in worker-rank order (bitwise
 //    reproducible), divides by W for a mean, runs the optimizer and publishes v + 1.
+//  - With gradient clipping, the reduced gradient waits (kReduced) until the job's
+//    global norm is known (server/clip_coordinator.h), which then calls
+//    FinishClippedStep with the clip coefficient.
+//  - Async mode: each contribution (step = the version it was computed from) is applied
+//    on arrival as one optimizer step, scaled by 1/W for a mean; contributions older
+//    than max_staleness versions, or not newer than the worker's last one, are refused.
 //  - A contribution is received in two phases so the bytes land straight in its staging
 //    slot without holding the lock: BeginScatter reserves the slot, the caller fills
 //    it, then CommitScatter (or AbortScatter if the transfer failed: the worker may
@@ -50,6 +56,12 @@ struct ReceiveSlot {
   absl::Span<std::byte> buffer;
 };
 
+enum class CommitOutcome {
+  kPending,  // waiting for other workers' contributions
+  kApplied,  // the optimizer step ran; the version advanced
+  kReduced,  // clipped job: reduced, waiting for the job's gradient norm
+};
+
 struct GroupStats {
   int64_t version = 0;
   int64_t bytes = 0;
@@ -84,9 +96,19 @@ class Group {
   // stale, future or duplicate contribution (or one already being received),
   // InvalidArgument for a worker rank outside [0, W) or a non-float dtype.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype);
-  // Records the filled slot; the last contribution of a step runs the optimizer before
-  // returning. Returns the step's status.
-  [[nodiscard]] absl::Status CommitScatter(const ReceiveSlot& slot);
+  // Records the filled slot; the last contribution of a step reduces and (without
+  // clipping) runs the optimizer before returning.
+  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitScatter(const ReceiveSlot& slot);
+
+  // Clipped jobs. True when the contributions for `step` are reduced and wait for the
+  // norm. NormPartial: this shard's sum of squares (norm_type 2) or max |g| (inf) of the
+  // reduced gradient; precondition: reduced_at(version()).
+  bool reduced_at(int64_t step) const;
+  double NormPartial(double norm_type) const;
+  // Scales the reduced gradient by clip_coef when it is below 1 (or NaN, as torch
+  // does), runs the optimizer and publishes step + 1. FailedPrecondition unless
+  // reduced_at(step).
+  [[nodiscard]] absl::Status FinishClippedStep(int64_t step, float clip_coef);
   void AbortScatter(const ReceiveSlot& slot);
 
   // Initial values: a slot for this server's shard (shard_numel elements of `dtype`).
@@ -110,7 +132,9 @@ class Group {
 
   absl::Status CheckContribution(int64_t step, int worker_rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ApplyStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StepOptimizer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  CommitOutcome CommitAsync(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishNewValues() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string job_;
@@ -130,6 +154,8 @@ class Group {
   // the one connection that reserved it.
   std::vector<std::vector<std::byte>> staging_;
   int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
+  bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_
+  std::vector<int64_t> last_async_step_ ABSL_GUARDED_BY(mu_);  // per worker, -1: none
   bool init_receiving_ ABSL_GUARDED_BY(mu_) = false;
   // Written without the lock by the one connection that set init_receiving_.
   std::vector<std::byte> init_staging_;

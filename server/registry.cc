@@ -16,17 +16,22 @@ absl::Status Registry::ConfigureJob(const std::string& job, const JobSettings& s
   if (settings.max_grad_norm < 0 || std::isnan(settings.max_grad_norm)) {
     return absl::InvalidArgumentError("max_grad_norm: must be >= 0 (0: no clipping)");
   }
-  if (settings.max_grad_norm > 0) {
-    return absl::UnimplementedError(
-        "gradient clipping (max_grad_norm > 0) is not implemented yet; configure the job "
-        "without it");
+  if (settings.norm_type != 2.0 && !(std::isinf(settings.norm_type) && settings.norm_type > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("norm_type: ", settings.norm_type, "; supported: 2 and inf"));
+  }
+  if (settings.clipping() && settings.async) {
+    return absl::InvalidArgumentError(
+        "max_grad_norm: gradient clipping needs sync mode (a global norm per step)");
   }
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = jobs_.emplace(job, settings);
   if (!inserted && !(it->second == settings)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job '", job, "' is already configured differently (num_workers ", it->second.num_workers,
-        ", reduce ", it->second.reduce_mean ? "mean" : "sum", "); every worker must send the same settings"));
+        ", reduce ", it->second.reduce_mean ? "mean" : "sum", ", max_grad_norm ",
+        it->second.max_grad_norm, ", ", it->second.async ? "async" : "sync",
+        "); every worker must send the same settings"));
   }
   return absl::OkStatus();
 }
@@ -66,6 +71,22 @@ absl::StatusOr<std::shared_ptr<Group>> Registry::FindGroup(const std::string& jo
   if (it == groups_.end()) {
     return absl::NotFoundError(absl::StrCat("unknown group '", name, "' in job '", job, "'"));
   }
+  return it->second;
+}
+
+std::vector<std::shared_ptr<Group>> Registry::job_groups(const std::string& job) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Group>> result;
+  for (auto it = groups_.lower_bound({job, ""}); it != groups_.end() && it->first.first == job; ++it) {
+    result.push_back(it->second);
+  }
+  return result;
+}
+
+absl::StatusOr<JobSettings> Registry::job_settings(const std::string& job) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = jobs_.find(job);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("unknown job '", job, "'"));
   return it->second;
 }
 

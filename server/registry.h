@@ -27,7 +27,7 @@ class Registry {
 
   // Creates job `job` or checks that it exists with the same settings
   // (FailedPrecondition naming the difference otherwise). InvalidArgument for W < 1 or
-  // a norm type other than 2 or inf; Unimplemented for gradient clipping (not yet).
+  // a norm type other than 2 or inf, clipping in async mode.
   [[nodiscard]] absl::Status ConfigureJob(const std::string& job, const JobSettings& settings);
 
   struct Registration {
@@ -47,6 +47,10 @@ class Registry {
                                                                  const std::string& name) const;
 
   std::vector<std::shared_ptr<Group>> groups() const;
+  // The groups of `job`, in name order.
+  std::vector<std::shared_ptr<Group>> job_groups(const std::string& job) const;
+  // NotFound if the job is not configured.
+  [[nodiscard]] absl::StatusOr<JobSettings> job_settings(const std::string& job) const;
   int rank() const { return rank_; }
 
  private:

@@ -48,7 +48,12 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
 
 Server::Server(ServerOptions options)
     : options_(std::move(options)),
-      registry_(options_.rank, static_cast<int>(options_.cluster.size())) {}
+      registry_(options_.rank, static_cast<int>(options_.cluster.size())),
+      peers_(options_.cluster, options_.rank, options_.auth_token),
+      clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
+            [this](int peer, const std::string& job, int64_t step, double partial) {
+              return peers_.SendNormPartial(peer, job, step, partial);
+            }) {}
 
 Server::~Server() { Shutdown(); }
 
@@ -64,7 +69,7 @@ absl::Status Server::Start() {
   } else if (port == 0) {
     data_port = 0;
   }
-  data_ = std::make_unique<DataServer>(registry_, sessions_, stats_, options_.data);
+  data_ = std::make_unique<DataServer>(registry_, clip_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
 
   ServiceIdentity identity{.rank = options_.rank,
@@ -73,7 +78,8 @@ absl::Status Server::Start() {
                            .data_address = absl::StrCat(data_host, ":", data_->port()),
                            .memory = options_.memory,
                            .auth_token = options_.auth_token};
-  service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, sessions_, stats_);
+  service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, sessions_,
+                                                stats_);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &control_port_);
   builder.RegisterService(service_.get());

@@ -15,8 +15,10 @@
 
 #include "absl/status/status.h"
 #include "server/auth.h"
+#include "server/clip_coordinator.h"
 #include "server/data_server.h"
 #include "server/registry.h"
+#include "server/peer_client.h"
 #include "server/service.h"
 #include "server/stats.h"
 
@@ -56,6 +58,8 @@ class Server {
  private:
   ServerOptions options_;
   Registry registry_;
+  PeerClient peers_;
+  ClipCoordinator clip_;
   SessionTokens sessions_;
   ServerStats stats_;
   std::unique_ptr<DataServer> data_;

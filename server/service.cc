@@ -49,8 +49,13 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
 }
 
 FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
-                                   SessionTokens& sessions, const ServerStats& stats)
-    : identity_(std::move(identity)), registry_(registry), sessions_(sessions), stats_(stats) {}
+                                   ClipCoordinator& clip, SessionTokens& sessions,
+                                   const ServerStats& stats)
+    : identity_(std::move(identity)),
+      registry_(registry),
+      clip_(clip),
+      sessions_(sessions),
+      stats_(stats) {}
 
 grpc::Status FlatshardService::Authenticate(const grpc::ServerContext* ctx) const {
   if (identity_.auth_token.empty()) return grpc::Status::OK;
@@ -91,18 +96,12 @@ grpc::Status FlatshardService::ConfigureJob(grpc::ServerContext* ctx,
                                             v1::ConfigureJobResponse*) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   const v1::JobSettings& proto = request->settings();
-  if (proto.mode() == v1::JobSettings::ASYNC) {
-    return ToGrpc(absl::UnimplementedError("asynchronous mode is not implemented yet; use sync"));
-  }
-  const double norm_type = proto.norm_type() == 0 ? 2.0 : proto.norm_type();
-  if (norm_type != 2.0 && !std::isinf(norm_type)) {
-    return ToGrpc(absl::InvalidArgumentError(
-        absl::StrCat("norm_type: ", norm_type, "; supported: 2 and inf")));
-  }
   const JobSettings settings{.num_workers = proto.num_workers(),
                              .reduce_mean = proto.reduce() == v1::JobSettings::MEAN,
                              .max_grad_norm = proto.max_grad_norm(),
-                             .norm_type = norm_type};
+                             .norm_type = proto.norm_type() == 0 ? 2.0 : proto.norm_type(),
+                             .async = proto.mode() == v1::JobSettings::ASYNC,
+                             .max_staleness = proto.has_max_staleness() ? proto.max_staleness() : -1};
   return ToGrpc(registry_.ConfigureJob(request->job(), settings));
 }
 
@@ -155,6 +154,14 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
   if (!version.ok()) return ToGrpc(version.status());
   response->set_version(*version);
   return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,
+                                               const v1::PushNormPartialRequest* request,
+                                               v1::PushNormPartialResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  return ToGrpc(clip_.RecordPartial(request->job(), request->step(), request->rank(),
+                                    request->partial()));
 }
 
 grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "server/auth.h"
+#include "server/clip_coordinator.h"
 #include "server/registry.h"
 #include "server/stats.h"
 
@@ -27,8 +28,8 @@ struct ServiceIdentity {
 
 class FlatshardService final : public v1::Flatshard::Service {
  public:
-  FlatshardService(ServiceIdentity identity, Registry& registry, SessionTokens& sessions,
-                   const ServerStats& stats);
+  FlatshardService(ServiceIdentity identity, Registry& registry, ClipCoordinator& clip,
+                   SessionTokens& sessions, const ServerStats& stats);
 
   grpc::Status GetClusterInfo(grpc::ServerContext* ctx, const v1::GetClusterInfoRequest* request,
                               v1::ClusterInfo* response) override;
@@ -46,12 +47,15 @@ class FlatshardService final : public v1::Flatshard::Service {
                            v1::WaitVersionResponse* response) override;
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* request,
                          v1::ServerStatus* response) override;
+  grpc::Status PushNormPartial(grpc::ServerContext* ctx, const v1::PushNormPartialRequest* request,
+                               v1::PushNormPartialResponse* response) override;
 
  private:
   grpc::Status Authenticate(const grpc::ServerContext* ctx) const;
 
   const ServiceIdentity identity_;
   Registry& registry_;
+  ClipCoordinator& clip_;
   SessionTokens& sessions_;
   const ServerStats& stats_;
   const absl::Time started_ = absl::Now();

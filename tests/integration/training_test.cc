@@ -4,6 +4,10 @@
 // bit for bit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
 #include <random>
 #include <thread>
 
@@ -78,37 +82,81 @@ std::vector<float> InitialValues(const FlatLayout& layout) {
   return flat;
 }
 
-// The same math in one process: reduce in worker order, mean, optimizer on the whole
-// flat buffer (elementwise, so sharding cannot change a bit).
-std::vector<float> Reference(const GroupCase& c, const FlatLayout& layout, int group_index) {
-  std::vector<float> params = InitialValues(layout);
-  const size_t n = params.size();
-  std::vector<float> m(n), v(n), v_max(n), grad(n);
+// The same math in one process: reduce in worker order, mean, optional clipping with
+// the norm combined exactly as the servers do (per server: its shards in group-name
+// order; then the servers in rank order), optimizer on the whole flat buffer
+// (elementwise, so sharding cannot change a bit).
+std::vector<std::vector<float>> Reference(const std::vector<GroupCase>& cases,
+                                          const std::vector<const FlatLayout*>& layouts,
+                                          const JobOptions& job, int num_servers) {
+  struct State {
+    std::vector<float> params, m, v, v_max, grad;
+  };
+  std::vector<State> states;
+  for (const FlatLayout* layout : layouts) {
+    const size_t n = layout->padded_numel();
+    states.push_back({InitialValues(*layout), std::vector<float>(n), std::vector<float>(n),
+                      std::vector<float>(n), std::vector<float>(n)});
+  }
+  std::vector<size_t> name_order(cases.size());
+  std::iota(name_order.begin(), name_order.end(), 0);
+  std::sort(name_order.begin(), name_order.end(),
+            [&](size_t a, size_t b) { return cases[a].name < cases[b].name; });
   for (int step = 0; step < kSteps; ++step) {
-    for (int w = 0; w < kWorkers; ++w) {
-      const std::vector<std::byte> bytes = Encode(Gradient(layout, group_index, step, w), c.scatter_dtype[w]);
-      if (w == 0) {
-        EXPECT_TRUE(kernels::cpu::Cast(c.scatter_dtype[w], bytes.data(), DType::kFloat32, grad.data(), n).ok());
-      } else {
-        EXPECT_TRUE(kernels::cpu::Accumulate(c.scatter_dtype[w], bytes.data(), absl::MakeSpan(grad)).ok());
+    for (size_t g = 0; g < cases.size(); ++g) {
+      std::vector<float>& grad = states[g].grad;
+      for (int w = 0; w < kWorkers; ++w) {
+        const std::vector<std::byte> bytes =
+            Encode(Gradient(*layouts[g], static_cast<int>(g), step, w), cases[g].scatter_dtype[w]);
+        if (w == 0) {
+          EXPECT_TRUE(kernels::cpu::Cast(cases[g].scatter_dtype[w], bytes.data(), DType::kFloat32,
+                                         grad.data(), grad.size()).ok());
+        } else {
+          EXPECT_TRUE(kernels::cpu::Accumulate(cases[g].scatter_dtype[w], bytes.data(), absl::MakeSpan(grad)).ok());
+        }
+      }
+      kernels::cpu::Scale(absl::MakeSpan(grad), 1.0f / kWorkers);
+    }
+    if (job.max_grad_norm > 0) {
+      const bool inf_norm = std::isinf(job.norm_type);
+      double combined = 0.0;
+      for (int rank = 0; rank < num_servers; ++rank) {
+        double partial = 0.0;
+        for (size_t g : name_order) {
+          const int64_t shard = layouts[g]->shard_numel();
+          const auto slice = absl::MakeConstSpan(states[g].grad).subspan(rank * shard, shard);
+          partial = inf_norm ? std::max<double>(partial, kernels::cpu::MaxAbs(slice))
+                             : partial + kernels::cpu::SquaredNorm(slice);
+        }
+        combined = inf_norm ? std::max(combined, partial) : combined + partial;
+      }
+      const double total = inf_norm ? combined : std::sqrt(combined);
+      const float coef = static_cast<float>(job.max_grad_norm / (total + 1e-6));
+      EXPECT_LT(coef, 1.0f) << "the test should clip";
+      if (coef < 1.0f) {
+        for (State& state : states) kernels::cpu::Scale(absl::MakeSpan(state.grad), coef);
       }
     }
-    kernels::cpu::Scale(absl::MakeSpan(grad), 1.0f / kWorkers);
-    if (const auto* adam = std::get_if<AdamOptions>(&c.optimizer)) {
-      kernels::cpu::AdamStep({.lr = static_cast<float>(adam->lr), .beta1 = static_cast<float>(adam->beta1),
-                              .beta2 = static_cast<float>(adam->beta2), .eps = static_cast<float>(adam->eps),
-                              .weight_decay = static_cast<float>(adam->weight_decay), .amsgrad = adam->amsgrad,
-                              .decoupled_weight_decay = adam->decoupled_weight_decay},
-                             step + 1, absl::MakeSpan(params), grad, absl::MakeSpan(m), absl::MakeSpan(v),
-                             absl::MakeSpan(v_max));
-    } else {
-      const auto& sgd = std::get<SgdOptions>(c.optimizer);
-      kernels::cpu::SgdStep({.lr = static_cast<float>(sgd.lr), .momentum = static_cast<float>(sgd.momentum),
-                             .dampening = static_cast<float>(sgd.dampening),
-                             .weight_decay = static_cast<float>(sgd.weight_decay), .nesterov = sgd.nesterov},
-                            step == 0, absl::MakeSpan(params), grad, absl::MakeSpan(m));
+    for (size_t g = 0; g < cases.size(); ++g) {
+      State& st = states[g];
+      if (const auto* adam = std::get_if<AdamOptions>(&cases[g].optimizer)) {
+        kernels::cpu::AdamStep({.lr = static_cast<float>(adam->lr), .beta1 = static_cast<float>(adam->beta1),
+                                .beta2 = static_cast<float>(adam->beta2), .eps = static_cast<float>(adam->eps),
+                                .weight_decay = static_cast<float>(adam->weight_decay), .amsgrad = adam->amsgrad,
+                                .decoupled_weight_decay = adam->decoupled_weight_decay},
+                               step + 1, absl::MakeSpan(st.params), st.grad, absl::MakeSpan(st.m),
+                               absl::MakeSpan(st.v), absl::MakeSpan(st.v_max));
+      } else {
+        const auto& sgd = std::get<SgdOptions>(cases[g].optimizer);
+        kernels::cpu::SgdStep({.lr = static_cast<float>(sgd.lr), .momentum = static_cast<float>(sgd.momentum),
+                               .dampening = static_cast<float>(sgd.dampening),
+                               .weight_decay = static_cast<float>(sgd.weight_decay), .nesterov = sgd.nesterov},
+                              step == 0, absl::MakeSpan(st.params), st.grad, absl::MakeSpan(st.m));
+      }
     }
   }
+  std::vector<std::vector<float>> params;
+  for (State& state : states) params.push_back(std::move(state.params));
   return params;
 }
 
@@ -136,12 +184,12 @@ void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<
   }
 }
 
-TEST(TrainingIntegrationTest, ThreeServersTwoWorkersMatchSingleProcessBitwise) {
+void TrainAndCompare(const JobOptions& job) {
   testing::TestCluster cluster(3, "s3cret-token", ::testing::TempDir());
   const std::vector<GroupCase> cases = Cases();
   auto setup = cluster.Connect(0, kWorkers);
   ASSERT_TRUE(setup.ok()) << setup.status();
-  ASSERT_TRUE((*setup)->ConfigureJob({}).ok());
+  ASSERT_TRUE((*setup)->ConfigureJob(job).ok());
   std::vector<const FlatLayout*> layouts;
   for (const GroupCase& c : cases) {
     auto layout = (*setup)->RegisterGroup(c.name, c.tensors, c.align, c.optimizer);
@@ -159,9 +207,10 @@ TEST(TrainingIntegrationTest, ThreeServersTwoWorkersMatchSingleProcessBitwise) {
   for (std::thread& worker : workers) worker.join();
   if (::testing::Test::HasFatalFailure()) return;
 
+  const std::vector<std::vector<float>> reference = Reference(cases, layouts, job, 3);
   for (size_t g = 0; g < cases.size(); ++g) {
     ASSERT_EQ(*(*setup)->WaitVersion(cases[g].name, kSteps), kSteps);
-    const std::vector<float> expected = Reference(cases[g], *layouts[g], static_cast<int>(g));
+    const std::vector<float>& expected = reference[g];
     std::vector<float> actual(layouts[g]->padded_numel(), -1.0f);
     auto version = (*setup)->Gather(cases[g].name, kSteps, DType::kFloat32, AsBytes(actual)).get();
     ASSERT_TRUE(version.ok()) << version.status();
@@ -177,6 +226,18 @@ TEST(TrainingIntegrationTest, ThreeServersTwoWorkersMatchSingleProcessBitwise) {
       ASSERT_EQ(bf16[i], FloatToBFloat16Bits(expected[i])) << cases[g].name << " element " << i;
     }
   }
+}
+
+TEST(TrainingIntegrationTest, ThreeServersTwoWorkersMatchSingleProcessBitwise) {
+  TrainAndCompare({});
+}
+
+TEST(TrainingIntegrationTest, ClippingByGlobalL2NormAcrossGroupsAndServers) {
+  TrainAndCompare({.max_grad_norm = 0.3});
+}
+
+TEST(TrainingIntegrationTest, ClippingByGlobalInfNorm) {
+  TrainAndCompare({.max_grad_norm = 0.2, .norm_type = std::numeric_limits<double>::infinity()});
 }
 
 }  // namespace

@@ -25,7 +25,7 @@ absl::Status Contribute(Group& group, int64_t step, int worker, const std::vecto
   absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(step, worker, DType::kFloat32);
   if (!slot.ok()) return slot.status();
   std::memcpy(slot->buffer.data(), grad.data(), slot->buffer.size());
-  return group.CommitScatter(*slot);
+  return group.CommitScatter(*slot).status();
 }
 
 std::vector<float> Params(Group& group) {
@@ -131,6 +131,46 @@ TEST(GroupTest, SeedInitIsIndependentOfServerCountAndPaddingStaysZero) {
   ASSERT_TRUE(Contribute(stepped, 0, 0, {1, 1, 1}).ok());
   EXPECT_EQ(stepped.InitFromSeed(1).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(stepped.BeginPushInit(DType::kFloat32).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace flatshard::server
+
+namespace flatshard::server {
+namespace {
+
+Group MakeAsyncGroup(int workers, int64_t max_staleness) {
+  auto layout = FlatLayout::Create({{"w", {2}, DType::kFloat32}}, 0, 1);
+  return Group("job", "g", *layout, 0,
+               JobSettings{.num_workers = workers, .reduce_mean = false, .async = true,
+                           .max_staleness = max_staleness},
+               kernels::cpu::SgdHyperparams{.lr = 1.0f});
+}
+
+TEST(GroupAsyncTest, EachContributionStepsOnArrival) {
+  Group group = MakeAsyncGroup(2, /*max_staleness=*/1);
+  ASSERT_TRUE(Contribute(group, 0, 1, {1, 2}).ok());
+  EXPECT_EQ(group.version(), 1);
+  ASSERT_TRUE(Contribute(group, 0, 0, {10, 20}).ok());  // one version old: within the bound
+  EXPECT_EQ(group.version(), 2);
+  EXPECT_EQ(Params(group), (std::vector<float>{-11, -22}));
+
+  absl::Status stale = Contribute(group, 0, 1, {1, 1});  // worker 1 again, from version 0
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("2 versions old; the bound is 1"));
+  ASSERT_TRUE(Contribute(group, 1, 1, {1, 1}).ok());  // from version 1: newer than its last
+  absl::Status future = Contribute(group, 9, 0, {1, 1});
+  EXPECT_THAT(std::string(future.message()), HasSubstr("future contribution"));
+}
+
+TEST(GroupAsyncTest, UnboundedStalenessAcceptsOldGradients) {
+  Group group = MakeAsyncGroup(2, /*max_staleness=*/-1);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(Contribute(group, i, 0, {1, 1}).ok());
+  ASSERT_TRUE(Contribute(group, 0, 1, {1, 1}).ok());  // five versions old
+  EXPECT_EQ(group.version(), 6);
+  absl::Status again = Contribute(group, 3, 0, {1, 1});
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(again.message()), HasSubstr("already contributed from version 4"));
 }
 
 }  // namespace

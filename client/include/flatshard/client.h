@@ -42,8 +42,13 @@ struct ClientOptions {
 
 struct JobOptions {
   bool reduce_mean = true;   // false: sum
-  double max_grad_norm = 0;  // 0: no clipping
-  double norm_type = 2.0;
+  double max_grad_norm = 0;  // 0: no clipping (clip_grad_norm_ over all groups of the job)
+  double norm_type = 2.0;    // 2 or infinity
+  // Asynchronous (parameter-server) mode: each contribution is applied on arrival; its
+  // `step` is the version the gradient was computed from. Contributions more than
+  // max_staleness versions old are refused (< 0: no bound).
+  bool async = false;
+  int64_t max_staleness = -1;
 };
 
 struct SgdOptions {

@@ -1,0 +1,83 @@
+#include "server/clip_coordinator.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace flatshard::server {
+
+ClipCoordinator::ClipCoordinator(Registry& registry, int rank, int num_servers, SendPartial send)
+    : registry_(registry), rank_(rank), num_servers_(num_servers), send_(std::move(send)) {}
+
+ClipCoordinator::StepState& ClipCoordinator::State(const std::string& job, int64_t step) {
+  StepState& state = steps_[{job, step}];
+  if (state.partials.empty()) state.partials.resize(num_servers_);
+  return state;
+}
+
+absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t step) {
+  FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
+  double partial = 0.0;
+  {
+    absl::MutexLock lock(&mu_);
+    StepState& state = State(job, step);
+    if (state.shared) return absl::OkStatus();
+    bool any = false;
+    for (const auto& group : registry_.job_groups(job)) {  // name order
+      if (group->version() != step) continue;
+      if (!group->reduced_at(step)) return absl::OkStatus();  // others still pending
+      any = true;
+      const double share = group->NormPartial(settings.norm_type);
+      partial = std::isinf(settings.norm_type) ? std::max(partial, share) : partial + share;
+      if (std::isnan(share)) partial = share;
+    }
+    if (!any) return absl::OkStatus();
+    state.shared = true;
+  }
+  for (int peer = 0; peer < num_servers_; ++peer) {
+    if (peer == rank_) continue;
+    if (absl::Status sent = send_(peer, job, step, partial); !sent.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "contribution recorded, but this server's gradient-norm share for job '", job,
+          "' step ", step, " could not reach server ", peer, ": ", sent.message()));
+    }
+  }
+  return RecordPartial(job, step, rank_, partial);
+}
+
+absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step, int rank,
+                                            double partial) {
+  if (rank < 0 || rank >= num_servers_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("norm share from rank ", rank, " outside the cluster of ", num_servers_));
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
+  if (!settings.clipping()) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", job, "' does not clip gradients"));
+  }
+  absl::MutexLock lock(&mu_);
+  StepState& state = State(job, step);
+  if (state.partials[rank].has_value()) return absl::OkStatus();
+  state.partials[rank] = partial;
+  if (++state.received < num_servers_) return absl::OkStatus();
+
+  // Every server combines the shares in rank order: the same bits everywhere.
+  const bool inf_norm = std::isinf(settings.norm_type);
+  double combined = 0.0;
+  for (const auto& share : state.partials) {
+    combined = inf_norm ? std::max(combined, *share) : combined + *share;
+    if (std::isnan(*share)) combined = *share;
+  }
+  steps_.erase({job, step});
+  const double total_norm = inf_norm ? combined : std::sqrt(combined);
+  const float clip_coef = static_cast<float>(settings.max_grad_norm / (total_norm + 1e-6));
+  absl::Status status;
+  for (const auto& group : registry_.job_groups(job)) {
+    if (group->reduced_at(step)) status.Update(group->FinishClippedStep(step, clip_coef));
+  }
+  return status;
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,72 @@
+// ClipCoordinator: gradient clipping by global norm (torch.nn.utils.clip_grad_norm_ on the
+// reduced gradient) over every group of a job and every server of the cluster.
+//
+// When all groups of a clipped job that are at version `step` have reduced their
+// contributions on this server, the server computes its share of the norm (sum of
+// squares over its shards, in group-name order, for norm_type 2; max |g| for inf), sends
+// it to every peer and records it. Once the shares of all N servers are in, each server
+// combines them in rank order (so every server computes the same bits), derives
+// clip_coef = max_norm / (total_norm + 1e-6) and finishes the step of every such group:
+// scale by clip_coef when it is below 1, optimizer step, version + 1. The groups of the
+// job thus step together.
+//
+// Thread-safe. Lock order: this coordinator, then a Group; never the reverse.
+//
+//   ClipCoordinator clip(registry, rank, num_servers, send_to_peer);
+//   if (outcome == CommitOutcome::kReduced) status = clip.OnGroupReduced(job, step);
+#ifndef FLATSHARD_SERVER_CLIP_COORDINATOR_H_
+#define FLATSHARD_SERVER_CLIP_COORDINATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "server/registry.h"
+
+namespace flatshard::server {
+
+class ClipCoordinator {
+ public:
+  // Delivers this server's share to peer `rank`; blocks until delivered or given up.
+  using SendPartial = std::function<absl::Status(int rank, const std::string& job, int64_t step,
+                                                 double partial)>;
+
+  ClipCoordinator(Registry& registry, int rank, int num_servers, SendPartial send);
+
+  // Called after a group of `job` reduced its contributions for `step`. When it was the
+  // last such group on this server, shares the partial norm (blocking on the peers).
+  // Returns Unavailable naming the peer if a share could not be delivered.
+  [[nodiscard]] absl::Status OnGroupReduced(const std::string& job, int64_t step);
+
+  // A server's share for (job, step); the last one finishes the step here. A second
+  // share from the same rank is ignored. InvalidArgument for a rank outside the cluster
+  // or a job without clipping.
+  [[nodiscard]] absl::Status RecordPartial(const std::string& job, int64_t step, int rank,
+                                           double partial);
+
+ private:
+  struct StepState {
+    std::vector<std::optional<double>> partials;
+    int received = 0;
+    bool shared = false;  // this server's share was computed and sent
+  };
+
+  StepState& State(const std::string& job, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Registry& registry_;
+  const int rank_;
+  const int num_servers_;
+  const SendPartial send_;
+  absl::Mutex mu_;
+  std::map<std::pair<std::string, int64_t>, StepState> steps_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_CLIP_COORDINATOR_H_

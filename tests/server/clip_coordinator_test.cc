@@ -1,0 +1,126 @@
+// Two in-process "servers" (registries + coordinators wired to each other) clip a job of
+// two groups by its global norm; checked against a float64 computation of torch's
+// clip_grad_norm_ formula.
+#include "server/clip_coordinator.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace flatshard::server {
+namespace {
+
+constexpr int kServers = 2;
+
+struct FakeServer {
+  std::unique_ptr<Registry> registry;
+  std::unique_ptr<ClipCoordinator> clip;
+};
+
+class ClipCoordinatorTest : public ::testing::Test {
+ protected:
+  void Start(double max_norm, double norm_type) {
+    for (int rank = 0; rank < kServers; ++rank) {
+      servers_[rank].registry = std::make_unique<Registry>(rank, kServers);
+      servers_[rank].clip = std::make_unique<ClipCoordinator>(
+          *servers_[rank].registry, rank, kServers,
+          [this](int peer, const std::string& job, int64_t step, double partial) {
+            return servers_[peer].clip->RecordPartial(job, step, sender_, partial);
+          });
+      ASSERT_TRUE(servers_[rank].registry
+                      ->ConfigureJob("job", {.num_workers = 1, .max_grad_norm = max_norm,
+                                            .norm_type = norm_type})
+                      .ok());
+      for (const char* name : {"a", "b"}) {
+        ASSERT_TRUE(servers_[rank]
+                        .registry->RegisterGroup("job", name, {{"w", {4}, DType::kFloat32}}, 0,
+                                                kernels::cpu::SgdHyperparams{.lr = 1.0f})
+                        .ok());
+      }
+    }
+  }
+
+  // Worker 0's gradient for group `name` on server `rank` (2 of the 4 elements).
+  absl::Status Contribute(int rank, const std::string& name, std::vector<float> shard) {
+    auto group = servers_[rank].registry->FindGroup("job", name);
+    auto slot = (*group)->BeginScatter(0, 0, DType::kFloat32);
+    if (!slot.ok()) return slot.status();
+    std::memcpy(slot->buffer.data(), shard.data(), slot->buffer.size());
+    auto outcome = (*group)->CommitScatter(*slot);
+    if (!outcome.ok()) return outcome.status();
+    EXPECT_EQ(*outcome, CommitOutcome::kReduced);
+    sender_ = rank;
+    return servers_[rank].clip->OnGroupReduced("job", 0);
+  }
+
+  std::vector<float> Params(int rank, const std::string& name) {
+    auto group = servers_[rank].registry->FindGroup("job", name);
+    auto snapshot = (*group)->Gather(0, DType::kFloat32, absl::InfiniteFuture());
+    std::vector<float> values(2);
+    std::memcpy(values.data(), snapshot->bytes->data(), 8);
+    return values;
+  }
+
+  int64_t Version(int rank, const std::string& name) {
+    return (*servers_[rank].registry->FindGroup("job", name))->version();
+  }
+
+  FakeServer servers_[kServers];
+  int sender_ = 0;
+};
+
+// Shards: server 0 holds elements 0-1 of each group, server 1 elements 2-3.
+const std::vector<float> kGrads[2][2] = {{{3, 0}, {0, 4}}, {{1, -2}, {2, -1}}};  // [rank][group]
+
+TEST_F(ClipCoordinatorTest, GroupsStepTogetherWithTheGlobalL2Coefficient) {
+  Start(/*max_norm=*/1.0, /*norm_type=*/2.0);
+  ASSERT_TRUE(Contribute(0, "a", kGrads[0][0]).ok());
+  ASSERT_TRUE(Contribute(0, "b", kGrads[0][1]).ok());  // server 0 shares its partial
+  ASSERT_TRUE(Contribute(1, "a", kGrads[1][0]).ok());
+  EXPECT_EQ(Version(0, "a"), 0);  // server 1's share is not in yet
+  EXPECT_EQ(Version(1, "a"), 0);
+  ASSERT_TRUE(Contribute(1, "b", kGrads[1][1]).ok());
+  for (int rank = 0; rank < kServers; ++rank) {
+    EXPECT_EQ(Version(rank, "a"), 1);
+    EXPECT_EQ(Version(rank, "b"), 1);
+  }
+  double sum_sq = 0;
+  for (const auto& per_rank : kGrads) {
+    for (const auto& grad : per_rank) {
+      for (float g : grad) sum_sq += double{g} * g;
+    }
+  }
+  const double coef = 1.0 / (std::sqrt(sum_sq) + 1e-6);  // sqrt(35): clips
+  for (int rank = 0; rank < kServers; ++rank) {
+    for (int g = 0; g < 2; ++g) {
+      const std::vector<float> params = Params(rank, g == 0 ? "a" : "b");
+      for (int i = 0; i < 2; ++i) {
+        EXPECT_NEAR(params[i], -kGrads[rank][g][i] * coef, 1e-6) << rank << " " << g << " " << i;
+      }
+    }
+  }
+}
+
+TEST_F(ClipCoordinatorTest, InfNormAndNoScalingBelowTheBound) {
+  Start(/*max_norm=*/10.0, std::numeric_limits<double>::infinity());  // max |g| = 4 < 10
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(Contribute(rank, "a", kGrads[rank][0]).ok());
+    ASSERT_TRUE(Contribute(rank, "b", kGrads[rank][1]).ok());
+  }
+  EXPECT_EQ(Params(0, "b"), (std::vector<float>{0, -4}));  // SGD lr 1, unscaled
+  EXPECT_EQ(Params(1, "a"), (std::vector<float>{-1, 2}));
+}
+
+TEST_F(ClipCoordinatorTest, RejectsSharesForUnknownRanksAndUnclippedJobs) {
+  Start(1.0, 2.0);
+  EXPECT_EQ(servers_[0].clip->RecordPartial("job", 0, 7, 1.0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(servers_[0].clip->RecordPartial("nojob", 0, 1, 1.0).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(servers_[0].registry->ConfigureJob("plain", {.num_workers = 1}).ok());
+  EXPECT_EQ(servers_[0].clip->RecordPartial("plain", 0, 1, 1.0).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace flatshard::server
