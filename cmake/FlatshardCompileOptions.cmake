@@ -5,6 +5,9 @@
 # -fno-math-errno lets GCC vectorize loops that call sqrtf (the optimizer kernels);
 # PyTorch builds with it too. It changes no result: only errno is left untouched.
 add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fno-math-errno>)
+# No a*b+c -> fma contraction: the multiversioned kernels (kernels/cpu/multiversion.h)
+# must give the same bits on every CPU, and reductions must be reproducible.
+add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-ffp-contract=off>)
 
 if(FLATSHARD_SANITIZE)
   if(NOT FLATSHARD_SANITIZE MATCHES "^(address|undefined|thread)$")

@@ -14,10 +14,21 @@
 #ifndef FLATSHARD_CORE_FLOAT_BITS_H_
 #define FLATSHARD_CORE_FLOAT_BITS_H_
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 
 namespace flatshard {
+namespace internal {
+
+// `if_true` where `condition`, else `if_false`, as bit masks: GCC if-converts and
+// vectorizes this where it turns ternaries back into branches.
+inline uint32_t SelectBits(bool condition, uint32_t if_true, uint32_t if_false) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(condition);
+  return (if_true & mask) | (if_false & ~mask);
+}
+
+}  // namespace internal
 
 inline uint16_t FloatToBFloat16Bits(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
@@ -47,25 +58,20 @@ inline uint16_t FloatToHalfBits(float value) {
   const int32_t exponent = static_cast<int32_t>(magnitude >> 23);
   const uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u;
   const int32_t unclamped_shift = 126 - exponent;
-  const uint32_t shift = static_cast<uint32_t>(
-      unclamped_shift < 1 ? 1 : (unclamped_shift > 25 ? 25 : unclamped_shift));
+  const uint32_t shift = static_cast<uint32_t>(std::min(std::max(unclamped_shift, 1), 25));
   const uint32_t kept = mantissa >> shift;
   const uint32_t rest = mantissa & ((1u << shift) - 1u);
   const uint32_t half = 1u << (shift - 1u);
-  const uint32_t subnormal = kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u);
+  const uint32_t round_up =
+      static_cast<uint32_t>(rest > half) | (static_cast<uint32_t>(rest == half) & kept);
+  const uint32_t subnormal = kept + (round_up & 1u);
 
-  uint32_t result;
-  if (magnitude > 0x7F800000u) {
-    result = 0x7E00u;  // NaN
-  } else if (magnitude >= 0x477FF000u) {
-    result = 0x7C00u;  // rounds past 65504: Inf (Inf itself included)
-  } else if (magnitude >= 0x38800000u) {
-    result = normal;  // >= 2^-14
-  } else if (magnitude >= 0x33000000u) {
-    result = subnormal;  // >= 2^-25
-  } else {
-    result = 0u;
-  }
+  // Selects without branches so that loops over this function vectorize.
+  using internal::SelectBits;
+  uint32_t result = SelectBits(magnitude >= 0x33000000u, subnormal, 0u);  // >= 2^-25, else 0
+  result = SelectBits(magnitude >= 0x38800000u, normal, result);          // >= 2^-14: normal
+  result = SelectBits(magnitude >= 0x477FF000u, 0x7C00u, result);  // rounds past 65504: Inf
+  result = SelectBits(magnitude > 0x7F800000u, 0x7E00u, result);   // NaN
   return static_cast<uint16_t>(sign | result);
 }
 
@@ -73,17 +79,14 @@ inline float HalfBitsToFloat(uint16_t bits) {
   const uint32_t sign = (static_cast<uint32_t>(bits) & 0x8000u) << 16;
   const uint32_t exponent = (bits >> 10) & 0x1Fu;
   const uint32_t mantissa = bits & 0x3FFu;
-  uint32_t result;
-  if (exponent == 0x1Fu) {
-    result = 0x7F800000u | (mantissa << 13);  // Inf / NaN, payload kept
-  } else if (exponent != 0) {
-    result = ((exponent + 112u) << 23) | (mantissa << 13);
-  } else {
-    // Zero or subnormal: mantissa * 2^-24 is exact in float32.
-    const float subnormal = static_cast<float>(mantissa) * 0x1.0p-24f;
-    return sign ? -subnormal : subnormal;
-  }
-  return std::bit_cast<float>(sign | result);
+  const uint32_t special = 0x7F800000u | (mantissa << 13);  // Inf / NaN, payload kept
+  const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
+  // Zero or subnormal: mantissa * 2^-24 is exact in float32.
+  const uint32_t subnormal = std::bit_cast<uint32_t>(static_cast<float>(mantissa) * 0x1.0p-24f);
+  using internal::SelectBits;
+  const uint32_t magnitude =
+      SelectBits(exponent == 0x1Fu, special, SelectBits(exponent != 0, normal, subnormal));
+  return std::bit_cast<float>(sign | magnitude);
 }
 
 }  // namespace flatshard

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 
 namespace flatshard::server {
@@ -39,6 +40,26 @@ absl::Status PeerClient::SendNormPartial(int peer, const std::string& job, int64
     }
     absl::SleepFor(absl::Milliseconds(50));
   }
+}
+
+absl::Status PeerClient::CheckAgreement(int peer, absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
+  v1::ClusterInfo info;
+  const grpc::Status status = stubs_[peer]->GetClusterInfo(&ctx, v1::GetClusterInfoRequest(), &info);
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat(cluster_[peer], ": ", status.error_message()));
+  }
+  const std::vector<std::string> theirs(info.cluster().begin(), info.cluster().end());
+  if (theirs != cluster_ || info.rank() != peer) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "server ", cluster_[peer], " is rank ", info.rank(), " of [", absl::StrJoin(theirs, ","),
+        "]; this server (rank ", rank_, ") expects rank ", peer, " of [",
+        absl::StrJoin(cluster_, ","), "]"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace flatshard::server

@@ -28,6 +28,11 @@ class PeerClient {
   [[nodiscard]] absl::Status SendNormPartial(int peer, const std::string& job, int64_t step,
                                              double partial);
 
+  // Asks `peer` for its view of the cluster (one try, `timeout`). FailedPrecondition
+  // naming the difference if it reports another list or another rank; Unavailable (or
+  // the RPC's error) if it does not answer.
+  [[nodiscard]] absl::Status CheckAgreement(int peer, absl::Duration timeout);
+
  private:
   const std::vector<std::string> cluster_;
   const int rank_;

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <iostream>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -79,7 +80,7 @@ absl::Status Server::Start() {
                            .memory = options_.memory,
                            .auth_token = options_.auth_token};
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, sessions_,
-                                                stats_);
+                                                stats_, [this] { return cluster_check(); });
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &control_port_);
   builder.RegisterService(service_.get());
@@ -94,10 +95,47 @@ absl::Status Server::Start() {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen,
                                                " (address in use or not local)"));
   }
+  cluster_check_thread_ = std::thread([this] { CheckCluster(); });
   return absl::OkStatus();
 }
 
+void Server::CheckCluster() {
+  const int servers = static_cast<int>(options_.cluster.size());
+  std::vector<bool> answered(servers, false);
+  answered[options_.rank] = true;
+  int remaining = servers - 1;
+  while (remaining > 0 && !stopping_.HasBeenNotified()) {
+    for (int peer = 0; peer < servers; ++peer) {
+      if (answered[peer]) continue;
+      const absl::Status agreed = peers_.CheckAgreement(peer, absl::Seconds(1));
+      if (absl::IsFailedPrecondition(agreed) || absl::IsUnauthenticated(agreed)) {
+        std::cerr << "flatshard-server rank " << options_.rank
+                  << ": CLUSTER MISMATCH: " << agreed.message() << std::endl;
+        absl::MutexLock lock(&check_mu_);
+        cluster_check_ = absl::StrCat("mismatch: ", agreed.message());
+        return;
+      }
+      if (agreed.ok()) {
+        answered[peer] = true;
+        --remaining;
+      }
+    }
+    if (remaining > 0) stopping_.WaitForNotificationWithTimeout(absl::Milliseconds(200));
+  }
+  if (remaining == 0) {
+    absl::MutexLock lock(&check_mu_);
+    cluster_check_ = "agreed";
+  }
+}
+
+std::string Server::cluster_check() const {
+  absl::MutexLock lock(&check_mu_);
+  return cluster_check_;
+}
+
 void Server::Shutdown() {
+  if (!stopping_.HasBeenNotified()) stopping_.Notify();
+  if (cluster_check_thread_.joinable()) cluster_check_thread_.join();
   if (grpc_server_) {
     // In-flight RPCs (e.g. WaitVersion) get a short grace period, then are cancelled.
     grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

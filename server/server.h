@@ -10,10 +10,13 @@
 #define FLATSHARD_SERVER_SERVER_H_
 
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "server/auth.h"
 #include "server/clip_coordinator.h"
 #include "server/data_server.h"
@@ -53,6 +56,8 @@ class Server {
   [[nodiscard]] absl::Status Start();
   void Shutdown();
   int control_port() const { return control_port_; }
+  // "checking", "agreed" or "mismatch: ..." (see ClusterInfo in the proto).
+  std::string cluster_check() const;
   int data_port() const { return data_ ? data_->port() : 0; }
 
  private:
@@ -66,6 +71,14 @@ class Server {
   std::unique_ptr<FlatshardService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   int control_port_ = 0;
+
+  // Start-up agreement check with the peers, in the background until every peer has
+  // answered once (or Shutdown).
+  void CheckCluster();
+  std::thread cluster_check_thread_;
+  absl::Notification stopping_;
+  mutable absl::Mutex check_mu_;
+  std::string cluster_check_ ABSL_GUARDED_BY(check_mu_) = "checking";
 };
 
 }  // namespace flatshard::server

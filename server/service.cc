@@ -50,12 +50,14 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
 
 FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
                                    ClipCoordinator& clip, SessionTokens& sessions,
-                                   const ServerStats& stats)
+                                   const ServerStats& stats,
+                                   std::function<std::string()> cluster_check)
     : identity_(std::move(identity)),
       registry_(registry),
       clip_(clip),
       sessions_(sessions),
-      stats_(stats) {}
+      stats_(stats),
+      cluster_check_(std::move(cluster_check)) {}
 
 grpc::Status FlatshardService::Authenticate(const grpc::ServerContext* ctx) const {
   if (identity_.auth_token.empty()) return grpc::Status::OK;
@@ -190,6 +192,7 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   response->set_errors(stats_.errors.load());
   response->set_open_data_connections(stats_.open_data_connections.load());
   response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  response->set_cluster_check(cluster_check_());
   return grpc::Status::OK;
 }
 

@@ -5,6 +5,7 @@
 #ifndef FLATSHARD_SERVER_SERVICE_H_
 #define FLATSHARD_SERVER_SERVICE_H_
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,7 +30,8 @@ struct ServiceIdentity {
 class FlatshardService final : public v1::Flatshard::Service {
  public:
   FlatshardService(ServiceIdentity identity, Registry& registry, ClipCoordinator& clip,
-                   SessionTokens& sessions, const ServerStats& stats);
+                   SessionTokens& sessions, const ServerStats& stats,
+                   std::function<std::string()> cluster_check);
 
   grpc::Status GetClusterInfo(grpc::ServerContext* ctx, const v1::GetClusterInfoRequest* request,
                               v1::ClusterInfo* response) override;
@@ -58,6 +60,7 @@ class FlatshardService final : public v1::Flatshard::Service {
   ClipCoordinator& clip_;
   SessionTokens& sessions_;
   const ServerStats& stats_;
+  const std::function<std::string()> cluster_check_;
   const absl::Time started_ = absl::Now();
 };
 

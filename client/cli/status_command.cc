@@ -59,6 +59,11 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                              HumanBytes(g.bytes()), g.optimizer(), g.pending_contributions());
     }
   }
+  for (const auto& status : statuses) {
+    if (status.ok() && status->cluster_check() != "agreed") {
+      out << absl::StrFormat("\nserver %d cluster check: %s\n", status->rank(), status->cluster_check());
+    }
+  }
   if (exit_code != 0) err << "flatshard status: some servers did not answer\n";
   return exit_code;
 }

@@ -2,22 +2,23 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/float_bits.h"
+#include "kernels/cpu/multiversion.h"
 
 namespace flatshard::kernels::cpu {
 
-void AccumulateFloat32(absl::Span<const float> src, absl::Span<float> dst) {
+FLATSHARD_MULTIVERSION void AccumulateFloat32(absl::Span<const float> src, absl::Span<float> dst) {
   const float* in = src.data();
   float* out = dst.data();
   for (size_t i = 0, n = src.size(); i < n; ++i) out[i] += in[i];
 }
 
-void AccumulateBFloat16(absl::Span<const uint16_t> src, absl::Span<float> dst) {
+FLATSHARD_MULTIVERSION void AccumulateBFloat16(absl::Span<const uint16_t> src, absl::Span<float> dst) {
   const uint16_t* in = src.data();
   float* out = dst.data();
   for (size_t i = 0, n = src.size(); i < n; ++i) out[i] += BFloat16BitsToFloat(in[i]);
 }
 
-void AccumulateFloat16(absl::Span<const uint16_t> src, absl::Span<float> dst) {
+FLATSHARD_MULTIVERSION void AccumulateFloat16(absl::Span<const uint16_t> src, absl::Span<float> dst) {
   const uint16_t* in = src.data();
   float* out = dst.data();
   for (size_t i = 0, n = src.size(); i < n; ++i) out[i] += HalfBitsToFloat(in[i]);

@@ -4,28 +4,29 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/float_bits.h"
+#include "kernels/cpu/multiversion.h"
 
 namespace flatshard::kernels::cpu {
 
-void CastFloat32ToBFloat16(absl::Span<const float> src, absl::Span<uint16_t> dst) {
+FLATSHARD_MULTIVERSION void CastFloat32ToBFloat16(absl::Span<const float> src, absl::Span<uint16_t> dst) {
   const float* in = src.data();
   uint16_t* out = dst.data();
   for (size_t i = 0, n = src.size(); i < n; ++i) out[i] = FloatToBFloat16Bits(in[i]);
 }
 
-void CastFloat32ToFloat16(absl::Span<const float> src, absl::Span<uint16_t> dst) {
+FLATSHARD_MULTIVERSION void CastFloat32ToFloat16(absl::Span<const float> src, absl::Span<uint16_t> dst) {
   const float* in = src.data();
   uint16_t* out = dst.data();
   for (size_t i = 0, n = src.size(); i < n; ++i) out[i] = FloatToHalfBits(in[i]);
 }
 
-void CastBFloat16ToFloat32(absl::Span<const uint16_t> src, absl::Span<float> dst) {
+FLATSHARD_MULTIVERSION void CastBFloat16ToFloat32(absl::Span<const uint16_t> src, absl::Span<float> dst) {
   const uint16_t* in = src.data();
   float* out = dst.data();
   for (size_t i = 0, n = src.size(); i < n; ++i) out[i] = BFloat16BitsToFloat(in[i]);
 }
 
-void CastFloat16ToFloat32(absl::Span<const uint16_t> src, absl::Span<float> dst) {
+FLATSHARD_MULTIVERSION void CastFloat16ToFloat32(absl::Span<const uint16_t> src, absl::Span<float> dst) {
   const uint16_t* in = src.data();
   float* out = dst.data();
   for (size_t i = 0, n = src.size(); i < n; ++i) out[i] = HalfBitsToFloat(in[i]);

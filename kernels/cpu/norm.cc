@@ -1,4 +1,5 @@
 #include "kernels/cpu/norm.h"
+#include "kernels/cpu/multiversion.h"
 
 #include <cmath>
 
@@ -9,7 +10,7 @@ namespace {
 constexpr size_t kLanes = 16;
 }  // namespace
 
-double SquaredNorm(absl::Span<const float> x) {
+FLATSHARD_MULTIVERSION double SquaredNorm(absl::Span<const float> x) {
   const float* data = x.data();
   const size_t n = x.size();
   double partial[kLanes] = {};
@@ -29,7 +30,7 @@ double SquaredNorm(absl::Span<const float> x) {
   return sum;
 }
 
-float MaxAbs(absl::Span<const float> x) {
+FLATSHARD_MULTIVERSION float MaxAbs(absl::Span<const float> x) {
   float result = 0.0f;
   bool saw_nan = false;
   for (float value : x) {

@@ -1,10 +1,11 @@
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/multiversion.h"
 
 #include <cmath>
 
 namespace flatshard::kernels::cpu {
 
-void SgdStep(const SgdHyperparams& hp, bool first_step, absl::Span<float> param,
+FLATSHARD_MULTIVERSION void SgdStep(const SgdHyperparams& hp, bool first_step, absl::Span<float> param,
              absl::Span<const float> grad, absl::Span<float> momentum_buffer) {
   float* p = param.data();
   const float* g = grad.data();
@@ -30,7 +31,7 @@ void SgdStep(const SgdHyperparams& hp, bool first_step, absl::Span<float> param,
   }
 }
 
-void AdamStep(const AdamHyperparams& hp, int64_t step, absl::Span<float> param,
+FLATSHARD_MULTIVERSION void AdamStep(const AdamHyperparams& hp, int64_t step, absl::Span<float> param,
               absl::Span<const float> grad, absl::Span<float> exp_avg,
               absl::Span<float> exp_avg_sq, absl::Span<float> max_exp_avg_sq) {
   const double bias_correction1 = 1.0 - std::pow(static_cast<double>(hp.beta1), step);

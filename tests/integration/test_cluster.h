@@ -6,9 +6,7 @@
 
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <netinet/in.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -19,28 +17,35 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "flatshard/client.h"
+#include "transport/tcp/tcp_transport.h"
 
 extern char** environ;
 
 namespace flatshard::testing {
 
-// `count` distinct ports that were free a moment ago: all are bound to port 0 at once
-// (so the kernel cannot hand out one twice), then released for the servers to bind.
-inline std::vector<int> FreePorts(int count) {
-  std::vector<int> fds, ports;
-  for (int i = 0; i < count; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    socklen_t len = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    fds.push_back(fd);
-    ports.push_back(ntohs(addr.sin_port));
+// Starts flatshard-server with `args` (argv[0] excluded); returns its pid, or -1.
+inline pid_t SpawnServer(std::vector<std::string> args) {
+  args.insert(args.begin(), FLATSHARD_SERVER_PATH);
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) return -1;
+  return pid;
+}
+
+// SIGTERM, then SIGKILL after 5 s; reaps the process.
+inline void StopServer(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGTERM);
+  int status = 0;
+  for (int i = 0; i < 50 && waitpid(pid, &status, WNOHANG) == 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
   }
-  for (int fd : fds) close(fd);
-  return ports;
+  if (waitpid(pid, &status, WNOHANG) == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
 }
 
 class TestCluster {
@@ -50,37 +55,24 @@ class TestCluster {
     // One file per process: ctest runs several clusters at once in the same TempDir().
     const std::string token_file = absl::StrCat(scratch_dir, "/token-", getpid());
     std::ofstream(token_file) << token_ << "\n";
-    const std::vector<int> ports = FreePorts(2 * servers);
+    const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2 * servers);
     std::vector<int> data_ports;
     for (int i = 0; i < servers; ++i) {
       addresses_.push_back(absl::StrCat("127.0.0.1:", ports[2 * i]));
       data_ports.push_back(ports[2 * i + 1]);
     }
     for (int i = 0; i < servers; ++i) {
-      std::vector<std::string> args = {FLATSHARD_SERVER_PATH,
-                                       "--listen=" + addresses_[i],
-                                       absl::StrCat("--data_listen=127.0.0.1:", data_ports[i]),
-                                       absl::StrCat("--rank=", i),
-                                       "--cluster=" + absl::StrJoin(addresses_, ","),
-                                       "--auth_token_file=" + token_file};
-      std::vector<char*> argv;
-      for (std::string& arg : args) argv.push_back(arg.data());
-      argv.push_back(nullptr);
-      pid_t pid = 0;
-      if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) == 0) pids_.push_back(pid);
+      pids_.push_back(SpawnServer({"--listen=" + addresses_[i],
+                                   absl::StrCat("--data_listen=127.0.0.1:", data_ports[i]),
+                                   absl::StrCat("--rank=", i),
+                                   "--cluster=" + absl::StrJoin(addresses_, ","),
+                                   "--auth_token_file=" + token_file}));
     }
   }
 
   ~TestCluster() {
     for (pid_t pid : pids_) kill(pid, SIGTERM);
-    for (pid_t pid : pids_) {
-      int status = 0;
-      for (int i = 0; i < 50 && waitpid(pid, &status, WNOHANG) == 0; ++i) absl::SleepFor(absl::Milliseconds(100));
-      if (kill(pid, 0) == 0) {
-        kill(pid, SIGKILL);
-        waitpid(pid, &status, 0);
-      }
-    }
+    for (pid_t pid : pids_) StopServer(pid);
   }
 
   // Connects a client as `worker_rank` of `num_workers`, retrying while servers start.

@@ -164,6 +164,17 @@ class TcpListener final : public Listener {
 
 }  // namespace
 
+absl::StatusOr<std::vector<int>> PickFreeLoopbackPorts(int count) {
+  std::vector<std::unique_ptr<Listener>> held;
+  std::vector<int> ports;
+  for (int i = 0; i < count; ++i) {
+    FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<Listener> listener, ListenTcp("127.0.0.1", 0));
+    ports.push_back(listener->port());
+    held.push_back(std::move(listener));
+  }
+  return ports;  // `held` closes every socket here
+}
+
 absl::Status SplitHostPort(absl::string_view address, std::string& host, int& port) {
   const size_t colon = address.rfind(':');
   if (colon == absl::string_view::npos || colon == 0 ||

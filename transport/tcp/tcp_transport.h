@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -26,6 +27,11 @@ namespace flatshard::transport {
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host,
                                                                      int port,
                                                                      absl::Duration timeout);
+
+// `count` distinct loopback ports that were free a moment ago: all are bound to port 0
+// at once (so none is handed out twice), then released for servers to bind. For tests,
+// benchmarks and local development clusters; another process may take one meanwhile.
+[[nodiscard]] absl::StatusOr<std::vector<int>> PickFreeLoopbackPorts(int count);
 
 // Splits "host:port"; InvalidArgument naming the text otherwise.
 [[nodiscard]] absl::Status SplitHostPort(absl::string_view address, std::string& host, int& port);

@@ -1,0 +1,310 @@
+// Data-plane and optimizer benchmarks of flatshard, each printed as a ratio to an anchor
+// measured in the same run on the same machine:
+//   gather / scatter throughput  vs  iperf3 over loopback with the same number of streams
+//   Adam step (params/s)         vs  STREAM-like triad bandwidth / 28 bytes per parameter
+//   small-gather latency p50     vs  a gRPC unary call that does no work (p50)
+// Servers run in this process (the same code as flatshard-server), workers are threads
+// with their own Client, all on 127.0.0.1.
+//
+//   build/bin/cluster_bench [--quick]
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <grpcpp/grpcpp.h>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/command_line.h"
+#include "flatshard/client.h"
+#include "kernels/kernels.h"
+#include "proto/flatshard.grpc.pb.h"
+#include "server/server.h"
+#include "transport/tcp/tcp_transport.h"
+
+ABSL_FLAG(bool, quick, false, "fewer configurations and shorter runs");
+ABSL_FLAG(double, seconds, 1.0, "measuring time per configuration");
+
+extern char** environ;
+
+namespace flatshard::bench {
+namespace {
+
+struct Cluster {
+  std::vector<std::unique_ptr<server::Server>> servers;
+  std::vector<std::string> addresses;
+};
+
+std::unique_ptr<Cluster> StartCluster(int num_servers) {
+  auto cluster = std::make_unique<Cluster>();
+  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2 * num_servers);
+  for (int i = 0; i < num_servers; ++i) cluster->addresses.push_back(absl::StrCat("127.0.0.1:", ports[2 * i]));
+  for (int i = 0; i < num_servers; ++i) {
+    server::ServerOptions options;
+    options.listen = cluster->addresses[i];
+    options.data_listen = absl::StrCat("127.0.0.1:", ports[2 * i + 1]);
+    options.rank = i;
+    options.cluster = cluster->addresses;
+    cluster->servers.push_back(std::make_unique<server::Server>(options));
+    if (absl::Status started = cluster->servers.back()->Start(); !started.ok()) {
+      std::cerr << "cluster_bench: " << started << "\n";
+      std::exit(1);
+    }
+  }
+  return cluster;
+}
+
+std::unique_ptr<Client> Connect(const Cluster& cluster, int rank, int workers, const std::string& job) {
+  ClientOptions options;
+  options.servers = cluster.addresses;
+  options.worker_rank = rank;
+  options.num_workers = workers;
+  options.job = job;
+  auto client = Client::Connect(options);
+  if (!client.ok()) {
+    std::cerr << "cluster_bench: " << client.status() << "\n";
+    std::exit(1);
+  }
+  return std::move(*client);
+}
+
+void Check(const absl::Status& status) {
+  if (!status.ok()) {
+    std::cerr << "cluster_bench: " << status << "\n";
+    std::exit(1);
+  }
+}
+
+const FlatLayout* Register(Client& client, const std::string& group, int64_t numel) {
+  auto layout = client.RegisterGroup(group, {{"w", {numel}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.0});
+  Check(layout.status());
+  return *layout;
+}
+
+// Aggregate bytes/s of `workers` threads each gathering a shared group of `bytes` from
+// `servers` servers for `seconds`.
+double GatherThroughput(int servers, int workers, int64_t bytes, double seconds) {
+  auto cluster = StartCluster(servers);
+  const int64_t numel = bytes / 4;
+  std::atomic<int64_t> moved{0};
+  std::barrier start(workers);
+  std::vector<std::thread> threads;
+  absl::Time begin, end;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      auto client = Connect(*cluster, w, workers, "gather");
+      Check(client->ConfigureJob({}));
+      const FlatLayout* layout = Register(*client, "g", numel);
+      if (w == 0) Check(client->InitGroupFromSeed("g", 1));
+      std::vector<float> buffer(layout->padded_numel());
+      Check(client->Gather("g", 0, DType::kFloat32, AsBytes(buffer)).get().status());  // warm up
+      start.arrive_and_wait();
+      if (w == 0) begin = absl::Now();
+      const absl::Time stop = absl::Now() + absl::Seconds(seconds);
+      while (absl::Now() < stop) {
+        Check(client->Gather("g", 0, DType::kFloat32, AsBytes(buffer)).get().status());
+        moved += numel * 4;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  end = absl::Now();
+  return static_cast<double>(moved.load()) / absl::ToDoubleSeconds(end - begin);
+}
+
+// Aggregate bytes/s of `workers` threads each scattering full gradients of `bytes` step
+// after step (each worker in a job of its own, so no one waits for another; the
+// server reduces and runs the optimizer as in training).
+double ScatterThroughput(int servers, int workers, int64_t bytes, double seconds) {
+  auto cluster = StartCluster(servers);
+  const int64_t numel = bytes / 4;
+  std::atomic<int64_t> moved{0};
+  std::barrier start(workers);
+  std::vector<std::thread> threads;
+  absl::Time begin;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      auto client = Connect(*cluster, 0, 1, absl::StrCat("scatter", w));
+      Check(client->ConfigureJob({}));
+      const FlatLayout* layout = Register(*client, "g", numel);
+      std::vector<float> grad(layout->padded_numel(), 1.0f);
+      Check(client->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get());  // warm up
+      start.arrive_and_wait();
+      if (w == 0) begin = absl::Now();
+      const absl::Time stop = absl::Now() + absl::Seconds(seconds);
+      for (int64_t step = 1; absl::Now() < stop; ++step) {
+        Check(client->Scatter("g", step, DType::kFloat32, AsBytes(grad)).get());
+        moved += numel * 4;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  return static_cast<double>(moved.load()) / absl::ToDoubleSeconds(absl::Now() - begin);
+}
+
+// iperf3 over loopback with `streams` parallel streams, bytes/s; 0 if unavailable.
+double Iperf3(int streams, double seconds) {
+  const int port = (*transport::PickFreeLoopbackPorts(1))[0];
+  const std::string port_text = std::to_string(port);
+  std::vector<std::string> args = {"iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", port_text};
+  std::vector<char*> argv;
+  for (auto& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  pid_t server = 0;
+  if (posix_spawnp(&server, "iperf3", &actions, nullptr, argv.data(), environ) != 0) return 0;
+  posix_spawn_file_actions_destroy(&actions);
+  absl::SleepFor(absl::Milliseconds(300));
+  const std::string command = absl::StrFormat(
+      "iperf3 -c 127.0.0.1 -p %d -P %d -t %.0f -J 2>/dev/null", port, streams, std::max(1.0, seconds));
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string output;
+  char buffer[4096];
+  size_t read;
+  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, read);
+  pclose(pipe);
+  kill(server, SIGTERM);
+  waitpid(server, nullptr, 0);
+  try {
+    return nlohmann::json::parse(output)["end"]["sum_received"]["bits_per_second"].get<double>() / 8;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+// Parameters per second of the fused Adam update on one thread, and the bound from a
+// triad (a = b + s*c) measured on the same arrays: 28 bytes move per parameter.
+std::pair<double, double> AdamVersusBandwidth(double seconds) {
+  const size_t n = size_t{16} << 20;
+  std::vector<float> p(n, 0.5f), g(n, 0.1f), m(n), v(n);
+  auto time = [&](auto&& body) {
+    body();  // warm up (page faults)
+    int64_t runs = 0;
+    const absl::Time begin = absl::Now();
+    while (absl::Now() - begin < absl::Seconds(seconds)) {
+      body();
+      ++runs;
+    }
+    return absl::ToDoubleSeconds(absl::Now() - begin) / static_cast<double>(runs);
+  };
+  int64_t step = 0;
+  const double adam_seconds = time([&] {
+    kernels::cpu::AdamStep({.weight_decay = 0.01f, .decoupled_weight_decay = true}, ++step,
+                           absl::MakeSpan(p), g, absl::MakeSpan(m), absl::MakeSpan(v), {});
+  });
+  const double triad_seconds = time([&] {
+    float* a = m.data();
+    const float* b = p.data();
+    const float* c = g.data();
+    for (size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
+    asm volatile("" : : "r"(a) : "memory");
+  });
+  const double bandwidth = 12.0 * static_cast<double>(n) / triad_seconds;
+  return {static_cast<double>(n) / adam_seconds, bandwidth / 28.0};
+}
+
+double Percentile(std::vector<double> values, double q) {
+  std::sort(values.begin(), values.end());
+  return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1))];
+}
+
+// Small-gather latency (1 KiB group, 1 server, 1 worker) and a no-op gRPC call.
+void Latency(int samples) {
+  auto cluster = StartCluster(1);
+  auto client = Connect(*cluster, 0, 1, "latency");
+  Check(client->ConfigureJob({}));
+  const FlatLayout* layout = Register(*client, "small", 256);
+  std::vector<float> buffer(layout->padded_numel());
+  std::vector<double> gather_us, echo_us;
+  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster->addresses[0], grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < samples + 100; ++i) {
+    absl::Time t0 = absl::Now();
+    Check(client->Gather("small", 0, DType::kFloat32, AsBytes(buffer)).get().status());
+    const double gather = absl::ToDoubleMicroseconds(absl::Now() - t0);
+    grpc::ClientContext ctx;
+    v1::ClusterInfo info;
+    t0 = absl::Now();
+    if (!stub->GetClusterInfo(&ctx, v1::GetClusterInfoRequest(), &info).ok()) std::exit(1);
+    const double echo = absl::ToDoubleMicroseconds(absl::Now() - t0);
+    if (i >= 100) {  // after warm-up
+      gather_us.push_back(gather);
+      echo_us.push_back(echo);
+    }
+  }
+  const double gather_p50 = Percentile(gather_us, 0.5), echo_p50 = Percentile(echo_us, 0.5);
+  std::printf("\n%-34s %10s %10s %12s %8s\n", "latency", "p50 us", "p99 us", "anchor p50", "ratio");
+  std::printf("%-34s %10.1f %10.1f %12.1f %7.2fx   (target <= 2x)\n", "small gather (1 KiB) vs gRPC no-op",
+              gather_p50, Percentile(gather_us, 0.99), echo_p50, gather_p50 / echo_p50);
+}
+
+std::string Mib(int64_t bytes) { return absl::StrCat(bytes >> 20, " MiB"); }
+
+}  // namespace
+}  // namespace flatshard::bench
+
+int main(int argc, char** argv) {
+  using namespace flatshard::bench;
+  flatshard::ParseCommandLineOrExit(argc, argv, "cluster_bench");
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  const double seconds = quick ? 0.4 : absl::GetFlag(FLAGS_seconds);
+
+  struct Config {
+    int servers, workers;
+    int64_t bytes;
+  };
+  std::vector<Config> configs;
+  if (quick) {
+    configs = {{1, 1, 64 << 20}, {2, 2, 64 << 20}};
+  } else {
+    for (int64_t bytes : {int64_t{4} << 20, int64_t{64} << 20, int64_t{256} << 20}) configs.push_back({1, 1, bytes});
+    for (int servers : {1, 2, 4}) {
+      for (int workers : {1, 2, 4}) {
+        if (!(servers == 1 && workers == 1)) configs.push_back({servers, workers, int64_t{64} << 20});
+      }
+    }
+  }
+  std::printf("%-8s %7s %7s %8s %10s %14s %8s\n", "op", "servers", "workers", "group", "GB/s",
+              "iperf3 GB/s", "ratio");
+  std::map<int, double> iperf;  // by stream count
+  for (const Config& c : configs) {
+    const int streams = c.servers * c.workers;
+    if (!iperf.count(streams)) iperf[streams] = Iperf3(streams, seconds < 1 ? 1 : 2);
+    const double anchor = iperf[streams];
+    for (const char* op : {"gather", "scatter"}) {
+      const double rate = std::string(op) == "gather" ? GatherThroughput(c.servers, c.workers, c.bytes, seconds)
+                                                      : ScatterThroughput(c.servers, c.workers, c.bytes, seconds);
+      if (anchor > 0) {
+        std::printf("%-8s %7d %7d %8s %10.2f %14.2f %7.2fx\n", op, c.servers, c.workers, Mib(c.bytes).c_str(),
+                    rate / 1e9, anchor / 1e9, rate / anchor);
+      } else {
+        std::printf("%-8s %7d %7d %8s %10.2f %14s %8s\n", op, c.servers, c.workers, Mib(c.bytes).c_str(),
+                    rate / 1e9, "n/a", "n/a");
+      }
+      std::fflush(stdout);
+    }
+  }
+  const auto [adam, bound] = AdamVersusBandwidth(seconds);
+  std::printf("\n%-34s %10s %12s %8s\n", "optimizer (1 thread, 16M params)", "Mparam/s", "bound", "ratio");
+  std::printf("%-34s %10.0f %12.0f %7.2fx   (target >= 0.7x)\n", "AdamW vs triad bandwidth / 28 B",
+              adam / 1e6, bound / 1e6, adam / bound);
+  Latency(quick ? 300 : 2000);
+  return 0;
+}
