@@ -11,9 +11,15 @@ namespace flatshard::server {
 PeerClient::PeerClient(std::vector<std::string> cluster, int rank, std::string token,
                        absl::Duration give_up_after)
     : cluster_(std::move(cluster)), rank_(rank), token_(std::move(token)), give_up_after_(give_up_after) {
+  // Peers start at about the same time: retry connecting quickly, not after gRPC's
+  // default 1 s backoff.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   for (const std::string& address : cluster_) {
     stubs_.push_back(v1::Flatshard::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials())));
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
   }
 }
 
@@ -28,6 +34,7 @@ absl::Status PeerClient::SendNormPartial(int peer, const std::string& job, int64
   while (true) {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Seconds(5))));
+    ctx.set_wait_for_ready(true);  // a peer still starting: wait for it, not for a backoff
     if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
     v1::PushNormPartialResponse response;
     const grpc::Status status = stubs_[peer]->PushNormPartial(&ctx, request, &response);
@@ -45,6 +52,7 @@ absl::Status PeerClient::SendNormPartial(int peer, const std::string& job, int64
 absl::Status PeerClient::CheckAgreement(int peer, absl::Duration timeout) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  ctx.set_wait_for_ready(true);
   if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
   v1::ClusterInfo info;
   const grpc::Status status = stubs_[peer]->GetClusterInfo(&ctx, v1::GetClusterInfoRequest(), &info);
