@@ -1,5 +1,5 @@
 // TCP implementation of the data plane (transport/transport.h): blocking sockets with
-// TCP_NODELAY, large socket buffers and SO_RCVTIMEO/SO_SNDTIMEO inactivity timeouts.
+// TCP_NODELAY, autotuned socket buffers and SO_RCVTIMEO/SO_SNDTIMEO inactivity timeouts.
 // Factories are thread-safe; each Connection follows the interface's rules.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto listener, transport::ListenTcp("127.0.0.1", 0));
