@@ -197,6 +197,24 @@ TEST_F(FaultsTest, WorkerKilledMidScatterIsReplacedAndNothingPartialApplies) {
   for (int64_t i = 0; i < layout_->unpadded_numel(); ++i) EXPECT_EQ(params[i], -0.5f) << i;
 }
 
+TEST_F(FaultsTest, WorkerKilledMidGatherLeavesTheServerServing) {
+  auto big = (*client_)->RegisterGroup("big", {{"w", {int64_t{8} << 20}, DType::kFloat32}}, 0,
+                                       SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(big.ok());
+  {
+    auto conn = RawConnection();
+    transport::RequestHeader gather;
+    gather.op = static_cast<uint8_t>(transport::DataOp::kGather);
+    ASSERT_TRUE(transport::SendRequest(*conn, gather, "test", "big", {}).ok());
+    std::vector<std::byte> first(4096);
+    ASSERT_TRUE(conn->Recv(absl::MakeSpan(first)).ok());  // the transfer has started
+  }  // the worker dies with ~10 MiB still to come
+  std::vector<float> full((*big)->padded_numel());
+  auto version = (*client_)->Gather("big", 0, DType::kFloat32, AsBytes(full)).get();
+  EXPECT_TRUE(version.ok()) << version.status();
+  ExpectStepCompletes(0);
+}
+
 TEST_F(FaultsTest, SilentClientIsDisconnected) {
   auto conn = RawConnection(/*send_hello=*/false);
   std::byte byte;

@@ -175,3 +175,22 @@ TEST(GroupAsyncTest, UnboundedStalenessAcceptsOldGradients) {
 
 }  // namespace
 }  // namespace flatshard::server
+
+namespace flatshard::server {
+namespace {
+
+TEST(GroupTest, HyperparametersChangeFromTheNextStepAndTheKindCannot) {
+  Group group = MakeGroup(1, /*mean=*/false);  // SGD lr 1
+  ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
+  ASSERT_TRUE(group.SetOptimizer(kernels::cpu::SgdHyperparams{.lr = 0.25f}).ok());
+  ASSERT_TRUE(Contribute(group, 1, 0, {1, 1, 1}).ok());
+  EXPECT_EQ(Params(group), (std::vector<float>{-1.25f, -1.25f, -1.25f}));
+  absl::Status other_kind = group.SetOptimizer(kernels::cpu::AdamHyperparams{});
+  EXPECT_EQ(other_kind.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(other_kind.message()), HasSubstr("cannot switch to adam"));
+  EXPECT_EQ(group.SetOptimizer(kernels::cpu::SgdHyperparams{.lr = -1.0f}).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace flatshard::server
