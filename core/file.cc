@@ -1,0 +1,164 @@
+#include "core/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace flatshard {
+namespace {
+
+absl::Status ErrnoError(absl::string_view what, const std::string& path, int err) {
+  const std::string message = absl::StrCat(what, " '", path, "': ", std::strerror(err));
+  if (err == ENOENT) return absl::NotFoundError(message);
+  if (err == EEXIST) return absl::AlreadyExistsError(message);
+  if (err == ENOSPC || err == EDQUOT) return absl::ResourceExhaustedError(message);
+  if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
+  return absl::InternalError(message);
+}
+
+}  // namespace
+
+absl::StatusOr<File> File::Open(const std::string& path, Mode mode) {
+  int flags = O_CLOEXEC;
+  switch (mode) {
+    case Mode::kRead:
+      flags |= O_RDONLY;
+      break;
+    case Mode::kWrite:
+      flags |= O_RDWR | O_CREAT;
+      break;
+    case Mode::kCreateNew:
+      flags |= O_RDWR | O_CREAT | O_EXCL;
+      break;
+  }
+  const int fd = open(path.c_str(), flags, 0644);
+  if (fd < 0) return ErrnoError("open", path, errno);
+  return File(fd, path);
+}
+
+File::File(File&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) { other.fd_ = -1; }
+
+File& File::operator=(File&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = other.fd_;
+    path_ = std::move(other.path_);
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+File::~File() {
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::Status File::WriteAt(uint64_t offset, absl::Span<const std::byte> data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t wrote = pwrite(fd_, data.data() + done, data.size() - done,
+                                 static_cast<off_t>(offset + done));
+    if (wrote < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError("write", path_, errno);
+    }
+    done += static_cast<size_t>(wrote);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status File::ReadAt(uint64_t offset, absl::Span<std::byte> data) const {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t got = pread(fd_, data.data() + done, data.size() - done,
+                              static_cast<off_t>(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError("read", path_, errno);
+    }
+    if (got == 0) {
+      return absl::DataLossError(absl::StrCat("'", path_, "' is truncated: wanted ", data.size(),
+                                              " bytes at offset ", offset, ", got ", done));
+    }
+    done += static_cast<size_t>(got);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status File::Truncate(uint64_t size) {
+  if (ftruncate(fd_, static_cast<off_t>(size)) != 0) return ErrnoError("truncate", path_, errno);
+  return absl::OkStatus();
+}
+
+absl::Status File::Sync() {
+  if (fsync(fd_) != 0) return ErrnoError("fsync", path_, errno);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> File::Size() const {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) return ErrnoError("stat", path_, errno);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+absl::StatusOr<uint64_t> FileChecksum(const std::string& path) {
+  FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(path, File::Mode::kRead));
+  FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, file.Size());
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  std::vector<std::byte> buffer(std::min<uint64_t>(size, 4 << 20));
+  for (uint64_t offset = 0; offset < size;) {
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buffer.size(), size - offset));
+    if (absl::Status read = file.ReadAt(offset, absl::MakeSpan(buffer.data(), chunk)); !read.ok()) {
+      XXH3_freeState(state);
+      return read;
+    }
+    XXH3_64bits_update(state, buffer.data(), chunk);
+    offset += chunk;
+  }
+  const uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return digest;
+}
+
+absl::Status SyncDirectory(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError("open directory", path, errno);
+  const int result = fsync(fd);
+  const int err = errno;
+  close(fd);
+  if (result != 0) return ErrnoError("fsync directory", path, err);
+  return absl::OkStatus();
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+  const std::string temporary = absl::StrCat(path, ".tmp-", getpid());
+  {
+    FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(temporary, File::Mode::kWrite));
+    FLATSHARD_RETURN_IF_ERROR(file.Truncate(0));
+    FLATSHARD_RETURN_IF_ERROR(file.WriteAt(
+        0, absl::MakeConstSpan(reinterpret_cast<const std::byte*>(contents.data()), contents.size())));
+    FLATSHARD_RETURN_IF_ERROR(file.Sync());
+  }
+  if (rename(temporary.c_str(), path.c_str()) != 0) return ErrnoError("rename", temporary, errno);
+  const size_t slash = path.rfind('/');
+  return SyncDirectory(slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash));
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+  FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(path, File::Mode::kRead));
+  FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, file.Size());
+  std::string contents(size, '\0');
+  FLATSHARD_RETURN_IF_ERROR(
+      file.ReadAt(0, absl::MakeSpan(reinterpret_cast<std::byte*>(contents.data()), size)));
+  return contents;
+}
+
+}  // namespace flatshard

@@ -1,0 +1,66 @@
+// File: a POSIX file descriptor with positional, complete reads and writes, for
+// checkpoint files that several writers fill at their own byte ranges. Errors are
+// values naming the path. Not copyable; one File may be used from several threads for
+// disjoint ranges (pread/pwrite are positional).
+//
+//   FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(path, File::Mode::kWrite));
+//   FLATSHARD_RETURN_IF_ERROR(file.WriteAt(offset, bytes));
+//   FLATSHARD_RETURN_IF_ERROR(file.Sync());
+#ifndef FLATSHARD_CORE_FILE_H_
+#define FLATSHARD_CORE_FILE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace flatshard {
+
+class File {
+ public:
+  enum class Mode {
+    kRead,         // existing file, read-only
+    kWrite,        // create if missing, keep contents (several writers, own ranges)
+    kCreateNew,    // create; AlreadyExists if it exists
+  };
+
+  [[nodiscard]] static absl::StatusOr<File> Open(const std::string& path, Mode mode);
+  File(File&& other) noexcept;
+  File& operator=(File&& other) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File();
+
+  // Writes all of `data` at `offset`. Internal / ResourceExhausted (disk full) naming the path.
+  [[nodiscard]] absl::Status WriteAt(uint64_t offset, absl::Span<const std::byte> data);
+  // Fills `data` from `offset`. DataLoss naming the path if the file ends first.
+  [[nodiscard]] absl::Status ReadAt(uint64_t offset, absl::Span<std::byte> data) const;
+  [[nodiscard]] absl::Status Truncate(uint64_t size);
+  [[nodiscard]] absl::Status Sync();
+  [[nodiscard]] absl::StatusOr<uint64_t> Size() const;
+  const std::string& path() const { return path_; }
+
+ private:
+  File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_ = -1;
+  std::string path_;
+};
+
+// XXH3-64 of a whole file, read in chunks of at most 4 MiB (bounded memory).
+[[nodiscard]] absl::StatusOr<uint64_t> FileChecksum(const std::string& path);
+
+// Writes `contents` to `path` atomically: a temporary file beside it, fsync, rename,
+// fsync of the directory. The old file (if any) stays whole until the rename.
+[[nodiscard]] absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+
+// The whole file as a string; NotFound / Internal naming the path.
+[[nodiscard]] absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+
+// fsync of a directory (after renames inside it).
+[[nodiscard]] absl::Status SyncDirectory(const std::string& path);
+
+}  // namespace flatshard
+
+#endif  // FLATSHARD_CORE_FILE_H_
