@@ -328,6 +328,46 @@ absl::Status Group::SetOptimizer(const OptimizerConfig& optimizer) {
   return optimizer_.SetConfig(optimizer);
 }
 
+absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadline) const {
+  FLATSHARD_RETURN_IF_ERROR(WaitVersion(version, deadline).status());
+  absl::MutexLock lock(&mu_);
+  if (version_ != version) {
+    return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' is at version ", version_,
+                                                      ", past the requested version ", version));
+  }
+  if (reduced_) {
+    return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' is finishing step ", version_));
+  }
+  ShardSnapshot snapshot{version_, params_, optimizer_.steps(), optimizer_.momentum_initialized(), {}};
+  for (const std::string& name : optimizer_.state_names()) {
+    const absl::Span<const float> values = optimizer_.state(name);
+    snapshot.state.emplace_back(name, std::vector<float>(values.begin(), values.end()));
+  }
+  return snapshot;
+}
+
+absl::Status Group::Restore(const ShardSnapshot& snapshot) {
+  absl::MutexLock lock(&mu_);
+  if (snapshot.params.size() != params_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': snapshot of ", snapshot.params.size(),
+                                                   " elements for a shard of ", params_.size()));
+  }
+  FLATSHARD_RETURN_IF_ERROR(optimizer_.Restore(snapshot.optimizer_steps, snapshot.momentum_initialized, snapshot.state));
+  params_ = snapshot.params;
+  version_ = snapshot.version;
+  ready_count_ = 0;
+  reduced_ = false;
+  std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
+  std::fill(last_async_step_.begin(), last_async_step_.end(), snapshot.version - 1);
+  PublishNewValues();
+  return absl::OkStatus();
+}
+
+std::vector<std::string> Group::optimizer_state_names() const {
+  absl::MutexLock lock(&mu_);
+  return optimizer_.state_names();
+}
+
 GroupStats Group::stats() const {
   absl::MutexLock lock(&mu_);
   int64_t bytes = static_cast<int64_t>((params_.size() + grad_.size()) * sizeof(float)) +

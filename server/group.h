@@ -62,6 +62,16 @@ enum class CommitOutcome {
   kReduced,  // clipped job: reduced, waiting for the job's gradient norm
 };
 
+// A consistent copy of this server's shard of a group: parameters (fp32 master,
+// shard_numel elements, padding included) and optimizer state at one version.
+struct ShardSnapshot {
+  int64_t version = 0;
+  std::vector<float> params;
+  int64_t optimizer_steps = 0;
+  bool momentum_initialized = false;
+  std::vector<std::pair<std::string, std::vector<float>>> state;  // by torch's names
+};
+
 struct GroupStats {
   int64_t version = 0;
   int64_t bytes = 0;
@@ -121,6 +131,16 @@ class Group {
   // (seed, t's name, k) only, uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)); the same on
   // any number of servers. FailedPrecondition once the group has stepped.
   [[nodiscard]] absl::Status InitFromSeed(uint64_t seed);
+
+  // Waits until version() == version (up to `deadline`) and copies the shard.
+  // FailedPrecondition if the group is already past `version` or has contributions for
+  // it in flight that were reduced but not applied (clipping); DeadlineExceeded.
+  [[nodiscard]] absl::StatusOr<ShardSnapshot> Snapshot(int64_t version, absl::Time deadline) const;
+  // Installs a snapshot (checkpoint load): parameters, optimizer state and version;
+  // contributions in flight for the old version are dropped. InvalidArgument (nothing
+  // changed) if sizes or state names do not match this group.
+  [[nodiscard]] absl::Status Restore(const ShardSnapshot& snapshot);
+  std::vector<std::string> optimizer_state_names() const;
 
   // New hyper-parameters from the next step on (same optimizer kind).
   [[nodiscard]] absl::Status SetOptimizer(const OptimizerConfig& optimizer);

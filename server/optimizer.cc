@@ -100,6 +100,42 @@ void ShardOptimizer::Reset() {
   std::fill(max_exp_avg_sq_.begin(), max_exp_avg_sq_.end(), 0.0f);
 }
 
+std::vector<std::string> ShardOptimizer::state_names() const {
+  if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
+    if (adam->amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    return {"exp_avg", "exp_avg_sq"};
+  }
+  if (!exp_avg_.empty()) return {"momentum_buffer"};
+  return {};
+}
+
+absl::Span<const float> ShardOptimizer::state(absl::string_view name) const {
+  if (name == "exp_avg" || name == "momentum_buffer") return exp_avg_;
+  if (name == "exp_avg_sq") return exp_avg_sq_;
+  if (name == "max_exp_avg_sq") return max_exp_avg_sq_;
+  return {};
+}
+
+absl::Status ShardOptimizer::Restore(
+    int64_t steps, bool momentum_initialized,
+    const std::vector<std::pair<std::string, std::vector<float>>>& state) {
+  const std::vector<std::string> names = state_names();
+  for (const std::string& name : names) {
+    const auto it = std::find_if(state.begin(), state.end(), [&](const auto& entry) { return entry.first == name; });
+    if (it == state.end() || it->second.size() != this->state(name).size()) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer state '", name, "' is missing or has the wrong size"));
+    }
+  }
+  for (const auto& [name, values] : state) {
+    if (name == "exp_avg" || name == "momentum_buffer") exp_avg_ = values;
+    if (name == "exp_avg_sq") exp_avg_sq_ = values;
+    if (name == "max_exp_avg_sq") max_exp_avg_sq_ = values;
+  }
+  steps_ = steps;
+  momentum_initialized_ = momentum_initialized;
+  return absl::OkStatus();
+}
+
 int64_t ShardOptimizer::state_bytes() const {
   return static_cast<int64_t>((exp_avg_.size() + exp_avg_sq_.size() + max_exp_avg_sq_.size()) *
                               sizeof(float));

@@ -9,10 +9,12 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/cpu/optimizer.h"
 
@@ -41,6 +43,17 @@ class ShardOptimizer {
   const OptimizerConfig& config() const { return config_; }
   int64_t steps() const { return steps_; }
   int64_t state_bytes() const;
+
+  // The state this optimizer keeps, by torch's names: SGD with momentum
+  // {"momentum_buffer"}; Adam/AdamW {"exp_avg", "exp_avg_sq"} (+ "max_exp_avg_sq" with
+  // amsgrad); plain SGD none. Each buffer has shard_numel elements.
+  std::vector<std::string> state_names() const;
+  absl::Span<const float> state(absl::string_view name) const;
+  // Restores steps and state (checkpoint load). InvalidArgument naming the buffer if one
+  // is missing or has the wrong size; nothing changes then.
+  [[nodiscard]] absl::Status Restore(int64_t steps, bool momentum_initialized,
+                                     const std::vector<std::pair<std::string, std::vector<float>>>& state);
+  bool momentum_initialized() const { return momentum_initialized_; }
 
  private:
   OptimizerConfig config_;

@@ -1,0 +1,565 @@
+#include "server/checkpoint_store.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/file.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+#include "kernels/kernels.h"
+
+namespace flatshard::server {
+namespace {
+
+using Json = nlohmann::json;
+namespace fs = std::filesystem;
+
+constexpr char kFormat[] = "flatshard-checkpoint/1";
+constexpr char kManifest[] = "manifest.json";
+
+absl::Status ValidateName(const std::string& name) {
+  const bool ok = !name.empty() && name.size() <= 128 && name[0] != '.' &&
+                  std::all_of(name.begin(), name.end(), [](char c) {
+                    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+                  });
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint name '", name, "': use 1-128 characters of [A-Za-z0-9._-], not starting with "
+        "'.' (names are confined to the server's --checkpoint_root)"));
+  }
+  return absl::OkStatus();
+}
+
+bool IsSymlink(const std::string& path) {
+  struct stat st {};
+  return lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+}
+
+absl::Span<const std::byte> Bytes(const std::vector<std::byte>& v) { return absl::MakeConstSpan(v); }
+absl::Span<const std::byte> Bytes(absl::Span<const float> v) {
+  return absl::MakeConstSpan(reinterpret_cast<const std::byte*>(v.data()), v.size() * sizeof(float));
+}
+
+Json TensorsJson(const FlatLayout& layout) {
+  Json tensors = Json::array();
+  for (const TensorSpec& t : layout.tensors()) {
+    tensors.push_back({{"name", t.fqn}, {"shape", t.shape}, {"dtype", DTypeName(t.dtype)}});
+  }
+  return tensors;
+}
+
+Json GroupJson(const Group& group, const ShardSnapshot& snapshot, bool optimizer) {
+  Json state = Json::array();
+  if (optimizer) {
+    for (const auto& [name, values] : snapshot.state) state.push_back(name);
+  }
+  return {{"name", group.name()},
+          {"align", group.layout().align()},
+          {"tensors", TensorsJson(group.layout())},
+          {"version", snapshot.version},
+          {"optimizer", group.optimizer_name()},
+          {"optimizer_steps", optimizer ? snapshot.optimizer_steps : 0},
+          {"momentum_initialized", optimizer && snapshot.momentum_initialized},
+          {"state", state}};
+}
+
+// One server's shard of one group, at its snapshot.
+struct Shard {
+  std::shared_ptr<Group> group;
+  ShardSnapshot snapshot;
+  int64_t start = 0;  // shard_start(rank)
+  std::vector<TensorPiece> pieces;
+};
+
+absl::Status WritePieces(File& file, const SafetensorsHeader& header, const Shard& shard,
+                         absl::string_view state, const std::string& tensor_suffix) {
+  const FlatLayout& layout = shard.group->layout();
+  const std::vector<float>* values = &shard.snapshot.params;
+  for (const auto& [name, buffer] : shard.snapshot.state) {
+    if (name == state) values = &buffer;
+  }
+  std::vector<std::byte> converted;
+  for (const TensorPiece& piece : shard.pieces) {
+    const TensorSpec& spec = layout.tensor(piece.tensor_index);
+    const SafetensorsTensor* entry = header.Find(spec.fqn + tensor_suffix);
+    if (entry == nullptr) return absl::InternalError(absl::StrCat("no header entry for ", spec.fqn));
+    const float* source = values->data() + (piece.flat_offset - shard.start);
+    const size_t element = DTypeSize(entry->dtype);
+    converted.resize(static_cast<size_t>(piece.numel) * element);
+    FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(DType::kFloat32, source, entry->dtype, converted.data(), piece.numel));
+    FLATSHARD_RETURN_IF_ERROR(file.WriteAt(
+        header.data_start() + entry->begin + static_cast<uint64_t>(piece.intra_start) * element, Bytes(converted)));
+  }
+  return absl::OkStatus();
+}
+
+// FULL: every server fills its byte ranges of the shared files.
+absl::Status WriteFull(const std::string& dir, int rank, const std::vector<Shard>& shards,
+                       bool optimizer, std::vector<std::string>& files) {
+  std::vector<SafetensorsTensor> model, state;
+  std::set<std::string> fqns;
+  for (const Shard& shard : shards) {
+    for (const TensorSpec& t : shard.group->layout().tensors()) {
+      if (!fqns.insert(t.fqn).second) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "tensor name '", t.fqn, "' appears in two groups; a FULL checkpoint needs unique names"));
+      }
+      model.push_back({t.fqn, t.dtype, t.shape});
+      if (!optimizer) continue;
+      for (const auto& [name, values] : shard.snapshot.state) {
+        state.push_back({absl::StrCat(t.fqn, ".", name), DType::kFloat32, t.shape});
+      }
+    }
+  }
+  struct Output {
+    std::string file;
+    std::vector<SafetensorsTensor> tensors;
+    bool is_state;
+  };
+  std::vector<Output> outputs = {{"model.safetensors", model, false}};
+  if (optimizer) outputs.push_back({"optimizer.safetensors", state, true});
+  for (Output& output : outputs) {
+    FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header,
+                               SafetensorsHeader::Build(output.tensors, {{"format", "pt"}}));
+    FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(dir + "/" + output.file, File::Mode::kWrite));
+    if (rank == 0) FLATSHARD_RETURN_IF_ERROR(file.WriteAt(0, header.bytes()));
+    FLATSHARD_RETURN_IF_ERROR(file.Truncate(header.file_size()));  // same size on every server
+    for (const Shard& shard : shards) {
+      if (!output.is_state) {
+        FLATSHARD_RETURN_IF_ERROR(WritePieces(file, header, shard, "", ""));
+        continue;
+      }
+      for (const auto& [name, values] : shard.snapshot.state) {
+        FLATSHARD_RETURN_IF_ERROR(WritePieces(file, header, shard, name, "." + name));
+      }
+    }
+    FLATSHARD_RETURN_IF_ERROR(file.Sync());
+    files.push_back(output.file);
+  }
+  return absl::OkStatus();
+}
+
+std::string PieceName(const std::string& group, const std::string& fqn, int64_t intra_start) {
+  return absl::StrCat(group, "/", fqn, "@", intra_start);
+}
+
+// SHARDED and LOCAL: one file per server, written by it alone, fp32.
+absl::Status WriteOwnFile(const std::string& dir, int rank, CheckpointKind kind,
+                          const std::vector<Shard>& shards, bool optimizer,
+                          std::vector<std::string>& files) {
+  struct Item {
+    std::string name;
+    absl::Span<const float> values;
+  };
+  std::vector<Item> items;
+  for (const Shard& shard : shards) {
+    const std::string& group = shard.group->name();
+    std::vector<std::pair<std::string, absl::Span<const float>>> buffers = {{"", shard.snapshot.params}};
+    if (optimizer) {
+      for (const auto& [name, values] : shard.snapshot.state) buffers.emplace_back("." + name, values);
+    }
+    for (const auto& [suffix, values] : buffers) {
+      if (kind == CheckpointKind::kLocal) {
+        items.push_back({absl::StrCat(group, suffix.empty() ? ".params" : suffix), values});
+        continue;
+      }
+      for (const TensorPiece& piece : shard.pieces) {
+        items.push_back({PieceName(group, shard.group->layout().tensor(piece.tensor_index).fqn, piece.intra_start) + suffix,
+                         values.subspan(piece.flat_offset - shard.start, piece.numel)});
+      }
+    }
+  }
+  std::vector<SafetensorsTensor> tensors;
+  for (const Item& item : items) tensors.push_back({item.name, DType::kFloat32, {static_cast<int64_t>(item.values.size())}});
+  FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Build(tensors, {}));
+  const std::string name = absl::StrCat(kind == CheckpointKind::kLocal ? "local-" : "shard-", rank, ".safetensors");
+  FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(dir + "/" + name, File::Mode::kWrite));
+  FLATSHARD_RETURN_IF_ERROR(file.Truncate(0));
+  FLATSHARD_RETURN_IF_ERROR(file.WriteAt(0, header.bytes()));
+  for (size_t i = 0; i < items.size(); ++i) {
+    FLATSHARD_RETURN_IF_ERROR(file.WriteAt(header.data_start() + header.tensors()[i].begin, Bytes(items[i].values)));
+  }
+  FLATSHARD_RETURN_IF_ERROR(file.Sync());
+  files.push_back(name);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Json> ReadJson(const std::string& path) {
+  FLATSHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  try {
+    return Json::parse(text);
+  } catch (const Json::parse_error& error) {
+    return absl::DataLossError(absl::StrCat("'", path, "' is not valid JSON: ", error.what()));
+  }
+}
+
+// Reads `count` elements of tensor `entry` of `file` from element `first` into fp32.
+absl::Status ReadElements(const File& file, const SafetensorsHeader& header,
+                          const SafetensorsTensor& entry, int64_t first, int64_t count, float* out) {
+  const size_t element = DTypeSize(entry.dtype);
+  std::vector<std::byte> raw(static_cast<size_t>(count) * element);
+  FLATSHARD_RETURN_IF_ERROR(file.ReadAt(header.data_start() + entry.begin + static_cast<uint64_t>(first) * element,
+                                        absl::MakeSpan(raw)));
+  return kernels::cpu::Cast(entry.dtype, raw.data(), DType::kFloat32, out, count);
+}
+
+// An opened, checksum-verified checkpoint file.
+struct OpenFile {
+  File file;
+  SafetensorsHeader header;
+};
+
+}  // namespace
+
+absl::string_view CheckpointKindName(CheckpointKind kind) {
+  switch (kind) {
+    case CheckpointKind::kFull:
+      return "full";
+    case CheckpointKind::kSharded:
+      return "sharded";
+    case CheckpointKind::kLocal:
+      return "local";
+  }
+  return "?";
+}
+
+absl::StatusOr<CheckpointKind> ParseCheckpointKind(absl::string_view name) {
+  if (name == "full") return CheckpointKind::kFull;
+  if (name == "sharded") return CheckpointKind::kSharded;
+  if (name == "local") return CheckpointKind::kLocal;
+  return absl::InvalidArgumentError(absl::StrCat("checkpoint kind '", name, "': expected full, sharded or local"));
+}
+
+CheckpointStore::CheckpointStore(Registry& registry, int rank, int num_servers, std::string root)
+    : registry_(registry), rank_(rank), num_servers_(num_servers), root_(std::move(root)) {}
+
+absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& name) const {
+  if (root_.empty()) {
+    return absl::FailedPreconditionError("this server has no --checkpoint_root; checkpoints are disabled");
+  }
+  FLATSHARD_RETURN_IF_ERROR(ValidateName(name));
+  return root_ + "/" + name;
+}
+
+absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind, bool optimizer,
+                                   const std::string& job,
+                                   const std::map<std::string, int64_t>& versions,
+                                   absl::Time deadline) {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
+  if (fs::exists(final_dir) || IsSymlink(final_dir)) {
+    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
+  }
+  const std::vector<std::shared_ptr<Group>> groups = registry_.job_groups(job);
+  if (groups.empty()) return absl::FailedPreconditionError(absl::StrCat("job '", job, "' has no groups"));
+  std::vector<Shard> shards;
+  for (const auto& group : groups) {
+    const auto version = versions.find(group->name());
+    if (version == versions.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("no version given for group '", group->name(), "'"));
+    }
+    FLATSHARD_ASSIGN_OR_RETURN(ShardSnapshot snapshot, group->Snapshot(version->second, deadline));
+    const FlatLayout& layout = group->layout();
+    shards.push_back({group, std::move(snapshot), layout.shard_start(rank_),
+                      layout.MapRange(layout.shard_start(rank_), layout.shard_end(rank_))});
+  }
+  const std::string dir = absl::StrCat(root_, "/.", name, ".partial");
+  std::error_code error;
+  fs::create_directories(dir, error);
+  if (error || IsSymlink(dir)) {
+    return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
+  }
+  std::vector<std::string> files;
+  if (kind == CheckpointKind::kFull) {
+    FLATSHARD_RETURN_IF_ERROR(WriteFull(dir, rank_, shards, optimizer, files));
+  } else {
+    FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(dir, rank_, kind, shards, optimizer, files));
+  }
+  Json group_specs = Json::array();
+  for (const Shard& shard : shards) group_specs.push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
+  const Json part = {{"rank", rank_},         {"job", job},           {"kind", CheckpointKindName(kind)},
+                     {"servers", num_servers_}, {"optimizer", optimizer}, {"groups", group_specs},
+                     {"files", files}};
+  return WriteFileAtomically(absl::StrCat(dir, "/part-", rank_, ".json"), part.dump(1));
+}
+
+absl::Status CheckpointStore::Commit(const std::string& name) {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
+  const std::string dir = absl::StrCat(root_, "/.", name, ".partial");
+  Json manifest;
+  std::set<std::string> files;
+  for (int rank = 0; rank < num_servers_; ++rank) {
+    absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
+    if (!part.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", name, "': server ", rank, " has not saved its part (", part.status().message(),
+          "); is the checkpoint root shared by all servers?"));
+    }
+    for (const auto& file : (*part)["files"]) files.insert(file.get<std::string>());
+    part->erase("rank");
+    part->erase("files");
+    if (rank == 0) {
+      manifest = *part;
+    } else if (*part != manifest) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", name, "': server ", rank, "'s part disagrees with server 0's (versions, layouts or settings)"));
+    }
+  }
+  Json file_list = Json::array();
+  for (const std::string& file : files) {
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t checksum, FileChecksum(dir + "/" + file));
+    FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(dir + "/" + file, File::Mode::kRead));
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, opened.Size());
+    file_list.push_back({{"path", file}, {"bytes", size}, {"xxh3", absl::StrFormat("%016x", checksum)}});
+  }
+  manifest["format"] = kFormat;
+  manifest["name"] = name;
+  manifest["files"] = file_list;
+  FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(dir, "/", kManifest), manifest.dump(1)));
+  if (std::rename(dir.c_str(), final_dir.c_str()) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("cannot commit checkpoint '", name, "': ", std::strerror(errno)));
+  }
+  return SyncDirectory(root_);
+}
+
+absl::StatusOr<std::vector<CheckpointInfo>> CheckpointStore::List() const {
+  if (root_.empty()) return absl::FailedPreconditionError("this server has no --checkpoint_root");
+  std::vector<CheckpointInfo> result;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(root_, error)) {
+    if (!entry.is_directory() || entry.is_symlink()) continue;
+    const std::string base = entry.path().filename().string();
+    CheckpointInfo info;
+    if (absl::StartsWith(base, ".") && absl::EndsWith(base, ".partial")) {
+      info.name = base.substr(1, base.size() - 9);
+      result.push_back(info);
+      continue;
+    }
+    absl::StatusOr<Json> manifest = ReadJson(entry.path().string() + "/" + kManifest);
+    if (!manifest.ok()) continue;
+    info.name = base;
+    info.complete = true;
+    info.kind = manifest->value("kind", "");
+    info.job = manifest->value("job", "");
+    info.servers = manifest->value("servers", 0);
+    info.optimizer = manifest->value("optimizer", false);
+    for (const auto& file : (*manifest)["files"]) info.bytes += file.value("bytes", int64_t{0});
+    for (const auto& group : (*manifest)["groups"]) info.versions[group.value("name", "")] = group.value("version", int64_t{0});
+    result.push_back(info);
+  }
+  if (error) return absl::InternalError(absl::StrCat("cannot list '", root_, "': ", error.message()));
+  std::sort(result.begin(), result.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  return result;
+}
+
+absl::Status CheckpointStore::Delete(const std::string& name) {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string dir, CheckpointDir(name));
+  std::error_code error;
+  uintmax_t removed = 0;
+  for (const std::string& path : {dir, absl::StrCat(root_, "/.", name, ".partial")}) {
+    if (IsSymlink(path)) return absl::FailedPreconditionError(absl::StrCat("'", path, "' is a symlink; refusing"));
+    removed += fs::remove_all(path, error);
+    if (error) return absl::InternalError(absl::StrCat("cannot delete '", path, "': ", error.message()));
+  }
+  if (removed == 0) return absl::NotFoundError(absl::StrCat("no checkpoint named '", name, "'"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::string& job) {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string dir, CheckpointDir(name));
+  if (IsSymlink(dir)) return absl::FailedPreconditionError(absl::StrCat("'", dir, "' is a symlink; refusing"));
+  absl::StatusOr<Json> manifest_or = ReadJson(absl::StrCat(dir, "/", kManifest));
+  if (absl::IsNotFound(manifest_or.status())) {
+    return absl::NotFoundError(absl::StrCat("no complete checkpoint named '", name, "'"));
+  }
+  FLATSHARD_RETURN_IF_ERROR(manifest_or.status());
+  const Json& manifest = *manifest_or;
+  if (manifest.value("format", "") != kFormat) {
+    return absl::DataLossError(absl::StrCat("'", dir, "/manifest.json' is not a ", kFormat, " manifest"));
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(const CheckpointKind kind, ParseCheckpointKind(manifest.value("kind", "")));
+  const bool optimizer = manifest.value("optimizer", false);
+  if (kind == CheckpointKind::kLocal && manifest.value("servers", 0) != num_servers_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", name, "' is LOCAL from ", manifest.value("servers", 0), " servers; this cluster has ",
+        num_servers_, " (save FULL or SHARDED to change the server count)"));
+  }
+  std::map<std::string, Json> file_entries;
+  for (const auto& file : manifest["files"]) file_entries[file.value("path", "")] = file;
+
+  // Opens a file of the checkpoint once, verifying its size and checksum first.
+  std::map<std::string, OpenFile> opened;
+  auto open = [&](const std::string& file) -> absl::StatusOr<OpenFile*> {
+    if (auto it = opened.find(file); it != opened.end()) return &it->second;
+    const auto entry = file_entries.find(file);
+    if (entry == file_entries.end()) {
+      return absl::DataLossError(absl::StrCat("checkpoint '", name, "': manifest does not list '", file, "'"));
+    }
+    const std::string path = dir + "/" + file;
+    FLATSHARD_ASSIGN_OR_RETURN(File handle, File::Open(path, File::Mode::kRead));
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, handle.Size());
+    if (size != entry->second.value("bytes", uint64_t{0})) {
+      return absl::DataLossError(absl::StrCat("'", path, "' has ", size, " bytes; the manifest says ",
+                                              entry->second.value("bytes", uint64_t{0}), " (truncated?)"));
+    }
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t checksum, FileChecksum(path));
+    if (absl::StrFormat("%016x", checksum) != entry->second.value("xxh3", "")) {
+      return absl::DataLossError(absl::StrCat("'", path, "' is corrupted: its XXH3 checksum does not match the manifest"));
+    }
+    FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Read(path));
+    return &opened.emplace(file, OpenFile{std::move(handle), std::move(header)}).first->second;
+  };
+
+  // SHARDED: where every stored piece lives, from the file headers (small reads).
+  struct StoredPiece {
+    std::string file;
+    int64_t intra_start;
+    const SafetensorsTensor* entry;
+  };
+  std::map<std::string, std::vector<StoredPiece>> stored;  // "<group>/<fqn>" + suffix
+  std::map<std::string, SafetensorsHeader> headers;
+  if (kind == CheckpointKind::kSharded) {
+    for (const auto& [file, entry] : file_entries) {
+      FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Read(dir + "/" + file));
+      headers.emplace(file, std::move(header));
+    }
+    for (const auto& [file, header] : headers) {
+      for (const SafetensorsTensor& t : header.tensors()) {
+        const size_t at = t.name.rfind('@');
+        if (at == std::string::npos) continue;
+        const std::string rest = t.name.substr(at + 1);
+        const size_t dot = rest.find('.');
+        int64_t start = 0;
+        if (!absl::SimpleAtoi(rest.substr(0, dot), &start)) continue;
+        const std::string key = t.name.substr(0, at) + (dot == std::string::npos ? "" : rest.substr(dot));
+        stored[key].push_back({file, start, &t});
+      }
+    }
+  }
+
+  std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>> staged;
+  std::set<std::string> in_checkpoint;
+  for (const Json& spec : manifest["groups"]) {
+    const std::string group_name = spec.value("name", "");
+    in_checkpoint.insert(group_name);
+    absl::StatusOr<std::shared_ptr<Group>> group_or = registry_.FindGroup(job, group_name);
+    if (!group_or.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' has group '", group_name,
+                                                        "', which is not registered in job '", job, "'"));
+    }
+    const std::shared_ptr<Group>& group = *group_or;
+    const FlatLayout& layout = group->layout();
+    if (spec["tensors"] != TensorsJson(layout) || spec.value("align", int64_t{-1}) != layout.align()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", name, "' group '", group_name, "' does not match the registered group: checkpoint ",
+          spec["tensors"].dump(), " align ", spec.value("align", int64_t{-1}), "; registered ",
+          TensorsJson(layout).dump(), " align ", layout.align()));
+    }
+    std::vector<std::string> state_names;
+    if (optimizer) {
+      for (const auto& s : spec["state"]) state_names.push_back(s.get<std::string>());
+      if (state_names != group->optimizer_state_names()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint '", name, "' group '", group_name, "' has ", spec.value("optimizer", ""),
+            " optimizer state; the registered group uses ", group->optimizer_name()));
+      }
+    }
+    ShardSnapshot snapshot;
+    snapshot.version = spec.value("version", int64_t{0});
+    snapshot.optimizer_steps = spec.value("optimizer_steps", int64_t{0});
+    snapshot.momentum_initialized = spec.value("momentum_initialized", false);
+    const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
+    snapshot.params.assign(shard_numel, 0.0f);
+    for (const std::string& state : group->optimizer_state_names()) snapshot.state.emplace_back(state, std::vector<float>(shard_numel, 0.0f));
+
+    std::vector<std::pair<std::string, std::vector<float>*>> targets = {{"", &snapshot.params}};
+    if (optimizer) {
+      for (auto& [state, values] : snapshot.state) targets.emplace_back("." + state, &values);
+    }
+    const int64_t start = layout.shard_start(rank_);
+    for (const auto& [suffix, values] : targets) {
+      if (kind == CheckpointKind::kLocal) {
+        FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(absl::StrCat("local-", rank_, ".safetensors")));
+        const std::string tensor = group_name + (suffix.empty() ? ".params" : suffix);
+        const SafetensorsTensor* entry = file->header.Find(tensor);
+        if (entry == nullptr || entry->end - entry->begin != shard_numel * sizeof(float)) {
+          return absl::DataLossError(absl::StrCat("'", file->file.path(), "' lacks '", tensor, "' of ", shard_numel, " floats"));
+        }
+        FLATSHARD_RETURN_IF_ERROR(ReadElements(file->file, file->header, *entry, 0, static_cast<int64_t>(shard_numel), values->data()));
+        continue;
+      }
+      for (const TensorPiece& piece : layout.MapRange(start, layout.shard_end(rank_))) {
+        const TensorSpec& tensor = layout.tensor(piece.tensor_index);
+        float* out = values->data() + (piece.flat_offset - start);
+        if (kind == CheckpointKind::kFull) {
+          FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(suffix.empty() ? "model.safetensors" : "optimizer.safetensors"));
+          const std::string tensor_name = tensor.fqn + suffix;
+          const SafetensorsTensor* entry = file->header.Find(tensor_name);
+          if (entry == nullptr) return absl::DataLossError(absl::StrCat("'", file->file.path(), "' lacks tensor '", tensor_name, "'"));
+          if (entry->shape != tensor.shape || (suffix.empty() && entry->dtype != tensor.dtype)) {
+            return absl::FailedPreconditionError(absl::StrCat("'", file->file.path(), "' tensor '", tensor_name,
+                                                              "' has another shape or dtype than registered"));
+          }
+          FLATSHARD_RETURN_IF_ERROR(ReadElements(file->file, file->header, *entry, piece.intra_start, piece.numel, out));
+          continue;
+        }
+        // SHARDED: copy every overlap of a stored piece with the needed range.
+        int64_t covered = 0;
+        for (const StoredPiece& s : stored[absl::StrCat(group_name, "/", tensor.fqn, suffix)]) {
+          const int64_t stored_numel = static_cast<int64_t>((s.entry->end - s.entry->begin) / sizeof(float));
+          const int64_t lo = std::max(piece.intra_start, s.intra_start);
+          const int64_t hi = std::min(piece.intra_start + piece.numel, s.intra_start + stored_numel);
+          if (lo >= hi) continue;
+          FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(s.file));
+          FLATSHARD_RETURN_IF_ERROR(ReadElements(file->file, file->header, *s.entry, lo - s.intra_start, hi - lo,
+                                                 out + (lo - piece.intra_start)));
+          covered += hi - lo;
+        }
+        if (covered != piece.numel) {
+          return absl::DataLossError(absl::StrCat("checkpoint '", name, "' lacks elements of '", group_name, "/",
+                                                  tensor.fqn, suffix, "' [", piece.intra_start, ", ",
+                                                  piece.intra_start + piece.numel, ")"));
+        }
+      }
+    }
+    staged.emplace_back(group, std::move(snapshot));
+  }
+  for (const auto& group : registry_.job_groups(job)) {
+    if (!in_checkpoint.count(group->name())) {
+      return absl::FailedPreconditionError(absl::StrCat("group '", group->name(), "' of job '", job,
+                                                        "' is not in checkpoint '", name, "'"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  staged_[name] = std::move(staged);
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::CommitLoad(const std::string& name) {
+  std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>> staged;
+  {
+    absl::MutexLock lock(&mu_);
+    const auto it = staged_.find(name);
+    if (it == staged_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' was not prepared for loading here"));
+    }
+    staged = std::move(it->second);
+    staged_.erase(it);
+  }
+  for (auto& [group, snapshot] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(snapshot));
+  return absl::OkStatus();
+}
+
+void CheckpointStore::AbortLoad(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  staged_.erase(name);
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,98 @@
+// CheckpointStore: this server's side of checkpoints (DESIGN.md, "Checkpoints").
+//
+// Kinds:
+//  - FULL: model.safetensors with every tensor of the job by its fqn, in its registered
+//    dtype (the fp32 master is cast on the way out), and with the optimizer,
+//    optimizer.safetensors with "<fqn>.<state>" in fp32 (exp_avg, exp_avg_sq,
+//    max_exp_avg_sq, momentum_buffer). All servers write their own byte ranges of the same
+//    files in parallel; padding is never written. Loads into any number of servers.
+//  - SHARDED: shard-<rank>.safetensors per server with the pieces of the original tensors
+//    it owns, in fp32, named "<group>/<fqn>@<first element>" (+ ".<state>"). A server
+//    loading it reads only the pieces that overlap its new shard: any server count.
+//  - LOCAL: local-<rank>.safetensors with each group's flat shard and optimizer state as
+//    they are; loads only into the same server count and layout.
+//
+// Atomicity: a checkpoint is written into "<root>/.<name>.partial/"; every server leaves a
+// part-<rank>.json there; Commit (on one server, after all have saved) checks the parts,
+// checksums every file (XXH3), writes manifest.json last (fsync + rename) and renames the
+// directory to "<root>/<name>". A crash at any point leaves earlier checkpoints intact and
+// the partial one listed as incomplete. Loads verify checksums, layouts and state names,
+// stage everything in memory (PrepareLoad) and only then install (CommitLoad), so a bad
+// checkpoint leaves the group untouched.
+//
+// The root must be shared by all servers for FULL and SHARDED (LOCAL works with a root
+// per server). Names are one path component ([A-Za-z0-9._-], not starting with '.'), so
+// nothing escapes the root; symlinks are refused. Thread-safe.
+#ifndef FLATSHARD_SERVER_CHECKPOINT_STORE_H_
+#define FLATSHARD_SERVER_CHECKPOINT_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/registry.h"
+
+namespace flatshard::server {
+
+enum class CheckpointKind { kFull, kSharded, kLocal };
+absl::string_view CheckpointKindName(CheckpointKind kind);
+[[nodiscard]] absl::StatusOr<CheckpointKind> ParseCheckpointKind(absl::string_view name);
+
+struct CheckpointInfo {
+  std::string name;
+  bool complete = false;
+  std::string kind;  // empty for an incomplete one
+  std::string job;
+  int servers = 0;
+  bool optimizer = false;
+  int64_t bytes = 0;
+  std::map<std::string, int64_t> versions;  // group -> version
+};
+
+class CheckpointStore {
+ public:
+  // `root` empty: every call fails with FailedPrecondition (no --checkpoint_root).
+  CheckpointStore(Registry& registry, int rank, int num_servers, std::string root);
+
+  // Writes this server's part of checkpoint `name` of `job` at `versions` (every group
+  // of the job, each waited for until `deadline`). AlreadyExists if `name` is taken.
+  [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer,
+                                  const std::string& job,
+                                  const std::map<std::string, int64_t>& versions,
+                                  absl::Time deadline);
+  // Completes a checkpoint once every server saved its part. FailedPrecondition naming
+  // the missing or disagreeing part.
+  [[nodiscard]] absl::Status Commit(const std::string& name);
+
+  [[nodiscard]] absl::StatusOr<std::vector<CheckpointInfo>> List() const;
+  [[nodiscard]] absl::Status Delete(const std::string& name);
+
+  // Reads and checks what this server needs of checkpoint `name` into memory.
+  // NotFound, DataLoss (checksum, truncation; naming the file) or FailedPrecondition
+  // (layout, tensor, dtype or optimizer mismatch, naming it). Nothing is installed.
+  [[nodiscard]] absl::Status PrepareLoad(const std::string& name, const std::string& job);
+  // Installs what PrepareLoad staged. FailedPrecondition if nothing is staged.
+  [[nodiscard]] absl::Status CommitLoad(const std::string& name);
+  void AbortLoad(const std::string& name);
+
+ private:
+  absl::StatusOr<std::string> CheckpointDir(const std::string& name) const;
+
+  Registry& registry_;
+  const int rank_;
+  const int num_servers_;
+  const std::string root_;
+  absl::Mutex mu_;
+  std::map<std::string, std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>>> staged_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_CHECKPOINT_STORE_H_

@@ -1,0 +1,289 @@
+// Checkpoints between in-process "servers" (registries sharing one checkpoint root):
+// save with N, load with M, compare every tensor and optimizer state bitwise; damaged and
+// mismatched checkpoints are refused and leave the groups untouched.
+#include "server/checkpoint_store.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/file.h"
+#include "core/float_bits.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+
+namespace flatshard::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct GroupSpec {
+  std::string name;
+  std::vector<TensorSpec> tensors;
+  int64_t align;
+  OptimizerConfig optimizer;
+};
+
+std::vector<GroupSpec> Specs() {
+  return {{"emb", {{"emb.weight", {5, 3}, DType::kFloat32}, {"emb.bias", {7}, DType::kFloat32}}, 4,
+           kernels::cpu::AdamHyperparams{.lr = 0.01f, .weight_decay = 0.1f, .amsgrad = true,
+                                         .decoupled_weight_decay = true}},
+          {"tiny", {{"scale", {2}, DType::kFloat32}}, 0,
+           kernels::cpu::SgdHyperparams{.lr = 0.1f, .momentum = 0.9f}},
+          {"half", {{"h.weight", {3, 3}, DType::kBFloat16}}, 0, kernels::cpu::AdamHyperparams{.lr = 0.01f}}};
+}
+
+// Values by tensor: fqn (+ ".state") -> elements.
+using Values = std::map<std::string, std::vector<float>>;
+
+class FakeCluster {
+ public:
+  FakeCluster(int servers, const std::string& root) {
+    for (int rank = 0; rank < servers; ++rank) {
+      registries_.push_back(std::make_unique<Registry>(rank, servers));
+      stores_.push_back(std::make_unique<CheckpointStore>(*registries_.back(), rank, servers, root));
+      EXPECT_TRUE(registries_.back()->ConfigureJob("job", {.num_workers = 1}).ok());
+      for (const GroupSpec& spec : Specs()) {
+        EXPECT_TRUE(registries_.back()->RegisterGroup("job", spec.name, spec.tensors, spec.align, spec.optimizer).ok());
+      }
+    }
+  }
+
+  std::shared_ptr<Group> group(int rank, const std::string& name) { return *registries_[rank]->FindGroup("job", name); }
+  CheckpointStore& store(int rank) { return *stores_[rank]; }
+  int size() const { return static_cast<int>(registries_.size()); }
+
+  // One step of every group with a gradient that depends only on (tensor, element, step).
+  void Step(int64_t step) {
+    for (int rank = 0; rank < size(); ++rank) {
+      for (const GroupSpec& spec : Specs()) {
+        auto g = group(rank, spec.name);
+        const FlatLayout& layout = g->layout();
+        std::vector<float> grad(layout.shard_numel(), 0.0f);
+        const int64_t start = layout.shard_start(rank);
+        for (const TensorPiece& piece : layout.MapRange(start, layout.shard_end(rank))) {
+          for (int64_t k = 0; k < piece.numel; ++k) {
+            grad[piece.flat_offset - start + k] =
+                std::sin(0.7f * static_cast<float>(piece.intra_start + k + 1) + static_cast<float>(step) +
+                         static_cast<float>(piece.tensor_index));
+          }
+        }
+        auto slot = g->BeginScatter(step, 0, DType::kFloat32);
+        ASSERT_TRUE(slot.ok()) << slot.status();
+        std::memcpy(slot->buffer.data(), grad.data(), slot->buffer.size());
+        ASSERT_TRUE(g->CommitScatter(*slot).ok());
+      }
+    }
+  }
+
+  Values Collect(int64_t version) {
+    Values values;
+    for (int rank = 0; rank < size(); ++rank) {
+      for (const GroupSpec& spec : Specs()) {
+        auto g = group(rank, spec.name);
+        auto snapshot = g->Snapshot(version, absl::InfiniteFuture());
+        EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+        const FlatLayout& layout = g->layout();
+        const int64_t start = layout.shard_start(rank);
+        std::vector<std::pair<std::string, const std::vector<float>*>> buffers = {{"", &snapshot->params}};
+        for (const auto& [state, v] : snapshot->state) buffers.emplace_back("." + state, &v);
+        for (const TensorPiece& piece : layout.MapRange(start, layout.shard_end(rank))) {
+          for (const auto& [suffix, buffer] : buffers) {
+            std::vector<float>& out = values[layout.tensor(piece.tensor_index).fqn + suffix];
+            out.resize(layout.tensor_numel(piece.tensor_index));
+            std::copy_n(buffer->begin() + (piece.flat_offset - start), piece.numel, out.begin() + piece.intra_start);
+          }
+        }
+        values["steps:" + spec.name] = {static_cast<float>(snapshot->optimizer_steps)};
+      }
+    }
+    return values;
+  }
+
+  absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer, int64_t version) {
+    std::map<std::string, int64_t> versions;
+    for (const GroupSpec& spec : Specs()) versions[spec.name] = version;
+    for (int rank = 0; rank < size(); ++rank) {
+      FLATSHARD_RETURN_IF_ERROR(stores_[rank]->Save(name, kind, optimizer, "job", versions, absl::InfiniteFuture()));
+    }
+    return stores_[0]->Commit(name);
+  }
+
+  absl::Status Load(const std::string& name) {
+    for (int rank = 0; rank < size(); ++rank) {
+      if (absl::Status prepared = stores_[rank]->PrepareLoad(name, "job"); !prepared.ok()) {
+        for (int r = 0; r < size(); ++r) stores_[r]->AbortLoad(name);
+        return prepared;
+      }
+    }
+    for (int rank = 0; rank < size(); ++rank) FLATSHARD_RETURN_IF_ERROR(stores_[rank]->CommitLoad(name));
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<std::unique_ptr<Registry>> registries_;
+  std::vector<std::unique_ptr<CheckpointStore>> stores_;
+};
+
+std::string FreshRoot() {
+  const std::string root = ::testing::TempDir() + "/ckpt-" +
+                           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  return root;
+}
+
+void ExpectBitwiseEqual(const Values& a, const Values& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, values] : a) {
+    ASSERT_TRUE(b.count(name)) << name;
+    const std::vector<float>& other = b.at(name);
+    ASSERT_EQ(values.size(), other.size()) << name;
+    for (size_t i = 0; i < values.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(values[i]), std::bit_cast<uint32_t>(other[i])) << name << "[" << i << "]";
+    }
+  }
+}
+
+class ReshardTest : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(ReshardTest, ShardedCheckpointLoadsIntoAnotherServerCountBitwise) {
+  const auto [from, to] = GetParam();
+  const std::string root = FreshRoot();
+  FakeCluster source(from, root);
+  for (int step = 0; step < 3; ++step) source.Step(step);
+  ASSERT_TRUE(source.Save("ckpt", CheckpointKind::kSharded, /*optimizer=*/true, 3).ok());
+  const Values before = source.Collect(3);
+
+  FakeCluster target(to, root);
+  ASSERT_TRUE(target.Load("ckpt").ok());
+  ExpectBitwiseEqual(target.Collect(3), before);
+
+  // Training continues to the same result as without the round trip.
+  for (int step = 3; step < 5; ++step) {
+    source.Step(step);
+    target.Step(step);
+  }
+  ExpectBitwiseEqual(target.Collect(5), source.Collect(5));
+}
+
+INSTANTIATE_TEST_SUITE_P(ServerCounts, ReshardTest,
+                         ::testing::Values(std::make_pair(3, 2), std::make_pair(2, 5), std::make_pair(1, 4),
+                                           std::make_pair(4, 1)));
+
+TEST(CheckpointStoreTest, FullCheckpointIsSafetensorsAndReshards) {
+  const std::string root = FreshRoot();
+  FakeCluster source(3, root);
+  for (int step = 0; step < 2; ++step) source.Step(step);
+  ASSERT_TRUE(source.Save("full", CheckpointKind::kFull, true, 2).ok());
+  auto header = SafetensorsHeader::Read(root + "/full/model.safetensors");
+  ASSERT_TRUE(header.ok()) << header.status();
+  ASSERT_NE(header->Find("h.weight"), nullptr);
+  EXPECT_EQ(header->Find("h.weight")->dtype, DType::kBFloat16);  // registered dtype
+  EXPECT_EQ(header->Find("emb.weight")->shape, (std::vector<int64_t>{5, 3}));
+  EXPECT_EQ(header->tensors().size(), 4u);  // no padding, no extra tensors
+
+  FakeCluster target(2, root);
+  ASSERT_TRUE(target.Load("full").ok());
+  Values expected = source.Collect(2);
+  Values loaded = target.Collect(2);
+  // bfloat16-registered tensors come back as the bf16 rounding of the master; the rest bitwise.
+  for (float& v : expected["h.weight"]) v = BFloat16BitsToFloat(FloatToBFloat16Bits(v));
+  ExpectBitwiseEqual(loaded, expected);
+}
+
+TEST(CheckpointStoreTest, LocalCheckpointNeedsTheSameServerCount) {
+  const std::string root = FreshRoot();
+  FakeCluster source(2, root);
+  source.Step(0);
+  ASSERT_TRUE(source.Save("local", CheckpointKind::kLocal, true, 1).ok());
+  FakeCluster same(2, root);
+  ASSERT_TRUE(same.Load("local").ok());
+  ExpectBitwiseEqual(same.Collect(1), source.Collect(1));
+  FakeCluster other(3, root);
+  absl::Status status = other.Load("local");
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("LOCAL from 2 servers; this cluster has 3"));
+}
+
+TEST(CheckpointStoreTest, DamagedCheckpointsAreRefusedAndStateIsUntouched) {
+  const std::string root = FreshRoot();
+  FakeCluster source(2, root);
+  source.Step(0);
+  ASSERT_TRUE(source.Save("good", CheckpointKind::kSharded, true, 1).ok());
+  std::filesystem::copy(root + "/good", root + "/flipped", std::filesystem::copy_options::recursive);
+  std::filesystem::copy(root + "/good", root + "/short", std::filesystem::copy_options::recursive);
+  {
+    std::fstream file(root + "/flipped/shard-1.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(-3, std::ios::end);
+    file.put('\x5a');
+  }
+  std::filesystem::resize_file(root + "/short/shard-0.safetensors",
+                               std::filesystem::file_size(root + "/short/shard-0.safetensors") - 10);
+
+  FakeCluster target(2, root);
+  target.Step(0);
+  const Values before = target.Collect(1);
+  absl::Status flipped = target.Load("flipped");
+  EXPECT_EQ(flipped.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(flipped.message()), HasSubstr("shard-1.safetensors' is corrupted"));
+  absl::Status truncated = target.Load("short");
+  EXPECT_EQ(truncated.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(truncated.message()), HasSubstr("shard-0.safetensors"));
+  ExpectBitwiseEqual(target.Collect(1), before);
+  EXPECT_EQ(target.Load("missing").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(CheckpointStoreTest, MismatchedLayoutIsRefusedNamingTheGroup) {
+  const std::string root = FreshRoot();
+  FakeCluster source(1, root);
+  ASSERT_TRUE(source.Save("ckpt", CheckpointKind::kSharded, true, 0).ok());
+  Registry other(0, 1);
+  ASSERT_TRUE(other.ConfigureJob("job", {.num_workers = 1}).ok());
+  for (const GroupSpec& spec : Specs()) {
+    std::vector<TensorSpec> tensors = spec.tensors;
+    if (spec.name == "tiny") tensors[0].shape = {3};
+    ASSERT_TRUE(other.RegisterGroup("job", spec.name, tensors, spec.align, spec.optimizer).ok());
+  }
+  CheckpointStore store(other, 0, 1, root);
+  absl::Status status = store.PrepareLoad("ckpt", "job");
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("group 'tiny' does not match the registered group"));
+}
+
+TEST(CheckpointStoreTest, NamesAreConfinedAndPartialCheckpointsAreNotComplete) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(2, root);
+  for (const std::string bad : {"../escape", "/abs", ".hidden", "a/b", ""}) {
+    EXPECT_EQ(cluster.store(0).Save(bad, CheckpointKind::kFull, false, "job", {}, absl::InfiniteFuture()).code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  std::filesystem::create_directory_symlink("/tmp", root + "/link");
+  EXPECT_EQ(cluster.Load("link").code(), absl::StatusCode::kFailedPrecondition);
+
+  // Only server 0 saved: the commit refuses, the checkpoint is listed as incomplete.
+  std::map<std::string, int64_t> versions = {{"emb", 0}, {"tiny", 0}, {"half", 0}};
+  ASSERT_TRUE(cluster.store(0).Save("half-done", CheckpointKind::kSharded, false, "job", versions,
+                                    absl::InfiniteFuture()).ok());
+  absl::Status commit = cluster.store(0).Commit("half-done");
+  EXPECT_THAT(std::string(commit.message()), HasSubstr("server 1 has not saved its part"));
+  ASSERT_TRUE(cluster.Save("done", CheckpointKind::kSharded, false, 0).ok());
+  auto list = cluster.store(1).List();
+  ASSERT_TRUE(list.ok());
+  std::map<std::string, bool> complete;
+  for (const CheckpointInfo& info : *list) complete[info.name] = info.complete;
+  EXPECT_EQ(complete.at("done"), true);
+  EXPECT_EQ(complete.at("half-done"), false);
+  EXPECT_EQ(cluster.Save("done", CheckpointKind::kSharded, false, 0).code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(cluster.store(0).Delete("done").ok());
+  ASSERT_TRUE(cluster.store(0).Delete("half-done").ok());
+  EXPECT_EQ(cluster.store(0).Delete("done").code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace flatshard::server
