@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <limits>
 #include <map>
 
@@ -219,6 +220,69 @@ class ClientImpl final : public Client {
     return version;
   }
 
+  absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer) override {
+    // The cut: every group of the job at the highest version any server has (servers of
+    // a synchronous job are at most one step apart; each waits until it gets there).
+    v1::SaveCheckpointRequest request;
+    request.set_name(name);
+    request.set_kind(kind == CheckpointKind::kFull ? v1::FULL : kind == CheckpointKind::kSharded ? v1::SHARDED : v1::LOCAL);
+    request.set_optimizer(optimizer);
+    request.set_job(options_.job);
+    for (int i = 0; i < num_servers(); ++i) {
+      v1::ServerStatus status;
+      FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status));
+      for (const v1::GroupStatus& group : status.groups()) {
+        if (group.job() != options_.job) continue;
+        auto& version = (*request.mutable_versions())[group.group()];
+        version = std::max(version, group.version());
+      }
+    }
+    FLATSHARD_RETURN_IF_ERROR(OnAllServersInParallel([&](size_t i) {
+      v1::SaveCheckpointResponse response;
+      return Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
+    }));
+    v1::CheckpointRequest commit;
+    commit.set_name(name);
+    v1::CheckpointResponse response;
+    return Call(0, &v1::Flatshard::Stub::CommitCheckpoint, commit, &response);
+  }
+
+  absl::Status LoadCheckpoint(const std::string& name) override {
+    v1::LoadCheckpointRequest request;
+    request.set_name(name);
+    request.set_job(options_.job);
+    auto phase = [&](v1::LoadCheckpointRequest::Phase p) {
+      request.set_phase(p);
+      return OnAllServersInParallel([&](size_t i) {
+        v1::CheckpointResponse response;
+        return Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response);
+      });
+    };
+    if (absl::Status prepared = phase(v1::LoadCheckpointRequest::PREPARE); !prepared.ok()) {
+      (void)phase(v1::LoadCheckpointRequest::ABORT);
+      return prepared;
+    }
+    return phase(v1::LoadCheckpointRequest::COMMIT);
+  }
+
+  absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints() override {
+    v1::ListCheckpointsResponse response;
+    FLATSHARD_RETURN_IF_ERROR(Call(0, &v1::Flatshard::Stub::ListCheckpoints, v1::ListCheckpointsRequest(), &response));
+    std::vector<CheckpointEntry> entries;
+    for (const v1::CheckpointEntry& e : response.checkpoints()) {
+      entries.push_back({e.name(), e.complete(), e.kind(), e.job(), e.servers(), e.optimizer(), e.bytes(),
+                         std::map<std::string, int64_t>(e.versions().begin(), e.versions().end())});
+    }
+    return entries;
+  }
+
+  absl::Status DeleteCheckpoint(const std::string& name) override {
+    v1::CheckpointRequest request;
+    request.set_name(name);
+    v1::CheckpointResponse response;
+    return Call(0, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response);
+  }
+
   absl::Status SetHyperparams(const std::string& group, const OptimizerOptions& optimizer) override {
     v1::SetHyperparamsRequest request;
     request.set_job(options_.job);
@@ -250,6 +314,15 @@ class ClientImpl final : public Client {
       FLATSHARD_RETURN_IF_ERROR(Call(i, method, request, response));
     }
     return absl::OkStatus();
+  }
+
+  // Runs `call(server index)` for every server at once; the first error wins.
+  absl::Status OnAllServersInParallel(const std::function<absl::Status(size_t)>& call) {
+    std::vector<std::future<absl::Status>> results;
+    for (size_t i = 0; i < stubs_.size(); ++i) results.push_back(std::async(std::launch::async, call, i));
+    absl::Status status;
+    for (auto& result : results) status.Update(result.get());
+    return status;
   }
 
   absl::StatusOr<const FlatLayout*> FindLayout(const std::string& group) {

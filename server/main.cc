@@ -1,6 +1,7 @@
 // flatshard-server: one shard server of a cluster. See README.md, "Running servers".
 #include <signal.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -51,6 +52,14 @@ int main(int argc, char** argv) {
                                     : absl::StrSplit(cluster, ',', absl::SkipEmpty());
   options.memory = absl::GetFlag(FLAGS_memory);
   options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  if (!options.checkpoint_root.empty()) {
+    std::error_code error;
+    const auto root = std::filesystem::canonical(options.checkpoint_root, error);
+    if (error || !std::filesystem::is_directory(root)) {
+      return Fail("--checkpoint_root=" + options.checkpoint_root + " is not an existing directory");
+    }
+    options.checkpoint_root = root.string();
+  }
   options.threads = absl::GetFlag(FLAGS_threads);
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     std::ifstream file(path);

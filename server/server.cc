@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <filesystem>
 #include <iostream>
 #include <set>
 
@@ -44,6 +45,10 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   if (!options.data_listen.empty()) {
     FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
   }
+  if (!options.checkpoint_root.empty() && !std::filesystem::is_directory(options.checkpoint_root)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--checkpoint_root=", options.checkpoint_root, " is not a directory"));
+  }
   return absl::OkStatus();
 }
 
@@ -54,7 +59,9 @@ Server::Server(ServerOptions options)
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
             [this](int peer, const std::string& job, int64_t step, double partial) {
               return peers_.SendNormPartial(peer, job, step, partial);
-            }) {}
+            }),
+      checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
+                   options_.checkpoint_root) {}
 
 Server::~Server() { Shutdown(); }
 
@@ -79,7 +86,7 @@ absl::Status Server::Start() {
                            .data_address = absl::StrCat(data_host, ":", data_->port()),
                            .memory = options_.memory,
                            .auth_token = options_.auth_token};
-  service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, sessions_,
+  service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
                                                 stats_, [this] { return cluster_check(); });
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &control_port_);

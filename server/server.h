@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "server/auth.h"
+#include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
 #include "server/data_server.h"
 #include "server/registry.h"
@@ -38,7 +39,7 @@ struct ServerOptions {
   std::vector<std::string> cluster;       // every server's control address, rank order
   std::string memory = "host";
   std::string auth_token;                 // empty: no authentication
-  std::string checkpoint_root;
+  std::string checkpoint_root;            // empty: checkpoints disabled
   int threads = 0;                        // gRPC sync-server threads (0: gRPC's default)
   DataServerOptions data;
 };
@@ -65,6 +66,7 @@ class Server {
   Registry registry_;
   PeerClient peers_;
   ClipCoordinator clip_;
+  CheckpointStore checkpoints_;
   SessionTokens sessions_;
   ServerStats stats_;
   std::unique_ptr<DataServer> data_;

@@ -49,12 +49,14 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
 }
 
 FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
-                                   ClipCoordinator& clip, SessionTokens& sessions,
+                                   ClipCoordinator& clip, CheckpointStore& checkpoints,
+                                   SessionTokens& sessions,
                                    const ServerStats& stats,
                                    std::function<std::string()> cluster_check)
     : identity_(std::move(identity)),
       registry_(registry),
       clip_(clip),
+      checkpoints_(checkpoints),
       sessions_(sessions),
       stats_(stats),
       cluster_check_(std::move(cluster_check)) {}
@@ -156,6 +158,67 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
   if (!version.ok()) return ToGrpc(version.status());
   response->set_version(*version);
   return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
+                                              const v1::SaveCheckpointRequest* request,
+                                              v1::SaveCheckpointResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<CheckpointKind> kind =
+      request->kind() == v1::FULL      ? absl::StatusOr<CheckpointKind>(CheckpointKind::kFull)
+      : request->kind() == v1::SHARDED ? absl::StatusOr<CheckpointKind>(CheckpointKind::kSharded)
+      : request->kind() == v1::LOCAL   ? absl::StatusOr<CheckpointKind>(CheckpointKind::kLocal)
+                                       : absl::InvalidArgumentError("kind: full, sharded or local");
+  if (!kind.ok()) return ToGrpc(kind.status());
+  const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
+  return ToGrpc(checkpoints_.Save(request->name(), *kind, request->optimizer(), request->job(), versions,
+                                  DeadlineOf(ctx)));
+}
+
+grpc::Status FlatshardService::CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
+                                                v1::CheckpointResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  return ToGrpc(checkpoints_.Commit(request->name()));
+}
+
+grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
+                                              const v1::LoadCheckpointRequest* request,
+                                              v1::CheckpointResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  switch (request->phase()) {
+    case v1::LoadCheckpointRequest::PREPARE:
+      return ToGrpc(checkpoints_.PrepareLoad(request->name(), request->job()));
+    case v1::LoadCheckpointRequest::COMMIT:
+      return ToGrpc(checkpoints_.CommitLoad(request->name()));
+    default:
+      checkpoints_.AbortLoad(request->name());
+      return grpc::Status::OK;
+  }
+}
+
+grpc::Status FlatshardService::ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest*,
+                                               v1::ListCheckpointsResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<std::vector<CheckpointInfo>> list = checkpoints_.List();
+  if (!list.ok()) return ToGrpc(list.status());
+  for (const CheckpointInfo& info : *list) {
+    v1::CheckpointEntry* entry = response->add_checkpoints();
+    entry->set_name(info.name);
+    entry->set_complete(info.complete);
+    entry->set_kind(info.kind);
+    entry->set_job(info.job);
+    entry->set_servers(info.servers);
+    entry->set_optimizer(info.optimizer);
+    entry->set_bytes(info.bytes);
+    entry->mutable_versions()->insert(info.versions.begin(), info.versions.end());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::DeleteCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
+                                                v1::CheckpointResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  return ToGrpc(checkpoints_.Delete(request->name()));
 }
 
 grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,

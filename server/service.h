@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "server/auth.h"
+#include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
 #include "server/registry.h"
 #include "server/stats.h"
@@ -30,7 +31,7 @@ struct ServiceIdentity {
 class FlatshardService final : public v1::Flatshard::Service {
  public:
   FlatshardService(ServiceIdentity identity, Registry& registry, ClipCoordinator& clip,
-                   SessionTokens& sessions, const ServerStats& stats,
+                   CheckpointStore& checkpoints, SessionTokens& sessions, const ServerStats& stats,
                    std::function<std::string()> cluster_check);
 
   grpc::Status GetClusterInfo(grpc::ServerContext* ctx, const v1::GetClusterInfoRequest* request,
@@ -49,6 +50,16 @@ class FlatshardService final : public v1::Flatshard::Service {
                            v1::WaitVersionResponse* response) override;
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* request,
                          v1::ServerStatus* response) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext* ctx, const v1::SaveCheckpointRequest* request,
+                              v1::SaveCheckpointResponse* response) override;
+  grpc::Status CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
+                                v1::CheckpointResponse* response) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext* ctx, const v1::LoadCheckpointRequest* request,
+                              v1::CheckpointResponse* response) override;
+  grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* request,
+                               v1::ListCheckpointsResponse* response) override;
+  grpc::Status DeleteCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
+                                v1::CheckpointResponse* response) override;
   grpc::Status PushNormPartial(grpc::ServerContext* ctx, const v1::PushNormPartialRequest* request,
                                v1::PushNormPartialResponse* response) override;
 
@@ -58,6 +69,7 @@ class FlatshardService final : public v1::Flatshard::Service {
   const ServiceIdentity identity_;
   Registry& registry_;
   ClipCoordinator& clip_;
+  CheckpointStore& checkpoints_;
   SessionTokens& sessions_;
   const ServerStats& stats_;
   const std::function<std::string()> cluster_check_;

@@ -15,6 +15,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "client/cli/checkpoint_command.h"
 #include "client/cli/layout_command.h"
 #include "client/cli/local_cluster_command.h"
 #include "client/cli/status_command.h"
@@ -26,6 +27,10 @@ ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (e
 ABSL_FLAG(int, servers, 2, "local-cluster: number of servers");
 ABSL_FLAG(int, base_port, 7070, "local-cluster: server i listens on base_port+2i (data +1)");
 ABSL_FLAG(std::string, checkpoint_root, "", "local-cluster: passed to every server");
+ABSL_FLAG(std::string, job, "default", "save, load: the job whose groups are checkpointed");
+ABSL_FLAG(std::string, name, "", "save, load, delete: the checkpoint's name");
+ABSL_FLAG(std::string, kind, "sharded", "save: full, sharded or local");
+ABSL_FLAG(bool, optimizer, false, "save: include the optimizer state");
 
 namespace {
 
@@ -37,8 +42,12 @@ constexpr char kUsage[] =
     "                                  layout per server: shard ranges, memory, tensors\n"
     "  status --cluster=A0,A1,... [--json]\n"
     "                                  servers, groups, versions, memory and traffic\n"
-    "  local-cluster --servers=N [--base_port=P]\n"
-    "                                  start N servers on 127.0.0.1 and wait; Ctrl-C stops them\n";
+    "  local-cluster --servers=N [--base_port=P] [--checkpoint_root=DIR]\n"
+    "                                  start N servers on 127.0.0.1 and wait; Ctrl-C stops them\n"
+    "  save --cluster=... --name=N --kind=full|sharded|local [--optimizer] [--job=J]\n"
+    "  load --cluster=... --name=N [--job=J]\n"
+    "  checkpoints --cluster=... [--json]   list checkpoints (complete or not)\n"
+    "  delete --cluster=... --name=N\n";
 
 int Layout(const std::vector<std::string>& args) {
   const flatshard::cli::LayoutCommandOptions options{.json = absl::GetFlag(FLAGS_json)};
@@ -92,6 +101,19 @@ std::string SiblingBinary(const char* name) {
   return dir + "/" + name;
 }
 
+int Checkpoint(const std::string& command) {
+  flatshard::cli::CheckpointCommandOptions options;
+  options.command = command;
+  options.servers = absl::StrSplit(absl::GetFlag(FLAGS_cluster), ',', absl::SkipEmpty());
+  options.job = absl::GetFlag(FLAGS_job);
+  options.name = absl::GetFlag(FLAGS_name);
+  options.kind = absl::GetFlag(FLAGS_kind);
+  options.optimizer = absl::GetFlag(FLAGS_optimizer);
+  options.json = absl::GetFlag(FLAGS_json);
+  if (!ReadToken(options.token)) return 2;
+  return flatshard::cli::RunCheckpointCommand(options, std::cout, std::cerr);
+}
+
 int LocalCluster() {
   flatshard::cli::LocalClusterOptions options;
   options.servers = absl::GetFlag(FLAGS_servers);
@@ -114,6 +136,9 @@ int main(int argc, char** argv) {
   if (args[0] == "layout") return Layout(args);
   if (args[0] == "status") return Status();
   if (args[0] == "local-cluster") return LocalCluster();
+  if (args[0] == "save" || args[0] == "load" || args[0] == "checkpoints" || args[0] == "delete") {
+    return Checkpoint(args[0]);
+  }
   std::cerr << "flatshard: unknown command '" << args[0] << "'\n\n" << kUsage;
   return 2;
 }

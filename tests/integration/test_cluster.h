@@ -50,7 +50,9 @@ inline void StopServer(pid_t pid) {
 
 class TestCluster {
  public:
-  TestCluster(int servers, std::string token, const std::string& scratch_dir)
+  // `checkpoint_root` empty: checkpoints disabled on these servers.
+  TestCluster(int servers, std::string token, const std::string& scratch_dir,
+              const std::string& checkpoint_root = "")
       : token_(std::move(token)) {
     // One file per process: ctest runs several clusters at once in the same TempDir().
     const std::string token_file = absl::StrCat(scratch_dir, "/token-", getpid());
@@ -62,11 +64,13 @@ class TestCluster {
       data_ports.push_back(ports[2 * i + 1]);
     }
     for (int i = 0; i < servers; ++i) {
-      pids_.push_back(SpawnServer({"--listen=" + addresses_[i],
-                                   absl::StrCat("--data_listen=127.0.0.1:", data_ports[i]),
-                                   absl::StrCat("--rank=", i),
-                                   "--cluster=" + absl::StrJoin(addresses_, ","),
-                                   "--auth_token_file=" + token_file}));
+      std::vector<std::string> args = {"--listen=" + addresses_[i],
+                                       absl::StrCat("--data_listen=127.0.0.1:", data_ports[i]),
+                                       absl::StrCat("--rank=", i),
+                                       "--cluster=" + absl::StrJoin(addresses_, ","),
+                                       "--auth_token_file=" + token_file};
+      if (!checkpoint_root.empty()) args.push_back("--checkpoint_root=" + checkpoint_root);
+      pids_.push_back(SpawnServer(args));
     }
   }
 

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <future>
+#include <map>
 #include <memory>
 #include <string>
 #include <variant>
@@ -71,6 +72,22 @@ struct AdamOptions {
 
 using OptimizerOptions = std::variant<SgdOptions, AdamOptions>;
 
+// FULL: safetensors by tensor name (loadable by PyTorch), any server count on load.
+// SHARDED: each server's pieces of the original tensors, any server count on load.
+// LOCAL: each server's flat shard as it is; same server count and layout on load.
+enum class CheckpointKind { kFull, kSharded, kLocal };
+
+struct CheckpointEntry {
+  std::string name;
+  bool complete = false;  // false: a save that did not finish (never loadable)
+  std::string kind;
+  std::string job;
+  int servers = 0;
+  bool optimizer = false;
+  int64_t bytes = 0;
+  std::map<std::string, int64_t> versions;  // group -> version saved
+};
+
 class Client {
  public:
   // Connects to every server, checks that each one believes in the same cluster (same
@@ -119,6 +136,17 @@ class Client {
   // New hyper-parameters from the next step on (same optimizer kind as registered).
   [[nodiscard]] virtual absl::Status SetHyperparams(const std::string& group,
                                                     const OptimizerOptions& optimizer) = 0;
+
+  // Saves every group of the job at its current version (a consistent cut: each server
+  // saves exactly that version), in parallel on all servers, then commits atomically.
+  // Needs a --checkpoint_root shared by the servers for FULL and SHARDED.
+  [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind,
+                                                    bool optimizer) = 0;
+  // Loads a checkpoint into the job's registered groups on every server: all servers
+  // verify and stage it first; if any refuses (damage, mismatch), none changes.
+  [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name) = 0;
+  [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints() = 0;
+  [[nodiscard]] virtual absl::Status DeleteCheckpoint(const std::string& name) = 0;
 };
 
 // Views a typed buffer as bytes, for Gather and Scatter.

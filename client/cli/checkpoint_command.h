@@ -1,0 +1,28 @@
+// `flatshard save | load | checkpoints | delete`: checkpoint operations through the C++
+// client, with one line of progress per phase. Stateless.
+#ifndef FLATSHARD_CLIENT_CLI_CHECKPOINT_COMMAND_H_
+#define FLATSHARD_CLIENT_CLI_CHECKPOINT_COMMAND_H_
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace flatshard::cli {
+
+struct CheckpointCommandOptions {
+  std::string command;  // save, load, checkpoints, delete
+  std::vector<std::string> servers;
+  std::string token;
+  std::string job = "default";
+  std::string name;
+  std::string kind = "sharded";
+  bool optimizer = false;
+  bool json = false;
+};
+
+// Returns 0 on success, 1 when the cluster refused (the status on `err`), 2 on bad options.
+int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace flatshard::cli
+
+#endif  // FLATSHARD_CLIENT_CLI_CHECKPOINT_COMMAND_H_
