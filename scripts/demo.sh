@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The README's main command (make demo): a local cluster of 2 servers on 127.0.0.1,
 # 2 training workers of examples/mlp_worker.cc (AdamW on a two-layer MLP), the cluster's
-# status, then a clean shutdown. Ports: FLATSHARD_DEMO_PORT (default 17070) and up.
+# status, a FULL state-dict export (safetensors), then a clean shutdown.
+# Ports: FLATSHARD_DEMO_PORT (default 17070) and up.
 set -euo pipefail
 build_dir=${1:-build}
 bin="$build_dir/bin"
 port=${FLATSHARD_DEMO_PORT:-17070}
 cluster="127.0.0.1:$port,127.0.0.1:$((port + 2))"
 
-"$bin/flatshard" local-cluster --servers=2 --base_port="$port" &
+checkpoints=$(mktemp -d)
+"$bin/flatshard" local-cluster --servers=2 --base_port="$port" --checkpoint_root="$checkpoints" &
 cluster_pid=$!
-trap 'kill -TERM $cluster_pid 2>/dev/null || true; wait $cluster_pid 2>/dev/null || true' EXIT
+trap 'kill -TERM $cluster_pid 2>/dev/null || true; wait $cluster_pid 2>/dev/null || true; rm -rf "$checkpoints"' EXIT
 
 # Wait until both servers answer.
 for _ in $(seq 50); do
@@ -27,6 +29,12 @@ wait $worker1
 echo
 echo "== flatshard status =="
 "$bin/flatshard" status --cluster="$cluster"
+
+echo
+echo "== state-dict export: a FULL checkpoint (safetensors) with optimizer state =="
+"$bin/flatshard" save --cluster="$cluster" --job=mlp-demo --name=mlp-final --kind=full --optimizer
+"$bin/flatshard" checkpoints --cluster="$cluster"
+ls -l "$checkpoints/mlp-final"
 
 echo
 echo "== layout of a bigger model over 3 servers (flatshard layout) =="

@@ -126,9 +126,23 @@ absl::Status WriteFull(const std::string& dir, int rank, const std::vector<Shard
   };
   std::vector<Output> outputs = {{"model.safetensors", model, false}};
   if (optimizer) outputs.push_back({"optimizer.safetensors", state, true});
+  // The optimizer file says, per group, which optimizer, how many steps and with what
+  // hyper-parameters (strings, as safetensors metadata must be).
+  std::map<std::string, std::string> optimizer_metadata = {{"format", "pt"}};
+  for (const Shard& shard : shards) {
+    const std::string& group = shard.group->name();
+    optimizer_metadata[group + ".optimizer"] = shard.group->optimizer_name();
+    optimizer_metadata[group + ".step"] = std::to_string(shard.snapshot.optimizer_steps);
+    optimizer_metadata[group + ".hyperparams"] = OptimizerHyperparamsJson(shard.group->optimizer_config());
+    std::string fqns;
+    for (const TensorSpec& t : shard.group->layout().tensors()) absl::StrAppend(&fqns, fqns.empty() ? "" : ",", t.fqn);
+    optimizer_metadata[group + ".params"] = fqns;
+  }
   for (Output& output : outputs) {
-    FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header,
-                               SafetensorsHeader::Build(output.tensors, {{"format", "pt"}}));
+    FLATSHARD_ASSIGN_OR_RETURN(
+        SafetensorsHeader header,
+        SafetensorsHeader::Build(output.tensors, output.is_state ? optimizer_metadata
+                                                                 : std::map<std::string, std::string>{{"format", "pt"}}));
     FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(dir + "/" + output.file, File::Mode::kWrite));
     if (rank == 0) FLATSHARD_RETURN_IF_ERROR(file.WriteAt(0, header.bytes()));
     FLATSHARD_RETURN_IF_ERROR(file.Truncate(header.file_size()));  // same size on every server

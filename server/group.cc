@@ -55,6 +55,11 @@ std::string Group::optimizer_name() const {
   return OptimizerName(optimizer_.config());
 }
 
+OptimizerConfig Group::optimizer_config() const {
+  absl::MutexLock lock(&mu_);
+  return optimizer_.config();
+}
+
 bool Group::SameSpec(const FlatLayout& layout, const OptimizerConfig& optimizer) const {
   absl::MutexLock lock(&mu_);
   return layout == layout_ && SameOptimizer(optimizer, optimizer_.config());

@@ -89,6 +89,7 @@ class Group {
   const FlatLayout& layout() const { return layout_; }
   int64_t shard_numel() const { return layout_.shard_numel(); }
   std::string optimizer_name() const;
+  OptimizerConfig optimizer_config() const;
 
   // True when `layout` and `optimizer` equal this group's (idempotent registration).
   bool SameSpec(const FlatLayout& layout, const OptimizerConfig& optimizer) const;

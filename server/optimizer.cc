@@ -1,8 +1,10 @@
 #include "server/optimizer.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace flatshard::server {
 
@@ -28,6 +30,32 @@ bool SameOptimizer(const OptimizerConfig& a, const OptimizerConfig& b) {
   return x.lr == y.lr && x.beta1 == y.beta1 && x.beta2 == y.beta2 && x.eps == y.eps &&
          x.weight_decay == y.weight_decay && x.amsgrad == y.amsgrad &&
          x.decoupled_weight_decay == y.decoupled_weight_decay;
+}
+
+namespace {
+
+// The shortest decimal text that reads back as the same float (0.9f -> "0.9").
+std::string ShortestFloat(float value) {
+  for (int digits = 1; digits < 9; ++digits) {
+    const std::string text = absl::StrFormat("%.*g", digits, value);
+    if (std::strtof(text.c_str(), nullptr) == value) return text;
+  }
+  return absl::StrFormat("%.9g", value);
+}
+
+}  // namespace
+
+std::string OptimizerHyperparamsJson(const OptimizerConfig& config) {
+  if (const auto* sgd = std::get_if<SgdHyperparams>(&config)) {
+    return absl::StrCat(R"({"lr":)", ShortestFloat(sgd->lr), R"(,"momentum":)", ShortestFloat(sgd->momentum),
+                        R"(,"dampening":)", ShortestFloat(sgd->dampening), R"(,"weight_decay":)",
+                        ShortestFloat(sgd->weight_decay), R"(,"nesterov":)", sgd->nesterov ? "true" : "false",
+                        "}");
+  }
+  const auto& adam = std::get<AdamHyperparams>(config);
+  return absl::StrCat(R"({"lr":)", ShortestFloat(adam.lr), R"(,"betas":[)", ShortestFloat(adam.beta1), ",",
+                      ShortestFloat(adam.beta2), R"(],"eps":)", ShortestFloat(adam.eps), R"(,"weight_decay":)",
+                      ShortestFloat(adam.weight_decay), R"(,"amsgrad":)", adam.amsgrad ? "true" : "false", "}");
 }
 
 absl::Status ValidateOptimizer(const OptimizerConfig& config) {

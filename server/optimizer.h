@@ -25,6 +25,8 @@ using OptimizerConfig = std::variant<kernels::cpu::SgdHyperparams, kernels::cpu:
 // "sgd", "adam" or "adamw".
 std::string OptimizerName(const OptimizerConfig& config);
 bool SameOptimizer(const OptimizerConfig& a, const OptimizerConfig& b);
+// The hyper-parameters as a JSON object string, e.g. {"lr":0.001,"betas":[0.9,0.999],...}.
+std::string OptimizerHyperparamsJson(const OptimizerConfig& config);
 // InvalidArgument naming the field for a negative lr, betas outside [0, 1), eps <= 0,
 // nesterov without momentum or with dampening (torch's rules).
 [[nodiscard]] absl::Status ValidateOptimizer(const OptimizerConfig& config);

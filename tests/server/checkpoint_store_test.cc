@@ -186,6 +186,13 @@ TEST(CheckpointStoreTest, FullCheckpointIsSafetensorsAndReshards) {
   EXPECT_EQ(header->Find("h.weight")->dtype, DType::kBFloat16);  // registered dtype
   EXPECT_EQ(header->Find("emb.weight")->shape, (std::vector<int64_t>{5, 3}));
   EXPECT_EQ(header->tensors().size(), 4u);  // no padding, no extra tensors
+  auto state = SafetensorsHeader::Read(root + "/full/optimizer.safetensors");
+  ASSERT_TRUE(state.ok()) << state.status();
+  ASSERT_NE(state->Find("emb.weight.max_exp_avg_sq"), nullptr);
+  ASSERT_NE(state->Find("scale.momentum_buffer"), nullptr);
+  EXPECT_EQ(state->metadata().at("emb.step"), "2");
+  EXPECT_EQ(state->metadata().at("emb.optimizer"), "adamw");
+  EXPECT_THAT(state->metadata().at("tiny.hyperparams"), HasSubstr("\"momentum\":0.9"));
 
   FakeCluster target(2, root);
   ASSERT_TRUE(target.Load("full").ok());
