@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/data_channel.h"
+#include "core/file.h"
 #include "core/status_macros.h"
 #include "proto/convert.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -221,22 +223,12 @@ class ClientImpl final : public Client {
   }
 
   absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer) override {
-    // The cut: every group of the job at the highest version any server has (servers of
-    // a synchronous job are at most one step apart; each waits until it gets there).
     v1::SaveCheckpointRequest request;
     request.set_name(name);
-    request.set_kind(kind == CheckpointKind::kFull ? v1::FULL : kind == CheckpointKind::kSharded ? v1::SHARDED : v1::LOCAL);
+    request.set_kind(KindToProto(kind));
     request.set_optimizer(optimizer);
     request.set_job(options_.job);
-    for (int i = 0; i < num_servers(); ++i) {
-      v1::ServerStatus status;
-      FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status));
-      for (const v1::GroupStatus& group : status.groups()) {
-        if (group.job() != options_.job) continue;
-        auto& version = (*request.mutable_versions())[group.group()];
-        version = std::max(version, group.version());
-      }
-    }
+    FLATSHARD_RETURN_IF_ERROR(JobCut(*request.mutable_versions()));
     FLATSHARD_RETURN_IF_ERROR(OnAllServersInParallel([&](size_t i) {
       v1::SaveCheckpointResponse response;
       return Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
@@ -283,6 +275,34 @@ class ClientImpl final : public Client {
     return Call(0, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response);
   }
 
+  absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer) override {
+    if (kind == CheckpointKind::kLocal) return absl::InvalidArgumentError("export: kind must be FULL or SHARDED");
+    v1::ExportRequest request;
+    request.set_job(options_.job);
+    request.set_kind(KindToProto(kind));
+    request.set_optimizer(optimizer);
+    FLATSHARD_RETURN_IF_ERROR(JobCut(*request.mutable_versions()));
+    std::error_code error;
+    std::filesystem::create_directories(out_dir, error);
+    if (error) return absl::InternalError(absl::StrCat("cannot create '", out_dir, "': ", error.message()));
+    return OnAllServersInParallel([&](size_t i) -> absl::Status {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+      if (!options_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.token);
+      auto reader = stubs_[i]->ExportStateDict(&ctx, request);
+      std::map<std::string, File> files;
+      v1::ExportChunk chunk;
+      absl::Status written;
+      while (written.ok() && reader->Read(&chunk)) {
+        written = WriteChunk(out_dir, chunk, files);
+      }
+      if (!written.ok()) ctx.TryCancel();
+      const grpc::Status finished = reader->Finish();
+      if (!written.ok()) return written;
+      return FromGrpc(finished, options_.servers[i]);
+    });
+  }
+
   absl::Status SetHyperparams(const std::string& group, const OptimizerOptions& optimizer) override {
     v1::SetHyperparamsRequest request;
     request.set_job(options_.job);
@@ -312,6 +332,57 @@ class ClientImpl final : public Client {
                        Response* response) {
     for (size_t i = 0; i < stubs_.size(); ++i) {
       FLATSHARD_RETURN_IF_ERROR(Call(i, method, request, response));
+    }
+    return absl::OkStatus();
+  }
+
+  static v1::CheckpointKind KindToProto(CheckpointKind kind) {
+    switch (kind) {
+      case CheckpointKind::kFull:
+        return v1::FULL;
+      case CheckpointKind::kSharded:
+        return v1::SHARDED;
+      case CheckpointKind::kLocal:
+        return v1::LOCAL;
+    }
+    return v1::CHECKPOINT_KIND_UNSPECIFIED;
+  }
+
+  // The consistent cut of a save or export: every group of the job at the highest
+  // version any server has (servers of a synchronous job are at most one step apart;
+  // each waits until it gets there).
+  absl::Status JobCut(google::protobuf::Map<std::string, int64_t>& versions) {
+    for (int i = 0; i < num_servers(); ++i) {
+      v1::ServerStatus status;
+      FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status));
+      for (const v1::GroupStatus& group : status.groups()) {
+        if (group.job() != options_.job) continue;
+        versions[group.group()] = std::max(versions[group.group()], group.version());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // One chunk of an export into `out_dir`: announces, fills or closes a file.
+  static absl::Status WriteChunk(const std::string& out_dir, const v1::ExportChunk& chunk,
+                                 std::map<std::string, File>& files) {
+    const std::string& name = chunk.file();
+    if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
+      return absl::DataLossError(absl::StrCat("export: the server named a file '", name, "'"));
+    }
+    auto it = files.find(name);
+    if (it == files.end()) {
+      FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(out_dir + "/" + name, File::Mode::kWrite));
+      FLATSHARD_RETURN_IF_ERROR(file.Truncate(chunk.file_size()));
+      it = files.emplace(name, std::move(file)).first;
+    }
+    if (!chunk.data().empty()) {
+      FLATSHARD_RETURN_IF_ERROR(it->second.WriteAt(
+          chunk.offset(), absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
+    }
+    if (chunk.close()) {
+      FLATSHARD_RETURN_IF_ERROR(it->second.Sync());
+      files.erase(it);
     }
     return absl::OkStatus();
   }

@@ -15,6 +15,7 @@
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
+#include "server/checkpoint_sink.h"
 
 namespace flatshard::server {
 namespace {
@@ -79,8 +80,11 @@ struct Shard {
   std::vector<TensorPiece> pieces;
 };
 
-absl::Status WritePieces(File& file, const SafetensorsHeader& header, const Shard& shard,
-                         absl::string_view state, const std::string& tensor_suffix) {
+// Elements converted and written at a time: bounds the memory of a save or export.
+constexpr int64_t kSliceElements = int64_t{1} << 20;
+
+absl::Status WritePieces(CheckpointSink& sink, const std::string& file, const SafetensorsHeader& header,
+                         const Shard& shard, absl::string_view state, const std::string& tensor_suffix) {
   const FlatLayout& layout = shard.group->layout();
   const std::vector<float>* values = &shard.snapshot.params;
   for (const auto& [name, buffer] : shard.snapshot.state) {
@@ -91,18 +95,22 @@ absl::Status WritePieces(File& file, const SafetensorsHeader& header, const Shar
     const TensorSpec& spec = layout.tensor(piece.tensor_index);
     const SafetensorsTensor* entry = header.Find(spec.fqn + tensor_suffix);
     if (entry == nullptr) return absl::InternalError(absl::StrCat("no header entry for ", spec.fqn));
-    const float* source = values->data() + (piece.flat_offset - shard.start);
     const size_t element = DTypeSize(entry->dtype);
-    converted.resize(static_cast<size_t>(piece.numel) * element);
-    FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(DType::kFloat32, source, entry->dtype, converted.data(), piece.numel));
-    FLATSHARD_RETURN_IF_ERROR(file.WriteAt(
-        header.data_start() + entry->begin + static_cast<uint64_t>(piece.intra_start) * element, Bytes(converted)));
+    for (int64_t done = 0; done < piece.numel; done += kSliceElements) {
+      const int64_t count = std::min(kSliceElements, piece.numel - done);
+      const float* source = values->data() + (piece.flat_offset - shard.start + done);
+      converted.resize(static_cast<size_t>(count) * element);
+      FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(DType::kFloat32, source, entry->dtype, converted.data(), count));
+      FLATSHARD_RETURN_IF_ERROR(sink.Write(
+          file, header.data_start() + entry->begin + static_cast<uint64_t>(piece.intra_start + done) * element,
+          Bytes(converted)));
+    }
   }
   return absl::OkStatus();
 }
 
 // FULL: every server fills its byte ranges of the shared files.
-absl::Status WriteFull(const std::string& dir, int rank, const std::vector<Shard>& shards,
+absl::Status WriteFull(CheckpointSink& sink, int rank, const std::vector<Shard>& shards,
                        bool optimizer, std::vector<std::string>& files) {
   std::vector<SafetensorsTensor> model, state;
   std::set<std::string> fqns;
@@ -143,19 +151,18 @@ absl::Status WriteFull(const std::string& dir, int rank, const std::vector<Shard
         SafetensorsHeader header,
         SafetensorsHeader::Build(output.tensors, output.is_state ? optimizer_metadata
                                                                  : std::map<std::string, std::string>{{"format", "pt"}}));
-    FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(dir + "/" + output.file, File::Mode::kWrite));
-    if (rank == 0) FLATSHARD_RETURN_IF_ERROR(file.WriteAt(0, header.bytes()));
-    FLATSHARD_RETURN_IF_ERROR(file.Truncate(header.file_size()));  // same size on every server
+    FLATSHARD_RETURN_IF_ERROR(sink.Open(output.file, header.file_size(), /*exclusive=*/false));
+    if (rank == 0) FLATSHARD_RETURN_IF_ERROR(sink.Write(output.file, 0, header.bytes()));
     for (const Shard& shard : shards) {
       if (!output.is_state) {
-        FLATSHARD_RETURN_IF_ERROR(WritePieces(file, header, shard, "", ""));
+        FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, "", ""));
         continue;
       }
       for (const auto& [name, values] : shard.snapshot.state) {
-        FLATSHARD_RETURN_IF_ERROR(WritePieces(file, header, shard, name, "." + name));
+        FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, name, "." + name));
       }
     }
-    FLATSHARD_RETURN_IF_ERROR(file.Sync());
+    FLATSHARD_RETURN_IF_ERROR(sink.Close(output.file));
     files.push_back(output.file);
   }
   return absl::OkStatus();
@@ -166,7 +173,7 @@ std::string PieceName(const std::string& group, const std::string& fqn, int64_t 
 }
 
 // SHARDED and LOCAL: one file per server, written by it alone, fp32.
-absl::Status WriteOwnFile(const std::string& dir, int rank, CheckpointKind kind,
+absl::Status WriteOwnFile(CheckpointSink& sink, int rank, CheckpointKind kind,
                           const std::vector<Shard>& shards, bool optimizer,
                           std::vector<std::string>& files) {
   struct Item {
@@ -195,13 +202,17 @@ absl::Status WriteOwnFile(const std::string& dir, int rank, CheckpointKind kind,
   for (const Item& item : items) tensors.push_back({item.name, DType::kFloat32, {static_cast<int64_t>(item.values.size())}});
   FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Build(tensors, {}));
   const std::string name = absl::StrCat(kind == CheckpointKind::kLocal ? "local-" : "shard-", rank, ".safetensors");
-  FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(dir + "/" + name, File::Mode::kWrite));
-  FLATSHARD_RETURN_IF_ERROR(file.Truncate(0));
-  FLATSHARD_RETURN_IF_ERROR(file.WriteAt(0, header.bytes()));
+  FLATSHARD_RETURN_IF_ERROR(sink.Open(name, header.file_size(), /*exclusive=*/true));
+  FLATSHARD_RETURN_IF_ERROR(sink.Write(name, 0, header.bytes()));
   for (size_t i = 0; i < items.size(); ++i) {
-    FLATSHARD_RETURN_IF_ERROR(file.WriteAt(header.data_start() + header.tensors()[i].begin, Bytes(items[i].values)));
+    const absl::Span<const float> values = items[i].values;
+    for (size_t done = 0; done < values.size(); done += kSliceElements) {
+      const absl::Span<const float> slice = values.subspan(done, kSliceElements);
+      FLATSHARD_RETURN_IF_ERROR(
+          sink.Write(name, header.data_start() + header.tensors()[i].begin + done * sizeof(float), Bytes(slice)));
+    }
   }
-  FLATSHARD_RETURN_IF_ERROR(file.Sync());
+  FLATSHARD_RETURN_IF_ERROR(sink.Close(name));
   files.push_back(name);
   return absl::OkStatus();
 }
@@ -263,14 +274,9 @@ absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& na
   return root_ + "/" + name;
 }
 
-absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind, bool optimizer,
-                                   const std::string& job,
-                                   const std::map<std::string, int64_t>& versions,
-                                   absl::Time deadline) {
-  FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
-  if (fs::exists(final_dir) || IsSymlink(final_dir)) {
-    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
-  }
+absl::StatusOr<std::vector<std::string>> CheckpointStore::WriteTo(
+    CheckpointSink& sink, CheckpointKind kind, bool optimizer, const std::string& job,
+    const std::map<std::string, int64_t>& versions, absl::Time deadline, std::string* group_specs) const {
   const std::vector<std::shared_ptr<Group>> groups = registry_.job_groups(job);
   if (groups.empty()) return absl::FailedPreconditionError(absl::StrCat("job '", job, "' has no groups"));
   std::vector<Shard> shards;
@@ -284,22 +290,46 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
     shards.push_back({group, std::move(snapshot), layout.shard_start(rank_),
                       layout.MapRange(layout.shard_start(rank_), layout.shard_end(rank_))});
   }
+  std::vector<std::string> files;
+  if (kind == CheckpointKind::kFull) {
+    FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank_, shards, optimizer, files));
+  } else {
+    FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(sink, rank_, kind, shards, optimizer, files));
+  }
+  if (group_specs != nullptr) {
+    Json specs = Json::array();
+    for (const Shard& shard : shards) specs.push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
+    *group_specs = specs.dump();
+  }
+  return files;
+}
+
+absl::Status CheckpointStore::Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
+                                     const std::string& job, const std::map<std::string, int64_t>& versions,
+                                     absl::Time deadline) const {
+  return WriteTo(sink, kind, optimizer, job, versions, deadline, nullptr).status();
+}
+
+absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind, bool optimizer,
+                                   const std::string& job,
+                                   const std::map<std::string, int64_t>& versions,
+                                   absl::Time deadline) {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
+  if (fs::exists(final_dir) || IsSymlink(final_dir)) {
+    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
+  }
   const std::string dir = absl::StrCat(root_, "/.", name, ".partial");
   std::error_code error;
   fs::create_directories(dir, error);
   if (error || IsSymlink(dir)) {
     return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
   }
-  std::vector<std::string> files;
-  if (kind == CheckpointKind::kFull) {
-    FLATSHARD_RETURN_IF_ERROR(WriteFull(dir, rank_, shards, optimizer, files));
-  } else {
-    FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(dir, rank_, kind, shards, optimizer, files));
-  }
-  Json group_specs = Json::array();
-  for (const Shard& shard : shards) group_specs.push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
+  DirectorySink sink(dir);
+  std::string group_specs;
+  FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
+                             WriteTo(sink, kind, optimizer, job, versions, deadline, &group_specs));
   const Json part = {{"rank", rank_},         {"job", job},           {"kind", CheckpointKindName(kind)},
-                     {"servers", num_servers_}, {"optimizer", optimizer}, {"groups", group_specs},
+                     {"servers", num_servers_}, {"optimizer", optimizer}, {"groups", Json::parse(group_specs)},
                      {"files", files}};
   return WriteFileAtomically(absl::StrCat(dir, "/part-", rank_, ".json"), part.dump(1));
 }

@@ -36,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/checkpoint_sink.h"
 #include "server/registry.h"
 
 namespace flatshard::server {
@@ -66,6 +67,11 @@ class CheckpointStore {
                                   const std::string& job,
                                   const std::map<std::string, int64_t>& versions,
                                   absl::Time deadline);
+  // Streams this server's part of a FULL or SHARDED state dict (the same files a save
+  // writes, without manifest) into `sink`, in slices of at most 4 MiB of data.
+  [[nodiscard]] absl::Status Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
+                                    const std::string& job, const std::map<std::string, int64_t>& versions,
+                                    absl::Time deadline) const;
   // Completes a checkpoint once every server saved its part. FailedPrecondition naming
   // the missing or disagreeing part.
   [[nodiscard]] absl::Status Commit(const std::string& name);
@@ -83,6 +89,12 @@ class CheckpointStore {
 
  private:
   absl::StatusOr<std::string> CheckpointDir(const std::string& name) const;
+  // Snapshots the job's groups at `versions` and writes this server's files into `sink`;
+  // returns their names and (if asked) the groups' JSON specs for the manifest.
+  absl::StatusOr<std::vector<std::string>> WriteTo(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
+                                                   const std::string& job,
+                                                   const std::map<std::string, int64_t>& versions,
+                                                   absl::Time deadline, std::string* group_specs) const;
 
   Registry& registry_;
   const int rank_;

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "proto/convert.h"
 
 namespace flatshard::server {
@@ -11,6 +12,61 @@ namespace {
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+// Export: checkpoint files as a stream of chunks (at most kChunkBytes of data each).
+class StreamSink final : public CheckpointSink {
+ public:
+  explicit StreamSink(grpc::ServerWriter<v1::ExportChunk>* writer) : writer_(writer) {}
+
+  absl::Status Open(const std::string& file, uint64_t size, bool) override {
+    v1::ExportChunk chunk;
+    chunk.set_file(file);
+    chunk.set_file_size(size);
+    return Send(chunk);
+  }
+
+  absl::Status Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) override {
+    for (size_t done = 0; done < data.size(); done += kChunkBytes) {
+      const size_t count = std::min(kChunkBytes, data.size() - done);
+      v1::ExportChunk chunk;
+      chunk.set_file(file);
+      chunk.set_offset(offset + done);
+      chunk.set_data(reinterpret_cast<const char*>(data.data() + done), count);
+      FLATSHARD_RETURN_IF_ERROR(Send(chunk));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Close(const std::string& file) override {
+    v1::ExportChunk chunk;
+    chunk.set_file(file);
+    chunk.set_close(true);
+    return Send(chunk);
+  }
+
+ private:
+  static constexpr size_t kChunkBytes = 4 << 20;
+
+  absl::Status Send(const v1::ExportChunk& chunk) {
+    if (!writer_->Write(chunk)) return absl::CancelledError("the exporting client went away");
+    return absl::OkStatus();
+  }
+
+  grpc::ServerWriter<v1::ExportChunk>* writer_;
+};
+
+absl::StatusOr<CheckpointKind> KindFromProto(v1::CheckpointKind kind) {
+  switch (kind) {
+    case v1::FULL:
+      return CheckpointKind::kFull;
+    case v1::SHARDED:
+      return CheckpointKind::kSharded;
+    case v1::LOCAL:
+      return CheckpointKind::kLocal;
+    default:
+      return absl::InvalidArgumentError("kind: full, sharded or local");
+  }
 }
 
 absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
@@ -164,11 +220,7 @@ grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
                                               const v1::SaveCheckpointRequest* request,
                                               v1::SaveCheckpointResponse*) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  absl::StatusOr<CheckpointKind> kind =
-      request->kind() == v1::FULL      ? absl::StatusOr<CheckpointKind>(CheckpointKind::kFull)
-      : request->kind() == v1::SHARDED ? absl::StatusOr<CheckpointKind>(CheckpointKind::kSharded)
-      : request->kind() == v1::LOCAL   ? absl::StatusOr<CheckpointKind>(CheckpointKind::kLocal)
-                                       : absl::InvalidArgumentError("kind: full, sharded or local");
+  absl::StatusOr<CheckpointKind> kind = KindFromProto(request->kind());
   if (!kind.ok()) return ToGrpc(kind.status());
   const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
   return ToGrpc(checkpoints_.Save(request->name(), *kind, request->optimizer(), request->job(), versions,
@@ -219,6 +271,19 @@ grpc::Status FlatshardService::DeleteCheckpoint(grpc::ServerContext* ctx, const 
                                                 v1::CheckpointResponse*) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   return ToGrpc(checkpoints_.Delete(request->name()));
+}
+
+grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, const v1::ExportRequest* request,
+                                               grpc::ServerWriter<v1::ExportChunk>* writer) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<CheckpointKind> kind = KindFromProto(request->kind());
+  if (!kind.ok()) return ToGrpc(kind.status());
+  if (*kind == CheckpointKind::kLocal) {
+    return ToGrpc(absl::InvalidArgumentError("export: kind must be full or sharded"));
+  }
+  const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
+  StreamSink sink(writer);
+  return ToGrpc(checkpoints_.Export(sink, *kind, request->optimizer(), request->job(), versions, DeadlineOf(ctx)));
 }
 
 grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,

@@ -60,6 +60,8 @@ class FlatshardService final : public v1::Flatshard::Service {
                                v1::ListCheckpointsResponse* response) override;
   grpc::Status DeleteCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
                                 v1::CheckpointResponse* response) override;
+  grpc::Status ExportStateDict(grpc::ServerContext* ctx, const v1::ExportRequest* request,
+                               grpc::ServerWriter<v1::ExportChunk>* writer) override;
   grpc::Status PushNormPartial(grpc::ServerContext* ctx, const v1::PushNormPartialRequest* request,
                                v1::PushNormPartialResponse* response) override;
 

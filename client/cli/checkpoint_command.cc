@@ -16,7 +16,11 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     err << "flatshard " << command << ": --cluster is required\n";
     return 2;
   }
-  if (command != "checkpoints" && options.name.empty()) {
+  if (command == "export" && options.out.empty()) {
+    err << "flatshard export: --out=DIR is required\n";
+    return 2;
+  }
+  if (command != "checkpoints" && command != "export" && options.name.empty()) {
     err << "flatshard " << command << ": --name is required\n";
     return 2;
   }
@@ -45,6 +49,8 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     status = (*client)->SaveCheckpoint(options.name, kind, options.optimizer);
   } else if (command == "load") {
     status = (*client)->LoadCheckpoint(options.name);
+  } else if (command == "export") {
+    status = (*client)->ExportStateDict(options.out, kind, options.optimizer);
   } else if (command == "delete") {
     status = (*client)->DeleteCheckpoint(options.name);
   } else {
@@ -75,7 +81,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     return 1;
   }
   if (command != "checkpoints") {
-    out << absl::StrFormat("%s '%s': done in %.2f s\n", command, options.name,
+    out << absl::StrFormat("%s '%s': done in %.2f s\n", command, command == "export" ? options.out : options.name,
                            absl::ToDoubleSeconds(absl::Now() - start));
   }
   return 0;

@@ -1,4 +1,4 @@
-// `flatshard save | load | checkpoints | delete`: checkpoint operations through the C++
+// `flatshard save | load | checkpoints | delete | export`: checkpoint operations through the C++
 // client, with one line of progress per phase. Stateless.
 #ifndef FLATSHARD_CLIENT_CLI_CHECKPOINT_COMMAND_H_
 #define FLATSHARD_CLIENT_CLI_CHECKPOINT_COMMAND_H_
@@ -10,7 +10,7 @@
 namespace flatshard::cli {
 
 struct CheckpointCommandOptions {
-  std::string command;  // save, load, checkpoints, delete
+  std::string command;  // save, load, checkpoints, delete, export
   std::vector<std::string> servers;
   std::string token;
   std::string job = "default";
@@ -18,6 +18,7 @@ struct CheckpointCommandOptions {
   std::string kind = "sharded";
   bool optimizer = false;
   bool json = false;
+  std::string out;  // export: the local directory to write into
 };
 
 // Returns 0 on success, 1 when the cluster refused (the status on `err`), 2 on bad options.

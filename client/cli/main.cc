@@ -30,7 +30,8 @@ ABSL_FLAG(std::string, checkpoint_root, "", "local-cluster: passed to every serv
 ABSL_FLAG(std::string, job, "default", "save, load: the job whose groups are checkpointed");
 ABSL_FLAG(std::string, name, "", "save, load, delete: the checkpoint's name");
 ABSL_FLAG(std::string, kind, "sharded", "save: full, sharded or local");
-ABSL_FLAG(bool, optimizer, false, "save: include the optimizer state");
+ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
+ABSL_FLAG(std::string, out, "", "export: local directory for the state dict's files");
 
 namespace {
 
@@ -47,7 +48,9 @@ constexpr char kUsage[] =
     "  save --cluster=... --name=N --kind=full|sharded|local [--optimizer] [--job=J]\n"
     "  load --cluster=... --name=N [--job=J]\n"
     "  checkpoints --cluster=... [--json]   list checkpoints (complete or not)\n"
-    "  delete --cluster=... --name=N\n";
+    "  delete --cluster=... --name=N\n"
+    "  export --cluster=... --out=DIR --kind=full|sharded [--optimizer] [--job=J]\n"
+    "                                  stream a state dict to this machine's disk\n";
 
 int Layout(const std::vector<std::string>& args) {
   const flatshard::cli::LayoutCommandOptions options{.json = absl::GetFlag(FLAGS_json)};
@@ -110,6 +113,7 @@ int Checkpoint(const std::string& command) {
   options.kind = absl::GetFlag(FLAGS_kind);
   options.optimizer = absl::GetFlag(FLAGS_optimizer);
   options.json = absl::GetFlag(FLAGS_json);
+  options.out = absl::GetFlag(FLAGS_out);
   if (!ReadToken(options.token)) return 2;
   return flatshard::cli::RunCheckpointCommand(options, std::cout, std::cerr);
 }
@@ -136,7 +140,8 @@ int main(int argc, char** argv) {
   if (args[0] == "layout") return Layout(args);
   if (args[0] == "status") return Status();
   if (args[0] == "local-cluster") return LocalCluster();
-  if (args[0] == "save" || args[0] == "load" || args[0] == "checkpoints" || args[0] == "delete") {
+  if (args[0] == "save" || args[0] == "load" || args[0] == "checkpoints" || args[0] == "delete" ||
+      args[0] == "export") {
     return Checkpoint(args[0]);
   }
   std::cerr << "flatshard: unknown command '" << args[0] << "'\n\n" << kUsage;

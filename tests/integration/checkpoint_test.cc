@@ -6,6 +6,11 @@
 #include <cmath>
 #include <filesystem>
 
+#include <sys/resource.h>
+
+#include "core/file.h"
+#include "core/float_bits.h"
+#include "core/safetensors.h"
 #include "tests/integration/test_cluster.h"
 
 namespace flatshard {
@@ -103,6 +108,60 @@ TEST(CheckpointIntegrationTest, ServersWithoutARootSaySo) {
   absl::Status status = t.client->SaveCheckpoint("x", CheckpointKind::kFull, false);
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(status.message()), HasSubstr("no --checkpoint_root"));
+}
+
+}  // namespace
+}  // namespace flatshard
+
+namespace flatshard {
+namespace {
+
+int64_t PeakRssKib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss;
+}
+
+TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  // 32 Mi fp32 elements = 128 MiB of parameters, 32x the 4 MiB chunk.
+  auto layout = (*client)->RegisterGroup("big", {{"w", {int64_t{8} << 20, 4}, DType::kFloat32},
+                                                 {"b", {3}, DType::kBFloat16}},
+                                         0, SgdOptions{.lr = 0.1});
+  ASSERT_TRUE(layout.ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("big", 11).ok());
+  const std::string out = ::testing::TempDir() + "/export-full";
+  std::filesystem::remove_all(out);
+
+  const int64_t before = PeakRssKib();
+  ASSERT_TRUE((*client)->ExportStateDict(out, CheckpointKind::kFull, false).ok());
+  const int64_t growth_mib = (PeakRssKib() - before) / 1024;
+  std::cout << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB\n";
+  EXPECT_LT(growth_mib, 48) << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB";
+
+  auto header = SafetensorsHeader::Read(out + "/model.safetensors");
+  ASSERT_TRUE(header.ok()) << header.status();
+  ASSERT_EQ(header->tensors().size(), 2u);
+  EXPECT_EQ(header->Find("w")->shape, (std::vector<int64_t>{int64_t{8} << 20, 4}));
+  EXPECT_EQ(header->Find("b")->dtype, DType::kBFloat16);
+
+  std::vector<float> params((*layout)->padded_numel());
+  ASSERT_TRUE((*client)->Gather("big", 0, DType::kFloat32, AsBytes(params)).get().ok());
+  auto file = File::Open(out + "/model.safetensors", File::Mode::kRead);
+  ASSERT_TRUE(file.ok());
+  std::vector<float> w(static_cast<size_t>((*layout)->tensor_numel(0)));
+  ASSERT_TRUE(file->ReadAt(header->data_start() + header->Find("w")->begin,
+                           absl::MakeSpan(reinterpret_cast<std::byte*>(w.data()), w.size() * 4)).ok());
+  EXPECT_TRUE(std::equal(w.begin(), w.end(), params.begin()));
+  uint16_t b[3];
+  ASSERT_TRUE(file->ReadAt(header->data_start() + header->Find("b")->begin,
+                           absl::MakeSpan(reinterpret_cast<std::byte*>(b), 6)).ok());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(b[i], FloatToBFloat16Bits(params[(*layout)->tensor_offset(1) + i]));
+  }
 }
 
 }  // namespace

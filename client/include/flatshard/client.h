@@ -147,6 +147,12 @@ class Client {
   [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name) = 0;
   [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints() = 0;
   [[nodiscard]] virtual absl::Status DeleteCheckpoint(const std::string& name) = 0;
+  // Streams a FULL (model.safetensors [+ optimizer.safetensors]) or SHARDED
+  // (shard-<rank>.safetensors) state dict of the job from every server at once into the
+  // directory `out_dir` on this machine (created if missing). Memory stays bounded by a
+  // few 4 MiB chunks per server, whatever the model size.
+  [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind,
+                                                     bool optimizer) = 0;
 };
 
 // Views a typed buffer as bytes, for Gather and Scatter.

@@ -1,0 +1,30 @@
+#include "server/checkpoint_sink.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace flatshard::server {
+
+absl::Status DirectorySink::Open(const std::string& file, uint64_t size, bool exclusive) {
+  FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(dir_ + "/" + file, File::Mode::kWrite));
+  if (exclusive) FLATSHARD_RETURN_IF_ERROR(opened.Truncate(0));
+  FLATSHARD_RETURN_IF_ERROR(opened.Truncate(size));  // shared files: the same size from everyone
+  open_.insert_or_assign(file, std::move(opened));
+  return absl::OkStatus();
+}
+
+absl::Status DirectorySink::Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) {
+  const auto it = open_.find(file);
+  if (it == open_.end()) return absl::InternalError(absl::StrCat("'", file, "' written before Open"));
+  return it->second.WriteAt(offset, data);
+}
+
+absl::Status DirectorySink::Close(const std::string& file) {
+  const auto it = open_.find(file);
+  if (it == open_.end()) return absl::InternalError(absl::StrCat("'", file, "' closed before Open"));
+  const absl::Status synced = it->second.Sync();
+  open_.erase(it);
+  return synced;
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,50 @@
+// CheckpointSink: where a server's checkpoint bytes go. Two implementations: files in a
+// checkpoint directory (DirectorySink, for save) and a gRPC stream to a remote client
+// (server/export_stream_sink.h, for export). The writers in checkpoint_store.cc produce
+// the same files either way, in bounded slices. One writer per sink; not thread-safe.
+//
+//   DirectorySink sink(dir);
+//   FLATSHARD_RETURN_IF_ERROR(sink.Open("model.safetensors", size, /*exclusive=*/false));
+//   FLATSHARD_RETURN_IF_ERROR(sink.Write("model.safetensors", offset, bytes));
+//   FLATSHARD_RETURN_IF_ERROR(sink.Close("model.safetensors"));
+#ifndef FLATSHARD_SERVER_CHECKPOINT_SINK_H_
+#define FLATSHARD_SERVER_CHECKPOINT_SINK_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "core/file.h"
+
+namespace flatshard::server {
+
+class CheckpointSink {
+ public:
+  virtual ~CheckpointSink() = default;
+  // Starts `file` of final size `size`. `exclusive`: this writer alone writes it (old
+  // contents are dropped); otherwise several servers fill their own ranges of it.
+  [[nodiscard]] virtual absl::Status Open(const std::string& file, uint64_t size, bool exclusive) = 0;
+  [[nodiscard]] virtual absl::Status Write(const std::string& file, uint64_t offset,
+                                           absl::Span<const std::byte> data) = 0;
+  // The file is complete from this writer's side (durable, for files on disk).
+  [[nodiscard]] virtual absl::Status Close(const std::string& file) = 0;
+};
+
+// Files under `dir`, written with positional writes and fsync'd on Close.
+class DirectorySink final : public CheckpointSink {
+ public:
+  explicit DirectorySink(std::string dir) : dir_(std::move(dir)) {}
+  absl::Status Open(const std::string& file, uint64_t size, bool exclusive) override;
+  absl::Status Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) override;
+  absl::Status Close(const std::string& file) override;
+
+ private:
+  const std::string dir_;
+  std::map<std::string, File> open_;
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_CHECKPOINT_SINK_H_
