@@ -18,6 +18,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <functional>
 #include <grpcpp/grpcpp.h>
 #include <iostream>
 #include <map>
@@ -51,7 +53,7 @@ struct Cluster {
   std::vector<std::string> addresses;
 };
 
-std::unique_ptr<Cluster> StartCluster(int num_servers) {
+std::unique_ptr<Cluster> StartCluster(int num_servers, const std::string& checkpoint_root = "") {
   auto cluster = std::make_unique<Cluster>();
   const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2 * num_servers);
   for (int i = 0; i < num_servers; ++i) cluster->addresses.push_back(absl::StrCat("127.0.0.1:", ports[2 * i]));
@@ -61,6 +63,7 @@ std::unique_ptr<Cluster> StartCluster(int num_servers) {
     options.data_listen = absl::StrCat("127.0.0.1:", ports[2 * i + 1]);
     options.rank = i;
     options.cluster = cluster->addresses;
+    options.checkpoint_root = checkpoint_root;
     cluster->servers.push_back(std::make_unique<server::Server>(options));
     if (absl::Status started = cluster->servers.back()->Start(); !started.ok()) {
       std::cerr << "cluster_bench: " << started << "\n";
@@ -257,6 +260,60 @@ void Latency(int samples) {
 
 std::string Mib(int64_t bytes) { return absl::StrCat(bytes >> 20, " MiB"); }
 
+// dd's sequential write (with fdatasync) or read rate of `bytes` at `path`, bytes/s.
+double Dd(const std::string& command) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  std::string output;
+  char buffer[4096];
+  size_t read;
+  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, read);
+  pclose(pipe);
+  // "... bytes (...) copied, 1.234 s, 1.2 GB/s"
+  const size_t copied = output.find("copied, ");
+  if (copied == std::string::npos) return 0;
+  const double bytes = std::strtod(output.c_str() + output.rfind('\n', output.find(" bytes")) + 1, nullptr);
+  const double seconds = std::strtod(output.c_str() + copied + 8, nullptr);
+  return seconds > 0 ? bytes / seconds : 0;
+}
+
+double TimeIt(const std::function<absl::Status()>& body) {
+  const absl::Time start = absl::Now();
+  Check(body());
+  return absl::ToDoubleSeconds(absl::Now() - start);
+}
+
+// Save, load and export throughput of a model on 2 servers, vs dd on the same disk.
+void Checkpoints(int64_t bytes) {
+  char scratch[] = "/tmp/flatshard-bench-XXXXXX";
+  const std::string dir = mkdtemp(scratch);
+  const std::string root = dir + "/root";
+  std::filesystem::create_directories(root);
+  const int64_t dd_blocks = bytes >> 22;
+  const double write_rate = Dd(absl::StrFormat("dd if=/dev/zero of=%s/dd bs=4M count=%d conv=fdatasync", dir, dd_blocks));
+  const double read_rate = Dd(absl::StrFormat("dd if=%s/dd of=/dev/null bs=4M", dir));
+  std::filesystem::remove(dir + "/dd");
+
+  auto cluster = StartCluster(2, root);
+  auto client = Connect(*cluster, 0, 1, "ckpt");
+  Check(client->ConfigureJob({}));
+  Check(client->RegisterGroup("g", {{"w", {bytes / 4}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1}).status());
+  Check(client->InitGroupFromSeed("g", 1));
+  std::printf("\n%-24s %10s %10s %8s   (model %s on 2 servers, page cache warm)\n", "checkpoint",
+              "GB/s", "dd GB/s", "ratio", Mib(bytes).c_str());
+  auto row = [&](const char* name, double seconds, double anchor) {
+    const double rate = static_cast<double>(bytes) / seconds;
+    std::printf("%-24s %10.2f %10.2f %7.2fx\n", name, rate / 1e9, anchor / 1e9, rate / anchor);
+  };
+  for (auto [name, kind] : {std::pair{"full", CheckpointKind::kFull}, std::pair{"sharded", CheckpointKind::kSharded},
+                            std::pair{"local", CheckpointKind::kLocal}}) {
+    row(absl::StrCat("save ", name).c_str(), TimeIt([&] { return client->SaveCheckpoint(name, kind, false); }), write_rate);
+    row(absl::StrCat("load ", name).c_str(), TimeIt([&] { return client->LoadCheckpoint(name); }), read_rate);
+  }
+  row("export full", TimeIt([&] { return client->ExportStateDict(dir + "/export", CheckpointKind::kFull, false); }),
+      write_rate);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace flatshard::bench
 
@@ -306,5 +363,6 @@ int main(int argc, char** argv) {
   std::printf("%-34s %10.0f %12.0f %7.2fx   (target >= 0.7x)\n", "AdamW vs triad bandwidth / 28 B",
               adam / 1e6, bound / 1e6, adam / bound);
   Latency(quick ? 300 : 2000);
+  Checkpoints(quick ? (int64_t{64} << 20) : (int64_t{512} << 20));
   return 0;
 }
