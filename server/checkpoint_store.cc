@@ -230,10 +230,18 @@ absl::StatusOr<Json> ReadJson(const std::string& path) {
 absl::Status ReadElements(const File& file, const SafetensorsHeader& header,
                           const SafetensorsTensor& entry, int64_t first, int64_t count, float* out) {
   const size_t element = DTypeSize(entry.dtype);
-  std::vector<std::byte> raw(static_cast<size_t>(count) * element);
-  FLATSHARD_RETURN_IF_ERROR(file.ReadAt(header.data_start() + entry.begin + static_cast<uint64_t>(first) * element,
-                                        absl::MakeSpan(raw)));
-  return kernels::cpu::Cast(entry.dtype, raw.data(), DType::kFloat32, out, count);
+  const uint64_t offset = header.data_start() + entry.begin + static_cast<uint64_t>(first) * element;
+  if (entry.dtype == DType::kFloat32) {  // straight into the destination
+    return file.ReadAt(offset, absl::MakeSpan(reinterpret_cast<std::byte*>(out), static_cast<size_t>(count) * 4));
+  }
+  std::vector<std::byte> raw;
+  for (int64_t done = 0; done < count; done += kSliceElements) {
+    const int64_t slice = std::min(kSliceElements, count - done);
+    raw.resize(static_cast<size_t>(slice) * element);
+    FLATSHARD_RETURN_IF_ERROR(file.ReadAt(offset + static_cast<uint64_t>(done) * element, absl::MakeSpan(raw)));
+    FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(entry.dtype, raw.data(), DType::kFloat32, out + done, slice));
+  }
+  return absl::OkStatus();
 }
 
 // An opened, checksum-verified checkpoint file.
@@ -597,7 +605,7 @@ absl::Status CheckpointStore::CommitLoad(const std::string& name) {
     staged = std::move(it->second);
     staged_.erase(it);
   }
-  for (auto& [group, snapshot] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(snapshot));
+  for (auto& [group, snapshot] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(std::move(snapshot)));
   return absl::OkStatus();
 }
 

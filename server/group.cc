@@ -351,14 +351,15 @@ absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadli
   return snapshot;
 }
 
-absl::Status Group::Restore(const ShardSnapshot& snapshot) {
+absl::Status Group::Restore(ShardSnapshot snapshot) {
   absl::MutexLock lock(&mu_);
   if (snapshot.params.size() != params_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': snapshot of ", snapshot.params.size(),
                                                    " elements for a shard of ", params_.size()));
   }
-  FLATSHARD_RETURN_IF_ERROR(optimizer_.Restore(snapshot.optimizer_steps, snapshot.momentum_initialized, snapshot.state));
-  params_ = snapshot.params;
+  FLATSHARD_RETURN_IF_ERROR(
+      optimizer_.Restore(snapshot.optimizer_steps, snapshot.momentum_initialized, std::move(snapshot.state)));
+  params_ = std::move(snapshot.params);
   version_ = snapshot.version;
   ready_count_ = 0;
   reduced_ = false;

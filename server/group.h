@@ -140,7 +140,7 @@ class Group {
   // Installs a snapshot (checkpoint load): parameters, optimizer state and version;
   // contributions in flight for the old version are dropped. InvalidArgument (nothing
   // changed) if sizes or state names do not match this group.
-  [[nodiscard]] absl::Status Restore(const ShardSnapshot& snapshot);
+  [[nodiscard]] absl::Status Restore(ShardSnapshot snapshot);
   std::vector<std::string> optimizer_state_names() const;
 
   // New hyper-parameters from the next step on (same optimizer kind).

@@ -146,7 +146,7 @@ absl::Span<const float> ShardOptimizer::state(absl::string_view name) const {
 
 absl::Status ShardOptimizer::Restore(
     int64_t steps, bool momentum_initialized,
-    const std::vector<std::pair<std::string, std::vector<float>>>& state) {
+    std::vector<std::pair<std::string, std::vector<float>>> state) {
   const std::vector<std::string> names = state_names();
   for (const std::string& name : names) {
     const auto it = std::find_if(state.begin(), state.end(), [&](const auto& entry) { return entry.first == name; });
@@ -154,10 +154,10 @@ absl::Status ShardOptimizer::Restore(
       return absl::InvalidArgumentError(absl::StrCat("optimizer state '", name, "' is missing or has the wrong size"));
     }
   }
-  for (const auto& [name, values] : state) {
-    if (name == "exp_avg" || name == "momentum_buffer") exp_avg_ = values;
-    if (name == "exp_avg_sq") exp_avg_sq_ = values;
-    if (name == "max_exp_avg_sq") max_exp_avg_sq_ = values;
+  for (auto& [name, values] : state) {
+    if (name == "exp_avg" || name == "momentum_buffer") exp_avg_ = std::move(values);
+    if (name == "exp_avg_sq") exp_avg_sq_ = std::move(values);
+    if (name == "max_exp_avg_sq") max_exp_avg_sq_ = std::move(values);
   }
   steps_ = steps;
   momentum_initialized_ = momentum_initialized;

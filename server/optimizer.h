@@ -54,7 +54,7 @@ class ShardOptimizer {
   // Restores steps and state (checkpoint load). InvalidArgument naming the buffer if one
   // is missing or has the wrong size; nothing changes then.
   [[nodiscard]] absl::Status Restore(int64_t steps, bool momentum_initialized,
-                                     const std::vector<std::pair<std::string, std::vector<float>>>& state);
+                                     std::vector<std::pair<std::string, std::vector<float>>> state);
   bool momentum_initialized() const { return momentum_initialized_; }
 
  private:
