@@ -222,8 +222,10 @@ class ClientImpl final : public Client {
     return version;
   }
 
-  absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer) override {
+  absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer,
+                              bool async) override {
     v1::SaveCheckpointRequest request;
+    request.set_async(async);
     request.set_name(name);
     request.set_kind(KindToProto(kind));
     request.set_optimizer(optimizer);
@@ -233,6 +235,7 @@ class ClientImpl final : public Client {
       v1::SaveCheckpointResponse response;
       return Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
     }));
+    if (async) return absl::OkStatus();  // the servers commit when they are done
     v1::CheckpointRequest commit;
     commit.set_name(name);
     v1::CheckpointResponse response;

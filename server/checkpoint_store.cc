@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <iostream>
 #include <set>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -250,6 +252,45 @@ struct OpenFile {
   SafetensorsHeader header;
 };
 
+// Snapshots this server's shard of every group of `job` at `versions`.
+absl::StatusOr<std::vector<Shard>> TakeShards(const Registry& registry, int rank, const std::string& job,
+                                              const std::map<std::string, int64_t>& versions,
+                                              absl::Time deadline) {
+  const std::vector<std::shared_ptr<Group>> groups = registry.job_groups(job);
+  if (groups.empty()) return absl::FailedPreconditionError(absl::StrCat("job '", job, "' has no groups"));
+  std::vector<Shard> shards;
+  for (const auto& group : groups) {
+    const auto version = versions.find(group->name());
+    if (version == versions.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("no version given for group '", group->name(), "'"));
+    }
+    FLATSHARD_ASSIGN_OR_RETURN(ShardSnapshot snapshot, group->Snapshot(version->second, deadline));
+    const FlatLayout& layout = group->layout();
+    shards.push_back({group, std::move(snapshot), layout.shard_start(rank),
+                      layout.MapRange(layout.shard_start(rank), layout.shard_end(rank))});
+  }
+  return shards;
+}
+
+// Writes the snapshots' files into `sink`; returns their names and (if asked) the groups'
+// JSON specs for the manifest.
+absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int rank, CheckpointKind kind,
+                                                     bool optimizer, const std::vector<Shard>& shards,
+                                                     std::string* group_specs) {
+  std::vector<std::string> files;
+  if (kind == CheckpointKind::kFull) {
+    FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank, shards, optimizer, files));
+  } else {
+    FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(sink, rank, kind, shards, optimizer, files));
+  }
+  if (group_specs != nullptr) {
+    Json specs = Json::array();
+    for (const Shard& shard : shards) specs.push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
+    *group_specs = specs.dump();
+  }
+  return files;
+}
+
 }  // namespace
 
 absl::string_view CheckpointKindName(CheckpointKind kind) {
@@ -282,46 +323,17 @@ absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& na
   return root_ + "/" + name;
 }
 
-absl::StatusOr<std::vector<std::string>> CheckpointStore::WriteTo(
-    CheckpointSink& sink, CheckpointKind kind, bool optimizer, const std::string& job,
-    const std::map<std::string, int64_t>& versions, absl::Time deadline, std::string* group_specs) const {
-  const std::vector<std::shared_ptr<Group>> groups = registry_.job_groups(job);
-  if (groups.empty()) return absl::FailedPreconditionError(absl::StrCat("job '", job, "' has no groups"));
-  std::vector<Shard> shards;
-  for (const auto& group : groups) {
-    const auto version = versions.find(group->name());
-    if (version == versions.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("no version given for group '", group->name(), "'"));
-    }
-    FLATSHARD_ASSIGN_OR_RETURN(ShardSnapshot snapshot, group->Snapshot(version->second, deadline));
-    const FlatLayout& layout = group->layout();
-    shards.push_back({group, std::move(snapshot), layout.shard_start(rank_),
-                      layout.MapRange(layout.shard_start(rank_), layout.shard_end(rank_))});
-  }
-  std::vector<std::string> files;
-  if (kind == CheckpointKind::kFull) {
-    FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank_, shards, optimizer, files));
-  } else {
-    FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(sink, rank_, kind, shards, optimizer, files));
-  }
-  if (group_specs != nullptr) {
-    Json specs = Json::array();
-    for (const Shard& shard : shards) specs.push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
-    *group_specs = specs.dump();
-  }
-  return files;
-}
-
 absl::Status CheckpointStore::Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
                                      const std::string& job, const std::map<std::string, int64_t>& versions,
                                      absl::Time deadline) const {
-  return WriteTo(sink, kind, optimizer, job, versions, deadline, nullptr).status();
+  FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards, TakeShards(registry_, rank_, job, versions, deadline));
+  return WriteShards(sink, rank_, kind, optimizer, shards, nullptr).status();
 }
 
 absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind, bool optimizer,
                                    const std::string& job,
                                    const std::map<std::string, int64_t>& versions,
-                                   absl::Time deadline) {
+                                   absl::Time deadline, bool async) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
   if (fs::exists(final_dir) || IsSymlink(final_dir)) {
     return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
@@ -332,14 +344,45 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   if (error || IsSymlink(dir)) {
     return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
   }
-  DirectorySink sink(dir);
-  std::string group_specs;
-  FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
-                             WriteTo(sink, kind, optimizer, job, versions, deadline, &group_specs));
-  const Json part = {{"rank", rank_},         {"job", job},           {"kind", CheckpointKindName(kind)},
-                     {"servers", num_servers_}, {"optimizer", optimizer}, {"groups", Json::parse(group_specs)},
-                     {"files", files}};
-  return WriteFileAtomically(absl::StrCat(dir, "/part-", rank_, ".json"), part.dump(1));
+  FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards, TakeShards(registry_, rank_, job, versions, deadline));
+  auto write = [this, name, kind, optimizer, job, dir, shards = std::move(shards)]() -> absl::Status {
+    DirectorySink sink(dir);
+    std::string group_specs;
+    FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
+                               WriteShards(sink, rank_, kind, optimizer, shards, &group_specs));
+    const Json part = {{"rank", rank_},         {"job", job},           {"kind", CheckpointKindName(kind)},
+                       {"servers", num_servers_}, {"optimizer", optimizer}, {"groups", Json::parse(group_specs)},
+                       {"files", files}};
+    return WriteFileAtomically(absl::StrCat(dir, "/part-", rank_, ".json"), part.dump(1));
+  };
+  if (!async) return write();
+  // The snapshot is taken; training goes on while the bytes are written. The last server
+  // to finish its part commits (a lock file picks exactly one).
+  absl::MutexLock lock(&mu_);
+  background_.emplace_back([this, name, dir, write = std::move(write)]() {
+    absl::Status status = write();
+    if (status.ok()) {
+      bool all_parts = true;
+      for (int rank = 0; rank < num_servers_; ++rank) {
+        all_parts &= fs::exists(absl::StrCat(dir, "/part-", rank, ".json"));
+      }
+      if (all_parts && File::Open(dir + "/commit.lock", File::Mode::kCreateNew).ok()) status = Commit(name);
+    }
+    if (!status.ok()) {
+      std::cerr << "flatshard-server rank " << rank_ << ": async save of checkpoint '" << name
+                << "' failed: " << status << std::endl;
+    }
+  });
+  return absl::OkStatus();
+}
+
+CheckpointStore::~CheckpointStore() {
+  std::vector<std::thread> background;
+  {
+    absl::MutexLock lock(&mu_);
+    background.swap(background_);
+  }
+  for (std::thread& thread : background) thread.join();
 }
 
 absl::Status CheckpointStore::Commit(const std::string& name) {

@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -60,13 +61,17 @@ class CheckpointStore {
  public:
   // `root` empty: every call fails with FailedPrecondition (no --checkpoint_root).
   CheckpointStore(Registry& registry, int rank, int num_servers, std::string root);
+  ~CheckpointStore();  // waits for asynchronous saves in progress
 
   // Writes this server's part of checkpoint `name` of `job` at `versions` (every group
   // of the job, each waited for until `deadline`). AlreadyExists if `name` is taken.
+  // `async`: returns once the shards are snapshotted (training may go on); the bytes are
+  // written in the background and the last server to finish commits. A failure is then
+  // logged and the checkpoint stays listed as incomplete.
   [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer,
                                   const std::string& job,
                                   const std::map<std::string, int64_t>& versions,
-                                  absl::Time deadline);
+                                  absl::Time deadline, bool async = false);
   // Streams this server's part of a FULL or SHARDED state dict (the same files a save
   // writes, without manifest) into `sink`, in slices of at most 4 MiB of data.
   [[nodiscard]] absl::Status Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
@@ -89,13 +94,6 @@ class CheckpointStore {
 
  private:
   absl::StatusOr<std::string> CheckpointDir(const std::string& name) const;
-  // Snapshots the job's groups at `versions` and writes this server's files into `sink`;
-  // returns their names and (if asked) the groups' JSON specs for the manifest.
-  absl::StatusOr<std::vector<std::string>> WriteTo(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
-                                                   const std::string& job,
-                                                   const std::map<std::string, int64_t>& versions,
-                                                   absl::Time deadline, std::string* group_specs) const;
-
   Registry& registry_;
   const int rank_;
   const int num_servers_;
@@ -103,6 +101,7 @@ class CheckpointStore {
   absl::Mutex mu_;
   std::map<std::string, std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>>> staged_
       ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> background_ ABSL_GUARDED_BY(mu_);  // asynchronous saves
 };
 
 }  // namespace flatshard::server

@@ -224,7 +224,7 @@ grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
   if (!kind.ok()) return ToGrpc(kind.status());
   const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
   return ToGrpc(checkpoints_.Save(request->name(), *kind, request->optimizer(), request->job(), versions,
-                                  DeadlineOf(ctx)));
+                                  DeadlineOf(ctx), request->async()));
 }
 
 grpc::Status FlatshardService::CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,

@@ -46,7 +46,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   const absl::Time start = absl::Now();
   absl::Status status;
   if (command == "save") {
-    status = (*client)->SaveCheckpoint(options.name, kind, options.optimizer);
+    status = (*client)->SaveCheckpoint(options.name, kind, options.optimizer, options.async);
   } else if (command == "load") {
     status = (*client)->LoadCheckpoint(options.name);
   } else if (command == "export") {

@@ -17,6 +17,7 @@ struct CheckpointCommandOptions {
   std::string name;
   std::string kind = "sharded";
   bool optimizer = false;
+  bool async = false;  // save: return after the snapshot
   bool json = false;
   std::string out;  // export: the local directory to write into
 };

@@ -32,6 +32,7 @@ ABSL_FLAG(std::string, name, "", "save, load, delete: the checkpoint's name");
 ABSL_FLAG(std::string, kind, "sharded", "save: full, sharded or local");
 ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
 ABSL_FLAG(std::string, out, "", "export: local directory for the state dict's files");
+ABSL_FLAG(bool, async, false, "save: return once the servers have snapshotted; they write in the background");
 
 namespace {
 
@@ -45,7 +46,7 @@ constexpr char kUsage[] =
     "                                  servers, groups, versions, memory and traffic\n"
     "  local-cluster --servers=N [--base_port=P] [--checkpoint_root=DIR]\n"
     "                                  start N servers on 127.0.0.1 and wait; Ctrl-C stops them\n"
-    "  save --cluster=... --name=N --kind=full|sharded|local [--optimizer] [--job=J]\n"
+    "  save --cluster=... --name=N --kind=full|sharded|local [--optimizer] [--async] [--job=J]\n"
     "  load --cluster=... --name=N [--job=J]\n"
     "  checkpoints --cluster=... [--json]   list checkpoints (complete or not)\n"
     "  delete --cluster=... --name=N\n"
@@ -114,6 +115,7 @@ int Checkpoint(const std::string& command) {
   options.optimizer = absl::GetFlag(FLAGS_optimizer);
   options.json = absl::GetFlag(FLAGS_json);
   options.out = absl::GetFlag(FLAGS_out);
+  options.async = absl::GetFlag(FLAGS_async);
   if (!ReadToken(options.token)) return 2;
   return flatshard::cli::RunCheckpointCommand(options, std::cout, std::cerr);
 }

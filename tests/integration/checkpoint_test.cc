@@ -166,3 +166,34 @@ TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) 
 
 }  // namespace
 }  // namespace flatshard
+
+namespace flatshard {
+namespace {
+
+TEST(CheckpointIntegrationTest, AsyncSaveIsAConsistentCutWhileTrainingContinues) {
+  const std::string root = ::testing::TempDir() + "/ckpt-async";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
+  Trainer a(cluster);
+  ASSERT_TRUE(a.client->InitGroupFromSeed("big", 5).ok());
+  ASSERT_TRUE(a.client->InitGroupFromSeed("tiny", 5).ok());
+  a.Step(0);
+  const std::vector<float> at_one = a.Params("big", a.big, 1);
+  ASSERT_TRUE(a.client->SaveCheckpoint("async", CheckpointKind::kSharded, true, /*async=*/true).ok());
+  a.Step(1);  // training goes on while the servers write
+  bool complete = false;
+  for (int attempt = 0; attempt < 100 && !complete; ++attempt) {
+    auto list = a.client->ListCheckpoints();
+    ASSERT_TRUE(list.ok());
+    complete = !list->empty() && (*list)[0].complete;
+    if (!complete) absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(complete);
+  ASSERT_TRUE(a.client->LoadCheckpoint("async").ok());
+  EXPECT_EQ(*a.client->WaitVersion("big", 0), 1);
+  EXPECT_EQ(a.Params("big", a.big, 1), at_one);  // version 1, not the step after it
+}
+
+}  // namespace
+}  // namespace flatshard

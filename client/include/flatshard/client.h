@@ -139,9 +139,11 @@ class Client {
 
   // Saves every group of the job at its current version (a consistent cut: each server
   // saves exactly that version), in parallel on all servers, then commits atomically.
-  // Needs a --checkpoint_root shared by the servers for FULL and SHARDED.
+  // Needs a --checkpoint_root shared by the servers for FULL and SHARDED. `async`:
+  // returns once every server has snapshotted its shards (training may continue); the
+  // checkpoint lists as complete when the servers have written and committed it.
   [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind,
-                                                    bool optimizer) = 0;
+                                                    bool optimizer, bool async = false) = 0;
   // Loads a checkpoint into the job's registered groups on every server: all servers
   // verify and stage it first; if any refuses (damage, mismatch), none changes.
   [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name) = 0;
