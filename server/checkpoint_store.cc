@@ -96,7 +96,7 @@ absl::Status WritePieces(CheckpointSink& sink, const std::string& file, const Sa
   for (const TensorPiece& piece : shard.pieces) {
     const TensorSpec& spec = layout.tensor(piece.tensor_index);
     const SafetensorsTensor* entry = header.Find(spec.fqn + tensor_suffix);
-    if (entry == nullptr) return absl::InternalError(absl::StrCat("no header entry for ", spec.fqn));
+    if (entry == nullptr) continue;  // in another file of a split FULL checkpoint
     const size_t element = DTypeSize(entry->dtype);
     for (int64_t done = 0; done < piece.numel; done += kSliceElements) {
       const int64_t count = std::min(kSliceElements, piece.numel - done);
@@ -112,8 +112,54 @@ absl::Status WritePieces(CheckpointSink& sink, const std::string& file, const Sa
 }
 
 // FULL: every server fills its byte ranges of the shared files.
+struct Output {
+  std::string file;
+  std::vector<SafetensorsTensor> tensors;
+  bool is_state;
+};
+
+// Splits `tensors` into files of at most `max_file_bytes` of data each (a larger tensor
+// gets a file of its own), named like Hugging Face's: "<prefix>.safetensors" when one
+// file suffices, else "<prefix>-00001-of-0000N.safetensors".
+std::vector<Output> SplitFiles(const std::string& prefix, const std::vector<SafetensorsTensor>& tensors,
+                               uint64_t max_file_bytes, bool is_state) {
+  std::vector<Output> outputs(1);
+  uint64_t bytes = 0;
+  for (const SafetensorsTensor& t : tensors) {
+    uint64_t tensor_bytes = DTypeSize(t.dtype);
+    for (int64_t dim : t.shape) tensor_bytes *= static_cast<uint64_t>(dim);
+    if (!outputs.back().tensors.empty() && bytes + tensor_bytes > max_file_bytes) {
+      outputs.emplace_back();
+      bytes = 0;
+    }
+    outputs.back().tensors.push_back(t);
+    bytes += tensor_bytes;
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    outputs[i].is_state = is_state;
+    outputs[i].file = outputs.size() == 1 ? prefix + ".safetensors"
+                                          : absl::StrFormat("%s-%05d-of-%05d.safetensors", prefix, i + 1, outputs.size());
+  }
+  return outputs;
+}
+
+// model.safetensors.index.json: {"metadata": {"total_size": N}, "weight_map": {name: file}}.
+std::string IndexJson(const std::vector<Output>& outputs) {
+  Json weight_map = Json::object();
+  uint64_t total = 0;
+  for (const Output& output : outputs) {
+    for (const SafetensorsTensor& t : output.tensors) {
+      weight_map[t.name] = output.file;
+      uint64_t tensor_bytes = DTypeSize(t.dtype);
+      for (int64_t dim : t.shape) tensor_bytes *= static_cast<uint64_t>(dim);
+      total += tensor_bytes;
+    }
+  }
+  return Json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2);
+}
+
 absl::Status WriteFull(CheckpointSink& sink, int rank, const std::vector<Shard>& shards,
-                       bool optimizer, std::vector<std::string>& files) {
+                       bool optimizer, uint64_t max_file_bytes, std::vector<std::string>& files) {
   std::vector<SafetensorsTensor> model, state;
   std::set<std::string> fqns;
   for (const Shard& shard : shards) {
@@ -129,13 +175,20 @@ absl::Status WriteFull(CheckpointSink& sink, int rank, const std::vector<Shard>&
       }
     }
   }
-  struct Output {
-    std::string file;
-    std::vector<SafetensorsTensor> tensors;
-    bool is_state;
-  };
-  std::vector<Output> outputs = {{"model.safetensors", model, false}};
-  if (optimizer) outputs.push_back({"optimizer.safetensors", state, true});
+  std::vector<Output> outputs = SplitFiles("model", model, max_file_bytes, false);
+  std::vector<Output> state_outputs;
+  if (optimizer) state_outputs = SplitFiles("optimizer", state, max_file_bytes, true);
+  for (const std::vector<Output>* split : {&outputs, &state_outputs}) {
+    if (split->size() <= 1 || rank != 0) continue;
+    const std::string index_file = absl::StrCat(split == &outputs ? "model" : "optimizer", ".safetensors.index.json");
+    const std::string index = IndexJson(*split);
+    FLATSHARD_RETURN_IF_ERROR(sink.Open(index_file, index.size(), /*exclusive=*/true));
+    FLATSHARD_RETURN_IF_ERROR(
+        sink.Write(index_file, 0, absl::MakeConstSpan(reinterpret_cast<const std::byte*>(index.data()), index.size())));
+    FLATSHARD_RETURN_IF_ERROR(sink.Close(index_file));
+    files.push_back(index_file);
+  }
+  outputs.insert(outputs.end(), state_outputs.begin(), state_outputs.end());
   // The optimizer file says, per group, which optimizer, how many steps and with what
   // hyper-parameters (strings, as safetensors metadata must be).
   std::map<std::string, std::string> optimizer_metadata = {{"format", "pt"}};
@@ -275,11 +328,11 @@ absl::StatusOr<std::vector<Shard>> TakeShards(const Registry& registry, int rank
 // Writes the snapshots' files into `sink`; returns their names and (if asked) the groups'
 // JSON specs for the manifest.
 absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int rank, CheckpointKind kind,
-                                                     bool optimizer, const std::vector<Shard>& shards,
-                                                     std::string* group_specs) {
+                                                     bool optimizer, uint64_t max_file_bytes,
+                                                     const std::vector<Shard>& shards, std::string* group_specs) {
   std::vector<std::string> files;
   if (kind == CheckpointKind::kFull) {
-    FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank, shards, optimizer, files));
+    FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank, shards, optimizer, max_file_bytes, files));
   } else {
     FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(sink, rank, kind, shards, optimizer, files));
   }
@@ -312,8 +365,13 @@ absl::StatusOr<CheckpointKind> ParseCheckpointKind(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("checkpoint kind '", name, "': expected full, sharded or local"));
 }
 
-CheckpointStore::CheckpointStore(Registry& registry, int rank, int num_servers, std::string root)
-    : registry_(registry), rank_(rank), num_servers_(num_servers), root_(std::move(root)) {}
+CheckpointStore::CheckpointStore(Registry& registry, int rank, int num_servers, std::string root,
+                                 uint64_t max_file_bytes)
+    : registry_(registry),
+      rank_(rank),
+      num_servers_(num_servers),
+      root_(std::move(root)),
+      max_file_bytes_(max_file_bytes) {}
 
 absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& name) const {
   if (root_.empty()) {
@@ -327,7 +385,7 @@ absl::Status CheckpointStore::Export(CheckpointSink& sink, CheckpointKind kind, 
                                      const std::string& job, const std::map<std::string, int64_t>& versions,
                                      absl::Time deadline) const {
   FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards, TakeShards(registry_, rank_, job, versions, deadline));
-  return WriteShards(sink, rank_, kind, optimizer, shards, nullptr).status();
+  return WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, nullptr).status();
 }
 
 absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind, bool optimizer,
@@ -349,7 +407,7 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
     DirectorySink sink(dir);
     std::string group_specs;
     FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
-                               WriteShards(sink, rank_, kind, optimizer, shards, &group_specs));
+                               WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
     const Json part = {{"rank", rank_},         {"job", job},           {"kind", CheckpointKindName(kind)},
                        {"servers", num_servers_}, {"optimizer", optimizer}, {"groups", Json::parse(group_specs)},
                        {"files", files}};
@@ -489,10 +547,10 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
   std::map<std::string, Json> file_entries;
   for (const auto& file : manifest["files"]) file_entries[file.value("path", "")] = file;
 
-  // Opens a file of the checkpoint once, verifying its size and checksum first.
-  std::map<std::string, OpenFile> opened;
-  auto open = [&](const std::string& file) -> absl::StatusOr<OpenFile*> {
-    if (auto it = opened.find(file); it != opened.end()) return &it->second;
+  // Checks a file's size and checksum against the manifest, once.
+  std::set<std::string> verified;
+  auto verify = [&](const std::string& file) -> absl::Status {
+    if (verified.count(file)) return absl::OkStatus();
     const auto entry = file_entries.find(file);
     if (entry == file_entries.end()) {
       return absl::DataLossError(absl::StrCat("checkpoint '", name, "': manifest does not list '", file, "'"));
@@ -508,8 +566,35 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
     if (absl::StrFormat("%016x", checksum) != entry->second.value("xxh3", "")) {
       return absl::DataLossError(absl::StrCat("'", path, "' is corrupted: its XXH3 checksum does not match the manifest"));
     }
+    verified.insert(file);
+    return absl::OkStatus();
+  };
+  // Opens a verified safetensors file of the checkpoint, once.
+  std::map<std::string, OpenFile> opened;
+  auto open = [&](const std::string& file) -> absl::StatusOr<OpenFile*> {
+    if (auto it = opened.find(file); it != opened.end()) return &it->second;
+    FLATSHARD_RETURN_IF_ERROR(verify(file));
+    const std::string path = dir + "/" + file;
+    FLATSHARD_ASSIGN_OR_RETURN(File handle, File::Open(path, File::Mode::kRead));
     FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Read(path));
     return &opened.emplace(file, OpenFile{std::move(handle), std::move(header)}).first->second;
+  };
+
+  // FULL: the file holding a tensor ("<prefix>.safetensors", or the one the
+  // "<prefix>.safetensors.index.json" of a split checkpoint names).
+  std::map<std::string, Json> indexes;
+  auto full_file_of = [&](const std::string& prefix, const std::string& tensor) -> absl::StatusOr<std::string> {
+    const std::string index_file = prefix + ".safetensors.index.json";
+    if (!file_entries.count(index_file)) return prefix + ".safetensors";
+    if (!indexes.count(prefix)) {
+      FLATSHARD_RETURN_IF_ERROR(verify(index_file));
+      FLATSHARD_ASSIGN_OR_RETURN(indexes[prefix], ReadJson(dir + "/" + index_file));
+    }
+    const Json& map = indexes[prefix]["weight_map"];
+    if (!map.is_object() || !map.contains(tensor) || !map[tensor].is_string()) {
+      return absl::DataLossError(absl::StrCat("'", dir, "/", index_file, "' does not map tensor '", tensor, "'"));
+    }
+    return map[tensor].get<std::string>();
   };
 
   // SHARDED: where every stored piece lives, from the file headers (small reads).
@@ -594,8 +679,10 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
         const TensorSpec& tensor = layout.tensor(piece.tensor_index);
         float* out = values->data() + (piece.flat_offset - start);
         if (kind == CheckpointKind::kFull) {
-          FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(suffix.empty() ? "model.safetensors" : "optimizer.safetensors"));
           const std::string tensor_name = tensor.fqn + suffix;
+          FLATSHARD_ASSIGN_OR_RETURN(const std::string file_name,
+                                     full_file_of(suffix.empty() ? "model" : "optimizer", tensor_name));
+          FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(file_name));
           const SafetensorsTensor* entry = file->header.Find(tensor_name);
           if (entry == nullptr) return absl::DataLossError(absl::StrCat("'", file->file.path(), "' lacks tensor '", tensor_name, "'"));
           if (entry->shape != tensor.shape || (suffix.empty() && entry->dtype != tensor.dtype)) {

@@ -2,7 +2,8 @@
 //
 // Kinds:
 //  - FULL: model.safetensors with every tensor of the job by its fqn, in its registered
-//    dtype (the fp32 master is cast on the way out), and with the optimizer,
+//    dtype (the fp32 master is cast on the way out; split into model-0000i-of-0000N files
+//    plus model.safetensors.index.json above max_file_bytes), and with the optimizer,
 //    optimizer.safetensors with "<fqn>.<state>" in fp32 (exp_avg, exp_avg_sq,
 //    max_exp_avg_sq, momentum_buffer). All servers write their own byte ranges of the same
 //    files in parallel; padding is never written. Loads into any number of servers.
@@ -60,7 +61,10 @@ struct CheckpointInfo {
 class CheckpointStore {
  public:
   // `root` empty: every call fails with FailedPrecondition (no --checkpoint_root).
-  CheckpointStore(Registry& registry, int rank, int num_servers, std::string root);
+  // FULL files above `max_file_bytes` of data are split Hugging Face style
+  // (model-00001-of-0000N.safetensors + model.safetensors.index.json).
+  CheckpointStore(Registry& registry, int rank, int num_servers, std::string root,
+                  uint64_t max_file_bytes = 5'000'000'000);
   ~CheckpointStore();  // waits for asynchronous saves in progress
 
   // Writes this server's part of checkpoint `name` of `job` at `versions` (every group
@@ -98,6 +102,7 @@ class CheckpointStore {
   const int rank_;
   const int num_servers_;
   const std::string root_;
+  const uint64_t max_file_bytes_;
   absl::Mutex mu_;
   std::map<std::string, std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>>> staged_
       ABSL_GUARDED_BY(mu_);

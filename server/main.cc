@@ -23,6 +23,8 @@ ABSL_FLAG(std::string, cluster, "",
 ABSL_FLAG(std::string, memory, "host", "storage tier: host, pinned or device (GPU build)");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's shared token (empty: no auth)");
 ABSL_FLAG(std::string, checkpoint_root, "", "directory that confines every checkpoint path");
+ABSL_FLAG(uint64_t, max_file_size, 5'000'000'000,
+          "FULL checkpoints: split into model-0000i-of-0000N.safetensors above this many bytes");
 ABSL_FLAG(int, threads, 0, "gRPC server threads (0: gRPC's default)");
 ABSL_FLAG(std::string, log_level, "info", "info or debug");
 
@@ -61,6 +63,8 @@ int main(int argc, char** argv) {
     options.checkpoint_root = root.string();
   }
   options.threads = absl::GetFlag(FLAGS_threads);
+  options.max_file_bytes = absl::GetFlag(FLAGS_max_file_size);
+  if (options.max_file_bytes == 0) return Fail("--max_file_size must be > 0");
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     std::ifstream file(path);
     if (!file) return Fail("cannot read --auth_token_file=" + path);

@@ -61,7 +61,7 @@ Server::Server(ServerOptions options)
               return peers_.SendNormPartial(peer, job, step, partial);
             }),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
-                   options_.checkpoint_root) {}
+                   options_.checkpoint_root, options_.max_file_bytes) {}
 
 Server::~Server() { Shutdown(); }
 

@@ -40,6 +40,7 @@ struct ServerOptions {
   std::string memory = "host";
   std::string auth_token;                 // empty: no authentication
   std::string checkpoint_root;            // empty: checkpoints disabled
+  uint64_t max_file_bytes = 5'000'000'000;  // FULL checkpoints split above this
   int threads = 0;                        // gRPC sync-server threads (0: gRPC's default)
   DataServerOptions data;
 };

@@ -140,7 +140,9 @@ TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) 
   ASSERT_TRUE((*client)->ExportStateDict(out, CheckpointKind::kFull, false).ok());
   const int64_t growth_mib = (PeakRssKib() - before) / 1024;
   std::cout << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB\n";
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // their shadow memory and quarantine inflate RSS
   EXPECT_LT(growth_mib, 48) << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB";
+#endif
 
   auto header = SafetensorsHeader::Read(out + "/model.safetensors");
   ASSERT_TRUE(header.ok()) << header.status();

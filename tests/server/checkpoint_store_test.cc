@@ -42,10 +42,10 @@ using Values = std::map<std::string, std::vector<float>>;
 
 class FakeCluster {
  public:
-  FakeCluster(int servers, const std::string& root) {
+  FakeCluster(int servers, const std::string& root, uint64_t max_file_bytes = 5'000'000'000) {
     for (int rank = 0; rank < servers; ++rank) {
       registries_.push_back(std::make_unique<Registry>(rank, servers));
-      stores_.push_back(std::make_unique<CheckpointStore>(*registries_.back(), rank, servers, root));
+      stores_.push_back(std::make_unique<CheckpointStore>(*registries_.back(), rank, servers, root, max_file_bytes));
       EXPECT_TRUE(registries_.back()->ConfigureJob("job", {.num_workers = 1}).ok());
       for (const GroupSpec& spec : Specs()) {
         EXPECT_TRUE(registries_.back()->RegisterGroup("job", spec.name, spec.tensors, spec.align, spec.optimizer).ok());
@@ -201,6 +201,26 @@ TEST(CheckpointStoreTest, FullCheckpointIsSafetensorsAndReshards) {
   // bfloat16-registered tensors come back as the bf16 rounding of the master; the rest bitwise.
   for (float& v : expected["h.weight"]) v = BFloat16BitsToFloat(FloatToBFloat16Bits(v));
   ExpectBitwiseEqual(loaded, expected);
+}
+
+TEST(CheckpointStoreTest, LargeFullCheckpointsSplitWithAnIndex) {
+  const std::string root = FreshRoot();
+  // emb.weight (60 B) alone, emb.bias (28 B) alone, h.weight (18 B, bf16) + scale (8 B).
+  FakeCluster source(3, root, /*max_file_bytes=*/40);
+  source.Step(0);
+  ASSERT_TRUE(source.Save("split", CheckpointKind::kFull, true, 1).ok());
+  auto index = ReadFileToString(root + "/split/model.safetensors.index.json");
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_THAT(*index, HasSubstr("\"emb.weight\": \"model-00001-of-00003.safetensors\""));
+  EXPECT_THAT(*index, HasSubstr("\"total_size\": 114"));  // 15*4 + 7*4 + 9*2 + 2*4
+  EXPECT_TRUE(std::filesystem::exists(root + "/split/model-00003-of-00003.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(root + "/split/optimizer.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(root + "/split/model.safetensors"));
+  FakeCluster target(2, root);
+  ASSERT_TRUE(target.Load("split").ok());
+  Values expected = source.Collect(1);
+  for (float& v : expected["h.weight"]) v = BFloat16BitsToFloat(FloatToBFloat16Bits(v));
+  ExpectBitwiseEqual(target.Collect(1), expected);
 }
 
 TEST(CheckpointStoreTest, LocalCheckpointNeedsTheSameServerCount) {
