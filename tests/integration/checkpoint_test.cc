@@ -8,6 +8,8 @@
 
 #include <sys/resource.h>
 
+#include <thread>
+
 #include "core/file.h"
 #include "core/float_bits.h"
 #include "core/safetensors.h"
@@ -195,6 +197,55 @@ TEST(CheckpointIntegrationTest, AsyncSaveIsAConsistentCutWhileTrainingContinues)
   ASSERT_TRUE(a.client->LoadCheckpoint("async").ok());
   EXPECT_EQ(*a.client->WaitVersion("big", 0), 1);
   EXPECT_EQ(a.Params("big", a.big, 1), at_one);  // version 1, not the step after it
+}
+
+}  // namespace
+}  // namespace flatshard
+
+namespace flatshard {
+namespace {
+
+TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIntact) {
+  const std::string root = ::testing::TempDir() + "/ckpt-kill";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  // 256 MiB of parameters: a save takes long enough to be interrupted.
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {int64_t{64} << 20}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1}).ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 2).ok());
+  ASSERT_TRUE((*client)->SaveCheckpoint("before", CheckpointKind::kSharded, false).ok());
+
+  absl::Status interrupted;
+  std::thread saver([&] { interrupted = (*client)->SaveCheckpoint("interrupted", CheckpointKind::kFull, false); });
+  absl::SleepFor(absl::Milliseconds(60));
+  kill(cluster.pid(1), SIGKILL);
+  saver.join();
+
+  std::cout << "save during SIGKILL: " << interrupted << "\n";
+  std::filesystem::path interrupted_dir = root + "/interrupted";
+  if (!interrupted.ok()) {
+    // Never committed: no manifest, not listed as complete.
+    EXPECT_FALSE(std::filesystem::exists(interrupted_dir / "manifest.json"));
+  }
+  // The earlier checkpoint is whole: a fresh cluster of one server loads it.
+  testing::TestCluster fresh(1, "tok", ::testing::TempDir(), root);
+  auto other = fresh.Connect(0, 1);
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE((*other)->ConfigureJob({}).ok());
+  ASSERT_TRUE((*other)->RegisterGroup("g", {{"w", {int64_t{64} << 20}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1}).ok());
+  ASSERT_TRUE((*other)->LoadCheckpoint("before").ok());
+  auto list = (*other)->ListCheckpoints();
+  ASSERT_TRUE(list.ok());
+  for (const CheckpointEntry& entry : *list) {
+    if (entry.name == "before") {
+      EXPECT_TRUE(entry.complete);
+    } else if (entry.name == "interrupted") {
+      EXPECT_EQ(entry.complete, interrupted.ok());
+    }
+  }
 }
 
 }  // namespace
