@@ -278,7 +278,8 @@ class ClientImpl final : public Client {
     return Call(0, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response);
   }
 
-  absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer) override {
+  absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,
+                               ExportProgress progress) override {
     if (kind == CheckpointKind::kLocal) return absl::InvalidArgumentError("export: kind must be FULL or SHARDED");
     v1::ExportRequest request;
     request.set_job(options_.job);
@@ -288,6 +289,18 @@ class ClientImpl final : public Client {
     std::error_code error;
     std::filesystem::create_directories(out_dir, error);
     if (error) return absl::InternalError(absl::StrCat("cannot create '", out_dir, "': ", error.message()));
+    absl::Mutex progress_mu;
+    std::map<std::string, uint64_t> sizes;  // every file announced, for the total
+    uint64_t done = 0;
+    auto report = [&](const v1::ExportChunk& chunk) {
+      if (!progress) return;
+      absl::MutexLock lock(&progress_mu);
+      if (chunk.file_size() > 0) sizes[chunk.file()] = chunk.file_size();
+      done += chunk.data().size();
+      uint64_t total = 0;
+      for (const auto& [file, size] : sizes) total += size;
+      progress(done, total);
+    };
     return OnAllServersInParallel([&](size_t i) -> absl::Status {
       grpc::ClientContext ctx;
       ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
@@ -298,6 +311,7 @@ class ClientImpl final : public Client {
       absl::Status written;
       while (written.ok() && reader->Read(&chunk)) {
         written = WriteChunk(out_dir, chunk, files);
+        report(chunk);
       }
       if (!written.ok()) ctx.TryCancel();
       const grpc::Status finished = reader->Finish();

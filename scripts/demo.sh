@@ -35,6 +35,10 @@ echo "== state-dict export: a FULL checkpoint (safetensors) with optimizer state
 "$bin/flatshard" save --cluster="$cluster" --job=mlp-demo --name=mlp-final --kind=full --optimizer
 "$bin/flatshard" checkpoints --cluster="$cluster"
 ls -l "$checkpoints/mlp-final"
+echo
+echo "== the same state dict streamed to this machine (flatshard export) =="
+"$bin/flatshard" export --cluster="$cluster" --job=mlp-demo --out="$checkpoints/exported" --kind=full
+ls -l "$checkpoints/exported"
 
 echo
 echo "== layout of a bigger model over 3 servers (flatshard layout) =="

@@ -1,5 +1,9 @@
 #include "client/cli/checkpoint_command.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
@@ -9,6 +13,43 @@
 #include "flatshard/client.h"
 
 namespace flatshard::cli {
+namespace {
+
+// Draws "[######    ]  45%  1.2 GiB / 2.6 GiB  850.0 MB/s  ETA 2 s" in place on a terminal
+// (at most 10 times a second), or a plain line per 10% otherwise.
+Client::ExportProgress ProgressPrinter(std::ostream& out) {
+  struct State {
+    absl::Time start = absl::Now();
+    absl::Time last_draw = absl::InfinitePast();
+    int last_decile = -1;
+  };
+  auto state = std::make_shared<State>();
+  const bool terminal = isatty(STDOUT_FILENO);
+  return [&out, state, terminal](uint64_t done, uint64_t total) {
+    const absl::Time now = absl::Now();
+    const double fraction = total == 0 ? 0.0 : static_cast<double>(done) / static_cast<double>(total);
+    const double seconds = std::max(1e-3, absl::ToDoubleSeconds(now - state->start));
+    const double rate = static_cast<double>(done) / seconds;
+    const double eta = rate > 0 ? static_cast<double>(total - std::min(done, total)) / rate : 0.0;
+    const std::string line = absl::StrFormat("%3.0f%%  %s / %s  %.1f MB/s  ETA %.0f s", 100 * fraction,
+                                             HumanBytes(static_cast<int64_t>(done)),
+                                             HumanBytes(static_cast<int64_t>(total)), rate / 1e6, eta);
+    if (terminal) {
+      if (now - state->last_draw < absl::Milliseconds(100) && done < total) return;
+      state->last_draw = now;
+      const int filled = static_cast<int>(30 * fraction);
+      out << "\r[" << std::string(filled, '#') << std::string(30 - filled, ' ') << "] " << line << std::flush;
+      return;
+    }
+    const int decile = static_cast<int>(10 * fraction);
+    if (decile != state->last_decile) {
+      state->last_decile = decile;
+      out << "export: " << line << "\n";
+    }
+  };
+}
+
+}  // namespace
 
 int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& out, std::ostream& err) {
   const std::string& command = options.command;
@@ -50,7 +91,8 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   } else if (command == "load") {
     status = (*client)->LoadCheckpoint(options.name);
   } else if (command == "export") {
-    status = (*client)->ExportStateDict(options.out, kind, options.optimizer);
+    status = (*client)->ExportStateDict(options.out, kind, options.optimizer, ProgressPrinter(out));
+    if (isatty(STDOUT_FILENO)) out << "\n";
   } else if (command == "delete") {
     status = (*client)->DeleteCheckpoint(options.name);
   } else {

@@ -16,6 +16,7 @@
 #define FLATSHARD_CLIENT_INCLUDE_FLATSHARD_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -153,8 +154,11 @@ class Client {
   // (shard-<rank>.safetensors) state dict of the job from every server at once into the
   // directory `out_dir` on this machine (created if missing). Memory stays bounded by a
   // few 4 MiB chunks per server, whatever the model size.
+  // `progress` (optional) is called from the receiving threads, one at a time, with the
+  // bytes written so far and the total announced so far (it grows while servers start).
+  using ExportProgress = std::function<void(uint64_t bytes_done, uint64_t bytes_total)>;
   [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind,
-                                                     bool optimizer) = 0;
+                                                     bool optimizer, ExportProgress progress = nullptr) = 0;
 };
 
 // Views a typed buffer as bytes, for Gather and Scatter.
