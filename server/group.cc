@@ -336,12 +336,11 @@ absl::Status Group::SetOptimizer(const OptimizerConfig& optimizer) {
 absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadline) const {
   FLATSHARD_RETURN_IF_ERROR(WaitVersion(version, deadline).status());
   absl::MutexLock lock(&mu_);
+  // A clipped step that is reduced but waits for the global norm has not touched the
+  // parameters or the optimizer state yet: they are still exactly `version`.
   if (version_ != version) {
     return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' is at version ", version_,
                                                       ", past the requested version ", version));
-  }
-  if (reduced_) {
-    return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' is finishing step ", version_));
   }
   ShardSnapshot snapshot{version_, params_, optimizer_.steps(), optimizer_.momentum_initialized(), {}};
   for (const std::string& name : optimizer_.state_names()) {

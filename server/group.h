@@ -134,8 +134,7 @@ class Group {
   [[nodiscard]] absl::Status InitFromSeed(uint64_t seed);
 
   // Waits until version() == version (up to `deadline`) and copies the shard.
-  // FailedPrecondition if the group is already past `version` or has contributions for
-  // it in flight that were reduced but not applied (clipping); DeadlineExceeded.
+  // FailedPrecondition if the group is already past `version`; DeadlineExceeded.
   [[nodiscard]] absl::StatusOr<ShardSnapshot> Snapshot(int64_t version, absl::Time deadline) const;
   // Installs a snapshot (checkpoint load): parameters, optimizer state and version;
   // contributions in flight for the old version are dropped. InvalidArgument (nothing
