@@ -465,6 +465,26 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
           "checkpoint '", name, "': server ", rank, "'s part disagrees with server 0's (versions, layouts or settings)"));
     }
   }
+  if (manifest.value("kind", "") == "sharded") {
+    // One index of where every piece of every tensor lives, so that a loading server
+    // reads only this file and the pieces it needs.
+    Json pieces = Json::object();
+    for (const std::string& file : files) {
+      FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Read(dir + "/" + file));
+      for (const SafetensorsTensor& t : header.tensors()) {
+        const size_t at = t.name.rfind('@');
+        const size_t dot = t.name.find('.', at);
+        int64_t start = 0;
+        if (at == std::string::npos || !absl::SimpleAtoi(t.name.substr(at + 1, dot - at - 1), &start)) {
+          return absl::DataLossError(absl::StrCat("'", dir, "/", file, "' has an unexpected tensor '", t.name, "'"));
+        }
+        const std::string key = t.name.substr(0, at) + (dot == std::string::npos ? "" : t.name.substr(dot));
+        pieces[key].push_back({start, (t.end - t.begin) / sizeof(float), file, header.data_start() + t.begin});
+      }
+    }
+    FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(dir + "/index.json", Json{{"pieces", pieces}}.dump(1)));
+    files.insert("index.json");
+  }
   Json file_list = Json::array();
   for (const std::string& file : files) {
     FLATSHARD_ASSIGN_OR_RETURN(const uint64_t checksum, FileChecksum(dir + "/" + file));
@@ -597,30 +617,27 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
     return map[tensor].get<std::string>();
   };
 
-  // SHARDED: where every stored piece lives, from the file headers (small reads).
+  // SHARDED: where every stored piece lives, from the checkpoint's index.json:
+  // "<group>/<fqn>[.<state>]" -> [[first element, numel, file, byte offset], ...].
   struct StoredPiece {
     std::string file;
     int64_t intra_start;
-    const SafetensorsTensor* entry;
+    int64_t numel;
+    uint64_t offset;
   };
-  std::map<std::string, std::vector<StoredPiece>> stored;  // "<group>/<fqn>" + suffix
-  std::map<std::string, SafetensorsHeader> headers;
+  std::map<std::string, std::vector<StoredPiece>> stored;
   if (kind == CheckpointKind::kSharded) {
-    for (const auto& [file, entry] : file_entries) {
-      FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Read(dir + "/" + file));
-      headers.emplace(file, std::move(header));
-    }
-    for (const auto& [file, header] : headers) {
-      for (const SafetensorsTensor& t : header.tensors()) {
-        const size_t at = t.name.rfind('@');
-        if (at == std::string::npos) continue;
-        const std::string rest = t.name.substr(at + 1);
-        const size_t dot = rest.find('.');
-        int64_t start = 0;
-        if (!absl::SimpleAtoi(rest.substr(0, dot), &start)) continue;
-        const std::string key = t.name.substr(0, at) + (dot == std::string::npos ? "" : rest.substr(dot));
-        stored[key].push_back({file, start, &t});
+    FLATSHARD_RETURN_IF_ERROR(verify("index.json"));
+    FLATSHARD_ASSIGN_OR_RETURN(const Json index, ReadJson(dir + "/index.json"));
+    try {
+      for (const auto& [key, pieces] : index.at("pieces").items()) {
+        for (const Json& piece : pieces) {
+          stored[key].push_back({piece.at(2).get<std::string>(), piece.at(0).get<int64_t>(),
+                                 piece.at(1).get<int64_t>(), piece.at(3).get<uint64_t>()});
+        }
       }
+    } catch (const Json::exception& error) {
+      return absl::DataLossError(absl::StrCat("'", dir, "/index.json' is malformed: ", error.what()));
     }
   }
 
@@ -695,13 +712,17 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
         // SHARDED: copy every overlap of a stored piece with the needed range.
         int64_t covered = 0;
         for (const StoredPiece& s : stored[absl::StrCat(group_name, "/", tensor.fqn, suffix)]) {
-          const int64_t stored_numel = static_cast<int64_t>((s.entry->end - s.entry->begin) / sizeof(float));
           const int64_t lo = std::max(piece.intra_start, s.intra_start);
-          const int64_t hi = std::min(piece.intra_start + piece.numel, s.intra_start + stored_numel);
+          const int64_t hi = std::min(piece.intra_start + piece.numel, s.intra_start + s.numel);
           if (lo >= hi) continue;
-          FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(s.file));
-          FLATSHARD_RETURN_IF_ERROR(ReadElements(file->file, file->header, *s.entry, lo - s.intra_start, hi - lo,
-                                                 out + (lo - piece.intra_start)));
+          FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(s.file));  // verified, bounds-checked
+          const uint64_t offset = s.offset + static_cast<uint64_t>(lo - s.intra_start) * sizeof(float);
+          if (offset + static_cast<uint64_t>(hi - lo) * sizeof(float) > file->header.file_size()) {
+            return absl::DataLossError(absl::StrCat("'", dir, "/index.json' points past the end of '", s.file, "'"));
+          }
+          FLATSHARD_RETURN_IF_ERROR(file->file.ReadAt(
+              offset, absl::MakeSpan(reinterpret_cast<std::byte*>(out + (lo - piece.intra_start)),
+                                     static_cast<size_t>(hi - lo) * sizeof(float))));
           covered += hi - lo;
         }
         if (covered != piece.numel) {

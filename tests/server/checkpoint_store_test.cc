@@ -157,6 +157,7 @@ TEST_P(ReshardTest, ShardedCheckpointLoadsIntoAnotherServerCountBitwise) {
   FakeCluster source(from, root);
   for (int step = 0; step < 3; ++step) source.Step(step);
   ASSERT_TRUE(source.Save("ckpt", CheckpointKind::kSharded, /*optimizer=*/true, 3).ok());
+  ASSERT_TRUE(std::filesystem::exists(root + "/ckpt/index.json"));
   const Values before = source.Collect(3);
 
   FakeCluster target(to, root);
