@@ -100,7 +100,7 @@ class ClientImpl final : public Client {
     for (size_t i = 0; i < options_.servers.size(); ++i) {
       const std::string& address = options_.servers[i];
       grpc::ChannelArguments args;
-      args.SetMaxReceiveMessageSize(16 << 20);
+      args.SetMaxReceiveMessageSize(65 << 20);  // export chunks of up to 64 MiB
       stubs_.push_back(v1::Flatshard::NewStub(
           grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
       v1::ClusterInfo info;
@@ -285,6 +285,7 @@ class ClientImpl final : public Client {
     request.set_job(options_.job);
     request.set_kind(KindToProto(kind));
     request.set_optimizer(optimizer);
+    request.set_chunk_bytes(options_.export_chunk_bytes);
     FLATSHARD_RETURN_IF_ERROR(JobCut(*request.mutable_versions()));
     std::error_code error;
     std::filesystem::create_directories(out_dir, error);

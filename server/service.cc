@@ -14,10 +14,11 @@ grpc::Status ToGrpc(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-// Export: checkpoint files as a stream of chunks (at most kChunkBytes of data each).
+// Export: checkpoint files as a stream of chunks (at most chunk_bytes of data each).
 class StreamSink final : public CheckpointSink {
  public:
-  explicit StreamSink(grpc::ServerWriter<v1::ExportChunk>* writer) : writer_(writer) {}
+  StreamSink(grpc::ServerWriter<v1::ExportChunk>* writer, size_t chunk_bytes)
+      : writer_(writer), chunk_bytes_(chunk_bytes) {}
 
   absl::Status Open(const std::string& file, uint64_t size, bool) override {
     v1::ExportChunk chunk;
@@ -27,8 +28,8 @@ class StreamSink final : public CheckpointSink {
   }
 
   absl::Status Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) override {
-    for (size_t done = 0; done < data.size(); done += kChunkBytes) {
-      const size_t count = std::min(kChunkBytes, data.size() - done);
+    for (size_t done = 0; done < data.size(); done += chunk_bytes_) {
+      const size_t count = std::min(chunk_bytes_, data.size() - done);
       v1::ExportChunk chunk;
       chunk.set_file(file);
       chunk.set_offset(offset + done);
@@ -46,14 +47,13 @@ class StreamSink final : public CheckpointSink {
   }
 
  private:
-  static constexpr size_t kChunkBytes = 4 << 20;
-
   absl::Status Send(const v1::ExportChunk& chunk) {
     if (!writer_->Write(chunk)) return absl::CancelledError("the exporting client went away");
     return absl::OkStatus();
   }
 
   grpc::ServerWriter<v1::ExportChunk>* writer_;
+  const size_t chunk_bytes_;
 };
 
 absl::StatusOr<CheckpointKind> KindFromProto(v1::CheckpointKind kind) {
@@ -282,7 +282,10 @@ grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, const v
     return ToGrpc(absl::InvalidArgumentError("export: kind must be full or sharded"));
   }
   const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
-  StreamSink sink(writer);
+  if (request->chunk_bytes() > (64u << 20)) {
+    return ToGrpc(absl::InvalidArgumentError("export: chunk_bytes is at most 64 MiB"));
+  }
+  StreamSink sink(writer, request->chunk_bytes() == 0 ? size_t{4} << 20 : request->chunk_bytes());
   return ToGrpc(checkpoints_.Export(sink, *kind, request->optimizer(), request->job(), versions, DeadlineOf(ctx)));
 }
 

@@ -79,6 +79,11 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   client_options.token = options.token;
   client_options.job = options.job;
   client_options.timeout = absl::Minutes(10);
+  if (options.chunk_mib < 1 || options.chunk_mib > 64) {
+    err << "flatshard " << command << ": --chunk_mib must be in [1, 64]\n";
+    return 2;
+  }
+  client_options.export_chunk_bytes = static_cast<uint32_t>(options.chunk_mib) << 20;
   auto client = Client::Connect(client_options);
   if (!client.ok()) {
     err << "flatshard " << command << ": " << client.status() << "\n";

@@ -20,6 +20,7 @@ struct CheckpointCommandOptions {
   bool async = false;  // save: return after the snapshot
   bool json = false;
   std::string out;  // export: the local directory to write into
+  int chunk_mib = 4;  // export: MiB per streamed chunk
 };
 
 // Returns 0 on success, 1 when the cluster refused (the status on `err`), 2 on bad options.

@@ -32,6 +32,7 @@ ABSL_FLAG(std::string, name, "", "save, load, delete: the checkpoint's name");
 ABSL_FLAG(std::string, kind, "sharded", "save: full, sharded or local");
 ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
 ABSL_FLAG(std::string, out, "", "export: local directory for the state dict's files");
+ABSL_FLAG(int, chunk_mib, 4, "export: MiB per streamed chunk (1-64); bounds the memory per server stream");
 ABSL_FLAG(bool, async, false, "save: return once the servers have snapshotted; they write in the background");
 
 namespace {
@@ -50,7 +51,7 @@ constexpr char kUsage[] =
     "  load --cluster=... --name=N [--job=J]\n"
     "  checkpoints --cluster=... [--json]   list checkpoints (complete or not)\n"
     "  delete --cluster=... --name=N\n"
-    "  export --cluster=... --out=DIR --kind=full|sharded [--optimizer] [--job=J]\n"
+    "  export --cluster=... --out=DIR --kind=full|sharded [--optimizer] [--chunk_mib=4] [--job=J]\n"
     "                                  stream a state dict to this machine's disk\n";
 
 int Layout(const std::vector<std::string>& args) {
@@ -116,6 +117,7 @@ int Checkpoint(const std::string& command) {
   options.json = absl::GetFlag(FLAGS_json);
   options.out = absl::GetFlag(FLAGS_out);
   options.async = absl::GetFlag(FLAGS_async);
+  options.chunk_mib = absl::GetFlag(FLAGS_chunk_mib);
   if (!ReadToken(options.token)) return 2;
   return flatshard::cli::RunCheckpointCommand(options, std::cout, std::cerr);
 }

@@ -40,6 +40,7 @@ struct ClientOptions {
   std::string job = "default";
   absl::Duration timeout = absl::Seconds(30);  // per RPC, per transfer, per version wait
   int max_in_flight = 2;                       // concurrent transfers per server
+  uint32_t export_chunk_bytes = 4 << 20;       // ExportStateDict: bytes per message (<= 64 MiB)
 };
 
 struct JobOptions {
@@ -153,7 +154,7 @@ class Client {
   // Streams a FULL (model.safetensors [+ optimizer.safetensors]) or SHARDED
   // (shard-<rank>.safetensors) state dict of the job from every server at once into the
   // directory `out_dir` on this machine (created if missing). Memory stays bounded by a
-  // few 4 MiB chunks per server, whatever the model size.
+  // few chunks (ClientOptions::export_chunk_bytes) per server, whatever the model size.
   // `progress` (optional) is called from the receiving threads, one at a time, with the
   // bytes written so far and the total announced so far (it grows while servers start).
   using ExportProgress = std::function<void(uint64_t bytes_done, uint64_t bytes_total)>;
