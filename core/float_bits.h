@@ -7,7 +7,7 @@
 //  - NaN gives the canonical quiet NaN: 0x7FC0 for bfloat16 (sign dropped, as c10 does),
 //    sign | 0x7E00 for float16;
 //  - widening (16 -> 32 bits) is exact for every input, NaN payloads included.
-// All functions are pure and thread-safe.
+// All functions are pure and thread-safe, and the CUDA kernels call the same code.
 //
 //   uint16_t h = FloatToHalfBits(1.0f);      // 0x3C00
 //   float f = BFloat16BitsToFloat(0x3F80);   // 1.0f
@@ -18,19 +18,21 @@
 #include <bit>
 #include <cstdint>
 
+#include "core/host_device.h"
+
 namespace flatshard {
 namespace internal {
 
 // `if_true` where `condition`, else `if_false`, as bit masks: GCC if-converts and
 // vectorizes this where it turns ternaries back into branches.
-inline uint32_t SelectBits(bool condition, uint32_t if_true, uint32_t if_false) {
+FLATSHARD_HOST_DEVICE inline uint32_t SelectBits(bool condition, uint32_t if_true, uint32_t if_false) {
   const uint32_t mask = 0u - static_cast<uint32_t>(condition);
   return (if_true & mask) | (if_false & ~mask);
 }
 
 }  // namespace internal
 
-inline uint16_t FloatToBFloat16Bits(float value) {
+FLATSHARD_HOST_DEVICE inline uint16_t FloatToBFloat16Bits(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
   const bool is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
   // Adding 0x7FFF plus the lowest kept bit rounds to nearest with ties to even; carries
@@ -39,11 +41,11 @@ inline uint16_t FloatToBFloat16Bits(float value) {
   return is_nan ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
 }
 
-inline float BFloat16BitsToFloat(uint16_t bits) {
+FLATSHARD_HOST_DEVICE inline float BFloat16BitsToFloat(uint16_t bits) {
   return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
 }
 
-inline uint16_t FloatToHalfBits(float value) {
+FLATSHARD_HOST_DEVICE inline uint16_t FloatToHalfBits(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
   const uint32_t sign = (bits >> 16) & 0x8000u;
   const uint32_t magnitude = bits & 0x7FFFFFFFu;
@@ -75,7 +77,7 @@ inline uint16_t FloatToHalfBits(float value) {
   return static_cast<uint16_t>(sign | result);
 }
 
-inline float HalfBitsToFloat(uint16_t bits) {
+FLATSHARD_HOST_DEVICE inline float HalfBitsToFloat(uint16_t bits) {
   const uint32_t sign = (static_cast<uint32_t>(bits) & 0x8000u) << 16;
   const uint32_t exponent = (bits >> 10) & 0x1Fu;
   const uint32_t mantissa = bits & 0x3FFu;

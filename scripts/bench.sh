@@ -8,3 +8,15 @@ echo "== CPU kernels (ratio to memcpy bandwidth, same run) =="
 echo
 echo "== data plane, optimizer, latency (ratios to iperf3, triad bandwidth, gRPC no-op) =="
 "$build_dir/bin/cluster_bench" ${BENCH_ARGS:-}
+
+# GPU rows: only where this build has CUDA and the machine a device.
+if [[ -x "$build_dir/bin/kernels_cuda_bench" ]]; then
+  echo
+  echo "== GPU kernels (ratio to device-to-device copy bandwidth, same run) =="
+  json=$(mktemp)
+  trap 'rm -f "$json"' EXIT
+  "$build_dir/bin/kernels_cuda_bench" --json="$json"
+  if [[ -s "$json" ]] && python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    python3 bench/torch_adamw_bench.py "$json"
+  fi
+fi

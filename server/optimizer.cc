@@ -8,8 +8,8 @@
 
 namespace flatshard::server {
 
-using kernels::cpu::AdamHyperparams;
-using kernels::cpu::SgdHyperparams;
+using kernels::AdamHyperparams;
+using kernels::SgdHyperparams;
 
 std::string OptimizerName(const OptimizerConfig& config) {
   if (const auto* adam = std::get_if<AdamHyperparams>(&config)) {

@@ -20,7 +20,7 @@
 
 namespace flatshard::server {
 
-using OptimizerConfig = std::variant<kernels::cpu::SgdHyperparams, kernels::cpu::AdamHyperparams>;
+using OptimizerConfig = std::variant<kernels::SgdHyperparams, kernels::AdamHyperparams>;
 
 // "sgd", "adam" or "adamw".
 std::string OptimizerName(const OptimizerConfig& config);

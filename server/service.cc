@@ -81,7 +81,7 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
   switch (proto.kind_case()) {
     case v1::OptimizerSettings::kSgd: {
       const v1::SgdSettings& sgd = proto.sgd();
-      return OptimizerConfig(kernels::cpu::SgdHyperparams{
+      return OptimizerConfig(kernels::SgdHyperparams{
           .lr = static_cast<float>(sgd.lr()),
           .momentum = static_cast<float>(sgd.momentum()),
           .dampening = static_cast<float>(sgd.dampening()),
@@ -90,7 +90,7 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
     }
     case v1::OptimizerSettings::kAdam: {
       const v1::AdamSettings& adam = proto.adam();
-      return OptimizerConfig(kernels::cpu::AdamHyperparams{
+      return OptimizerConfig(kernels::AdamHyperparams{
           .lr = static_cast<float>(adam.lr()),
           .beta1 = static_cast<float>(adam.beta1()),
           .beta2 = static_cast<float>(adam.beta2()),

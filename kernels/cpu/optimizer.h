@@ -13,26 +13,9 @@
 #include <cstdint>
 
 #include "absl/types/span.h"
+#include "kernels/hyperparams.h"
 
 namespace flatshard::kernels::cpu {
-
-struct SgdHyperparams {
-  float lr = 1e-2f;
-  float momentum = 0.0f;
-  float dampening = 0.0f;
-  float weight_decay = 0.0f;
-  bool nesterov = false;
-};
-
-struct AdamHyperparams {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
-  bool amsgrad = false;
-  bool decoupled_weight_decay = false;  // true: AdamW
-};
 
 // torch.optim.SGD. `momentum_buffer` is used when momentum != 0 (same size as param);
 // `first_step` says the buffer is not initialized yet (torch: buf = clone(d_p)).

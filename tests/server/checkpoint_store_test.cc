@@ -30,11 +30,11 @@ struct GroupSpec {
 
 std::vector<GroupSpec> Specs() {
   return {{"emb", {{"emb.weight", {5, 3}, DType::kFloat32}, {"emb.bias", {7}, DType::kFloat32}}, 4,
-           kernels::cpu::AdamHyperparams{.lr = 0.01f, .weight_decay = 0.1f, .amsgrad = true,
+           kernels::AdamHyperparams{.lr = 0.01f, .weight_decay = 0.1f, .amsgrad = true,
                                          .decoupled_weight_decay = true}},
           {"tiny", {{"scale", {2}, DType::kFloat32}}, 0,
-           kernels::cpu::SgdHyperparams{.lr = 0.1f, .momentum = 0.9f}},
-          {"half", {{"h.weight", {3, 3}, DType::kBFloat16}}, 0, kernels::cpu::AdamHyperparams{.lr = 0.01f}}};
+           kernels::SgdHyperparams{.lr = 0.1f, .momentum = 0.9f}},
+          {"half", {{"h.weight", {3, 3}, DType::kBFloat16}}, 0, kernels::AdamHyperparams{.lr = 0.01f}}};
 }
 
 // Values by tensor: fqn (+ ".state") -> elements.

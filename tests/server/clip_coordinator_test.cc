@@ -37,7 +37,7 @@ class ClipCoordinatorTest : public ::testing::Test {
       for (const char* name : {"a", "b"}) {
         ASSERT_TRUE(servers_[rank]
                         .registry->RegisterGroup("job", name, {{"w", {4}, DType::kFloat32}}, 0,
-                                                kernels::cpu::SgdHyperparams{.lr = 1.0f})
+                                                kernels::SgdHyperparams{.lr = 1.0f})
                         .ok());
       }
     }

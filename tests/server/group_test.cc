@@ -18,7 +18,7 @@ using ::testing::HasSubstr;
 Group MakeGroup(int workers, bool mean = true, int rank = 0, int shards = 2) {
   auto layout = FlatLayout::Create({{"w", {3}, DType::kFloat32}, {"b", {2}, DType::kFloat32}}, 0, shards);
   return Group("job", "g", *layout, rank, JobSettings{.num_workers = workers, .reduce_mean = mean},
-               kernels::cpu::SgdHyperparams{.lr = 1.0f});
+               kernels::SgdHyperparams{.lr = 1.0f});
 }
 
 absl::Status Contribute(Group& group, int64_t step, int worker, const std::vector<float>& grad) {
@@ -144,7 +144,7 @@ Group MakeAsyncGroup(int workers, int64_t max_staleness) {
   return Group("job", "g", *layout, 0,
                JobSettings{.num_workers = workers, .reduce_mean = false, .async = true,
                            .max_staleness = max_staleness},
-               kernels::cpu::SgdHyperparams{.lr = 1.0f});
+               kernels::SgdHyperparams{.lr = 1.0f});
 }
 
 TEST(GroupAsyncTest, EachContributionStepsOnArrival) {
@@ -182,13 +182,13 @@ namespace {
 TEST(GroupTest, HyperparametersChangeFromTheNextStepAndTheKindCannot) {
   Group group = MakeGroup(1, /*mean=*/false);  // SGD lr 1
   ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
-  ASSERT_TRUE(group.SetOptimizer(kernels::cpu::SgdHyperparams{.lr = 0.25f}).ok());
+  ASSERT_TRUE(group.SetOptimizer(kernels::SgdHyperparams{.lr = 0.25f}).ok());
   ASSERT_TRUE(Contribute(group, 1, 0, {1, 1, 1}).ok());
   EXPECT_EQ(Params(group), (std::vector<float>{-1.25f, -1.25f, -1.25f}));
-  absl::Status other_kind = group.SetOptimizer(kernels::cpu::AdamHyperparams{});
+  absl::Status other_kind = group.SetOptimizer(kernels::AdamHyperparams{});
   EXPECT_EQ(other_kind.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(other_kind.message()), HasSubstr("cannot switch to adam"));
-  EXPECT_EQ(group.SetOptimizer(kernels::cpu::SgdHyperparams{.lr = -1.0f}).code(),
+  EXPECT_EQ(group.SetOptimizer(kernels::SgdHyperparams{.lr = -1.0f}).code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -1,0 +1,132 @@
+// Casts, accumulation and scaling on the GPU, using the CPU kernels' element code.
+#include "core/float_bits.h"
+#include "kernels/cuda/elementwise.cuh"
+#include "kernels/cuda/launch.h"
+
+namespace flatshard::kernels::cuda::internal {
+namespace {
+
+template <HalfKind kKind>
+__device__ inline uint16_t ToHalf(float x) {
+  if constexpr (kKind == HalfKind::kBFloat16) {
+    return FloatToBFloat16Bits(x);
+  } else {
+    return FloatToHalfBits(x);
+  }
+}
+
+template <HalfKind kKind>
+__device__ inline float FromHalf(uint16_t x) {
+  if constexpr (kKind == HalfKind::kBFloat16) {
+    return BFloat16BitsToFloat(x);
+  } else {
+    return HalfBitsToFloat(x);
+  }
+}
+
+template <HalfKind kKind>
+struct CastToHalf {
+  const float* src;
+  uint16_t* dst;
+  __device__ void Vector(int64_t g) const {
+    const float4 in = reinterpret_cast<const float4*>(src)[g];
+    reinterpret_cast<Half4*>(dst)[g] =
+        Half4{ToHalf<kKind>(in.x), ToHalf<kKind>(in.y), ToHalf<kKind>(in.z), ToHalf<kKind>(in.w)};
+  }
+  __device__ void Scalar(int64_t i) const { dst[i] = ToHalf<kKind>(src[i]); }
+};
+
+template <HalfKind kKind>
+struct CastFromHalf {
+  const uint16_t* src;
+  float* dst;
+  __device__ void Vector(int64_t g) const {
+    const Half4 in = reinterpret_cast<const Half4*>(src)[g];
+    reinterpret_cast<float4*>(dst)[g] = make_float4(FromHalf<kKind>(in.x), FromHalf<kKind>(in.y),
+                                                    FromHalf<kKind>(in.z), FromHalf<kKind>(in.w));
+  }
+  __device__ void Scalar(int64_t i) const { dst[i] = FromHalf<kKind>(src[i]); }
+};
+
+struct AccumulateF32 {
+  const float* src;
+  float* dst;
+  __device__ void Vector(int64_t g) const {
+    const float4 in = reinterpret_cast<const float4*>(src)[g];
+    float4 acc = reinterpret_cast<float4*>(dst)[g];
+    acc.x += in.x;
+    acc.y += in.y;
+    acc.z += in.z;
+    acc.w += in.w;
+    reinterpret_cast<float4*>(dst)[g] = acc;
+  }
+  __device__ void Scalar(int64_t i) const { dst[i] += src[i]; }
+};
+
+template <HalfKind kKind>
+struct AccumulateHalf {
+  const uint16_t* src;
+  float* dst;
+  __device__ void Vector(int64_t g) const {
+    const Half4 in = reinterpret_cast<const Half4*>(src)[g];
+    float4 acc = reinterpret_cast<float4*>(dst)[g];
+    acc.x += FromHalf<kKind>(in.x);
+    acc.y += FromHalf<kKind>(in.y);
+    acc.z += FromHalf<kKind>(in.z);
+    acc.w += FromHalf<kKind>(in.w);
+    reinterpret_cast<float4*>(dst)[g] = acc;
+  }
+  __device__ void Scalar(int64_t i) const { dst[i] += FromHalf<kKind>(src[i]); }
+};
+
+struct ScaleBody {
+  float* x;
+  float alpha;
+  __device__ void Vector(int64_t g) const {
+    float4 v = reinterpret_cast<float4*>(x)[g];
+    v.x *= alpha;
+    v.y *= alpha;
+    v.z *= alpha;
+    v.w *= alpha;
+    reinterpret_cast<float4*>(x)[g] = v;
+  }
+  __device__ void Scalar(int64_t i) const { x[i] *= alpha; }
+};
+
+bool HalfPairAligned(const float* f, const uint16_t* h) { return Aligned(f, 16) && Aligned(h, 8); }
+
+}  // namespace
+
+cudaError_t LaunchCastToHalf(HalfKind kind, const float* src, uint16_t* dst, int64_t n,
+                             cudaStream_t stream) {
+  const bool vec = HalfPairAligned(src, dst);
+  return kind == HalfKind::kBFloat16
+             ? Launch(CastToHalf<HalfKind::kBFloat16>{src, dst}, n, vec, stream)
+             : Launch(CastToHalf<HalfKind::kFloat16>{src, dst}, n, vec, stream);
+}
+
+cudaError_t LaunchCastFromHalf(HalfKind kind, const uint16_t* src, float* dst, int64_t n,
+                               cudaStream_t stream) {
+  const bool vec = HalfPairAligned(dst, src);
+  return kind == HalfKind::kBFloat16
+             ? Launch(CastFromHalf<HalfKind::kBFloat16>{src, dst}, n, vec, stream)
+             : Launch(CastFromHalf<HalfKind::kFloat16>{src, dst}, n, vec, stream);
+}
+
+cudaError_t LaunchAccumulateFloat32(const float* src, float* dst, int64_t n, cudaStream_t stream) {
+  return Launch(AccumulateF32{src, dst}, n, Aligned(src, 16) && Aligned(dst, 16), stream);
+}
+
+cudaError_t LaunchAccumulateHalf(HalfKind kind, const uint16_t* src, float* dst, int64_t n,
+                                 cudaStream_t stream) {
+  const bool vec = HalfPairAligned(dst, src);
+  return kind == HalfKind::kBFloat16
+             ? Launch(AccumulateHalf<HalfKind::kBFloat16>{src, dst}, n, vec, stream)
+             : Launch(AccumulateHalf<HalfKind::kFloat16>{src, dst}, n, vec, stream);
+}
+
+cudaError_t LaunchScale(float* x, int64_t n, float alpha, cudaStream_t stream) {
+  return Launch(ScaleBody{x, alpha}, n, Aligned(x, 16), stream);
+}
+
+}  // namespace flatshard::kernels::cuda::internal
