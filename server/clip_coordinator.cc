@@ -29,7 +29,7 @@ absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t ste
       if (group->version() != step) continue;
       if (!group->reduced_at(step)) return absl::OkStatus();  // others still pending
       any = true;
-      const double share = group->NormPartial(settings.norm_type);
+      FLATSHARD_ASSIGN_OR_RETURN(const double share, group->NormPartial(settings.norm_type));
       partial = std::isinf(settings.norm_type) ? std::max(partial, share) : partial + share;
       if (std::isnan(share)) partial = share;
     }

@@ -145,7 +145,7 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
       (*group)->Gather(request.version, request.dtype, DeadlineFromTimeout(request.timeout_ms));
   if (!snapshot.ok()) return Refuse(conn, request, snapshot.status());
   const absl::Status sent = transport::SendResponse(conn, absl::OkStatus(), snapshot->version,
-                                                    absl::MakeConstSpan(*snapshot->bytes));
+                                                    absl::MakeConstSpan(snapshot->bytes->bytes()));
   if (!sent.ok()) return false;
   ++stats_.gathers;
   stats_.bytes_sent += static_cast<int64_t>(snapshot->bytes->size());

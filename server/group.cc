@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
+#include "server/snapshot_pool.h"
 
 namespace flatshard::server {
 namespace {
@@ -35,19 +36,42 @@ int DTypeIndex(DType dtype) { return static_cast<int>(dtype); }
 
 }  // namespace
 
+absl::StatusOr<std::shared_ptr<Group>> Group::Create(std::string job, std::string name,
+                                                     FlatLayout layout, int rank,
+                                                     JobSettings job_settings,
+                                                     OptimizerConfig optimizer, MemoryTier tier) {
+  FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<ShardCompute> compute, MakeShardCompute(tier));
+  const std::string what = absl::StrCat("group '", name, "'");
+  const size_t bytes = static_cast<size_t>(layout.shard_numel()) * sizeof(float);
+  FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer params,
+                             compute->AllocateShard(bytes, absl::StrCat(what, " parameters")));
+  FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer grad,
+                             compute->AllocateShard(bytes, absl::StrCat(what, " gradient")));
+  FLATSHARD_ASSIGN_OR_RETURN(
+      ShardOptimizer shard_optimizer,
+      ShardOptimizer::Create(std::move(optimizer), layout.shard_numel(), *compute,
+                             absl::StrCat(what, " optimizer state")));
+  return std::shared_ptr<Group>(new Group(std::move(job), std::move(name), std::move(layout), rank,
+                                          job_settings, std::move(compute), std::move(params),
+                                          std::move(grad), std::move(shard_optimizer)));
+}
+
 Group::Group(std::string job, std::string name, FlatLayout layout, int rank,
-             JobSettings job_settings, OptimizerConfig optimizer)
+             JobSettings job_settings, std::unique_ptr<ShardCompute> compute, ShardBuffer params,
+             ShardBuffer grad, ShardOptimizer optimizer)
     : job_(std::move(job)),
       name_(std::move(name)),
       layout_(std::move(layout)),
       rank_(rank),
       job_settings_(job_settings),
-      params_(layout_.shard_numel(), 0.0f),
-      grad_(layout_.shard_numel(), 0.0f),
-      optimizer_(std::move(optimizer), layout_.shard_numel()),
+      compute_(std::move(compute)),
+      params_(std::move(params)),
+      grad_(std::move(grad)),
+      optimizer_(std::move(optimizer)),
       slot_states_(job_settings.num_workers, SlotState::kEmpty),
       slot_dtypes_(job_settings.num_workers, DType::kFloat32),
       staging_(job_settings.num_workers),
+      snapshot_pool_(std::make_shared<SnapshotPool>()),
       last_async_step_(job_settings.num_workers, -1) {}
 
 std::string Group::optimizer_name() const {
@@ -93,10 +117,14 @@ absl::StatusOr<GatherSnapshot> Group::Gather(int64_t min_version, DType dtype,
   absl::MutexLock lock(&mu_);
   auto& snapshot = snapshots_[DTypeIndex(dtype)];
   if (snapshot == nullptr) {
-    auto bytes = std::make_shared<std::vector<std::byte>>(params_.size() * DTypeSize(dtype));
-    FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(DType::kFloat32, params_.data(), dtype,
-                                                 bytes->data(), static_cast<int64_t>(params_.size())));
-    snapshot = std::move(bytes);
+    const int64_t numel = shard_numel();
+    FLATSHARD_ASSIGN_OR_RETURN(
+        ShardBuffer bytes,
+        snapshot_pool_->Take(numel * DTypeSize(dtype), *compute_,
+                             absl::StrCat("group '", name_, "' gather snapshot")));
+    FLATSHARD_RETURN_IF_ERROR(compute_->Cast(DType::kFloat32, params_.data(), dtype, bytes.data(), numel));
+    FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
+    snapshot = snapshot_pool_->Wrap(std::move(bytes));
   }
   return GatherSnapshot{version_, snapshot};
 }
@@ -165,11 +193,19 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
   }
   absl::MutexLock lock(&mu_);
   FLATSHARD_RETURN_IF_ERROR(CheckContribution(step, worker_rank));
+  const size_t bytes = static_cast<size_t>(shard_numel()) * DTypeSize(dtype);
+  FLATSHARD_RETURN_IF_ERROR(EnsureStaging(staging_[worker_rank], bytes,
+                                          absl::StrCat("worker ", worker_rank, "'s staging slot")));
   slot_states_[worker_rank] = SlotState::kReceiving;
   slot_dtypes_[worker_rank] = dtype;
-  std::vector<std::byte>& staging = staging_[worker_rank];
-  staging.resize(params_.size() * DTypeSize(dtype));
-  return ReceiveSlot{step, worker_rank, dtype, absl::MakeSpan(staging)};
+  return ReceiveSlot{step, worker_rank, dtype, staging_[worker_rank].bytes().subspan(0, bytes)};
+}
+
+absl::Status Group::EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what) {
+  if (buffer.size() >= bytes) return absl::OkStatus();
+  FLATSHARD_ASSIGN_OR_RETURN(buffer,
+                             compute_->AllocateStaging(bytes, absl::StrCat("group '", name_, "' ", what)));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
@@ -177,25 +213,32 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
   if (job_settings_.async) return CommitAsync(slot);
   slot_states_[slot.worker_rank] = SlotState::kReady;
   if (++ready_count_ < job_settings_.num_workers) return CommitOutcome::kPending;
-  ReduceContributions();
+  absl::Status reduced = ReduceContributions();
+  if (!reduced.ok()) {
+    // A kernel failed: nothing was applied. Every worker sends this step again.
+    ready_count_ = 0;
+    std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
+    return reduced;
+  }
   if (job_settings_.clipping()) {
     reduced_ = true;
     return CommitOutcome::kReduced;
   }
-  StepOptimizer();
+  FLATSHARD_RETURN_IF_ERROR(StepOptimizer());
   return CommitOutcome::kApplied;
 }
 
-CommitOutcome Group::CommitAsync(const ReceiveSlot& slot) {
-  // Cannot fail: the dtype was checked in BeginScatter.
-  (void)kernels::cpu::Cast(slot.dtype, staging_[slot.worker_rank].data(), DType::kFloat32,
-                           grad_.data(), static_cast<int64_t>(grad_.size()));
+absl::StatusOr<CommitOutcome> Group::CommitAsync(const ReceiveSlot& slot) {
+  slot_states_[slot.worker_rank] = SlotState::kEmpty;
+  const int64_t numel = shard_numel();
+  FLATSHARD_RETURN_IF_ERROR(compute_->Cast(slot.dtype, staging_[slot.worker_rank].data(),
+                                           DType::kFloat32, grad_.data(), numel));
   if (job_settings_.reduce_mean && job_settings_.num_workers > 1) {
-    kernels::cpu::Scale(absl::MakeSpan(grad_), 1.0f / static_cast<float>(job_settings_.num_workers));
+    FLATSHARD_RETURN_IF_ERROR(compute_->Scale(
+        grad_.floats(), numel, 1.0f / static_cast<float>(job_settings_.num_workers)));
   }
   last_async_step_[slot.worker_rank] = slot.step;
-  slot_states_[slot.worker_rank] = SlotState::kEmpty;
-  StepOptimizer();
+  FLATSHARD_RETURN_IF_ERROR(StepOptimizer());
   return CommitOutcome::kApplied;
 }
 
@@ -204,10 +247,9 @@ bool Group::reduced_at(int64_t step) const {
   return reduced_ && version_ == step;
 }
 
-double Group::NormPartial(double norm_type) const {
+absl::StatusOr<double> Group::NormPartial(double norm_type) const {
   absl::MutexLock lock(&mu_);
-  if (std::isinf(norm_type)) return kernels::cpu::MaxAbs(grad_);
-  return kernels::cpu::SquaredNorm(grad_);
+  return compute_->NormPartial(grad_.floats(), shard_numel(), norm_type);
 }
 
 absl::Status Group::FinishClippedStep(int64_t step, float clip_coef) {
@@ -216,10 +258,11 @@ absl::Status Group::FinishClippedStep(int64_t step, float clip_coef) {
     return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' has no reduced gradient for step ",
                                                       step, " (at version ", version_, ")"));
   }
-  if (!(clip_coef >= 1.0f)) kernels::cpu::Scale(absl::MakeSpan(grad_), clip_coef);
+  if (!(clip_coef >= 1.0f)) {
+    FLATSHARD_RETURN_IF_ERROR(compute_->Scale(grad_.floats(), shard_numel(), clip_coef));
+  }
   reduced_ = false;
-  StepOptimizer();
-  return absl::OkStatus();
+  return StepOptimizer();
 }
 
 void Group::AbortScatter(const ReceiveSlot& slot) {
@@ -227,30 +270,35 @@ void Group::AbortScatter(const ReceiveSlot& slot) {
   slot_states_[slot.worker_rank] = SlotState::kEmpty;
 }
 
-void Group::ReduceContributions() {
-  const absl::Span<float> grad = absl::MakeSpan(grad_);
+absl::Status Group::ReduceContributions() {
+  const int64_t numel = shard_numel();
   // Worker-rank order makes the fp32 sum bitwise reproducible.
   for (int worker = 0; worker < job_settings_.num_workers; ++worker) {
     const void* contribution = staging_[worker].data();
     if (worker == 0) {
-      // Cast cannot fail: the dtype was checked in BeginScatter.
-      (void)kernels::cpu::Cast(slot_dtypes_[0], contribution, DType::kFloat32, grad.data(),
-                               static_cast<int64_t>(grad.size()));
+      FLATSHARD_RETURN_IF_ERROR(
+          compute_->Cast(slot_dtypes_[0], contribution, DType::kFloat32, grad_.data(), numel));
     } else {
-      (void)kernels::cpu::Accumulate(slot_dtypes_[worker], contribution, grad);
+      FLATSHARD_RETURN_IF_ERROR(
+          compute_->Accumulate(slot_dtypes_[worker], contribution, grad_.floats(), numel));
     }
   }
   if (job_settings_.reduce_mean && job_settings_.num_workers > 1) {
-    kernels::cpu::Scale(grad, 1.0f / static_cast<float>(job_settings_.num_workers));
+    FLATSHARD_RETURN_IF_ERROR(compute_->Scale(
+        grad_.floats(), numel, 1.0f / static_cast<float>(job_settings_.num_workers)));
   }
+  // The staging slots are free for the next step only once the kernels have read them.
+  return compute_->Synchronize();
 }
 
-void Group::StepOptimizer() {
-  optimizer_.Step(absl::MakeSpan(params_), grad_);
+absl::Status Group::StepOptimizer() {
+  FLATSHARD_RETURN_IF_ERROR(optimizer_.Step(params_.floats(), grad_.floats()));
+  FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
   ++version_;
   ready_count_ = 0;
   if (!job_settings_.async) std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
   PublishNewValues();
+  return absl::OkStatus();
 }
 
 void Group::PublishNewValues() {
@@ -272,9 +320,10 @@ absl::StatusOr<ReceiveSlot> Group::BeginPushInit(DType dtype) {
     return absl::FailedPreconditionError(
         absl::StrCat("initial values for group '", name_, "' are already being received"));
   }
+  const size_t bytes = static_cast<size_t>(shard_numel()) * DTypeSize(dtype);
+  FLATSHARD_RETURN_IF_ERROR(EnsureStaging(init_staging_, bytes, "initial values"));
   init_receiving_ = true;
-  init_staging_.resize(params_.size() * DTypeSize(dtype));
-  return ReceiveSlot{0, 0, dtype, absl::MakeSpan(init_staging_)};
+  return ReceiveSlot{0, 0, dtype, init_staging_.bytes().subspan(0, bytes)};
 }
 
 absl::Status Group::CommitPushInit(const ReceiveSlot& slot) {
@@ -284,17 +333,24 @@ absl::Status Group::CommitPushInit(const ReceiveSlot& slot) {
     return absl::FailedPreconditionError(
         absl::StrCat("group '", name_, "' stepped while initial values were received"));
   }
-  // Widen into the scratch gradient buffer, then copy only tensor elements: padding
-  // stays zero whatever the sender put there.
+  // Widen on the host, then keep only tensor elements: padding stays zero whatever the
+  // sender put there.
+  std::vector<float> values(shard_numel());
   FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(slot.dtype, init_staging_.data(), DType::kFloat32,
-                                               grad_.data(), static_cast<int64_t>(grad_.size())));
-  std::fill(params_.begin(), params_.end(), 0.0f);
+                                               values.data(), shard_numel()));
+  return WriteTensorElements(values);
+}
+
+absl::Status Group::WriteTensorElements(const std::vector<float>& host_shard) {
+  std::vector<float> values(host_shard.size(), 0.0f);
   const int64_t start = layout_.shard_start(rank_);
   for (const TensorPiece& piece : layout_.MapRange(start, layout_.shard_end(rank_))) {
-    std::copy_n(grad_.begin() + (piece.flat_offset - start), piece.numel,
-                params_.begin() + (piece.flat_offset - start));
+    std::copy_n(host_shard.begin() + (piece.flat_offset - start), piece.numel,
+                values.begin() + (piece.flat_offset - start));
   }
-  optimizer_.Reset();
+  FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(values.data(), params_.floats(), shard_numel()));
+  FLATSHARD_RETURN_IF_ERROR(optimizer_.Reset());
+  FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
   PublishNewValues();
   return absl::OkStatus();
 }
@@ -310,7 +366,7 @@ absl::Status Group::InitFromSeed(uint64_t seed) {
     return absl::FailedPreconditionError(absl::StrCat(
         "group '", name_, "' is at version ", version_, "; it can only be initialized before the first step"));
   }
-  std::fill(params_.begin(), params_.end(), 0.0f);
+  std::vector<float> values(shard_numel(), 0.0f);
   const int64_t start = layout_.shard_start(rank_);
   for (const TensorPiece& piece : layout_.MapRange(start, layout_.shard_end(rank_))) {
     const TensorSpec& spec = layout_.tensor(piece.tensor_index);
@@ -319,12 +375,10 @@ absl::Status Group::InitFromSeed(uint64_t seed) {
     for (int64_t k = 0; k < piece.numel; ++k) {
       const uint64_t bits = SplitMix64(stream + static_cast<uint64_t>(piece.intra_start + k));
       const float unit = static_cast<float>(bits >> 40) * 0x1.0p-24f;  // [0, 1)
-      params_[piece.flat_offset - start + k] = (2.0f * unit - 1.0f) * bound;
+      values[piece.flat_offset - start + k] = (2.0f * unit - 1.0f) * bound;
     }
   }
-  optimizer_.Reset();
-  PublishNewValues();
-  return absl::OkStatus();
+  return WriteTensorElements(values);
 }
 
 absl::Status Group::SetOptimizer(const OptimizerConfig& optimizer) {
@@ -342,23 +396,25 @@ absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadli
     return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' is at version ", version_,
                                                       ", past the requested version ", version));
   }
-  ShardSnapshot snapshot{version_, params_, optimizer_.steps(), optimizer_.momentum_initialized(), {}};
+  ShardSnapshot snapshot{version_, std::vector<float>(shard_numel()), optimizer_.steps(),
+                         optimizer_.momentum_initialized(), {}};
+  FLATSHARD_RETURN_IF_ERROR(compute_->CopyToHost(params_.floats(), snapshot.params.data(), shard_numel()));
   for (const std::string& name : optimizer_.state_names()) {
-    const absl::Span<const float> values = optimizer_.state(name);
-    snapshot.state.emplace_back(name, std::vector<float>(values.begin(), values.end()));
+    FLATSHARD_ASSIGN_OR_RETURN(std::vector<float> values, optimizer_.ReadState(name));
+    snapshot.state.emplace_back(name, std::move(values));
   }
   return snapshot;
 }
 
 absl::Status Group::Restore(ShardSnapshot snapshot) {
   absl::MutexLock lock(&mu_);
-  if (snapshot.params.size() != params_.size()) {
+  if (static_cast<int64_t>(snapshot.params.size()) != shard_numel()) {
     return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': snapshot of ", snapshot.params.size(),
-                                                   " elements for a shard of ", params_.size()));
+                                                   " elements for a shard of ", shard_numel()));
   }
   FLATSHARD_RETURN_IF_ERROR(
-      optimizer_.Restore(snapshot.optimizer_steps, snapshot.momentum_initialized, std::move(snapshot.state)));
-  params_ = std::move(snapshot.params);
+      optimizer_.Restore(snapshot.optimizer_steps, snapshot.momentum_initialized, snapshot.state));
+  FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(snapshot.params.data(), params_.floats(), shard_numel()));
   version_ = snapshot.version;
   ready_count_ = 0;
   reduced_ = false;
@@ -375,9 +431,8 @@ std::vector<std::string> Group::optimizer_state_names() const {
 
 GroupStats Group::stats() const {
   absl::MutexLock lock(&mu_);
-  int64_t bytes = static_cast<int64_t>((params_.size() + grad_.size()) * sizeof(float)) +
-                  optimizer_.state_bytes();
-  for (const auto& staging : staging_) bytes += static_cast<int64_t>(staging.capacity());
+  int64_t bytes = static_cast<int64_t>(params_.size() + grad_.size()) + optimizer_.state_bytes();
+  for (const auto& staging : staging_) bytes += static_cast<int64_t>(staging.size());
   return GroupStats{version_, bytes, ready_count_};
 }
 

@@ -18,6 +18,10 @@
 //    it, then CommitScatter (or AbortScatter if the transfer failed: the worker may
 //    send again, nothing partial is ever applied).
 //
+// Memory: parameters, the reduced gradient and optimizer state live in the group's
+// memory tier (server/shard_compute.h: host, pinned or device); staging slots and gather
+// snapshots are host-addressable memory the tier's kernels reach directly.
+//
 // Thread-safe: every public method may be called from any thread.
 //
 //   auto slot = group.BeginScatter(step, worker, DType::kBFloat16);
@@ -37,6 +41,9 @@
 #include "core/layout.h"
 #include "server/job.h"
 #include "server/optimizer.h"
+#include "server/shard_buffer.h"
+#include "server/shard_compute.h"
+#include "server/snapshot_pool.h"
 
 namespace flatshard::server {
 
@@ -44,7 +51,7 @@ namespace flatshard::server {
 // that version.
 struct GatherSnapshot {
   int64_t version = 0;
-  std::shared_ptr<const std::vector<std::byte>> bytes;
+  std::shared_ptr<const ShardBuffer> bytes;  // host-addressable
 };
 
 // A reserved staging slot for one worker's contribution (scatter) or for pushed initial
@@ -80,9 +87,14 @@ struct GroupStats {
 
 class Group {
  public:
-  // `layout` is the group's layout over the cluster; this server holds shard `rank`.
-  Group(std::string job, std::string name, FlatLayout layout, int rank, JobSettings job_settings,
-        OptimizerConfig optimizer);
+  // `layout` is the group's layout over the cluster; this server holds shard `rank` in
+  // `tier`. ResourceExhausted naming the group and the bytes when the tier cannot hold
+  // it; FailedPrecondition for a tier this build or machine lacks.
+  [[nodiscard]] static absl::StatusOr<std::shared_ptr<Group>> Create(
+      std::string job, std::string name, FlatLayout layout, int rank, JobSettings job_settings,
+      OptimizerConfig optimizer, MemoryTier tier = MemoryTier::kHost);
+
+  MemoryTier memory_tier() const { return compute_->tier(); }
 
   const std::string& job() const { return job_; }
   const std::string& name() const { return name_; }
@@ -115,7 +127,7 @@ class Group {
   // norm. NormPartial: this shard's sum of squares (norm_type 2) or max |g| (inf) of the
   // reduced gradient; precondition: reduced_at(version()).
   bool reduced_at(int64_t step) const;
-  double NormPartial(double norm_type) const;
+  [[nodiscard]] absl::StatusOr<double> NormPartial(double norm_type) const;
   // Scales the reduced gradient by clip_coef when it is below 1 (or NaN, as torch
   // does), runs the optimizer and publishes step + 1. FailedPrecondition unless
   // reduced_at(step).
@@ -150,12 +162,21 @@ class Group {
  private:
   enum class SlotState { kEmpty, kReceiving, kReady };
 
+  Group(std::string job, std::string name, FlatLayout layout, int rank, JobSettings job_settings,
+        std::unique_ptr<ShardCompute> compute, ShardBuffer params, ShardBuffer grad,
+        ShardOptimizer optimizer);
+
   absl::Status CheckContribution(int64_t step, int worker_rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void StepOptimizer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  CommitOutcome CommitAsync(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StepOptimizer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<CommitOutcome> CommitAsync(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishNewValues() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A host-addressable buffer of at least `bytes`, reallocated when smaller.
+  absl::Status EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Zeroes params_ and writes tensor elements only: padding stays zero.
+  absl::Status WriteTensorElements(const std::vector<float>& host_shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string job_;
   const std::string name_;
@@ -164,23 +185,26 @@ class Group {
   const JobSettings job_settings_;
 
   mutable absl::Mutex mu_;
+  // Kernels and memory of the tier; calls are serialized by mu_.
+  const std::unique_ptr<ShardCompute> compute_;
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<float> params_ ABSL_GUARDED_BY(mu_);  // fp32 master shard
-  std::vector<float> grad_ ABSL_GUARDED_BY(mu_);    // reduced gradient of the step
+  ShardBuffer params_ ABSL_GUARDED_BY(mu_);  // fp32 master shard
+  ShardBuffer grad_ ABSL_GUARDED_BY(mu_);    // reduced gradient of the step
   ShardOptimizer optimizer_ ABSL_GUARDED_BY(mu_);
   std::vector<SlotState> slot_states_ ABSL_GUARDED_BY(mu_);
   std::vector<DType> slot_dtypes_ ABSL_GUARDED_BY(mu_);
   // One staging buffer per worker; a slot in kReceiving is written without the lock by
   // the one connection that reserved it.
-  std::vector<std::vector<std::byte>> staging_;
+  std::vector<ShardBuffer> staging_;
+  std::shared_ptr<SnapshotPool> snapshot_pool_;
   int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_
   std::vector<int64_t> last_async_step_ ABSL_GUARDED_BY(mu_);  // per worker, -1: none
   bool init_receiving_ ABSL_GUARDED_BY(mu_) = false;
   // Written without the lock by the one connection that set init_receiving_.
-  std::vector<std::byte> init_staging_;
+  ShardBuffer init_staging_;
   // Gather snapshots of the current version, per dtype (index = DType).
-  std::shared_ptr<const std::vector<std::byte>> snapshots_[3] ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const ShardBuffer> snapshots_[3] ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace flatshard::server

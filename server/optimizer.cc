@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/status_macros.h"
 
 namespace flatshard::server {
 
@@ -77,33 +78,44 @@ absl::Status ValidateOptimizer(const OptimizerConfig& config) {
   return absl::OkStatus();
 }
 
-ShardOptimizer::ShardOptimizer(OptimizerConfig config, int64_t shard_numel)
-    : config_(std::move(config)) {
-  const size_t n = static_cast<size_t>(shard_numel);
-  if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
-    exp_avg_.assign(n, 0.0f);
-    exp_avg_sq_.assign(n, 0.0f);
-    if (adam->amsgrad) max_exp_avg_sq_.assign(n, 0.0f);
-  } else if (std::get<SgdHyperparams>(config_).momentum != 0.0f) {
-    exp_avg_.assign(n, 0.0f);
-  }
+absl::StatusOr<ShardOptimizer> ShardOptimizer::Create(OptimizerConfig config, int64_t shard_numel,
+                                                     ShardCompute& compute, absl::string_view what) {
+  ShardOptimizer optimizer(std::move(config), shard_numel, compute, std::string(what));
+  FLATSHARD_RETURN_IF_ERROR(optimizer.AllocateState());
+  return optimizer;
 }
 
-void ShardOptimizer::Step(absl::Span<float> params, absl::Span<const float> grad) {
+absl::Status ShardOptimizer::AllocateState() {
+  const size_t bytes = static_cast<size_t>(numel_) * sizeof(float);
+  auto ensure = [&](ShardBuffer& buffer, absl::string_view name) -> absl::Status {
+    if (buffer.size() == bytes) return absl::OkStatus();
+    FLATSHARD_ASSIGN_OR_RETURN(buffer, compute_->AllocateShard(bytes, absl::StrCat(what_, " ", name)));
+    return absl::OkStatus();
+  };
+  if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
+    FLATSHARD_RETURN_IF_ERROR(ensure(exp_avg_, "exp_avg"));
+    FLATSHARD_RETURN_IF_ERROR(ensure(exp_avg_sq_, "exp_avg_sq"));
+    if (adam->amsgrad) FLATSHARD_RETURN_IF_ERROR(ensure(max_exp_avg_sq_, "max_exp_avg_sq"));
+  } else if (std::get<SgdHyperparams>(config_).momentum != 0.0f) {
+    FLATSHARD_RETURN_IF_ERROR(ensure(exp_avg_, "momentum_buffer"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardOptimizer::Step(float* params, const float* grad) {
   ++steps_;
   if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
-    kernels::cpu::AdamStep(*adam, steps_, params, grad, absl::MakeSpan(exp_avg_),
-                           absl::MakeSpan(exp_avg_sq_), absl::MakeSpan(max_exp_avg_sq_));
-    return;
+    return compute_->AdamStep(*adam, steps_, params, grad, exp_avg_.floats(), exp_avg_sq_.floats(),
+                              adam->amsgrad ? max_exp_avg_sq_.floats() : nullptr, numel_);
   }
   const auto& sgd = std::get<SgdHyperparams>(config_);
-  if (sgd.momentum != 0.0f && exp_avg_.size() != params.size()) {
-    exp_avg_.assign(params.size(), 0.0f);  // momentum turned on by SetConfig
-  }
   // torch initializes the momentum buffer on the first step that uses momentum.
   const bool first_momentum_step = !momentum_initialized_;
-  kernels::cpu::SgdStep(sgd, first_momentum_step, params, grad, absl::MakeSpan(exp_avg_));
+  FLATSHARD_RETURN_IF_ERROR(compute_->SgdStep(sgd, first_momentum_step, params, grad,
+                                              sgd.momentum != 0.0f ? exp_avg_.floats() : nullptr,
+                                              numel_));
   if (sgd.momentum != 0.0f) momentum_initialized_ = true;
+  return absl::OkStatus();
 }
 
 absl::Status ShardOptimizer::SetConfig(const OptimizerConfig& config) {
@@ -111,21 +123,20 @@ absl::Status ShardOptimizer::SetConfig(const OptimizerConfig& config) {
     return absl::FailedPreconditionError(absl::StrCat(
         "optimizer is ", OptimizerName(config_), "; cannot switch to ", OptimizerName(config)));
   }
-  if (const auto* adam = std::get_if<AdamHyperparams>(&config)) {
-    if (adam->amsgrad && max_exp_avg_sq_.size() != exp_avg_.size()) {
-      max_exp_avg_sq_.assign(exp_avg_.size(), 0.0f);
-    }
-  }
+  const OptimizerConfig previous = config_;
   config_ = config;
-  return absl::OkStatus();
+  absl::Status allocated = AllocateState();
+  if (!allocated.ok()) config_ = previous;
+  return allocated;
 }
 
-void ShardOptimizer::Reset() {
+absl::Status ShardOptimizer::Reset() {
   steps_ = 0;
   momentum_initialized_ = false;
-  std::fill(exp_avg_.begin(), exp_avg_.end(), 0.0f);
-  std::fill(exp_avg_sq_.begin(), exp_avg_sq_.end(), 0.0f);
-  std::fill(max_exp_avg_sq_.begin(), max_exp_avg_sq_.end(), 0.0f);
+  for (ShardBuffer* buffer : {&exp_avg_, &exp_avg_sq_, &max_exp_avg_sq_}) {
+    FLATSHARD_RETURN_IF_ERROR(compute_->Zero(buffer->floats(), buffer->numel()));
+  }
+  return absl::OkStatus();
 }
 
 std::vector<std::string> ShardOptimizer::state_names() const {
@@ -133,31 +144,45 @@ std::vector<std::string> ShardOptimizer::state_names() const {
     if (adam->amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
     return {"exp_avg", "exp_avg_sq"};
   }
-  if (!exp_avg_.empty()) return {"momentum_buffer"};
+  if (exp_avg_.size() > 0) return {"momentum_buffer"};
   return {};
 }
 
-absl::Span<const float> ShardOptimizer::state(absl::string_view name) const {
-  if (name == "exp_avg" || name == "momentum_buffer") return exp_avg_;
-  if (name == "exp_avg_sq") return exp_avg_sq_;
-  if (name == "max_exp_avg_sq") return max_exp_avg_sq_;
-  return {};
+const ShardBuffer* ShardOptimizer::StateBuffer(absl::string_view name) const {
+  const std::vector<std::string> names = state_names();
+  if (std::find(names.begin(), names.end(), name) == names.end()) return nullptr;
+  if (name == "exp_avg" || name == "momentum_buffer") return &exp_avg_;
+  if (name == "exp_avg_sq") return &exp_avg_sq_;
+  return &max_exp_avg_sq_;
+}
+
+ShardBuffer* ShardOptimizer::StateBuffer(absl::string_view name) {
+  return const_cast<ShardBuffer*>(std::as_const(*this).StateBuffer(name));
+}
+
+absl::StatusOr<std::vector<float>> ShardOptimizer::ReadState(absl::string_view name) const {
+  const ShardBuffer* buffer = StateBuffer(name);
+  if (buffer == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("no optimizer state '", name, "' in ", what_));
+  }
+  std::vector<float> values(buffer->numel());
+  FLATSHARD_RETURN_IF_ERROR(compute_->CopyToHost(buffer->floats(), values.data(), buffer->numel()));
+  return values;
 }
 
 absl::Status ShardOptimizer::Restore(
     int64_t steps, bool momentum_initialized,
-    std::vector<std::pair<std::string, std::vector<float>>> state) {
-  const std::vector<std::string> names = state_names();
-  for (const std::string& name : names) {
+    const std::vector<std::pair<std::string, std::vector<float>>>& state) {
+  for (const std::string& name : state_names()) {
     const auto it = std::find_if(state.begin(), state.end(), [&](const auto& entry) { return entry.first == name; });
-    if (it == state.end() || it->second.size() != this->state(name).size()) {
+    if (it == state.end() || static_cast<int64_t>(it->second.size()) != StateBuffer(name)->numel()) {
       return absl::InvalidArgumentError(absl::StrCat("optimizer state '", name, "' is missing or has the wrong size"));
     }
   }
-  for (auto& [name, values] : state) {
-    if (name == "exp_avg" || name == "momentum_buffer") exp_avg_ = std::move(values);
-    if (name == "exp_avg_sq") exp_avg_sq_ = std::move(values);
-    if (name == "max_exp_avg_sq") max_exp_avg_sq_ = std::move(values);
+  for (const auto& [name, values] : state) {
+    ShardBuffer* buffer = StateBuffer(name);
+    if (buffer == nullptr) continue;
+    FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(values.data(), buffer->floats(), buffer->numel()));
   }
   steps_ = steps;
   momentum_initialized_ = momentum_initialized;
@@ -165,8 +190,7 @@ absl::Status ShardOptimizer::Restore(
 }
 
 int64_t ShardOptimizer::state_bytes() const {
-  return static_cast<int64_t>((exp_avg_.size() + exp_avg_sq_.size() + max_exp_avg_sq_.size()) *
-                              sizeof(float));
+  return static_cast<int64_t>(exp_avg_.size() + exp_avg_sq_.size() + max_exp_avg_sq_.size());
 }
 
 }  // namespace flatshard::server

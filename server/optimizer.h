@@ -1,9 +1,11 @@
 // The optimizer of a group and its state on one server's shard: SGD (momentum buffer),
-// Adam / AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad). Steps run the fused
-// CPU kernels. Not thread-safe: its Group serializes access.
+// Adam / AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad). The state lives in
+// the group's memory tier and steps run that tier's fused kernels (ShardCompute).
+// Not thread-safe: its Group serializes access. The ShardCompute must outlive it.
 //
-//   ShardOptimizer opt(AdamHyperparams{.lr = 1e-3f}, shard_numel);
-//   opt.Step(absl::MakeSpan(params), grad);
+//   FLATSHARD_ASSIGN_OR_RETURN(ShardOptimizer opt,
+//       ShardOptimizer::Create(AdamHyperparams{.lr = 1e-3f}, shard_numel, compute, "group 'mlp'"));
+//   FLATSHARD_RETURN_IF_ERROR(opt.Step(params, grad));
 #ifndef FLATSHARD_SERVER_OPTIMIZER_H_
 #define FLATSHARD_SERVER_OPTIMIZER_H_
 
@@ -16,7 +18,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/cpu/optimizer.h"
+#include "absl/status/statusor.h"
+#include "kernels/hyperparams.h"
+#include "server/shard_buffer.h"
+#include "server/shard_compute.h"
 
 namespace flatshard::server {
 
@@ -33,14 +38,20 @@ std::string OptimizerHyperparamsJson(const OptimizerConfig& config);
 
 class ShardOptimizer {
  public:
-  ShardOptimizer(OptimizerConfig config, int64_t shard_numel);
+  // Allocates the state (zeroed) in `compute`'s tier; ResourceExhausted naming `what`.
+  [[nodiscard]] static absl::StatusOr<ShardOptimizer> Create(OptimizerConfig config,
+                                                             int64_t shard_numel,
+                                                             ShardCompute& compute,
+                                                             absl::string_view what);
 
-  // Applies one step to `params` with the reduced gradient `grad` (both shard_numel).
-  void Step(absl::Span<float> params, absl::Span<const float> grad);
-  // Replaces the hyper-parameters; FailedPrecondition if the kind (SGD vs Adam) differs.
+  // Applies one step to `params` with the reduced gradient `grad` (both shard_numel,
+  // shard memory). Enqueued on the tier; the caller synchronizes.
+  [[nodiscard]] absl::Status Step(float* params, const float* grad);
+  // Replaces the hyper-parameters, allocating state that momentum or amsgrad now needs;
+  // FailedPrecondition if the kind (SGD vs Adam) differs.
   [[nodiscard]] absl::Status SetConfig(const OptimizerConfig& config);
   // Forgets all state (after re-initialization of the parameters).
-  void Reset();
+  [[nodiscard]] absl::Status Reset();
 
   const OptimizerConfig& config() const { return config_; }
   int64_t steps() const { return steps_; }
@@ -50,20 +61,31 @@ class ShardOptimizer {
   // {"momentum_buffer"}; Adam/AdamW {"exp_avg", "exp_avg_sq"} (+ "max_exp_avg_sq" with
   // amsgrad); plain SGD none. Each buffer has shard_numel elements.
   std::vector<std::string> state_names() const;
-  absl::Span<const float> state(absl::string_view name) const;
+  // Copies state `name` to the host. InvalidArgument for a name it does not keep.
+  [[nodiscard]] absl::StatusOr<std::vector<float>> ReadState(absl::string_view name) const;
   // Restores steps and state (checkpoint load). InvalidArgument naming the buffer if one
   // is missing or has the wrong size; nothing changes then.
   [[nodiscard]] absl::Status Restore(int64_t steps, bool momentum_initialized,
-                                     std::vector<std::pair<std::string, std::vector<float>>> state);
+                                     const std::vector<std::pair<std::string, std::vector<float>>>& state);
   bool momentum_initialized() const { return momentum_initialized_; }
 
  private:
+  ShardOptimizer(OptimizerConfig config, int64_t shard_numel, ShardCompute& compute, std::string what)
+      : config_(std::move(config)), numel_(shard_numel), compute_(&compute), what_(std::move(what)) {}
+  // Allocates the buffers config_ needs and does not have yet.
+  absl::Status AllocateState();
+  ShardBuffer* StateBuffer(absl::string_view name);
+  const ShardBuffer* StateBuffer(absl::string_view name) const;
+
   OptimizerConfig config_;
+  int64_t numel_;
+  ShardCompute* compute_;
+  std::string what_;
   int64_t steps_ = 0;
   bool momentum_initialized_ = false;  // SGD: the buffer holds a value
-  std::vector<float> exp_avg_;         // Adam m / SGD momentum buffer
-  std::vector<float> exp_avg_sq_;      // Adam v
-  std::vector<float> max_exp_avg_sq_;  // amsgrad only
+  ShardBuffer exp_avg_;                // Adam m / SGD momentum buffer
+  ShardBuffer exp_avg_sq_;             // Adam v
+  ShardBuffer max_exp_avg_sq_;         // amsgrad only
 };
 
 }  // namespace flatshard::server

@@ -60,7 +60,13 @@ absl::StatusOr<Registry::Registration> Registry::RegisterGroup(const std::string
     }
     return Registration{slot, false};
   }
-  slot = std::make_shared<Group>(job, name, std::move(layout), rank_, job_it->second, optimizer);
+  absl::StatusOr<std::shared_ptr<Group>> group =
+      Group::Create(job, name, std::move(layout), rank_, job_it->second, optimizer, tier_);
+  if (!group.ok()) {
+    groups_.erase({job, name});
+    return group.status();
+  }
+  slot = *std::move(group);
   return Registration{slot, true};
 }
 

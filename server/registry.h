@@ -17,13 +17,16 @@
 #include "absl/synchronization/mutex.h"
 #include "server/group.h"
 #include "server/job.h"
+#include "server/shard_compute.h"
 
 namespace flatshard::server {
 
 class Registry {
  public:
   // This server is shard `rank` of `num_servers`.
-  Registry(int rank, int num_servers) : rank_(rank), num_servers_(num_servers) {}
+  // Groups keep their shards in `tier` (server/shard_compute.h).
+  Registry(int rank, int num_servers, MemoryTier tier = MemoryTier::kHost)
+      : rank_(rank), num_servers_(num_servers), tier_(tier) {}
 
   // Creates job `job` or checks that it exists with the same settings
   // (FailedPrecondition naming the difference otherwise). InvalidArgument for W < 1 or
@@ -56,6 +59,7 @@ class Registry {
  private:
   const int rank_;
   const int num_servers_;
+  const MemoryTier tier_;
   mutable absl::Mutex mu_;
   std::map<std::string, JobSettings> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, std::shared_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);

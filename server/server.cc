@@ -33,15 +33,7 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                                    options.rank, "] is ",
                                                    options.cluster[options.rank]));
   }
-  if (options.memory == "pinned" || options.memory == "device") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--memory=", options.memory,
-        " needs the GPU storage tier, which this build does not have yet; use --memory=host"));
-  }
-  if (options.memory != "host") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--memory=", options.memory, ": expected host, pinned or device"));
-  }
+  FLATSHARD_RETURN_IF_ERROR(ParseMemoryTier(options.memory).status());
   if (!options.data_listen.empty()) {
     FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
   }
@@ -54,7 +46,8 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
 
 Server::Server(ServerOptions options)
     : options_(std::move(options)),
-      registry_(options_.rank, static_cast<int>(options_.cluster.size())),
+      registry_(options_.rank, static_cast<int>(options_.cluster.size()),
+                ParseMemoryTier(options_.memory).value_or(MemoryTier::kHost)),
       peers_(options_.cluster, options_.rank, options_.auth_token),
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
             [this](int peer, const std::string& job, int64_t step, double partial) {

@@ -46,8 +46,8 @@ struct ServerOptions {
 };
 
 // InvalidArgument naming the flag for: a rank outside the cluster, a duplicate address,
-// --listen not equal to cluster[rank], a memory tier other than host (this build has no
-// pinned or device storage yet).
+// --listen not equal to cluster[rank], an unknown memory tier; FailedPrecondition for
+// --memory=pinned|device in a build without CUDA or on a machine without a GPU.
 [[nodiscard]] absl::Status ValidateServerOptions(const ServerOptions& options);
 
 class Server {

@@ -47,7 +47,7 @@ DeviceMemory::~DeviceMemory() {
 absl::StatusOr<PinnedMemory> PinnedMemory::Allocate(size_t bytes, absl::string_view what) {
   if (bytes == 0) return PinnedMemory();
   void* data = nullptr;
-  const cudaError_t err = cudaHostAlloc(&data, bytes, cudaHostAllocPortable);
+  const cudaError_t err = cudaHostAlloc(&data, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
   if (err != cudaSuccess) return AllocationError(err, "cudaHostAlloc", bytes, what);
   return PinnedMemory(data, bytes);
 }

@@ -1,5 +1,6 @@
 // Owning handles for CUDA memory: DeviceMemory (cudaMalloc on the current device) and
-// PinnedMemory (cudaHostAlloc, page-locked host memory the GPU reads directly and DMA
+// PinnedMemory (cudaHostAlloc, portable and mapped: page-locked host memory that kernels
+// read and write through the same pointer (unified addressing) and DMA
 // engines copy at full speed). Move-only; the memory is freed on destruction. An
 // allocation the device cannot satisfy is ResourceExhausted naming `what` and the bytes
 // asked, never a crash. The handles are not synchronized: one owner at a time.
@@ -11,6 +12,7 @@
 
 #include <cstddef>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -31,6 +33,11 @@ class DeviceMemory {
     return static_cast<T*>(data_);
   }
   size_t size() const { return size_; }
+  // Gives up ownership: the caller frees the memory (cudaFree).
+  [[nodiscard]] void* release() {
+    size_ = 0;
+    return std::exchange(data_, nullptr);
+  }
 
  private:
   DeviceMemory(void* data, size_t size) : data_(data), size_(size) {}
@@ -52,6 +59,11 @@ class PinnedMemory {
     return static_cast<T*>(data_);
   }
   size_t size() const { return size_; }
+  // Gives up ownership: the caller frees the memory (cudaFreeHost).
+  [[nodiscard]] void* release() {
+    size_ = 0;
+    return std::exchange(data_, nullptr);
+  }
 
  private:
   PinnedMemory(void* data, size_t size) : data_(data), size_(size) {}

@@ -15,6 +15,9 @@
 #include "core/float_bits.h"
 #include "kernels/kernels.h"
 #include "tests/integration/test_cluster.h"
+#if FLATSHARD_HAVE_CUDA
+#include "kernels/cuda/device.h"
+#endif
 
 namespace flatshard {
 namespace {
@@ -184,8 +187,8 @@ void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<
   }
 }
 
-void TrainAndCompare(const JobOptions& job) {
-  testing::TestCluster cluster(3, "s3cret-token", ::testing::TempDir());
+void TrainAndCompare(const JobOptions& job, const std::string& memory = "host") {
+  testing::TestCluster cluster(3, "s3cret-token", ::testing::TempDir(), "", {"--memory=" + memory});
   const std::vector<GroupCase> cases = Cases();
   auto setup = cluster.Connect(0, kWorkers);
   ASSERT_TRUE(setup.ok()) << setup.status();
@@ -238,6 +241,48 @@ TEST(TrainingIntegrationTest, ClippingByGlobalL2NormAcrossGroupsAndServers) {
 
 TEST(TrainingIntegrationTest, ClippingByGlobalInfNorm) {
   TrainAndCompare({.max_grad_norm = 0.2, .norm_type = std::numeric_limits<double>::infinity()});
+}
+
+// The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the
+// servers' results stay bitwise equal to the single-process CPU reference.
+bool HaveGpu() {
+#if FLATSHARD_HAVE_CUDA
+  absl::StatusOr<int> count = kernels::cuda::DeviceCount();
+  return count.ok() && *count > 0;
+#else
+  return false;
+#endif
+}
+
+TEST(TrainingIntegrationTest, DeviceMemoryTierMatchesSingleProcessBitwise) {
+  if (!HaveGpu()) GTEST_SKIP() << "--memory=device needs a CUDA build and a CUDA device";
+  TrainAndCompare({}, "device");
+  TrainAndCompare({.max_grad_norm = 0.3}, "device");
+}
+
+TEST(TrainingIntegrationTest, PinnedMemoryTierMatchesSingleProcessBitwise) {
+  if (!HaveGpu()) GTEST_SKIP() << "--memory=pinned needs a CUDA build and a CUDA device";
+  TrainAndCompare({.max_grad_norm = 0.2, .norm_type = std::numeric_limits<double>::infinity()},
+                  "pinned");
+}
+
+TEST(TrainingIntegrationTest, UnavailableMemoryTierIsRefusedAtStartup) {
+  if (HaveGpu()) GTEST_SKIP() << "this machine has the GPU tiers";
+  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(1);
+  const std::string address = absl::StrCat("127.0.0.1:", ports[0]);
+  for (const char* memory : {"--memory=device", "--memory=pinned"}) {
+    const pid_t pid = testing::SpawnServer({"--listen=" + address, "--cluster=" + address, memory});
+    ASSERT_GT(pid, 0);
+    int status = 0;
+    for (int i = 0; i < 100 && waitpid(pid, &status, WNOHANG) == 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    if (waitpid(pid, &status, WNOHANG) == 0 && kill(pid, 0) == 0) {
+      testing::StopServer(pid);
+      FAIL() << memory << ": the server kept running without a GPU tier";
+    }
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << memory;
+  }
 }
 
 }  // namespace

@@ -15,9 +15,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-Group MakeGroup(int workers, bool mean = true, int rank = 0, int shards = 2) {
+std::shared_ptr<Group> MakeGroup(int workers, bool mean = true, int rank = 0, int shards = 2) {
   auto layout = FlatLayout::Create({{"w", {3}, DType::kFloat32}, {"b", {2}, DType::kFloat32}}, 0, shards);
-  return Group("job", "g", *layout, rank, JobSettings{.num_workers = workers, .reduce_mean = mean},
+  return *Group::Create("job", "g", *layout, rank, JobSettings{.num_workers = workers, .reduce_mean = mean},
                kernels::SgdHyperparams{.lr = 1.0f});
 }
 
@@ -36,7 +36,8 @@ std::vector<float> Params(Group& group) {
 }
 
 TEST(GroupTest, StepAppliesOnceAllWorkersContributed) {
-  Group group = MakeGroup(3, /*mean=*/false);
+  std::shared_ptr<Group> group_owner = MakeGroup(3, /*mean=*/false);
+  Group& group = *group_owner;
   ASSERT_EQ(group.shard_numel(), 3);
   ASSERT_TRUE(Contribute(group, 0, 2, {1, 2, 3}).ok());
   ASSERT_TRUE(Contribute(group, 0, 0, {10, 20, 30}).ok());
@@ -52,7 +53,8 @@ TEST(GroupTest, MeanReductionInRankOrderIsReproducible) {
   const std::vector<std::vector<float>> grads = {{1e8f, 1, 0.1f}, {1, -1e8f, 0.2f}, {-1e8f, 3, 0.3f}};
   std::vector<float> results[2];
   for (int trial = 0; trial < 2; ++trial) {
-    Group group = MakeGroup(3);
+    std::shared_ptr<Group> group_owner = MakeGroup(3);
+  Group& group = *group_owner;
     const int order[2][3] = {{0, 1, 2}, {2, 0, 1}};
     for (int w : order[trial]) ASSERT_TRUE(Contribute(group, 0, w, grads[w]).ok());
     results[trial] = Params(group);
@@ -63,7 +65,8 @@ TEST(GroupTest, MeanReductionInRankOrderIsReproducible) {
 }
 
 TEST(GroupTest, RefusesDuplicateStaleFutureAndInFlight) {
-  Group group = MakeGroup(2);
+  std::shared_ptr<Group> group_owner = MakeGroup(2);
+  Group& group = *group_owner;
   ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
   absl::Status duplicate = Contribute(group, 0, 0, {1, 1, 1});
   EXPECT_EQ(duplicate.code(), absl::StatusCode::kFailedPrecondition);
@@ -87,7 +90,8 @@ TEST(GroupTest, RefusesDuplicateStaleFutureAndInFlight) {
 }
 
 TEST(GroupTest, GatherWaitsForTheVersionOrTheDeadline) {
-  Group group = MakeGroup(1);
+  std::shared_ptr<Group> group_owner = MakeGroup(1);
+  Group& group = *group_owner;
   absl::StatusOr<GatherSnapshot> late = group.Gather(1, DType::kFloat32, absl::Now() + absl::Milliseconds(50));
   EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
   std::thread stepper([&] {
@@ -108,13 +112,15 @@ TEST(GroupTest, SeedInitIsIndependentOfServerCountAndPaddingStaysZero) {
   // Tensor values from 1 shard of 1 vs 3 shards of 3.
   std::vector<float> whole;
   {
-    Group one = MakeGroup(1, true, 0, 1);
+    std::shared_ptr<Group> one_owner = MakeGroup(1, true, 0, 1);
+  Group& one = *one_owner;
     ASSERT_TRUE(one.InitFromSeed(42).ok());
     whole = Params(one);
   }
   std::vector<float> pieces;
   for (int rank = 0; rank < 3; ++rank) {
-    Group part = MakeGroup(1, true, rank, 3);
+    std::shared_ptr<Group> part_owner = MakeGroup(1, true, rank, 3);
+  Group& part = *part_owner;
     ASSERT_TRUE(part.InitFromSeed(42).ok());
     const std::vector<float> shard = Params(part);
     pieces.insert(pieces.end(), shard.begin(), shard.end());
@@ -127,7 +133,8 @@ TEST(GroupTest, SeedInitIsIndependentOfServerCountAndPaddingStaysZero) {
     EXPECT_NE(v, 0.0f);
     EXPECT_LE(std::fabs(v), 1.0f);
   }
-  Group stepped = MakeGroup(1);
+  std::shared_ptr<Group> stepped_owner = MakeGroup(1);
+  Group& stepped = *stepped_owner;
   ASSERT_TRUE(Contribute(stepped, 0, 0, {1, 1, 1}).ok());
   EXPECT_EQ(stepped.InitFromSeed(1).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(stepped.BeginPushInit(DType::kFloat32).status().code(), absl::StatusCode::kFailedPrecondition);
@@ -139,16 +146,17 @@ TEST(GroupTest, SeedInitIsIndependentOfServerCountAndPaddingStaysZero) {
 namespace flatshard::server {
 namespace {
 
-Group MakeAsyncGroup(int workers, int64_t max_staleness) {
+std::shared_ptr<Group> MakeAsyncGroup(int workers, int64_t max_staleness) {
   auto layout = FlatLayout::Create({{"w", {2}, DType::kFloat32}}, 0, 1);
-  return Group("job", "g", *layout, 0,
+  return *Group::Create("job", "g", *layout, 0,
                JobSettings{.num_workers = workers, .reduce_mean = false, .async = true,
                            .max_staleness = max_staleness},
                kernels::SgdHyperparams{.lr = 1.0f});
 }
 
 TEST(GroupAsyncTest, EachContributionStepsOnArrival) {
-  Group group = MakeAsyncGroup(2, /*max_staleness=*/1);
+  std::shared_ptr<Group> group_owner = MakeAsyncGroup(2, /*max_staleness=*/1);
+  Group& group = *group_owner;
   ASSERT_TRUE(Contribute(group, 0, 1, {1, 2}).ok());
   EXPECT_EQ(group.version(), 1);
   ASSERT_TRUE(Contribute(group, 0, 0, {10, 20}).ok());  // one version old: within the bound
@@ -164,7 +172,8 @@ TEST(GroupAsyncTest, EachContributionStepsOnArrival) {
 }
 
 TEST(GroupAsyncTest, UnboundedStalenessAcceptsOldGradients) {
-  Group group = MakeAsyncGroup(2, /*max_staleness=*/-1);
+  std::shared_ptr<Group> group_owner = MakeAsyncGroup(2, /*max_staleness=*/-1);
+  Group& group = *group_owner;
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(Contribute(group, i, 0, {1, 1}).ok());
   ASSERT_TRUE(Contribute(group, 0, 1, {1, 1}).ok());  // five versions old
   EXPECT_EQ(group.version(), 6);
@@ -180,7 +189,8 @@ namespace flatshard::server {
 namespace {
 
 TEST(GroupTest, HyperparametersChangeFromTheNextStepAndTheKindCannot) {
-  Group group = MakeGroup(1, /*mean=*/false);  // SGD lr 1
+  std::shared_ptr<Group> group_owner = MakeGroup(1, /*mean=*/false);
+  Group& group = *group_owner;  // SGD lr 1
   ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
   ASSERT_TRUE(group.SetOptimizer(kernels::SgdHyperparams{.lr = 0.25f}).ok());
   ASSERT_TRUE(Contribute(group, 1, 0, {1, 1, 1}).ok());
