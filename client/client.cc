@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/data_channel.h"
+#include "client/device_memory.h"
 #include "core/file.h"
 #include "core/status_macros.h"
 #include "proto/convert.h"
@@ -118,6 +119,7 @@ class ClientImpl final : public Client {
       v1::OpenSessionResponse session;
       FLATSHARD_RETURN_IF_ERROR(
           Call(i, &v1::Flatshard::Stub::OpenSession, session_request, &session));
+      server_gpus_.push_back(info.gpu_uuid());
       channels_.push_back(std::make_unique<DataChannel>(
           session.data_address(), session.session_token(), options_.max_in_flight,
           options_.timeout + absl::Seconds(5)));
@@ -195,6 +197,13 @@ class ClientImpl final : public Client {
                                               DType dtype, absl::Span<std::byte> out) override {
     absl::StatusOr<std::vector<absl::Span<std::byte>>> parts = Split(group, dtype, out);
     if (!parts.ok()) return ReadyFuture<absl::StatusOr<int64_t>>(parts.status());
+    const int device = client_internal::DeviceOf(out.data());
+    if (device >= 0) {
+      return std::async(std::launch::async, [=, this, parts = *std::move(parts)] {
+        return DeviceTransfer(transport::DataOp::kGather, group, min_version, dtype, out.data(),
+                              parts, device);
+      });
+    }
     return Transfer<absl::StatusOr<int64_t>>(transport::DataOp::kGather, group, min_version,
                                              dtype, {}, *parts);
   }
@@ -204,8 +213,26 @@ class ClientImpl final : public Client {
     absl::StatusOr<std::vector<absl::Span<std::byte>>> parts =
         Split(group, dtype, absl::MakeSpan(const_cast<std::byte*>(grad.data()), grad.size()));
     if (!parts.ok()) return ReadyFuture<absl::Status>(parts.status());
+    const int device = client_internal::DeviceOf(grad.data());
+    if (device >= 0) {
+      return std::async(std::launch::async, [=, this, parts = *std::move(parts)] {
+        return DeviceTransfer(transport::DataOp::kScatter, group, step, dtype, grad.data(), parts,
+                              device)
+            .status();
+      });
+    }
     std::vector<absl::Span<const std::byte>> sends(parts->begin(), parts->end());
     return Transfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype, sends, {});
+  }
+
+  std::vector<std::string> DataPlanes() const override {
+    std::vector<std::string> planes(num_servers(), "tcp");
+    const int device = client_internal::CurrentDevice();
+    if (device < 0) return planes;
+    for (int i = 0; i < num_servers(); ++i) {
+      if (IpcReachable(i, device)) planes[i] = "cuda-ipc";
+    }
+    return planes;
   }
 
   absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version) override {
@@ -337,9 +364,10 @@ class ClientImpl final : public Client {
 
   template <typename Request, typename Response>
   absl::Status Call(size_t server, StubMethod<Request, Response> method, const Request& request,
-                    Response* response) {
+                    Response* response, absl::Duration timeout = absl::ZeroDuration()) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+    ctx.set_deadline(absl::ToChronoTime(
+        absl::Now() + (timeout > absl::ZeroDuration() ? timeout : options_.timeout)));
     if (!options_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.token);
     return FromGrpc((stubs_[server].get()->*method)(&ctx, request, response),
                     options_.servers[server]);
@@ -444,15 +472,100 @@ class ClientImpl final : public Client {
     return parts;
   }
 
-  // One request per server on its data channel: `sends[i]` is server i's payload, or
-  // `receives[i]` its response payload's destination.
+  // True when server i keeps its shards on the GPU `device` is (CUDA IPC works).
+  bool IpcReachable(int server, int device) const {
+    if (server_gpus_[server].empty()) return false;
+    absl::StatusOr<std::string> uuid = client_internal::DeviceUuid(device);
+    return uuid.ok() && *uuid == server_gpus_[server];
+  }
+
+  // Gather into / scatter from a device buffer (`parts` are its per-server slices):
+  // CUDA IPC to servers on the same GPU; host staging and the TCP data plane to the
+  // others (and to all when the buffer cannot be exported, e.g. pooled memory).
+  absl::StatusOr<int64_t> DeviceTransfer(transport::DataOp op, const std::string& group,
+                                         int64_t version, DType dtype, const void* buffer,
+                                         const std::vector<absl::Span<std::byte>>& parts,
+                                         int device) {
+    const bool gather = op == transport::DataOp::kGather;
+    absl::StatusOr<client_internal::IpcExport> exported = client_internal::ExportForIpc(buffer);
+    std::vector<int> ipc_servers, tcp_servers;
+    for (int i = 0; i < num_servers(); ++i) {
+      (exported.ok() && IpcReachable(i, device) ? ipc_servers : tcp_servers).push_back(i);
+    }
+    // TCP servers go through host copies of their slices.
+    std::vector<std::vector<std::byte>> staging(num_servers());
+    std::vector<absl::Span<const std::byte>> sends(num_servers());
+    std::vector<absl::Span<std::byte>> receives(num_servers());
+    for (int i : tcp_servers) {
+      staging[i].resize(parts[i].size());
+      if (!gather) {
+        FLATSHARD_RETURN_IF_ERROR(
+            client_internal::CopyToHost(staging[i].data(), parts[i].data(), parts[i].size()));
+      }
+      sends[i] = staging[i];
+      receives[i] = absl::MakeSpan(staging[i]);
+    }
+    std::future<absl::StatusOr<int64_t>> tcp;
+    if (!tcp_servers.empty()) {
+      tcp = Transfer<absl::StatusOr<int64_t>>(op, group, version, dtype,
+                                              gather ? std::vector<absl::Span<const std::byte>>{} : sends,
+                                              gather ? receives : std::vector<absl::Span<std::byte>>{},
+                                              tcp_servers);
+    }
+    std::vector<std::future<absl::StatusOr<int64_t>>> ipc;
+    for (size_t k = 0; k < ipc_servers.size(); ++k) {
+      const int i = ipc_servers[k];
+      v1::IpcTransferRequest request;
+      request.set_job(options_.job);
+      request.set_group(group);
+      request.set_worker_rank(options_.worker_rank);
+      request.set_version(version);
+      request.set_dtype(ToProto(dtype));
+      request.set_ipc_handle(exported->handle);
+      request.set_offset(exported->offset + static_cast<uint64_t>(parts[i].data() - parts[0].data()));
+      request.set_bytes(parts[i].size());
+      request.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.timeout)));
+      auto call = [this, i, gather, request]() -> absl::StatusOr<int64_t> {
+        v1::IpcTransferResponse response;
+        FLATSHARD_RETURN_IF_ERROR(Call(i, gather ? &v1::Flatshard::Stub::IpcGather : &v1::Flatshard::Stub::IpcScatter,
+                                       request, &response, options_.timeout + absl::Seconds(5)));
+        return response.version();
+      };
+      // The last one runs on this thread: no thread start for a single server.
+      ipc.push_back(k + 1 < ipc_servers.size() ? std::async(std::launch::async, call)
+                                               : std::async(std::launch::deferred, call));
+    }
+    absl::Status status;
+    int64_t min_version = std::numeric_limits<int64_t>::max();
+    auto collect = [&](absl::StatusOr<int64_t> result) {
+      status.Update(result.status());
+      if (result.ok()) min_version = std::min(min_version, *result);
+    };
+    for (auto& result : ipc) collect(result.get());
+    if (tcp.valid()) collect(tcp.get());
+    if (!status.ok()) return status;
+    if (gather) {
+      for (int i : tcp_servers) {
+        FLATSHARD_RETURN_IF_ERROR(
+            client_internal::CopyToDevice(parts[i].data(), staging[i].data(), staging[i].size()));
+      }
+    }
+    return min_version;
+  }
+
+  // One request per server in `servers` (all when empty) on its data channel:
+  // `sends[i]` is server i's payload, or `receives[i]` its response payload's destination.
   template <typename Result>
   std::future<Result> Transfer(transport::DataOp op, const std::string& group, int64_t version,
                                DType dtype, std::vector<absl::Span<const std::byte>> sends,
-                               std::vector<absl::Span<std::byte>> receives) {
-    auto completion = std::make_shared<Completion<Result>>(num_servers());
+                               std::vector<absl::Span<std::byte>> receives,
+                               std::vector<int> servers = {}) {
+    if (servers.empty()) {
+      for (int i = 0; i < num_servers(); ++i) servers.push_back(i);
+    }
+    auto completion = std::make_shared<Completion<Result>>(static_cast<int>(servers.size()));
     std::future<Result> future = completion->future();
-    for (int i = 0; i < num_servers(); ++i) {
+    for (int i : servers) {
       transport::RequestHeader header;
       header.op = static_cast<uint8_t>(op);
       header.dtype = static_cast<uint8_t>(dtype);
@@ -496,6 +609,7 @@ class ClientImpl final : public Client {
   const ClientOptions options_;
   std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs_;
   std::vector<std::unique_ptr<DataChannel>> channels_;
+  std::vector<std::string> server_gpus_;  // ClusterInfo.gpu_uuid per server
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<FlatLayout>> layouts_ ABSL_GUARDED_BY(mu_);
 };

@@ -1,5 +1,6 @@
 # Decides whether this build has CUDA and NCCL (FLATSHARD_CUDA=AUTO|ON|OFF).
-# Sets FLATSHARD_HAVE_CUDA and, when ON, the imported target flatshard::nccl.
+# Sets FLATSHARD_HAVE_CUDA and, when ON, flatshard::nccl: NCCL's headers only, since
+# kernels/cuda/nccl.cc loads the library at run time (dlopen).
 set(FLATSHARD_HAVE_CUDA OFF)
 if(NOT FLATSHARD_CUDA MATCHES "^(AUTO|ON|OFF)$")
   message(FATAL_ERROR "FLATSHARD_CUDA must be AUTO, ON or OFF, not '${FLATSHARD_CUDA}'")
@@ -28,9 +29,8 @@ if(NOT FLATSHARD_CUDA STREQUAL "OFF")
     find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
     find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib /usr/local/cuda/lib64)
     if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
-      add_library(flatshard::nccl UNKNOWN IMPORTED)
+      add_library(flatshard::nccl INTERFACE IMPORTED)
       set_target_properties(flatshard::nccl PROPERTIES
-        IMPORTED_LOCATION ${NCCL_LIBRARY}
         INTERFACE_INCLUDE_DIRECTORIES ${NCCL_INCLUDE_DIR})
       set(FLATSHARD_HAVE_CUDA ON)
     elseif(FLATSHARD_CUDA STREQUAL "ON")

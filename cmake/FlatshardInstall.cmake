@@ -5,8 +5,16 @@
 include(CMakePackageConfigHelpers)
 
 install(TARGETS flatshard-server flatshard RUNTIME DESTINATION bin)
-install(TARGETS flatshard_client flatshard_core flatshard_transport flatshard_proto
-                flatshard_proto_convert
+set(_flatshard_exported flatshard_client flatshard_core flatshard_transport flatshard_proto
+                         flatshard_proto_convert)
+set(_flatshard_cuda_dependency "")
+if(FLATSHARD_HAVE_CUDA)
+  # The client handles device buffers (CUDA IPC, staging): its static library needs the
+  # CUDA kernels library and the CUDA runtime.
+  list(APPEND _flatshard_exported flatshard_kernels_cuda flatshard_kernels)
+  set(_flatshard_cuda_dependency "find_dependency(CUDAToolkit)")
+endif()
+install(TARGETS ${_flatshard_exported}
         EXPORT flatshardTargets
         ARCHIVE DESTINATION lib
         LIBRARY DESTINATION lib
@@ -25,6 +33,7 @@ find_dependency(absl CONFIG)
 find_dependency(nlohmann_json 3)
 find_dependency(Protobuf)
 find_dependency(gRPC CONFIG)
+@_flatshard_cuda_dependency@
 include("${CMAKE_CURRENT_LIST_DIR}/flatshardTargets.cmake")
 ]])
 configure_package_config_file(${CMAKE_CURRENT_BINARY_DIR}/flatshardConfig.cmake.in

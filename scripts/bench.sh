@@ -19,4 +19,7 @@ if [[ -x "$build_dir/bin/kernels_cuda_bench" ]]; then
   if [[ -s "$json" ]] && python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     python3 bench/torch_adamw_bench.py "$json"
   fi
+  echo
+  echo "== CUDA IPC data plane (ratio to a device-to-device cudaMemcpy, same run) =="
+  "$build_dir/bin/ipc_cuda_bench"
 fi

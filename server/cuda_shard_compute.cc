@@ -101,6 +101,11 @@ class CudaShardCompute final : public ShardCompute {
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(shard, 0, numel * sizeof(float), stream_));
     return absl::OkStatus();
   }
+  absl::Status CopyBytes(void* dst, const void* src, size_t bytes) override {
+    FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    FLATSHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    return absl::OkStatus();
+  }
   absl::Status Synchronize() override {
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));

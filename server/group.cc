@@ -71,6 +71,8 @@ Group::Group(std::string job, std::string name, FlatLayout layout, int rank,
       slot_states_(job_settings.num_workers, SlotState::kEmpty),
       slot_dtypes_(job_settings.num_workers, DType::kFloat32),
       staging_(job_settings.num_workers),
+      device_staging_(job_settings.num_workers),
+      slot_data_(job_settings.num_workers, nullptr),
       snapshot_pool_(std::make_shared<SnapshotPool>()),
       last_async_step_(job_settings.num_workers, -1) {}
 
@@ -181,7 +183,35 @@ absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, DType dtype) {
+absl::Status Group::CheckDeviceTier(absl::string_view what) const {
+  if (compute_->tier() == MemoryTier::kDevice) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, " needs group '", name_, "' in GPU memory; this server runs --memory=",
+      MemoryTierName(compute_->tier())));
+}
+
+absl::StatusOr<int64_t> Group::GatherInto(int64_t min_version, DType dtype, void* device_dst,
+                                          absl::Time deadline) {
+  FLATSHARD_RETURN_IF_ERROR(CheckDeviceTier("a CUDA IPC gather"));
+  if (!IsFloatingParamDType(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("gather dtype ", DTypeName(dtype),
+                                                   " is not float32, bfloat16 or float16"));
+  }
+  FLATSHARD_RETURN_IF_ERROR(WaitVersion(min_version, deadline).status());
+  absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(compute_->Cast(DType::kFloat32, params_.data(), dtype, device_dst, shard_numel()));
+  FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
+  return version_;
+}
+
+absl::Status Group::FillDeviceSlot(const ReceiveSlot& slot, const void* device_src) {
+  absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(compute_->CopyBytes(slot.buffer.data(), device_src, slot.buffer.size()));
+  return compute_->Synchronize();
+}
+
+absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, DType dtype,
+                                                SlotMemory memory) {
   if (worker_rank < 0 || worker_rank >= job_settings_.num_workers) {
     return absl::InvalidArgumentError(absl::StrCat("worker rank ", worker_rank, " outside [0, ",
                                                    job_settings_.num_workers, ") of job '",
@@ -193,18 +223,25 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
   }
   absl::MutexLock lock(&mu_);
   FLATSHARD_RETURN_IF_ERROR(CheckContribution(step, worker_rank));
+  if (memory == SlotMemory::kDevice) FLATSHARD_RETURN_IF_ERROR(CheckDeviceTier("a CUDA IPC scatter"));
   const size_t bytes = static_cast<size_t>(shard_numel()) * DTypeSize(dtype);
-  FLATSHARD_RETURN_IF_ERROR(EnsureStaging(staging_[worker_rank], bytes,
-                                          absl::StrCat("worker ", worker_rank, "'s staging slot")));
+  ShardBuffer& staging =
+      memory == SlotMemory::kDevice ? device_staging_[worker_rank] : staging_[worker_rank];
+  FLATSHARD_RETURN_IF_ERROR(EnsureStaging(
+      staging, bytes, absl::StrCat("worker ", worker_rank, "'s staging slot"), memory));
   slot_states_[worker_rank] = SlotState::kReceiving;
   slot_dtypes_[worker_rank] = dtype;
-  return ReceiveSlot{step, worker_rank, dtype, staging_[worker_rank].bytes().subspan(0, bytes)};
+  slot_data_[worker_rank] = staging.data();
+  return ReceiveSlot{step, worker_rank, dtype, staging.bytes().subspan(0, bytes)};
 }
 
-absl::Status Group::EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what) {
+absl::Status Group::EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what,
+                                  SlotMemory memory) {
   if (buffer.size() >= bytes) return absl::OkStatus();
-  FLATSHARD_ASSIGN_OR_RETURN(buffer,
-                             compute_->AllocateStaging(bytes, absl::StrCat("group '", name_, "' ", what)));
+  const std::string full_what = absl::StrCat("group '", name_, "' ", what);
+  FLATSHARD_ASSIGN_OR_RETURN(buffer, memory == SlotMemory::kDevice
+                                         ? compute_->AllocateShard(bytes, full_what)
+                                         : compute_->AllocateStaging(bytes, full_what));
   return absl::OkStatus();
 }
 
@@ -231,7 +268,7 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
 absl::StatusOr<CommitOutcome> Group::CommitAsync(const ReceiveSlot& slot) {
   slot_states_[slot.worker_rank] = SlotState::kEmpty;
   const int64_t numel = shard_numel();
-  FLATSHARD_RETURN_IF_ERROR(compute_->Cast(slot.dtype, staging_[slot.worker_rank].data(),
+  FLATSHARD_RETURN_IF_ERROR(compute_->Cast(slot.dtype, slot_data_[slot.worker_rank],
                                            DType::kFloat32, grad_.data(), numel));
   if (job_settings_.reduce_mean && job_settings_.num_workers > 1) {
     FLATSHARD_RETURN_IF_ERROR(compute_->Scale(
@@ -274,7 +311,7 @@ absl::Status Group::ReduceContributions() {
   const int64_t numel = shard_numel();
   // Worker-rank order makes the fp32 sum bitwise reproducible.
   for (int worker = 0; worker < job_settings_.num_workers; ++worker) {
-    const void* contribution = staging_[worker].data();
+    const void* contribution = slot_data_[worker];
     if (worker == 0) {
       FLATSHARD_RETURN_IF_ERROR(
           compute_->Cast(slot_dtypes_[0], contribution, DType::kFloat32, grad_.data(), numel));
@@ -433,6 +470,7 @@ GroupStats Group::stats() const {
   absl::MutexLock lock(&mu_);
   int64_t bytes = static_cast<int64_t>(params_.size() + grad_.size()) + optimizer_.state_bytes();
   for (const auto& staging : staging_) bytes += static_cast<int64_t>(staging.size());
+  for (const auto& staging : device_staging_) bytes += static_cast<int64_t>(staging.size());
   return GroupStats{version_, bytes, ready_count_};
 }
 

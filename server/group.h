@@ -60,8 +60,12 @@ struct ReceiveSlot {
   int64_t step = 0;
   int worker_rank = 0;
   DType dtype = DType::kFloat32;
-  absl::Span<std::byte> buffer;
+  absl::Span<std::byte> buffer;  // host memory, or device memory for SlotMemory::kDevice
 };
+
+// Where a scatter's staging slot lives: host-addressable (the TCP data plane writes it)
+// or device memory of a --memory=device group (the CUDA IPC plane copies into it).
+enum class SlotMemory { kHost, kDevice };
 
 enum class CommitOutcome {
   kPending,  // waiting for other workers' contributions
@@ -114,11 +118,21 @@ class Group {
   // Waits like WaitVersion, then returns the shard at the current version in `dtype`.
   [[nodiscard]] absl::StatusOr<GatherSnapshot> Gather(int64_t min_version, DType dtype,
                                                       absl::Time deadline);
+  // Device groups: waits like Gather, then writes the shard in `dtype` straight into
+  // `device_dst` (shard_numel elements) and returns the version written.
+  // FailedPrecondition for a group that is not in device memory.
+  [[nodiscard]] absl::StatusOr<int64_t> GatherInto(int64_t min_version, DType dtype,
+                                                   void* device_dst, absl::Time deadline);
 
   // Reserves the slot for `worker_rank`'s gradient for `step`. FailedPrecondition for a
   // stale, future or duplicate contribution (or one already being received),
   // InvalidArgument for a worker rank outside [0, W) or a non-float dtype.
-  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype);
+  // FailedPrecondition for SlotMemory::kDevice on a group that is not in device memory.
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype,
+                                                         SlotMemory memory = SlotMemory::kHost);
+  // Device slots: copies slot.buffer.size() bytes from `device_src` (device memory of
+  // any process mapped here) into the slot.
+  [[nodiscard]] absl::Status FillDeviceSlot(const ReceiveSlot& slot, const void* device_src);
   // Records the filled slot; the last contribution of a step reduces and (without
   // clipping) runs the optimizer before returning.
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitScatter(const ReceiveSlot& slot);
@@ -168,12 +182,15 @@ class Group {
 
   absl::Status CheckContribution(int64_t step, int worker_rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckDeviceTier(absl::string_view what) const;
   absl::Status ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StepOptimizer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<CommitOutcome> CommitAsync(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishNewValues() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A host-addressable buffer of at least `bytes`, reallocated when smaller.
-  absl::Status EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what)
+  // A buffer of at least `bytes` (host-addressable, or in the tier for `memory` kDevice),
+  // reallocated when smaller.
+  absl::Status EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what,
+                             SlotMemory memory = SlotMemory::kHost)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Zeroes params_ and writes tensor elements only: padding stays zero.
   absl::Status WriteTensorElements(const std::vector<float>& host_shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -196,6 +213,9 @@ class Group {
   // One staging buffer per worker; a slot in kReceiving is written without the lock by
   // the one connection that reserved it.
   std::vector<ShardBuffer> staging_;
+  std::vector<ShardBuffer> device_staging_;  // CUDA IPC contributions (device groups)
+  // Where each worker's reserved or ready contribution is (staging_ or device_staging_).
+  std::vector<const void*> slot_data_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<SnapshotPool> snapshot_pool_;
   int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_

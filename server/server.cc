@@ -54,7 +54,8 @@ Server::Server(ServerOptions options)
               return peers_.SendNormPartial(peer, job, step, partial);
             }),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
-                   options_.checkpoint_root, options_.max_file_bytes) {}
+                   options_.checkpoint_root, options_.max_file_bytes),
+      ipc_(registry_, clip_, stats_) {}
 
 Server::~Server() { Shutdown(); }
 
@@ -70,6 +71,7 @@ absl::Status Server::Start() {
   } else if (port == 0) {
     data_port = 0;
   }
+  FLATSHARD_RETURN_IF_ERROR(ipc_.Start(ParseMemoryTier(options_.memory).value_or(MemoryTier::kHost)));
   data_ = std::make_unique<DataServer>(registry_, clip_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
 
@@ -78,9 +80,10 @@ absl::Status Server::Start() {
                            .control_address = options_.listen,
                            .data_address = absl::StrCat(data_host, ":", data_->port()),
                            .memory = options_.memory,
+                           .gpu_uuid = ipc_.gpu_uuid(),
                            .auth_token = options_.auth_token};
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
-                                                stats_, [this] { return cluster_check(); });
+                                                stats_, ipc_, [this] { return cluster_check(); });
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &control_port_);
   builder.RegisterService(service_.get());

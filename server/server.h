@@ -21,6 +21,7 @@
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
 #include "server/data_server.h"
+#include "server/ipc_plane.h"
 #include "server/registry.h"
 #include "server/peer_client.h"
 #include "server/service.h"
@@ -70,6 +71,7 @@ class Server {
   CheckpointStore checkpoints_;
   SessionTokens sessions_;
   ServerStats stats_;
+  IpcPlane ipc_;
   std::unique_ptr<DataServer> data_;
   std::unique_ptr<FlatshardService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;

@@ -107,7 +107,7 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
 FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
                                    ClipCoordinator& clip, CheckpointStore& checkpoints,
                                    SessionTokens& sessions,
-                                   const ServerStats& stats,
+                                   const ServerStats& stats, IpcPlane& ipc,
                                    std::function<std::string()> cluster_check)
     : identity_(std::move(identity)),
       registry_(registry),
@@ -115,6 +115,7 @@ FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
       checkpoints_(checkpoints),
       sessions_(sessions),
       stats_(stats),
+      ipc_(ipc),
       cluster_check_(std::move(cluster_check)) {}
 
 grpc::Status FlatshardService::Authenticate(const grpc::ServerContext* ctx) const {
@@ -139,6 +140,7 @@ grpc::Status FlatshardService::GetClusterInfo(grpc::ServerContext* ctx,
   for (const std::string& address : identity_.cluster) response->add_cluster(address);
   response->set_data_address(identity_.data_address);
   response->set_memory(identity_.memory);
+  response->set_gpu_uuid(identity_.gpu_uuid);
   response->set_version("0.1.0");
   return grpc::Status::OK;
 }
@@ -304,6 +306,7 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   response->set_control_address(identity_.control_address);
   response->set_data_address(identity_.data_address);
   response->set_memory(identity_.memory);
+  response->set_gpu_uuid(identity_.gpu_uuid);
   for (const auto& group : registry_.groups()) {
     const GroupStats stats = group->stats();
     v1::GroupStatus* proto = response->add_groups();
@@ -320,10 +323,32 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   response->set_bytes_sent(stats_.bytes_sent.load());
   response->set_gathers(stats_.gathers.load());
   response->set_scatters(stats_.scatters.load());
+  response->set_ipc_gathers(stats_.ipc_gathers.load());
+  response->set_ipc_scatters(stats_.ipc_scatters.load());
   response->set_errors(stats_.errors.load());
   response->set_open_data_connections(stats_.open_data_connections.load());
   response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   response->set_cluster_check(cluster_check_());
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::IpcGather(grpc::ServerContext* ctx,
+                                         const v1::IpcTransferRequest* request,
+                                         v1::IpcTransferResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<int64_t> version = ipc_.Gather(*request);
+  if (!version.ok()) return ToGrpc(version.status());
+  response->set_version(*version);
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::IpcScatter(grpc::ServerContext* ctx,
+                                          const v1::IpcTransferRequest* request,
+                                          v1::IpcTransferResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<int64_t> version = ipc_.Scatter(*request);
+  if (!version.ok()) return ToGrpc(version.status());
+  response->set_version(*version);
   return grpc::Status::OK;
 }
 

@@ -14,6 +14,7 @@
 #include "server/auth.h"
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
+#include "server/ipc_plane.h"
 #include "server/registry.h"
 #include "server/stats.h"
 
@@ -25,6 +26,7 @@ struct ServiceIdentity {
   std::string control_address;
   std::string data_address;
   std::string memory = "host";
+  std::string gpu_uuid;    // --memory=device: the GPU holding the shards
   std::string auth_token;  // empty: no authentication
 };
 
@@ -32,7 +34,7 @@ class FlatshardService final : public v1::Flatshard::Service {
  public:
   FlatshardService(ServiceIdentity identity, Registry& registry, ClipCoordinator& clip,
                    CheckpointStore& checkpoints, SessionTokens& sessions, const ServerStats& stats,
-                   std::function<std::string()> cluster_check);
+                   IpcPlane& ipc, std::function<std::string()> cluster_check);
 
   grpc::Status GetClusterInfo(grpc::ServerContext* ctx, const v1::GetClusterInfoRequest* request,
                               v1::ClusterInfo* response) override;
@@ -64,6 +66,10 @@ class FlatshardService final : public v1::Flatshard::Service {
                                grpc::ServerWriter<v1::ExportChunk>* writer) override;
   grpc::Status PushNormPartial(grpc::ServerContext* ctx, const v1::PushNormPartialRequest* request,
                                v1::PushNormPartialResponse* response) override;
+  grpc::Status IpcGather(grpc::ServerContext* ctx, const v1::IpcTransferRequest* request,
+                         v1::IpcTransferResponse* response) override;
+  grpc::Status IpcScatter(grpc::ServerContext* ctx, const v1::IpcTransferRequest* request,
+                          v1::IpcTransferResponse* response) override;
 
  private:
   grpc::Status Authenticate(const grpc::ServerContext* ctx) const;
@@ -74,6 +80,7 @@ class FlatshardService final : public v1::Flatshard::Service {
   CheckpointStore& checkpoints_;
   SessionTokens& sessions_;
   const ServerStats& stats_;
+  IpcPlane& ipc_;
   const std::function<std::string()> cluster_check_;
   const absl::Time started_ = absl::Now();
 };

@@ -83,6 +83,10 @@ class CpuShardCompute final : public ShardCompute {
     if (numel > 0) std::memset(shard, 0, numel * sizeof(float));
     return absl::OkStatus();
   }
+  absl::Status CopyBytes(void* dst, const void* src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
  private:

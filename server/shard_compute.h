@@ -70,6 +70,8 @@ class ShardCompute {
   [[nodiscard]] virtual absl::Status CopyToHost(const float* shard, float* host, int64_t numel) = 0;
   [[nodiscard]] virtual absl::Status CopyFromHost(const float* host, float* shard, int64_t numel) = 0;
   [[nodiscard]] virtual absl::Status Zero(float* shard, int64_t numel) = 0;
+  // Enqueues a copy of `bytes` between any two buffers this tier's kernels can address.
+  [[nodiscard]] virtual absl::Status CopyBytes(void* dst, const void* src, size_t bytes) = 0;
 
   // Waits for every kernel enqueued so far.
   [[nodiscard]] virtual absl::Status Synchronize() = 0;

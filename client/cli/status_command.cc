@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "client/cli/human_bytes.h"
 #include "client/cluster_status.h"
+#include "client/device_memory.h"
 
 namespace flatshard::cli {
 
@@ -33,9 +34,17 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
     out << nlohmann::json{{"servers", servers}}.dump(2) << "\n";
     return exit_code;
   }
-  out << absl::StrFormat("%-4s %-21s %-6s %6s %5s %10s %10s %8s %8s %6s\n", "rank", "address",
-                         "memory", "groups", "conns", "sent", "received", "gathers", "scatters",
-                         "errors");
+  // The data plane a GPU worker on this machine's current device would get: CUDA IPC to
+  // a server keeping its shards on that same GPU, TCP otherwise.
+  const int device = client_internal::CurrentDevice();
+  const absl::StatusOr<std::string> local_gpu =
+      device >= 0 ? client_internal::DeviceUuid(device) : absl::StatusOr<std::string>("");
+  auto plane = [&](const v1::ServerStatus& s) -> std::string {
+    return !s.gpu_uuid().empty() && local_gpu.ok() && *local_gpu == s.gpu_uuid() ? "cuda-ipc" : "tcp";
+  };
+  out << absl::StrFormat("%-4s %-21s %-6s %-8s %6s %5s %10s %10s %8s %8s %6s\n", "rank", "address",
+                         "memory", "plane", "groups", "conns", "sent", "received", "gathers",
+                         "scatters", "errors");
   for (size_t i = 0; i < statuses.size(); ++i) {
     if (!statuses[i].ok()) {
       out << absl::StrFormat("%-4s %-21s unreachable: %s\n", "?", options.servers[i],
@@ -44,8 +53,8 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
       continue;
     }
     const v1::ServerStatus& s = *statuses[i];
-    out << absl::StrFormat("%-4d %-21s %-6s %6d %5d %10s %10s %8d %8d %6d\n", s.rank(),
-                           s.control_address(), s.memory(), s.groups_size(),
+    out << absl::StrFormat("%-4d %-21s %-6s %-8s %6d %5d %10s %10s %8d %8d %6d\n", s.rank(),
+                           s.control_address(), s.memory(), plane(s), s.groups_size(),
                            s.open_data_connections(), HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), s.gathers(), s.scatters(), s.errors());
   }

@@ -50,11 +50,11 @@ inline void StopServer(pid_t pid) {
 
 class TestCluster {
  public:
-  // `checkpoint_root` empty: checkpoints disabled on these servers. `extra_args` go to
-  // every server (e.g. --memory=device).
+  // `checkpoint_root` empty: checkpoints disabled on these servers. `extra_args[i]`
+  // (when present) go to server i, e.g. {"--memory=device"}.
   TestCluster(int servers, std::string token, const std::string& scratch_dir,
               const std::string& checkpoint_root = "",
-              const std::vector<std::string>& extra_args = {})
+              const std::vector<std::vector<std::string>>& extra_args = {})
       : token_(std::move(token)) {
     // One file per process: ctest runs several clusters at once in the same TempDir().
     const std::string token_file = absl::StrCat(scratch_dir, "/token-", getpid());
@@ -72,7 +72,9 @@ class TestCluster {
                                        "--cluster=" + absl::StrJoin(addresses_, ","),
                                        "--auth_token_file=" + token_file};
       if (!checkpoint_root.empty()) args.push_back("--checkpoint_root=" + checkpoint_root);
-      args.insert(args.end(), extra_args.begin(), extra_args.end());
+      if (static_cast<size_t>(i) < extra_args.size()) {
+        args.insert(args.end(), extra_args[i].begin(), extra_args[i].end());
+      }
       pids_.push_back(SpawnServer(args));
     }
   }

@@ -2,6 +2,7 @@
 // count, so some shards hold only padding) for 20 steps with mixed gather and scatter
 // dtypes. The parameters must equal a single-process computation of the same math
 // bit for bit.
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,8 +15,12 @@
 #include "core/flat_buffer.h"
 #include "core/float_bits.h"
 #include "kernels/kernels.h"
+#include "client/cluster_status.h"
+#include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
 #if FLATSHARD_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "kernels/cuda/device.h"
 #endif
 
@@ -163,7 +168,42 @@ std::vector<std::vector<float>> Reference(const std::vector<GroupCase>& cases,
   return params;
 }
 
-void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<GroupCase>& cases) {
+// A device copy of a host buffer, for workers whose tensors live on the GPU (Gather and
+// Scatter then use CUDA IPC with same-GPU servers and host staging with the others).
+// Allocations are at least 2 MiB, as caching allocators make them: smaller ones are
+// moved through host staging (client/device_memory.h).
+class DeviceBytes {
+ public:
+  explicit DeviceBytes(size_t bytes) : size_(bytes) {
+#if FLATSHARD_HAVE_CUDA
+    EXPECT_EQ(cudaMalloc(&data_, std::max<size_t>(bytes, 2 << 20)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(data_, 0xA5, bytes), cudaSuccess);  // poison
+#endif
+  }
+  ~DeviceBytes() {
+#if FLATSHARD_HAVE_CUDA
+    cudaFree(data_);
+#endif
+  }
+  absl::Span<std::byte> span() { return {static_cast<std::byte*>(data_), size_}; }
+  void Upload([[maybe_unused]] absl::Span<const std::byte> host) {
+#if FLATSHARD_HAVE_CUDA
+    EXPECT_EQ(cudaMemcpy(data_, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+#endif
+  }
+  void Download([[maybe_unused]] absl::Span<std::byte> host) {
+#if FLATSHARD_HAVE_CUDA
+    EXPECT_EQ(cudaMemcpy(host.data(), data_, host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+#endif
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_;
+};
+
+void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<GroupCase>& cases,
+               bool device_buffers) {
   auto client = cluster.Connect(rank, kWorkers);
   ASSERT_TRUE(client.ok()) << client.status();
   std::vector<const FlatLayout*> layouts;
@@ -175,11 +215,22 @@ void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<
   for (int step = 0; step < kSteps; ++step) {
     for (size_t g = 0; g < cases.size(); ++g) {
       std::vector<std::byte> params(layouts[g]->padded_numel() * DTypeSize(cases[g].gather_dtype));
+      const std::vector<std::byte> grad =
+          Encode(Gradient(*layouts[g], static_cast<int>(g), step, rank), cases[g].scatter_dtype[rank]);
+      if (device_buffers) {
+        DeviceBytes device_params(params.size()), device_grad(grad.size());
+        auto version = (*client)->Gather(cases[g].name, step, cases[g].gather_dtype, device_params.span()).get();
+        ASSERT_TRUE(version.ok()) << version.status();
+        ASSERT_GE(*version, step);
+        device_grad.Upload(grad);
+        const absl::Status sent = (*client)->Scatter(cases[g].name, step, cases[g].scatter_dtype[rank],
+                                                     device_grad.span()).get();
+        ASSERT_TRUE(sent.ok()) << sent;
+        continue;
+      }
       auto version = (*client)->Gather(cases[g].name, step, cases[g].gather_dtype, absl::MakeSpan(params)).get();
       ASSERT_TRUE(version.ok()) << version.status();
       ASSERT_GE(*version, step);
-      const std::vector<std::byte> grad =
-          Encode(Gradient(*layouts[g], static_cast<int>(g), step, rank), cases[g].scatter_dtype[rank]);
       const absl::Status sent = (*client)->Scatter(cases[g].name, step, cases[g].scatter_dtype[rank],
                                                    absl::MakeConstSpan(grad)).get();
       ASSERT_TRUE(sent.ok()) << sent;
@@ -187,8 +238,14 @@ void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<
   }
 }
 
-void TrainAndCompare(const JobOptions& job, const std::string& memory = "host") {
-  testing::TestCluster cluster(3, "s3cret-token", ::testing::TempDir(), "", {"--memory=" + memory});
+// `memory[i]`: server i's --memory; `device_buffers`: the workers gather into and scatter
+// from GPU buffers.
+void TrainAndCompare(const JobOptions& job,
+                     const std::vector<std::string>& memory = {"host", "host", "host"},
+                     bool device_buffers = false) {
+  std::vector<std::vector<std::string>> args;
+  for (const std::string& tier : memory) args.push_back({"--memory=" + tier});
+  testing::TestCluster cluster(3, "s3cret-token", ::testing::TempDir(), "", args);
   const std::vector<GroupCase> cases = Cases();
   auto setup = cluster.Connect(0, kWorkers);
   ASSERT_TRUE(setup.ok()) << setup.status();
@@ -205,7 +262,7 @@ void TrainAndCompare(const JobOptions& job, const std::string& memory = "host") 
 
   std::vector<std::thread> workers;
   for (int rank = 0; rank < kWorkers; ++rank) {
-    workers.emplace_back([&, rank] { RunWorker(cluster, rank, cases); });
+    workers.emplace_back([&, rank] { RunWorker(cluster, rank, cases, device_buffers); });
   }
   for (std::thread& worker : workers) worker.join();
   if (::testing::Test::HasFatalFailure()) return;
@@ -227,6 +284,29 @@ void TrainAndCompare(const JobOptions& job, const std::string& memory = "host") 
     ASSERT_TRUE((*setup)->Gather(cases[g].name, kSteps, DType::kBFloat16, AsBytes(bf16)).get().ok());
     for (size_t i = 0; i < expected.size(); ++i) {
       ASSERT_EQ(bf16[i], FloatToBFloat16Bits(expected[i])) << cases[g].name << " element " << i;
+    }
+    if (device_buffers) {  // and the same bytes through the device path
+      DeviceBytes device(bf16.size() * sizeof(uint16_t));
+      ASSERT_TRUE((*setup)->Gather(cases[g].name, kSteps, DType::kBFloat16, device.span()).get().ok());
+      std::vector<uint16_t> via_device(bf16.size());
+      device.Download(AsBytes(via_device));
+      EXPECT_EQ(via_device, bf16) << cases[g].name;
+    }
+  }
+  if (device_buffers) {
+    std::vector<std::string> planes;
+    for (const std::string& tier : memory) planes.push_back(tier == "device" ? "cuda-ipc" : "tcp");
+    EXPECT_EQ((*setup)->DataPlanes(), planes);
+    // The bytes really went where the planes say: CUDA IPC to device servers only.
+    const auto statuses = FetchClusterStatus(cluster.addresses(), cluster.token(), absl::Seconds(10));
+    for (size_t i = 0; i < memory.size(); ++i) {
+      ASSERT_TRUE(statuses[i].ok()) << statuses[i].status();
+      if (memory[i] == "device") {
+        EXPECT_EQ(statuses[i]->ipc_scatters(), kWorkers * kSteps * static_cast<int64_t>(cases.size())) << i;
+        EXPECT_GT(statuses[i]->ipc_gathers(), 0) << i;
+      } else {
+        EXPECT_EQ(statuses[i]->ipc_scatters() + statuses[i]->ipc_gathers(), 0) << i;
+      }
     }
   }
 }
@@ -256,14 +336,62 @@ bool HaveGpu() {
 
 TEST(TrainingIntegrationTest, DeviceMemoryTierMatchesSingleProcessBitwise) {
   if (!HaveGpu()) GTEST_SKIP() << "--memory=device needs a CUDA build and a CUDA device";
-  TrainAndCompare({}, "device");
-  TrainAndCompare({.max_grad_norm = 0.3}, "device");
+  TrainAndCompare({}, {"device", "device", "device"});
+  TrainAndCompare({.max_grad_norm = 0.3}, {"device", "device", "device"});
 }
 
 TEST(TrainingIntegrationTest, PinnedMemoryTierMatchesSingleProcessBitwise) {
   if (!HaveGpu()) GTEST_SKIP() << "--memory=pinned needs a CUDA build and a CUDA device";
   TrainAndCompare({.max_grad_norm = 0.2, .norm_type = std::numeric_limits<double>::infinity()},
-                  "pinned");
+                  {"pinned", "pinned", "pinned"});
+}
+
+// GPU workers: CUDA IPC with the servers on their GPU, host staging + TCP with the
+// others, in one transfer; still bitwise equal to the CPU reference.
+TEST(TrainingIntegrationTest, GpuWorkersOverCudaIpcMatchSingleProcessBitwise) {
+  if (!HaveGpu()) GTEST_SKIP() << "CUDA IPC needs a CUDA build and a CUDA device";
+  TrainAndCompare({}, {"device", "device", "device"}, /*device_buffers=*/true);
+  TrainAndCompare({.max_grad_norm = 0.3}, {"device", "host", "pinned"}, /*device_buffers=*/true);
+}
+
+TEST(TrainingIntegrationTest, BadCudaIpcRequestsAreRefusedAndTheServerKeepsServing) {
+  if (!HaveGpu()) GTEST_SKIP() << "CUDA IPC needs a CUDA build and a CUDA device";
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), "", {{"--memory=device"}, {"--memory=host"}});
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto call = [&](int server, const v1::IpcTransferRequest& request) {
+    auto stub = v1::Flatshard::NewStub(
+        grpc::CreateChannel(cluster.addresses()[server], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer tok");
+    v1::IpcTransferResponse response;
+    return stub->IpcGather(&ctx, request, &response);
+  };
+  v1::IpcTransferRequest request;
+  request.set_job("test");
+  request.set_group("g");
+  request.set_dtype(v1::FLOAT32);
+  request.set_bytes((*layout)->shard_numel() * 4);
+  request.set_ipc_handle(std::string(64, '\x5a'));  // no such allocation
+  request.set_timeout_ms(1000);
+  const grpc::Status garbage = call(0, request);
+  EXPECT_FALSE(garbage.ok());
+  EXPECT_NE(garbage.error_message().find("IPC handle"), std::string::npos) << garbage.error_message();
+  request.set_bytes(12);
+  EXPECT_EQ(call(0, request).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  request.set_ipc_handle("short");
+  request.set_bytes((*layout)->shard_numel() * 4);
+  EXPECT_EQ(call(0, request).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const grpc::Status host_server = call(1, request);
+  EXPECT_EQ(host_server.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << host_server.error_message();
+  // Both servers still serve, over either plane.
+  DeviceBytes device((*layout)->padded_numel() * 4);
+  EXPECT_TRUE((*client)->Gather("g", 0, DType::kFloat32, device.span()).get().ok());
+  std::vector<float> host((*layout)->padded_numel());
+  EXPECT_TRUE((*client)->Gather("g", 0, DType::kFloat32, AsBytes(host)).get().ok());
 }
 
 TEST(TrainingIntegrationTest, UnavailableMemoryTierIsRefusedAtStartup) {

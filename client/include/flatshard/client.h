@@ -120,7 +120,10 @@ class Client {
 
   // Fills `out` (padded_numel() elements of `dtype`) with the parameters at a version
   // >= min_version and returns that version (the lowest one any server sent).
-  // `group` must have been registered by this Client.
+  // `group` must have been registered by this Client. `out` (and Scatter's `grad`) may
+  // be host memory or, in a CUDA build, device memory from cudaMalloc: then servers on
+  // the same GPU with --memory=device move the bytes by CUDA IPC, the others over TCP
+  // through a host copy (DataPlanes() says which).
   virtual std::future<absl::StatusOr<int64_t>> Gather(const std::string& group,
                                                       int64_t min_version, DType dtype,
                                                       absl::Span<std::byte> out) = 0;
@@ -130,6 +133,11 @@ class Client {
   // not wait for the other workers.
   virtual std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                             absl::Span<const std::byte> grad) = 0;
+
+  // Per server, the data plane a device buffer on this thread's current GPU would use:
+  // "cuda-ipc" (the server keeps its shards on that GPU) or "tcp". Host buffers always
+  // use "tcp".
+  virtual std::vector<std::string> DataPlanes() const = 0;
 
   // Waits until every server's shard of `group` reaches min_version.
   [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group,

@@ -1,0 +1,61 @@
+#include "client/device_memory.h"
+
+#if FLATSHARD_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "core/status_macros.h"
+#include "kernels/cuda/ipc.h"
+#endif
+
+namespace flatshard::client_internal {
+
+#if FLATSHARD_HAVE_CUDA
+
+int DeviceOf(const void* ptr) { return kernels::cuda::DeviceOfPointer(ptr); }
+
+int CurrentDevice() {
+  int count = 0, device = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
+}
+
+absl::StatusOr<std::string> DeviceUuid(int device) { return kernels::cuda::DeviceUuid(device); }
+
+absl::StatusOr<IpcExport> ExportForIpc(const void* ptr) {
+  FLATSHARD_ASSIGN_OR_RETURN(kernels::cuda::ExportedBuffer exported,
+                             kernels::cuda::ExportDeviceBuffer(ptr));
+  if (exported.allocation_bytes < kernels::cuda::kMinIpcAllocationBytes) {
+    return absl::InvalidArgumentError("allocations under 2 MiB are not shared by CUDA IPC");
+  }
+  return IpcExport{std::move(exported.handle), exported.offset};
+}
+
+absl::Status CopyToDevice(void* device_dst, const void* host_src, size_t bytes) {
+  FLATSHARD_CUDA_RETURN_IF_ERROR(cudaMemcpy(device_dst, host_src, bytes, cudaMemcpyDefault));
+  return absl::OkStatus();
+}
+
+absl::Status CopyToHost(void* host_dst, const void* device_src, size_t bytes) {
+  FLATSHARD_CUDA_RETURN_IF_ERROR(cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDefault));
+  return absl::OkStatus();
+}
+
+#else
+
+namespace {
+absl::Status NoCuda() { return absl::FailedPreconditionError("this client was built without CUDA"); }
+}  // namespace
+
+int DeviceOf(const void*) { return -1; }
+int CurrentDevice() { return -1; }
+absl::StatusOr<std::string> DeviceUuid(int) { return NoCuda(); }
+absl::StatusOr<IpcExport> ExportForIpc(const void*) { return NoCuda(); }
+absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }
+absl::Status CopyToHost(void*, const void*, size_t) { return NoCuda(); }
+
+#endif
+
+}  // namespace flatshard::client_internal

@@ -1,0 +1,110 @@
+#include "server/ipc_plane.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "proto/convert.h"
+#if FLATSHARD_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/ipc.h"
+#endif
+
+namespace flatshard::server {
+
+#if FLATSHARD_HAVE_CUDA
+struct IpcPlane::Mappings {
+  kernels::cuda::IpcMappings mappings;
+};
+#else
+struct IpcPlane::Mappings {};
+#endif
+
+IpcPlane::IpcPlane(Registry& registry, ClipCoordinator& clip, ServerStats& stats)
+    : registry_(registry), clip_(clip), stats_(stats) {}
+IpcPlane::~IpcPlane() = default;
+
+absl::Status IpcPlane::Start(MemoryTier tier) {
+  if (tier != MemoryTier::kDevice) return absl::OkStatus();
+#if FLATSHARD_HAVE_CUDA
+  int device = 0;
+  FLATSHARD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  FLATSHARD_ASSIGN_OR_RETURN(gpu_uuid_, kernels::cuda::DeviceUuid(device));
+  mappings_ = std::make_unique<Mappings>();
+#endif
+  return absl::OkStatus();
+}
+
+#if FLATSHARD_HAVE_CUDA
+namespace {
+
+struct Resolved {
+  std::shared_ptr<Group> group;
+  DType dtype;
+  kernels::cuda::MappedBuffer buffer;
+};
+
+absl::StatusOr<Resolved> Resolve(Registry& registry, kernels::cuda::IpcMappings& mappings,
+                                 const v1::IpcTransferRequest& request) {
+  FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<Group> group,
+                             registry.FindGroup(request.job(), request.group()));
+  FLATSHARD_ASSIGN_OR_RETURN(DType dtype, FromProto(request.dtype()));
+  const uint64_t expected = static_cast<uint64_t>(group->shard_numel()) * DTypeSize(dtype);
+  if (request.bytes() != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CUDA IPC transfer for group '", request.group(), "' names ", request.bytes(),
+        " bytes; this server's shard is ", expected, " (", group->shard_numel(), " ",
+        DTypeName(dtype), " elements)"));
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(kernels::cuda::MappedBuffer buffer,
+                             mappings.Map(request.ipc_handle(), request.offset(), request.bytes()));
+  return Resolved{std::move(group), dtype, std::move(buffer)};
+}
+
+}  // namespace
+#endif
+
+absl::StatusOr<int64_t> IpcPlane::Gather(const v1::IpcTransferRequest& request) {
+#if FLATSHARD_HAVE_CUDA
+  if (mappings_ != nullptr) {
+    FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request));
+    FLATSHARD_ASSIGN_OR_RETURN(
+        int64_t version, r.group->GatherInto(request.version(), r.dtype, r.buffer.data,
+                                             absl::Now() + absl::Milliseconds(request.timeout_ms())));
+    ++stats_.gathers;
+    ++stats_.ipc_gathers;
+    stats_.bytes_sent += static_cast<int64_t>(request.bytes());
+    return version;
+  }
+#endif
+  (void)request;
+  return absl::FailedPreconditionError(
+      "this server does not keep its shards in GPU memory; use the TCP data plane");
+}
+
+absl::StatusOr<int64_t> IpcPlane::Scatter(const v1::IpcTransferRequest& request) {
+#if FLATSHARD_HAVE_CUDA
+  if (mappings_ != nullptr) {
+    FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request));
+    FLATSHARD_ASSIGN_OR_RETURN(
+        ReceiveSlot slot, r.group->BeginScatter(request.version(), request.worker_rank(), r.dtype,
+                                                SlotMemory::kDevice));
+    if (absl::Status filled = r.group->FillDeviceSlot(slot, r.buffer.data); !filled.ok()) {
+      r.group->AbortScatter(slot);
+      return filled;
+    }
+    FLATSHARD_ASSIGN_OR_RETURN(CommitOutcome outcome, r.group->CommitScatter(slot));
+    ++stats_.scatters;
+    ++stats_.ipc_scatters;
+    stats_.bytes_received += static_cast<int64_t>(request.bytes());
+    if (outcome == CommitOutcome::kReduced) {
+      FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(request.job(), request.version()));
+    }
+    return r.group->version();
+  }
+#endif
+  (void)request;
+  return absl::FailedPreconditionError(
+      "this server does not keep its shards in GPU memory; use the TCP data plane");
+}
+
+}  // namespace flatshard::server

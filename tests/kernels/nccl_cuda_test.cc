@@ -1,0 +1,84 @@
+// NCCL communicator set-up, transfers and teardown, with NCCL loaded at run time. One GPU
+// allows only a single-rank communicator (NCCL refuses two ranks on one device): it
+// sends a buffer to itself and receives it back. A two-rank communicator whose peer
+// never comes is aborted at its deadline with DeadlineExceeded instead of hanging.
+// Skips, with the reason, without a CUDA device or without libnccl.
+#include "kernels/cuda/nccl.h"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/device_memory.h"
+
+namespace flatshard::kernels::cuda {
+namespace {
+
+class NcclTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<int> count = DeviceCount();
+    ASSERT_TRUE(count.ok()) << count.status();
+    if (*count == 0) GTEST_SKIP() << "no CUDA device (or no driver) on this machine";
+    absl::StatusOr<std::string> version = NcclVersion();
+    if (!version.ok()) GTEST_SKIP() << version.status().message();
+    std::printf("NCCL %s\n", version->c_str());
+  }
+};
+
+TEST_F(NcclTest, SingleRankCommunicatorSendsToItselfAndTearsDown) {
+  absl::StatusOr<std::string> id = NcclCommunicator::NewUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
+      NcclCommunicator::Create(*id, 1, 0, absl::Seconds(30));
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  const size_t bytes = (4 << 20) + 12;
+  std::vector<unsigned char> host(bytes);
+  std::mt19937 rng(std::random_device{}());
+  for (auto& b : host) b = static_cast<unsigned char>(rng());
+  absl::StatusOr<DeviceMemory> src = DeviceMemory::Allocate(bytes, "src");
+  absl::StatusOr<DeviceMemory> dst = DeviceMemory::Allocate(bytes, "dst");
+  ASSERT_TRUE(src.ok() && dst.ok());
+  ASSERT_EQ(cudaMemcpy(src->data(), host.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dst->data(), 0xA5, bytes), cudaSuccess);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  ASSERT_TRUE((*comm)->GroupStart().ok());
+  ASSERT_TRUE((*comm)->Send(src->data(), bytes, 0, stream).ok());
+  ASSERT_TRUE((*comm)->Recv(dst->data(), bytes, 0, stream).ok());
+  ASSERT_TRUE((*comm)->GroupEnd().ok());
+  absl::Status waited = (*comm)->Wait(stream, absl::Seconds(30));
+  ASSERT_TRUE(waited.ok()) << waited;
+  std::vector<unsigned char> back(bytes);
+  ASSERT_EQ(cudaMemcpy(back.data(), dst->data(), bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(back, host);
+  comm->reset();  // finalize + destroy
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(NcclTest, AMissingPeerIsADeadlineNotAHang) {
+  absl::StatusOr<std::string> id = NcclCommunicator::NewUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
+      NcclCommunicator::Create(*id, 2, 0, absl::Seconds(2));
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded) << comm.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+TEST_F(NcclTest, MalformedArgumentsAreRefused) {
+  EXPECT_EQ(NcclCommunicator::Create("short", 1, 0, absl::Seconds(1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::string> id = NcclCommunicator::NewUniqueId();
+  ASSERT_TRUE(id.ok());
+  EXPECT_EQ(NcclCommunicator::Create(*id, 2, 2, absl::Seconds(1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace flatshard::kernels::cuda
