@@ -1,0 +1,284 @@
+"""flatshard: the Python client of the flatshard parameter shard server.
+
+    import flatshard
+    with flatshard.LocalCluster(servers=2) as cluster:
+        c = flatshard.Client(servers=cluster.addresses, token=cluster.token)
+        c.configure_job()
+        c.register_group("mlp", tensors=[("weight", (4, 3), "float32")],
+                         optimizer=flatshard.AdamW(lr=1e-3))
+        c.init_group("mlp", {"weight": w})
+        params = c.gather("mlp")                 # {"weight": numpy array}
+        c.scatter("mlp", {"weight": grad}, step=0)
+
+Buffers cross into C++ without copies (buffer protocol); every network wait releases
+the GIL. Failures raise flatshard.Error subclasses carrying the status code. Arrays
+are numpy arrays (CPU torch tensors are accepted wherever arrays are); bfloat16 values,
+which numpy lacks, travel as their bit patterns in int16 arrays
+(``torch.from_numpy(a).view(torch.bfloat16)``).
+"""
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import _native
+from ._errors import (AlreadyExistsError, DataLossError, DeadlineExceededError, Error,
+                      FailedPreconditionError, InternalError, InvalidArgumentError,
+                      NotFoundError, ResourceExhaustedError, UnauthenticatedError,
+                      UnavailableError)
+from .local_cluster import LocalCluster
+
+__all__ = [
+    "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Error", "InvalidArgumentError",
+    "DeadlineExceededError", "NotFoundError", "AlreadyExistsError", "ResourceExhaustedError",
+    "FailedPreconditionError", "UnavailableError", "InternalError", "DataLossError",
+    "UnauthenticatedError",
+]
+
+_NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+          "bfloat16": np.dtype(np.int16)}
+_ALIASES = {"float": "float32", "half": "float16", "float32": "float32", "float16": "float16",
+            "bfloat16": "bfloat16"}
+
+
+def dtype_name(dtype):
+    """"float32" | "bfloat16" | "float16" for a name, a numpy dtype or a torch dtype."""
+    text = str(dtype).replace("torch.", "")
+    if text in _ALIASES:
+        return _ALIASES[text]
+    try:
+        text = np.dtype(dtype).name
+    except TypeError:
+        pass
+    if text in _ALIASES:
+        return _ALIASES[text]
+    raise InvalidArgumentError(f"dtype {dtype!r}: expected float32, bfloat16 or float16")
+
+
+@dataclass
+class SGD:
+    """torch.optim.SGD on the servers."""
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    def _spec(self):
+        return dict(kind="sgd", **asdict(self))
+
+
+@dataclass
+class Adam:
+    """torch.optim.Adam on the servers."""
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    _kind = "adam"
+
+    def _spec(self):
+        return dict(kind=self._kind, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
+                    eps=self.eps, weight_decay=self.weight_decay, amsgrad=self.amsgrad)
+
+
+@dataclass
+class AdamW(Adam):
+    """torch.optim.AdamW on the servers (decoupled weight decay; torch's default 0.01)."""
+    weight_decay: float = 0.01
+    _kind = "adamw"
+
+
+def _as_array(value, what):
+    """A C-contiguous numpy view (or copy) of an array or CPU torch tensor."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # torch.Tensor
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            raise InvalidArgumentError(f"{what}: tensors on {tensor.device} are not supported here; "
+                                       "pass CPU tensors")
+        if str(tensor.dtype) == "torch.bfloat16":
+            import torch
+            tensor = tensor.contiguous().view(torch.int16)
+            return tensor.numpy(), "bfloat16"
+        array = tensor.contiguous().numpy()
+    else:
+        array = np.ascontiguousarray(value)
+    try:
+        return array, dtype_name(array.dtype)
+    except InvalidArgumentError:
+        return array, str(array.dtype)
+
+
+class GroupLayout:
+    """Where each tensor of a group sits in its flat parameter (FSDP layout rules)."""
+
+    def __init__(self, info):
+        self.tensors = info["tensors"]  # dicts: name, shape, dtype, offset, numel
+        self.padded_numel = info["padded_numel"]
+        self.unpadded_numel = info["unpadded_numel"]
+        self.shard_numel = info["shard_numel"]
+        self.num_shards = info["num_shards"]
+        self.names = [t["name"] for t in self.tensors]
+
+    def views(self, flat):
+        """Per-tensor views (registered shapes) into a flat buffer."""
+        return {t["name"]: flat[t["offset"]:t["offset"] + t["numel"]].reshape(t["shape"])
+                for t in self.tensors}
+
+    def flatten(self, values, dtype, what):
+        """One padded flat buffer of `dtype` from {name: array}, checking names, shapes, dtypes."""
+        missing = [n for n in self.names if n not in values]
+        extra = [n for n in values if n not in self.names]
+        if missing or extra:
+            raise InvalidArgumentError(f"{what}: missing tensors {missing}, unknown tensors {extra}")
+        flat = np.zeros(self.padded_numel, dtype=_NUMPY[dtype])
+        for t in self.tensors:
+            array, got = _as_array(values[t["name"]], f"{what} '{t['name']}'")
+            if tuple(array.shape) != tuple(t["shape"]):
+                raise InvalidArgumentError(f"{what}: tensor '{t['name']}' has shape {tuple(array.shape)}, "
+                                           f"registered {tuple(t['shape'])}")
+            if got != dtype:
+                raise InvalidArgumentError(f"{what}: tensor '{t['name']}' is {got}, expected {dtype}")
+            flat[t["offset"]:t["offset"] + t["numel"]] = array.reshape(-1)
+        return flat
+
+
+class Transfer:
+    """A gather or scatter in flight; ``wait()`` returns its result."""
+
+    def __init__(self, pending, finish):
+        self._pending = pending
+        self._finish = finish
+
+    def wait(self):
+        return self._finish(self._pending.wait())
+
+
+class Client:
+    """A training worker's connection to every server of a cluster (C++ client inside)."""
+
+    def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,
+                 job="default"):
+        self._native = _native.Client(list(servers), int(worker_rank), int(num_workers),
+                                      token or "", float(timeout), job)
+        self.servers = list(servers)
+        self.worker_rank = worker_rank
+        self.num_workers = num_workers
+        self.job = job
+        self._layouts = {}
+        self._optimizers = {}
+
+    def configure_job(self, mode="sync", reduce="mean", max_grad_norm=None, norm_type=2.0,
+                      max_staleness=None):
+        """Job settings, identical from every worker (idempotent)."""
+        if mode not in ("sync", "async"):
+            raise InvalidArgumentError(f"mode {mode!r}: expected 'sync' or 'async'")
+        if reduce not in ("mean", "sum"):
+            raise InvalidArgumentError(f"reduce {reduce!r}: expected 'mean' or 'sum'")
+        self._native.configure_job(mode == "async", reduce == "mean", float(max_grad_norm or 0.0),
+                                   float(norm_type),
+                                   -1 if max_staleness is None else int(max_staleness))
+
+    def register_group(self, name, tensors, optimizer, align=0):
+        """Registers (or finds the identical) group: tensors = [(name, shape, dtype), ...]."""
+        specs = [(str(n), [int(d) for d in shape], dtype_name(dt)) for n, shape, dt in tensors]
+        layout = GroupLayout(self._native.register_group(name, specs, optimizer._spec(), int(align)))
+        self._layouts[name] = layout
+        self._optimizers[name] = optimizer
+        return layout
+
+    def layout(self, name):
+        if name not in self._layouts:
+            raise NotFoundError(f"group '{name}' was not registered by this client")
+        return self._layouts[name]
+
+    def init_group(self, name, values):
+        """Pushes initial values {tensor name: array} (float32); any one worker does it."""
+        flat = self.layout(name).flatten(
+            {k: _as_array(v, "init")[0].astype(np.float32, copy=False) for k, v in values.items()},
+            "float32", f"init_group('{name}')")
+        self._native.init_group(name, flat)
+
+    def init_group_from_seed(self, name, seed):
+        self._native.init_group_from_seed(name, int(seed))
+
+    def gather_async(self, name, min_version=0, dtype="float32", out=None):
+        """Starts a gather into `out` (or a new flat array); wait() -> (flat, version)."""
+        dtype = dtype_name(dtype)
+        layout = self.layout(name)
+        if out is None:
+            out = np.empty(layout.padded_numel, dtype=_NUMPY[dtype])
+        pending = self._native.gather(name, int(min_version), dtype, out)
+        return Transfer(pending, lambda version: (out, version))
+
+    def gather_flat(self, name, min_version=0, dtype="float32", out=None):
+        """The flat parameter (padded_numel elements) at a version >= min_version, and the version."""
+        return self.gather_async(name, min_version, dtype, out).wait()
+
+    def gather(self, name, min_version=0, dtype="float32"):
+        """{tensor name: array of its registered shape} at a version >= min_version."""
+        flat, _ = self.gather_flat(name, min_version, dtype)
+        return self.layout(name).views(flat)
+
+    def scatter_async(self, name, grads, step, dtype="float32"):
+        """Starts a scatter of {name: gradient} (or a flat padded buffer) for `step`."""
+        dtype = dtype_name(dtype)
+        layout = self.layout(name)
+        if isinstance(grads, dict):
+            flat = layout.flatten(grads, dtype, f"scatter('{name}')")
+        else:
+            flat, got = _as_array(grads, f"scatter('{name}')")
+            if got != dtype or flat.size != layout.padded_numel:
+                raise InvalidArgumentError(f"scatter('{name}'): flat gradient of {flat.size} {got}; "
+                                           f"expected {layout.padded_numel} {dtype}")
+        pending = self._native.scatter(name, int(step), dtype, flat)
+        return Transfer(pending, lambda _: None)
+
+    def scatter(self, name, grads, step, dtype="float32"):
+        """Sends this worker's gradient for `step`; returns once every server holds it."""
+        self.scatter_async(name, grads, step, dtype).wait()
+
+    def version(self, name):
+        """Optimizer steps applied so far (the lowest over the servers)."""
+        return self._native.wait_version(name, 0)
+
+    def wait_version(self, name, min_version):
+        return self._native.wait_version(name, int(min_version))
+
+    def set_hyperparams(self, name, **changes):
+        """New hyper-parameters from the next step on, e.g. set_hyperparams("mlp", lr=5e-4)."""
+        current = self._optimizers.get(name)
+        if current is None:
+            raise NotFoundError(f"group '{name}' was not registered by this client")
+        unknown = [k for k in changes if not hasattr(current, k)]
+        if unknown:
+            raise InvalidArgumentError(f"unknown hyper-parameters {unknown} for {type(current).__name__}")
+        updated = type(current)(**{**asdict(current), **changes})
+        self._native.set_hyperparams(name, updated._spec())
+        self._optimizers[name] = updated
+
+    def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True):
+        self._native.save_checkpoint(name, kind, bool(optimizer), not blocking)
+
+    def load_checkpoint(self, name):
+        self._native.load_checkpoint(name)
+
+    def list_checkpoints(self):
+        return self._native.list_checkpoints()
+
+    def delete_checkpoint(self, name):
+        self._native.delete_checkpoint(name)
+
+    def export_state_dict(self, path, kind="full", optimizer=False):
+        """Streams the job's state dict into directory `path` on this machine."""
+        self._native.export_state_dict(str(path), kind, bool(optimizer))
+
+    def status(self):
+        """Every server's status, as `flatshard status --json`."""
+        return {"servers": [json.loads(text) for text in self._native.status_json()]}
+
+    def data_planes(self):
+        """Per server, "tcp" or "cuda-ipc" (device buffers on this process's GPU)."""
+        return self._native.data_planes()

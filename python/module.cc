@@ -1,0 +1,310 @@
+// flatshard._native: the C++ client for Python (pybind11). A thin layer: flat buffers
+// cross through the buffer protocol without copies, every network wait releases the
+// GIL, and a failed absl::Status raises the flatshard.Error subclass for its code
+// (flatshard/_errors.py). The Pythonic surface (dicts of tensors, optimizers, dtypes)
+// is python/flatshard/__init__.py on top of this.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <google/protobuf/util/json_util.h>
+
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cluster_status.h"
+#include "flatshard/client.h"
+
+namespace py = pybind11;
+
+namespace flatshard::python {
+namespace {
+
+[[noreturn]] void Raise(const absl::Status& status) {
+  py::object error = py::module_::import("flatshard._errors")
+                         .attr("from_status")(static_cast<int>(status.code()),
+                                              std::string(status.message()));
+  PyErr_SetObject(error.get_type().ptr(), error.ptr());
+  throw py::error_already_set();
+}
+
+void Check(const absl::Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+template <typename T>
+T Check(absl::StatusOr<T> value) {
+  if (!value.ok()) Raise(value.status());
+  return *std::move(value);
+}
+
+DType ToDType(const std::string& name) { return Check(ParseDType(name)); }
+
+CheckpointKind ToKind(const std::string& kind) {
+  if (kind == "full") return CheckpointKind::kFull;
+  if (kind == "sharded") return CheckpointKind::kSharded;
+  if (kind == "local") return CheckpointKind::kLocal;
+  Raise(absl::InvalidArgumentError(
+      absl::StrCat("checkpoint kind '", kind, "': expected full, sharded or local")));
+}
+
+// A contiguous buffer of `bytes` bytes from any object with the buffer protocol.
+py::buffer_info Buffer(const py::buffer& buffer, bool writable) {
+  py::buffer_info info = buffer.request(writable);
+  if (writable && info.readonly) Raise(absl::InvalidArgumentError("the output buffer is read-only"));
+  int64_t expected = info.itemsize;
+  for (int i = info.ndim - 1; i >= 0; --i) {
+    if (info.shape[i] > 1 && info.strides[i] != expected) {
+      Raise(absl::InvalidArgumentError("buffers must be C-contiguous"));
+    }
+    expected *= info.shape[i];
+  }
+  return info;
+}
+
+absl::Span<std::byte> Bytes(const py::buffer_info& info) {
+  return {static_cast<std::byte*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
+}
+
+// A Gather or Scatter in flight. The buffer stays referenced until the result is taken.
+class Pending {
+ public:
+  Pending(std::future<absl::StatusOr<int64_t>> future, py::buffer keep)
+      : future_(std::move(future)), keep_(std::move(keep)) {}
+  // Waits (GIL released) and returns the version; raises on failure.
+  int64_t Wait() {
+    absl::StatusOr<int64_t> result = [&] {
+      py::gil_scoped_release release;
+      return future_.get();
+    }();
+    keep_ = py::buffer();
+    return Check(std::move(result));
+  }
+  bool Done() const {
+    return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+
+ private:
+  std::future<absl::StatusOr<int64_t>> future_;
+  py::buffer keep_;
+};
+
+std::future<absl::StatusOr<int64_t>> AsVersionFuture(std::future<absl::Status> status) {
+  return std::async(std::launch::deferred, [status = std::move(status)]() mutable -> absl::StatusOr<int64_t> {
+    absl::Status s = status.get();
+    if (!s.ok()) return s;
+    return int64_t{0};
+  });
+}
+
+OptimizerOptions ToOptimizer(const py::dict& spec) {
+  const std::string kind = spec["kind"].cast<std::string>();
+  if (kind == "sgd") {
+    return SgdOptions{.lr = spec["lr"].cast<double>(),
+                      .momentum = spec["momentum"].cast<double>(),
+                      .dampening = spec["dampening"].cast<double>(),
+                      .weight_decay = spec["weight_decay"].cast<double>(),
+                      .nesterov = spec["nesterov"].cast<bool>()};
+  }
+  if (kind == "adam" || kind == "adamw") {
+    return AdamOptions{.lr = spec["lr"].cast<double>(),
+                       .beta1 = spec["beta1"].cast<double>(),
+                       .beta2 = spec["beta2"].cast<double>(),
+                       .eps = spec["eps"].cast<double>(),
+                       .weight_decay = spec["weight_decay"].cast<double>(),
+                       .amsgrad = spec["amsgrad"].cast<bool>(),
+                       .decoupled_weight_decay = kind == "adamw"};
+  }
+  Raise(absl::InvalidArgumentError(absl::StrCat("optimizer kind '", kind, "'")));
+}
+
+py::dict LayoutToDict(const FlatLayout& layout) {
+  py::list tensors;
+  for (int i = 0; i < layout.num_tensors(); ++i) {
+    const TensorSpec& spec = layout.tensor(i);
+    tensors.append(py::dict(py::arg("name") = spec.fqn, py::arg("shape") = py::tuple(py::cast(spec.shape)),
+                            py::arg("dtype") = std::string(DTypeName(spec.dtype)),
+                            py::arg("offset") = layout.tensor_offset(i),
+                            py::arg("numel") = layout.tensor_numel(i)));
+  }
+  return py::dict(py::arg("tensors") = tensors, py::arg("padded_numel") = layout.padded_numel(),
+                  py::arg("unpadded_numel") = layout.unpadded_numel(),
+                  py::arg("shard_numel") = layout.shard_numel(), py::arg("num_shards") = layout.num_shards());
+}
+
+class PyClient {
+ public:
+  PyClient(std::vector<std::string> servers, int worker_rank, int num_workers, std::string token,
+           double timeout, std::string job) {
+    ClientOptions options{.servers = std::move(servers),
+                          .token = std::move(token),
+                          .worker_rank = worker_rank,
+                          .num_workers = num_workers,
+                          .job = std::move(job),
+                          .timeout = absl::Seconds(timeout)};
+    absl::StatusOr<std::unique_ptr<Client>> client = [&] {
+      py::gil_scoped_release release;
+      return Client::Connect(options);
+    }();
+    client_ = Check(std::move(client));
+  }
+
+  void ConfigureJob(bool async, bool mean, double max_grad_norm, double norm_type, int64_t max_staleness) {
+    const JobOptions job{.reduce_mean = mean, .max_grad_norm = max_grad_norm, .norm_type = norm_type,
+                         .async = async, .max_staleness = max_staleness};
+    Released([&] { return client_->ConfigureJob(job); });
+  }
+
+  py::dict RegisterGroup(const std::string& name, const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string>>& tensors,
+                         const py::dict& optimizer, int64_t align) {
+    std::vector<TensorSpec> specs;
+    for (const auto& [fqn, shape, dtype] : tensors) specs.push_back({fqn, shape, ToDType(dtype)});
+    const OptimizerOptions options = ToOptimizer(optimizer);
+    absl::StatusOr<const FlatLayout*> layout = [&] {
+      py::gil_scoped_release release;
+      return client_->RegisterGroup(name, specs, align, options);
+    }();
+    return LayoutToDict(*Check(std::move(layout)));
+  }
+
+  void InitGroup(const std::string& name, const py::buffer& flat) {
+    py::buffer_info info = Buffer(flat, false);
+    if (info.itemsize != 4 || info.format != py::format_descriptor<float>::format()) {
+      Raise(absl::InvalidArgumentError("initial values must be a float32 buffer"));
+    }
+    const absl::Span<const float> values(static_cast<const float*>(info.ptr), static_cast<size_t>(info.size));
+    Released([&] { return client_->InitGroup(name, values); });
+  }
+
+  void InitGroupFromSeed(const std::string& name, uint64_t seed) {
+    Released([&] { return client_->InitGroupFromSeed(name, seed); });
+  }
+
+  std::unique_ptr<Pending> Gather(const std::string& name, int64_t min_version, const std::string& dtype,
+                                  const py::buffer& out) {
+    py::buffer_info info = Buffer(out, true);
+    return std::make_unique<Pending>(client_->Gather(name, min_version, ToDType(dtype), Bytes(info)), out);
+  }
+
+  std::unique_ptr<Pending> Scatter(const std::string& name, int64_t step, const std::string& dtype,
+                                   const py::buffer& grad) {
+    py::buffer_info info = Buffer(grad, false);
+    return std::make_unique<Pending>(
+        AsVersionFuture(client_->Scatter(name, step, ToDType(dtype), Bytes(info))), grad);
+  }
+
+  int64_t WaitVersion(const std::string& name, int64_t min_version) {
+    absl::StatusOr<int64_t> version = [&] {
+      py::gil_scoped_release release;
+      return client_->WaitVersion(name, min_version);
+    }();
+    return Check(std::move(version));
+  }
+
+  void SetHyperparams(const std::string& name, const py::dict& optimizer) {
+    const OptimizerOptions options = ToOptimizer(optimizer);
+    Released([&] { return client_->SetHyperparams(name, options); });
+  }
+
+  void SaveCheckpoint(const std::string& name, const std::string& kind, bool optimizer, bool async) {
+    const CheckpointKind k = ToKind(kind);
+    Released([&] { return client_->SaveCheckpoint(name, k, optimizer, async); });
+  }
+  void LoadCheckpoint(const std::string& name) {
+    Released([&] { return client_->LoadCheckpoint(name); });
+  }
+  void DeleteCheckpoint(const std::string& name) {
+    Released([&] { return client_->DeleteCheckpoint(name); });
+  }
+  py::list ListCheckpoints() {
+    absl::StatusOr<std::vector<CheckpointEntry>> entries = [&] {
+      py::gil_scoped_release release;
+      return client_->ListCheckpoints();
+    }();
+    py::list out;
+    for (const CheckpointEntry& e : Check(std::move(entries))) {
+      out.append(py::dict(py::arg("name") = e.name, py::arg("complete") = e.complete,
+                          py::arg("kind") = e.kind, py::arg("job") = e.job, py::arg("servers") = e.servers,
+                          py::arg("optimizer") = e.optimizer, py::arg("bytes") = e.bytes,
+                          py::arg("versions") = e.versions));
+    }
+    return out;
+  }
+  void ExportStateDict(const std::string& path, const std::string& kind, bool optimizer) {
+    const CheckpointKind k = ToKind(kind);
+    Released([&] { return client_->ExportStateDict(path, k, optimizer); });
+  }
+
+  // As `flatshard status --json`: one JSON object per server (or {"address", "error"}).
+  std::vector<std::string> StatusJson() {
+    std::vector<absl::StatusOr<v1::ServerStatus>> statuses;
+    {
+      py::gil_scoped_release release;
+      statuses = FetchClusterStatus(client_->options().servers, client_->options().token,
+                                    client_->options().timeout);
+    }
+    std::vector<std::string> out;
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      if (!statuses[i].ok()) {
+        out.push_back(absl::StrCat("{\"address\": \"", client_->options().servers[i], "\", \"error\": \"",
+                                   statuses[i].status().message(), "\"}"));
+        continue;
+      }
+      std::string text;
+      google::protobuf::util::JsonPrintOptions print;
+      print.always_print_primitive_fields = true;
+      print.preserve_proto_field_names = true;
+      (void)google::protobuf::util::MessageToJsonString(*statuses[i], &text, print);
+      out.push_back(std::move(text));
+    }
+    return out;
+  }
+
+  std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }
+
+ private:
+  template <typename F>
+  void Released(F&& call) {
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = call();
+    }
+    Check(status);
+  }
+
+  std::unique_ptr<Client> client_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "flatshard's C++ client (use the flatshard package, not this module)";
+  py::class_<Pending>(m, "Pending")
+      .def("wait", &Pending::Wait, "Waits for the transfer; returns the version (gather) or 0.")
+      .def("done", &Pending::Done);
+  py::class_<PyClient>(m, "Client")
+      .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string>(),
+           py::arg("servers"), py::arg("worker_rank"), py::arg("num_workers"), py::arg("token"),
+           py::arg("timeout"), py::arg("job"))
+      .def("configure_job", &PyClient::ConfigureJob)
+      .def("register_group", &PyClient::RegisterGroup)
+      .def("init_group", &PyClient::InitGroup)
+      .def("init_group_from_seed", &PyClient::InitGroupFromSeed)
+      .def("gather", &PyClient::Gather)
+      .def("scatter", &PyClient::Scatter)
+      .def("wait_version", &PyClient::WaitVersion)
+      .def("set_hyperparams", &PyClient::SetHyperparams)
+      .def("save_checkpoint", &PyClient::SaveCheckpoint)
+      .def("load_checkpoint", &PyClient::LoadCheckpoint)
+      .def("delete_checkpoint", &PyClient::DeleteCheckpoint)
+      .def("list_checkpoints", &PyClient::ListCheckpoints)
+      .def("export_state_dict", &PyClient::ExportStateDict)
+      .def("status_json", &PyClient::StatusJson)
+      .def("data_planes", &PyClient::DataPlanes);
+}
+
+}  // namespace flatshard::python
