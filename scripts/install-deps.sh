@@ -13,6 +13,8 @@ packages=(
   nlohmann-json3-dev libxxhash-dev libspdlog-dev libfmt-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev iperf3
+  # the Python package and its tests (/usr/bin/python3): pybind11 module, numpy, PyTorch
+  python3-dev pybind11-dev python3-numpy python3-torch
 )
 
 missing=()

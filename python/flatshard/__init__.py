@@ -164,6 +164,8 @@ class Client:
         self._native = _native.Client(list(servers), int(worker_rank), int(num_workers),
                                       token or "", float(timeout), job)
         self.servers = list(servers)
+        self._token = token
+        self._timeout = timeout
         self.worker_rank = worker_rank
         self.num_workers = num_workers
         self.job = job

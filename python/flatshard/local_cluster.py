@@ -88,8 +88,8 @@ class LocalCluster:
                     f"--memory={self.memory}"]
             if self.checkpoint_root:
                 args.append(f"--checkpoint_root={self.checkpoint_root}")
-            log = open(os.path.join(self._scratch, f"server-{rank}.log"), "w")
-            self._processes.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+            with open(os.path.join(self._scratch, f"server-{rank}.log"), "w") as log:
+                self._processes.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + self._startup_timeout
         for rank, address in enumerate(self.addresses):
             host, port = address.rsplit(":", 1)

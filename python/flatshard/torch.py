@@ -1,0 +1,233 @@
+"""flatshard.torch: FSDP-style training of a torch.nn.Module on flatshard servers.
+
+    model = flatshard.torch.ShardedModule(Net(), client, optimizer=flatshard.AdamW(lr=1e-3))
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        loss.backward()          # each group's gradient is scattered as soon as it is ready
+        model.step()             # waits for the servers' new version
+
+Parameters are grouped one flat parameter per wrapped submodule, chosen like FSDP's
+``size_based_auto_wrap_policy``: a submodule whose not-yet-wrapped parameters number at
+least ``auto_wrap_min_params`` becomes a group, the root takes the rest. Worker 0's
+initial values are pushed to the servers; every worker waits for them (a barrier on the
+servers) before its first forward. Each parameter is a view into its group's flat
+buffer, which gathers fill in place (no per-tensor copies). Each forward starts the
+gathers of every group (prefetch); a group's forward pre-hook waits for its own. Groups
+whose module's forward never runs (used functionally, like MultiheadAttention's
+out_proj) are waited for up front, as is everything in the first step. Gradient hooks
+copy each gradient into the group's flat gradient buffer, and the group is scattered the
+moment its last gradient arrives, while backward continues with the other groups.
+
+``param_dtype`` / ``reduce_dtype`` follow FSDP's ``MixedPrecision``: parameters are
+gathered in param_dtype (the servers keep the fp32 master and cast), gradients are sent
+in reduce_dtype (default: param_dtype). One backward per step (no gradient accumulation
+across several backward calls); sync jobs only.
+"""
+
+import collections
+import itertools
+
+import numpy as np
+import torch
+
+import flatshard
+
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _numpy_view(tensor):
+    """A numpy array sharing `tensor`'s memory (bfloat16 as int16 bit patterns)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy()
+    return tensor.numpy()
+
+
+def _auto_wrap(module, min_params, prefix=""):
+    """FSDP-style size-based grouping: returns (groups, leftover params).
+
+    groups: [(module path, [(fqn, param)])] in pre-order of the wrapped modules.
+    """
+    groups, leftover = [], []
+    for child_name, child in module.named_children():
+        child_prefix = f"{prefix}{child_name}."
+        child_groups, child_left = _auto_wrap(child, min_params, child_prefix)
+        groups.extend(child_groups)
+        if sum(p.numel() for _, p in child_left) >= min_params:
+            groups.append((child_prefix[:-1], child_left))
+        else:
+            leftover.extend(child_left)
+    own = [(f"{prefix}{n}", p) for n, p in module.named_parameters(recurse=False)]
+    return groups, own + leftover
+
+
+class _Group:
+    def __init__(self, name, path, module, params, layout, param_dtype, reduce_dtype):
+        self.name = name
+        self.path = path
+        self.module = module
+        self.params = params  # [(fqn, nn.Parameter)] in layout order
+        self.layout = layout
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.flat = torch.empty(layout.padded_numel, dtype=param_dtype)
+        self.flat_grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype)
+        self.offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
+        self.pending_gather = None
+        self.pending_scatter = None
+        self.seen = set()
+        self.eager = True   # wait for its gather before the forward (until its hook is seen)
+        self.fired = False  # its module's pre-hook ran in this step
+        with torch.no_grad():
+            for fqn, param in params:
+                offset, numel = self.offsets[fqn]
+                view = self.flat[offset:offset + numel].view(param.shape)
+                view.copy_(param.detach())
+                param.data = view
+
+
+class ShardedModule(torch.nn.Module):
+    """Wraps `module` so its parameters live on the flatshard servers (see module doc)."""
+
+    def __init__(self, module, client, optimizer, param_dtype=None, reduce_dtype=None,
+                 auto_wrap_min_params=100_000, name="model"):
+        super().__init__()
+        self.module = module
+        self._client = client
+        self._step = 0
+        self._param_dtype = param_dtype or torch.float32
+        self._reduce_dtype = reduce_dtype or self._param_dtype
+        for dtype in (self._param_dtype, self._reduce_dtype):
+            if dtype not in _NAMES:
+                raise flatshard.InvalidArgumentError(f"dtype {dtype}: expected float32, bfloat16 or float16")
+        wrapped, rest = _auto_wrap(module, auto_wrap_min_params)
+        if rest:
+            wrapped.insert(0, ("", rest))  # the root group: forward starts there
+        modules = dict(module.named_modules())
+        self._groups = []
+        for path, params in wrapped:
+            group_name = f"{name}.{path or '<root>'}"
+            layout = client.register_group(
+                group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], optimizer)
+            self._groups.append(_Group(group_name, path, modules[path], params, layout,
+                                       self._param_dtype, self._reduce_dtype))
+        self._initialize(name)
+        for index, group in enumerate(self._groups):
+            group.module.register_forward_pre_hook(
+                lambda _m, _inputs, index=index: self._before_forward(index))
+            for fqn, param in group.params:
+                param.register_hook(lambda grad, group=group, fqn=fqn: self._on_grad(group, fqn, grad))
+
+    @property
+    def groups(self):
+        """[(group name, module path, [parameter fqn])], in forward order."""
+        return [(g.name, g.path, [f for f, _ in g.params]) for g in self._groups]
+
+    @property
+    def version(self):
+        return self._step
+
+    def _initialize(self, name):
+        """Worker 0 pushes its values; a one-element barrier job makes the others wait."""
+        c = self._client
+        if c.worker_rank == 0:
+            for group in self._groups:
+                c.init_group(group.name, {fqn: p.detach().float() for fqn, p in group.params})
+        barrier = flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
+                                   timeout=c._timeout, job=f"{c.job}.{name}.barrier")
+        barrier.configure_job()
+        barrier.register_group("barrier", [("x", (1,), "float32")], flatshard.SGD(lr=0.0))
+        start = barrier.version("barrier")
+        barrier.scatter("barrier", {"x": np.zeros(1, np.float32)}, step=start)
+        barrier.wait_version("barrier", start + 1)
+
+    def _gather_all(self):
+        for group in self._groups:
+            if group.pending_gather is None:
+                group.pending_gather = self._client.gather_async(
+                    group.name, self._step, _NAMES[self._param_dtype], out=_numpy_view(group.flat))
+        for group in self._groups:
+            if group.eager:
+                self._wait_gather(group)
+
+    @staticmethod
+    def _wait_gather(group):
+        if group.pending_gather is not None:
+            group.pending_gather.wait()
+            group.pending_gather = None
+
+    def _before_forward(self, index):
+        group = self._groups[index]
+        group.fired = True
+        self._wait_gather(group)
+
+    def _on_grad(self, group, fqn, grad):
+        offset, numel = group.offsets[fqn]
+        group.flat_grad[offset:offset + numel].copy_(grad.detach().reshape(-1))
+        group.seen.add(fqn)
+        if len(group.seen) == len(group.params):
+            self._scatter(group)
+        return None
+
+    def _scatter(self, group):
+        group.pending_scatter = self._client.scatter_async(
+            group.name, _numpy_view(group.flat_grad), self._step, _NAMES[self._reduce_dtype])
+
+    def forward(self, *args, **kwargs):
+        if self._param_dtype != torch.float32:  # MixedPrecision casts floating inputs too
+            cast = lambda x: x.to(self._param_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        self._gather_all()
+        return self.module(*args, **kwargs)
+
+    def step(self):
+        """Sends what backward did not (unused parameters count as zero gradients), waits
+        until every group reaches the next version, and clears the gradients."""
+        for group in self._groups:
+            if group.pending_scatter is None:
+                for fqn, _ in group.params:
+                    if fqn not in group.seen:
+                        offset, numel = group.offsets[fqn]
+                        group.flat_grad[offset:offset + numel].zero_()
+                self._scatter(group)
+        for group in self._groups:
+            group.pending_scatter.wait()
+            group.pending_scatter = None
+            group.seen.clear()
+        for group in self._groups:
+            self._client.wait_version(group.name, self._step + 1)
+            self._wait_gather(group)  # a prefetch nobody waited for: its buffer is ours again
+            group.eager = not group.fired
+            group.fired = False
+        self._step += 1
+        for _, param in self.named_parameters():
+            param.grad = None
+
+    def state_dict(self, *args, **kwargs):
+        """The full state dict, parameters read from the servers in fp32 (buffers local)."""
+        out = collections.OrderedDict()
+        for group in self._groups:
+            values = self._client.gather(group.name, self._step, "float32")
+            for fqn, _ in group.params:
+                out[fqn] = torch.from_numpy(np.array(values[fqn]))
+        for fqn, buffer in self.module.named_buffers():
+            out[fqn] = buffer.detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Pushes a full state dict to the servers (before the first step)."""
+        names = set(itertools.chain.from_iterable([f for f, _ in g.params] for g in self._groups))
+        buffers = dict(self.module.named_buffers())
+        missing = sorted((names | set(buffers)) - set(state_dict))
+        unexpected = sorted(set(state_dict) - names - set(buffers))
+        if strict and (missing or unexpected):
+            raise flatshard.InvalidArgumentError(f"missing keys {missing}, unexpected keys {unexpected}")
+        for group in self._groups:
+            self._client.init_group(group.name, {
+                fqn: (state_dict[fqn] if fqn in state_dict else p).detach().float()
+                for fqn, p in group.params})
+        with torch.no_grad():
+            for fqn, buffer in buffers.items():
+                if fqn in state_dict:
+                    buffer.copy_(state_dict[fqn])
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -1,0 +1,73 @@
+"""Small models and data shared by the Python tests (deterministic by seed)."""
+
+import torch
+from torch import nn
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm transformer block (2-head self-attention + MLP) with a linear head.
+
+    The key projection has no bias: a bias on keys adds the same amount to every
+    attention logit of a query, which softmax ignores, so its exact gradient is zero and
+    its float gradient pure rounding noise that Adam would amplify into random steps.
+    torch 1.13's nn.TransformerEncoderLayer cannot drop it, hence this block.
+    """
+
+    def __init__(self, dim=16, heads=2, hidden=32):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Linear(6, dim)
+        self.norm1 = nn.LayerNorm(dim)
+        self.query = nn.Linear(dim, dim)
+        self.key = nn.Linear(dim, dim, bias=False)
+        self.value = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        b, t, d = h.shape
+        n = self.norm1(h)
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        q, k, v = split(self.query(n)), split(self.key(n)), split(self.value(n))
+        attention = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
+        h = h + self.out((attention @ v).transpose(1, 2).reshape(b, t, d))
+        h = h + self.mlp(self.norm2(h))
+        return self.head(h.mean(dim=1))
+
+
+class AttentionModel(nn.Module):
+    """nn.MultiheadAttention uses its out_proj functionally (out_proj.forward never runs),
+    which ShardedModule must handle: no forward hook of that group ever fires."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.attention(h, h, h, need_weights=False)[0].mean(dim=1))
+
+
+def make_model(kind):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                             nn.Linear(32, 4))
+    if kind == "transformer":
+        return TransformerBlock()
+    if kind == "attention":
+        return AttentionModel()
+    raise ValueError(kind)
+
+
+def make_data(kind, batch=16):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 8, generator=generator) if kind == "mlp" else \
+        torch.randn(batch, 5, 6, generator=generator)
+    y = torch.randn(batch, 4, generator=generator)
+    return x, y

@@ -1,0 +1,181 @@
+"""flatshard.Client and flatshard.LocalCluster: the public Python surface, its numerics
+against numpy float64, and its errors (each a flatshard.Error subclass, raised
+promptly)."""
+
+import os
+import tempfile
+import threading
+import time
+import unittest
+
+import numpy as np
+import torch
+
+import flatshard
+from safetensors_reader import read_safetensors
+
+TENSORS = [("weight", (4, 3), "float32"), ("bias", (4,), "float32")]
+
+
+def values(seed):
+    rng = np.random.default_rng(seed)
+    return {"weight": rng.standard_normal((4, 3)).astype(np.float32),
+            "bias": rng.standard_normal(4).astype(np.float32)}
+
+
+class ClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.TemporaryDirectory()
+        cls.cluster = flatshard.LocalCluster(servers=3, checkpoint_root=cls.root.name).start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.close()
+        cls.root.cleanup()
+
+    def client(self, rank=0, workers=1, job="default", **kw):
+        return flatshard.Client(self.cluster.addresses, worker_rank=rank, num_workers=workers,
+                                token=self.cluster.token, job=job, **kw)
+
+    def test_two_workers_sgd_step_matches_float64(self):
+        clients = [self.client(r, 2, job="sgd") for r in range(2)]
+        for c in clients:
+            c.configure_job(reduce="mean")
+            c.register_group("g", TENSORS, flatshard.SGD(lr=0.1, momentum=0.9))
+        init = values(1)
+        clients[0].init_group("g", init)
+        grads = [values(10), values(11)]
+        threads = [threading.Thread(target=c.scatter, args=("g", grads[r], 0)) for r, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(clients[0].version("g"), 1)
+        params = clients[1].gather("g", min_version=1)
+        for name in ("weight", "bias"):
+            mean = (grads[0][name].astype(np.float64) + grads[1][name]) / 2
+            expected = init[name].astype(np.float64) - 0.1 * mean  # first momentum step: buf = g
+            np.testing.assert_allclose(params[name], expected, rtol=1e-6, atol=1e-7)
+            self.assertEqual(params[name].shape, init[name].shape)
+
+    def test_gathers_in_16_bit_are_exact_casts_and_torch_tensors_are_accepted(self):
+        c = self.client(job="cast")
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.Adam(lr=1e-3))
+        init = values(2)
+        c.init_group("g", {k: torch.from_numpy(v) for k, v in init.items()})
+        bf16 = c.gather("g", dtype=torch.bfloat16)
+        fp16 = c.gather("g", dtype="float16")
+        for name, value in init.items():
+            expected = torch.from_numpy(value).to(torch.bfloat16).view(torch.int16).numpy()
+            np.testing.assert_array_equal(bf16[name], expected)
+            np.testing.assert_array_equal(fp16[name], value.astype(np.float16))
+
+    def test_set_hyperparams_changes_the_next_step(self):
+        c = self.client(job="hp")
+        c.configure_job(reduce="sum")
+        c.register_group("g", TENSORS, flatshard.SGD(lr=1.0))
+        c.init_group("g", {"weight": np.zeros((4, 3), np.float32), "bias": np.zeros(4, np.float32)})
+        ones = {"weight": np.ones((4, 3), np.float32), "bias": np.ones(4, np.float32)}
+        c.scatter("g", ones, step=0)
+        c.set_hyperparams("g", lr=0.25)
+        c.scatter("g", ones, step=1)
+        np.testing.assert_array_equal(c.gather("g", 2)["bias"], np.full(4, -1.25, np.float32))
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            c.set_hyperparams("g", betas=(0.9, 0.9))
+
+    def test_checkpoints_are_shared_by_clusters_on_the_same_root(self):
+        c = self.client(job="ckpt")
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.AdamW(lr=1e-2))
+        c.init_group("g", values(3))
+        c.scatter("g", values(4), step=0)
+        before = c.gather("g", 1)
+        c.save_checkpoint("py-ckpt", kind="sharded", optimizer=True)
+        names = [e["name"] for e in c.list_checkpoints() if e["complete"]]
+        self.assertIn("py-ckpt", names)
+        with flatshard.LocalCluster(servers=2, checkpoint_root=self.root.name) as other:
+            d = flatshard.Client(other.addresses, token=other.token, job="ckpt")
+            d.configure_job()
+            d.register_group("g", TENSORS, flatshard.AdamW(lr=1e-2))
+            d.load_checkpoint("py-ckpt")  # 3 servers -> 2
+            after = d.gather("g", 1)
+            self.assertEqual(d.version("g"), 1)
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name])
+
+    def test_full_export_is_a_safetensors_file_torch_loads(self):
+        c = self.client(job="export")
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        init = values(5)
+        c.init_group("g", init)
+        with tempfile.TemporaryDirectory() as out:
+            c.export_state_dict(out, kind="full")
+            tensors, _ = read_safetensors(os.path.join(out, "model.safetensors"))
+        module = torch.nn.Linear(3, 4)
+        module.load_state_dict(tensors, strict=True)
+        np.testing.assert_array_equal(module.weight.detach().numpy(), init["weight"])
+
+    def test_status_reports_every_server(self):
+        c = self.client(job="status")
+        status = c.status()
+        self.assertEqual(len(status["servers"]), 3)
+        self.assertEqual({s["rank"] for s in status["servers"]}, {0, 1, 2})
+        self.assertEqual(c.data_planes(), ["tcp"] * 3)
+
+
+class ErrorTest(unittest.TestCase):
+    def setUp(self):
+        self.cluster = flatshard.LocalCluster(servers=2).start()
+        self.c = flatshard.Client(self.cluster.addresses, token=self.cluster.token, timeout=2.0)
+        self.c.configure_job()
+        self.c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+
+    def tearDown(self):
+        self.cluster.close()
+
+    def test_wrong_shape_and_dtype(self):
+        bad_shape = {"weight": np.zeros((3, 4), np.float32), "bias": np.zeros(4, np.float32)}
+        with self.assertRaises(flatshard.InvalidArgumentError) as e:
+            self.c.scatter("g", bad_shape, step=0)
+        self.assertIn("weight", str(e.exception))
+        bad_dtype = {"weight": np.zeros((4, 3), np.float64), "bias": np.zeros(4, np.float64)}
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            self.c.scatter("g", bad_dtype, step=0)
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            self.c.gather("g", dtype="int8")
+        with self.assertRaises(flatshard.InvalidArgumentError) as e:
+            self.c.register_group("h", [("w", (2,), "float32")], flatshard.SGD(lr=-1.0))
+        self.assertEqual(e.exception.code, 3)
+
+    def test_unknown_group_and_server_side_errors_carry_the_status_code(self):
+        with self.assertRaises(flatshard.NotFoundError):
+            self.c.gather("nope")
+        zeros = {"weight": np.zeros((4, 3), np.float32), "bias": np.zeros(4, np.float32)}
+        with self.assertRaises(flatshard.FailedPreconditionError) as e:
+            self.c.scatter("g", zeros, step=5)  # a future step
+        self.assertEqual(e.exception.code_name, "FAILED_PRECONDITION")
+        self.assertIn("expected step 0", e.exception.message)
+        with self.assertRaises(flatshard.AlreadyExistsError):
+            self.c.register_group("g", [("other", (2,), "float32")], flatshard.SGD(lr=0.1))
+        with self.assertRaises(flatshard.UnauthenticatedError):
+            flatshard.Client(self.cluster.addresses, token="wrong")
+
+    def test_a_dead_server_fails_promptly(self):
+        self.cluster.kill(1)
+        start = time.monotonic()
+        with self.assertRaises((flatshard.UnavailableError, flatshard.DeadlineExceededError)):
+            self.c.gather("g")
+        self.assertLess(time.monotonic() - start, 10.0)
+
+    def test_gather_of_a_future_version_times_out(self):
+        start = time.monotonic()
+        with self.assertRaises(flatshard.DeadlineExceededError):
+            self.c.gather("g", min_version=3)
+        self.assertLess(time.monotonic() - start, 10.0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,152 @@
+"""flatshard.torch.ShardedModule against plain single-process PyTorch.
+
+2 worker processes x 3 servers: each worker computes gradients on its half of the
+batch; the servers average them and run the optimizer. A single process runs the same
+model with torch.optim on the whole batch (mean loss = average of the half-batch means).
+Parameters must agree within 1e-5 relative error (||ours - torch|| / ||torch|| per
+tensor) after every run, and the loss curves to the same bound.
+"""
+
+import multiprocessing
+import os
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import flatshard
+import parity_worker
+from models import make_data, make_model
+from safetensors_reader import read_safetensors
+
+REL_TOL = 1e-5
+
+
+def relative_error(ours, reference):
+    ours, reference = torch.as_tensor(ours).double(), torch.as_tensor(reference).double()
+    return ((ours - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+def train_reference(kind, make_optimizer, steps, max_grad_norm=None):
+    torch.manual_seed(0)
+    model = make_model(kind)
+    optimizer = make_optimizer(model.parameters())
+    x, y = make_data(kind)
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None):
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=parity_worker.run,
+                               args=(cluster.addresses, cluster.token, rank, kind, optimizer,
+                                     job or {}, steps, param_dtype, queue))
+               for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    results = {}
+    try:
+        for _ in workers:
+            rank, losses, state, groups, error = queue.get(timeout=300)
+            if error:
+                raise AssertionError(f"worker {rank} failed: {error}")
+            results[rank] = (losses, state, groups)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    losses = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
+    return losses, results[0][1], results[0][2]
+
+
+class ParityTest(unittest.TestCase):
+    def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None):
+        job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
+        with flatshard.LocalCluster(servers=3) as cluster:
+            losses, state, groups = train_flatshard(cluster, kind, optimizer, steps, job)
+        reference, reference_losses = train_reference(kind, make_reference_optimizer, steps,
+                                                      max_grad_norm)
+        self.assertGreater(len(groups), 1, "the auto-wrap policy should make several groups")
+        for step, (ours, theirs) in enumerate(zip(losses, reference_losses)):
+            self.assertLess(abs(ours - theirs) / abs(theirs), REL_TOL, f"loss at step {step}")
+        reference_state = reference.state_dict()
+        self.assertEqual(set(state), set(reference_state))
+        for name, value in reference_state.items():
+            self.assertLess(relative_error(state[name], value), REL_TOL, name)
+        # The run moved the parameters well past the tolerance: the test can fail.
+        initial = make_model(kind).state_dict()
+        moved = max(relative_error(state[n], initial[n]) for n in initial)
+        self.assertGreater(moved, 100 * REL_TOL)
+        return losses
+
+    def test_mlp_adamw_weight_decay_and_clipping(self):
+        self.check("mlp", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
+                   lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 20, max_grad_norm=0.5)
+
+    def test_transformer_block_adamw_weight_decay_and_clipping(self):
+        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 20, max_grad_norm=0.5)
+
+    def test_sgd_momentum_nesterov(self):
+        self.check("mlp", flatshard.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
+                                             weight_decay=1e-3), 20)
+
+    def test_modules_used_functionally_get_their_parameters(self):
+        self.check("attention", flatshard.SGD(lr=0.05, momentum=0.9),
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 10)
+
+    def test_adam(self):
+        self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
+                   lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)
+
+
+class MixedPrecisionAndExportTest(unittest.TestCase):
+    def test_bf16_params_fp32_reduce_converges_and_gathers_exact_casts(self):
+        with flatshard.LocalCluster(servers=3) as cluster:
+            losses, _, groups = train_flatshard(cluster, "mlp", flatshard.Adam(lr=1e-2), 30,
+                                                param_dtype=torch.bfloat16)
+            self.assertLess(losses[-1], 0.5 * losses[0], losses)
+            client = flatshard.Client(cluster.addresses, worker_rank=0, num_workers=2,
+                                      token=cluster.token, job="parity")
+            for group, _, names in groups:
+                client.register_group(group, [(n, tuple(make_model("mlp").state_dict()[n].shape),
+                                               "float32") for n in names], flatshard.Adam(lr=1e-2))
+                fp32 = client.gather(group, 30, "float32")
+                bf16 = client.gather(group, 30, "bfloat16")
+                for name in names:
+                    expected = torch.from_numpy(np.array(fp32[name])).to(torch.bfloat16)
+                    got = torch.from_numpy(np.array(bf16[name])).view(torch.bfloat16)
+                    self.assertTrue(torch.equal(got.view(torch.int16), expected.view(torch.int16)), name)
+
+    def test_full_export_loads_into_torch_and_reproduces_outputs(self):
+        with flatshard.LocalCluster(servers=3) as cluster, tempfile.TemporaryDirectory() as out:
+            _, state, _ = train_flatshard(cluster, "transformer", flatshard.AdamW(lr=5e-3), 5)
+            client = flatshard.Client(cluster.addresses, worker_rank=0, num_workers=2,
+                                      token=cluster.token, job="parity")
+            client.export_state_dict(out, kind="full")
+            tensors, metadata = read_safetensors(os.path.join(out, "model.safetensors"))
+        model = make_model("transformer")
+        model.load_state_dict(tensors, strict=True)
+        trained = make_model("transformer")
+        trained.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
+        x, _ = make_data("transformer")
+        with torch.no_grad():
+            self.assertTrue(torch.equal(model(x), trained(x)))
+        self.assertIsInstance(metadata, dict)
+
+
+if __name__ == "__main__":
+    unittest.main()
