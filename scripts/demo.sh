@@ -47,3 +47,10 @@ echo "== layout of a bigger model over 3 servers (flatshard layout) =="
   {"name": "fc1.weight", "shape": [1024, 512]}, {"name": "fc1.bias", "shape": [1024]},
   {"name": "fc2.weight", "shape": [10, 1024], "dtype": "bfloat16"}, {"name": "fc2.bias", "shape": [10]}]}
 SPEC
+
+# The PyTorch example, where the Python package was built and torch is installed.
+if [[ -d "$build_dir/python/flatshard" ]] && /usr/bin/python3 -c "import torch" 2>/dev/null; then
+  echo
+  echo "== PyTorch: 2 workers with flatshard.torch.ShardedModule, checkpoint, restart, resume =="
+  PYTHONPATH="$build_dir/python" /usr/bin/python3 examples/torch_train.py
+fi

@@ -9,8 +9,10 @@
 Parameters are grouped one flat parameter per wrapped submodule, chosen like FSDP's
 ``size_based_auto_wrap_policy``: a submodule whose not-yet-wrapped parameters number at
 least ``auto_wrap_min_params`` becomes a group, the root takes the rest. Worker 0's
-initial values are pushed to the servers; every worker waits for them (a barrier on the
-servers) before its first forward. Each parameter is a view into its group's flat
+initial values are pushed to the servers (or, with ``load_checkpoint=NAME``, worker 0
+loads that checkpoint; a group the servers have already trained is left as it is); every
+worker waits for them (a barrier on the servers) before its first forward and resumes at
+the servers' version. Each parameter is a view into its group's flat
 buffer, which gathers fill in place (no per-tensor copies). Each forward starts the
 gathers of every group (prefetch); a group's forward pre-hook waits for its own. Groups
 whose module's forward never runs (used functionally, like MultiheadAttention's
@@ -89,7 +91,7 @@ class ShardedModule(torch.nn.Module):
     """Wraps `module` so its parameters live on the flatshard servers (see module doc)."""
 
     def __init__(self, module, client, optimizer, param_dtype=None, reduce_dtype=None,
-                 auto_wrap_min_params=100_000, name="model"):
+                 auto_wrap_min_params=100_000, name="model", load_checkpoint=None):
         super().__init__()
         self.module = module
         self._client = client
@@ -110,7 +112,7 @@ class ShardedModule(torch.nn.Module):
                 group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], optimizer)
             self._groups.append(_Group(group_name, path, modules[path], params, layout,
                                        self._param_dtype, self._reduce_dtype))
-        self._initialize(name)
+        self._initialize(name, load_checkpoint)
         for index, group in enumerate(self._groups):
             group.module.register_forward_pre_hook(
                 lambda _m, _inputs, index=index: self._before_forward(index))
@@ -126,12 +128,17 @@ class ShardedModule(torch.nn.Module):
     def version(self):
         return self._step
 
-    def _initialize(self, name):
-        """Worker 0 pushes its values; a one-element barrier job makes the others wait."""
+    def _initialize(self, name, checkpoint):
+        """Worker 0 pushes its values (or loads `checkpoint` into the servers); a
+        one-element barrier job makes the others wait; training resumes at the servers'
+        version."""
         c = self._client
         if c.worker_rank == 0:
-            for group in self._groups:
-                c.init_group(group.name, {fqn: p.detach().float() for fqn, p in group.params})
+            if checkpoint:
+                c.load_checkpoint(checkpoint)
+            elif all(c.version(group.name) == 0 for group in self._groups):
+                for group in self._groups:
+                    c.init_group(group.name, {fqn: p.detach().float() for fqn, p in group.params})
         barrier = flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
                                    timeout=c._timeout, job=f"{c.job}.{name}.barrier")
         barrier.configure_job()
@@ -139,6 +146,7 @@ class ShardedModule(torch.nn.Module):
         start = barrier.version("barrier")
         barrier.scatter("barrier", {"x": np.zeros(1, np.float32)}, step=start)
         barrier.wait_version("barrier", start + 1)
+        self._step = c.version(self._groups[0].name) if self._groups else 0
 
     def _gather_all(self):
         for group in self._groups:
