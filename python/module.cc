@@ -1,5 +1,5 @@
 // flatshard._native: the C++ client for Python (pybind11). A thin layer: flat buffers
-// cross through the buffer protocol without copies, every network wait releases the
+// cross through the buffer protocol or DLPack (CUDA tensors) without copies, every network wait releases the
 // GIL, and a failed absl::Status raises the flatshard.Error subclass for its code
 // (flatshard/_errors.py). The Pythonic surface (dicts of tensors, optimizers, dtypes)
 // is python/flatshard/__init__.py on top of this.
@@ -69,10 +69,69 @@ absl::Span<std::byte> Bytes(const py::buffer_info& info) {
   return {static_cast<std::byte*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
 }
 
+// DLPack (the ABI of dlpack.h, stable since v0.2): how torch hands over CPU and CUDA
+// tensors (torch.utils.dlpack.to_dlpack). The capsule stays owned by its producer: it is
+// kept alive until the transfer completes and freed by its own destructor.
+struct DLDevice {
+  int32_t device_type;
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+constexpr int32_t kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3;
+
+// The bytes of a DLPack capsule's tensor (C-contiguous, on the CPU or a CUDA device).
+absl::Span<std::byte> DlpackBytes(const py::capsule& capsule) {
+  if (std::string(capsule.name() ? capsule.name() : "") != "dltensor") {
+    Raise(absl::InvalidArgumentError("expected an unused DLPack capsule named 'dltensor'"));
+  }
+  const DLTensor& t = static_cast<DLManagedTensor*>(capsule.get_pointer())->dl_tensor;
+  if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDA &&
+      t.device.device_type != kDLCUDAHost) {
+    Raise(absl::InvalidArgumentError(
+        absl::StrCat("DLPack device type ", t.device.device_type, " is neither CPU nor CUDA")));
+  }
+  if (t.dtype.lanes != 1 || t.dtype.bits % 8 != 0) {
+    Raise(absl::InvalidArgumentError("DLPack tensors must have whole-byte, single-lane elements"));
+  }
+  int64_t numel = 1, expected_stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    if (t.strides != nullptr && t.shape[i] > 1 && t.strides[i] != expected_stride) {
+      Raise(absl::InvalidArgumentError("DLPack tensors must be C-contiguous"));
+    }
+    expected_stride *= t.shape[i];
+    numel *= t.shape[i];
+  }
+  return {static_cast<std::byte*>(t.data) + t.byte_offset, static_cast<size_t>(numel * (t.dtype.bits / 8))};
+}
+
+// A buffer-protocol object or a DLPack capsule: its bytes, and what keeps them alive.
+absl::Span<std::byte> AnyBytes(const py::object& object, bool writable) {
+  if (py::isinstance<py::capsule>(object)) return DlpackBytes(object.cast<py::capsule>());
+  return Bytes(Buffer(object.cast<py::buffer>(), writable));
+}
+
 // A Gather or Scatter in flight. The buffer stays referenced until the result is taken.
 class Pending {
  public:
-  Pending(std::future<absl::StatusOr<int64_t>> future, py::buffer keep)
+  Pending(std::future<absl::StatusOr<int64_t>> future, py::object keep)
       : future_(std::move(future)), keep_(std::move(keep)) {}
   // Waits (GIL released) and returns the version; raises on failure.
   int64_t Wait() {
@@ -80,7 +139,7 @@ class Pending {
       py::gil_scoped_release release;
       return future_.get();
     }();
-    keep_ = py::buffer();
+    keep_ = py::object();
     return Check(std::move(result));
   }
   bool Done() const {
@@ -89,7 +148,7 @@ class Pending {
 
  private:
   std::future<absl::StatusOr<int64_t>> future_;
-  py::buffer keep_;
+  py::object keep_;
 };
 
 std::future<absl::StatusOr<int64_t>> AsVersionFuture(std::future<absl::Status> status) {
@@ -183,17 +242,18 @@ class PyClient {
     Released([&] { return client_->InitGroupFromSeed(name, seed); });
   }
 
+  // `out` / `grad`: a buffer-protocol object (host memory) or a DLPack capsule (host or
+  // CUDA memory; device memory takes the CUDA IPC or staged plane, client.h).
   std::unique_ptr<Pending> Gather(const std::string& name, int64_t min_version, const std::string& dtype,
-                                  const py::buffer& out) {
-    py::buffer_info info = Buffer(out, true);
-    return std::make_unique<Pending>(client_->Gather(name, min_version, ToDType(dtype), Bytes(info)), out);
+                                  const py::object& out) {
+    const absl::Span<std::byte> bytes = AnyBytes(out, true);
+    return std::make_unique<Pending>(client_->Gather(name, min_version, ToDType(dtype), bytes), out);
   }
 
   std::unique_ptr<Pending> Scatter(const std::string& name, int64_t step, const std::string& dtype,
-                                   const py::buffer& grad) {
-    py::buffer_info info = Buffer(grad, false);
-    return std::make_unique<Pending>(
-        AsVersionFuture(client_->Scatter(name, step, ToDType(dtype), Bytes(info))), grad);
+                                   const py::object& grad) {
+    const absl::Span<std::byte> bytes = AnyBytes(grad, false);
+    return std::make_unique<Pending>(AsVersionFuture(client_->Scatter(name, step, ToDType(dtype), bytes)), grad);
   }
 
   int64_t WaitVersion(const std::string& name, int64_t min_version) {

@@ -10,8 +10,8 @@
         params = c.gather("mlp")                 # {"weight": numpy array}
         c.scatter("mlp", {"weight": grad}, step=0)
 
-Buffers cross into C++ without copies (buffer protocol); every network wait releases
-the GIL. Failures raise flatshard.Error subclasses carrying the status code. Arrays
+Buffers cross into C++ without copies (buffer protocol for numpy arrays, DLPack for
+torch tensors, CUDA tensors included); every network wait releases the GIL. Failures raise flatshard.Error subclasses carrying the status code. Arrays
 are numpy arrays (CPU torch tensors are accepted wherever arrays are); bfloat16 values,
 which numpy lacks, travel as their bit patterns in int16 arrays
 (``torch.from_numpy(a).view(torch.bfloat16)``).
@@ -89,6 +89,30 @@ class AdamW(Adam):
     """torch.optim.AdamW on the servers (decoupled weight decay; torch's default 0.01)."""
     weight_decay: float = 0.01
     _kind = "adamw"
+
+
+def _is_torch(value):
+    return hasattr(value, "detach") and hasattr(value, "data_ptr")
+
+
+def _native_buffer(value, dtype, numel, what):
+    """What the native client reads or writes: a numpy array as it is, or a DLPack
+    capsule of a torch tensor (CPU or CUDA; a CUDA tensor uses the GPU data planes)."""
+    if _is_torch(value):
+        import torch.utils.dlpack
+        tensor = value.detach()
+        got = _ALIASES.get(str(tensor.dtype).replace("torch.", ""), str(tensor.dtype))
+        if not tensor.is_contiguous() or tensor.numel() != numel or got != dtype:
+            raise InvalidArgumentError(f"{what}: expected a contiguous tensor of {numel} {dtype}, "
+                                       f"got {tuple(tensor.shape)} {got}")
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16)  # same bits; any DLPack consumer reads int16
+        return torch.utils.dlpack.to_dlpack(tensor)
+    array = np.asarray(value)
+    if array.dtype != _NUMPY[dtype] or array.size != numel or not array.flags.c_contiguous:
+        raise InvalidArgumentError(f"{what}: expected a contiguous array of {numel} {_NUMPY[dtype]}, "
+                                   f"got {array.shape} {array.dtype}")
+    return array
 
 
 def _as_array(value, what):
@@ -207,12 +231,14 @@ class Client:
         self._native.init_group_from_seed(name, int(seed))
 
     def gather_async(self, name, min_version=0, dtype="float32", out=None):
-        """Starts a gather into `out` (or a new flat array); wait() -> (flat, version)."""
+        """Starts a gather into `out` (a flat numpy array or torch tensor, CPU or CUDA, of
+        padded_numel elements; a new numpy array when None); wait() -> (out, version)."""
         dtype = dtype_name(dtype)
         layout = self.layout(name)
         if out is None:
             out = np.empty(layout.padded_numel, dtype=_NUMPY[dtype])
-        pending = self._native.gather(name, int(min_version), dtype, out)
+        buffer = _native_buffer(out, dtype, layout.padded_numel, f"gather('{name}') out")
+        pending = self._native.gather(name, int(min_version), dtype, buffer)
         return Transfer(pending, lambda version: (out, version))
 
     def gather_flat(self, name, min_version=0, dtype="float32", out=None):
@@ -230,12 +256,10 @@ class Client:
         layout = self.layout(name)
         if isinstance(grads, dict):
             flat = layout.flatten(grads, dtype, f"scatter('{name}')")
-        else:
-            flat, got = _as_array(grads, f"scatter('{name}')")
-            if got != dtype or flat.size != layout.padded_numel:
-                raise InvalidArgumentError(f"scatter('{name}'): flat gradient of {flat.size} {got}; "
-                                           f"expected {layout.padded_numel} {dtype}")
-        pending = self._native.scatter(name, int(step), dtype, flat)
+        else:  # a flat gradient: numpy array or torch tensor (CPU or CUDA)
+            flat = grads
+        buffer = _native_buffer(flat, dtype, layout.padded_numel, f"scatter('{name}')")
+        pending = self._native.scatter(name, int(step), dtype, buffer)
         return Transfer(pending, lambda _: None)
 
     def scatter(self, name, grads, step, dtype="float32"):

@@ -37,13 +37,6 @@ import flatshard
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _numpy_view(tensor):
-    """A numpy array sharing `tensor`'s memory (bfloat16 as int16 bit patterns)."""
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy()
-    return tensor.numpy()
-
-
 def _auto_wrap(module, min_params, prefix=""):
     """FSDP-style size-based grouping: returns (groups, leftover params).
 
@@ -71,8 +64,10 @@ class _Group:
         self.layout = layout
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        self.flat = torch.empty(layout.padded_numel, dtype=param_dtype)
-        self.flat_grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype)
+        # On the parameters' device: CUDA tensors move by CUDA IPC or staging (DLPack).
+        device = params[0][1].device
+        self.flat = torch.empty(layout.padded_numel, dtype=param_dtype, device=device)
+        self.flat_grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=device)
         self.offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
         self.pending_gather = None
         self.pending_scatter = None
@@ -152,7 +147,7 @@ class ShardedModule(torch.nn.Module):
         for group in self._groups:
             if group.pending_gather is None:
                 group.pending_gather = self._client.gather_async(
-                    group.name, self._step, _NAMES[self._param_dtype], out=_numpy_view(group.flat))
+                    group.name, self._step, _NAMES[self._param_dtype], out=group.flat)
         for group in self._groups:
             if group.eager:
                 self._wait_gather(group)
@@ -178,7 +173,7 @@ class ShardedModule(torch.nn.Module):
 
     def _scatter(self, group):
         group.pending_scatter = self._client.scatter_async(
-            group.name, _numpy_view(group.flat_grad), self._step, _NAMES[self._reduce_dtype])
+            group.name, group.flat_grad, self._step, _NAMES[self._reduce_dtype])
 
     def forward(self, *args, **kwargs):
         if self._param_dtype != torch.float32:  # MixedPrecision casts floating inputs too

@@ -72,6 +72,28 @@ class ClientTest(unittest.TestCase):
             np.testing.assert_array_equal(bf16[name], expected)
             np.testing.assert_array_equal(fp16[name], value.astype(np.float16))
 
+    def test_torch_tensors_cross_by_dlpack(self):
+        c = self.client(job="dlpack")
+        c.configure_job(reduce="sum")
+        layout = c.register_group("g", TENSORS, flatshard.SGD(lr=1.0))
+        init = values(6)
+        c.init_group("g", init)
+        out = torch.full((layout.padded_numel,), float("nan"))
+        flat, version = c.gather_flat("g", out=out)
+        self.assertIs(flat, out)
+        self.assertEqual(version, 0)
+        np.testing.assert_array_equal(out[:12].view(4, 3).numpy(), init["weight"])
+        bf16 = torch.zeros(layout.padded_numel, dtype=torch.bfloat16)
+        c.gather_flat("g", dtype=torch.bfloat16, out=bf16)
+        self.assertTrue(torch.equal(bf16, out.to(torch.bfloat16)))
+        grad = torch.ones(layout.padded_numel)
+        c.scatter("g", grad, step=0)  # a flat torch tensor
+        np.testing.assert_array_equal(c.gather("g", 1)["bias"], init["bias"] - 1.0)
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            c.gather_flat("g", out=torch.zeros(3))
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            c.scatter("g", torch.ones(layout.padded_numel, dtype=torch.float64), step=1)
+
     def test_set_hyperparams_changes_the_next_step(self):
         c = self.client(job="hp")
         c.configure_job(reduce="sum")
