@@ -1,6 +1,9 @@
 #include "client/cluster_status.h"
 
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -26,6 +29,25 @@ std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(
     }
   }
   return result;
+}
+
+std::string ClusterStatusJson(const std::vector<std::string>& servers,
+                              const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses,
+                              int indent) {
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    if (!statuses[i].ok()) {
+      out.push_back({{"address", servers[i]}, {"error", std::string(statuses[i].status().message())}});
+      continue;
+    }
+    std::string text;
+    google::protobuf::util::JsonPrintOptions print;
+    print.always_print_primitive_fields = true;
+    print.preserve_proto_field_names = true;
+    (void)google::protobuf::util::MessageToJsonString(*statuses[i], &text, print);
+    out.push_back(nlohmann::json::parse(text));
+  }
+  return nlohmann::json{{"servers", out}}.dump(indent);
 }
 
 }  // namespace flatshard

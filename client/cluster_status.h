@@ -18,6 +18,13 @@ namespace flatshard {
 std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(
     const std::vector<std::string>& servers, const std::string& token, absl::Duration timeout);
 
+// `flatshard status --json`: {"servers": [status as JSON (proto field names), or
+// {"address", "error"} for a server that did not answer]}, indented by `indent` (-1:
+// one line).
+std::string ClusterStatusJson(const std::vector<std::string>& servers,
+                              const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses,
+                              int indent = 2);
+
 }  // namespace flatshard
 
 #endif  // FLATSHARD_CLIENT_CLUSTER_STATUS_H_

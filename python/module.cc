@@ -7,8 +7,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <google/protobuf/util/json_util.h>
-
 #include <future>
 #include <memory>
 #include <string>
@@ -298,29 +296,11 @@ class PyClient {
     Released([&] { return client_->ExportStateDict(path, k, optimizer); });
   }
 
-  // As `flatshard status --json`: one JSON object per server (or {"address", "error"}).
-  std::vector<std::string> StatusJson() {
-    std::vector<absl::StatusOr<v1::ServerStatus>> statuses;
-    {
-      py::gil_scoped_release release;
-      statuses = FetchClusterStatus(client_->options().servers, client_->options().token,
-                                    client_->options().timeout);
-    }
-    std::vector<std::string> out;
-    for (size_t i = 0; i < statuses.size(); ++i) {
-      if (!statuses[i].ok()) {
-        out.push_back(absl::StrCat("{\"address\": \"", client_->options().servers[i], "\", \"error\": \"",
-                                   statuses[i].status().message(), "\"}"));
-        continue;
-      }
-      std::string text;
-      google::protobuf::util::JsonPrintOptions print;
-      print.always_print_primitive_fields = true;
-      print.preserve_proto_field_names = true;
-      (void)google::protobuf::util::MessageToJsonString(*statuses[i], &text, print);
-      out.push_back(std::move(text));
-    }
-    return out;
+  // As `flatshard status --json`.
+  std::string StatusJson() {
+    py::gil_scoped_release release;
+    const auto& options = client_->options();
+    return ClusterStatusJson(options.servers, FetchClusterStatus(options.servers, options.token, options.timeout), -1);
   }
 
   std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }

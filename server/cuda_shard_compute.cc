@@ -16,8 +16,6 @@ namespace {
 
 namespace kc = kernels::cuda;
 
-void FreeDevice(void* data) { cudaFree(data); }
-void FreePinned(void* data) { cudaFreeHost(data); }
 
 class CudaShardCompute final : public ShardCompute {
  public:
@@ -36,7 +34,7 @@ class CudaShardCompute final : public ShardCompute {
     FLATSHARD_ASSIGN_OR_RETURN(kc::DeviceMemory memory, kc::DeviceMemory::Allocate(bytes, what));
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(memory.data(), 0, bytes, stream_));
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    return ShardBuffer(memory.release(), bytes, &FreeDevice);
+    return ShardBuffer(memory.release(), bytes, &kc::DeviceMemory::Free);
   }
   absl::StatusOr<ShardBuffer> AllocateStaging(size_t bytes, absl::string_view what) override {
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -133,7 +131,7 @@ absl::Status CheckCudaDevice() {
 absl::StatusOr<ShardBuffer> AllocatePinned(size_t bytes, absl::string_view what) {
   FLATSHARD_ASSIGN_OR_RETURN(kc::PinnedMemory memory, kc::PinnedMemory::Allocate(bytes, what));
   if (bytes > 0) std::memset(memory.data(), 0, bytes);
-  return ShardBuffer(memory.release(), bytes, &FreePinned);
+  return ShardBuffer(memory.release(), bytes, &kc::PinnedMemory::Free);
 }
 
 absl::StatusOr<std::unique_ptr<ShardCompute>> MakeCudaShardCompute() {

@@ -1,8 +1,5 @@
 #include "client/cli/status_command.h"
 
-#include <google/protobuf/util/json_util.h>
-
-#include <nlohmann/json.hpp>
 #include <ostream>
 
 #include "absl/strings/str_format.h"
@@ -16,22 +13,10 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
   const auto statuses = FetchClusterStatus(options.servers, options.token, options.timeout);
   int exit_code = 0;
   if (options.json) {
-    nlohmann::json servers = nlohmann::json::array();
-    for (size_t i = 0; i < statuses.size(); ++i) {
-      if (!statuses[i].ok()) {
-        servers.push_back({{"address", options.servers[i]},
-                           {"error", std::string(statuses[i].status().message())}});
-        exit_code = 1;
-        continue;
-      }
-      std::string text;
-      google::protobuf::util::JsonPrintOptions print;
-      print.always_print_primitive_fields = true;
-      print.preserve_proto_field_names = true;
-      (void)google::protobuf::util::MessageToJsonString(*statuses[i], &text, print);
-      servers.push_back(nlohmann::json::parse(text));
+    for (const auto& status : statuses) {
+      if (!status.ok()) exit_code = 1;
     }
-    out << nlohmann::json{{"servers", servers}}.dump(2) << "\n";
+    out << ClusterStatusJson(options.servers, statuses) << "\n";
     return exit_code;
   }
   // The data plane a GPU worker on this machine's current device would get: CUDA IPC to

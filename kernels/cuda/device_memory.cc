@@ -2,8 +2,6 @@
 
 #include <cuda_runtime.h>
 
-#include <utility>
-
 #include "absl/strings/str_cat.h"
 
 namespace flatshard::kernels::cuda {
@@ -20,52 +18,30 @@ absl::Status AllocationError(cudaError_t err, const char* call, size_t bytes,
 
 }  // namespace
 
-absl::StatusOr<DeviceMemory> DeviceMemory::Allocate(size_t bytes, absl::string_view what) {
-  if (bytes == 0) return DeviceMemory();
+template <MemoryKind kKind>
+absl::StatusOr<CudaMemory<kKind>> CudaMemory<kKind>::Allocate(size_t bytes, absl::string_view what) {
+  if (bytes == 0) return CudaMemory();
   void* data = nullptr;
-  const cudaError_t err = cudaMalloc(&data, bytes);
-  if (err != cudaSuccess) return AllocationError(err, "cudaMalloc", bytes, what);
-  return DeviceMemory(data, bytes);
-}
-
-DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-
-DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) cudaFree(data_);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
+  const bool device = kKind == MemoryKind::kDevice;
+  const cudaError_t err = device ? cudaMalloc(&data, bytes)
+                                 : cudaHostAlloc(&data, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+  if (err != cudaSuccess) {
+    return AllocationError(err, device ? "cudaMalloc" : "cudaHostAlloc", bytes, what);
   }
-  return *this;
+  return CudaMemory(data, bytes);
 }
 
-DeviceMemory::~DeviceMemory() {
-  if (data_ != nullptr) cudaFree(data_);
-}
-
-absl::StatusOr<PinnedMemory> PinnedMemory::Allocate(size_t bytes, absl::string_view what) {
-  if (bytes == 0) return PinnedMemory();
-  void* data = nullptr;
-  const cudaError_t err = cudaHostAlloc(&data, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
-  if (err != cudaSuccess) return AllocationError(err, "cudaHostAlloc", bytes, what);
-  return PinnedMemory(data, bytes);
-}
-
-PinnedMemory::PinnedMemory(PinnedMemory&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-
-PinnedMemory& PinnedMemory::operator=(PinnedMemory&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) cudaFreeHost(data_);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
+template <MemoryKind kKind>
+void CudaMemory<kKind>::Free(void* data) {
+  if (data == nullptr) return;
+  if constexpr (kKind == MemoryKind::kDevice) {
+    cudaFree(data);
+  } else {
+    cudaFreeHost(data);
   }
-  return *this;
 }
 
-PinnedMemory::~PinnedMemory() {
-  if (data_ != nullptr) cudaFreeHost(data_);
-}
+template class CudaMemory<MemoryKind::kDevice>;
+template class CudaMemory<MemoryKind::kPinned>;
 
 }  // namespace flatshard::kernels::cuda

@@ -303,7 +303,7 @@ class Client:
 
     def status(self):
         """Every server's status, as `flatshard status --json`."""
-        return {"servers": [json.loads(text) for text in self._native.status_json()]}
+        return json.loads(self._native.status_json())
 
     def data_planes(self):
         """Per server, "tcp" or "cuda-ipc" (device buffers on this process's GPU)."""
