@@ -9,8 +9,9 @@
 // cudaMallocAsync pools or cudaMallocManaged cannot be exported; that is
 // InvalidArgument and the caller falls back to another data plane.
 //
-//   // worker                                     // server
-//   auto exported = ExportDeviceBuffer(ptr);      void* p = *mappings.Map(handle, offset, bytes);
+//   // worker                                  // server
+//   auto exported = ExportDeviceBuffer(ptr);   auto mapped = mappings.Map(handle, offset, bytes);
+//                                              // use mapped->data while holding *mapped
 #ifndef FLATSHARD_KERNELS_CUDA_IPC_H_
 #define FLATSHARD_KERNELS_CUDA_IPC_H_
 
