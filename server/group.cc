@@ -252,9 +252,10 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
   if (++ready_count_ < job_settings_.num_workers) return CommitOutcome::kPending;
   absl::Status reduced = ReduceContributions();
   if (!reduced.ok()) {
-    // A kernel failed: nothing was applied. Every worker sends this step again.
-    ready_count_ = 0;
-    std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
+    // A kernel failed: nothing was applied and the other contributions stay. This one is
+    // dropped, so its worker gets the error and may send again, which retries the step.
+    --ready_count_;
+    slot_states_[slot.worker_rank] = SlotState::kEmpty;
     return reduced;
   }
   if (job_settings_.clipping()) {
