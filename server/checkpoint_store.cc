@@ -74,12 +74,33 @@ Json GroupJson(const Group& group, const ShardSnapshot& snapshot, bool optimizer
           {"state", state}};
 }
 
-// One server's shard of one group, at its snapshot.
+// Unpins a group when an export is done with it.
+struct PinGuard {
+  std::shared_ptr<Group> group;
+  ~PinGuard() { group->Unpin(); }
+};
+
+// One server's shard of one group at one version: a snapshot (saves: the copy lets
+// training go on while the bytes are written) or the live group pinned at that version
+// (exports: nothing is copied; the group's next optimizer step waits for the export).
 struct Shard {
   std::shared_ptr<Group> group;
-  ShardSnapshot snapshot;
-  int64_t start = 0;  // shard_start(rank)
+  ShardSnapshot snapshot;  // values empty when pinned (metadata and state names only)
+  int64_t start = 0;       // shard_start(rank)
   std::vector<TensorPiece> pieces;
+  std::unique_ptr<PinGuard> pin;
+
+  // `count` elements of the parameters (`state` empty) or of optimizer state `state`,
+  // from element `offset` of the shard.
+  absl::Status Read(absl::string_view state, int64_t offset, int64_t count, float* out) const {
+    if (pin != nullptr) return group->ReadPinned(state, offset, count, out);
+    const std::vector<float>* values = &snapshot.params;
+    for (const auto& [name, buffer] : snapshot.state) {
+      if (name == state) values = &buffer;
+    }
+    std::copy_n(values->data() + offset, count, out);
+    return absl::OkStatus();
+  }
 };
 
 // Elements converted and written at a time: bounds the memory of a save or export.
@@ -88,10 +109,7 @@ constexpr int64_t kSliceElements = int64_t{1} << 20;
 absl::Status WritePieces(CheckpointSink& sink, const std::string& file, const SafetensorsHeader& header,
                          const Shard& shard, absl::string_view state, const std::string& tensor_suffix) {
   const FlatLayout& layout = shard.group->layout();
-  const std::vector<float>* values = &shard.snapshot.params;
-  for (const auto& [name, buffer] : shard.snapshot.state) {
-    if (name == state) values = &buffer;
-  }
+  std::vector<float> values;
   std::vector<std::byte> converted;
   for (const TensorPiece& piece : shard.pieces) {
     const TensorSpec& spec = layout.tensor(piece.tensor_index);
@@ -100,9 +118,10 @@ absl::Status WritePieces(CheckpointSink& sink, const std::string& file, const Sa
     const size_t element = DTypeSize(entry->dtype);
     for (int64_t done = 0; done < piece.numel; done += kSliceElements) {
       const int64_t count = std::min(kSliceElements, piece.numel - done);
-      const float* source = values->data() + (piece.flat_offset - shard.start + done);
+      values.resize(static_cast<size_t>(count));
+      FLATSHARD_RETURN_IF_ERROR(shard.Read(state, piece.flat_offset - shard.start + done, count, values.data()));
       converted.resize(static_cast<size_t>(count) * element);
-      FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(DType::kFloat32, source, entry->dtype, converted.data(), count));
+      FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(DType::kFloat32, values.data(), entry->dtype, converted.data(), count));
       FLATSHARD_RETURN_IF_ERROR(sink.Write(
           file, header.data_start() + entry->begin + static_cast<uint64_t>(piece.intra_start + done) * element,
           Bytes(converted)));
@@ -233,38 +252,46 @@ absl::Status WriteOwnFile(CheckpointSink& sink, int rank, CheckpointKind kind,
                           std::vector<std::string>& files) {
   struct Item {
     std::string name;
-    absl::Span<const float> values;
+    const Shard* shard;
+    std::string state;  // empty: parameters
+    int64_t offset;     // in the shard
+    int64_t count;
   };
   std::vector<Item> items;
   for (const Shard& shard : shards) {
     const std::string& group = shard.group->name();
-    std::vector<std::pair<std::string, absl::Span<const float>>> buffers = {{"", shard.snapshot.params}};
+    std::vector<std::string> states = {""};
     if (optimizer) {
-      for (const auto& [name, values] : shard.snapshot.state) buffers.emplace_back("." + name, values);
+      for (const auto& [name, values] : shard.snapshot.state) states.push_back(name);
     }
-    for (const auto& [suffix, values] : buffers) {
+    for (const std::string& state : states) {
+      const std::string suffix = state.empty() ? "" : "." + state;
       if (kind == CheckpointKind::kLocal) {
-        items.push_back({absl::StrCat(group, suffix.empty() ? ".params" : suffix), values});
+        items.push_back({absl::StrCat(group, suffix.empty() ? ".params" : suffix), &shard, state, 0,
+                         shard.group->shard_numel()});
         continue;
       }
       for (const TensorPiece& piece : shard.pieces) {
         items.push_back({PieceName(group, shard.group->layout().tensor(piece.tensor_index).fqn, piece.intra_start) + suffix,
-                         values.subspan(piece.flat_offset - shard.start, piece.numel)});
+                         &shard, state, piece.flat_offset - shard.start, piece.numel});
       }
     }
   }
   std::vector<SafetensorsTensor> tensors;
-  for (const Item& item : items) tensors.push_back({item.name, DType::kFloat32, {static_cast<int64_t>(item.values.size())}});
+  for (const Item& item : items) tensors.push_back({item.name, DType::kFloat32, {item.count}});
   FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Build(tensors, {}));
   const std::string name = absl::StrCat(kind == CheckpointKind::kLocal ? "local-" : "shard-", rank, ".safetensors");
   FLATSHARD_RETURN_IF_ERROR(sink.Open(name, header.file_size(), /*exclusive=*/true));
   FLATSHARD_RETURN_IF_ERROR(sink.Write(name, 0, header.bytes()));
+  std::vector<float> slice;
   for (size_t i = 0; i < items.size(); ++i) {
-    const absl::Span<const float> values = items[i].values;
-    for (size_t done = 0; done < values.size(); done += kSliceElements) {
-      const absl::Span<const float> slice = values.subspan(done, kSliceElements);
-      FLATSHARD_RETURN_IF_ERROR(
-          sink.Write(name, header.data_start() + header.tensors()[i].begin + done * sizeof(float), Bytes(slice)));
+    const Item& item = items[i];
+    for (int64_t done = 0; done < item.count; done += kSliceElements) {
+      slice.resize(static_cast<size_t>(std::min(kSliceElements, item.count - done)));
+      FLATSHARD_RETURN_IF_ERROR(item.shard->Read(item.state, item.offset + done, static_cast<int64_t>(slice.size()), slice.data()));
+      FLATSHARD_RETURN_IF_ERROR(sink.Write(
+          name, header.data_start() + header.tensors()[i].begin + static_cast<uint64_t>(done) * sizeof(float),
+          Bytes(absl::MakeConstSpan(slice))));
     }
   }
   FLATSHARD_RETURN_IF_ERROR(sink.Close(name));
@@ -305,10 +332,11 @@ struct OpenFile {
   SafetensorsHeader header;
 };
 
-// Snapshots this server's shard of every group of `job` at `versions`.
+// This server's shard of every group of `job` at `versions`: snapshots, or with `pin`
+// the live groups held at those versions (released when the Shards are destroyed).
 absl::StatusOr<std::vector<Shard>> TakeShards(const Registry& registry, int rank, const std::string& job,
                                               const std::map<std::string, int64_t>& versions,
-                                              absl::Time deadline) {
+                                              absl::Time deadline, bool pin) {
   const std::vector<std::shared_ptr<Group>> groups = registry.job_groups(job);
   if (groups.empty()) return absl::FailedPreconditionError(absl::StrCat("job '", job, "' has no groups"));
   std::vector<Shard> shards;
@@ -317,10 +345,12 @@ absl::StatusOr<std::vector<Shard>> TakeShards(const Registry& registry, int rank
     if (version == versions.end()) {
       return absl::InvalidArgumentError(absl::StrCat("no version given for group '", group->name(), "'"));
     }
-    FLATSHARD_ASSIGN_OR_RETURN(ShardSnapshot snapshot, group->Snapshot(version->second, deadline));
+    FLATSHARD_ASSIGN_OR_RETURN(ShardSnapshot snapshot, pin ? group->Pin(version->second, deadline)
+                                                           : group->Snapshot(version->second, deadline));
     const FlatLayout& layout = group->layout();
     shards.push_back({group, std::move(snapshot), layout.shard_start(rank),
-                      layout.MapRange(layout.shard_start(rank), layout.shard_end(rank))});
+                      layout.MapRange(layout.shard_start(rank), layout.shard_end(rank)),
+                      pin ? std::make_unique<PinGuard>(PinGuard{group}) : nullptr});
   }
   return shards;
 }
@@ -384,7 +414,9 @@ absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& na
 absl::Status CheckpointStore::Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
                                      const std::string& job, const std::map<std::string, int64_t>& versions,
                                      absl::Time deadline) const {
-  FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards, TakeShards(registry_, rank_, job, versions, deadline));
+  // Pinned, not copied: the server's memory stays bounded by the slices in flight.
+  FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards,
+                             TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/true));
   return WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, nullptr).status();
 }
 
@@ -402,7 +434,8 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   if (error || IsSymlink(dir)) {
     return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
   }
-  FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards, TakeShards(registry_, rank_, job, versions, deadline));
+  FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards,
+                             TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/false));
   auto write = [this, name, kind, optimizer, job, dir, shards = std::move(shards)]() -> absl::Status {
     DirectorySink sink(dir);
     std::string group_specs;

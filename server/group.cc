@@ -329,7 +329,45 @@ absl::Status Group::ReduceContributions() {
   return compute_->Synchronize();
 }
 
+void Group::AwaitUnpinned() const {
+  auto unpinned = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pins_ == 0; };
+  mu_.Await(absl::Condition(&unpinned));
+}
+
+absl::StatusOr<ShardSnapshot> Group::Pin(int64_t version, absl::Time deadline) {
+  FLATSHARD_RETURN_IF_ERROR(WaitVersion(version, deadline).status());
+  absl::MutexLock lock(&mu_);
+  if (version_ != version) {
+    return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' is at version ", version_,
+                                                      ", past the requested version ", version));
+  }
+  ++pins_;
+  ShardSnapshot metadata{version_, {}, optimizer_.steps(), optimizer_.momentum_initialized(), {}};
+  for (const std::string& name : optimizer_.state_names()) metadata.state.emplace_back(name, std::vector<float>());
+  return metadata;
+}
+
+void Group::Unpin() {
+  absl::MutexLock lock(&mu_);
+  --pins_;
+}
+
+absl::Status Group::ReadPinned(absl::string_view state, int64_t offset, int64_t count, float* out) const {
+  absl::MutexLock lock(&mu_);
+  if (!state.empty()) return optimizer_.ReadStateSlice(state, offset, count, out);
+  if (offset < 0 || count < 0 || offset + count > shard_numel()) {
+    return absl::OutOfRangeError(absl::StrCat("elements [", offset, ", ", offset + count, ") of group '",
+                                              name_, "' shard of ", shard_numel()));
+  }
+  return compute_->CopyToHost(params_.floats() + offset, out, count);
+}
+
 absl::Status Group::StepOptimizer() {
+  const int64_t generation = generation_;
+  AwaitUnpinned();  // an export is reading this version
+  if (generation_ != generation) {
+    return absl::AbortedError(absl::StrCat("group '", name_, "' was loaded or re-initialized during the step"));
+  }
   FLATSHARD_RETURN_IF_ERROR(optimizer_.Step(params_.floats(), grad_.floats()));
   FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
   ++version_;
@@ -380,6 +418,8 @@ absl::Status Group::CommitPushInit(const ReceiveSlot& slot) {
 }
 
 absl::Status Group::WriteTensorElements(const std::vector<float>& host_shard) {
+  AwaitUnpinned();
+  ++generation_;
   std::vector<float> values(host_shard.size(), 0.0f);
   const int64_t start = layout_.shard_start(rank_);
   for (const TensorPiece& piece : layout_.MapRange(start, layout_.shard_end(rank_))) {
@@ -450,6 +490,8 @@ absl::Status Group::Restore(ShardSnapshot snapshot) {
     return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': snapshot of ", snapshot.params.size(),
                                                    " elements for a shard of ", shard_numel()));
   }
+  AwaitUnpinned();
+  ++generation_;
   FLATSHARD_RETURN_IF_ERROR(
       optimizer_.Restore(snapshot.optimizer_steps, snapshot.momentum_initialized, snapshot.state));
   FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(snapshot.params.data(), params_.floats(), shard_numel()));

@@ -162,6 +162,18 @@ class Group {
   // Waits until version() == version (up to `deadline`) and copies the shard.
   // FailedPrecondition if the group is already past `version`; DeadlineExceeded.
   [[nodiscard]] absl::StatusOr<ShardSnapshot> Snapshot(int64_t version, absl::Time deadline) const;
+  // Holds the group at `version` without copying it (exports): the metadata of a
+  // Snapshot with empty value vectors (state names kept), after which the optimizer step
+  // that would leave `version`, loads and re-initialization wait until Unpin(). Values
+  // are read with ReadPinned. FailedPrecondition if the group is already past `version`;
+  // DeadlineExceeded. Every successful Pin must be matched by one Unpin.
+  [[nodiscard]] absl::StatusOr<ShardSnapshot> Pin(int64_t version, absl::Time deadline);
+  void Unpin();
+  // `count` fp32 elements of the parameters (`state` empty) or of optimizer state `state`,
+  // from element `offset` of this server's shard, into `out`. Precondition: pinned.
+  [[nodiscard]] absl::Status ReadPinned(absl::string_view state, int64_t offset, int64_t count,
+                                        float* out) const;
+
   // Installs a snapshot (checkpoint load): parameters, optimizer state and version;
   // contributions in flight for the old version are dropped. InvalidArgument (nothing
   // changed) if sizes or state names do not match this group.
@@ -194,6 +206,8 @@ class Group {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Zeroes params_ and writes tensor elements only: padding stays zero.
   absl::Status WriteTensorElements(const std::vector<float>& host_shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks (releasing mu_) while an export holds the group pinned.
+  void AwaitUnpinned() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string job_;
   const std::string name_;
@@ -218,6 +232,8 @@ class Group {
   std::vector<const void*> slot_data_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<SnapshotPool> snapshot_pool_;
   int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_
   std::vector<int64_t> last_async_step_ ABSL_GUARDED_BY(mu_);  // per worker, -1: none
   bool init_receiving_ ABSL_GUARDED_BY(mu_) = false;

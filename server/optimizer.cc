@@ -161,13 +161,22 @@ ShardBuffer* ShardOptimizer::StateBuffer(absl::string_view name) {
 }
 
 absl::StatusOr<std::vector<float>> ShardOptimizer::ReadState(absl::string_view name) const {
+  std::vector<float> values(numel_);
+  FLATSHARD_RETURN_IF_ERROR(ReadStateSlice(name, 0, numel_, values.data()));
+  return values;
+}
+
+absl::Status ShardOptimizer::ReadStateSlice(absl::string_view name, int64_t offset, int64_t count,
+                                            float* out) const {
   const ShardBuffer* buffer = StateBuffer(name);
   if (buffer == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("no optimizer state '", name, "' in ", what_));
   }
-  std::vector<float> values(buffer->numel());
-  FLATSHARD_RETURN_IF_ERROR(compute_->CopyToHost(buffer->floats(), values.data(), buffer->numel()));
-  return values;
+  if (offset < 0 || count < 0 || offset + count > buffer->numel()) {
+    return absl::OutOfRangeError(absl::StrCat("elements [", offset, ", ", offset + count, ") of ",
+                                              buffer->numel(), " in ", what_, " ", name));
+  }
+  return compute_->CopyToHost(buffer->floats() + offset, out, count);
 }
 
 absl::Status ShardOptimizer::Restore(

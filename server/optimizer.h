@@ -63,6 +63,9 @@ class ShardOptimizer {
   std::vector<std::string> state_names() const;
   // Copies state `name` to the host. InvalidArgument for a name it does not keep.
   [[nodiscard]] absl::StatusOr<std::vector<float>> ReadState(absl::string_view name) const;
+  // Copies `count` elements of state `name` from element `offset` into `out`.
+  [[nodiscard]] absl::Status ReadStateSlice(absl::string_view name, int64_t offset, int64_t count,
+                                            float* out) const;
   // Restores steps and state (checkpoint load). InvalidArgument naming the buffer if one
   // is missing or has the wrong size; nothing changes then.
   [[nodiscard]] absl::Status Restore(int64_t steps, bool momentum_initialized,

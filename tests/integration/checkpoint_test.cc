@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include <sys/resource.h>
 
@@ -124,6 +125,24 @@ int64_t PeakRssKib() {
   return usage.ru_maxrss;
 }
 
+// A server process's resident set ("VmRSS") or its peak ("VmHWM") in KiB, from
+// /proc/<pid>/status; -1 if unreadable.
+int64_t ProcessKib(pid_t pid, const std::string& field) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+// Resets a process's peak RSS to its current RSS (Linux >= 4.0).
+bool ResetPeakRss(pid_t pid) {
+  std::ofstream clear(absl::StrCat("/proc/", pid, "/clear_refs"));
+  clear << "5";
+  return static_cast<bool>(clear);
+}
+
 TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) {
   testing::TestCluster cluster(2, "tok", ::testing::TempDir());
   auto client = cluster.Connect(0, 1);
@@ -138,10 +157,24 @@ TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) 
   const std::string out = ::testing::TempDir() + "/export-full";
   std::filesystem::remove_all(out);
 
+  // Each server holds 64 MiB of parameters; the export streams them without a copy.
+  std::vector<int64_t> server_rss(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(ResetPeakRss(cluster.pid(rank)));
+    server_rss[rank] = ProcessKib(cluster.pid(rank), "VmRSS");
+    ASSERT_GT(server_rss[rank], 64 * 1024) << "the shard should be resident";
+  }
   const int64_t before = PeakRssKib();
   ASSERT_TRUE((*client)->ExportStateDict(out, CheckpointKind::kFull, false).ok());
   const int64_t growth_mib = (PeakRssKib() - before) / 1024;
   std::cout << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB\n";
+  for (int rank = 0; rank < 2; ++rank) {
+    const int64_t server_growth_mib = (ProcessKib(cluster.pid(rank), "VmHWM") - server_rss[rank]) / 1024;
+    std::cout << "server " << rank << "'s peak RSS grew by " << server_growth_mib << " MiB\n";
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    EXPECT_LT(server_growth_mib, 32) << "server " << rank << " copied its 64 MiB shard";
+#endif
+  }
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // their shadow memory and quarantine inflate RSS
   EXPECT_LT(growth_mib, 48) << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB";
 #endif

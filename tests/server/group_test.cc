@@ -8,6 +8,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/time/clock.h"
 #include "core/float_bits.h"
 
 namespace flatshard::server {
@@ -138,6 +139,27 @@ TEST(GroupTest, SeedInitIsIndependentOfServerCountAndPaddingStaysZero) {
   ASSERT_TRUE(Contribute(stepped, 0, 0, {1, 1, 1}).ok());
   EXPECT_EQ(stepped.InitFromSeed(1).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(stepped.BeginPushInit(DType::kFloat32).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(GroupTest, APinHoldsTheVersionUntilUnpinnedWithoutACopy) {
+  std::shared_ptr<Group> group_owner = MakeGroup(1, /*mean=*/false);
+  Group& group = *group_owner;
+  ASSERT_TRUE(group.InitFromSeed(3).ok());
+  const std::vector<float> initial = Params(group);
+  absl::StatusOr<ShardSnapshot> pinned = group.Pin(0, absl::InfiniteFuture());
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_TRUE(pinned->params.empty());  // metadata only
+  std::thread step([&] { EXPECT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok()); });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(group.version(), 0);  // the step waits for the pin
+  std::vector<float> read(group.shard_numel());
+  ASSERT_TRUE(group.ReadPinned("", 0, group.shard_numel(), read.data()).ok());
+  EXPECT_EQ(read, initial);
+  EXPECT_EQ(group.ReadPinned("", 1, group.shard_numel(), read.data()).code(), absl::StatusCode::kOutOfRange);
+  group.Unpin();
+  step.join();
+  EXPECT_EQ(group.version(), 1);
+  EXPECT_EQ(group.Pin(0, absl::InfiniteFuture()).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace
