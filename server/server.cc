@@ -47,7 +47,7 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
 Server::Server(ServerOptions options)
     : options_(std::move(options)),
       registry_(options_.rank, static_cast<int>(options_.cluster.size()),
-                ParseMemoryTier(options_.memory).value_or(MemoryTier::kHost)),
+                memory_tier()),
       peers_(options_.cluster, options_.rank, options_.auth_token),
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
             [this](int peer, const std::string& job, int64_t step, double partial) {
@@ -71,7 +71,7 @@ absl::Status Server::Start() {
   } else if (port == 0) {
     data_port = 0;
   }
-  FLATSHARD_RETURN_IF_ERROR(ipc_.Start(ParseMemoryTier(options_.memory).value_or(MemoryTier::kHost)));
+  FLATSHARD_RETURN_IF_ERROR(ipc_.Start(memory_tier()));
   data_ = std::make_unique<DataServer>(registry_, clip_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
 

@@ -64,6 +64,11 @@ class Server {
   int data_port() const { return data_ ? data_->port() : 0; }
 
  private:
+  // The tier of --memory (host when invalid: Start() refuses such options anyway).
+  MemoryTier memory_tier() const {
+    return ParseMemoryTier(options_.memory).value_or(MemoryTier::kHost);
+  }
+
   ServerOptions options_;
   Registry registry_;
   PeerClient peers_;
