@@ -100,6 +100,9 @@ class ShardedModule(torch.nn.Module):
         if rest:
             wrapped.insert(0, ("", rest))  # the root group: forward starts there
         modules = dict(module.named_modules())
+        # fp32 initial values, taken before the parameters become views of (possibly
+        # bf16) flat buffers: the servers' master copy starts from full precision.
+        initial = {fqn: p.detach().float().clone() for _, params in wrapped for fqn, p in params}
         self._groups = []
         for path, params in wrapped:
             group_name = f"{name}.{path or '<root>'}"
@@ -107,7 +110,8 @@ class ShardedModule(torch.nn.Module):
                 group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], optimizer)
             self._groups.append(_Group(group_name, path, modules[path], params, layout,
                                        self._param_dtype, self._reduce_dtype))
-        self._initialize(name, load_checkpoint)
+        self._initialize(name, load_checkpoint, initial)
+        del initial
         for index, group in enumerate(self._groups):
             group.module.register_forward_pre_hook(
                 lambda _m, _inputs, index=index: self._before_forward(index))
@@ -123,7 +127,7 @@ class ShardedModule(torch.nn.Module):
     def version(self):
         return self._step
 
-    def _initialize(self, name, checkpoint):
+    def _initialize(self, name, checkpoint, initial):
         """Worker 0 pushes its values (or loads `checkpoint` into the servers); a
         one-element barrier job makes the others wait; training resumes at the servers'
         version."""
@@ -133,7 +137,7 @@ class ShardedModule(torch.nn.Module):
                 c.load_checkpoint(checkpoint)
             elif all(c.version(group.name) == 0 for group in self._groups):
                 for group in self._groups:
-                    c.init_group(group.name, {fqn: p.detach().float() for fqn, p in group.params})
+                    c.init_group(group.name, {fqn: initial[fqn] for fqn, _ in group.params})
         barrier = flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
                                    timeout=c._timeout, job=f"{c.job}.{name}.barrier")
         barrier.configure_job()

@@ -131,6 +131,19 @@ class MixedPrecisionAndExportTest(unittest.TestCase):
                     got = torch.from_numpy(np.array(bf16[name])).view(torch.bfloat16)
                     self.assertTrue(torch.equal(got.view(torch.int16), expected.view(torch.int16)), name)
 
+    def test_bf16_params_keep_an_fp32_master_initialized_at_full_precision(self):
+        import flatshard.torch
+        with flatshard.LocalCluster(servers=2) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="master")
+            client.configure_job()
+            original = make_model("mlp").state_dict()
+            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.Adam(lr=1e-2),
+                                                  param_dtype=torch.bfloat16, auto_wrap_min_params=200)
+            self.assertEqual(next(model.parameters()).dtype, torch.bfloat16)
+            state = model.state_dict()
+        for name, value in original.items():
+            self.assertTrue(torch.equal(state[name], value), name)  # not bf16-rounded
+
     def test_full_export_loads_into_torch_and_reproduces_outputs(self):
         with flatshard.LocalCluster(servers=3) as cluster, tempfile.TemporaryDirectory() as out:
             _, state, _ = train_flatshard(cluster, "transformer", flatshard.AdamW(lr=5e-3), 5)
