@@ -263,10 +263,15 @@ class ClientImpl final : public Client {
       return Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
     }));
     if (async) return absl::OkStatus();  // the servers commit when they are done
+    // In rank order: with a shared root server 0 commits and the others find it done;
+    // with a root per server each commits its own LOCAL part.
     v1::CheckpointRequest commit;
     commit.set_name(name);
-    v1::CheckpointResponse response;
-    return Call(0, &v1::Flatshard::Stub::CommitCheckpoint, commit, &response);
+    for (int i = 0; i < num_servers(); ++i) {
+      v1::CheckpointResponse response;
+      FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::CommitCheckpoint, commit, &response));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status LoadCheckpoint(const std::string& name) override {
@@ -298,11 +303,17 @@ class ClientImpl final : public Client {
     return entries;
   }
 
+  // From every server's root: server 0's answer decides NotFound (with a shared root the
+  // others find nothing left).
   absl::Status DeleteCheckpoint(const std::string& name) override {
     v1::CheckpointRequest request;
     request.set_name(name);
-    v1::CheckpointResponse response;
-    return Call(0, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response);
+    for (int i = 0; i < num_servers(); ++i) {
+      v1::CheckpointResponse response;
+      const absl::Status deleted = Call(i, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response);
+      if (!deleted.ok() && (i == 0 || !absl::IsNotFound(deleted))) return deleted;
+    }
+    return absl::OkStatus();
   }
 
   absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,

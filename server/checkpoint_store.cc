@@ -476,17 +476,61 @@ CheckpointStore::~CheckpointStore() {
   for (std::thread& thread : background) thread.join();
 }
 
+namespace {
+
+// Writes `manifest` (with the files' sizes and checksums) into the partial directory
+// last, fsync'd, and commits by renaming it to `final_dir`.
+absl::Status WriteManifest(const std::string& root, const std::string& dir, const std::string& final_dir,
+                           const std::string& name, Json manifest, const std::set<std::string>& files) {
+  Json file_list = Json::array();
+  for (const std::string& file : files) {
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t checksum, FileChecksum(dir + "/" + file));
+    FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(dir + "/" + file, File::Mode::kRead));
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, opened.Size());
+    file_list.push_back({{"path", file}, {"bytes", size}, {"xxh3", absl::StrFormat("%016x", checksum)}});
+  }
+  manifest["format"] = kFormat;
+  manifest["name"] = name;
+  manifest["files"] = file_list;
+  FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(dir, "/", kManifest), manifest.dump(1)));
+  if (std::rename(dir.c_str(), final_dir.c_str()) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("cannot commit checkpoint '", name, "': ", std::strerror(errno)));
+  }
+  return SyncDirectory(root);
+}
+
+}  // namespace
+
 absl::Status CheckpointStore::Commit(const std::string& name) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
   const std::string dir = absl::StrCat(root_, "/.", name, ".partial");
+  if (!fs::exists(dir) && fs::exists(final_dir + "/" + kManifest)) {
+    return absl::OkStatus();  // a server sharing this root committed it
+  }
+  bool all_parts = true;
+  for (int rank = 0; rank < num_servers_; ++rank) {
+    all_parts &= fs::exists(absl::StrCat(dir, "/part-", rank, ".json"));
+  }
+  if (!all_parts) {
+    // Each server has a root of its own: a LOCAL checkpoint is committed per server.
+    absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
+    if (own.ok() && own->value("kind", "") == "local") {
+      std::set<std::string> files;
+      for (const auto& file : (*own)["files"]) files.insert(file.get<std::string>());
+      own->erase("files");
+      (*own)["root"] = "per-server";  // holds only this server's files; loads read no others
+      return WriteManifest(root_, dir, final_dir, name, *std::move(own), files);
+    }
+  }
   Json manifest;
   std::set<std::string> files;
   for (int rank = 0; rank < num_servers_; ++rank) {
     absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
     if (!part.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint '", name, "': server ", rank, " has not saved its part (", part.status().message(),
-          "); is the checkpoint root shared by all servers?"));
+          "checkpoint '", name, "': server ", rank, "'s part is not in this server's root (",
+          part.status().message(), "). FULL and SHARDED checkpoints need a --checkpoint_root shared "
+          "by all servers; with a root per server, save LOCAL or stream the state dict with export"));
     }
     for (const auto& file : (*part)["files"]) files.insert(file.get<std::string>());
     part->erase("rank");
@@ -518,21 +562,7 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
     FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(dir + "/index.json", Json{{"pieces", pieces}}.dump(1)));
     files.insert("index.json");
   }
-  Json file_list = Json::array();
-  for (const std::string& file : files) {
-    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t checksum, FileChecksum(dir + "/" + file));
-    FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(dir + "/" + file, File::Mode::kRead));
-    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, opened.Size());
-    file_list.push_back({{"path", file}, {"bytes", size}, {"xxh3", absl::StrFormat("%016x", checksum)}});
-  }
-  manifest["format"] = kFormat;
-  manifest["name"] = name;
-  manifest["files"] = file_list;
-  FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(dir, "/", kManifest), manifest.dump(1)));
-  if (std::rename(dir.c_str(), final_dir.c_str()) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat("cannot commit checkpoint '", name, "': ", std::strerror(errno)));
-  }
-  return SyncDirectory(root_);
+  return WriteManifest(root_, dir, final_dir, name, std::move(manifest), files);
 }
 
 absl::StatusOr<std::vector<CheckpointInfo>> CheckpointStore::List() const {
@@ -603,11 +633,19 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
   // every file it reads. PREPARE succeeds only where every server's share verified, so a
   // damaged file is still refused cluster-wide before anything is installed. Sizes are
   // checked by every reader.
+  // A per-server root's manifest lists only this server's own files: it hashes them all.
+  const bool per_server_root = manifest.value("root", "") == "per-server";
+  if (per_server_root && manifest.value("rank", -1) != rank_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", name, "' in this server's root holds server ", manifest.value("rank", -1),
+        "'s part; this server is rank ", rank_));
+  }
   std::set<std::string> my_checksums;
   int file_index = 0;
   for (const auto& file : manifest["files"]) {
     file_entries[file.value("path", "")] = file;
-    if (file_index++ % num_servers_ == rank_) my_checksums.insert(file.value("path", ""));
+    if (per_server_root || file_index % num_servers_ == rank_) my_checksums.insert(file.value("path", ""));
+    ++file_index;
   }
 
   // Checks a file's size (and, for this server's share, its checksum) against the

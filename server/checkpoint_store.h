@@ -82,8 +82,10 @@ class CheckpointStore {
   [[nodiscard]] absl::Status Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
                                     const std::string& job, const std::map<std::string, int64_t>& versions,
                                     absl::Time deadline) const;
-  // Completes a checkpoint once every server saved its part. FailedPrecondition naming
-  // the missing or disagreeing part.
+  // Completes a checkpoint once every server saved its part; OK if a server sharing the
+  // root already did. With a root per server (other parts absent), a LOCAL checkpoint is
+  // committed per server: its manifest lists this server's files only. FailedPrecondition
+  // naming the missing or disagreeing part otherwise (FULL and SHARDED need a shared root).
   [[nodiscard]] absl::Status Commit(const std::string& name);
 
   [[nodiscard]] absl::StatusOr<std::vector<CheckpointInfo>> List() const;

@@ -105,6 +105,49 @@ TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
   EXPECT_EQ(b.client->LoadCheckpoint("sharded-3").code(), absl::StatusCode::kNotFound);
 }
 
+// Each server with a root of its own (no shared file system): LOCAL checkpoints save,
+// list, load and delete per server; FULL and SHARDED are refused with the reason.
+TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
+  std::vector<std::string> roots;
+  std::vector<std::vector<std::string>> args;
+  for (int rank = 0; rank < 2; ++rank) {
+    roots.push_back(absl::StrCat(::testing::TempDir(), "/own-root-", getpid(), "-", rank));
+    std::filesystem::remove_all(roots.back());
+    std::filesystem::create_directories(roots.back());
+    args.push_back({"--checkpoint_root=" + roots.back()});
+  }
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), "", args);
+  Trainer a(cluster);
+  ASSERT_TRUE(a.client->InitGroupFromSeed("big", 5).ok());
+  ASSERT_TRUE(a.client->InitGroupFromSeed("tiny", 5).ok());
+  for (int step = 0; step < 2; ++step) a.Step(step);
+  ASSERT_TRUE(a.client->SaveCheckpoint("mine", CheckpointKind::kLocal, true).ok());
+  for (const std::string& root : roots) {
+    EXPECT_TRUE(std::filesystem::exists(root + "/mine/manifest.json")) << root;
+  }
+  auto list = a.client->ListCheckpoints();
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_TRUE((*list)[0].complete);
+
+  for (CheckpointKind kind : {CheckpointKind::kFull, CheckpointKind::kSharded}) {
+    absl::Status refused = a.client->SaveCheckpoint("shared-only", kind, false);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("shared by all servers"));
+    ASSERT_TRUE(a.client->DeleteCheckpoint("shared-only").ok());
+  }
+
+  const auto saved_big = a.Params("big", a.big, 2);
+  for (int step = 2; step < 4; ++step) a.Step(step);
+  ASSERT_TRUE(a.client->LoadCheckpoint("mine").ok());
+  EXPECT_EQ(*a.client->WaitVersion("big", 0), 2);
+  EXPECT_EQ(a.Params("big", a.big, 2), saved_big);
+
+  ASSERT_TRUE(a.client->DeleteCheckpoint("mine").ok());
+  for (const std::string& root : roots) EXPECT_FALSE(std::filesystem::exists(root + "/mine")) << root;
+  for (const std::string& root : roots) std::filesystem::remove_all(root);
+}
+
 TEST(CheckpointIntegrationTest, ServersWithoutARootSaySo) {
   testing::TestCluster cluster(1, "tok", ::testing::TempDir());
   Trainer t(cluster);
