@@ -528,7 +528,7 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
     absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
     if (!part.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint '", name, "': server ", rank, "'s part is not in this server's root (",
+          "checkpoint '", name, "': server ", rank, " has not saved its part in this server's root (",
           part.status().message(), "). FULL and SHARDED checkpoints need a --checkpoint_root shared "
           "by all servers; with a root per server, save LOCAL or stream the state dict with export"));
     }
