@@ -78,7 +78,9 @@ class CheckpointStore {
                                   const std::map<std::string, int64_t>& versions,
                                   absl::Time deadline, bool async = false);
   // Streams this server's part of a FULL or SHARDED state dict (the same files a save
-  // writes, without manifest) into `sink`, in slices of at most 4 MiB of data.
+  // writes, without manifest) into `sink`, in slices of at most 4 MiB of data. Nothing
+  // is copied: the groups are pinned at `versions` (Group::Pin), so their next optimizer
+  // step waits until the export is done.
   [[nodiscard]] absl::Status Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
                                     const std::string& job, const std::map<std::string, int64_t>& versions,
                                     absl::Time deadline) const;
