@@ -131,6 +131,15 @@ class Pending {
  public:
   Pending(std::future<absl::StatusOr<int64_t>> future, py::object keep)
       : future_(std::move(future)), keep_(std::move(keep)) {}
+  // A transfer dropped without wait() still owns its buffer until it is done.
+  ~Pending() {
+    if (future_.valid()) {
+      py::gil_scoped_release release;
+      future_.wait();
+    }
+  }
+  Pending(const Pending&) = delete;
+  Pending& operator=(const Pending&) = delete;
   // Waits (GIL released) and returns the version; raises on failure.
   int64_t Wait() {
     absl::StatusOr<int64_t> result = [&] {
