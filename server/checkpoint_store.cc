@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/file.h"
+#include "core/huge_pages.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
@@ -757,8 +758,10 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
     snapshot.optimizer_steps = spec.value("optimizer_steps", int64_t{0});
     snapshot.momentum_initialized = spec.value("momentum_initialized", false);
     const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
-    snapshot.params.assign(shard_numel, 0.0f);
-    for (const std::string& state : group->optimizer_state_names()) snapshot.state.emplace_back(state, std::vector<float>(shard_numel, 0.0f));
+    ResizeWithHugePages(snapshot.params, shard_numel);
+    for (const std::string& state : group->optimizer_state_names()) {
+      ResizeWithHugePages(snapshot.state.emplace_back(state, std::vector<float>()).second, shard_numel);
+    }
 
     std::vector<std::pair<std::string, std::vector<float>*>> targets = {{"", &snapshot.params}};
     if (optimizer) {

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/huge_pages.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
 #include "server/snapshot_pool.h"
@@ -474,8 +475,8 @@ absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadli
     return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' is at version ", version_,
                                                       ", past the requested version ", version));
   }
-  ShardSnapshot snapshot{version_, std::vector<float>(shard_numel()), optimizer_.steps(),
-                         optimizer_.momentum_initialized(), {}};
+  ShardSnapshot snapshot{version_, {}, optimizer_.steps(), optimizer_.momentum_initialized(), {}};
+  ResizeWithHugePages(snapshot.params, shard_numel());
   FLATSHARD_RETURN_IF_ERROR(compute_->CopyToHost(params_.floats(), snapshot.params.data(), shard_numel()));
   for (const std::string& name : optimizer_.state_names()) {
     FLATSHARD_ASSIGN_OR_RETURN(std::vector<float> values, optimizer_.ReadState(name));

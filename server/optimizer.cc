@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/huge_pages.h"
 #include "core/status_macros.h"
 
 namespace flatshard::server {
@@ -161,7 +162,8 @@ ShardBuffer* ShardOptimizer::StateBuffer(absl::string_view name) {
 }
 
 absl::StatusOr<std::vector<float>> ShardOptimizer::ReadState(absl::string_view name) const {
-  std::vector<float> values(numel_);
+  std::vector<float> values;
+  ResizeWithHugePages(values, numel_);
   FLATSHARD_RETURN_IF_ERROR(ReadStateSlice(name, 0, numel_, values.data()));
   return values;
 }
