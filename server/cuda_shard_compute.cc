@@ -81,18 +81,12 @@ class CudaShardCompute final : public ShardCompute {
   }
 
   absl::Status CopyToHost(const float* shard, float* host, int64_t numel) override {
-    FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    FLATSHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, shard, numel * sizeof(float),
-                                                   cudaMemcpyDefault, stream_));
-    FLATSHARD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    return absl::OkStatus();
+    FLATSHARD_RETURN_IF_ERROR(CopyBytes(host, shard, numel * sizeof(float)));
+    return Synchronize();
   }
   absl::Status CopyFromHost(const float* host, float* shard, int64_t numel) override {
-    FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    FLATSHARD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(shard, host, numel * sizeof(float),
-                                                   cudaMemcpyDefault, stream_));
-    FLATSHARD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    return absl::OkStatus();
+    FLATSHARD_RETURN_IF_ERROR(CopyBytes(shard, host, numel * sizeof(float)));
+    return Synchronize();
   }
   absl::Status Zero(float* shard, int64_t numel) override {
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
