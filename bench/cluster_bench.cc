@@ -42,6 +42,8 @@
 
 ABSL_FLAG(bool, quick, false, "fewer configurations and shorter runs");
 ABSL_FLAG(double, seconds, 1.0, "measuring time per configuration");
+ABSL_FLAG(std::vector<std::string>, sections, std::vector<std::string>({"data", "optimizer", "latency", "checkpoints"}),
+          "which tables to print: data, optimizer, latency, checkpoints");
 
 extern char** environ;
 
@@ -296,51 +298,69 @@ double TimeIt(const std::function<absl::Status()>& body) {
 }
 
 // Save, load and export throughput of a model on 2 servers, vs dd on the same disk.
+// This disk's rates swing by several times within seconds, so every row interleaves 3
+// runs of its anchor with 3 runs of the operation and compares the medians: writes vs dd
+// conv=fdatasync into a new file (as a save writes new files), cold loads (page cache
+// dropped) vs dd iflag=direct, warm loads vs a plain dd from the page cache.
 void Checkpoints(int64_t bytes) {
   char scratch[] = "/tmp/flatshard-bench-XXXXXX";
   const std::string dir = mkdtemp(scratch);
   const std::string root = dir + "/root";
   std::filesystem::create_directories(root);
   const int64_t dd_blocks = bytes >> 22;
-  const double write_rate = Dd(absl::StrFormat("dd if=/dev/zero of=%s/dd bs=4M count=%d conv=fdatasync", dir, dd_blocks));
-  const double read_rate = Dd(absl::StrFormat("dd if=%s/dd of=/dev/null bs=4M", dir));
-  // The disk itself: O_DIRECT bypasses the page cache, as the cold loads below do.
-  const double direct_read_rate = Dd(absl::StrFormat("dd if=%s/dd of=/dev/null bs=4M iflag=direct", dir));
-  std::filesystem::remove(dir + "/dd");
+  int dd_files = 0;
+  auto dd_write = [&] {
+    return Dd(absl::StrFormat("dd if=/dev/zero of=%s/dd-%d bs=4M count=%d conv=fdatasync", dir, ++dd_files, dd_blocks));
+  };
+  auto dd_read = [&](bool direct) {
+    return Dd(absl::StrFormat("dd if=%s/dd-1 of=/dev/null bs=4M%s", dir, direct ? " iflag=direct" : ""));
+  };
 
   auto cluster = StartCluster(2, root);
   auto client = Connect(*cluster, 0, 1, "ckpt");
   Check(client->ConfigureJob({}));
   Check(client->RegisterGroup("g", {{"w", {bytes / 4}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1}).status());
   Check(client->InitGroupFromSeed("g", 1));
-  std::printf("\n%-40s %10s %10s %8s   (model %s on 2 servers; cold = page cache dropped)\n", "checkpoint",
-              "GB/s", "dd GB/s", "ratio", Mib(bytes).c_str());
-  auto row = [&](const char* name, double seconds, double anchor) {
-    const double rate = static_cast<double>(bytes) / seconds;
-    std::printf("%-40s %10.2f %10.2f %7.2fx\n", name, rate / 1e9, anchor / 1e9, rate / anchor);
+  std::printf("\n%-40s %10s %10s %8s   (model %s on 2 servers; medians of 3, interleaved)\n", "checkpoint", "GB/s",
+              "dd GB/s", "ratio", Mib(bytes).c_str());
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  // Run i: anchor(i), then body(i), timed.
+  auto row = [&](const std::string& name, const std::function<double(int)>& anchor,
+                 const std::function<absl::Status(int)>& body) {
+    std::vector<double> anchors, rates;
+    for (int i = 0; i < 3; ++i) {
+      anchors.push_back(anchor(i));
+      rates.push_back(static_cast<double>(bytes) / TimeIt([&] { return body(i); }));
+    }
+    const double rate = median(rates), base = median(anchors);
+    std::printf("%-40s %10.2f %10.2f %7.2fx\n", name.c_str(), rate / 1e9, base / 1e9, rate / base);
+    std::fflush(stdout);
   };
   for (auto [name, kind] : {std::pair{"full", CheckpointKind::kFull}, std::pair{"sharded", CheckpointKind::kSharded},
                             std::pair{"local", CheckpointKind::kLocal}}) {
-    row(absl::StrCat("save ", name).c_str(), TimeIt([&] { return client->SaveCheckpoint(name, kind, false); }), write_rate);
-    row(absl::StrCat("load ", name).c_str(), TimeIt([&] { return client->LoadCheckpoint(name); }), read_rate);
-    DropCache(root + "/" + name);
-    row(absl::StrCat("load ", name, " (cold) vs dd iflag=direct").c_str(),
-        TimeIt([&] { return client->LoadCheckpoint(name); }), direct_read_rate);
+    const std::string checkpoint = name;
+    row(absl::StrCat("save ", name, " vs dd conv=fdatasync"), [&](int) { return dd_write(); },
+        [&](int i) { return client->SaveCheckpoint(absl::StrCat(checkpoint, "-", i), kind, false); });
+    row(absl::StrCat("load ", name, " (warm) vs dd"), [&](int) { return dd_read(false); },
+        [&](int i) { return client->LoadCheckpoint(absl::StrCat(checkpoint, "-", i)); });
+    row(absl::StrCat("load ", name, " (cold) vs dd iflag=direct"),
+        [&](int i) {
+          DropCache(absl::StrCat(root, "/", checkpoint, "-", i));
+          return dd_read(true);
+        },
+        [&](int i) { return client->LoadCheckpoint(absl::StrCat(checkpoint, "-", i)); });
   }
-  row("export full", TimeIt([&] { return client->ExportStateDict(dir + "/export", CheckpointKind::kFull, false); }),
-      write_rate);
+  row("export full vs dd conv=fdatasync", [&](int) { return dd_write(); },
+      [&](int i) { return client->ExportStateDict(absl::StrCat(dir, "/export-", i), CheckpointKind::kFull, false); });
   std::filesystem::remove_all(dir);
 }
 
-}  // namespace
-}  // namespace flatshard::bench
-
-int main(int argc, char** argv) {
-  using namespace flatshard::bench;
-  flatshard::ParseCommandLineOrExit(argc, argv, "cluster_bench");
-  const bool quick = absl::GetFlag(FLAGS_quick);
-  const double seconds = quick ? 0.4 : absl::GetFlag(FLAGS_seconds);
-
+// Gather and scatter throughput per (servers, workers, group size), vs iperf3 over
+// loopback with as many streams.
+void DataPlane(bool quick, double seconds) {
   struct Config {
     int servers, workers;
     int64_t bytes;
@@ -376,11 +396,27 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
-  const auto [adam, bound] = AdamVersusBandwidth(seconds);
-  std::printf("\n%-34s %10s %12s %8s\n", "optimizer (1 thread, 16M params)", "Mparam/s", "bound", "ratio");
-  std::printf("%-34s %10.0f %12.0f %7.2fx   (target >= 0.7x)\n", "AdamW vs triad bandwidth / 28 B",
-              adam / 1e6, bound / 1e6, adam / bound);
-  Latency(quick ? 300 : 2000);
-  Checkpoints(quick ? (int64_t{64} << 20) : (int64_t{512} << 20));
+}
+
+}  // namespace
+}  // namespace flatshard::bench
+
+int main(int argc, char** argv) {
+  using namespace flatshard::bench;
+  flatshard::ParseCommandLineOrExit(argc, argv, "cluster_bench");
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  const double seconds = quick ? 0.4 : absl::GetFlag(FLAGS_seconds);
+
+  const std::vector<std::string> sections = absl::GetFlag(FLAGS_sections);
+  auto wanted = [&](const char* section) { return std::find(sections.begin(), sections.end(), section) != sections.end(); };
+  if (wanted("data")) DataPlane(quick, seconds);
+  if (wanted("optimizer")) {
+    const auto [adam, bound] = AdamVersusBandwidth(seconds);
+    std::printf("\n%-34s %10s %12s %8s\n", "optimizer (1 thread, 16M params)", "Mparam/s", "bound", "ratio");
+    std::printf("%-34s %10.0f %12.0f %7.2fx   (target >= 0.7x)\n", "AdamW vs triad bandwidth / 28 B",
+                adam / 1e6, bound / 1e6, adam / bound);
+  }
+  if (wanted("latency")) Latency(quick ? 300 : 2000);
+  if (wanted("checkpoints")) Checkpoints(quick ? (int64_t{64} << 20) : (int64_t{512} << 20));
   return 0;
 }
