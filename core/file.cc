@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <cerrno>
 #include <cstring>
@@ -106,26 +105,6 @@ absl::StatusOr<uint64_t> File::Size() const {
   struct stat st {};
   if (fstat(fd_, &st) != 0) return ErrnoError("stat", path_, errno);
   return static_cast<uint64_t>(st.st_size);
-}
-
-absl::StatusOr<uint64_t> FileChecksum(const std::string& path) {
-  FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(path, File::Mode::kRead));
-  FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, file.Size());
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
-  std::vector<std::byte> buffer(std::min<uint64_t>(size, 4 << 20));
-  for (uint64_t offset = 0; offset < size;) {
-    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buffer.size(), size - offset));
-    if (absl::Status read = file.ReadAt(offset, absl::MakeSpan(buffer.data(), chunk)); !read.ok()) {
-      XXH3_freeState(state);
-      return read;
-    }
-    XXH3_64bits_update(state, buffer.data(), chunk);
-    offset += chunk;
-  }
-  const uint64_t digest = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return digest;
 }
 
 absl::Status SyncDirectory(const std::string& path) {

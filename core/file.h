@@ -48,9 +48,6 @@ class File {
   std::string path_;
 };
 
-// XXH3-64 of a whole file, read in chunks of at most 4 MiB (bounded memory).
-[[nodiscard]] absl::StatusOr<uint64_t> FileChecksum(const std::string& path);
-
 // Writes `contents` to `path` atomically: a temporary file beside it, fsync, rename,
 // fsync of the directory. The old file (if any) stays whole until the rename.
 [[nodiscard]] absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);

@@ -2,10 +2,15 @@
 // (/sys/kernel/mm/transparent_hugepage/enabled = always or madvise): a 256 MiB buffer
 // then takes 128 page faults on first touch instead of 65536, which is most of the cost
 // of filling a fresh buffer (checkpoint loads, snapshots). Harmless where THP is off.
-// Pure functions; thread-safe.
+// HostFloats are such buffers left unwritten on resize, for whoever overwrites them
+// whole (snapshots, checkpoint loads): a zero fill first is a pass over memory, and on
+// fresh pages it takes the page faults in the thread that fills rather than the threads
+// that write. Pure functions; thread-safe.
 //
-//   std::vector<float> staging;
-//   ResizeWithHugePages(staging, shard_numel);   // zero-filled, like resize()
+//   std::vector<float> zeroed;
+//   ResizeWithHugePages(zeroed, shard_numel);      // zero-filled, like resize()
+//   HostFloats staging;
+//   ResizeWithHugePages(staging, shard_numel);     // unwritten: fill every element
 #ifndef FLATSHARD_CORE_HUGE_PAGES_H_
 #define FLATSHARD_CORE_HUGE_PAGES_H_
 
@@ -13,6 +18,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 
 namespace flatshard {
@@ -26,10 +34,33 @@ inline void AdviseHugePages(void* data, size_t bytes) {
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
-// `values` resized to `n` value-initialized elements, its new storage advised for huge
-// pages before the elements are written. Precondition: `values` is empty.
+// An allocator that default-initializes where std::allocator value-initializes: floats
+// in a vector resized with it are left unwritten.
 template <typename T>
-void ResizeWithHugePages(std::vector<T>& values, size_t n) {
+struct UninitializedAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <typename U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+using HostFloats = std::vector<float, UninitializedAllocator<float>>;
+
+// `values` resized to `n` value-initialized (HostFloats: unwritten) elements, its new storage advised for huge
+// pages before the elements are written. Precondition: `values` is empty.
+template <typename T, typename Allocator>
+void ResizeWithHugePages(std::vector<T, Allocator>& values, size_t n) {
   values.reserve(n);
   AdviseHugePages(values.data(), n * sizeof(T));
   values.resize(n);

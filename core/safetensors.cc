@@ -61,20 +61,39 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Build(
 absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Read(const std::string& path) {
   FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(path, File::Mode::kRead));
   FLATSHARD_ASSIGN_OR_RETURN(const uint64_t file_size, file.Size());
+  if (file_size < 8) {
+    return absl::DataLossError(absl::StrCat("safetensors file '", path, "': shorter than the 8-byte header length"));
+  }
+  std::string prefix(8, '\0');
+  FLATSHARD_RETURN_IF_ERROR(file.ReadAt(0, absl::MakeSpan(reinterpret_cast<std::byte*>(prefix.data()), 8)));
+  FLATSHARD_ASSIGN_OR_RETURN(const uint64_t header_size, HeaderSize(prefix, file_size, path));
+  std::string bytes(header_size, '\0');
+  FLATSHARD_RETURN_IF_ERROR(file.ReadAt(0, absl::MakeSpan(reinterpret_cast<std::byte*>(bytes.data()), header_size)));
+  return Parse(bytes, file_size, path);
+}
+
+absl::StatusOr<uint64_t> SafetensorsHeader::HeaderSize(absl::string_view prefix, uint64_t file_size,
+                                                       const std::string& path) {
+  if (file_size < 8 || prefix.size() < 8) {
+    return absl::DataLossError(absl::StrCat("safetensors file '", path, "': shorter than the 8-byte header length"));
+  }
+  uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = (length << 8) | static_cast<unsigned char>(prefix[i]);
+  if (length > kMaxHeaderBytes || 8 + length > file_size) {
+    return absl::DataLossError(absl::StrCat("safetensors file '", path, "': header length ", length,
+                                            " does not fit in the file of ", file_size, " bytes"));
+  }
+  return 8 + length;
+}
+
+absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view bytes, uint64_t file_size,
+                                                           const std::string& path) {
   auto bad = [&](const std::string& what) {
     return absl::DataLossError(absl::StrCat("safetensors file '", path, "': ", what));
   };
-  if (file_size < 8) return bad("shorter than the 8-byte header length");
-  unsigned char length_bytes[8];
-  FLATSHARD_RETURN_IF_ERROR(file.ReadAt(0, absl::MakeSpan(reinterpret_cast<std::byte*>(length_bytes), 8)));
-  uint64_t length = 0;
-  for (int i = 7; i >= 0; --i) length = (length << 8) | length_bytes[i];
-  if (length > kMaxHeaderBytes || 8 + length > file_size) {
-    return bad(absl::StrCat("header length ", length, " does not fit in the file of ", file_size, " bytes"));
-  }
-  std::string json_text(length, '\0');
-  FLATSHARD_RETURN_IF_ERROR(
-      file.ReadAt(8, absl::MakeSpan(reinterpret_cast<std::byte*>(json_text.data()), length)));
+  FLATSHARD_ASSIGN_OR_RETURN(const uint64_t header_size, HeaderSize(bytes, file_size, path));
+  if (bytes.size() != header_size) return bad("the header bytes given do not match the header length");
+  const absl::string_view json_text = bytes.substr(8);
   Json json;
   try {
     json = Json::parse(json_text);
@@ -84,7 +103,7 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Read(const std::string& pat
   if (!json.is_object()) return bad("the header is not a JSON object");
 
   SafetensorsHeader header;
-  header.bytes_.assign(8 + length, '\0');  // only the size matters for a parsed header
+  header.bytes_.assign(header_size, '\0');  // only the size matters for a parsed header
   for (auto it = json.begin(); it != json.end(); ++it) {
     if (it.key() == "__metadata__") {
       if (!it.value().is_object()) return bad("__metadata__ is not an object");

@@ -41,6 +41,14 @@ class SafetensorsHeader {
   // for a truncated file, malformed JSON, an unknown dtype, offsets that do not match the
   // shape, overlap, leave holes or run past the end of the file.
   [[nodiscard]] static absl::StatusOr<SafetensorsHeader> Read(const std::string& path);
+  // The same checks on a header already read: `bytes` = the first HeaderSize() bytes of
+  // the file `path` of `file_size` bytes.
+  [[nodiscard]] static absl::StatusOr<SafetensorsHeader> Parse(absl::string_view bytes, uint64_t file_size,
+                                                               const std::string& path);
+  // 8 + the header length that the file's first 8 bytes (`prefix`) give; DataLoss if it
+  // does not fit in `file_size`.
+  [[nodiscard]] static absl::StatusOr<uint64_t> HeaderSize(absl::string_view prefix, uint64_t file_size,
+                                                           const std::string& path);
 
   // 8-byte length + JSON, padded: what goes at offset 0 of the file.
   absl::Span<const std::byte> bytes() const {

@@ -10,13 +10,16 @@ absl::Status DirectorySink::Open(const std::string& file, uint64_t size, bool ex
   if (exclusive) FLATSHARD_RETURN_IF_ERROR(opened.Truncate(0));
   FLATSHARD_RETURN_IF_ERROR(opened.Truncate(size));  // shared files: the same size from everyone
   open_.insert_or_assign(file, std::move(opened));
+  if (exclusive) extents_.erase(file);
   return absl::OkStatus();
 }
 
 absl::Status DirectorySink::Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) {
   const auto it = open_.find(file);
   if (it == open_.end()) return absl::InternalError(absl::StrCat("'", file, "' written before Open"));
-  return it->second.WriteAt(offset, data);
+  FLATSHARD_RETURN_IF_ERROR(it->second.WriteAt(offset, data));
+  if (!data.empty()) extents_[file].push_back({offset, data.size(), Xxh3(data)});
+  return absl::OkStatus();
 }
 
 absl::Status DirectorySink::Close(const std::string& file) {

@@ -13,10 +13,12 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "core/file.h"
+#include "server/file_extents.h"
 
 namespace flatshard::server {
 
@@ -32,7 +34,9 @@ class CheckpointSink {
   [[nodiscard]] virtual absl::Status Close(const std::string& file) = 0;
 };
 
-// Files under `dir`, written with positional writes and fsync'd on Close.
+// Files under `dir`, written with positional writes and fsync'd on Close. Every write is
+// hashed as it is written: extents() are this writer's (offset, length, XXH3) per file,
+// for the manifest, so that no one re-reads the files to checksum them.
 class DirectorySink final : public CheckpointSink {
  public:
   explicit DirectorySink(std::string dir) : dir_(std::move(dir)) {}
@@ -40,9 +44,12 @@ class DirectorySink final : public CheckpointSink {
   absl::Status Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) override;
   absl::Status Close(const std::string& file) override;
 
+  const std::map<std::string, std::vector<FileExtent>>& extents() const { return extents_; }
+
  private:
   const std::string dir_;
   std::map<std::string, File> open_;
+  std::map<std::string, std::vector<FileExtent>> extents_;
 };
 
 }  // namespace flatshard::server

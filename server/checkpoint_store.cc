@@ -18,7 +18,9 @@
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
+#include "server/checkpoint_reader.h"
 #include "server/checkpoint_sink.h"
+#include "server/file_extents.h"
 
 namespace flatshard::server {
 namespace {
@@ -26,7 +28,7 @@ namespace {
 using Json = nlohmann::json;
 namespace fs = std::filesystem;
 
-constexpr char kFormat[] = "flatshard-checkpoint/1";
+constexpr char kFormat[] = "flatshard-checkpoint/2";  // /2: extent checksums
 constexpr char kManifest[] = "manifest.json";
 
 absl::Status ValidateName(const std::string& name) {
@@ -95,7 +97,7 @@ struct Shard {
   // from element `offset` of the shard.
   absl::Status Read(absl::string_view state, int64_t offset, int64_t count, float* out) const {
     if (pin != nullptr) return group->ReadPinned(state, offset, count, out);
-    const std::vector<float>* values = &snapshot.params;
+    const HostFloats* values = &snapshot.params;
     for (const auto& [name, buffer] : snapshot.state) {
       if (name == state) values = &buffer;
     }
@@ -309,30 +311,6 @@ absl::StatusOr<Json> ReadJson(const std::string& path) {
   }
 }
 
-// Reads `count` elements of tensor `entry` of `file` from element `first` into fp32.
-absl::Status ReadElements(const File& file, const SafetensorsHeader& header,
-                          const SafetensorsTensor& entry, int64_t first, int64_t count, float* out) {
-  const size_t element = DTypeSize(entry.dtype);
-  const uint64_t offset = header.data_start() + entry.begin + static_cast<uint64_t>(first) * element;
-  if (entry.dtype == DType::kFloat32) {  // straight into the destination
-    return file.ReadAt(offset, absl::MakeSpan(reinterpret_cast<std::byte*>(out), static_cast<size_t>(count) * 4));
-  }
-  std::vector<std::byte> raw;
-  for (int64_t done = 0; done < count; done += kSliceElements) {
-    const int64_t slice = std::min(kSliceElements, count - done);
-    raw.resize(static_cast<size_t>(slice) * element);
-    FLATSHARD_RETURN_IF_ERROR(file.ReadAt(offset + static_cast<uint64_t>(done) * element, absl::MakeSpan(raw)));
-    FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(entry.dtype, raw.data(), DType::kFloat32, out + done, slice));
-  }
-  return absl::OkStatus();
-}
-
-// An opened, checksum-verified checkpoint file.
-struct OpenFile {
-  File file;
-  SafetensorsHeader header;
-};
-
 // This server's shard of every group of `job` at `versions`: snapshots, or with `pin`
 // the live groups held at those versions (released when the Shards are destroyed).
 absl::StatusOr<std::vector<Shard>> TakeShards(const Registry& registry, int rank, const std::string& job,
@@ -442,9 +420,11 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
     std::string group_specs;
     FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
                                WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
+    Json extents = Json::object();
+    for (const auto& [file, file_extents] : sink.extents()) extents[file] = ExtentsToJson(file_extents);
     const Json part = {{"rank", rank_},         {"job", job},           {"kind", CheckpointKindName(kind)},
                        {"servers", num_servers_}, {"optimizer", optimizer}, {"groups", Json::parse(group_specs)},
-                       {"files", files}};
+                       {"files", files},        {"extents", extents}};
     return WriteFileAtomically(absl::StrCat(dir, "/part-", rank_, ".json"), part.dump(1));
   };
   if (!async) return write();
@@ -479,16 +459,19 @@ CheckpointStore::~CheckpointStore() {
 
 namespace {
 
-// Writes `manifest` (with the files' sizes and checksums) into the partial directory
-// last, fsync'd, and commits by renaming it to `final_dir`.
+// Writes `manifest` (with the files' sizes and extents: the writers' checksums, which
+// must tile each file exactly) into the partial directory last, fsync'd, and commits by
+// renaming it to `final_dir`.
 absl::Status WriteManifest(const std::string& root, const std::string& dir, const std::string& final_dir,
-                           const std::string& name, Json manifest, const std::set<std::string>& files) {
+                           const std::string& name, Json manifest,
+                           std::map<std::string, std::vector<FileExtent>> files) {
   Json file_list = Json::array();
-  for (const std::string& file : files) {
-    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t checksum, FileChecksum(dir + "/" + file));
+  for (auto& [file, extents] : files) {
     FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(dir + "/" + file, File::Mode::kRead));
     FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, opened.Size());
-    file_list.push_back({{"path", file}, {"bytes", size}, {"xxh3", absl::StrFormat("%016x", checksum)}});
+    FLATSHARD_RETURN_IF_ERROR(
+        SortAndCheckTiling(extents, size, absl::StrCat("checkpoint '", name, "' file '", file, "'")));
+    file_list.push_back({{"path", file}, {"bytes", size}, {"extents", ExtentsToJson(extents)}});
   }
   manifest["format"] = kFormat;
   manifest["name"] = name;
@@ -498,6 +481,24 @@ absl::Status WriteManifest(const std::string& root, const std::string& dir, cons
     return absl::AlreadyExistsError(absl::StrCat("cannot commit checkpoint '", name, "': ", std::strerror(errno)));
   }
   return SyncDirectory(root);
+}
+
+// Adds a part's extents (part["extents"]: file -> list) to `files`.
+absl::Status AddPartExtents(const Json& part, const std::string& what,
+                            std::map<std::string, std::vector<FileExtent>>& files) {
+  if (!part.contains("files") || !part["files"].is_array() || !part.contains("extents") ||
+      !part["extents"].is_object()) {
+    return absl::DataLossError(absl::StrCat(what, " lacks its file list"));
+  }
+  for (const auto& file : part["files"]) {
+    const std::string path = file.get<std::string>();
+    std::vector<FileExtent>& extents = files[path];
+    if (!part["extents"].contains(path)) continue;  // written by other servers only
+    FLATSHARD_ASSIGN_OR_RETURN(std::vector<FileExtent> more,
+                               ExtentsFromJson(part["extents"][path], absl::StrCat(what, " file '", path, "'")));
+    extents.insert(extents.end(), more.begin(), more.end());
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -516,15 +517,16 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
     // Each server has a root of its own: a LOCAL checkpoint is committed per server.
     absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
     if (own.ok() && own->value("kind", "") == "local") {
-      std::set<std::string> files;
-      for (const auto& file : (*own)["files"]) files.insert(file.get<std::string>());
+      std::map<std::string, std::vector<FileExtent>> files;
+      FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*own, absl::StrCat("checkpoint '", name, "' part ", rank_), files));
       own->erase("files");
+      own->erase("extents");
       (*own)["root"] = "per-server";  // holds only this server's files; loads read no others
       return WriteManifest(root_, dir, final_dir, name, *std::move(own), files);
     }
   }
   Json manifest;
-  std::set<std::string> files;
+  std::map<std::string, std::vector<FileExtent>> files;
   for (int rank = 0; rank < num_servers_; ++rank) {
     absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
     if (!part.ok()) {
@@ -533,9 +535,10 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
           part.status().message(), "). FULL and SHARDED checkpoints need a --checkpoint_root shared "
           "by all servers; with a root per server, save LOCAL or stream the state dict with export"));
     }
-    for (const auto& file : (*part)["files"]) files.insert(file.get<std::string>());
+    FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*part, absl::StrCat("checkpoint '", name, "' part ", rank), files));
     part->erase("rank");
     part->erase("files");
+    part->erase("extents");
     if (rank == 0) {
       manifest = *part;
     } else if (*part != manifest) {
@@ -547,7 +550,7 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
     // One index of where every piece of every tensor lives, so that a loading server
     // reads only this file and the pieces it needs.
     Json pieces = Json::object();
-    for (const std::string& file : files) {
+    for (const auto& [file, extents] : files) {
       FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Read(dir + "/" + file));
       for (const SafetensorsTensor& t : header.tensors()) {
         const size_t at = t.name.rfind('@');
@@ -560,8 +563,9 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
         pieces[key].push_back({start, (t.end - t.begin) / sizeof(float), file, header.data_start() + t.begin});
       }
     }
-    FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(dir + "/index.json", Json{{"pieces", pieces}}.dump(1)));
-    files.insert("index.json");
+    const std::string index = Json{{"pieces", pieces}}.dump(1);
+    FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(dir + "/index.json", index));
+    files["index.json"] = {{0, index.size(), Xxh3(absl::MakeConstSpan(reinterpret_cast<const std::byte*>(index.data()), index.size()))}};
   }
   return WriteManifest(root_, dir, final_dir, name, std::move(manifest), files);
 }
@@ -628,78 +632,62 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
         "checkpoint '", name, "' is LOCAL from ", manifest.value("servers", 0), " servers; this cluster has ",
         num_servers_, " (save FULL or SHARDED to change the server count)"));
   }
-  std::map<std::string, Json> file_entries;
-  // The loading servers share the checksum work: file i of the manifest is hashed by
-  // server i mod M (whether or not it reads that file), instead of every server hashing
-  // every file it reads. PREPARE succeeds only where every server's share verified, so a
-  // damaged file is still refused cluster-wide before anything is installed. Sizes are
-  // checked by every reader.
-  // A per-server root's manifest lists only this server's own files: it hashes them all.
-  const bool per_server_root = manifest.value("root", "") == "per-server";
-  if (per_server_root && manifest.value("rank", -1) != rank_) {
+  // A per-server root's manifest lists only this server's own files.
+  if (manifest.value("root", "") == "per-server" && manifest.value("rank", -1) != rank_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint '", name, "' in this server's root holds server ", manifest.value("rank", -1),
         "'s part; this server is rank ", rank_));
   }
-  std::set<std::string> my_checksums;
-  int file_index = 0;
-  for (const auto& file : manifest["files"]) {
-    file_entries[file.value("path", "")] = file;
-    if (per_server_root || file_index % num_servers_ == rank_) my_checksums.insert(file.value("path", ""));
-    ++file_index;
+  // Every file's size and extents. Each server verifies the extents it reads as it reads
+  // them; between them, the servers read every byte of the tensors.
+  std::map<std::string, ManifestFile> files;
+  if (!manifest.contains("files") || !manifest["files"].is_array()) {
+    return absl::DataLossError(absl::StrCat("'", dir, "/manifest.json' lacks its file list"));
   }
+  for (const Json& entry : manifest["files"]) {
+    const std::string path = entry.value("path", "");
+    const std::string what = absl::StrCat("'", dir, "/manifest.json' file '", path, "'");
+    ManifestFile file;
+    file.bytes = entry.value("bytes", uint64_t{0});
+    FLATSHARD_ASSIGN_OR_RETURN(file.extents, ExtentsFromJson(entry.value("extents", Json()), what));
+    if (absl::Status tiled = SortAndCheckTiling(file.extents, file.bytes, what); !tiled.ok()) {
+      return absl::DataLossError(tiled.message());
+    }
+    files[path] = std::move(file);
+  }
+  CheckpointReader reader(dir, std::move(files), read_buffers_);
 
-  // Checks a file's size (and, for this server's share, its checksum) against the
-  // manifest, once.
-  std::set<std::string> verified;
-  auto verify = [&](const std::string& file) -> absl::Status {
-    if (verified.count(file)) return absl::OkStatus();
-    const auto entry = file_entries.find(file);
-    if (entry == file_entries.end()) {
-      return absl::DataLossError(absl::StrCat("checkpoint '", name, "': manifest does not list '", file, "'"));
+  // Verified JSON of the checkpoint (indexes), once.
+  std::map<std::string, Json> json_files;
+  auto read_json = [&](const std::string& file) -> absl::StatusOr<const Json*> {
+    if (auto it = json_files.find(file); it != json_files.end()) return &it->second;
+    FLATSHARD_ASSIGN_OR_RETURN(const std::string text, reader.ReadWhole(file));
+    try {
+      return &json_files.emplace(file, Json::parse(text)).first->second;
+    } catch (const Json::parse_error& error) {
+      return absl::DataLossError(absl::StrCat("'", reader.path(file), "' is not valid JSON: ", error.what()));
     }
-    const std::string path = dir + "/" + file;
-    FLATSHARD_ASSIGN_OR_RETURN(File handle, File::Open(path, File::Mode::kRead));
-    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, handle.Size());
-    if (size != entry->second.value("bytes", uint64_t{0})) {
-      return absl::DataLossError(absl::StrCat("'", path, "' has ", size, " bytes; the manifest says ",
-                                              entry->second.value("bytes", uint64_t{0}), " (truncated?)"));
-    }
-    if (my_checksums.count(file)) {
-      FLATSHARD_ASSIGN_OR_RETURN(const uint64_t checksum, FileChecksum(path));
-      if (absl::StrFormat("%016x", checksum) != entry->second.value("xxh3", "")) {
-        return absl::DataLossError(absl::StrCat("'", path, "' is corrupted: its XXH3 checksum does not match the manifest"));
-      }
-    }
-    verified.insert(file);
-    return absl::OkStatus();
   };
-  // Opens a verified safetensors file of the checkpoint, once.
-  std::map<std::string, OpenFile> opened;
-  auto open = [&](const std::string& file) -> absl::StatusOr<OpenFile*> {
-    if (auto it = opened.find(file); it != opened.end()) return &it->second;
-    FLATSHARD_RETURN_IF_ERROR(verify(file));
-    const std::string path = dir + "/" + file;
-    FLATSHARD_ASSIGN_OR_RETURN(File handle, File::Open(path, File::Mode::kRead));
-    FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Read(path));
-    return &opened.emplace(file, OpenFile{std::move(handle), std::move(header)}).first->second;
+  // Verified safetensors headers, once.
+  std::map<std::string, SafetensorsHeader> headers;
+  auto header_of = [&](const std::string& file) -> absl::StatusOr<const SafetensorsHeader*> {
+    if (auto it = headers.find(file); it != headers.end()) return &it->second;
+    FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, reader.ReadHeader(file));
+    return &headers.emplace(file, std::move(header)).first->second;
   };
-
   // FULL: the file holding a tensor ("<prefix>.safetensors", or the one the
   // "<prefix>.safetensors.index.json" of a split checkpoint names).
-  std::map<std::string, Json> indexes;
   auto full_file_of = [&](const std::string& prefix, const std::string& tensor) -> absl::StatusOr<std::string> {
     const std::string index_file = prefix + ".safetensors.index.json";
-    if (!file_entries.count(index_file)) return prefix + ".safetensors";
-    if (!indexes.count(prefix)) {
-      FLATSHARD_RETURN_IF_ERROR(verify(index_file));
-      FLATSHARD_ASSIGN_OR_RETURN(indexes[prefix], ReadJson(dir + "/" + index_file));
+    bool split = false;
+    for (const Json& entry : manifest["files"]) split |= entry.value("path", "") == index_file;
+    if (!split) return prefix + ".safetensors";
+    FLATSHARD_ASSIGN_OR_RETURN(const Json* index, read_json(index_file));
+    const Json* map = index->is_object() && index->contains("weight_map") ? &(*index)["weight_map"] : nullptr;
+    if (map == nullptr || !map->is_object() || !map->contains(tensor) || !(*map)[tensor].is_string()) {
+      return absl::DataLossError(absl::StrCat("'", reader.path(index_file), "' does not map tensor '", tensor, "'"));
     }
-    const Json& map = indexes[prefix]["weight_map"];
-    if (!map.is_object() || !map.contains(tensor) || !map[tensor].is_string()) {
-      return absl::DataLossError(absl::StrCat("'", dir, "/", index_file, "' does not map tensor '", tensor, "'"));
-    }
-    return map[tensor].get<std::string>();
+    return (*map)[tensor].get<std::string>();
   };
 
   // SHARDED: where every stored piece lives, from the checkpoint's index.json:
@@ -712,17 +700,16 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
   };
   std::map<std::string, std::vector<StoredPiece>> stored;
   if (kind == CheckpointKind::kSharded) {
-    FLATSHARD_RETURN_IF_ERROR(verify("index.json"));
-    FLATSHARD_ASSIGN_OR_RETURN(const Json index, ReadJson(dir + "/index.json"));
+    FLATSHARD_ASSIGN_OR_RETURN(const Json* index, read_json("index.json"));
     try {
-      for (const auto& [key, pieces] : index.at("pieces").items()) {
+      for (const auto& [key, pieces] : index->at("pieces").items()) {
         for (const Json& piece : pieces) {
           stored[key].push_back({piece.at(2).get<std::string>(), piece.at(0).get<int64_t>(),
                                  piece.at(1).get<int64_t>(), piece.at(3).get<uint64_t>()});
         }
       }
     } catch (const Json::exception& error) {
-      return absl::DataLossError(absl::StrCat("'", dir, "/index.json' is malformed: ", error.what()));
+      return absl::DataLossError(absl::StrCat("'", reader.path("index.json"), "' is malformed: ", error.what()));
     }
   }
 
@@ -760,56 +747,79 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
     const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
     ResizeWithHugePages(snapshot.params, shard_numel);
     for (const std::string& state : group->optimizer_state_names()) {
-      ResizeWithHugePages(snapshot.state.emplace_back(state, std::vector<float>()).second, shard_numel);
+      ResizeWithHugePages(snapshot.state.emplace_back(state, HostFloats()).second, shard_numel);
+    }
+    // The buffers are unwritten: the reads fill every tensor element, padding is zeroed here.
+    const int64_t start = layout.shard_start(rank_);
+    const std::vector<TensorPiece> pieces = layout.MapRange(start, layout.shard_end(rank_));
+    auto zero_padding = [&](HostFloats& values) {
+      int64_t at = 0;
+      for (const TensorPiece& piece : pieces) {
+        std::fill(values.begin() + at, values.begin() + (piece.flat_offset - start), 0.0f);
+        at = piece.flat_offset - start + piece.numel;
+      }
+      std::fill(values.begin() + at, values.end(), 0.0f);
+    };
+    zero_padding(snapshot.params);
+    for (auto& [state, values] : snapshot.state) {
+      if (optimizer) {
+        zero_padding(values);
+      } else {  // a checkpoint without optimizer state: the optimizer starts afresh
+        std::fill(values.begin(), values.end(), 0.0f);
+      }
     }
 
-    std::vector<std::pair<std::string, std::vector<float>*>> targets = {{"", &snapshot.params}};
+    std::vector<std::pair<std::string, HostFloats*>> targets = {{"", &snapshot.params}};
     if (optimizer) {
       for (auto& [state, values] : snapshot.state) targets.emplace_back("." + state, &values);
     }
-    const int64_t start = layout.shard_start(rank_);
     for (const auto& [suffix, values] : targets) {
       if (kind == CheckpointKind::kLocal) {
-        FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(absl::StrCat("local-", rank_, ".safetensors")));
+        const std::string file = absl::StrCat("local-", rank_, ".safetensors");
+        FLATSHARD_ASSIGN_OR_RETURN(const SafetensorsHeader* header, header_of(file));
         const std::string tensor = group_name + (suffix.empty() ? ".params" : suffix);
-        const SafetensorsTensor* entry = file->header.Find(tensor);
-        if (entry == nullptr || entry->end - entry->begin != shard_numel * sizeof(float)) {
-          return absl::DataLossError(absl::StrCat("'", file->file.path(), "' lacks '", tensor, "' of ", shard_numel, " floats"));
+        const SafetensorsTensor* entry = header->Find(tensor);
+        if (entry == nullptr || entry->dtype != DType::kFloat32 ||
+            entry->end - entry->begin != shard_numel * sizeof(float)) {
+          return absl::DataLossError(
+              absl::StrCat("'", reader.path(file), "' lacks '", tensor, "' of ", shard_numel, " floats"));
         }
-        FLATSHARD_RETURN_IF_ERROR(ReadElements(file->file, file->header, *entry, 0, static_cast<int64_t>(shard_numel), values->data()));
+        FLATSHARD_RETURN_IF_ERROR(reader.Add(file, header->data_start() + entry->begin, DType::kFloat32,
+                                             static_cast<int64_t>(shard_numel), values->data()));
         continue;
       }
-      for (const TensorPiece& piece : layout.MapRange(start, layout.shard_end(rank_))) {
+      for (const TensorPiece& piece : pieces) {
         const TensorSpec& tensor = layout.tensor(piece.tensor_index);
         float* out = values->data() + (piece.flat_offset - start);
         if (kind == CheckpointKind::kFull) {
           const std::string tensor_name = tensor.fqn + suffix;
-          FLATSHARD_ASSIGN_OR_RETURN(const std::string file_name,
+          FLATSHARD_ASSIGN_OR_RETURN(const std::string file,
                                      full_file_of(suffix.empty() ? "model" : "optimizer", tensor_name));
-          FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(file_name));
-          const SafetensorsTensor* entry = file->header.Find(tensor_name);
-          if (entry == nullptr) return absl::DataLossError(absl::StrCat("'", file->file.path(), "' lacks tensor '", tensor_name, "'"));
-          if (entry->shape != tensor.shape || (suffix.empty() && entry->dtype != tensor.dtype)) {
-            return absl::FailedPreconditionError(absl::StrCat("'", file->file.path(), "' tensor '", tensor_name,
+          FLATSHARD_ASSIGN_OR_RETURN(const SafetensorsHeader* header, header_of(file));
+          const SafetensorsTensor* entry = header->Find(tensor_name);
+          if (entry == nullptr) {
+            return absl::DataLossError(absl::StrCat("'", reader.path(file), "' lacks tensor '", tensor_name, "'"));
+          }
+          if (entry->shape != tensor.shape || (suffix.empty() && entry->dtype != tensor.dtype) ||
+              (!suffix.empty() && entry->dtype != DType::kFloat32)) {
+            return absl::FailedPreconditionError(absl::StrCat("'", reader.path(file), "' tensor '", tensor_name,
                                                               "' has another shape or dtype than registered"));
           }
-          FLATSHARD_RETURN_IF_ERROR(ReadElements(file->file, file->header, *entry, piece.intra_start, piece.numel, out));
+          const uint64_t element = DTypeSize(entry->dtype);
+          FLATSHARD_RETURN_IF_ERROR(reader.Add(file,
+                                               header->data_start() + entry->begin +
+                                                   static_cast<uint64_t>(piece.intra_start) * element,
+                                               entry->dtype, piece.numel, out));
           continue;
         }
-        // SHARDED: copy every overlap of a stored piece with the needed range.
+        // SHARDED: every overlap of a stored piece with the needed range.
         int64_t covered = 0;
         for (const StoredPiece& s : stored[absl::StrCat(group_name, "/", tensor.fqn, suffix)]) {
           const int64_t lo = std::max(piece.intra_start, s.intra_start);
           const int64_t hi = std::min(piece.intra_start + piece.numel, s.intra_start + s.numel);
           if (lo >= hi) continue;
-          FLATSHARD_ASSIGN_OR_RETURN(OpenFile * file, open(s.file));  // verified, bounds-checked
-          const uint64_t offset = s.offset + static_cast<uint64_t>(lo - s.intra_start) * sizeof(float);
-          if (offset + static_cast<uint64_t>(hi - lo) * sizeof(float) > file->header.file_size()) {
-            return absl::DataLossError(absl::StrCat("'", dir, "/index.json' points past the end of '", s.file, "'"));
-          }
-          FLATSHARD_RETURN_IF_ERROR(file->file.ReadAt(
-              offset, absl::MakeSpan(reinterpret_cast<std::byte*>(out + (lo - piece.intra_start)),
-                                     static_cast<size_t>(hi - lo) * sizeof(float))));
+          FLATSHARD_RETURN_IF_ERROR(reader.Add(s.file, s.offset + static_cast<uint64_t>(lo - s.intra_start) * sizeof(float),
+                                               DType::kFloat32, hi - lo, out + (lo - piece.intra_start)));
           covered += hi - lo;
         }
         if (covered != piece.numel) {
@@ -827,7 +837,7 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
                                                         "' is not in checkpoint '", name, "'"));
     }
   }
-  for (const std::string& file : my_checksums) FLATSHARD_RETURN_IF_ERROR(verify(file));
+  FLATSHARD_RETURN_IF_ERROR(reader.Run());
   absl::MutexLock lock(&mu_);
   staged_[name] = std::move(staged);
   return absl::OkStatus();

@@ -15,12 +15,14 @@
 //    they are; loads only into the same server count and layout.
 //
 // Atomicity: a checkpoint is written into "<root>/.<name>.partial/"; every server leaves a
-// part-<rank>.json there; Commit (on one server, after all have saved) checks the parts,
-// checksums every file (XXH3), writes manifest.json last (fsync + rename) and renames the
-// directory to "<root>/<name>". A crash at any point leaves earlier checkpoints intact and
-// the partial one listed as incomplete. Loads verify checksums, layouts and state names,
-// stage everything in memory (PrepareLoad) and only then install (CommitLoad), so a bad
-// checkpoint leaves the group untouched.
+// part-<rank>.json there with the extents it wrote (offset, length, XXH3 of each write;
+// server/file_extents.h); Commit (on one server, after all have saved) checks the parts
+// and that the extents tile every file, writes manifest.json last (fsync + rename) and
+// renames the directory to "<root>/<name>". A crash at any point leaves earlier
+// checkpoints intact and the partial one listed as incomplete. Loads read through a
+// CheckpointReader, which verifies every extent it reads; they check layouts and state
+// names, stage everything in memory (PrepareLoad) and only then install (CommitLoad), so a
+// bad checkpoint leaves the group untouched.
 //
 // The root must be shared by all servers for FULL and SHARDED (LOCAL works with a root
 // per server). Names are one path component ([A-Za-z0-9._-], not starting with '.'), so
@@ -39,6 +41,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/checkpoint_reader.h"
 #include "server/checkpoint_sink.h"
 #include "server/registry.h"
 
@@ -112,6 +115,7 @@ class CheckpointStore {
   std::map<std::string, std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>>> staged_
       ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> background_ ABSL_GUARDED_BY(mu_);  // asynchronous saves
+  ReadBufferPool read_buffers_;  // loads' read buffers, kept between loads
 };
 
 }  // namespace flatshard::server

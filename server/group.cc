@@ -344,7 +344,7 @@ absl::StatusOr<ShardSnapshot> Group::Pin(int64_t version, absl::Time deadline) {
   }
   ++pins_;
   ShardSnapshot metadata{version_, {}, optimizer_.steps(), optimizer_.momentum_initialized(), {}};
-  for (const std::string& name : optimizer_.state_names()) metadata.state.emplace_back(name, std::vector<float>());
+  for (const std::string& name : optimizer_.state_names()) metadata.state.emplace_back(name, HostFloats());
   return metadata;
 }
 
@@ -479,7 +479,7 @@ absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadli
   ResizeWithHugePages(snapshot.params, shard_numel());
   FLATSHARD_RETURN_IF_ERROR(compute_->CopyToHost(params_.floats(), snapshot.params.data(), shard_numel()));
   for (const std::string& name : optimizer_.state_names()) {
-    FLATSHARD_ASSIGN_OR_RETURN(std::vector<float> values, optimizer_.ReadState(name));
+    FLATSHARD_ASSIGN_OR_RETURN(HostFloats values, optimizer_.ReadState(name));
     snapshot.state.emplace_back(name, std::move(values));
   }
   return snapshot;

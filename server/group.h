@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "core/huge_pages.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -77,10 +78,10 @@ enum class CommitOutcome {
 // shard_numel elements, padding included) and optimizer state at one version.
 struct ShardSnapshot {
   int64_t version = 0;
-  std::vector<float> params;
+  HostFloats params;
   int64_t optimizer_steps = 0;
   bool momentum_initialized = false;
-  std::vector<std::pair<std::string, std::vector<float>>> state;  // by torch's names
+  std::vector<std::pair<std::string, HostFloats>> state;  // by torch's names
 };
 
 struct GroupStats {

@@ -161,8 +161,8 @@ ShardBuffer* ShardOptimizer::StateBuffer(absl::string_view name) {
   return const_cast<ShardBuffer*>(std::as_const(*this).StateBuffer(name));
 }
 
-absl::StatusOr<std::vector<float>> ShardOptimizer::ReadState(absl::string_view name) const {
-  std::vector<float> values;
+absl::StatusOr<HostFloats> ShardOptimizer::ReadState(absl::string_view name) const {
+  HostFloats values;
   ResizeWithHugePages(values, numel_);
   FLATSHARD_RETURN_IF_ERROR(ReadStateSlice(name, 0, numel_, values.data()));
   return values;
@@ -183,7 +183,7 @@ absl::Status ShardOptimizer::ReadStateSlice(absl::string_view name, int64_t offs
 
 absl::Status ShardOptimizer::Restore(
     int64_t steps, bool momentum_initialized,
-    const std::vector<std::pair<std::string, std::vector<float>>>& state) {
+    const std::vector<std::pair<std::string, HostFloats>>& state) {
   for (const std::string& name : state_names()) {
     const auto it = std::find_if(state.begin(), state.end(), [&](const auto& entry) { return entry.first == name; });
     if (it == state.end() || static_cast<int64_t>(it->second.size()) != StateBuffer(name)->numel()) {

@@ -15,6 +15,7 @@
 #include <variant>
 #include <vector>
 
+#include "core/huge_pages.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -62,14 +63,14 @@ class ShardOptimizer {
   // amsgrad); plain SGD none. Each buffer has shard_numel elements.
   std::vector<std::string> state_names() const;
   // Copies state `name` to the host. InvalidArgument for a name it does not keep.
-  [[nodiscard]] absl::StatusOr<std::vector<float>> ReadState(absl::string_view name) const;
+  [[nodiscard]] absl::StatusOr<HostFloats> ReadState(absl::string_view name) const;
   // Copies `count` elements of state `name` from element `offset` into `out`.
   [[nodiscard]] absl::Status ReadStateSlice(absl::string_view name, int64_t offset, int64_t count,
                                             float* out) const;
   // Restores steps and state (checkpoint load). InvalidArgument naming the buffer if one
   // is missing or has the wrong size; nothing changes then.
   [[nodiscard]] absl::Status Restore(int64_t steps, bool momentum_initialized,
-                                     const std::vector<std::pair<std::string, std::vector<float>>>& state);
+                                     const std::vector<std::pair<std::string, HostFloats>>& state);
   bool momentum_initialized() const { return momentum_initialized_; }
 
  private:

@@ -89,13 +89,22 @@ class FakeCluster {
         EXPECT_TRUE(snapshot.ok()) << snapshot.status();
         const FlatLayout& layout = g->layout();
         const int64_t start = layout.shard_start(rank);
-        std::vector<std::pair<std::string, const std::vector<float>*>> buffers = {{"", &snapshot->params}};
+        std::vector<std::pair<std::string, const HostFloats*>> buffers = {{"", &snapshot->params}};
         for (const auto& [state, v] : snapshot->state) buffers.emplace_back("." + state, &v);
-        for (const TensorPiece& piece : layout.MapRange(start, layout.shard_end(rank))) {
-          for (const auto& [suffix, buffer] : buffers) {
+        const std::vector<TensorPiece> pieces = layout.MapRange(start, layout.shard_end(rank));
+        for (const auto& [suffix, buffer] : buffers) {
+          // Padding holds zeros (loads fill it in unwritten buffers).
+          std::vector<bool> in_tensor(buffer->size());
+          for (const TensorPiece& piece : pieces) {
             std::vector<float>& out = values[layout.tensor(piece.tensor_index).fqn + suffix];
             out.resize(layout.tensor_numel(piece.tensor_index));
             std::copy_n(buffer->begin() + (piece.flat_offset - start), piece.numel, out.begin() + piece.intra_start);
+            std::fill_n(in_tensor.begin() + (piece.flat_offset - start), piece.numel, true);
+          }
+          for (size_t i = 0; i < buffer->size(); ++i) {
+            if (!in_tensor[i]) {
+              EXPECT_EQ((*buffer)[i], 0.0f) << spec.name << suffix << " padding element " << i;
+            }
           }
         }
         values["steps:" + spec.name] = {static_cast<float>(snapshot->optimizer_steps)};

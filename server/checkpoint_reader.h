@@ -1,0 +1,120 @@
+// CheckpointReader: verified, parallel reads of the files of a committed checkpoint.
+//
+// The manifest lists every file's size and extents (server/file_extents.h): byte ranges
+// that a saving server hashed as it wrote them. A read is widened to whole extents and
+// every extent is hashed and compared before any of its bytes are handed out, so a load
+// checks exactly the bytes it uses, in the pass that reads them.
+//
+// Reads are queued (Add) and then run together (Run): the bytes each file needs are cut
+// into tasks of whole extents, up to 8 MiB, which a few threads read, verify and deliver
+// (copied, or converted to fp32). A task reads from the page cache where it already holds
+// the bytes (preadv2 with RWF_NOWAIT) and with O_DIRECT otherwise: a disk's sequential
+// rate needs large requests in flight, which buffered reads with readahead do not issue.
+// Where O_DIRECT is refused (tmpfs, some network file systems), plain reads.
+//
+// Errors name the file: NotFound, DataLoss (a size other than the manifest's, an extent
+// whose checksum does not match, a read past the end). Memory: one task buffer per
+// thread. Not thread-safe; Run uses threads of its own and returns when they are done.
+//
+//   CheckpointReader reader(dir, files);  // files: from the manifest
+//   FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, reader.ReadHeader("model.safetensors"));
+//   FLATSHARD_RETURN_IF_ERROR(reader.Add("model.safetensors", offset, DType::kBFloat16, n, out));
+//   FLATSHARD_RETURN_IF_ERROR(reader.Run());
+#ifndef FLATSHARD_SERVER_CHECKPOINT_READER_H_
+#define FLATSHARD_SERVER_CHECKPOINT_READER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/dtype.h"
+#include "core/safetensors.h"
+#include "server/file_extents.h"
+
+namespace flatshard::server {
+
+// A buffer aligned for O_DIRECT, backed by huge pages (an O_DIRECT read pins its
+// destination's pages, which costs per page); grows on demand. Not thread-safe.
+class ReadBuffer {
+ public:
+  ReadBuffer() = default;
+  ~ReadBuffer();
+  ReadBuffer(const ReadBuffer&) = delete;
+  ReadBuffer& operator=(const ReadBuffer&) = delete;
+  std::byte* Reserve(uint64_t bytes);  // at least `bytes`; contents not kept
+  std::byte* data() const { return data_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  uint64_t capacity_ = 0;
+};
+
+// Read buffers kept from one load to the next: fresh memory costs a page fault and a
+// zeroed page on first touch, which was a third of a warm load's time. Holds what the
+// last load's threads used (threads x 8 MiB). Thread-safe.
+class ReadBufferPool {
+ public:
+  std::unique_ptr<ReadBuffer> Take();
+  void Give(std::unique_ptr<ReadBuffer> buffer);
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<ReadBuffer>> free_ ABSL_GUARDED_BY(mu_);
+};
+
+// A file as the manifest lists it.
+struct ManifestFile {
+  uint64_t bytes = 0;
+  std::vector<FileExtent> extents;  // sorted, tiling [0, bytes)
+};
+
+class CheckpointReader {
+ public:
+  // `files` by path relative to `dir`; buffers from `pool`, which must outlive the
+  // reader. `threads` >= 1.
+  CheckpointReader(std::string dir, std::map<std::string, ManifestFile> files, ReadBufferPool& pool,
+                   int threads = 4);
+  ~CheckpointReader();
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  // Reads and verifies now: `length` bytes at `offset` of `file` (small reads: headers,
+  // JSON indexes). The whole file with ReadWhole.
+  [[nodiscard]] absl::StatusOr<std::string> ReadNow(const std::string& file, uint64_t offset, uint64_t length);
+  [[nodiscard]] absl::StatusOr<std::string> ReadWhole(const std::string& file);
+  // The verified, validated safetensors header of `file`.
+  [[nodiscard]] absl::StatusOr<SafetensorsHeader> ReadHeader(const std::string& file);
+
+  // Queues `count` elements of `dtype` at byte `offset` of `file`, to be delivered to
+  // `out` as fp32 by Run. DataLoss if they lie past the end of the file.
+  [[nodiscard]] absl::Status Add(const std::string& file, uint64_t offset, DType dtype, int64_t count, float* out);
+  // Reads, verifies and delivers every queued read; the first error, if any (then some
+  // destinations may be partly written). The queue is empty afterwards.
+  [[nodiscard]] absl::Status Run();
+
+  std::string path(const std::string& file) const { return dir_ + "/" + file; }
+
+ private:
+  struct OpenedFile;
+  struct Request;
+  struct Task;
+
+  absl::StatusOr<OpenedFile*> Open(const std::string& file);
+  // Reads [task.begin, task.end) into `buffer`, verifies its extents and delivers it.
+  absl::Status Execute(const Task& task, ReadBuffer& buffer) const;
+
+  const std::string dir_;
+  const std::map<std::string, ManifestFile> files_;
+  ReadBufferPool& pool_;
+  const int threads_;
+  std::map<std::string, std::unique_ptr<OpenedFile>> opened_;
+  std::vector<Request> requests_;
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_CHECKPOINT_READER_H_

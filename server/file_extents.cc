@@ -1,0 +1,62 @@
+#include "server/file_extents.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace flatshard::server {
+
+uint64_t Xxh3(absl::Span<const std::byte> bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
+
+nlohmann::json ExtentsToJson(const std::vector<FileExtent>& extents) {
+  nlohmann::json json = nlohmann::json::array();
+  for (const FileExtent& e : extents) json.push_back({e.offset, e.length, absl::StrFormat("%016x", e.xxh3)});
+  return json;
+}
+
+absl::StatusOr<std::vector<FileExtent>> ExtentsFromJson(const nlohmann::json& json, const std::string& what) {
+  auto bad = [&] { return absl::DataLossError(absl::StrCat(what, ": malformed extent list")); };
+  if (!json.is_array()) return bad();
+  std::vector<FileExtent> extents;
+  extents.reserve(json.size());
+  for (const nlohmann::json& e : json) {
+    if (!e.is_array() || e.size() != 3 || !e[0].is_number_unsigned() || !e[1].is_number_unsigned() ||
+        !e[2].is_string()) {
+      return bad();
+    }
+    FileExtent extent{e[0].get<uint64_t>(), e[1].get<uint64_t>(), 0};
+    const std::string hex = e[2].get<std::string>();
+    if (extent.length == 0 || hex.size() != 16 || !absl::SimpleHexAtoi(hex, &extent.xxh3)) return bad();
+    extents.push_back(extent);
+  }
+  return extents;
+}
+
+absl::Status SortAndCheckTiling(std::vector<FileExtent>& extents, uint64_t size, const std::string& what) {
+  std::sort(extents.begin(), extents.end(), [](const FileExtent& a, const FileExtent& b) {
+    return a.offset < b.offset || (a.offset == b.offset && a.length < b.length);
+  });
+  uint64_t covered = 0;
+  for (const FileExtent& e : extents) {
+    if (e.offset != covered) {
+      return absl::FailedPreconditionError(
+          e.offset > covered
+              ? absl::StrCat(what, ": bytes [", covered, ", ", e.offset, ") were written by no server")
+              : absl::StrCat(what, ": bytes [", e.offset, ", ", covered, ") were written twice"));
+    }
+    covered += e.length;
+  }
+  if (covered != size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": the writes cover ", covered, " bytes of a file of ", size, " (bytes [", std::min(covered, size),
+        ", ", std::max(covered, size), ") unaccounted for)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,184 @@
+// CheckpointReader against files written through DirectorySink: the bytes it delivers
+// equal what was written (from the page cache and, after the cache is dropped, through
+// O_DIRECT; across extents and tasks; converted from bf16), and every kind of damage is
+// DataLoss naming the file. Extent tiling refuses gaps and overlaps.
+#include "server/checkpoint_reader.h"
+
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "core/float_bits.h"
+#include "server/checkpoint_sink.h"
+
+namespace flatshard::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string FreshDir() {
+  const std::string dir = ::testing::TempDir() + "/reader-" +
+                          ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+absl::Span<const std::byte> AsBytes(const std::vector<float>& v) {
+  return {reinterpret_cast<const std::byte*>(v.data()), v.size() * sizeof(float)};
+}
+
+// A file written the way saves write: a 24-byte "header", then `values` in slices of
+// `slice` floats, each slice its own extent.
+struct WrittenFile {
+  std::vector<float> values;
+  ManifestFile manifest;
+};
+
+WrittenFile Write(const std::string& dir, const std::string& name, size_t count, size_t slice, uint32_t seed) {
+  WrittenFile written;
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  written.values.resize(count);
+  for (float& v : written.values) v = dist(rng);
+  DirectorySink sink(dir);
+  const std::vector<std::byte> header(24, std::byte{'h'});
+  EXPECT_TRUE(sink.Open(name, header.size() + count * sizeof(float), true).ok());
+  EXPECT_TRUE(sink.Write(name, 0, header).ok());
+  for (size_t done = 0; done < count; done += slice) {
+    const size_t n = std::min(slice, count - done);
+    EXPECT_TRUE(sink.Write(name, header.size() + done * sizeof(float),
+                           AsBytes(written.values).subspan(done * sizeof(float), n * sizeof(float)))
+                    .ok());
+  }
+  EXPECT_TRUE(sink.Close(name).ok());
+  written.manifest.bytes = header.size() + count * sizeof(float);
+  written.manifest.extents = sink.extents().at(name);
+  EXPECT_TRUE(SortAndCheckTiling(written.manifest.extents, written.manifest.bytes, name).ok());
+  return written;
+}
+
+void DropPageCache(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  fdatasync(fd);
+  posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  close(fd);
+}
+
+TEST(CheckpointReaderTest, DeliversExactlyTheWrittenBytesWarmAndCold) {
+  const std::string dir = FreshDir();
+  // 40 MiB of floats in 1 MiB extents: several 16 MiB tasks per read.
+  const size_t count = size_t{10} << 20;
+  WrittenFile file = Write(dir, "big.safetensors", count, size_t{1} << 18, 1);
+  ReadBufferPool pool;
+  for (const bool cold : {false, true}) {
+    if (cold) DropPageCache(dir + "/big.safetensors");
+    CheckpointReader reader(dir, {{"big.safetensors", file.manifest}}, pool);
+    // Whole, a range that starts and ends inside extents, and a single element.
+    std::vector<float> whole(count, -7), middle(3'000'001, -7), one(1, -7);
+    ASSERT_TRUE(reader.Add("big.safetensors", 24, DType::kFloat32, count, whole.data()).ok());
+    ASSERT_TRUE(reader.Add("big.safetensors", 24 + 4 * 123'457, DType::kFloat32, middle.size(), middle.data()).ok());
+    ASSERT_TRUE(reader.Add("big.safetensors", 24 + 4 * (count - 1), DType::kFloat32, 1, one.data()).ok());
+    ASSERT_TRUE(reader.Run().ok()) << (cold ? "cold" : "warm");
+    EXPECT_EQ(whole, file.values) << (cold ? "cold" : "warm");
+    EXPECT_TRUE(std::equal(middle.begin(), middle.end(), file.values.begin() + 123'457));
+    EXPECT_EQ(one[0], file.values.back());
+    absl::StatusOr<std::string> header = reader.ReadNow("big.safetensors", 3, 10);
+    ASSERT_TRUE(header.ok()) << header.status();
+    EXPECT_EQ(*header, std::string(10, 'h'));
+  }
+}
+
+TEST(CheckpointReaderTest, ConvertsHalfPrecisionToFloat) {
+  const std::string dir = FreshDir();
+  std::vector<uint16_t> bf16 = {0x3f80, 0xc000, 0x7f80, 0x0001, 0x4049};
+  DirectorySink sink(dir);
+  const absl::Span<const std::byte> bytes(reinterpret_cast<const std::byte*>(bf16.data()), bf16.size() * 2);
+  ASSERT_TRUE(sink.Open("h", bytes.size(), true).ok());
+  ASSERT_TRUE(sink.Write("h", 0, bytes.subspan(0, 4)).ok());
+  ASSERT_TRUE(sink.Write("h", 4, bytes.subspan(4)).ok());
+  ASSERT_TRUE(sink.Close("h").ok());
+  ManifestFile manifest{bytes.size(), sink.extents().at("h")};
+  ReadBufferPool pool;
+  CheckpointReader reader(dir, {{"h", manifest}}, pool);
+  std::vector<float> out(4);
+  ASSERT_TRUE(reader.Add("h", 2, DType::kBFloat16, 4, out.data()).ok());
+  ASSERT_TRUE(reader.Run().ok());
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_EQ(out[i], BFloat16BitsToFloat(bf16[i + 1])) << i;
+}
+
+TEST(CheckpointReaderTest, DamageIsDataLossNamingTheFileAndBytes) {
+  const std::string dir = FreshDir();
+  WrittenFile file = Write(dir, "f.safetensors", 1 << 20, 1 << 16, 2);
+  const std::string path = dir + "/f.safetensors";
+  ReadBufferPool pool;
+  std::vector<float> out(file.values.size());
+  auto read_all = [&](ManifestFile manifest) {
+    CheckpointReader reader(dir, {{"f.safetensors", manifest}}, pool);
+    absl::Status status = reader.Add("f.safetensors", 24, DType::kFloat32, out.size(), out.data());
+    return status.ok() ? reader.Run() : status;
+  };
+  ASSERT_TRUE(read_all(file.manifest).ok());
+
+  {  // one flipped byte in the fifth extent, read cold
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(24 + 4 * (4 << 16) + 5);
+    f.put('\x42');
+  }
+  DropPageCache(path);
+  absl::Status flipped = read_all(file.manifest);
+  EXPECT_EQ(flipped.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(flipped.message()), HasSubstr("f.safetensors' is corrupted: bytes [1048600, 1310744)"));
+
+  std::filesystem::resize_file(path, file.manifest.bytes - 1);
+  absl::Status truncated = read_all(file.manifest);
+  EXPECT_EQ(truncated.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(truncated.message()), HasSubstr("truncated"));
+
+  CheckpointReader reader(dir, {{"f.safetensors", file.manifest}}, pool);
+  EXPECT_EQ(reader.Add("other.safetensors", 0, DType::kFloat32, 1, out.data()).code(), absl::StatusCode::kDataLoss);
+  std::filesystem::remove(path);
+  EXPECT_EQ(reader.Add("f.safetensors", 0, DType::kFloat32, 1, out.data()).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(CheckpointReaderTest, ReadsPastTheEndAreRefused) {
+  const std::string dir = FreshDir();
+  WrittenFile file = Write(dir, "f", 100, 10, 3);
+  ReadBufferPool pool;
+  CheckpointReader reader(dir, {{"f", file.manifest}}, pool);
+  std::vector<float> out(101);
+  absl::Status status = reader.Add("f", 24, DType::kFloat32, 101, out.data());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("lie past its end"));
+}
+
+TEST(FileExtentsTest, TilingRefusesGapsOverlapsAndShortCoverage) {
+  std::vector<FileExtent> gap = {{10, 5, 0}, {0, 8, 0}};
+  absl::Status status = SortAndCheckTiling(gap, 15, "file");
+  EXPECT_THAT(std::string(status.message()), HasSubstr("bytes [8, 10) were written by no server"));
+  std::vector<FileExtent> overlap = {{0, 8, 0}, {6, 9, 0}};
+  status = SortAndCheckTiling(overlap, 15, "file");
+  EXPECT_THAT(std::string(status.message()), HasSubstr("bytes [6, 8) were written twice"));
+  std::vector<FileExtent> short_cover = {{0, 8, 0}};
+  EXPECT_EQ(SortAndCheckTiling(short_cover, 15, "file").code(), absl::StatusCode::kFailedPrecondition);
+  std::vector<FileExtent> exact = {{8, 7, 1}, {0, 8, 2}};
+  EXPECT_TRUE(SortAndCheckTiling(exact, 15, "file").ok());
+  EXPECT_EQ(exact[0].offset, 0u);
+
+  absl::StatusOr<std::vector<FileExtent>> back = ExtentsFromJson(ExtentsToJson(exact), "file");
+  ASSERT_TRUE(back.ok());
+  ASSERT_EQ(back->size(), 2u);
+  EXPECT_EQ((*back)[1].xxh3, 1u);
+  EXPECT_EQ(ExtentsFromJson(nlohmann::json::parse(R"([[0, 4, "zz"]])"), "file").status().code(),
+            absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace flatshard::server
