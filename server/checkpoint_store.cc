@@ -77,10 +77,17 @@ Json GroupJson(const Group& group, const ShardSnapshot& snapshot, bool optimizer
           {"state", state}};
 }
 
-// Unpins a group when an export is done with it.
-struct PinGuard {
-  std::shared_ptr<Group> group;
-  ~PinGuard() { group->Unpin(); }
+// Unpins a group when a save or export is done with it. Not copyable: exactly one Unpin
+// per Pin.
+class PinGuard {
+ public:
+  explicit PinGuard(std::shared_ptr<Group> group) : group_(std::move(group)) {}
+  PinGuard(const PinGuard&) = delete;
+  PinGuard& operator=(const PinGuard&) = delete;
+  ~PinGuard() { group_->Unpin(); }
+
+ private:
+  std::shared_ptr<Group> group_;
 };
 
 // One server's shard of one group at one version: a snapshot (saves: the copy lets
@@ -329,7 +336,7 @@ absl::StatusOr<std::vector<Shard>> TakeShards(const Registry& registry, int rank
     const FlatLayout& layout = group->layout();
     shards.push_back({group, std::move(snapshot), layout.shard_start(rank),
                       layout.MapRange(layout.shard_start(rank), layout.shard_end(rank)),
-                      pin ? std::make_unique<PinGuard>(PinGuard{group}) : nullptr});
+                      pin ? std::make_unique<PinGuard>(group) : nullptr});
   }
   return shards;
 }

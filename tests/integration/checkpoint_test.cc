@@ -242,6 +242,10 @@ TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) 
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(b[i], FloatToBFloat16Bits(params[(*layout)->tensor_offset(1) + i]));
   }
+  // The export unpinned the group exactly once: the next optimizer step goes through.
+  std::vector<float> grad((*layout)->padded_numel(), 0.0f);
+  ASSERT_TRUE((*client)->Scatter("big", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  EXPECT_EQ(*(*client)->WaitVersion("big", 1), 1);
 }
 
 }  // namespace
