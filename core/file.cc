@@ -37,6 +37,9 @@ absl::StatusOr<File> File::Open(const std::string& path, Mode mode) {
     case Mode::kCreateNew:
       flags |= O_RDWR | O_CREAT | O_EXCL;
       break;
+    case Mode::kWriteDirect:
+      flags |= O_WRONLY | O_DIRECT;
+      break;
   }
   const int fd = open(path.c_str(), flags, 0644);
   if (fd < 0) return ErrnoError("open", path, errno);

@@ -24,6 +24,7 @@ class File {
     kRead,         // existing file, read-only
     kWrite,        // create if missing, keep contents (several writers, own ranges)
     kCreateNew,    // create; AlreadyExists if it exists
+    kWriteDirect,  // existing file, O_DIRECT (core/direct_io.h); fails where unsupported
   };
 
   [[nodiscard]] static absl::StatusOr<File> Open(const std::string& path, Mode mode);

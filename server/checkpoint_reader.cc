@@ -14,25 +14,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "core/huge_pages.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
 
 namespace flatshard::server {
 namespace {
 
-// O_DIRECT needs offsets, lengths and addresses aligned to the logical block size; 4 KiB
-// covers every common device.
-constexpr uint64_t kDirectAlign = 4096;
 // Bytes per task: large enough for the disk to stream with a few in flight, small enough
 // that verifying and delivering a task finds much of it still in the CPU's caches.
 constexpr uint64_t kTaskBytes = uint64_t{16} << 20;
-// Task buffers are backed by huge pages: an O_DIRECT read pins the destination's pages,
-// which costs per page.
-constexpr uint64_t kBufferAlign = uint64_t{2} << 20;
 
-uint64_t AlignDown(uint64_t value) { return value & ~(kDirectAlign - 1); }
-uint64_t AlignUp(uint64_t value) { return AlignDown(value + kDirectAlign - 1); }
 
 absl::Status ReadError(const std::string& path, int err) {
   return absl::InternalError(absl::StrCat("read '", path, "': ", std::strerror(err)));
@@ -66,27 +57,15 @@ struct CheckpointReader::Task {
   std::vector<const Request*> requests;
 };
 
-ReadBuffer::~ReadBuffer() { std::free(data_); }
-
-std::byte* ReadBuffer::Reserve(uint64_t bytes) {
-  if (bytes > capacity_) {
-    std::free(data_);
-    capacity_ = (bytes + kBufferAlign - 1) & ~(kBufferAlign - 1);
-    data_ = static_cast<std::byte*>(std::aligned_alloc(kBufferAlign, capacity_));
-    AdviseHugePages(data_, capacity_);
-  }
-  return data_;
-}
-
-std::unique_ptr<ReadBuffer> ReadBufferPool::Take() {
+std::unique_ptr<DirectIoBuffer> ReadBufferPool::Take() {
   absl::MutexLock lock(&mu_);
-  if (free_.empty()) return std::make_unique<ReadBuffer>();
-  std::unique_ptr<ReadBuffer> buffer = std::move(free_.back());
+  if (free_.empty()) return std::make_unique<DirectIoBuffer>();
+  std::unique_ptr<DirectIoBuffer> buffer = std::move(free_.back());
   free_.pop_back();
   return buffer;
 }
 
-void ReadBufferPool::Give(std::unique_ptr<ReadBuffer> buffer) {
+void ReadBufferPool::Give(std::unique_ptr<DirectIoBuffer> buffer) {
   absl::MutexLock lock(&mu_);
   free_.push_back(std::move(buffer));
 }
@@ -144,7 +123,7 @@ bool ReadSpan(int fd, std::byte* out, uint64_t begin, uint64_t end, bool nowait,
 
 }  // namespace
 
-absl::Status CheckpointReader::Execute(const Task& task, ReadBuffer& buffer) const {
+absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer) const {
   const OpenedFile& file = *task.file;
   // buffer[0] holds the byte at `base`, so that O_DIRECT reads land aligned.
   const uint64_t base = AlignDown(task.begin);
@@ -258,7 +237,7 @@ absl::Status CheckpointReader::Run() {
   absl::Mutex mu;
   absl::Status first_error;
   auto work = [&] {
-    std::unique_ptr<ReadBuffer> buffer = pool_.Take();
+    std::unique_ptr<DirectIoBuffer> buffer = pool_.Take();
     for (size_t i = next++; i < tasks.size(); i = next++) {
       absl::Status status = Execute(tasks[i], *buffer);
       if (!status.ok()) {
@@ -293,7 +272,7 @@ absl::StatusOr<std::string> CheckpointReader::ReadNow(const std::string& file, u
   size_t last = first;
   while (last + 1 < extents.size() && extents[last + 1].offset < offset + length) ++last;
   Task task{opened, first, last, extents[first].offset, extents[last].offset + extents[last].length, {}};
-  ReadBuffer buffer;  // small reads: not worth holding on to
+  DirectIoBuffer buffer;  // small reads: not worth holding on to
   FLATSHARD_RETURN_IF_ERROR(Execute(task, buffer));
   // Execute verified the task's bytes; they are still in the buffer.
   std::memcpy(bytes.data(), buffer.data() + (offset - AlignDown(task.begin)), length);

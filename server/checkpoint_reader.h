@@ -6,7 +6,7 @@
 // checks exactly the bytes it uses, in the pass that reads them.
 //
 // Reads are queued (Add) and then run together (Run): the bytes each file needs are cut
-// into tasks of whole extents, up to 8 MiB, which a few threads read, verify and deliver
+// into tasks of whole extents, up to 16 MiB, which a few threads read, verify and deliver
 // (copied, or converted to fp32). A task reads from the page cache where it already holds
 // the bytes (preadv2 with RWF_NOWAIT) and with O_DIRECT otherwise: a disk's sequential
 // rate needs large requests in flight, which buffered reads with readahead do not issue.
@@ -31,39 +31,24 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "core/direct_io.h"
 #include "core/dtype.h"
 #include "core/safetensors.h"
 #include "server/file_extents.h"
 
 namespace flatshard::server {
 
-// A buffer aligned for O_DIRECT, backed by huge pages (an O_DIRECT read pins its
-// destination's pages, which costs per page); grows on demand. Not thread-safe.
-class ReadBuffer {
- public:
-  ReadBuffer() = default;
-  ~ReadBuffer();
-  ReadBuffer(const ReadBuffer&) = delete;
-  ReadBuffer& operator=(const ReadBuffer&) = delete;
-  std::byte* Reserve(uint64_t bytes);  // at least `bytes`; contents not kept
-  std::byte* data() const { return data_; }
-
- private:
-  std::byte* data_ = nullptr;
-  uint64_t capacity_ = 0;
-};
-
 // Read buffers kept from one load to the next: fresh memory costs a page fault and a
 // zeroed page on first touch, which was a third of a warm load's time. Holds what the
-// last load's threads used (threads x 8 MiB). Thread-safe.
+// last load's threads used (threads x 16 MiB). Thread-safe.
 class ReadBufferPool {
  public:
-  std::unique_ptr<ReadBuffer> Take();
-  void Give(std::unique_ptr<ReadBuffer> buffer);
+  std::unique_ptr<DirectIoBuffer> Take();
+  void Give(std::unique_ptr<DirectIoBuffer> buffer);
 
  private:
   absl::Mutex mu_;
-  std::vector<std::unique_ptr<ReadBuffer>> free_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<DirectIoBuffer>> free_ ABSL_GUARDED_BY(mu_);
 };
 
 // A file as the manifest lists it.
@@ -105,7 +90,7 @@ class CheckpointReader {
 
   absl::StatusOr<OpenedFile*> Open(const std::string& file);
   // Reads [task.begin, task.end) into `buffer`, verifies its extents and delivers it.
-  absl::Status Execute(const Task& task, ReadBuffer& buffer) const;
+  absl::Status Execute(const Task& task, DirectIoBuffer& buffer) const;
 
   const std::string dir_;
   const std::map<std::string, ManifestFile> files_;

@@ -6,9 +6,7 @@
 namespace flatshard::server {
 
 absl::Status DirectorySink::Open(const std::string& file, uint64_t size, bool exclusive) {
-  FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(dir_ + "/" + file, File::Mode::kWrite));
-  if (exclusive) FLATSHARD_RETURN_IF_ERROR(opened.Truncate(0));
-  FLATSHARD_RETURN_IF_ERROR(opened.Truncate(size));  // shared files: the same size from everyone
+  FLATSHARD_ASSIGN_OR_RETURN(DirectFileWriter opened, DirectFileWriter::Open(dir_ + "/" + file, size, exclusive));
   open_.insert_or_assign(file, std::move(opened));
   if (exclusive) extents_.erase(file);
   return absl::OkStatus();
@@ -17,7 +15,7 @@ absl::Status DirectorySink::Open(const std::string& file, uint64_t size, bool ex
 absl::Status DirectorySink::Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) {
   const auto it = open_.find(file);
   if (it == open_.end()) return absl::InternalError(absl::StrCat("'", file, "' written before Open"));
-  FLATSHARD_RETURN_IF_ERROR(it->second.WriteAt(offset, data));
+  FLATSHARD_RETURN_IF_ERROR(it->second.Write(offset, data));
   if (!data.empty()) extents_[file].push_back({offset, data.size(), Xxh3(data)});
   return absl::OkStatus();
 }
@@ -25,7 +23,7 @@ absl::Status DirectorySink::Write(const std::string& file, uint64_t offset, absl
 absl::Status DirectorySink::Close(const std::string& file) {
   const auto it = open_.find(file);
   if (it == open_.end()) return absl::InternalError(absl::StrCat("'", file, "' closed before Open"));
-  const absl::Status synced = it->second.Sync();
+  const absl::Status synced = it->second.Close();
   open_.erase(it);
   return synced;
 }

@@ -17,7 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "core/file.h"
+#include "core/direct_io.h"
 #include "server/file_extents.h"
 
 namespace flatshard::server {
@@ -34,8 +34,9 @@ class CheckpointSink {
   [[nodiscard]] virtual absl::Status Close(const std::string& file) = 0;
 };
 
-// Files under `dir`, written with positional writes and fsync'd on Close. Every write is
-// hashed as it is written: extents() are this writer's (offset, length, XXH3) per file,
+// Files under `dir`, written through DirectFileWriter (O_DIRECT for whole pages, the
+// page cache for the partial pages other servers share) and fsync'd on Close. Every write
+// is hashed as it is written: extents() are this writer's (offset, length, XXH3) per file,
 // for the manifest, so that no one re-reads the files to checksum them.
 class DirectorySink final : public CheckpointSink {
  public:
@@ -48,7 +49,7 @@ class DirectorySink final : public CheckpointSink {
 
  private:
   const std::string dir_;
-  std::map<std::string, File> open_;
+  std::map<std::string, DirectFileWriter> open_;
   std::map<std::string, std::vector<FileExtent>> extents_;
 };
 

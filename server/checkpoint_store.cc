@@ -420,8 +420,11 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   if (error || IsSymlink(dir)) {
     return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
   }
+  // Asynchronous: snapshots, so that training goes on while the bytes are written.
+  // Blocking: the live groups, pinned at the cut's version, as an export has them: no
+  // copy (and no second copy of the shards in memory); their next optimizer step waits.
   FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards,
-                             TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/false));
+                             TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/!async));
   auto write = [this, name, kind, optimizer, job, dir, shards = std::move(shards)]() -> absl::Status {
     DirectorySink sink(dir);
     std::string group_specs;

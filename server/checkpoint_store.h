@@ -73,6 +73,8 @@ class CheckpointStore {
 
   // Writes this server's part of checkpoint `name` of `job` at `versions` (every group
   // of the job, each waited for until `deadline`). AlreadyExists if `name` is taken.
+  // Blocking: the groups are pinned at `versions` and written from their live shards (no
+  // copy); their next optimizer step waits until the save returns.
   // `async`: returns once the shards are snapshotted (training may go on); the bytes are
   // written in the background and the last server to finish commits. A failure is then
   // logged and the checkpoint stays listed as incomplete.
