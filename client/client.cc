@@ -2,10 +2,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -257,6 +259,8 @@ class ClientImpl final : public Client {
     request.set_kind(KindToProto(kind));
     request.set_optimizer(optimizer);
     request.set_job(options_.job);
+    FLATSHARD_ASSIGN_OR_RETURN(const bool root_per_server, RootPerServer(kind));
+    request.set_root_per_server(root_per_server);
     FLATSHARD_RETURN_IF_ERROR(JobCut(*request.mutable_versions()));
     FLATSHARD_RETURN_IF_ERROR(OnAllServersInParallel([&](size_t i) {
       v1::SaveCheckpointResponse response;
@@ -445,6 +449,42 @@ class ClientImpl final : public Client {
   }
 
   // Runs `call(server index)` for every server at once; the first error wins.
+  // Whether each server has a checkpoint root of its own (false: one root shared by all),
+  // from the roots' ids. FailedPrecondition, before anything is written, for a FULL or
+  // SHARDED save without a shared root, and where only some servers share one.
+  absl::StatusOr<bool> RootPerServer(CheckpointKind kind) {
+    std::vector<std::string> ids(static_cast<size_t>(num_servers()));
+    FLATSHARD_RETURN_IF_ERROR(OnAllServersInParallel([&](size_t i) {
+      v1::ServerStatus status;
+      FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status));
+      ids[i] = status.checkpoint_root_id();
+      return absl::OkStatus();
+    }));
+    if (std::find(ids.begin(), ids.end(), "") != ids.end()) return false;  // the server says why
+    const std::set<std::string> distinct(ids.begin(), ids.end());
+    if (distinct.size() == 1) return false;
+    const auto first_shared = [&]() -> std::pair<size_t, size_t> {
+      for (size_t i = 0; i < ids.size(); ++i) {
+        for (size_t j = i + 1; j < ids.size(); ++j) {
+          if (ids[i] == ids[j]) return {i, j};
+        }
+      }
+      return {0, 0};
+    }();
+    if (distinct.size() != ids.size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "servers ", first_shared.first, " and ", first_shared.second,
+          " share a --checkpoint_root that other servers do not; checkpoints need one root shared by all "
+          "servers or one root per server"));
+    }
+    if (kind != CheckpointKind::kLocal) {
+      return absl::FailedPreconditionError(
+          "FULL and SHARDED checkpoints need a --checkpoint_root shared by all servers (each server has its "
+          "own); save LOCAL or stream the state dict with export");
+    }
+    return true;
+  }
+
   absl::Status OnAllServersInParallel(const std::function<absl::Status(size_t)>& call) {
     std::vector<std::future<absl::Status>> results;
     for (size_t i = 0; i < stubs_.size(); ++i) results.push_back(std::async(std::launch::async, call, i));

@@ -1,10 +1,14 @@
 #include "server/checkpoint_store.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <iostream>
 #include <set>
 #include <thread>
@@ -406,10 +410,38 @@ absl::Status CheckpointStore::Export(CheckpointSink& sink, CheckpointKind kind, 
   return WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, nullptr).status();
 }
 
+absl::StatusOr<std::string> CheckpointStore::RootId() {
+  if (root_.empty()) return std::string();
+  absl::MutexLock lock(&mu_);
+  if (!root_id_.empty()) return root_id_;
+  const std::string path = root_ + "/.flatshard-root-id";
+  if (!fs::exists(path)) {
+    // Written aside and linked into place: link() fails if another server won the race,
+    // and nobody ever reads a half-written id.
+    std::random_device random;
+    const std::string id = absl::StrFormat("%08x%08x%08x%08x", random(), random(), random(), random());
+    const std::string temporary = absl::StrCat(path, ".", id);
+    FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(temporary, id));
+    const int linked = link(temporary.c_str(), path.c_str());
+    const int err = errno;
+    std::remove(temporary.c_str());
+    if (linked != 0 && err != EEXIST) {
+      return absl::InternalError(absl::StrCat("cannot create '", path, "': ", std::strerror(err)));
+    }
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(root_id_, ReadFileToString(path));
+  return root_id_;
+}
+
 absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind, bool optimizer,
                                    const std::string& job,
                                    const std::map<std::string, int64_t>& versions,
-                                   absl::Time deadline, bool async) {
+                                   absl::Time deadline, bool async, bool root_per_server) {
+  if (root_per_server && kind != CheckpointKind::kLocal) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", name, "': FULL and SHARDED checkpoints need a --checkpoint_root shared by all "
+        "servers; with a root per server, save LOCAL or stream the state dict with export"));
+  }
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
   if (fs::exists(final_dir) || IsSymlink(final_dir)) {
     return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
@@ -439,11 +471,14 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   };
   if (!async) return write();
   // The snapshot is taken; training goes on while the bytes are written. The last server
-  // to finish its part commits (a lock file picks exactly one).
+  // to finish its part commits (a lock file picks exactly one); with a root per server,
+  // each server commits its own part.
   absl::MutexLock lock(&mu_);
-  background_.emplace_back([this, name, dir, write = std::move(write)]() {
+  background_.emplace_back([this, name, dir, root_per_server, write = std::move(write)]() {
     absl::Status status = write();
-    if (status.ok()) {
+    if (status.ok() && root_per_server) {
+      status = Commit(name);
+    } else if (status.ok()) {
       bool all_parts = true;
       for (int rank = 0; rank < num_servers_; ++rank) {
         all_parts &= fs::exists(absl::StrCat(dir, "/part-", rank, ".json"));

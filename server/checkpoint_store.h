@@ -76,12 +76,16 @@ class CheckpointStore {
   // Blocking: the groups are pinned at `versions` and written from their live shards (no
   // copy); their next optimizer step waits until the save returns.
   // `async`: returns once the shards are snapshotted (training may go on); the bytes are
-  // written in the background and the last server to finish commits. A failure is then
+  // written in the background and the last server to finish commits (with
+  // `root_per_server`, LOCAL: each server commits its own part). A failure is then
   // logged and the checkpoint stays listed as incomplete.
   [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer,
                                   const std::string& job,
                                   const std::map<std::string, int64_t>& versions,
-                                  absl::Time deadline, bool async = false);
+                                  absl::Time deadline, bool async = false, bool root_per_server = false);
+  // A random id stored in the root (created by the first server to ask): servers with
+  // equal ids share the root. Empty without a root.
+  [[nodiscard]] absl::StatusOr<std::string> RootId();
   // Streams this server's part of a FULL or SHARDED state dict (the same files a save
   // writes, without manifest) into `sink`, in slices of at most 4 MiB of data. Nothing
   // is copied: the groups are pinned at `versions` (Group::Pin), so their next optimizer
@@ -118,6 +122,7 @@ class CheckpointStore {
       ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> background_ ABSL_GUARDED_BY(mu_);  // asynchronous saves
   ReadBufferPool read_buffers_;  // loads' read buffers, kept between loads
+  std::string root_id_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace flatshard::server

@@ -226,7 +226,7 @@ grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
   if (!kind.ok()) return ToGrpc(kind.status());
   const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
   return ToGrpc(checkpoints_.Save(request->name(), *kind, request->optimizer(), request->job(), versions,
-                                  DeadlineOf(ctx), request->async()));
+                                  DeadlineOf(ctx), request->async(), request->root_per_server()));
 }
 
 grpc::Status FlatshardService::CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
@@ -329,6 +329,10 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   response->set_open_data_connections(stats_.open_data_connections.load());
   response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   response->set_cluster_check(cluster_check_());
+  // Empty where the root cannot hold the id (read-only): saves then report the problem.
+  if (absl::StatusOr<std::string> root_id = checkpoints_.RootId(); root_id.ok()) {
+    response->set_checkpoint_root_id(*root_id);
+  }
   return grpc::Status::OK;
 }
 

@@ -9,6 +9,7 @@
 
 #include <sys/resource.h>
 
+#include <chrono>
 #include <thread>
 
 #include "core/file.h"
@@ -105,8 +106,9 @@ TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
   EXPECT_EQ(b.client->LoadCheckpoint("sharded-3").code(), absl::StatusCode::kNotFound);
 }
 
-// Each server with a root of its own (no shared file system): LOCAL checkpoints save,
-// list, load and delete per server; FULL and SHARDED are refused with the reason.
+// Each server with a root of its own (no shared file system): LOCAL checkpoints save
+// (blocking and async), list, load and delete per server; FULL and SHARDED are refused
+// with the reason before anything is written.
 TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
   std::vector<std::string> roots;
   std::vector<std::vector<std::string>> args;
@@ -130,18 +132,31 @@ TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
   ASSERT_EQ(list->size(), 1u);
   EXPECT_TRUE((*list)[0].complete);
 
+  // Refused before anything is written.
   for (CheckpointKind kind : {CheckpointKind::kFull, CheckpointKind::kSharded}) {
     absl::Status refused = a.client->SaveCheckpoint("shared-only", kind, false);
     EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("shared by all servers"));
-    ASSERT_TRUE(a.client->DeleteCheckpoint("shared-only").ok());
+    for (const std::string& root : roots) EXPECT_FALSE(std::filesystem::exists(root + "/.shared-only.partial"));
   }
+
+  // Async: each server commits its own part once written.
+  ASSERT_TRUE(a.client->SaveCheckpoint("mine-async", CheckpointKind::kLocal, true, /*async=*/true).ok());
+  bool committed = false;
+  for (int tries = 0; tries < 200 && !committed; ++tries) {
+    committed = true;
+    for (const std::string& root : roots) committed &= std::filesystem::exists(root + "/mine-async/manifest.json");
+    if (!committed) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(committed) << "the async LOCAL save was not committed on every server within 10 s";
 
   const auto saved_big = a.Params("big", a.big, 2);
   for (int step = 2; step < 4; ++step) a.Step(step);
-  ASSERT_TRUE(a.client->LoadCheckpoint("mine").ok());
-  EXPECT_EQ(*a.client->WaitVersion("big", 0), 2);
-  EXPECT_EQ(a.Params("big", a.big, 2), saved_big);
+  for (const char* name : {"mine", "mine-async"}) {
+    ASSERT_TRUE(a.client->LoadCheckpoint(name).ok()) << name;
+    EXPECT_EQ(*a.client->WaitVersion("big", 0), 2);
+    EXPECT_EQ(a.Params("big", a.big, 2), saved_big) << name;
+  }
 
   ASSERT_TRUE(a.client->DeleteCheckpoint("mine").ok());
   for (const std::string& root : roots) EXPECT_FALSE(std::filesystem::exists(root + "/mine")) << root;
