@@ -25,6 +25,11 @@ namespace {
 constexpr uint64_t kTaskBytes = uint64_t{16} << 20;
 
 
+absl::Status CorruptExtent(const std::string& path, const FileExtent& e) {
+  return absl::DataLossError(absl::StrCat("'", path, "' is corrupted: bytes [", e.offset, ", ", e.offset + e.length,
+                                          ") do not match their XXH3 checksum in the manifest"));
+}
+
 absl::Status ReadError(const std::string& path, int err) {
   return absl::InternalError(absl::StrCat("read '", path, "': ", std::strerror(err)));
 }
@@ -137,6 +142,32 @@ absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer)
   for (size_t i = task.first_extent; i <= task.last_extent; ++i) {
     const FileExtent& e = extents[i];
     const uint64_t end = e.offset + e.length;
+    // From the page cache straight into the destination where a single fp32 request
+    // takes the whole extent, verified there: one copy fewer.
+    if (cached && read_to <= e.offset) {
+      const Request* whole = nullptr;
+      int overlapping = 0;
+      for (const Request* request : task.requests) {
+        if (request->begin >= end || request->end <= e.offset) continue;
+        ++overlapping;
+        if (request->dtype == DType::kFloat32 && request->begin <= e.offset && end <= request->end &&
+            (e.offset - request->begin) % sizeof(float) == 0) {
+          whole = request;
+        }
+      }
+      if (whole != nullptr && overlapping == 1) {
+        std::byte* out = reinterpret_cast<std::byte*>(whole->out) + (e.offset - whole->begin);
+        uint64_t got = 0;
+        if (!ReadSpan(file.fd, out, e.offset, end, /*nowait=*/true, &got)) return ReadError(file.path, errno);
+        if (got == e.length) {
+          if (Xxh3(absl::MakeConstSpan(out, e.length)) != e.xxh3) return CorruptExtent(file.path, e);
+          read_to = end;
+          continue;
+        }
+        cached = false;  // read again below, from the disk
+        read_to = e.offset;
+      }
+    }
     if (read_to < end && cached) {
       uint64_t got = 0;
       if (!ReadSpan(file.fd, data + (read_to - base), read_to, end, /*nowait=*/true, &got)) {
@@ -164,10 +195,7 @@ absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer)
                                                 "; the manifest lists bytes up to ", task.end));
       }
     }
-    if (Xxh3(absl::MakeConstSpan(data + (e.offset - base), e.length)) != e.xxh3) {
-      return absl::DataLossError(absl::StrCat("'", file.path, "' is corrupted: bytes [", e.offset, ", ", end,
-                                              ") do not match their XXH3 checksum in the manifest"));
-    }
+    if (Xxh3(absl::MakeConstSpan(data + (e.offset - base), e.length)) != e.xxh3) return CorruptExtent(file.path, e);
     for (const Request* request : task.requests) {
       const uint64_t lo = std::max(request->begin, e.offset);
       const uint64_t hi = std::min(request->end, end);
