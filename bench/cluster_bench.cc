@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <grpcpp/grpcpp.h>
 #include <iostream>
@@ -291,6 +292,22 @@ void DropCache(const std::string& dir) {
   }
 }
 
+// A field of /proc/self/status in KiB ("VmRSS", "VmHWM"); 0 if absent.
+int64_t ProcStatusKib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::strtoll(line.c_str() + field.size() + 1, nullptr, 10);
+  }
+  return 0;
+}
+
+// Resets the peak RSS (VmHWM) to the current RSS; returns the current RSS in KiB.
+int64_t ResetPeakRssKib() {
+  std::ofstream("/proc/self/clear_refs") << "5";
+  return ProcStatusKib("VmRSS");
+}
+
 // Reads every file below `dir` through the page cache (saves write around it).
 void FillCache(const std::string& dir) {
   std::vector<char> buffer(4 << 20);
@@ -381,6 +398,14 @@ void Checkpoints(int64_t bytes) {
   }
   row("export full vs dd conv=fdatasync", [&](int) { return dd_write(); },
       [&](int i) { return client->ExportStateDict(absl::StrCat(dir, "/export-", i), CheckpointKind::kFull, false); });
+  // The exporter's memory: peak RSS growth over one more export (this process holds the
+  // client and both servers, so it bounds the client's from above).
+  const int64_t before = ResetPeakRssKib();
+  Check(client->ExportStateDict(dir + "/export-rss", CheckpointKind::kFull, false));
+  const double growth_mib = static_cast<double>(ProcStatusKib("VmHWM") - before) / 1024;
+  std::printf("%-40s %10.1f MiB per GiB of model (%.1f MiB for %s; client + servers)\n", "export full: peak RSS growth",
+              growth_mib * static_cast<double>(int64_t{1} << 30) / static_cast<double>(bytes), growth_mib,
+              Mib(bytes).c_str());
   std::filesystem::remove_all(dir);
 }
 
