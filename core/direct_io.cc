@@ -78,8 +78,12 @@ absl::Status DirectFileWriter::WriteOut() {
   const uint64_t direct_lo = AlignUp(lo), direct_hi = AlignDown(hi);
   if (!direct_.has_value() || direct_lo >= direct_hi) return buffered(lo, hi);
   FLATSHARD_RETURN_IF_ERROR(buffered(lo, direct_lo));
-  FLATSHARD_RETURN_IF_ERROR(
-      direct_->WriteAt(direct_lo, absl::MakeConstSpan(block + (direct_lo - base_), direct_hi - direct_lo)));
+  if (!direct_->WriteAt(direct_lo, absl::MakeConstSpan(block + (direct_lo - base_), direct_hi - direct_lo)).ok()) {
+    // A file system that opens with O_DIRECT but refuses the write (some FUSE and network
+    // file systems): the page cache from here on. A failing disk fails this write too.
+    direct_.reset();
+    FLATSHARD_RETURN_IF_ERROR(buffered(direct_lo, direct_hi));
+  }
   return buffered(direct_hi, hi);
 }
 

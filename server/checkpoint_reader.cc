@@ -24,7 +24,6 @@ namespace {
 // that verifying and delivering a task finds much of it still in the CPU's caches.
 constexpr uint64_t kTaskBytes = uint64_t{16} << 20;
 
-
 absl::Status CorruptExtent(const std::string& path, const FileExtent& e) {
   return absl::DataLossError(absl::StrCat("'", path, "' is corrupted: bytes [", e.offset, ", ", e.offset + e.length,
                                           ") do not match their XXH3 checksum in the manifest"));
