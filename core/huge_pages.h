@@ -57,8 +57,9 @@ struct UninitializedAllocator : std::allocator<T> {
 
 using HostFloats = std::vector<float, UninitializedAllocator<float>>;
 
-// `values` resized to `n` value-initialized (HostFloats: unwritten) elements, its new storage advised for huge
-// pages before the elements are written. Precondition: `values` is empty.
+// `values` resized to `n` value-initialized (HostFloats: unwritten) elements, its new
+// storage advised for huge pages before the elements are written. Precondition: `values`
+// is empty.
 template <typename T, typename Allocator>
 void ResizeWithHugePages(std::vector<T, Allocator>& values, size_t n) {
   values.reserve(n);

@@ -299,10 +299,12 @@ absl::StatusOr<std::string> CheckpointReader::ReadNow(const std::string& file, u
   size_t last = first;
   while (last + 1 < extents.size() && extents[last + 1].offset < offset + length) ++last;
   Task task{opened, first, last, extents[first].offset, extents[last].offset + extents[last].length, {}};
-  DirectIoBuffer buffer;  // small reads: not worth holding on to
-  FLATSHARD_RETURN_IF_ERROR(Execute(task, buffer));
+  std::unique_ptr<DirectIoBuffer> buffer = pool_.Take();
+  absl::Status read = Execute(task, *buffer);
   // Execute verified the task's bytes; they are still in the buffer.
-  std::memcpy(bytes.data(), buffer.data() + (offset - AlignDown(task.begin)), length);
+  if (read.ok()) std::memcpy(bytes.data(), buffer->data() + (offset - AlignDown(task.begin)), length);
+  pool_.Give(std::move(buffer));
+  FLATSHARD_RETURN_IF_ERROR(read);
   return bytes;
 }
 

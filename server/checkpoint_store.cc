@@ -610,7 +610,8 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
     }
     const std::string index = Json{{"pieces", pieces}}.dump(1);
     FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(dir + "/index.json", index));
-    files["index.json"] = {{0, index.size(), Xxh3(absl::MakeConstSpan(reinterpret_cast<const std::byte*>(index.data()), index.size()))}};
+    const absl::Span<const std::byte> index_bytes(reinterpret_cast<const std::byte*>(index.data()), index.size());
+    files["index.json"] = {{0, index.size(), Xxh3(index_bytes)}};
   }
   return WriteManifest(root_, dir, final_dir, name, std::move(manifest), files);
 }
@@ -700,6 +701,8 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
     }
     files[path] = std::move(file);
   }
+  const bool split_model = files.count("model.safetensors.index.json") > 0;
+  const bool split_optimizer = files.count("optimizer.safetensors.index.json") > 0;
   CheckpointReader reader(dir, std::move(files), read_buffers_);
 
   // Verified JSON of the checkpoint (indexes), once.
@@ -724,9 +727,7 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
   // "<prefix>.safetensors.index.json" of a split checkpoint names).
   auto full_file_of = [&](const std::string& prefix, const std::string& tensor) -> absl::StatusOr<std::string> {
     const std::string index_file = prefix + ".safetensors.index.json";
-    bool split = false;
-    for (const Json& entry : manifest["files"]) split |= entry.value("path", "") == index_file;
-    if (!split) return prefix + ".safetensors";
+    if (!(prefix == "model" ? split_model : split_optimizer)) return prefix + ".safetensors";
     FLATSHARD_ASSIGN_OR_RETURN(const Json* index, read_json(index_file));
     const Json* map = index->is_object() && index->contains("weight_map") ? &(*index)["weight_map"] : nullptr;
     if (map == nullptr || !map->is_object() || !map->contains(tensor) || !(*map)[tensor].is_string()) {
