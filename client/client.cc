@@ -259,19 +259,26 @@ class ClientImpl final : public Client {
     request.set_kind(KindToProto(kind));
     request.set_optimizer(optimizer);
     request.set_job(options_.job);
-    FLATSHARD_ASSIGN_OR_RETURN(const bool root_per_server, RootPerServer(kind));
-    request.set_root_per_server(root_per_server);
+    FLATSHARD_ASSIGN_OR_RETURN(const std::vector<std::string> root_ids, CheckpointRootIds());
+    const bool shared = std::set<std::string>(root_ids.begin(), root_ids.end()).size() == 1 ||
+                        std::find(root_ids.begin(), root_ids.end(), "") != root_ids.end();  // the server says why
+    if (!shared && kind == CheckpointKind::kLocal) {
+      FLATSHARD_RETURN_IF_ERROR(CheckRootPerServer(root_ids));
+      request.set_root_per_server(true);
+    } else if (!shared) {
+      request.set_home_root_id(root_ids[0]);  // kept whole in server 0's root
+    }
     FLATSHARD_RETURN_IF_ERROR(JobCut(*request.mutable_versions()));
     FLATSHARD_RETURN_IF_ERROR(OnAllServersInParallel([&](size_t i) {
       v1::SaveCheckpointResponse response;
       return Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
     }));
     if (async) return absl::OkStatus();  // the servers commit when they are done
-    // In rank order: with a shared root server 0 commits and the others find it done;
-    // with a root per server each commits its own LOCAL part.
+    // Every part is in server 0's root (shared or not), which commits; with a root per
+    // server, each server commits its own LOCAL part.
     v1::CheckpointRequest commit;
     commit.set_name(name);
-    for (int i = 0; i < num_servers(); ++i) {
+    for (int i = 0; i < (request.root_per_server() ? num_servers() : 1); ++i) {
       v1::CheckpointResponse response;
       FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::CommitCheckpoint, commit, &response));
     }
@@ -282,6 +289,9 @@ class ClientImpl final : public Client {
     v1::LoadCheckpointRequest request;
     request.set_name(name);
     request.set_job(options_.job);
+    FLATSHARD_ASSIGN_OR_RETURN(const std::vector<std::string> root_ids, CheckpointRootIds());
+    // Servers whose roots lack the checkpoint read it from server 0's.
+    if (std::set<std::string>(root_ids.begin(), root_ids.end()).size() > 1) request.set_home_root_id(root_ids[0]);
     auto phase = [&](v1::LoadCheckpointRequest::Phase p) {
       request.set_phase(p);
       return OnAllServersInParallel([&](size_t i) {
@@ -448,11 +458,8 @@ class ClientImpl final : public Client {
     return absl::OkStatus();
   }
 
-  // Runs `call(server index)` for every server at once; the first error wins.
-  // Whether each server has a checkpoint root of its own (false: one root shared by all),
-  // from the roots' ids. FailedPrecondition, before anything is written, for a FULL or
-  // SHARDED save without a shared root, and where only some servers share one.
-  absl::StatusOr<bool> RootPerServer(CheckpointKind kind) {
+  // Every server's checkpoint root id (empty: no root; equal ids: a shared root).
+  absl::StatusOr<std::vector<std::string>> CheckpointRootIds() {
     std::vector<std::string> ids(static_cast<size_t>(num_servers()));
     FLATSHARD_RETURN_IF_ERROR(OnAllServersInParallel([&](size_t i) {
       v1::ServerStatus status;
@@ -460,31 +467,24 @@ class ClientImpl final : public Client {
       ids[i] = status.checkpoint_root_id();
       return absl::OkStatus();
     }));
-    if (std::find(ids.begin(), ids.end(), "") != ids.end()) return false;  // the server says why
-    const std::set<std::string> distinct(ids.begin(), ids.end());
-    if (distinct.size() == 1) return false;
-    const auto first_shared = [&]() -> std::pair<size_t, size_t> {
-      for (size_t i = 0; i < ids.size(); ++i) {
-        for (size_t j = i + 1; j < ids.size(); ++j) {
-          if (ids[i] == ids[j]) return {i, j};
-        }
-      }
-      return {0, 0};
-    }();
-    if (distinct.size() != ids.size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "servers ", first_shared.first, " and ", first_shared.second,
-          " share a --checkpoint_root that other servers do not; checkpoints need one root shared by all "
-          "servers or one root per server"));
-    }
-    if (kind != CheckpointKind::kLocal) {
-      return absl::FailedPreconditionError(
-          "FULL and SHARDED checkpoints need a --checkpoint_root shared by all servers (each server has its "
-          "own); save LOCAL or stream the state dict with export");
-    }
-    return true;
+    return ids;
   }
 
+  // A LOCAL save over roots that differ needs one root per server: where only some
+  // servers share one, neither the shared nor the per-server commit fits.
+  static absl::Status CheckRootPerServer(const std::vector<std::string>& ids) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      for (size_t j = i + 1; j < ids.size(); ++j) {
+        if (ids[i] != ids[j]) continue;
+        return absl::FailedPreconditionError(absl::StrCat(
+            "servers ", i, " and ", j, " share a --checkpoint_root that other servers do not; LOCAL "
+            "checkpoints need one root shared by all servers or one root per server"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Runs `call(server index)` for every server at once; the first error wins.
   absl::Status OnAllServersInParallel(const std::function<absl::Status(size_t)>& call) {
     std::vector<std::future<absl::Status>> results;
     for (size_t i = 0; i < stubs_.size(); ++i) results.push_back(std::async(std::launch::async, call, i));

@@ -36,6 +36,7 @@ absl::Status ReadError(const std::string& path, int err) {
 }  // namespace
 
 struct CheckpointReader::OpenedFile {
+  std::string name;  // as the manifest lists it
   std::string path;
   const ManifestFile* manifest;
   int fd = -1;         // buffered
@@ -78,6 +79,10 @@ CheckpointReader::CheckpointReader(std::string dir, std::map<std::string, Manife
                                    ReadBufferPool& pool, int threads)
     : dir_(std::move(dir)), files_(std::move(files)), pool_(pool), threads_(std::max(1, threads)) {}
 
+CheckpointReader::CheckpointReader(std::string where, std::map<std::string, ManifestFile> files,
+                                   ReadBufferPool& pool, RemoteRead remote)
+    : dir_(std::move(where)), files_(std::move(files)), pool_(pool), threads_(4), remote_(std::move(remote)) {}
+
 CheckpointReader::~CheckpointReader() = default;
 
 absl::StatusOr<CheckpointReader::OpenedFile*> CheckpointReader::Open(const std::string& file) {
@@ -87,8 +92,10 @@ absl::StatusOr<CheckpointReader::OpenedFile*> CheckpointReader::Open(const std::
     return absl::DataLossError(absl::StrCat("the manifest of '", dir_, "' does not list '", file, "'"));
   }
   auto opened = std::make_unique<OpenedFile>();
+  opened->name = file;
   opened->path = path(file);
   opened->manifest = &listed->second;
+  if (remote_ != nullptr) return opened_.emplace(file, std::move(opened)).first->second.get();
   opened->fd = open(opened->path.c_str(), O_RDONLY | O_CLOEXEC);
   if (opened->fd < 0) {
     const int err = errno;
@@ -137,6 +144,11 @@ absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer)
   // still in the CPU's caches.
   uint64_t read_to = task.begin;
   bool cached = true;
+  if (remote_ != nullptr) {  // the whole task at once, then verified extent by extent
+    FLATSHARD_RETURN_IF_ERROR(remote_(file.name, task.begin, task.end - task.begin, data + (task.begin - base)));
+    read_to = task.end;
+    cached = false;
+  }
   const std::vector<FileExtent>& extents = file.manifest->extents;
   for (size_t i = task.first_extent; i <= task.last_extent; ++i) {
     const FileExtent& e = extents[i];

@@ -10,7 +10,9 @@
 // (copied, or converted to fp32). A task reads from the page cache where it already holds
 // the bytes (preadv2 with RWF_NOWAIT) and with O_DIRECT otherwise: a disk's sequential
 // rate needs large requests in flight, which buffered reads with readahead do not issue.
-// Where O_DIRECT is refused (tmpfs, some network file systems), plain reads.
+// Where O_DIRECT is refused (tmpfs, some network file systems), plain reads. A checkpoint
+// kept in another server's root is read through a RemoteRead (a task at a time) and
+// verified the same way.
 //
 // Errors name the file: NotFound, DataLoss (a size other than the manifest's, an extent
 // whose checksum does not match, a read past the end). Memory: one task buffer per
@@ -24,6 +26,7 @@
 #define FLATSHARD_SERVER_CHECKPOINT_READER_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -57,12 +60,20 @@ struct ManifestFile {
   std::vector<FileExtent> extents;  // sorted, tiling [0, bytes)
 };
 
+// Fills `out` with `length` bytes at `offset` of checkpoint file `file` held elsewhere
+// (another server's root); called from several threads at once.
+using RemoteRead =
+    std::function<absl::Status(const std::string& file, uint64_t offset, uint64_t length, std::byte* out)>;
+
 class CheckpointReader {
  public:
   // `files` by path relative to `dir`; buffers from `pool`, which must outlive the
   // reader. `threads` >= 1.
   CheckpointReader(std::string dir, std::map<std::string, ManifestFile> files, ReadBufferPool& pool,
                    int threads = 4);
+  // The files are read through `remote`; `where` names their place in messages.
+  CheckpointReader(std::string where, std::map<std::string, ManifestFile> files, ReadBufferPool& pool,
+                   RemoteRead remote);
   ~CheckpointReader();
   CheckpointReader(const CheckpointReader&) = delete;
   CheckpointReader& operator=(const CheckpointReader&) = delete;
@@ -96,6 +107,7 @@ class CheckpointReader {
   const std::map<std::string, ManifestFile> files_;
   ReadBufferPool& pool_;
   const int threads_;
+  const RemoteRead remote_;  // null: files under dir_
   std::map<std::string, std::unique_ptr<OpenedFile>> opened_;
   std::vector<Request> requests_;
 };

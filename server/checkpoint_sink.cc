@@ -6,6 +6,9 @@
 namespace flatshard::server {
 
 absl::Status DirectorySink::Open(const std::string& file, uint64_t size, bool exclusive) {
+  if (file.empty() || file[0] == '.' || file.find('/') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint file '", file, "': not a plain file name"));
+  }
   FLATSHARD_ASSIGN_OR_RETURN(DirectFileWriter opened, DirectFileWriter::Open(dir_ + "/" + file, size, exclusive));
   open_.insert_or_assign(file, std::move(opened));
   if (exclusive) extents_.erase(file);

@@ -34,10 +34,11 @@ class CheckpointSink {
   [[nodiscard]] virtual absl::Status Close(const std::string& file) = 0;
 };
 
-// Files under `dir`, written through DirectFileWriter (O_DIRECT for whole pages, the
-// page cache for the partial pages other servers share) and fsync'd on Close. Every write
-// is hashed as it is written: extents() are this writer's (offset, length, XXH3) per file,
-// for the manifest, so that no one re-reads the files to checksum them.
+// Files directly under `dir` (a name with '/' or a leading '.' is InvalidArgument),
+// written through DirectFileWriter (O_DIRECT for whole pages, the page cache for the
+// partial pages other servers share) and fsync'd on Close. Every write is hashed as it is
+// written: extents() are this writer's (offset, length, XXH3) per file, for the manifest,
+// so that no one re-reads the files to checksum them.
 class DirectorySink final : public CheckpointSink {
  public:
   explicit DirectorySink(std::string dir) : dir_(std::move(dir)) {}

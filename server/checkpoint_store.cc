@@ -35,14 +35,15 @@ namespace fs = std::filesystem;
 constexpr char kFormat[] = "flatshard-checkpoint/2";  // /2: extent checksums
 constexpr char kManifest[] = "manifest.json";
 
-absl::Status ValidateName(const std::string& name) {
+// Checkpoint names, and the names of their files: one path component.
+absl::Status ValidateName(const std::string& name, absl::string_view what = "checkpoint name") {
   const bool ok = !name.empty() && name.size() <= 128 && name[0] != '.' &&
                   std::all_of(name.begin(), name.end(), [](char c) {
                     return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
                   });
   if (!ok) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint name '", name, "': use 1-128 characters of [A-Za-z0-9._-], not starting with "
+        what, " '", name, "': use 1-128 characters of [A-Za-z0-9._-], not starting with "
         "'.' (names are confined to the server's --checkpoint_root)"));
   }
   return absl::OkStatus();
@@ -386,12 +387,13 @@ absl::StatusOr<CheckpointKind> ParseCheckpointKind(absl::string_view name) {
 }
 
 CheckpointStore::CheckpointStore(Registry& registry, int rank, int num_servers, std::string root,
-                                 uint64_t max_file_bytes)
+                                 uint64_t max_file_bytes, PeerClient* peers)
     : registry_(registry),
       rank_(rank),
       num_servers_(num_servers),
       root_(std::move(root)),
-      max_file_bytes_(max_file_bytes) {}
+      max_file_bytes_(max_file_bytes),
+      peers_(peers) {}
 
 absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& name) const {
   if (root_.empty()) {
@@ -433,63 +435,156 @@ absl::StatusOr<std::string> CheckpointStore::RootId() {
   return root_id_;
 }
 
+absl::StatusOr<bool> CheckpointStore::KeptByServerZero(const std::string& home_root_id) {
+  if (home_root_id.empty()) return false;
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string own_id, RootId());
+  if (own_id == home_root_id) return false;
+  if (rank_ == 0) {
+    return absl::FailedPreconditionError(absl::StrCat("this server (rank 0) has checkpoint root id '", own_id,
+                                                      "', not '", home_root_id, "'"));
+  }
+  if (peers_ == nullptr) {
+    return absl::FailedPreconditionError("this server cannot reach server 0's checkpoint root (no peers)");
+  }
+  return true;
+}
+
 absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind, bool optimizer,
                                    const std::string& job,
                                    const std::map<std::string, int64_t>& versions,
-                                   absl::Time deadline, bool async, bool root_per_server) {
-  if (root_per_server && kind != CheckpointKind::kLocal) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint '", name, "': FULL and SHARDED checkpoints need a --checkpoint_root shared by all "
-        "servers; with a root per server, save LOCAL or stream the state dict with export"));
+                                   absl::Time deadline, const SaveOptions& options) {
+  FLATSHARD_RETURN_IF_ERROR(ValidateName(name));
+  bool to_server_zero = false;
+  if (kind != CheckpointKind::kLocal) {
+    FLATSHARD_ASSIGN_OR_RETURN(to_server_zero, KeptByServerZero(options.home_root_id));
   }
-  FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
-  if (fs::exists(final_dir) || IsSymlink(final_dir)) {
-    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
-  }
-  const std::string dir = absl::StrCat(root_, "/.", name, ".partial");
-  std::error_code error;
-  fs::create_directories(dir, error);
-  if (error || IsSymlink(dir)) {
-    return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
+  std::string dir;
+  if (!to_server_zero) {
+    FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
+    if (fs::exists(final_dir) || IsSymlink(final_dir)) {
+      return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
+    }
+    dir = PartialDir(name);
+    std::error_code error;
+    fs::create_directories(dir, error);
+    if (error || IsSymlink(dir)) {
+      return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
+    }
   }
   // Asynchronous: snapshots, so that training goes on while the bytes are written.
   // Blocking: the live groups, pinned at the cut's version, as an export has them: no
   // copy (and no second copy of the shards in memory); their next optimizer step waits.
   FLATSHARD_ASSIGN_OR_RETURN(std::vector<Shard> shards,
-                             TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/!async));
-  auto write = [this, name, kind, optimizer, job, dir, shards = std::move(shards)]() -> absl::Status {
-    DirectorySink sink(dir);
+                             TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/!options.async));
+  // What the part says besides its extents (which the writing sink records).
+  auto describe = [this, job, kind, optimizer](const std::vector<std::string>& files, const std::string& specs) {
+    return Json{{"job", job},           {"kind", CheckpointKindName(kind)}, {"servers", num_servers_},
+                {"optimizer", optimizer}, {"groups", Json::parse(specs)},   {"files", files}};
+  };
+  const bool async = options.async;
+  auto write = [this, name, kind, optimizer, dir, to_server_zero, async, describe,
+                deadline = async ? absl::InfiniteFuture() : deadline,
+                shards = std::move(shards)]() -> absl::Status {
     std::string group_specs;
+    if (to_server_zero) {
+      FLATSHARD_ASSIGN_OR_RETURN(const std::unique_ptr<PeerPartWriter> sink,
+                                 peers_->WritePart(0, name, async, deadline));
+      FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
+                                 WriteShards(*sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
+      return sink->Finish(describe(files, group_specs).dump());
+    }
+    DirectorySink sink(dir);
     FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
                                WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
-    Json extents = Json::object();
-    for (const auto& [file, file_extents] : sink.extents()) extents[file] = ExtentsToJson(file_extents);
-    const Json part = {{"rank", rank_},         {"job", job},           {"kind", CheckpointKindName(kind)},
-                       {"servers", num_servers_}, {"optimizer", optimizer}, {"groups", Json::parse(group_specs)},
-                       {"files", files},        {"extents", extents}};
-    return WriteFileAtomically(absl::StrCat(dir, "/part-", rank_, ".json"), part.dump(1));
+    return FinishPart(name, rank_, sink, describe(files, group_specs).dump(), /*async=*/false);
   };
   if (!async) return write();
   // The snapshot is taken; training goes on while the bytes are written. The last server
-  // to finish its part commits (a lock file picks exactly one); with a root per server,
-  // each server commits its own part.
+  // to finish its part commits (server 0, for parts streamed to it); with a root per
+  // server, each server commits its own LOCAL part.
   absl::MutexLock lock(&mu_);
-  background_.emplace_back([this, name, dir, root_per_server, write = std::move(write)]() {
+  background_.emplace_back([this, name, to_server_zero, root_per_server = options.root_per_server,
+                            write = std::move(write)]() {
     absl::Status status = write();
     if (status.ok() && root_per_server) {
       status = Commit(name);
-    } else if (status.ok()) {
-      bool all_parts = true;
-      for (int rank = 0; rank < num_servers_; ++rank) {
-        all_parts &= fs::exists(absl::StrCat(dir, "/part-", rank, ".json"));
-      }
-      if (all_parts && File::Open(dir + "/commit.lock", File::Mode::kCreateNew).ok()) status = Commit(name);
+    } else if (status.ok() && !to_server_zero) {
+      status = CommitIfComplete(name);
     }
     if (!status.ok()) {
       std::cerr << "flatshard-server rank " << rank_ << ": async save of checkpoint '" << name
                 << "' failed: " << status << std::endl;
     }
   });
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::CommitIfComplete(const std::string& name) {
+  const std::string dir = PartialDir(name);
+  for (int rank = 0; rank < num_servers_; ++rank) {
+    if (!fs::exists(absl::StrCat(dir, "/part-", rank, ".json"))) return absl::OkStatus();  // not yet
+  }
+  // A lock file picks exactly one committer.
+  if (!File::Open(dir + "/commit.lock", File::Mode::kCreateNew).ok()) return absl::OkStatus();
+  return Commit(name);
+}
+
+absl::StatusOr<std::unique_ptr<DirectorySink>> CheckpointStore::OpenPart(const std::string& name) {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
+  if (fs::exists(final_dir) || IsSymlink(final_dir)) {
+    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
+  }
+  const std::string dir = PartialDir(name);
+  std::error_code error;
+  fs::create_directories(dir, error);
+  if (error || IsSymlink(dir)) return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
+  return std::make_unique<DirectorySink>(dir);
+}
+
+absl::Status CheckpointStore::FinishPart(const std::string& name, int rank, const DirectorySink& sink,
+                                         const std::string& part_json, bool async) {
+  if (rank < 0 || rank >= num_servers_) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint part of rank ", rank, "; the cluster has ",
+                                                   num_servers_, " servers"));
+  }
+  Json part = Json::parse(part_json, nullptr, /*allow_exceptions=*/false);
+  if (!part.is_object() || !part.contains("files") || !part["files"].is_array()) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint '", name, "': server ", rank,
+                                                   "'s part description is not a JSON object with its files"));
+  }
+  Json extents = Json::object();
+  for (const auto& [file, file_extents] : sink.extents()) extents[file] = ExtentsToJson(file_extents);
+  part["rank"] = rank;
+  part["extents"] = extents;
+  FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(PartialDir(name), "/part-", rank, ".json"), part.dump(1)));
+  return async ? CommitIfComplete(name) : absl::OkStatus();
+}
+
+absl::Status CheckpointStore::ReadFile(const std::string& name, const std::string& file, uint64_t offset,
+                                       uint64_t length,
+                                       const std::function<absl::Status(absl::Span<const std::byte>)>& emit) const {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string dir, CheckpointDir(name));
+  FLATSHARD_RETURN_IF_ERROR(ValidateName(file, "checkpoint file"));
+  const std::string path = dir + "/" + file;
+  if (IsSymlink(dir) || IsSymlink(path)) {
+    return absl::FailedPreconditionError(absl::StrCat("'", path, "' is reached through a symlink; refusing"));
+  }
+  if (!fs::exists(absl::StrCat(dir, "/", kManifest))) {
+    return absl::NotFoundError(absl::StrCat("no complete checkpoint named '", name, "'"));
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(path, File::Mode::kRead));
+  FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, opened.Size());
+  if (offset > size || (length != 0 && length > size - offset)) {
+    return absl::DataLossError(absl::StrCat("'", path, "' has ", size, " bytes; asked for [", offset, ", ",
+                                            offset + length, ")"));
+  }
+  const uint64_t end = length == 0 ? size : offset + length;
+  std::vector<std::byte> buffer(static_cast<size_t>(std::min<uint64_t>(end - offset, uint64_t{4} << 20)));
+  for (uint64_t at = offset; at < end; at += buffer.size()) {
+    const absl::Span<std::byte> piece(buffer.data(), static_cast<size_t>(std::min<uint64_t>(buffer.size(), end - at)));
+    FLATSHARD_RETURN_IF_ERROR(opened.ReadAt(at, piece));
+    FLATSHARD_RETURN_IF_ERROR(emit(piece));
+  }
   return absl::OkStatus();
 }
 
@@ -550,7 +645,7 @@ absl::Status AddPartExtents(const Json& part, const std::string& what,
 
 absl::Status CheckpointStore::Commit(const std::string& name) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
-  const std::string dir = absl::StrCat(root_, "/.", name, ".partial");
+  const std::string dir = PartialDir(name);
   if (!fs::exists(dir) && fs::exists(final_dir + "/" + kManifest)) {
     return absl::OkStatus();  // a server sharing this root committed it
   }
@@ -577,8 +672,7 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
     if (!part.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint '", name, "': server ", rank, " has not saved its part in this server's root (",
-          part.status().message(), "). FULL and SHARDED checkpoints need a --checkpoint_root shared "
-          "by all servers; with a root per server, save LOCAL or stream the state dict with export"));
+          part.status().message(), ")"));
     }
     FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*part, absl::StrCat("checkpoint '", name, "' part ", rank), files));
     part->erase("rank");
@@ -650,7 +744,7 @@ absl::Status CheckpointStore::Delete(const std::string& name) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string dir, CheckpointDir(name));
   std::error_code error;
   uintmax_t removed = 0;
-  for (const std::string& path : {dir, absl::StrCat(root_, "/.", name, ".partial")}) {
+  for (const std::string& path : {dir, PartialDir(name)}) {
     if (IsSymlink(path)) return absl::FailedPreconditionError(absl::StrCat("'", path, "' is a symlink; refusing"));
     removed += fs::remove_all(path, error);
     if (error) return absl::InternalError(absl::StrCat("cannot delete '", path, "': ", error.message()));
@@ -659,10 +753,32 @@ absl::Status CheckpointStore::Delete(const std::string& name) {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::string& job) {
-  FLATSHARD_ASSIGN_OR_RETURN(const std::string dir, CheckpointDir(name));
-  if (IsSymlink(dir)) return absl::FailedPreconditionError(absl::StrCat("'", dir, "' is a symlink; refusing"));
-  absl::StatusOr<Json> manifest_or = ReadJson(absl::StrCat(dir, "/", kManifest));
+absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::string& job,
+                                          const std::string& home_root_id) {
+  FLATSHARD_RETURN_IF_ERROR(ValidateName(name));
+  // From this root, unless it lacks the checkpoint and server 0's root is another.
+  bool from_server_zero = false;
+  if (root_.empty() || !fs::exists(absl::StrCat(root_, "/", name, "/", kManifest))) {
+    FLATSHARD_ASSIGN_OR_RETURN(from_server_zero, KeptByServerZero(home_root_id));
+  }
+  std::string dir;
+  absl::StatusOr<Json> manifest_or;
+  if (from_server_zero) {
+    dir = absl::StrCat("server 0 (", peers_->address(0), ") ", name);
+    absl::StatusOr<std::string> text = peers_->ReadCheckpointFile(0, name, kManifest);
+    if (!text.ok()) {
+      manifest_or = text.status();
+    } else {
+      manifest_or = Json::parse(*text, nullptr, /*allow_exceptions=*/false);
+      if (manifest_or->is_discarded()) {
+        return absl::DataLossError(absl::StrCat("'", dir, "/", kManifest, "' is not valid JSON"));
+      }
+    }
+  } else {
+    FLATSHARD_ASSIGN_OR_RETURN(dir, CheckpointDir(name));
+    if (IsSymlink(dir)) return absl::FailedPreconditionError(absl::StrCat("'", dir, "' is a symlink; refusing"));
+    manifest_or = ReadJson(absl::StrCat(dir, "/", kManifest));
+  }
   if (absl::IsNotFound(manifest_or.status())) {
     return absl::NotFoundError(absl::StrCat("no complete checkpoint named '", name, "'"));
   }
@@ -703,7 +819,13 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
   }
   const bool split_model = files.count("model.safetensors.index.json") > 0;
   const bool split_optimizer = files.count("optimizer.safetensors.index.json") > 0;
-  CheckpointReader reader(dir, std::move(files), read_buffers_);
+  CheckpointReader reader =
+      from_server_zero
+          ? CheckpointReader(dir, std::move(files), read_buffers_,
+                             [this, name](const std::string& file, uint64_t offset, uint64_t length, std::byte* out) {
+                               return peers_->ReadCheckpointFile(0, name, file, offset, length, out);
+                             })
+          : CheckpointReader(dir, std::move(files), read_buffers_);
 
   // Verified JSON of the checkpoint (indexes), once.
   std::map<std::string, Json> json_files;

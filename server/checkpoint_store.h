@@ -24,13 +24,19 @@
 // names, stage everything in memory (PrepareLoad) and only then install (CommitLoad), so a
 // bad checkpoint leaves the group untouched.
 //
-// The root must be shared by all servers for FULL and SHARDED (LOCAL works with a root
-// per server). Names are one path component ([A-Za-z0-9._-], not starting with '.'), so
-// nothing escapes the root; symlinks are refused. Thread-safe.
+// Roots: where all servers share one root, each writes its own byte ranges there. Where
+// the roots differ, a FULL or SHARDED checkpoint is kept whole in server 0's root (the
+// client passes its id as home_root_id): a server with another root streams its part to
+// server 0 (PeerClient::WritePart; server 0 writes it through OpenPart/FinishPart, and
+// the commit is the same), and reads what it loads from there (ReadFile on server 0,
+// verified against the extents as local reads are). LOCAL checkpoints with a root per
+// server are committed per server. Names are one path component ([A-Za-z0-9._-], not
+// starting with '.'), so nothing escapes the root; symlinks are refused. Thread-safe.
 #ifndef FLATSHARD_SERVER_CHECKPOINT_STORE_H_
 #define FLATSHARD_SERVER_CHECKPOINT_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -43,6 +49,7 @@
 #include "absl/time/time.h"
 #include "server/checkpoint_reader.h"
 #include "server/checkpoint_sink.h"
+#include "server/peer_client.h"
 #include "server/registry.h"
 
 namespace flatshard::server {
@@ -50,6 +57,16 @@ namespace flatshard::server {
 enum class CheckpointKind { kFull, kSharded, kLocal };
 absl::string_view CheckpointKindName(CheckpointKind kind);
 [[nodiscard]] absl::StatusOr<CheckpointKind> ParseCheckpointKind(absl::string_view name);
+
+struct SaveOptions {
+  // Return once the shards are snapshotted; the bytes are written in the background.
+  bool async = false;
+  // LOCAL: every server has a root of its own and commits its own part.
+  bool root_per_server = false;
+  // FULL and SHARDED: the id of server 0's root, where the checkpoint is kept; a server
+  // whose root has another id streams its part there. Empty: this server's root.
+  std::string home_root_id;
+};
 
 struct CheckpointInfo {
   std::string name;
@@ -66,23 +83,24 @@ class CheckpointStore {
  public:
   // `root` empty: every call fails with FailedPrecondition (no --checkpoint_root).
   // FULL files above `max_file_bytes` of data are split Hugging Face style
-  // (model-00001-of-0000N.safetensors + model.safetensors.index.json).
+  // (model-00001-of-0000N.safetensors + model.safetensors.index.json). `peers` (may be
+  // null: then every root must be shared) must outlive the store.
   CheckpointStore(Registry& registry, int rank, int num_servers, std::string root,
-                  uint64_t max_file_bytes = 5'000'000'000);
+                  uint64_t max_file_bytes = 5'000'000'000, PeerClient* peers = nullptr);
   ~CheckpointStore();  // waits for asynchronous saves in progress
 
   // Writes this server's part of checkpoint `name` of `job` at `versions` (every group
   // of the job, each waited for until `deadline`). AlreadyExists if `name` is taken.
   // Blocking: the groups are pinned at `versions` and written from their live shards (no
   // copy); their next optimizer step waits until the save returns.
-  // `async`: returns once the shards are snapshotted (training may go on); the bytes are
-  // written in the background and the last server to finish commits (with
-  // `root_per_server`, LOCAL: each server commits its own part). A failure is then
-  // logged and the checkpoint stays listed as incomplete.
+  // Async: returns once the shards are snapshotted (training may go on); the bytes are
+  // written in the background and the last server to finish commits (with a root per
+  // server, LOCAL: each server commits its own part). A failure is then logged and the
+  // checkpoint stays listed as incomplete.
   [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer,
                                   const std::string& job,
                                   const std::map<std::string, int64_t>& versions,
-                                  absl::Time deadline, bool async = false, bool root_per_server = false);
+                                  absl::Time deadline, const SaveOptions& options = {});
   // A random id stored in the root (created by the first server to ask): servers with
   // equal ids share the root. Empty without a root.
   [[nodiscard]] absl::StatusOr<std::string> RootId();
@@ -96,27 +114,51 @@ class CheckpointStore {
   // Completes a checkpoint once every server saved its part; OK if a server sharing the
   // root already did. With a root per server (other parts absent), a LOCAL checkpoint is
   // committed per server: its manifest lists this server's files only. FailedPrecondition
-  // naming the missing or disagreeing part otherwise (FULL and SHARDED need a shared root).
+  // naming the missing or disagreeing part otherwise.
   [[nodiscard]] absl::Status Commit(const std::string& name);
+
+  // Server 0's side of a part that a server with another root streams here: OpenPart
+  // gives the sink for its files (in this root's partial directory of `name`;
+  // AlreadyExists if `name` is committed), FinishPart records the part (`part`: the
+  // sender's description; the extents are the ones the sink wrote) and, for an async
+  // save, commits once every part is in.
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<DirectorySink>> OpenPart(const std::string& name);
+  [[nodiscard]] absl::Status FinishPart(const std::string& name, int rank, const DirectorySink& sink,
+                                        const std::string& part, bool async);
+  // `length` bytes (0: to the end) at `offset` of `file` of committed checkpoint `name`,
+  // handed to `emit` in pieces of at most 4 MiB, for a server loading it from this root.
+  // NotFound, or DataLoss if the file ends first; `emit`'s error stops the read.
+  [[nodiscard]] absl::Status ReadFile(const std::string& name, const std::string& file, uint64_t offset,
+                                      uint64_t length,
+                                      const std::function<absl::Status(absl::Span<const std::byte>)>& emit) const;
 
   [[nodiscard]] absl::StatusOr<std::vector<CheckpointInfo>> List() const;
   [[nodiscard]] absl::Status Delete(const std::string& name);
 
-  // Reads and checks what this server needs of checkpoint `name` into memory.
-  // NotFound, DataLoss (checksum, truncation; naming the file) or FailedPrecondition
-  // (layout, tensor, dtype or optimizer mismatch, naming it). Nothing is installed.
-  [[nodiscard]] absl::Status PrepareLoad(const std::string& name, const std::string& job);
+  // Reads and checks what this server needs of checkpoint `name` into memory: from this
+  // root, or where it lacks the checkpoint and `home_root_id` is another root's, from
+  // server 0's. NotFound, DataLoss (checksum, truncation; naming the file) or
+  // FailedPrecondition (layout, tensor, dtype or optimizer mismatch, naming it). Nothing
+  // is installed.
+  [[nodiscard]] absl::Status PrepareLoad(const std::string& name, const std::string& job,
+                                         const std::string& home_root_id = "");
   // Installs what PrepareLoad staged. FailedPrecondition if nothing is staged.
   [[nodiscard]] absl::Status CommitLoad(const std::string& name);
   void AbortLoad(const std::string& name);
 
  private:
   absl::StatusOr<std::string> CheckpointDir(const std::string& name) const;
+  std::string PartialDir(const std::string& name) const { return root_ + "/." + name + ".partial"; }
+  // Commits `name` if every part is in its partial directory and no one else has begun to.
+  absl::Status CommitIfComplete(const std::string& name);
+  // Whether a FULL or SHARDED checkpoint is kept in server 0's root rather than this one.
+  absl::StatusOr<bool> KeptByServerZero(const std::string& home_root_id);
   Registry& registry_;
   const int rank_;
   const int num_servers_;
   const std::string root_;
   const uint64_t max_file_bytes_;
+  PeerClient* const peers_;
   absl::Mutex mu_;
   std::map<std::string, std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>>> staged_
       ABSL_GUARDED_BY(mu_);

@@ -54,7 +54,7 @@ Server::Server(ServerOptions options)
               return peers_.SendNormPartial(peer, job, step, partial);
             }),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
-                   options_.checkpoint_root, options_.max_file_bytes),
+                   options_.checkpoint_root, options_.max_file_bytes, &peers_),
       ipc_(registry_, clip_, stats_) {}
 
 Server::~Server() { Shutdown(); }

@@ -225,8 +225,11 @@ grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
   absl::StatusOr<CheckpointKind> kind = KindFromProto(request->kind());
   if (!kind.ok()) return ToGrpc(kind.status());
   const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
+  const SaveOptions options{.async = request->async(),
+                            .root_per_server = request->root_per_server(),
+                            .home_root_id = request->home_root_id()};
   return ToGrpc(checkpoints_.Save(request->name(), *kind, request->optimizer(), request->job(), versions,
-                                  DeadlineOf(ctx), request->async(), request->root_per_server()));
+                                  DeadlineOf(ctx), options));
 }
 
 grpc::Status FlatshardService::CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
@@ -241,7 +244,7 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   switch (request->phase()) {
     case v1::LoadCheckpointRequest::PREPARE:
-      return ToGrpc(checkpoints_.PrepareLoad(request->name(), request->job()));
+      return ToGrpc(checkpoints_.PrepareLoad(request->name(), request->job(), request->home_root_id()));
     case v1::LoadCheckpointRequest::COMMIT:
       return ToGrpc(checkpoints_.CommitLoad(request->name()));
     default:
@@ -289,6 +292,50 @@ grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, const v
   }
   StreamSink sink(writer, request->chunk_bytes() == 0 ? size_t{4} << 20 : request->chunk_bytes());
   return ToGrpc(checkpoints_.Export(sink, *kind, request->optimizer(), request->job(), versions, DeadlineOf(ctx)));
+}
+
+grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,
+                                                   grpc::ServerReader<v1::CheckpointPartMessage>* reader,
+                                                   v1::WriteCheckpointPartResponse*) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  v1::CheckpointPartMessage message;
+  if (!reader->Read(&message)) return ToGrpc(absl::InvalidArgumentError("checkpoint part: empty stream"));
+  const std::string name = message.name();
+  const int rank = message.rank();
+  const bool async = message.async();
+  absl::StatusOr<std::unique_ptr<DirectorySink>> sink = checkpoints_.OpenPart(name);
+  if (!sink.ok()) return ToGrpc(sink.status());
+  while (reader->Read(&message)) {
+    if (!message.part().empty()) {
+      return ToGrpc(checkpoints_.FinishPart(name, rank, **sink, message.part(), async));
+    }
+    const v1::ExportChunk& chunk = message.chunk();
+    absl::Status status;
+    if (message.open()) status.Update((*sink)->Open(chunk.file(), chunk.file_size(), message.exclusive()));
+    if (status.ok() && !chunk.data().empty()) {
+      status.Update((*sink)->Write(
+          chunk.file(), chunk.offset(),
+          absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
+    }
+    if (status.ok() && chunk.close()) status.Update((*sink)->Close(chunk.file()));
+    if (!status.ok()) return ToGrpc(status);
+  }
+  // The sender went away before its last message: the part stays unrecorded.
+  return ToGrpc(absl::CancelledError(absl::StrCat("checkpoint '", name, "': server ", rank,
+                                                  "'s part ended before its description")));
+}
+
+grpc::Status FlatshardService::ReadCheckpointFile(grpc::ServerContext* ctx,
+                                                  const v1::ReadCheckpointFileRequest* request,
+                                                  grpc::ServerWriter<v1::ReadCheckpointFileChunk>* writer) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  v1::ReadCheckpointFileChunk chunk;
+  return ToGrpc(checkpoints_.ReadFile(request->name(), request->file(), request->offset(), request->length(),
+                                      [&](absl::Span<const std::byte> data) {
+                                        chunk.set_data(reinterpret_cast<const char*>(data.data()), data.size());
+                                        if (!writer->Write(chunk)) return absl::CancelledError("the reader went away");
+                                        return absl::OkStatus();
+                                      }));
 }
 
 grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,

@@ -64,6 +64,10 @@ class FlatshardService final : public v1::Flatshard::Service {
                                 v1::CheckpointResponse* response) override;
   grpc::Status ExportStateDict(grpc::ServerContext* ctx, const v1::ExportRequest* request,
                                grpc::ServerWriter<v1::ExportChunk>* writer) override;
+  grpc::Status WriteCheckpointPart(grpc::ServerContext* ctx, grpc::ServerReader<v1::CheckpointPartMessage>* reader,
+                                   v1::WriteCheckpointPartResponse* response) override;
+  grpc::Status ReadCheckpointFile(grpc::ServerContext* ctx, const v1::ReadCheckpointFileRequest* request,
+                                  grpc::ServerWriter<v1::ReadCheckpointFileChunk>* writer) override;
   grpc::Status PushNormPartial(grpc::ServerContext* ctx, const v1::PushNormPartialRequest* request,
                                v1::PushNormPartialResponse* response) override;
   grpc::Status IpcGather(grpc::ServerContext* ctx, const v1::IpcTransferRequest* request,

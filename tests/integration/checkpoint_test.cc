@@ -12,9 +12,12 @@
 #include <chrono>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
+
 #include "core/file.h"
 #include "core/float_bits.h"
 #include "core/safetensors.h"
+#include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
 
 namespace flatshard {
@@ -82,7 +85,8 @@ TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
   testing::TestCluster two(2, "tok", ::testing::TempDir(), root);
   for (const char* name : {"sharded-3", "full-3"}) {
     Trainer b(two);
-    ASSERT_TRUE(b.client->LoadCheckpoint(name).ok()) << name;
+    const absl::Status loaded = b.client->LoadCheckpoint(name);
+    ASSERT_TRUE(loaded.ok()) << name << ": " << loaded;
     EXPECT_EQ(*b.client->WaitVersion("big", 0), 3);
     EXPECT_EQ(b.Params("big", b.big, 3), a.Params("big", a.big, 3)) << name;
     EXPECT_EQ(b.Params("tiny", b.tiny, 3), a.Params("tiny", a.tiny, 3)) << name;
@@ -107,8 +111,7 @@ TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
 }
 
 // Each server with a root of its own (no shared file system): LOCAL checkpoints save
-// (blocking and async), list, load and delete per server; FULL and SHARDED are refused
-// with the reason before anything is written.
+// (blocking and async), list, load and delete per server.
 TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
   std::vector<std::string> roots;
   std::vector<std::vector<std::string>> args;
@@ -132,14 +135,6 @@ TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
   ASSERT_EQ(list->size(), 1u);
   EXPECT_TRUE((*list)[0].complete);
 
-  // Refused before anything is written.
-  for (CheckpointKind kind : {CheckpointKind::kFull, CheckpointKind::kSharded}) {
-    absl::Status refused = a.client->SaveCheckpoint("shared-only", kind, false);
-    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("shared by all servers"));
-    for (const std::string& root : roots) EXPECT_FALSE(std::filesystem::exists(root + "/.shared-only.partial"));
-  }
-
   // Async: each server commits its own part once written.
   ASSERT_TRUE(a.client->SaveCheckpoint("mine-async", CheckpointKind::kLocal, true, /*async=*/true).ok());
   bool committed = false;
@@ -161,6 +156,157 @@ TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
   ASSERT_TRUE(a.client->DeleteCheckpoint("mine").ok());
   for (const std::string& root : roots) EXPECT_FALSE(std::filesystem::exists(root + "/mine")) << root;
   for (const std::string& root : roots) std::filesystem::remove_all(root);
+}
+
+std::string FreshDir(const std::string& name) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/", name, "-", getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// Roots that differ: FULL and SHARDED checkpoints are kept whole in server 0's root. Here
+// servers 0 and 1 share root A and server 2 has root B: server 2 streams its part to
+// server 0. Then a cluster of 2 whose server 1 has a root of its own (C) loads them,
+// reading from server 0, and refuses a damaged byte that only server 1 reads.
+TEST(CheckpointIntegrationTest, FullAndShardedCheckpointsGoToServerZerosRootWhenRootsDiffer) {
+  const std::string a_root = FreshDir("root-a"), b_root = FreshDir("root-b"), c_root = FreshDir("root-c");
+  testing::TestCluster three(3, "tok", ::testing::TempDir(), "",
+                             {{"--checkpoint_root=" + a_root}, {"--checkpoint_root=" + a_root},
+                              {"--checkpoint_root=" + b_root}});
+  Trainer a(three);
+  ASSERT_TRUE(a.client->InitGroupFromSeed("big", 7).ok());
+  ASSERT_TRUE(a.client->InitGroupFromSeed("tiny", 7).ok());
+  for (int step = 0; step < 2; ++step) a.Step(step);
+  ASSERT_TRUE(a.client->SaveCheckpoint("full", CheckpointKind::kFull, true).ok());
+  ASSERT_TRUE(a.client->SaveCheckpoint("sharded", CheckpointKind::kSharded, true).ok());
+  ASSERT_TRUE(a.client->SaveCheckpoint("async", CheckpointKind::kSharded, true, /*async=*/true).ok());
+  const auto saved_big = a.Params("big", a.big, 2);
+  const auto saved_tiny = a.Params("tiny", a.tiny, 2);
+  bool committed = false;
+  for (int tries = 0; tries < 200 && !committed; ++tries) {
+    committed = std::filesystem::exists(a_root + "/async/manifest.json");
+    if (!committed) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(committed) << "the async save was not committed in server 0's root within 10 s";
+  for (const char* name : {"full", "sharded", "async"}) {
+    EXPECT_FALSE(std::filesystem::exists(b_root + "/" + name)) << name;
+    EXPECT_FALSE(std::filesystem::exists(b_root + "/." + name + ".partial")) << name;
+  }
+  EXPECT_TRUE(std::filesystem::exists(a_root + "/sharded/shard-2.safetensors"));
+  // The FULL file is a whole safetensors file in root A: server 2's bytes are in it.
+  auto header = SafetensorsHeader::Read(a_root + "/full/model.safetensors");
+  ASSERT_TRUE(header.ok()) << header.status();
+  const SafetensorsTensor* bias = header->Find("fc.bias");
+  ASSERT_NE(bias, nullptr);
+  std::vector<float> stored(7);
+  {
+    std::ifstream in(a_root + "/full/model.safetensors", std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(header->data_start() + bias->begin));
+    in.read(reinterpret_cast<char*>(stored.data()), 7 * sizeof(float));
+  }
+  EXPECT_EQ(stored, std::vector<float>(saved_big.end() - 7, saved_big.end()));
+  auto list = a.client->ListCheckpoints();
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->size(), 3u);
+  for (const auto& entry : *list) EXPECT_TRUE(entry.complete) << entry.name;
+
+  // Server 2 reads its pieces back from server 0.
+  for (int step = 2; step < 4; ++step) a.Step(step);
+  for (const char* name : {"full", "sharded", "async"}) {
+    ASSERT_TRUE(a.client->LoadCheckpoint(name).ok()) << name;
+    EXPECT_EQ(*a.client->WaitVersion("big", 0), 2) << name;
+    EXPECT_EQ(a.Params("big", a.big, 2), saved_big) << name;
+    EXPECT_EQ(a.Params("tiny", a.tiny, 2), saved_tiny) << name;
+  }
+
+  // 3 -> 2 servers, server 1 with a root of its own: resharded reads from server 0.
+  testing::TestCluster two(2, "tok", ::testing::TempDir(), "",
+                           {{"--checkpoint_root=" + a_root}, {"--checkpoint_root=" + c_root}});
+  Trainer b(two);
+  for (const char* name : {"full", "sharded"}) {
+    const absl::Status loaded = b.client->LoadCheckpoint(name);
+    ASSERT_TRUE(loaded.ok()) << name << ": " << loaded;
+    EXPECT_EQ(b.Params("big", b.big, 2), saved_big) << name;
+    EXPECT_EQ(b.Params("tiny", b.tiny, 2), saved_tiny) << name;
+  }
+  for (int step = 2; step < 4; ++step) {  // `a` is back at version 2 too
+    a.Step(step);
+    b.Step(step);
+  }
+  EXPECT_EQ(b.Params("big", b.big, 4), a.Params("big", a.big, 4));  // optimizer state came along
+
+  // A flipped byte in the last shard, whose pieces only server 1 (reading remotely)
+  // needs: refused with the file named, and the cluster keeps its state.
+  {
+    auto last = SafetensorsHeader::Read(a_root + "/sharded/shard-2.safetensors");
+    ASSERT_TRUE(last.ok()) << last.status();
+    std::fstream f(a_root + "/sharded/shard-2.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(last->data_start()));
+    f.put('\x7f');
+  }
+  absl::Status damaged = b.client->LoadCheckpoint("sharded");
+  EXPECT_EQ(damaged.code(), absl::StatusCode::kDataLoss) << damaged;
+  EXPECT_THAT(std::string(damaged.message()), HasSubstr("shard-2.safetensors"));
+  EXPECT_THAT(std::string(damaged.message()), HasSubstr("server 0"));
+  EXPECT_EQ(*b.client->WaitVersion("big", 0), 4);
+  EXPECT_EQ(b.client->LoadCheckpoint("no-such").code(), absl::StatusCode::kNotFound);
+
+  // The server-to-server RPCs refuse bad input with a precise status.
+  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(two.addresses()[0], grpc::InsecureChannelCredentials()));
+  auto read = [&](const std::string& name, const std::string& file, uint64_t offset, uint64_t length) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer tok");
+    v1::ReadCheckpointFileRequest request;
+    request.set_name(name);
+    request.set_file(file);
+    request.set_offset(offset);
+    request.set_length(length);
+    auto reader = stub->ReadCheckpointFile(&ctx, request);
+    v1::ReadCheckpointFileChunk chunk;
+    uint64_t got = 0;
+    while (reader->Read(&chunk)) got += chunk.data().size();
+    const grpc::Status status = reader->Finish();
+    return std::pair{status, got};
+  };
+  EXPECT_EQ(read("full", "model.safetensors", 8, 100).second, 100u);
+  EXPECT_EQ(read("..", "manifest.json", 0, 0).first.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(read("full", "../full/manifest.json", 0, 0).first.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(read("full", "nope", 0, 0).first.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(read("no-such", "manifest.json", 0, 0).first.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(read("full", "model.safetensors", uint64_t{1} << 40, 1).first.error_code(), grpc::StatusCode::DATA_LOSS);
+  auto write_part = [&](const std::string& name, const std::string& file, int rank) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer tok");
+    v1::WriteCheckpointPartResponse response;
+    auto writer = stub->WriteCheckpointPart(&ctx, &response);
+    v1::CheckpointPartMessage message;
+    message.set_name(name);
+    message.set_rank(rank);
+    writer->Write(message);
+    message.Clear();
+    message.set_open(true);
+    message.mutable_chunk()->set_file(file);
+    message.mutable_chunk()->set_file_size(4);
+    message.mutable_chunk()->set_data("abcd");
+    message.mutable_chunk()->set_close(true);
+    writer->Write(message);
+    message.Clear();
+    message.set_part(R"({"files": []})");
+    writer->Write(message);
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  EXPECT_EQ(write_part("evil", "../escaped", 1).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_FALSE(std::filesystem::exists(a_root + "/escaped"));
+  EXPECT_EQ(write_part("evil", "ok", 9).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(write_part("full", "ok", 1).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  ASSERT_TRUE(b.client->LoadCheckpoint("full").ok());  // still serving
+
+  ASSERT_TRUE(b.client->DeleteCheckpoint("evil").ok());
+  ASSERT_TRUE(b.client->DeleteCheckpoint("full").ok());
+  EXPECT_FALSE(std::filesystem::exists(a_root + "/full"));
+  for (const std::string& root : {a_root, b_root, c_root}) std::filesystem::remove_all(root);
 }
 
 TEST(CheckpointIntegrationTest, ServersWithoutARootSaySo) {

@@ -1,7 +1,8 @@
 // CheckpointReader against files written through DirectorySink: the bytes it delivers
 // equal what was written (from the page cache and, after the cache is dropped, through
 // O_DIRECT; across extents and tasks; converted from bf16), and every kind of damage is
-// DataLoss naming the file, on either path. Extent tiling refuses gaps and overlaps.
+// DataLoss naming the file, on either path. Read through a RemoteRead (a checkpoint in
+// another server's root), the same holds. Extent tiling refuses gaps and overlaps.
 #include "server/checkpoint_reader.h"
 
 #include <fcntl.h>
@@ -9,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -175,6 +177,44 @@ TEST(CheckpointReaderTest, ReadsPastTheEndAreRefused) {
   absl::Status status = reader.Add("f", 24, DType::kFloat32, 101, out.data());
   EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(std::string(status.message()), HasSubstr("lie past its end"));
+}
+
+// Another server's root, stood in for by the local file: whole tasks are fetched, every
+// extent verified; a flipped byte in transit and a failing fetch are refused.
+TEST(CheckpointReaderTest, RemoteReadsAreVerifiedLikeLocalOnes) {
+  const std::string dir = FreshDir();
+  // 24 MiB in 256 KiB extents: two tasks, read by two threads at once.
+  WrittenFile file = Write(dir, "r.safetensors", size_t{6} << 20, size_t{1} << 16, 4);
+  std::atomic<int> fetches{0};
+  std::atomic<bool> flip{false}, fail{false};
+  RemoteRead remote = [&](const std::string& name, uint64_t offset, uint64_t length, std::byte* out) {
+    ++fetches;
+    if (fail) return absl::UnavailableError("server 0 went away");
+    std::ifstream in(dir + "/" + name, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(offset));
+    in.read(reinterpret_cast<char*>(out), static_cast<std::streamsize>(length));
+    if (static_cast<uint64_t>(in.gcount()) != length) return absl::DataLossError("short");
+    if (flip) out[length / 2] ^= std::byte{1};
+    return absl::OkStatus();
+  };
+  ReadBufferPool pool;
+  auto read_all = [&](std::vector<float>& out) {
+    CheckpointReader reader("server 0 (x) ckpt", {{"r.safetensors", file.manifest}}, pool, remote);
+    absl::Status status = reader.Add("r.safetensors", 24, DType::kFloat32, out.size(), out.data());
+    return status.ok() ? reader.Run() : status;
+  };
+  std::vector<float> out(file.values.size(), -7);
+  ASSERT_TRUE(read_all(out).ok());
+  EXPECT_EQ(out, file.values);
+  EXPECT_EQ(fetches.load(), 2);  // whole tasks, not extent by extent
+
+  flip = true;
+  absl::Status flipped = read_all(out);
+  EXPECT_EQ(flipped.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(flipped.message()), HasSubstr("'server 0 (x) ckpt/r.safetensors' is corrupted"));
+  flip = false;
+  fail = true;
+  EXPECT_THAT(std::string(read_all(out).message()), HasSubstr("server 0 went away"));
 }
 
 TEST(FileExtentsTest, TilingRefusesGapsOverlapsAndShortCoverage) {
