@@ -1,9 +1,9 @@
 // Large host buffers backed by transparent huge pages where the kernel allows it
 // (/sys/kernel/mm/transparent_hugepage/enabled = always or madvise): a 256 MiB buffer
 // then takes 128 page faults on first touch instead of 65536, which is most of the cost
-// of filling a fresh buffer (checkpoint loads, snapshots). Harmless where THP is off.
+// of filling a fresh buffer (snapshots, checkpoint loads). Harmless where THP is off.
 // HostFloats are such buffers left unwritten on resize, for whoever overwrites them
-// whole (snapshots, checkpoint loads): a zero fill first is a pass over memory, and on
+// whole (snapshots): a zero fill first is a pass over memory, and on
 // fresh pages it takes the page faults in the thread that fills rather than the threads
 // that write. Pure functions; thread-safe.
 //

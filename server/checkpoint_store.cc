@@ -881,7 +881,7 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
     }
   }
 
-  std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>> staged;
+  std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>> staged;
   std::set<std::string> in_checkpoint;
   for (const Json& spec : manifest["groups"]) {
     const std::string group_name = spec.value("name", "");
@@ -908,38 +908,41 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
             " optimizer state; the registered group uses ", group->optimizer_name()));
       }
     }
-    ShardSnapshot snapshot;
-    snapshot.version = spec.value("version", int64_t{0});
-    snapshot.optimizer_steps = spec.value("optimizer_steps", int64_t{0});
-    snapshot.momentum_initialized = spec.value("momentum_initialized", false);
+    // Host buffers that a host-tier group adopts on commit (Group::Restore).
+    LoadedShard loaded;
+    loaded.version = spec.value("version", int64_t{0});
+    loaded.optimizer_steps = spec.value("optimizer_steps", int64_t{0});
+    loaded.momentum_initialized = spec.value("momentum_initialized", false);
     const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
-    ResizeWithHugePages(snapshot.params, shard_numel);
+    const std::string what = absl::StrCat("loading group '", group_name, "'");
+    FLATSHARD_ASSIGN_OR_RETURN(loaded.params, AllocateHostUnwritten(shard_numel * sizeof(float), what));
     for (const std::string& state : group->optimizer_state_names()) {
-      ResizeWithHugePages(snapshot.state.emplace_back(state, HostFloats()).second, shard_numel);
+      FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, AllocateHostUnwritten(shard_numel * sizeof(float), what));
+      loaded.state.emplace_back(state, std::move(buffer));
     }
     // The buffers are unwritten: the reads fill every tensor element, padding is zeroed here.
     const int64_t start = layout.shard_start(rank_);
     const std::vector<TensorPiece> pieces = layout.MapRange(start, layout.shard_end(rank_));
-    auto zero_padding = [&](HostFloats& values) {
+    auto zero_padding = [&](float* values) {
       int64_t at = 0;
       for (const TensorPiece& piece : pieces) {
-        std::fill(values.begin() + at, values.begin() + (piece.flat_offset - start), 0.0f);
+        std::fill(values + at, values + (piece.flat_offset - start), 0.0f);
         at = piece.flat_offset - start + piece.numel;
       }
-      std::fill(values.begin() + at, values.end(), 0.0f);
+      std::fill(values + at, values + shard_numel, 0.0f);
     };
-    zero_padding(snapshot.params);
-    for (auto& [state, values] : snapshot.state) {
+    zero_padding(loaded.params.floats());
+    for (auto& [state, values] : loaded.state) {
       if (optimizer) {
-        zero_padding(values);
+        zero_padding(values.floats());
       } else {  // a checkpoint without optimizer state: the optimizer starts afresh
-        std::fill(values.begin(), values.end(), 0.0f);
+        std::fill_n(values.floats(), shard_numel, 0.0f);
       }
     }
 
-    std::vector<std::pair<std::string, HostFloats*>> targets = {{"", &snapshot.params}};
+    std::vector<std::pair<std::string, float*>> targets = {{"", loaded.params.floats()}};
     if (optimizer) {
-      for (auto& [state, values] : snapshot.state) targets.emplace_back("." + state, &values);
+      for (auto& [state, values] : loaded.state) targets.emplace_back("." + state, values.floats());
     }
     for (const auto& [suffix, values] : targets) {
       if (kind == CheckpointKind::kLocal) {
@@ -953,12 +956,12 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
               absl::StrCat("'", reader.path(file), "' lacks '", tensor, "' of ", shard_numel, " floats"));
         }
         FLATSHARD_RETURN_IF_ERROR(reader.Add(file, header->data_start() + entry->begin, DType::kFloat32,
-                                             static_cast<int64_t>(shard_numel), values->data()));
+                                             static_cast<int64_t>(shard_numel), values));
         continue;
       }
       for (const TensorPiece& piece : pieces) {
         const TensorSpec& tensor = layout.tensor(piece.tensor_index);
-        float* out = values->data() + (piece.flat_offset - start);
+        float* out = values + (piece.flat_offset - start);
         if (kind == CheckpointKind::kFull) {
           const std::string tensor_name = tensor.fqn + suffix;
           FLATSHARD_ASSIGN_OR_RETURN(const std::string file,
@@ -997,7 +1000,7 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
         }
       }
     }
-    staged.emplace_back(group, std::move(snapshot));
+    staged.emplace_back(group, std::move(loaded));
   }
   for (const auto& group : registry_.job_groups(job)) {
     if (!in_checkpoint.count(group->name())) {
@@ -1012,7 +1015,7 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
 }
 
 absl::Status CheckpointStore::CommitLoad(const std::string& name) {
-  std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>> staged;
+  std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>> staged;
   {
     absl::MutexLock lock(&mu_);
     const auto it = staged_.find(name);
@@ -1022,7 +1025,7 @@ absl::Status CheckpointStore::CommitLoad(const std::string& name) {
     staged = std::move(it->second);
     staged_.erase(it);
   }
-  for (auto& [group, snapshot] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(std::move(snapshot)));
+  for (auto& [group, loaded] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(std::move(loaded)));
   return absl::OkStatus();
 }
 

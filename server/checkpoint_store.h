@@ -160,7 +160,7 @@ class CheckpointStore {
   const uint64_t max_file_bytes_;
   PeerClient* const peers_;
   absl::Mutex mu_;
-  std::map<std::string, std::vector<std::pair<std::shared_ptr<Group>, ShardSnapshot>>> staged_
+  std::map<std::string, std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>>> staged_
       ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> background_ ABSL_GUARDED_BY(mu_);  // asynchronous saves
   ReadBufferPool read_buffers_;  // loads' read buffers, kept between loads

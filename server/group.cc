@@ -485,22 +485,26 @@ absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadli
   return snapshot;
 }
 
-absl::Status Group::Restore(ShardSnapshot snapshot) {
+absl::Status Group::Restore(LoadedShard loaded) {
   absl::MutexLock lock(&mu_);
-  if (static_cast<int64_t>(snapshot.params.size()) != shard_numel()) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': snapshot of ", snapshot.params.size(),
+  if (loaded.params.numel() != shard_numel()) {
+    return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': loaded shard of ", loaded.params.numel(),
                                                    " elements for a shard of ", shard_numel()));
   }
   AwaitUnpinned();
   ++generation_;
   FLATSHARD_RETURN_IF_ERROR(
-      optimizer_.Restore(snapshot.optimizer_steps, snapshot.momentum_initialized, snapshot.state));
-  FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(snapshot.params.data(), params_.floats(), shard_numel()));
-  version_ = snapshot.version;
+      optimizer_.Restore(loaded.optimizer_steps, loaded.momentum_initialized, std::move(loaded.state)));
+  if (compute_->tier() == MemoryTier::kHost) {
+    params_ = std::move(loaded.params);
+  } else {
+    FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(loaded.params.floats(), params_.floats(), shard_numel()));
+  }
+  version_ = loaded.version;
   ready_count_ = 0;
   reduced_ = false;
   std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
-  std::fill(last_async_step_.begin(), last_async_step_.end(), snapshot.version - 1);
+  std::fill(last_async_step_.begin(), last_async_step_.end(), loaded.version - 1);
   PublishNewValues();
   return absl::OkStatus();
 }

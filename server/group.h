@@ -84,6 +84,17 @@ struct ShardSnapshot {
   std::vector<std::pair<std::string, HostFloats>> state;  // by torch's names
 };
 
+// A shard read from a checkpoint, in host memory from AllocateHostUnwritten, for
+// Group::Restore: a group on the host tier adopts the buffers as they are, others copy
+// them into their tier.
+struct LoadedShard {
+  int64_t version = 0;
+  ShardBuffer params;
+  int64_t optimizer_steps = 0;
+  bool momentum_initialized = false;
+  std::vector<std::pair<std::string, ShardBuffer>> state;  // by torch's names
+};
+
 struct GroupStats {
   int64_t version = 0;
   int64_t bytes = 0;
@@ -175,10 +186,11 @@ class Group {
   [[nodiscard]] absl::Status ReadPinned(absl::string_view state, int64_t offset, int64_t count,
                                         float* out) const;
 
-  // Installs a snapshot (checkpoint load): parameters, optimizer state and version;
-  // contributions in flight for the old version are dropped. InvalidArgument (nothing
-  // changed) if sizes or state names do not match this group.
-  [[nodiscard]] absl::Status Restore(ShardSnapshot snapshot);
+  // Installs a loaded shard (checkpoint load): parameters, optimizer state and version;
+  // contributions in flight for the old version are dropped. On the host tier the
+  // buffers are adopted (no copy; the old ones are freed), on the others copied.
+  // InvalidArgument (nothing changed) if sizes or state names do not match this group.
+  [[nodiscard]] absl::Status Restore(LoadedShard loaded);
   std::vector<std::string> optimizer_state_names() const;
 
   // New hyper-parameters from the next step on (same optimizer kind).

@@ -181,19 +181,22 @@ absl::Status ShardOptimizer::ReadStateSlice(absl::string_view name, int64_t offs
   return compute_->CopyToHost(buffer->floats() + offset, out, count);
 }
 
-absl::Status ShardOptimizer::Restore(
-    int64_t steps, bool momentum_initialized,
-    const std::vector<std::pair<std::string, HostFloats>>& state) {
+absl::Status ShardOptimizer::Restore(int64_t steps, bool momentum_initialized,
+                                     std::vector<std::pair<std::string, ShardBuffer>> state) {
   for (const std::string& name : state_names()) {
     const auto it = std::find_if(state.begin(), state.end(), [&](const auto& entry) { return entry.first == name; });
-    if (it == state.end() || static_cast<int64_t>(it->second.size()) != StateBuffer(name)->numel()) {
+    if (it == state.end() || it->second.numel() != StateBuffer(name)->numel()) {
       return absl::InvalidArgumentError(absl::StrCat("optimizer state '", name, "' is missing or has the wrong size"));
     }
   }
-  for (const auto& [name, values] : state) {
+  for (auto& [name, values] : state) {
     ShardBuffer* buffer = StateBuffer(name);
     if (buffer == nullptr) continue;
-    FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(values.data(), buffer->floats(), buffer->numel()));
+    if (compute_->tier() == MemoryTier::kHost) {
+      *buffer = std::move(values);
+    } else {
+      FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(values.floats(), buffer->floats(), buffer->numel()));
+    }
   }
   steps_ = steps;
   momentum_initialized_ = momentum_initialized;

@@ -67,10 +67,11 @@ class ShardOptimizer {
   // Copies `count` elements of state `name` from element `offset` into `out`.
   [[nodiscard]] absl::Status ReadStateSlice(absl::string_view name, int64_t offset, int64_t count,
                                             float* out) const;
-  // Restores steps and state (checkpoint load). InvalidArgument naming the buffer if one
-  // is missing or has the wrong size; nothing changes then.
+  // Restores steps and state (checkpoint load; host buffers from AllocateHostUnwritten,
+  // adopted on the host tier, copied on the others). InvalidArgument naming the buffer if
+  // one is missing or has the wrong size; nothing changes then.
   [[nodiscard]] absl::Status Restore(int64_t steps, bool momentum_initialized,
-                                     const std::vector<std::pair<std::string, HostFloats>>& state);
+                                     std::vector<std::pair<std::string, ShardBuffer>> state);
   bool momentum_initialized() const { return momentum_initialized_; }
 
  private:

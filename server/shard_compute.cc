@@ -18,24 +18,11 @@ namespace {
 
 void FreeHost(void* data) { std::free(data); }
 
-// Zeroed heap memory. Large buffers are 2 MiB-aligned and advised for huge pages
-// (core/huge_pages.h): shards are first written all at once. Small ones stay on plain
-// pages, so that many small groups do not take 2 MiB each.
+// Zeroed heap memory (the host tier's shards).
 absl::StatusOr<ShardBuffer> AllocateHost(size_t bytes, absl::string_view what) {
-  if (bytes == 0) return ShardBuffer();
-  constexpr size_t kAlign = size_t{2} << 20;
-  const bool huge = bytes >= 4 * kAlign;
-  const size_t rounded = huge ? (bytes + kAlign - 1) / kAlign * kAlign : bytes;
-  void* data = huge ? std::aligned_alloc(kAlign, rounded) : std::calloc(bytes, 1);
-  if (data == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("allocating ", bytes, " bytes of host memory for ", what, " failed"));
-  }
-  if (huge) {
-    AdviseHugePages(data, rounded);
-    std::memset(data, 0, bytes);
-  }
-  return ShardBuffer(data, bytes, &FreeHost);
+  FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, AllocateHostUnwritten(bytes, what));
+  if (bytes > 0) std::memset(buffer.data(), 0, bytes);
+  return buffer;
 }
 
 // Host memory, plain or pinned, and the CPU kernels. Everything completes in the call.
@@ -113,6 +100,23 @@ absl::Status NoCudaInThisBuild(absl::string_view name) {
 #endif
 
 }  // namespace
+
+// Large buffers are 2 MiB-aligned and advised for huge pages (core/huge_pages.h): shards
+// are first written all at once. Small ones stay on plain pages, so that many small
+// groups do not take 2 MiB each.
+absl::StatusOr<ShardBuffer> AllocateHostUnwritten(size_t bytes, absl::string_view what) {
+  if (bytes == 0) return ShardBuffer();
+  constexpr size_t kAlign = size_t{2} << 20;
+  const bool huge = bytes >= 4 * kAlign;
+  const size_t rounded = huge ? (bytes + kAlign - 1) / kAlign * kAlign : bytes;
+  void* data = huge ? std::aligned_alloc(kAlign, rounded) : std::malloc(bytes);
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("allocating ", bytes, " bytes of host memory for ", what, " failed"));
+  }
+  if (huge) AdviseHugePages(data, rounded);
+  return ShardBuffer(data, bytes, &FreeHost);
+}
 
 absl::string_view MemoryTierName(MemoryTier tier) {
   switch (tier) {

@@ -35,6 +35,12 @@ enum class MemoryTier { kHost, kPinned, kDevice };
 [[nodiscard]] absl::StatusOr<MemoryTier> ParseMemoryTier(absl::string_view name);
 absl::string_view MemoryTierName(MemoryTier tier);
 
+// Host heap memory left unwritten, for a buffer filled whole before use (a checkpoint
+// load's staging). Laid out and freed as the host tier's shards are (large buffers
+// 2 MiB-aligned, on huge pages), so that a host-tier group can adopt it instead of
+// copying it (Group::Restore). ResourceExhausted naming `what` and the bytes.
+[[nodiscard]] absl::StatusOr<ShardBuffer> AllocateHostUnwritten(size_t bytes, absl::string_view what);
+
 class ShardCompute {
  public:
   virtual ~ShardCompute() = default;

@@ -162,6 +162,35 @@ TEST(GroupTest, APinHoldsTheVersionUntilUnpinnedWithoutACopy) {
   EXPECT_EQ(group.Pin(0, absl::InfiniteFuture()).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A checkpoint load installs host buffers; the host tier adopts them. The group serves
+// the loaded values at the loaded version and steps on from them; a wrong size is refused
+// and changes nothing.
+TEST(GroupTest, RestoreInstallsALoadedShard) {
+  std::shared_ptr<Group> group_owner = MakeGroup(1, /*mean=*/false);
+  Group& group = *group_owner;
+  ASSERT_TRUE(group.InitFromSeed(3).ok());
+  auto buffer = [](std::vector<float> values) {
+    absl::StatusOr<ShardBuffer> out = AllocateHostUnwritten(values.size() * sizeof(float), "test");
+    EXPECT_TRUE(out.ok()) << out.status();
+    std::copy(values.begin(), values.end(), out->floats());
+    return *std::move(out);
+  };
+  LoadedShard wrong;
+  wrong.version = 9;
+  wrong.params = buffer({1, 2});
+  EXPECT_EQ(group.Restore(std::move(wrong)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(group.version(), 0);
+
+  LoadedShard loaded;
+  loaded.version = 7;
+  loaded.params = buffer({4, 5, 6});
+  ASSERT_TRUE(group.Restore(std::move(loaded)).ok());
+  EXPECT_EQ(group.version(), 7);
+  EXPECT_EQ(Params(group), (std::vector<float>{4, 5, 6}));
+  ASSERT_TRUE(Contribute(group, 7, 0, {1, 1, 1}).ok());  // SGD lr 1
+  EXPECT_EQ(Params(group), (std::vector<float>{3, 4, 5}));
+}
+
 }  // namespace
 }  // namespace flatshard::server
 

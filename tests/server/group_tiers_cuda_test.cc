@@ -124,13 +124,27 @@ TEST_P(GroupTiersTest, AsyncNesterovSgdEqualsTheHostTier) {
   ExpectSameOutcome(RunScript(GetParam(), job, sgd, 7), RunScript(MemoryTier::kHost, job, sgd, 7));
 }
 
-TEST_P(GroupTiersTest, RestoreMovesAHostSnapshotIntoTheTier) {
+// A checkpoint load's host buffers (server/shard_compute.h), filled from `values`.
+ShardBuffer LoadBuffer(const HostFloats& values) {
+  absl::StatusOr<ShardBuffer> buffer = AllocateHostUnwritten(values.size() * sizeof(float), "test");
+  EXPECT_TRUE(buffer.ok()) << buffer.status();
+  std::copy(values.begin(), values.end(), buffer->floats());
+  return *std::move(buffer);
+}
+
+TEST_P(GroupTiersTest, RestoreMovesALoadedShardIntoTheTier) {
   const JobSettings job{.num_workers = 1};
   const OptimizerConfig adam = kernels::AdamHyperparams{.lr = 1e-2f};
   const Outcome host = RunScript(MemoryTier::kHost, job, adam, 8);
   absl::StatusOr<std::shared_ptr<Group>> group = Group::Create("job", "g", TestLayout(), 1, job, adam, GetParam());
   ASSERT_TRUE(group.ok()) << group.status();
-  ASSERT_TRUE((*group)->Restore(host.snapshot).ok());
+  LoadedShard loaded;
+  loaded.version = host.snapshot.version;
+  loaded.params = LoadBuffer(host.snapshot.params);
+  loaded.optimizer_steps = host.snapshot.optimizer_steps;
+  loaded.momentum_initialized = host.snapshot.momentum_initialized;
+  for (const auto& [name, values] : host.snapshot.state) loaded.state.emplace_back(name, LoadBuffer(values));
+  ASSERT_TRUE((*group)->Restore(std::move(loaded)).ok());
   absl::StatusOr<ShardSnapshot> back = (*group)->Snapshot(host.snapshot.version, absl::InfiniteFuture());
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->params, host.snapshot.params);
