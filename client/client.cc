@@ -8,10 +8,12 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "client/data_channel.h"
 #include "client/device_memory.h"
 #include "core/file.h"
@@ -251,8 +253,8 @@ class ClientImpl final : public Client {
     return version;
   }
 
-  absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer,
-                              bool async) override {
+  absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
+                              Progress progress) override {
     v1::SaveCheckpointRequest request;
     request.set_async(async);
     request.set_name(name);
@@ -269,9 +271,11 @@ class ClientImpl final : public Client {
       request.set_home_root_id(root_ids[0]);  // kept whole in server 0's root
     }
     FLATSHARD_RETURN_IF_ERROR(JobCut(*request.mutable_versions()));
-    FLATSHARD_RETURN_IF_ERROR(OnAllServersInParallel([&](size_t i) {
-      v1::SaveCheckpointResponse response;
-      return Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
+    FLATSHARD_RETURN_IF_ERROR(WithProgress(name, "save", async ? nullptr : progress, [&] {
+      return OnAllServersInParallel([&](size_t i) {
+        v1::SaveCheckpointResponse response;
+        return Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
+      });
     }));
     if (async) return absl::OkStatus();  // the servers commit when they are done
     // Every part is in server 0's root (shared or not), which commits; with a root per
@@ -285,7 +289,7 @@ class ClientImpl final : public Client {
     return absl::OkStatus();
   }
 
-  absl::Status LoadCheckpoint(const std::string& name) override {
+  absl::Status LoadCheckpoint(const std::string& name, Progress progress) override {
     v1::LoadCheckpointRequest request;
     request.set_name(name);
     request.set_job(options_.job);
@@ -299,7 +303,9 @@ class ClientImpl final : public Client {
         return Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response);
       });
     };
-    if (absl::Status prepared = phase(v1::LoadCheckpointRequest::PREPARE); !prepared.ok()) {
+    const absl::Status prepared =
+        WithProgress(name, "load", progress, [&] { return phase(v1::LoadCheckpointRequest::PREPARE); });
+    if (!prepared.ok()) {
       (void)phase(v1::LoadCheckpointRequest::ABORT);
       return prepared;
     }
@@ -331,7 +337,7 @@ class ClientImpl final : public Client {
   }
 
   absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,
-                               ExportProgress progress) override {
+                               Progress progress) override {
     if (kind == CheckpointKind::kLocal) return absl::InvalidArgumentError("export: kind must be FULL or SHARDED");
     v1::ExportRequest request;
     request.set_job(options_.job);
@@ -482,6 +488,48 @@ class ClientImpl final : public Client {
       }
     }
     return absl::OkStatus();
+  }
+
+  // Runs `body`; meanwhile, with `progress`, polls the servers' status a few times a
+  // second and reports the bytes done and to do of `operation` on checkpoint `name`
+  // summed over the servers, and done = total once `body` succeeds.
+  absl::Status WithProgress(const std::string& name, const std::string& operation, const Progress& progress,
+                            const std::function<absl::Status()>& body) {
+    if (progress == nullptr) return body();
+    absl::Notification finished;
+    // Per server, the last (done, total) seen; a server that has finished its part leaves
+    // the status list, and then counts as done.
+    std::vector<std::pair<uint64_t, uint64_t>> seen(static_cast<size_t>(num_servers()));
+    uint64_t reported_total = 0;
+    std::thread poller([&] {
+      while (!finished.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+        for (int i = 0; i < num_servers(); ++i) {
+          v1::ServerStatus status;
+          if (!Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status).ok()) continue;
+          auto& [done, total] = seen[static_cast<size_t>(i)];
+          done = total;  // unless still listed
+          for (const v1::CheckpointProgress& row : status.checkpoints_in_progress()) {
+            if (row.name() != name || row.operation() != operation) continue;
+            done = row.done();
+            total = row.total();
+          }
+        }
+        uint64_t done = 0, total = 0;
+        for (const auto& [server_done, server_total] : seen) {
+          done += server_done;
+          total += server_total;
+        }
+        if (total > 0 && !finished.HasBeenNotified()) {
+          reported_total = total;
+          progress(done, total);
+        }
+      }
+    });
+    absl::Status status = body();
+    finished.Notify();
+    poller.join();
+    if (status.ok() && reported_total > 0) progress(reported_total, reported_total);
+    return status;
   }
 
   // Runs `call(server index)` for every server at once; the first error wins.

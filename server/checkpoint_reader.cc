@@ -172,6 +172,7 @@ absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer)
         if (!ReadSpan(file.fd, out, e.offset, end, /*nowait=*/true, &got)) return ReadError(file.path, errno);
         if (got == e.length) {
           if (Xxh3(absl::MakeConstSpan(out, e.length)) != e.xxh3) return CorruptExtent(file.path, e);
+          if (progress_ != nullptr) progress_->done += e.length;
           read_to = end;
           continue;
         }
@@ -219,6 +220,7 @@ absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer)
       FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(request->dtype, data + (lo - base), DType::kFloat32,
                                                    request->out + (lo - request->begin) / element,
                                                    static_cast<int64_t>((hi - lo) / element)));
+      if (progress_ != nullptr) progress_->done += hi - lo;
     }
   }
   return absl::OkStatus();
@@ -235,9 +237,13 @@ absl::Status CheckpointReader::Add(const std::string& file, uint64_t offset, DTy
   return absl::OkStatus();
 }
 
-absl::Status CheckpointReader::Run() {
+absl::Status CheckpointReader::Run(ProgressCounter* progress) {
   std::vector<Request> requests;
   requests.swap(requests_);
+  progress_ = progress;
+  if (progress_ != nullptr) {
+    for (const Request& request : requests) progress_->total += request.end - request.begin;
+  }
   std::sort(requests.begin(), requests.end(), [](const Request& a, const Request& b) {
     return a.file != b.file ? a.file < b.file : a.begin < b.begin;
   });
@@ -292,6 +298,7 @@ absl::Status CheckpointReader::Run() {
   for (size_t t = 1; t < count; ++t) threads.emplace_back(work);
   work();
   for (std::thread& thread : threads) thread.join();
+  progress_ = nullptr;
   return first_error;
 }
 

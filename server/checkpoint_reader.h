@@ -37,6 +37,7 @@
 #include "core/direct_io.h"
 #include "core/dtype.h"
 #include "core/safetensors.h"
+#include "server/checkpoint_progress.h"
 #include "server/file_extents.h"
 
 namespace flatshard::server {
@@ -89,8 +90,9 @@ class CheckpointReader {
   // `out` as fp32 by Run. DataLoss if they lie past the end of the file.
   [[nodiscard]] absl::Status Add(const std::string& file, uint64_t offset, DType dtype, int64_t count, float* out);
   // Reads, verifies and delivers every queued read; the first error, if any (then some
-  // destinations may be partly written). The queue is empty afterwards.
-  [[nodiscard]] absl::Status Run();
+  // destinations may be partly written). The queue is empty afterwards. `progress`
+  // (optional): the queued bytes are added to its total, and to done as delivered.
+  [[nodiscard]] absl::Status Run(ProgressCounter* progress = nullptr);
 
   std::string path(const std::string& file) const { return dir_ + "/" + file; }
 
@@ -108,6 +110,7 @@ class CheckpointReader {
   ReadBufferPool& pool_;
   const int threads_;
   const RemoteRead remote_;  // null: files under dir_
+  ProgressCounter* progress_ = nullptr;  // during Run
   std::map<std::string, std::unique_ptr<OpenedFile>> opened_;
   std::vector<Request> requests_;
 };

@@ -346,6 +346,25 @@ absl::StatusOr<std::vector<Shard>> TakeShards(const Registry& registry, int rank
   return shards;
 }
 
+// The tensor bytes a server's part of a save writes (headers, a few KiB, aside), for
+// the progress total.
+uint64_t PartBytes(CheckpointKind kind, bool optimizer, const std::vector<Shard>& shards) {
+  uint64_t bytes = 0;
+  for (const Shard& shard : shards) {
+    const uint64_t states = optimizer ? shard.snapshot.state.size() : 0;
+    if (kind == CheckpointKind::kLocal) {
+      bytes += static_cast<uint64_t>(shard.group->shard_numel()) * sizeof(float) * (1 + states);
+      continue;
+    }
+    for (const TensorPiece& piece : shard.pieces) {
+      const DType dtype = kind == CheckpointKind::kFull ? shard.group->layout().tensor(piece.tensor_index).dtype
+                                                        : DType::kFloat32;
+      bytes += static_cast<uint64_t>(piece.numel) * (DTypeSize(dtype) + sizeof(float) * states);
+    }
+  }
+  return bytes;
+}
+
 // Writes the snapshots' files into `sink`; returns their names and (if asked) the groups'
 // JSON specs for the manifest.
 absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int rank, CheckpointKind kind,
@@ -482,20 +501,24 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
                 {"optimizer", optimizer}, {"groups", Json::parse(specs)},   {"files", files}};
   };
   const bool async = options.async;
-  auto write = [this, name, kind, optimizer, dir, to_server_zero, async, describe,
+  std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "save");
+  progress->total = PartBytes(kind, optimizer, shards);
+  auto write = [this, name, kind, optimizer, dir, to_server_zero, async, describe, progress,
                 deadline = async ? absl::InfiniteFuture() : deadline,
                 shards = std::move(shards)]() -> absl::Status {
     std::string group_specs;
     if (to_server_zero) {
       FLATSHARD_ASSIGN_OR_RETURN(const std::unique_ptr<PeerPartWriter> sink,
                                  peers_->WritePart(0, name, async, deadline));
+      CountingSink counting(*sink, *progress);
       FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
-                                 WriteShards(*sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
+                                 WriteShards(counting, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
       return sink->Finish(describe(files, group_specs).dump());
     }
     DirectorySink sink(dir);
+    CountingSink counting(sink, *progress);
     FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
-                               WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
+                               WriteShards(counting, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
     return FinishPart(name, rank_, sink, describe(files, group_specs).dump(), /*async=*/false);
   };
   if (!async) return write();
@@ -1008,7 +1031,8 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
                                                         "' is not in checkpoint '", name, "'"));
     }
   }
-  FLATSHARD_RETURN_IF_ERROR(reader.Run());
+  const std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "load");
+  FLATSHARD_RETURN_IF_ERROR(reader.Run(progress.get()));
   absl::MutexLock lock(&mu_);
   staged_[name] = std::move(staged);
   return absl::OkStatus();

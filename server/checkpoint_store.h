@@ -47,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/checkpoint_progress.h"
 #include "server/checkpoint_reader.h"
 #include "server/checkpoint_sink.h"
 #include "server/peer_client.h"
@@ -133,6 +134,8 @@ class CheckpointStore {
                                       const std::function<absl::Status(absl::Span<const std::byte>)>& emit) const;
 
   [[nodiscard]] absl::StatusOr<std::vector<CheckpointInfo>> List() const;
+  // Saves (their tensor bytes written) and loads (bytes read) running on this server.
+  std::vector<ProgressRow> Progress() { return progress_.Rows(); }
   [[nodiscard]] absl::Status Delete(const std::string& name);
 
   // Reads and checks what this server needs of checkpoint `name` into memory: from this
@@ -164,6 +167,7 @@ class CheckpointStore {
       ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> background_ ABSL_GUARDED_BY(mu_);  // asynchronous saves
   ReadBufferPool read_buffers_;  // loads' read buffers, kept between loads
+  CheckpointProgress progress_;
   std::string root_id_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -376,6 +376,13 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   response->set_open_data_connections(stats_.open_data_connections.load());
   response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   response->set_cluster_check(cluster_check_());
+  for (const ProgressRow& row : checkpoints_.Progress()) {
+    v1::CheckpointProgress* progress = response->add_checkpoints_in_progress();
+    progress->set_name(row.name);
+    progress->set_operation(row.operation);
+    progress->set_done(row.done);
+    progress->set_total(row.total);
+  }
   // Empty where the root cannot hold the id (read-only): saves then report the problem.
   if (absl::StatusOr<std::string> root_id = checkpoints_.RootId(); root_id.ok()) {
     response->set_checkpoint_root_id(*root_id);

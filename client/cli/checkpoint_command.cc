@@ -16,8 +16,8 @@ namespace flatshard::cli {
 namespace {
 
 // Draws "[######    ]  45%  1.2 GiB / 2.6 GiB  850.0 MB/s  ETA 2 s" in place on a terminal
-// (at most 10 times a second), or a plain line per 10% otherwise.
-Client::ExportProgress ProgressPrinter(std::ostream& out) {
+// (at most 10 times a second), or a plain line per 10% otherwise ("save: ...").
+Client::Progress ProgressPrinter(std::ostream& out, const std::string& command) {
   struct State {
     absl::Time start = absl::Now();
     absl::Time last_draw = absl::InfinitePast();
@@ -25,7 +25,7 @@ Client::ExportProgress ProgressPrinter(std::ostream& out) {
   };
   auto state = std::make_shared<State>();
   const bool terminal = isatty(STDOUT_FILENO);
-  return [&out, state, terminal](uint64_t done, uint64_t total) {
+  return [&out, state, terminal, command](uint64_t done, uint64_t total) {
     const absl::Time now = absl::Now();
     const double fraction = total == 0 ? 0.0 : static_cast<double>(done) / static_cast<double>(total);
     const double seconds = std::max(1e-3, absl::ToDoubleSeconds(now - state->start));
@@ -44,7 +44,7 @@ Client::ExportProgress ProgressPrinter(std::ostream& out) {
     const int decile = static_cast<int>(10 * fraction);
     if (decile != state->last_decile) {
       state->last_decile = decile;
-      out << "export: " << line << "\n";
+      out << command << ": " << line << "\n";
     }
   };
 }
@@ -91,13 +91,21 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   }
   const absl::Time start = absl::Now();
   absl::Status status;
-  if (command == "save") {
-    status = (*client)->SaveCheckpoint(options.name, kind, options.optimizer, options.async);
-  } else if (command == "load") {
-    status = (*client)->LoadCheckpoint(options.name);
-  } else if (command == "export") {
-    status = (*client)->ExportStateDict(options.out, kind, options.optimizer, ProgressPrinter(out));
-    if (isatty(STDOUT_FILENO)) out << "\n";
+  if (command == "save" || command == "load" || command == "export") {
+    // The progress bar ends its line once something was drawn.
+    auto drawn = std::make_shared<bool>(false);
+    Client::Progress progress = [printer = ProgressPrinter(out, command), drawn](uint64_t done, uint64_t total) {
+      *drawn = true;
+      printer(done, total);
+    };
+    if (command == "save") {
+      status = (*client)->SaveCheckpoint(options.name, kind, options.optimizer, options.async, progress);
+    } else if (command == "load") {
+      status = (*client)->LoadCheckpoint(options.name, progress);
+    } else {
+      status = (*client)->ExportStateDict(options.out, kind, options.optimizer, progress);
+    }
+    if (*drawn && isatty(STDOUT_FILENO)) out << "\n";
   } else if (command == "delete") {
     status = (*client)->DeleteCheckpoint(options.name);
   } else {

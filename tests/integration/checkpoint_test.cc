@@ -309,6 +309,41 @@ TEST(CheckpointIntegrationTest, FullAndShardedCheckpointsGoToServerZerosRootWhen
   for (const std::string& root : {a_root, b_root, c_root}) std::filesystem::remove_all(root);
 }
 
+// Blocking saves and loads report the servers' bytes as they go: never more than the
+// total, never backwards, and done = total at the end, the total being exactly the
+// tensor bytes of the checkpoint (768 MiB here: a few progress polls at least).
+TEST(CheckpointIntegrationTest, SavesAndLoadsReportProgress) {
+  const std::string root = FreshDir("ckpt-progress");
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  const int64_t numel = int64_t{64} << 20;
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {numel}, DType::kFloat32}}, 0, kAdam).ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 4).ok());
+  const uint64_t expected = 3 * static_cast<uint64_t>(numel) * sizeof(float);  // params, exp_avg, exp_avg_sq
+  for (const char* operation : {"save", "load"}) {
+    std::vector<std::pair<uint64_t, uint64_t>> calls;
+    auto record = [&](uint64_t done, uint64_t total) { calls.emplace_back(done, total); };
+    const absl::Status status = std::string(operation) == "save"
+                                    ? (*client)->SaveCheckpoint("p", CheckpointKind::kSharded, true, false, record)
+                                    : (*client)->LoadCheckpoint("p", record);
+    ASSERT_TRUE(status.ok()) << operation << ": " << status;
+    ASSERT_FALSE(calls.empty()) << operation;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      EXPECT_LE(calls[i].first, calls[i].second) << operation << " call " << i;
+      EXPECT_LE(calls[i].second, expected) << operation << " call " << i;
+      if (i > 0) {
+        EXPECT_GE(calls[i].first, calls[i - 1].first) << operation << " call " << i;
+      }
+    }
+    EXPECT_EQ(calls.back().first, calls.back().second) << operation;
+    std::cout << operation << ": " << calls.size() << " progress reports, last total " << calls.back().second
+              << " of " << expected << " bytes\n";
+  }
+  std::filesystem::remove_all(root);
+}
+
 TEST(CheckpointIntegrationTest, ServersWithoutARootSaySo) {
   testing::TestCluster cluster(1, "tok", ::testing::TempDir());
   Trainer t(cluster);

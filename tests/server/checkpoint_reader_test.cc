@@ -100,8 +100,12 @@ TEST(CheckpointReaderTest, DeliversExactlyTheWrittenBytesWarmAndCold) {
     ASSERT_TRUE(reader.Add("big.safetensors", 24, DType::kFloat32, count, whole.data()).ok());
     ASSERT_TRUE(reader.Add("big.safetensors", 24 + 4 * 123'457, DType::kFloat32, middle.size(), middle.data()).ok());
     ASSERT_TRUE(reader.Add("big.safetensors", 24 + 4 * (count - 1), DType::kFloat32, 1, one.data()).ok());
-    ASSERT_TRUE(reader.Run().ok()) << (cold ? "cold" : "warm");
+    ProgressCounter progress;
+    ASSERT_TRUE(reader.Run(&progress).ok()) << (cold ? "cold" : "warm");
     EXPECT_EQ(whole, file.values) << (cold ? "cold" : "warm");
+    // Every requested byte counted once, including those two requests share.
+    EXPECT_EQ(progress.total.load(), 4 * (count + middle.size() + 1));
+    EXPECT_EQ(progress.done.load(), progress.total.load());
     EXPECT_TRUE(std::equal(middle.begin(), middle.end(), file.values.begin() + 123'457));
     EXPECT_EQ(one[0], file.values.back());
     absl::StatusOr<std::string> header = reader.ReadNow("big.safetensors", 3, 10);

@@ -147,27 +147,34 @@ class Client {
   [[nodiscard]] virtual absl::Status SetHyperparams(const std::string& group,
                                                     const OptimizerOptions& optimizer) = 0;
 
+  // Progress of a save, load or export: the bytes done and the total known so far (it
+  // grows while servers start). Called from a thread of the client's, one call at a time.
+  using Progress = std::function<void(uint64_t bytes_done, uint64_t bytes_total)>;
+
   // Saves every group of the job at its current version (a consistent cut: each server
   // saves exactly that version), in parallel on all servers, then commits atomically.
-  // Needs a --checkpoint_root shared by the servers for FULL and SHARDED. `async`:
-  // returns once every server has snapshotted its shards (training may continue); the
-  // checkpoint lists as complete when the servers have written and committed it.
+  // With a root shared by all servers, each writes its own part there; where the roots
+  // differ, FULL and SHARDED are kept in server 0's root and LOCAL in each server's own.
+  // `async`: returns once every server has snapshotted its shards (training may
+  // continue); the checkpoint lists as complete when the servers have written and
+  // committed it. `progress` (optional; blocking saves): the servers' tensor bytes
+  // written, polled from their status a few times a second.
   [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind,
-                                                    bool optimizer, bool async = false) = 0;
+                                                    bool optimizer, bool async = false,
+                                                    Progress progress = nullptr) = 0;
   // Loads a checkpoint into the job's registered groups on every server: all servers
   // verify and stage it first; if any refuses (damage, mismatch), none changes.
-  [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name) = 0;
+  // `progress` (optional): the servers' tensor bytes read, as for saves.
+  [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name, Progress progress = nullptr) = 0;
   [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints() = 0;
   [[nodiscard]] virtual absl::Status DeleteCheckpoint(const std::string& name) = 0;
   // Streams a FULL (model.safetensors [+ optimizer.safetensors]) or SHARDED
   // (shard-<rank>.safetensors) state dict of the job from every server at once into the
   // directory `out_dir` on this machine (created if missing). Memory stays bounded by a
   // few chunks (ClientOptions::export_chunk_bytes) per server, whatever the model size.
-  // `progress` (optional) is called from the receiving threads, one at a time, with the
-  // bytes written so far and the total announced so far (it grows while servers start).
-  using ExportProgress = std::function<void(uint64_t bytes_done, uint64_t bytes_total)>;
+  // `progress` (optional): the bytes written here so far and the total announced so far.
   [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind,
-                                                     bool optimizer, ExportProgress progress = nullptr) = 0;
+                                                     bool optimizer, Progress progress = nullptr) = 0;
 };
 
 // Views a typed buffer as bytes, for Gather and Scatter.
