@@ -264,7 +264,8 @@ void Latency(int samples) {
 std::string Mib(int64_t bytes) { return absl::StrCat(bytes >> 20, " MiB"); }
 
 // dd's sequential write (with fdatasync) or read rate of `bytes` at `path`, bytes/s.
-double Dd(const std::string& command) {
+// The bytes and seconds a dd command reports ({0, 0} if it reports none).
+std::pair<double, double> DdBytesAndSeconds(const std::string& command) {
   FILE* pipe = popen((command + " 2>&1").c_str(), "r");
   std::string output;
   char buffer[4096];
@@ -273,9 +274,28 @@ double Dd(const std::string& command) {
   pclose(pipe);
   // "... bytes (...) copied, 1.234 s, 1.2 GB/s"
   const size_t copied = output.find("copied, ");
-  if (copied == std::string::npos) return 0;
+  if (copied == std::string::npos) return {0, 0};
   const double bytes = std::strtod(output.c_str() + output.rfind('\n', output.find(" bytes")) + 1, nullptr);
   const double seconds = std::strtod(output.c_str() + copied + 8, nullptr);
+  return {bytes, seconds};
+}
+
+double Dd(const std::string& command) {
+  const auto [bytes, seconds] = DdBytesAndSeconds(command);
+  return seconds > 0 ? bytes / seconds : 0;
+}
+
+// dd's read rate over every file of `dir`, one after the other (with iflag=direct: from
+// the disk).
+double DdFiles(const std::string& dir, bool direct) {
+  double bytes = 0, seconds = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!entry.is_regular_file()) continue;
+    const auto [file_bytes, file_seconds] = DdBytesAndSeconds(absl::StrFormat(
+        "dd if=%s of=/dev/null bs=4M%s", entry.path().string(), direct ? " iflag=direct" : ""));
+    bytes += file_bytes;
+    seconds += file_seconds;
+  }
   return seconds > 0 ? bytes / seconds : 0;
 }
 
@@ -332,7 +352,9 @@ double TimeIt(const std::function<absl::Status()>& body) {
 // runs of its anchor with 3 runs of the operation and compares the medians: writes vs dd
 // conv=fdatasync into a new file (as a save writes new files), cold loads (page cache
 // dropped) vs dd iflag=direct, warm loads (the files read into the page cache first:
-// saves write around it) vs a plain dd from the page cache. On this VM, touching memory
+// saves write around it) vs a plain dd from the page cache; the read anchors read the
+// very files the load reads, cold ones in alternating order (the host below this VM
+// caches what the guest dropped, so whichever reads second gains). On this VM, touching memory
 // that was freed more than ~2 s earlier is ~10x slower than reusing memory just freed
 // (the host takes free pages back; a 20-line test: a 256 MiB pread into fresh memory runs
 // at 0.3 GB/s after a 3 s pause, 5.3 GB/s right after the previous one). A load's fresh
@@ -348,9 +370,6 @@ void Checkpoints(int64_t bytes) {
   auto dd_write = [&] {
     return Dd(absl::StrFormat("dd if=/dev/zero of=%s/dd-%d bs=4M count=%d conv=fdatasync", dir, ++dd_files, dd_blocks));
   };
-  auto dd_read = [&](bool direct) {
-    return Dd(absl::StrFormat("dd if=%s/dd-1 of=/dev/null bs=4M%s", dir, direct ? " iflag=direct" : ""));
-  };
 
   auto cluster = StartCluster(2, root);
   auto client = Connect(*cluster, 0, 1, "ckpt");
@@ -363,13 +382,15 @@ void Checkpoints(int64_t bytes) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  // Run i: anchor(i), then body(i), timed.
+  // Run i: anchor(i), then body(i), timed; with `alternate`, odd runs body first.
   auto row = [&](const std::string& name, const std::function<double(int)>& anchor,
-                 const std::function<absl::Status(int)>& body) {
+                 const std::function<absl::Status(int)>& body, bool alternate = false) {
     std::vector<double> anchors, rates;
     for (int i = 0; i < 3; ++i) {
-      anchors.push_back(anchor(i));
+      const bool body_first = alternate && i % 2 == 1;
+      if (!body_first) anchors.push_back(anchor(i));
       rates.push_back(static_cast<double>(bytes) / TimeIt([&] { return body(i); }));
+      if (body_first) anchors.push_back(anchor(i));
     }
     const double rate = median(rates), base = median(anchors);
     std::printf("%-40s %10.2f %10.2f %7.2fx\n", name.c_str(), rate / 1e9, base / 1e9, rate / base);
@@ -383,18 +404,21 @@ void Checkpoints(int64_t bytes) {
     // One checkpoint, read into the page cache once: filling the cache with another
     // 512 MiB between runs would take the memory the last load freed, and hand the next
     // load's staging buffers pages the host had taken back (see above).
+    const std::string warm = absl::StrCat(root, "/", checkpoint, "-0");
     row(absl::StrCat("load ", name, " (warm) vs dd"),
         [&](int) {
-          FillCache(absl::StrCat(root, "/", checkpoint, "-0"));
-          return dd_read(false);
+          FillCache(warm);
+          return DdFiles(warm, /*direct=*/false);
         },
         [&](int) { return client->LoadCheckpoint(absl::StrCat(checkpoint, "-0")); });
+    // Each cold run reads another checkpoint, dropped from the page cache before each read.
     row(absl::StrCat("load ", name, " (cold) vs dd iflag=direct"),
+        [&](int i) { return DdFiles(absl::StrCat(root, "/", checkpoint, "-", i), /*direct=*/true); },
         [&](int i) {
           DropCache(absl::StrCat(root, "/", checkpoint, "-", i));
-          return dd_read(true);
+          return client->LoadCheckpoint(absl::StrCat(checkpoint, "-", i));
         },
-        [&](int i) { return client->LoadCheckpoint(absl::StrCat(checkpoint, "-", i)); });
+        /*alternate=*/true);
   }
   row("export full vs dd conv=fdatasync", [&](int) { return dd_write(); },
       [&](int i) { return client->ExportStateDict(absl::StrCat(dir, "/export-", i), CheckpointKind::kFull, false); });
