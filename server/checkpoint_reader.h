@@ -95,6 +95,8 @@ class CheckpointReader {
   [[nodiscard]] absl::Status Run(ProgressCounter* progress = nullptr);
 
   std::string path(const std::string& file) const { return dir_ + "/" + file; }
+  // Whether the manifest lists `file`.
+  bool lists(const std::string& file) const { return files_.count(file) > 0; }
 
  private:
   struct OpenedFile;

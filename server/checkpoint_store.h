@@ -13,6 +13,8 @@
 //    the index and only the pieces that overlap its new shard: any server count.
 //  - LOCAL: local-<rank>.safetensors with each group's flat shard and optimizer state as
 //    they are; loads only into the same server count and layout.
+// The files are written by server/checkpoint_writer.h and read back by
+// server/checkpoint_loader.h; this class owns directories, commits and the roots.
 //
 // Atomicity: a checkpoint is written into "<root>/.<name>.partial/"; every server leaves a
 // part-<rank>.json there with the extents it wrote (offset, length, XXH3 of each write;
@@ -47,17 +49,15 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/checkpoint_loader.h"
 #include "server/checkpoint_progress.h"
 #include "server/checkpoint_reader.h"
 #include "server/checkpoint_sink.h"
+#include "server/checkpoint_writer.h"
 #include "server/peer_client.h"
 #include "server/registry.h"
 
 namespace flatshard::server {
-
-enum class CheckpointKind { kFull, kSharded, kLocal };
-absl::string_view CheckpointKindName(CheckpointKind kind);
-[[nodiscard]] absl::StatusOr<CheckpointKind> ParseCheckpointKind(absl::string_view name);
 
 struct SaveOptions {
   // Return once the shards are snapshotted; the bytes are written in the background.
@@ -163,7 +163,7 @@ class CheckpointStore {
   const uint64_t max_file_bytes_;
   PeerClient* const peers_;
   absl::Mutex mu_;
-  std::map<std::string, std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>>> staged_
+  std::map<std::string, StagedGroups> staged_
       ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> background_ ABSL_GUARDED_BY(mu_);  // asynchronous saves
   ReadBufferPool read_buffers_;  // loads' read buffers, kept between loads

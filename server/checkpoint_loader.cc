@@ -1,0 +1,239 @@
+#include "server/checkpoint_loader.h"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+#include "server/checkpoint_writer.h"
+#include "server/shard_compute.h"
+
+namespace flatshard::server {
+
+using Json = nlohmann::json;
+
+absl::StatusOr<std::map<std::string, ManifestFile>> ManifestFiles(const Json& manifest, const std::string& where) {
+  std::map<std::string, ManifestFile> files;
+  if (!manifest.contains("files") || !manifest["files"].is_array()) {
+    return absl::DataLossError(absl::StrCat("'", where, "/manifest.json' lacks its file list"));
+  }
+  for (const Json& entry : manifest["files"]) {
+    const std::string path = entry.value("path", "");
+    const std::string what = absl::StrCat("'", where, "/manifest.json' file '", path, "'");
+    ManifestFile file;
+    file.bytes = entry.value("bytes", uint64_t{0});
+    FLATSHARD_ASSIGN_OR_RETURN(file.extents, ExtentsFromJson(entry.value("extents", Json()), what));
+    if (absl::Status tiled = SortAndCheckTiling(file.extents, file.bytes, what); !tiled.ok()) {
+      return absl::DataLossError(tiled.message());
+    }
+    files[path] = std::move(file);
+  }
+  return files;
+}
+
+absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointReader& reader, const Registry& registry,
+                                             const std::string& name, const std::string& job, int rank,
+                                             int num_servers, ProgressCounter* progress) {
+  FLATSHARD_ASSIGN_OR_RETURN(const CheckpointKind kind, ParseCheckpointKind(manifest.value("kind", "")));
+  const bool optimizer = manifest.value("optimizer", false);
+  if (kind == CheckpointKind::kLocal && manifest.value("servers", 0) != num_servers) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", name, "' is LOCAL from ", manifest.value("servers", 0), " servers; this cluster has ",
+        num_servers, " (save FULL or SHARDED to change the server count)"));
+  }
+  // A per-server root's manifest lists only this server's own files.
+  if (manifest.value("root", "") == "per-server" && manifest.value("rank", -1) != rank) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", name, "' in this server's root holds server ", manifest.value("rank", -1),
+        "'s part; this server is rank ", rank));
+  }
+  const bool split_model = reader.lists("model.safetensors.index.json");
+  const bool split_optimizer = reader.lists("optimizer.safetensors.index.json");
+  // Verified JSON of the checkpoint (indexes), once.
+  std::map<std::string, Json> json_files;
+  auto read_json = [&](const std::string& file) -> absl::StatusOr<const Json*> {
+    if (auto it = json_files.find(file); it != json_files.end()) return &it->second;
+    FLATSHARD_ASSIGN_OR_RETURN(const std::string text, reader.ReadWhole(file));
+    try {
+      return &json_files.emplace(file, Json::parse(text)).first->second;
+    } catch (const Json::parse_error& error) {
+      return absl::DataLossError(absl::StrCat("'", reader.path(file), "' is not valid JSON: ", error.what()));
+    }
+  };
+  // Verified safetensors headers, once.
+  std::map<std::string, SafetensorsHeader> headers;
+  auto header_of = [&](const std::string& file) -> absl::StatusOr<const SafetensorsHeader*> {
+    if (auto it = headers.find(file); it != headers.end()) return &it->second;
+    FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, reader.ReadHeader(file));
+    return &headers.emplace(file, std::move(header)).first->second;
+  };
+  // FULL: the file holding a tensor ("<prefix>.safetensors", or the one the
+  // "<prefix>.safetensors.index.json" of a split checkpoint names).
+  auto full_file_of = [&](const std::string& prefix, const std::string& tensor) -> absl::StatusOr<std::string> {
+    const std::string index_file = prefix + ".safetensors.index.json";
+    if (!(prefix == "model" ? split_model : split_optimizer)) return prefix + ".safetensors";
+    FLATSHARD_ASSIGN_OR_RETURN(const Json* index, read_json(index_file));
+    const Json* map = index->is_object() && index->contains("weight_map") ? &(*index)["weight_map"] : nullptr;
+    if (map == nullptr || !map->is_object() || !map->contains(tensor) || !(*map)[tensor].is_string()) {
+      return absl::DataLossError(absl::StrCat("'", reader.path(index_file), "' does not map tensor '", tensor, "'"));
+    }
+    return (*map)[tensor].get<std::string>();
+  };
+
+  // SHARDED: where every stored piece lives, from the checkpoint's index.json:
+  // "<group>/<fqn>[.<state>]" -> [[first element, numel, file, byte offset], ...].
+  struct StoredPiece {
+    std::string file;
+    int64_t intra_start;
+    int64_t numel;
+    uint64_t offset;
+  };
+  std::map<std::string, std::vector<StoredPiece>> stored;
+  if (kind == CheckpointKind::kSharded) {
+    FLATSHARD_ASSIGN_OR_RETURN(const Json* index, read_json("index.json"));
+    try {
+      for (const auto& [key, pieces] : index->at("pieces").items()) {
+        for (const Json& piece : pieces) {
+          stored[key].push_back({piece.at(2).get<std::string>(), piece.at(0).get<int64_t>(),
+                                 piece.at(1).get<int64_t>(), piece.at(3).get<uint64_t>()});
+        }
+      }
+    } catch (const Json::exception& error) {
+      return absl::DataLossError(absl::StrCat("'", reader.path("index.json"), "' is malformed: ", error.what()));
+    }
+  }
+
+  std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>> staged;
+  std::set<std::string> in_checkpoint;
+  for (const Json& spec : manifest["groups"]) {
+    const std::string group_name = spec.value("name", "");
+    in_checkpoint.insert(group_name);
+    absl::StatusOr<std::shared_ptr<Group>> group_or = registry.FindGroup(job, group_name);
+    if (!group_or.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' has group '", group_name,
+                                                        "', which is not registered in job '", job, "'"));
+    }
+    const std::shared_ptr<Group>& group = *group_or;
+    const FlatLayout& layout = group->layout();
+    if (spec["tensors"] != TensorsJson(layout) || spec.value("align", int64_t{-1}) != layout.align()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", name, "' group '", group_name, "' does not match the registered group: checkpoint ",
+          spec["tensors"].dump(), " align ", spec.value("align", int64_t{-1}), "; registered ",
+          TensorsJson(layout).dump(), " align ", layout.align()));
+    }
+    std::vector<std::string> state_names;
+    if (optimizer) {
+      for (const auto& s : spec["state"]) state_names.push_back(s.get<std::string>());
+      if (state_names != group->optimizer_state_names()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint '", name, "' group '", group_name, "' has ", spec.value("optimizer", ""),
+            " optimizer state; the registered group uses ", group->optimizer_name()));
+      }
+    }
+    // Host buffers that a host-tier group adopts on commit (Group::Restore).
+    LoadedShard loaded;
+    loaded.version = spec.value("version", int64_t{0});
+    loaded.optimizer_steps = spec.value("optimizer_steps", int64_t{0});
+    loaded.momentum_initialized = spec.value("momentum_initialized", false);
+    const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
+    const std::string what = absl::StrCat("loading group '", group_name, "'");
+    FLATSHARD_ASSIGN_OR_RETURN(loaded.params, AllocateHostUnwritten(shard_numel * sizeof(float), what));
+    for (const std::string& state : group->optimizer_state_names()) {
+      FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, AllocateHostUnwritten(shard_numel * sizeof(float), what));
+      loaded.state.emplace_back(state, std::move(buffer));
+    }
+    // The buffers are unwritten: the reads fill every tensor element, padding is zeroed here.
+    const int64_t start = layout.shard_start(rank);
+    const std::vector<TensorPiece> pieces = layout.MapRange(start, layout.shard_end(rank));
+    auto zero_padding = [&](float* values) {
+      int64_t at = 0;
+      for (const TensorPiece& piece : pieces) {
+        std::fill(values + at, values + (piece.flat_offset - start), 0.0f);
+        at = piece.flat_offset - start + piece.numel;
+      }
+      std::fill(values + at, values + shard_numel, 0.0f);
+    };
+    zero_padding(loaded.params.floats());
+    for (auto& [state, values] : loaded.state) {
+      if (optimizer) {
+        zero_padding(values.floats());
+      } else {  // a checkpoint without optimizer state: the optimizer starts afresh
+        std::fill_n(values.floats(), shard_numel, 0.0f);
+      }
+    }
+
+    std::vector<std::pair<std::string, float*>> targets = {{"", loaded.params.floats()}};
+    if (optimizer) {
+      for (auto& [state, values] : loaded.state) targets.emplace_back("." + state, values.floats());
+    }
+    for (const auto& [suffix, values] : targets) {
+      if (kind == CheckpointKind::kLocal) {
+        const std::string file = absl::StrCat("local-", rank, ".safetensors");
+        FLATSHARD_ASSIGN_OR_RETURN(const SafetensorsHeader* header, header_of(file));
+        const std::string tensor = group_name + (suffix.empty() ? ".params" : suffix);
+        const SafetensorsTensor* entry = header->Find(tensor);
+        if (entry == nullptr || entry->dtype != DType::kFloat32 ||
+            entry->end - entry->begin != shard_numel * sizeof(float)) {
+          return absl::DataLossError(
+              absl::StrCat("'", reader.path(file), "' lacks '", tensor, "' of ", shard_numel, " floats"));
+        }
+        FLATSHARD_RETURN_IF_ERROR(reader.Add(file, header->data_start() + entry->begin, DType::kFloat32,
+                                             static_cast<int64_t>(shard_numel), values));
+        continue;
+      }
+      for (const TensorPiece& piece : pieces) {
+        const TensorSpec& tensor = layout.tensor(piece.tensor_index);
+        float* out = values + (piece.flat_offset - start);
+        if (kind == CheckpointKind::kFull) {
+          const std::string tensor_name = tensor.fqn + suffix;
+          FLATSHARD_ASSIGN_OR_RETURN(const std::string file,
+                                     full_file_of(suffix.empty() ? "model" : "optimizer", tensor_name));
+          FLATSHARD_ASSIGN_OR_RETURN(const SafetensorsHeader* header, header_of(file));
+          const SafetensorsTensor* entry = header->Find(tensor_name);
+          if (entry == nullptr) {
+            return absl::DataLossError(absl::StrCat("'", reader.path(file), "' lacks tensor '", tensor_name, "'"));
+          }
+          if (entry->shape != tensor.shape || (suffix.empty() && entry->dtype != tensor.dtype) ||
+              (!suffix.empty() && entry->dtype != DType::kFloat32)) {
+            return absl::FailedPreconditionError(absl::StrCat("'", reader.path(file), "' tensor '", tensor_name,
+                                                              "' has another shape or dtype than registered"));
+          }
+          const uint64_t element = DTypeSize(entry->dtype);
+          FLATSHARD_RETURN_IF_ERROR(reader.Add(file,
+                                               header->data_start() + entry->begin +
+                                                   static_cast<uint64_t>(piece.intra_start) * element,
+                                               entry->dtype, piece.numel, out));
+          continue;
+        }
+        // SHARDED: every overlap of a stored piece with the needed range.
+        int64_t covered = 0;
+        for (const StoredPiece& s : stored[absl::StrCat(group_name, "/", tensor.fqn, suffix)]) {
+          const int64_t lo = std::max(piece.intra_start, s.intra_start);
+          const int64_t hi = std::min(piece.intra_start + piece.numel, s.intra_start + s.numel);
+          if (lo >= hi) continue;
+          FLATSHARD_RETURN_IF_ERROR(reader.Add(s.file, s.offset + static_cast<uint64_t>(lo - s.intra_start) * sizeof(float),
+                                               DType::kFloat32, hi - lo, out + (lo - piece.intra_start)));
+          covered += hi - lo;
+        }
+        if (covered != piece.numel) {
+          return absl::DataLossError(absl::StrCat("checkpoint '", name, "' lacks elements of '", group_name, "/",
+                                                  tensor.fqn, suffix, "' [", piece.intra_start, ", ",
+                                                  piece.intra_start + piece.numel, ")"));
+        }
+      }
+    }
+    staged.emplace_back(group, std::move(loaded));
+  }
+  for (const auto& group : registry.job_groups(job)) {
+    if (!in_checkpoint.count(group->name())) {
+      return absl::FailedPreconditionError(absl::StrCat("group '", group->name(), "' of job '", job,
+                                                        "' is not in checkpoint '", name, "'"));
+    }
+  }
+  FLATSHARD_RETURN_IF_ERROR(reader.Run(progress));
+  return staged;
+}
+
+}  // namespace flatshard::server

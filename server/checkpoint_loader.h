@@ -1,0 +1,51 @@
+// Checkpoint loading: what one server needs of a committed checkpoint, read through a
+// CheckpointReader (every extent verified as it is read) into host buffers that each
+// group installs with Group::Restore. The manifest is checked against the registered
+// groups first (kind, server count for LOCAL, layouts, shapes, dtypes, optimizer state):
+// a mismatch is FailedPrecondition naming it, damage is DataLoss naming the file, and
+// nothing is installed here; the caller commits once every server has staged. FULL reads
+// each tensor's pieces from the file holding it (split checkpoints: through the index),
+// SHARDED the stored pieces overlapping this server's new shard (index.json), LOCAL this
+// server's own file. Thread-compatible.
+//
+//   FLATSHARD_ASSIGN_OR_RETURN(auto files, ManifestFiles(manifest, dir));
+//   CheckpointReader reader(dir, std::move(files), pool);
+//   FLATSHARD_ASSIGN_OR_RETURN(StagedGroups staged,
+//                              StageCheckpoint(manifest, reader, registry, name, job, rank, servers, nullptr));
+#ifndef FLATSHARD_SERVER_CHECKPOINT_LOADER_H_
+#define FLATSHARD_SERVER_CHECKPOINT_LOADER_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "absl/status/statusor.h"
+#include "server/checkpoint_progress.h"
+#include "server/checkpoint_reader.h"
+#include "server/group.h"
+#include "server/registry.h"
+
+namespace flatshard::server {
+
+using StagedGroups = std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>>;
+
+// The manifest's files: sizes and extents, checked to tile each file. DataLoss naming
+// `where` (the checkpoint's directory, for messages) if the list is malformed.
+[[nodiscard]] absl::StatusOr<std::map<std::string, ManifestFile>> ManifestFiles(const nlohmann::json& manifest,
+                                                                               const std::string& where);
+
+// This server's (`rank` of `num_servers`) shard of every group of `job` from checkpoint
+// `name`, whose manifest is `manifest` and whose files `reader` reads. `progress`
+// (optional) counts the tensor bytes read.
+[[nodiscard]] absl::StatusOr<StagedGroups> StageCheckpoint(const nlohmann::json& manifest, CheckpointReader& reader,
+                                                           const Registry& registry, const std::string& name,
+                                                           const std::string& job, int rank, int num_servers,
+                                                           ProgressCounter* progress);
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_CHECKPOINT_LOADER_H_
