@@ -74,26 +74,23 @@ enum class CommitOutcome {
   kReduced,  // clipped job: reduced, waiting for the job's gradient norm
 };
 
-// A consistent copy of this server's shard of a group: parameters (fp32 master,
-// shard_numel elements, padding included) and optimizer state at one version.
-struct ShardSnapshot {
+// This server's shard of a group at one version: parameters (fp32 master, shard_numel
+// elements, padding included) and optimizer state, in `Buffer`s of host memory.
+template <typename Buffer>
+struct ShardState {
   int64_t version = 0;
-  HostFloats params;
+  Buffer params;
   int64_t optimizer_steps = 0;
   bool momentum_initialized = false;
-  std::vector<std::pair<std::string, HostFloats>> state;  // by torch's names
+  std::vector<std::pair<std::string, Buffer>> state;  // by torch's names
 };
 
-// A shard read from a checkpoint, in host memory from AllocateHostUnwritten, for
-// Group::Restore: a group on the host tier adopts the buffers as they are, others copy
-// them into their tier.
-struct LoadedShard {
-  int64_t version = 0;
-  ShardBuffer params;
-  int64_t optimizer_steps = 0;
-  bool momentum_initialized = false;
-  std::vector<std::pair<std::string, ShardBuffer>> state;  // by torch's names
-};
+// A consistent copy (Snapshot), or the metadata of a pinned shard (Pin).
+using ShardSnapshot = ShardState<HostFloats>;
+// A shard read from a checkpoint, in buffers from AllocateHostUnwritten, for
+// Group::Restore: a group on the host tier adopts them as they are, others copy them
+// into their tier.
+using LoadedShard = ShardState<ShardBuffer>;
 
 struct GroupStats {
   int64_t version = 0;
