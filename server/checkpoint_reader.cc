@@ -20,9 +20,6 @@
 namespace flatshard::server {
 namespace {
 
-// Bytes per task: large enough for the disk to stream with a few in flight, small enough
-// that verifying and delivering a task finds much of it still in the CPU's caches.
-constexpr uint64_t kTaskBytes = uint64_t{16} << 20;
 
 absl::Status CorruptExtent(const std::string& path, const FileExtent& e) {
   return absl::DataLossError(absl::StrCat("'", path, "' is corrupted: bytes [", e.offset, ", ", e.offset + e.length,
@@ -76,12 +73,18 @@ void ReadBufferPool::Give(std::unique_ptr<DirectIoBuffer> buffer) {
 }
 
 CheckpointReader::CheckpointReader(std::string dir, std::map<std::string, ManifestFile> files,
-                                   ReadBufferPool& pool, int threads)
-    : dir_(std::move(dir)), files_(std::move(files)), pool_(pool), threads_(std::max(1, threads)) {}
+                                   ReadBufferPool& pool, ReaderOptions options)
+    : dir_(std::move(dir)),
+      files_(std::move(files)),
+      pool_(pool),
+      threads_(std::max(1, options.threads)),
+      task_bytes_(options.task_bytes) {}
 
 CheckpointReader::CheckpointReader(std::string where, std::map<std::string, ManifestFile> files,
-                                   ReadBufferPool& pool, RemoteRead remote)
-    : dir_(std::move(where)), files_(std::move(files)), pool_(pool), threads_(4), remote_(std::move(remote)) {}
+                                   ReadBufferPool& pool, RemoteRead remote, ReaderOptions options)
+    : CheckpointReader(std::move(where), std::move(files), pool, options) {
+  remote_ = std::move(remote);
+}
 
 CheckpointReader::~CheckpointReader() = default;
 
@@ -248,7 +251,7 @@ absl::Status CheckpointReader::Run(ProgressCounter* progress) {
     return a.file != b.file ? a.file < b.file : a.begin < b.begin;
   });
   // Per file, the extents the requests need, cut into runs of contiguous extents of at
-  // most kTaskBytes (at least one extent each).
+  // most task_bytes_ (at least one extent each).
   std::vector<Task> tasks;
   for (const Request& request : requests) {
     const std::vector<FileExtent>& extents = request.file->manifest->extents;
@@ -267,7 +270,7 @@ absl::Status CheckpointReader::Run(ProgressCounter* progress) {
         continue;
       }
       const bool extend = same && i == task->last_extent + 1 &&
-                          extents[i].offset + extents[i].length - task->begin <= kTaskBytes;
+                          extents[i].offset + extents[i].length - task->begin <= task_bytes_;
       if (!extend) {
         tasks.push_back({request.file, i, i, extents[i].offset, extents[i].offset, {}});
         task = &tasks.back();

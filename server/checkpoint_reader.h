@@ -6,7 +6,7 @@
 // checks exactly the bytes it uses, in the pass that reads them.
 //
 // Reads are queued (Add) and then run together (Run): the bytes each file needs are cut
-// into tasks of whole extents, up to 16 MiB, which a few threads read, verify and deliver
+// into tasks of whole extents, up to 64 MiB, which two threads read, verify and deliver
 // (copied, or converted to fp32). A task reads from the page cache where it already holds
 // the bytes (preadv2 with RWF_NOWAIT) and with O_DIRECT otherwise: a disk's sequential
 // rate needs large requests in flight, which buffered reads with readahead do not issue.
@@ -44,7 +44,7 @@ namespace flatshard::server {
 
 // Read buffers kept from one load to the next: fresh memory costs a page fault and a
 // zeroed page on first touch, which was a third of a warm load's time. Holds what the
-// last load's threads used (threads x 16 MiB). Thread-safe.
+// last load's threads used (threads x task bytes). Thread-safe.
 class ReadBufferPool {
  public:
   std::unique_ptr<DirectIoBuffer> Take();
@@ -66,15 +66,26 @@ struct ManifestFile {
 using RemoteRead =
     std::function<absl::Status(const std::string& file, uint64_t offset, uint64_t length, std::byte* out)>;
 
+struct ReaderOptions {
+  int threads = 2;  // >= 1
+  // Bytes per task. A disk streams at its sequential rate only with enough bytes in flight:
+  // one O_DIRECT read of a task is split into the device's largest requests (4 MiB here)
+  // and issued at once, and a thread verifies and delivers its task while the other reads.
+  // Measured on the dev VM's disk (cluster_bench, cold loads of 512 MiB on 2 servers):
+  // 4 MiB tasks on 4 threads read 1.0-1.6 GB/s, 16 MiB on 4 threads 1.2-2.5, 64 MiB on 2
+  // threads 2.6-3.7 (bench/RESULTS.md). Cached extents are read and verified one at a
+  // time whatever the task size, so warm loads stay in the CPU's caches.
+  uint64_t task_bytes = uint64_t{64} << 20;
+};
+
 class CheckpointReader {
  public:
-  // `files` by path relative to `dir`; buffers from `pool`, which must outlive the
-  // reader. `threads` >= 1.
+  // `files` by path relative to `dir`; buffers from `pool`, which must outlive the reader.
   CheckpointReader(std::string dir, std::map<std::string, ManifestFile> files, ReadBufferPool& pool,
-                   int threads = 4);
+                   ReaderOptions options = {});
   // The files are read through `remote`; `where` names their place in messages.
   CheckpointReader(std::string where, std::map<std::string, ManifestFile> files, ReadBufferPool& pool,
-                   RemoteRead remote);
+                   RemoteRead remote, ReaderOptions options = {});
   ~CheckpointReader();
   CheckpointReader(const CheckpointReader&) = delete;
   CheckpointReader& operator=(const CheckpointReader&) = delete;
@@ -111,7 +122,8 @@ class CheckpointReader {
   const std::map<std::string, ManifestFile> files_;
   ReadBufferPool& pool_;
   const int threads_;
-  const RemoteRead remote_;  // null: files under dir_
+  const uint64_t task_bytes_;
+  RemoteRead remote_;  // null: files under dir_
   ProgressCounter* progress_ = nullptr;  // during Run
   std::map<std::string, std::unique_ptr<OpenedFile>> opened_;
   std::vector<Request> requests_;

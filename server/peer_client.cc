@@ -171,7 +171,7 @@ absl::Status PeerClient::ReadRange(int peer, const std::string& name, const std:
                                    uint64_t length, const std::function<void(const std::string&)>& deliver) {
   FLATSHARD_RETURN_IF_ERROR(Reach(peer));
   grpc::ClientContext ctx;
-  // A range is at most one load task (16 MiB) or a manifest: minutes mean a stuck peer.
+  // A range is at most one load task (64 MiB) or a manifest: minutes mean a stuck peer.
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(5)));
   if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
   v1::ReadCheckpointFileRequest request;

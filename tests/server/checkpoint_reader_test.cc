@@ -84,7 +84,7 @@ void DropPageCache(const std::string& path) {
 
 TEST(CheckpointReaderTest, DeliversExactlyTheWrittenBytesWarmAndCold) {
   const std::string dir = FreshDir();
-  // 40 MiB of floats in 1 MiB extents: several 16 MiB tasks per read.
+  // 40 MiB of floats in 1 MiB extents: several 16 MiB tasks per read, on 4 threads.
   const size_t count = size_t{10} << 20;
   WrittenFile file = Write(dir, "big.safetensors", count, size_t{1} << 18, 1);
   ReadBufferPool pool;
@@ -94,7 +94,8 @@ TEST(CheckpointReaderTest, DeliversExactlyTheWrittenBytesWarmAndCold) {
     } else {
       FillPageCache(dir + "/big.safetensors");
     }
-    CheckpointReader reader(dir, {{"big.safetensors", file.manifest}}, pool);
+    CheckpointReader reader(dir, {{"big.safetensors", file.manifest}}, pool,
+                            ReaderOptions{.threads = 4, .task_bytes = uint64_t{16} << 20});
     // Whole, a range that starts and ends inside extents, and a single element.
     std::vector<float> whole(count, -7), middle(3'000'001, -7), one(1, -7);
     ASSERT_TRUE(reader.Add("big.safetensors", 24, DType::kFloat32, count, whole.data()).ok());
@@ -187,7 +188,7 @@ TEST(CheckpointReaderTest, ReadsPastTheEndAreRefused) {
 // extent verified; a flipped byte in transit and a failing fetch are refused.
 TEST(CheckpointReaderTest, RemoteReadsAreVerifiedLikeLocalOnes) {
   const std::string dir = FreshDir();
-  // 24 MiB in 256 KiB extents: two tasks, read by two threads at once.
+  // 24 MiB in 256 KiB extents: two 16 MiB tasks, read by two threads at once.
   WrittenFile file = Write(dir, "r.safetensors", size_t{6} << 20, size_t{1} << 16, 4);
   std::atomic<int> fetches{0};
   std::atomic<bool> flip{false}, fail{false};
@@ -203,7 +204,8 @@ TEST(CheckpointReaderTest, RemoteReadsAreVerifiedLikeLocalOnes) {
   };
   ReadBufferPool pool;
   auto read_all = [&](std::vector<float>& out) {
-    CheckpointReader reader("server 0 (x) ckpt", {{"r.safetensors", file.manifest}}, pool, remote);
+    CheckpointReader reader("server 0 (x) ckpt", {{"r.safetensors", file.manifest}}, pool, remote,
+                            ReaderOptions{.threads = 2, .task_bytes = uint64_t{16} << 20});
     absl::Status status = reader.Add("r.safetensors", 24, DType::kFloat32, out.size(), out.data());
     return status.ok() ? reader.Run() : status;
   };
