@@ -9,6 +9,7 @@
 
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -276,12 +277,13 @@ class PyClient {
     Released([&] { return client_->SetHyperparams(name, options); });
   }
 
-  void SaveCheckpoint(const std::string& name, const std::string& kind, bool optimizer, bool async) {
+  void SaveCheckpoint(const std::string& name, const std::string& kind, bool optimizer, bool async,
+                      const py::object& progress) {
     const CheckpointKind k = ToKind(kind);
-    Released([&] { return client_->SaveCheckpoint(name, k, optimizer, async); });
+    WithProgress(progress, [&](const Client::Progress& p) { return client_->SaveCheckpoint(name, k, optimizer, async, p); });
   }
-  void LoadCheckpoint(const std::string& name) {
-    Released([&] { return client_->LoadCheckpoint(name); });
+  void LoadCheckpoint(const std::string& name, const py::object& progress) {
+    WithProgress(progress, [&](const Client::Progress& p) { return client_->LoadCheckpoint(name, p); });
   }
   void DeleteCheckpoint(const std::string& name) {
     Released([&] { return client_->DeleteCheckpoint(name); });
@@ -300,9 +302,9 @@ class PyClient {
     }
     return out;
   }
-  void ExportStateDict(const std::string& path, const std::string& kind, bool optimizer) {
+  void ExportStateDict(const std::string& path, const std::string& kind, bool optimizer, const py::object& progress) {
     const CheckpointKind k = ToKind(kind);
-    Released([&] { return client_->ExportStateDict(path, k, optimizer); });
+    WithProgress(progress, [&](const Client::Progress& p) { return client_->ExportStateDict(path, k, optimizer, p); });
   }
 
   // As `flatshard status --json`.
@@ -323,6 +325,34 @@ class PyClient {
       status = call();
     }
     Check(status);
+  }
+
+  // Runs `call` without the GIL, handing it `callback` (a Python callable(done, total), or
+  // None) as a Client::Progress: called with the GIL taken, from the client's threads. An
+  // exception it raises stops further calls and is raised once `call` has returned.
+  template <typename F>
+  void WithProgress(const py::object& callback, F&& call) {
+    if (callback.is_none()) {
+      Released([&] { return call(Client::Progress()); });
+      return;
+    }
+    struct State {
+      py::object callback;
+      std::optional<py::error_already_set> error;
+    };
+    auto state = std::make_shared<State>(State{callback, std::nullopt});
+    Released([&] {
+      return call([state](uint64_t done, uint64_t total) {
+        py::gil_scoped_acquire gil;
+        if (state->error) return;
+        try {
+          state->callback(done, total);
+        } catch (py::error_already_set& error) {
+          state->error = std::move(error);
+        }
+      });
+    });
+    if (state->error) throw *state->error;
   }
 
   std::unique_ptr<Client> client_;

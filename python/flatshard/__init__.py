@@ -285,11 +285,14 @@ class Client:
         self._native.set_hyperparams(name, updated._spec())
         self._optimizers[name] = updated
 
-    def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True):
-        self._native.save_checkpoint(name, kind, bool(optimizer), not blocking)
+    def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True, progress=None):
+        """Saves the job's groups at their current versions; `progress(done, total)` (bytes,
+        optional, blocking saves) is called a few times a second while the servers write."""
+        self._native.save_checkpoint(name, kind, bool(optimizer), not blocking, progress)
 
-    def load_checkpoint(self, name):
-        self._native.load_checkpoint(name)
+    def load_checkpoint(self, name, progress=None):
+        """Loads a checkpoint into the job's registered groups; `progress` as for saves."""
+        self._native.load_checkpoint(name, progress)
 
     def list_checkpoints(self):
         return self._native.list_checkpoints()
@@ -297,9 +300,10 @@ class Client:
     def delete_checkpoint(self, name):
         self._native.delete_checkpoint(name)
 
-    def export_state_dict(self, path, kind="full", optimizer=False):
-        """Streams the job's state dict into directory `path` on this machine."""
-        self._native.export_state_dict(str(path), kind, bool(optimizer))
+    def export_state_dict(self, path, kind="full", optimizer=False, progress=None):
+        """Streams the job's state dict into directory `path` on this machine;
+        `progress(done, total)` (bytes, optional) is called as chunks arrive."""
+        self._native.export_state_dict(str(path), kind, bool(optimizer), progress)
 
     def status(self):
         """Every server's status, as `flatshard status --json`."""

@@ -133,9 +133,20 @@ class ClientTest(unittest.TestCase):
         c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
         init = values(5)
         c.init_group("g", init)
+        calls = []
         with tempfile.TemporaryDirectory() as out:
-            c.export_state_dict(out, kind="full")
+            c.export_state_dict(out, kind="full", progress=lambda done, total: calls.append((done, total)))
             tensors, _ = read_safetensors(os.path.join(out, "model.safetensors"))
+            size = os.path.getsize(os.path.join(out, "model.safetensors"))
+            # A callback that raises: the export completes, then the error is raised.
+            def fail(done, total):
+                raise ValueError("stop drawing")
+            with self.assertRaisesRegex(ValueError, "stop drawing"):
+                c.export_state_dict(os.path.join(out, "again"), kind="full", progress=fail)
+            self.assertTrue(os.path.exists(os.path.join(out, "again", "model.safetensors")))
+        self.assertTrue(calls)
+        self.assertEqual(calls[-1], (size, size))
+        self.assertTrue(all(done <= total for done, total in calls))
         module = torch.nn.Linear(3, 4)
         module.load_state_dict(tensors, strict=True)
         np.testing.assert_array_equal(module.weight.detach().numpy(), init["weight"])
