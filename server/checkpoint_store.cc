@@ -154,9 +154,9 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   FLATSHARD_ASSIGN_OR_RETURN(std::vector<SavedShard> shards,
                              TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/!options.async));
   // What the part says besides its extents (which the writing sink records).
-  auto describe = [this, job, kind, optimizer](const std::vector<std::string>& files, const std::string& specs) {
+  auto describe = [this, job, kind, optimizer](const std::vector<std::string>& files, Json specs) {
     return Json{{"job", job},           {"kind", CheckpointKindName(kind)}, {"servers", num_servers_},
-                {"optimizer", optimizer}, {"groups", Json::parse(specs)},   {"files", files}};
+                {"optimizer", optimizer}, {"groups", std::move(specs)},    {"files", files}};
   };
   const bool async = options.async;
   std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "save");
@@ -164,20 +164,20 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   auto write = [this, name, kind, optimizer, dir, to_server_zero, async, describe, progress,
                 deadline = async ? absl::InfiniteFuture() : deadline,
                 shards = std::move(shards)]() -> absl::Status {
-    std::string group_specs;
+    Json group_specs;
     if (to_server_zero) {
       FLATSHARD_ASSIGN_OR_RETURN(const std::unique_ptr<PeerPartWriter> sink,
                                  peers_->WritePart(0, name, async, deadline));
       CountingSink counting(*sink, *progress);
       FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
                                  WriteShards(counting, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
-      return sink->Finish(describe(files, group_specs).dump());
+      return sink->Finish(describe(files, std::move(group_specs)).dump());
     }
     DirectorySink sink(dir);
     CountingSink counting(sink, *progress);
     FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
                                WriteShards(counting, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
-    return FinishPart(name, rank_, sink, describe(files, group_specs).dump(), /*async=*/false);
+    return FinishPart(name, rank_, sink, describe(files, std::move(group_specs)).dump(), /*async=*/false);
   };
   if (!async) return write();
   // The snapshot is taken; training goes on while the bytes are written. The last server

@@ -316,7 +316,7 @@ uint64_t PartBytes(CheckpointKind kind, bool optimizer, const std::vector<SavedS
 // JSON specs for the manifest.
 absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int rank, CheckpointKind kind,
                                                      bool optimizer, uint64_t max_file_bytes,
-                                                     const std::vector<SavedShard>& shards, std::string* group_specs) {
+                                                     const std::vector<SavedShard>& shards, Json* group_specs) {
   std::vector<std::string> files;
   if (kind == CheckpointKind::kFull) {
     FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank, shards, optimizer, max_file_bytes, files));
@@ -324,9 +324,8 @@ absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int r
     FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(sink, rank, kind, shards, optimizer, files));
   }
   if (group_specs != nullptr) {
-    Json specs = Json::array();
-    for (const SavedShard& shard : shards) specs.push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
-    *group_specs = specs.dump();
+    *group_specs = Json::array();
+    for (const SavedShard& shard : shards) group_specs->push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
   }
   return files;
 }

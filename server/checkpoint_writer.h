@@ -76,12 +76,12 @@ uint64_t PartBytes(CheckpointKind kind, bool optimizer, const std::vector<SavedS
 
 // Writes this server's part of the checkpoint files into `sink` (FULL files above
 // `max_file_bytes` of data are split Hugging Face style); returns the names of the files
-// it wrote to and, if asked, the groups' JSON specs for the manifest.
+// it wrote to and, if asked, the groups' specs for the manifest (a JSON array).
 [[nodiscard]] absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int rank,
                                                                    CheckpointKind kind, bool optimizer,
                                                                    uint64_t max_file_bytes,
                                                                    const std::vector<SavedShard>& shards,
-                                                                   std::string* group_specs);
+                                                                   nlohmann::json* group_specs);
 
 // A layout's tensors as the manifest lists them: [{"name", "shape", "dtype"}, ...].
 nlohmann::json TensorsJson(const FlatLayout& layout);
