@@ -53,6 +53,15 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                              HumanBytes(g.bytes()), g.optimizer(), g.pending_contributions());
     }
   }
+  // Checkpoint saves and loads under way (each server's tensor bytes).
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    for (const v1::CheckpointProgress& p : status->checkpoints_in_progress()) {
+      out << absl::StrFormat("\nserver %d: %s of checkpoint '%s': %s / %s\n", status->rank(), p.operation(),
+                             p.name(), HumanBytes(static_cast<int64_t>(p.done())),
+                             HumanBytes(static_cast<int64_t>(p.total())));
+    }
+  }
   for (const auto& status : statuses) {
     if (status.ok() && status->cluster_check() != "agreed") {
       out << absl::StrFormat("\nserver %d cluster check: %s\n", status->rank(), status->cluster_check());
