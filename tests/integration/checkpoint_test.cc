@@ -64,10 +64,16 @@ struct Trainer {
   }
 };
 
+// An empty directory of its own for a test (emptied if a crashed run left it).
+std::string FreshDir(const std::string& name) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/", name, "-", getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
 TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
-  const std::string root = ::testing::TempDir() + "/ckpt-integration";
-  std::filesystem::remove_all(root);
-  std::filesystem::create_directories(root);
+  const std::string root = FreshDir("ckpt-integration");
   testing::TestCluster three(3, "tok", ::testing::TempDir(), root);
   Trainer a(three);
   ASSERT_TRUE(a.client->InitGroupFromSeed("big", 3).ok());
@@ -116,9 +122,7 @@ TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
   std::vector<std::string> roots;
   std::vector<std::vector<std::string>> args;
   for (int rank = 0; rank < 2; ++rank) {
-    roots.push_back(absl::StrCat(::testing::TempDir(), "/own-root-", getpid(), "-", rank));
-    std::filesystem::remove_all(roots.back());
-    std::filesystem::create_directories(roots.back());
+    roots.push_back(FreshDir(absl::StrCat("own-root-", rank)));
     args.push_back({"--checkpoint_root=" + roots.back()});
   }
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), "", args);
@@ -156,13 +160,6 @@ TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
   ASSERT_TRUE(a.client->DeleteCheckpoint("mine").ok());
   for (const std::string& root : roots) EXPECT_FALSE(std::filesystem::exists(root + "/mine")) << root;
   for (const std::string& root : roots) std::filesystem::remove_all(root);
-}
-
-std::string FreshDir(const std::string& name) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/", name, "-", getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
 }
 
 // Roots that differ: FULL and SHARDED checkpoints are kept whole in server 0's root. Here
@@ -451,9 +448,7 @@ namespace flatshard {
 namespace {
 
 TEST(CheckpointIntegrationTest, AsyncSaveIsAConsistentCutWhileTrainingContinues) {
-  const std::string root = ::testing::TempDir() + "/ckpt-async";
-  std::filesystem::remove_all(root);
-  std::filesystem::create_directories(root);
+  const std::string root = FreshDir("ckpt-async");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
   Trainer a(cluster);
   ASSERT_TRUE(a.client->InitGroupFromSeed("big", 5).ok());
@@ -482,9 +477,7 @@ namespace flatshard {
 namespace {
 
 TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIntact) {
-  const std::string root = ::testing::TempDir() + "/ckpt-kill";
-  std::filesystem::remove_all(root);
-  std::filesystem::create_directories(root);
+  const std::string root = FreshDir("ckpt-kill");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();
