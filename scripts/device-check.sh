@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On a lent device machine (GPU), from the repository root: runs the GPU tests and the GPU
+# benchmarks from the binaries scripts/device-carry.sh put in .devcarry/, logs under
+# ${OUT:-/tmp/device-check}. Steps: any of tests, training, bench, kernels-bench
+# (default: tests training bench).
+set -uo pipefail
+carry=$PWD/.devcarry
+out=${OUT:-/tmp/device-check}
+mkdir -p "$out"
+nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH="$carry/lib${nccl_lib:+:$nccl_lib}"
+export FLATSHARD_NCCL_LIBRARY="${nccl_lib:+$nccl_lib/libnccl.so.2}"
+# integration_test starts the server from the path it was built with.
+mkdir -p /work/main/build/bin && ln -sf "$carry/bin/flatshard-server" /work/main/build/bin/flatshard-server
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+steps=("${@:-tests training bench}")
+status=0
+run() {  # name, command...
+  local name=$1; shift
+  echo "== $name"
+  "$@" >"$out/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "== $name: exit $rc"
+  [[ $rc == 0 ]] || status=1
+}
+for step in ${steps[*]}; do
+  case $step in
+    tests)
+      run kernels_cuda_test "$carry/bin/kernels_cuda_test"
+      run server_cuda_test "$carry/bin/server_cuda_test" ;;
+    training)
+      run integration_training "$carry/bin/integration_test" --gtest_filter='Training*' ;;
+    bench)
+      run ipc_cuda_bench "$carry/bin/ipc_cuda_bench" ;;
+    kernels-bench)
+      run kernels_cuda_bench "$carry/bin/kernels_cuda_bench" ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+exit $status
