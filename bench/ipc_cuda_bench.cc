@@ -1,10 +1,13 @@
 // Gather and scatter over the CUDA IPC data plane, as a ratio to a plain device-to-device
 // cudaMemcpy of the same bytes measured in the same run. Starts one flatshard-server
-// with --memory=device (the binary next to this one) on 127.0.0.1, and a worker (this
-// process) whose buffers are cudaMalloc memory on the same GPU. A gather is the RPC plus
-// the server's cast-and-write into the worker's buffer; a scatter the RPC plus the
-// server's copy into its staging slot (worker 0 of 2; worker 1's untimed scatter
-// completes each step). Median of 10 after 2 warm-ups.
+// with --memory=device (the binary next to this one) on 127.0.0.1, and two workers (in
+// this process) whose buffers are cudaMalloc memory on the same GPU. Each call is a
+// request on the worker's data connection plus the server's kernels:
+//   gather                 the cast-and-write of the shard into the worker's buffer;
+//   scatter                worker 0's: the copy of its gradient into a staging slot;
+//   scatter + step         worker 1's, the last of the step: its copy, the reduction of
+//                          both slots and the optimizer step (SGD), before it answers.
+// The smallest size shows the fixed cost of a call. Median of 10 after 2 warm-ups.
 //
 //   build/bin/ipc_cuda_bench
 #include <cuda_runtime.h>
@@ -42,16 +45,31 @@ void Check(const absl::Status& status, const char* what) {
   }
 }
 
-double MedianMs(const std::function<void()>& run) {
-  for (int i = 0; i < 2; ++i) run();
-  std::vector<double> times;
-  for (int i = 0; i < 10; ++i) {
-    const absl::Time start = absl::Now();
-    run();
-    times.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
-  }
+double Median(std::vector<double> times) {
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
+}
+
+// Median milliseconds of each of the phases `run` times, over 10 runs after 2 warm-ups.
+// `run` returns the phases' durations.
+std::vector<double> MedianMs(const std::function<std::vector<absl::Duration>()>& run) {
+  for (int i = 0; i < 2; ++i) run();
+  std::vector<std::vector<double>> phases;
+  for (int i = 0; i < 10; ++i) {
+    const std::vector<absl::Duration> times = run();
+    phases.resize(times.size());
+    for (size_t p = 0; p < times.size(); ++p) phases[p].push_back(absl::ToDoubleMilliseconds(times[p]));
+  }
+  std::vector<double> medians;
+  for (auto& times : phases) medians.push_back(Median(times));
+  return medians;
+}
+
+// How long `fn` takes.
+absl::Duration Timed(const std::function<void()>& fn) {
+  const absl::Time start = absl::Now();
+  fn();
+  return absl::Now() - start;
 }
 
 }  // namespace
@@ -96,7 +114,7 @@ int main(int, char** argv) {
               worker0->DataPlanes()[0].c_str());
   std::printf("| op | dtype | MiB | IPC (ms) | cudaMemcpy D2D (ms) | ratio |\n");
   std::printf("| --- | --- | ---: | ---: | ---: | ---: |\n");
-  for (int64_t numel : {int64_t{16} << 20, int64_t{64} << 20, int64_t{256} << 20}) {
+  for (int64_t numel : {int64_t{1} << 20, int64_t{16} << 20, int64_t{64} << 20, int64_t{256} << 20}) {
     const std::string group = absl::StrCat("g", numel);
     for (auto& worker : {worker0.get(), worker1.get()}) {
       Check(worker->RegisterGroup(group, {{"w", {numel}, DType::kFloat32}}, 0,
@@ -108,30 +126,39 @@ int main(int, char** argv) {
     Check(buffer.status(), "alloc");
     Check(copy.status(), "alloc");
     cudaMemset(buffer->data(), 0x3c, numel * 4);  // small positive floats, not zeros
+    cudaDeviceSynchronize();  // ready before a server reads it
     Check(kc::ExportDeviceBuffer(buffer->data()).status(), "CUDA IPC export of the worker buffer");
     for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
       const size_t bytes = numel * flatshard::DTypeSize(dtype);
       const absl::Span<std::byte> span(buffer->as<std::byte>(), bytes);
       const double memcpy_ms = MedianMs([&] {
-        cudaMemcpy(copy->data(), buffer->data(), bytes, cudaMemcpyDeviceToDevice);
-        cudaDeviceSynchronize();  // a device-to-device cudaMemcpy returns before it is done
-      });
+        return std::vector<absl::Duration>{Timed([&] {
+          cudaMemcpy(copy->data(), buffer->data(), bytes, cudaMemcpyDeviceToDevice);
+          cudaDeviceSynchronize();  // a device-to-device cudaMemcpy returns before it is done
+        })};
+      })[0];
       const double gather_ms = MedianMs([&] {
-        Check(worker0->Gather(group, 0, dtype, span).get().status(), "gather");
-      });
+        return std::vector<absl::Duration>{Timed([&] {
+          Check(worker0->Gather(group, 0, dtype, span).get().status(), "gather");
+        })};
+      })[0];
       int64_t step = worker0->WaitVersion(group, 0).value();
-      const double scatter_ms = MedianMs([&] {
-        Check(worker0->Scatter(group, step, dtype, span).get(), "scatter");
-        Check(worker1->Scatter(group, step, dtype, span).get(), "scatter");  // completes the step
+      const std::vector<double> scatter_ms = MedianMs([&] {
+        std::vector<absl::Duration> phases = {
+            Timed([&] { Check(worker0->Scatter(group, step, dtype, span).get(), "scatter"); }),
+            Timed([&] { Check(worker1->Scatter(group, step, dtype, span).get(), "scatter"); })};
         ++step;
+        return phases;
       });
-      // Worker 1's scatter is the same work; half the pair is one worker's scatter.
       const char* name = dtype == DType::kFloat32 ? "float32" : "bfloat16";
       const double mib = bytes / double(1 << 20);
-      std::printf("| gather | %s | %.0f | %.3f | %.3f | %.2fx |\n", name, mib, gather_ms, memcpy_ms,
-                  memcpy_ms / gather_ms);
-      std::printf("| scatter (+ step) | %s | %.0f | %.3f | %.3f | %.2fx |\n", name, mib,
-                  scatter_ms / 2, memcpy_ms, memcpy_ms / (scatter_ms / 2));
+      auto row = [&](const char* op, double ms) {
+        std::printf("| %s | %s | %.0f | %.3f | %.3f | %.2fx |\n", op, name, mib, ms, memcpy_ms,
+                    memcpy_ms / ms);
+      };
+      row("gather", gather_ms);
+      row("scatter", scatter_ms[0]);
+      row("scatter + step", scatter_ms[1]);
     }
   }
   const auto status = flatshard::FetchClusterStatus({address}, "", absl::Seconds(10));

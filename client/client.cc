@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -203,10 +204,9 @@ class ClientImpl final : public Client {
     if (!parts.ok()) return ReadyFuture<absl::StatusOr<int64_t>>(parts.status());
     const int device = client_internal::DeviceOf(out.data());
     if (device >= 0) {
-      return std::async(std::launch::async, [=, this, parts = *std::move(parts)] {
-        return DeviceTransfer(transport::DataOp::kGather, group, min_version, dtype, out.data(),
-                              parts, device);
-      });
+      return DeviceTransfer<absl::StatusOr<int64_t>>(transport::DataOp::kGather, group,
+                                                     min_version, dtype, out.data(),
+                                                     *std::move(parts), device);
     }
     return Transfer<absl::StatusOr<int64_t>>(transport::DataOp::kGather, group, min_version,
                                              dtype, {}, *parts);
@@ -219,11 +219,8 @@ class ClientImpl final : public Client {
     if (!parts.ok()) return ReadyFuture<absl::Status>(parts.status());
     const int device = client_internal::DeviceOf(grad.data());
     if (device >= 0) {
-      return std::async(std::launch::async, [=, this, parts = *std::move(parts)] {
-        return DeviceTransfer(transport::DataOp::kScatter, group, step, dtype, grad.data(), parts,
-                              device)
-            .status();
-      });
+      return DeviceTransfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype,
+                                          grad.data(), *std::move(parts), device);
     }
     std::vector<absl::Span<const std::byte>> sends(parts->begin(), parts->end());
     return Transfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype, sends, {});
@@ -580,22 +577,68 @@ class ClientImpl final : public Client {
 
   // Gather into / scatter from a device buffer (`parts` are its per-server slices):
   // CUDA IPC to servers on the same GPU; host staging and the TCP data plane to the
-  // others (and to all when the buffer cannot be exported, e.g. pooled memory).
-  absl::StatusOr<int64_t> DeviceTransfer(transport::DataOp op, const std::string& group,
-                                         int64_t version, DType dtype, const void* buffer,
-                                         const std::vector<absl::Span<std::byte>>& parts,
-                                         int device) {
-    const bool gather = op == transport::DataOp::kGather;
+  // others (and to all when the buffer cannot be exported, e.g. pooled memory). When
+  // every server is on the buffer's GPU, the requests go straight to the data channels
+  // (no thread of its own, no copies).
+  template <typename Result>
+  std::future<Result> DeviceTransfer(transport::DataOp op, const std::string& group,
+                                     int64_t version, DType dtype, const void* buffer,
+                                     std::vector<absl::Span<std::byte>> parts, int device) {
     absl::StatusOr<client_internal::IpcExport> exported = client_internal::ExportForIpc(buffer);
     std::vector<int> ipc_servers, tcp_servers;
     for (int i = 0; i < num_servers(); ++i) {
       (exported.ok() && IpcReachable(i, device) ? ipc_servers : tcp_servers).push_back(i);
     }
-    // TCP servers go through host copies of their slices.
+    auto targets = std::make_shared<std::vector<transport::IpcTarget>>(num_servers());
+    std::vector<absl::Span<const std::byte>> target_bytes(num_servers());
+    for (int i : ipc_servers) {
+      transport::IpcTarget& target = (*targets)[i];
+      std::memcpy(target.handle, exported->handle.data(),
+                  std::min(exported->handle.size(), sizeof(target.handle)));
+      target.offset = exported->offset + static_cast<uint64_t>(parts[i].data() - parts[0].data());
+      target.bytes = parts[i].size();
+      target_bytes[i] = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target));
+    }
+    const transport::DataOp ipc_op =
+        op == transport::DataOp::kGather ? transport::DataOp::kIpcGather : transport::DataOp::kIpcScatter;
+    if (tcp_servers.empty()) {
+      // The targets must outlive the requests, which the future's completion ends.
+      return Transfer<Result>(ipc_op, group, version, dtype, std::move(target_bytes), {},
+                              std::move(ipc_servers), targets);
+    }
+    return std::async(std::launch::async, [=, this, parts = std::move(parts)]() -> Result {
+      std::future<absl::StatusOr<int64_t>> ipc;
+      if (!ipc_servers.empty()) {
+        ipc = Transfer<absl::StatusOr<int64_t>>(ipc_op, group, version, dtype, target_bytes, {},
+                                                ipc_servers, targets);
+      }
+      absl::StatusOr<int64_t> result = StagedTransfer(op, group, version, dtype, parts, tcp_servers);
+      if (ipc.valid()) {
+        absl::StatusOr<int64_t> ipc_result = ipc.get();
+        if (!ipc_result.ok()) {
+          result = ipc_result.status();
+        } else if (result.ok()) {
+          result = std::min(*result, *ipc_result);
+        }
+      }
+      if constexpr (std::is_same_v<Result, absl::Status>) {
+        return result.status();
+      } else {
+        return result;
+      }
+    });
+  }
+
+  // The TCP data plane for device buffers: through host copies of the slices of `servers`.
+  absl::StatusOr<int64_t> StagedTransfer(transport::DataOp op, const std::string& group,
+                                         int64_t version, DType dtype,
+                                         const std::vector<absl::Span<std::byte>>& parts,
+                                         const std::vector<int>& servers) {
+    const bool gather = op == transport::DataOp::kGather;
     std::vector<std::vector<std::byte>> staging(num_servers());
     std::vector<absl::Span<const std::byte>> sends(num_servers());
     std::vector<absl::Span<std::byte>> receives(num_servers());
-    for (int i : tcp_servers) {
+    for (int i : servers) {
       staging[i].resize(parts[i].size());
       if (!gather) {
         FLATSHARD_RETURN_IF_ERROR(
@@ -604,47 +647,15 @@ class ClientImpl final : public Client {
       sends[i] = staging[i];
       receives[i] = absl::MakeSpan(staging[i]);
     }
-    std::future<absl::StatusOr<int64_t>> tcp;
-    if (!tcp_servers.empty()) {
-      tcp = Transfer<absl::StatusOr<int64_t>>(op, group, version, dtype,
-                                              gather ? std::vector<absl::Span<const std::byte>>{} : sends,
-                                              gather ? receives : std::vector<absl::Span<std::byte>>{},
-                                              tcp_servers);
-    }
-    std::vector<std::future<absl::StatusOr<int64_t>>> ipc;
-    for (size_t k = 0; k < ipc_servers.size(); ++k) {
-      const int i = ipc_servers[k];
-      v1::IpcTransferRequest request;
-      request.set_job(options_.job);
-      request.set_group(group);
-      request.set_worker_rank(options_.worker_rank);
-      request.set_version(version);
-      request.set_dtype(ToProto(dtype));
-      request.set_ipc_handle(exported->handle);
-      request.set_offset(exported->offset + static_cast<uint64_t>(parts[i].data() - parts[0].data()));
-      request.set_bytes(parts[i].size());
-      request.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.timeout)));
-      auto call = [this, i, gather, request]() -> absl::StatusOr<int64_t> {
-        v1::IpcTransferResponse response;
-        FLATSHARD_RETURN_IF_ERROR(Call(i, gather ? &v1::Flatshard::Stub::IpcGather : &v1::Flatshard::Stub::IpcScatter,
-                                       request, &response, options_.timeout + absl::Seconds(5)));
-        return response.version();
-      };
-      // The last one runs on this thread: no thread start for a single server.
-      ipc.push_back(k + 1 < ipc_servers.size() ? std::async(std::launch::async, call)
-                                               : std::async(std::launch::deferred, call));
-    }
-    absl::Status status;
-    int64_t min_version = std::numeric_limits<int64_t>::max();
-    auto collect = [&](absl::StatusOr<int64_t> result) {
-      status.Update(result.status());
-      if (result.ok()) min_version = std::min(min_version, *result);
-    };
-    for (auto& result : ipc) collect(result.get());
-    if (tcp.valid()) collect(tcp.get());
-    if (!status.ok()) return status;
+    FLATSHARD_ASSIGN_OR_RETURN(
+        int64_t min_version,
+        Transfer<absl::StatusOr<int64_t>>(op, group, version, dtype,
+                                          gather ? std::vector<absl::Span<const std::byte>>{} : sends,
+                                          gather ? receives : std::vector<absl::Span<std::byte>>{},
+                                          servers)
+            .get());
     if (gather) {
-      for (int i : tcp_servers) {
+      for (int i : servers) {
         FLATSHARD_RETURN_IF_ERROR(
             client_internal::CopyToDevice(parts[i].data(), staging[i].data(), staging[i].size()));
       }
@@ -654,11 +665,13 @@ class ClientImpl final : public Client {
 
   // One request per server in `servers` (all when empty) on its data channel:
   // `sends[i]` is server i's payload, or `receives[i]` its response payload's destination.
+  // `keep_alive` is held until every request has finished (what `sends` points into).
   template <typename Result>
   std::future<Result> Transfer(transport::DataOp op, const std::string& group, int64_t version,
                                DType dtype, std::vector<absl::Span<const std::byte>> sends,
                                std::vector<absl::Span<std::byte>> receives,
-                               std::vector<int> servers = {}) {
+                               std::vector<int> servers = {},
+                               std::shared_ptr<const void> keep_alive = nullptr) {
     if (servers.empty()) {
       for (int i = 0; i < num_servers(); ++i) servers.push_back(i);
     }
@@ -674,7 +687,8 @@ class ClientImpl final : public Client {
       const absl::Span<const std::byte> send = sends.empty() ? absl::Span<const std::byte>() : sends[i];
       const absl::Span<std::byte> receive = receives.empty() ? absl::Span<std::byte>() : receives[i];
       const std::string server = options_.servers[i];
-      channels_[i]->Submit([=, this](absl::StatusOr<transport::Connection*> conn) {
+      channels_[i]->Submit([=, this, hold = keep_alive](absl::StatusOr<transport::Connection*> conn) {
+        (void)hold;
         auto fail = [&](const absl::Status& status) {
           completion->Finish(absl::Status(status.code(),
                                           absl::StrCat("server ", server, ": ", status.message())),

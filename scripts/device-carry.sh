@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (no GPU): copies the GPU test and benchmark binaries of build/ and the non-system
 # shared libraries they need into .devcarry/, which a lent device machine receives with
-# `carry: [".devcarry"]` and runs with scripts/device-check.sh. NCCL is not carried
+# `carry: [".devcarry"]` and runs with scripts/device-check.sh, with a checkpoint for the
+# safetensors library check. NCCL is not carried
 # (218 MB): the binaries load it at run time from the device's PyTorch environment.
 set -euo pipefail
 build_dir=${1:-build}
@@ -14,4 +15,9 @@ strip --strip-debug "$carry"/bin/*
 ldd "${binaries[@]}" | awk '/=> \//{print $3}' | sort -u |
   grep -v -E '/(libc|libm|libgcc_s|libstdc\+\+|libpthread|libdl|librt|libz)\.so' |
   xargs -r cp -L -t "$carry/lib/"
+# A FULL checkpoint for the safetensors library there (Debian has no package of it).
+if [[ -d "$build_dir/python/flatshard" ]]; then
+  PYTHONPATH="$build_dir/python:tests/python" /usr/bin/python3 \
+    tests/python/safetensors_library_check.py make "$carry/safetensors-sample"
+fi
 du -sh "$carry"

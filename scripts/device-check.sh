@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a lent device machine (GPU), from the repository root: runs the GPU tests and the GPU
 # benchmarks from the binaries scripts/device-carry.sh put in .devcarry/, logs under
-# ${OUT:-/tmp/device-check}. Steps: any of tests, training, bench, kernels-bench
-# (default: tests training bench).
+# ${OUT:-/tmp/device-check}. Steps: any of tests, training, bench, kernels-bench,
+# safetensors (default: tests training bench).
 set -uo pipefail
 carry=$PWD/.devcarry
 out=${OUT:-/tmp/device-check}
@@ -34,6 +34,9 @@ for step in ${steps[*]}; do
       run ipc_cuda_bench "$carry/bin/ipc_cuda_bench" ;;
     kernels-bench)
       run kernels_cuda_bench "$carry/bin/kernels_cuda_bench" ;;
+    safetensors)
+      run safetensors_library python3 tests/python/safetensors_library_check.py check \
+        "$carry/safetensors-sample" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done

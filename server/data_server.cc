@@ -13,15 +13,16 @@ using transport::Connection;
 using transport::DataOp;
 using transport::Request;
 
-absl::Time DeadlineFromTimeout(int64_t timeout_ms) {
-  return absl::Now() + absl::Milliseconds(std::clamp<int64_t>(timeout_ms, 0, 24 * 3600 * 1000));
-}
-
 }  // namespace
 
-DataServer::DataServer(Registry& registry, ClipCoordinator& clip, const SessionTokens& sessions,
-                       ServerStats& stats, DataServerOptions options)
-    : registry_(registry), clip_(clip), sessions_(sessions), stats_(stats), options_(options) {}
+DataServer::DataServer(Registry& registry, ClipCoordinator& clip, IpcPlane& ipc,
+                       const SessionTokens& sessions, ServerStats& stats, DataServerOptions options)
+    : registry_(registry),
+      clip_(clip),
+      ipc_(ipc),
+      sessions_(sessions),
+      stats_(stats),
+      options_(options) {}
 
 DataServer::~DataServer() { Stop(); }
 
@@ -118,6 +119,9 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
     case DataOp::kScatter:
     case DataOp::kPushInit:
       return ServeReceive(conn, request);
+    case DataOp::kIpcGather:
+    case DataOp::kIpcScatter:
+      return ServeIpc(conn, request);
     case DataOp::kHello:
       return Refuse(conn, request,
                     absl::FailedPreconditionError("this connection is already authenticated"));
@@ -142,7 +146,7 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
   if (!group.ok()) return Refuse(conn, request, group.status());
   absl::StatusOr<GatherSnapshot> snapshot =
-      (*group)->Gather(request.version, request.dtype, DeadlineFromTimeout(request.timeout_ms));
+      (*group)->Gather(request.version, request.dtype, request.Deadline());
   if (!snapshot.ok()) return Refuse(conn, request, snapshot.status());
   const absl::Status sent = transport::SendResponse(conn, absl::OkStatus(), snapshot->version,
                                                     absl::MakeConstSpan(snapshot->bytes->bytes()));
@@ -189,6 +193,24 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
   }
   if (!committed.ok()) ++stats_.errors;
   return transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
+}
+
+bool DataServer::ServeIpc(Connection& conn, const Request& request) {
+  transport::IpcTarget target;
+  if (request.payload_bytes != static_cast<int64_t>(sizeof(target))) {
+    return Refuse(conn, request,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "a CUDA IPC request carries a ", sizeof(target), "-byte target; this one ",
+                      request.payload_bytes, " bytes")));
+  }
+  if (!conn.Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(&target), sizeof(target))).ok()) {
+    return false;
+  }
+  absl::StatusOr<int64_t> version = request.op == DataOp::kIpcGather
+                                        ? ipc_.Gather(request, target)
+                                        : ipc_.Scatter(request, target);
+  if (!version.ok()) ++stats_.errors;
+  return transport::SendResponse(conn, version.status(), version.value_or(0), {}).ok();
 }
 
 }  // namespace flatshard::server

@@ -2,7 +2,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
-#include "proto/convert.h"
 #if FLATSHARD_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -44,49 +43,53 @@ struct Resolved {
 };
 
 absl::StatusOr<Resolved> Resolve(Registry& registry, kernels::cuda::IpcMappings& mappings,
-                                 const v1::IpcTransferRequest& request) {
+                                 const transport::Request& request,
+                                 const transport::IpcTarget& target) {
   FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<Group> group,
-                             registry.FindGroup(request.job(), request.group()));
-  FLATSHARD_ASSIGN_OR_RETURN(DType dtype, FromProto(request.dtype()));
-  const uint64_t expected = static_cast<uint64_t>(group->shard_numel()) * DTypeSize(dtype);
-  if (request.bytes() != expected) {
+                             registry.FindGroup(request.job, request.group));
+  const uint64_t expected = static_cast<uint64_t>(group->shard_numel()) * DTypeSize(request.dtype);
+  if (target.bytes != expected) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "CUDA IPC transfer for group '", request.group(), "' names ", request.bytes(),
+        "CUDA IPC transfer for group '", request.group, "' names ", target.bytes,
         " bytes; this server's shard is ", expected, " (", group->shard_numel(), " ",
-        DTypeName(dtype), " elements)"));
+        DTypeName(request.dtype), " elements)"));
   }
-  FLATSHARD_ASSIGN_OR_RETURN(kernels::cuda::MappedBuffer buffer,
-                             mappings.Map(request.ipc_handle(), request.offset(), request.bytes()));
-  return Resolved{std::move(group), dtype, std::move(buffer)};
+  FLATSHARD_ASSIGN_OR_RETURN(
+      kernels::cuda::MappedBuffer buffer,
+      mappings.Map(std::string(target.handle, sizeof(target.handle)), target.offset, target.bytes));
+  return Resolved{std::move(group), request.dtype, std::move(buffer)};
 }
 
 }  // namespace
 #endif
 
-absl::StatusOr<int64_t> IpcPlane::Gather(const v1::IpcTransferRequest& request) {
+absl::StatusOr<int64_t> IpcPlane::Gather(const transport::Request& request,
+                                         const transport::IpcTarget& target) {
 #if FLATSHARD_HAVE_CUDA
   if (mappings_ != nullptr) {
-    FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request));
+    FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request, target));
     FLATSHARD_ASSIGN_OR_RETURN(
-        int64_t version, r.group->GatherInto(request.version(), r.dtype, r.buffer.data,
-                                             absl::Now() + absl::Milliseconds(request.timeout_ms())));
+        int64_t version,
+        r.group->GatherInto(request.version, r.dtype, r.buffer.data, request.Deadline()));
     ++stats_.gathers;
     ++stats_.ipc_gathers;
-    stats_.bytes_sent += static_cast<int64_t>(request.bytes());
+    stats_.bytes_sent += static_cast<int64_t>(target.bytes);
     return version;
   }
 #endif
   (void)request;
+  (void)target;
   return absl::FailedPreconditionError(
       "this server does not keep its shards in GPU memory; use the TCP data plane");
 }
 
-absl::StatusOr<int64_t> IpcPlane::Scatter(const v1::IpcTransferRequest& request) {
+absl::StatusOr<int64_t> IpcPlane::Scatter(const transport::Request& request,
+                                          const transport::IpcTarget& target) {
 #if FLATSHARD_HAVE_CUDA
   if (mappings_ != nullptr) {
-    FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request));
+    FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request, target));
     FLATSHARD_ASSIGN_OR_RETURN(
-        ReceiveSlot slot, r.group->BeginScatter(request.version(), request.worker_rank(), r.dtype,
+        ReceiveSlot slot, r.group->BeginScatter(request.version, request.worker_rank, r.dtype,
                                                 SlotMemory::kDevice));
     if (absl::Status filled = r.group->FillDeviceSlot(slot, r.buffer.data); !filled.ok()) {
       r.group->AbortScatter(slot);
@@ -95,14 +98,15 @@ absl::StatusOr<int64_t> IpcPlane::Scatter(const v1::IpcTransferRequest& request)
     FLATSHARD_ASSIGN_OR_RETURN(CommitOutcome outcome, r.group->CommitScatter(slot));
     ++stats_.scatters;
     ++stats_.ipc_scatters;
-    stats_.bytes_received += static_cast<int64_t>(request.bytes());
+    stats_.bytes_received += static_cast<int64_t>(target.bytes);
     if (outcome == CommitOutcome::kReduced) {
-      FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(request.job(), request.version()));
+      FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(request.job, request.version));
     }
     return r.group->version();
   }
 #endif
   (void)request;
+  (void)target;
   return absl::FailedPreconditionError(
       "this server does not keep its shards in GPU memory; use the TCP data plane");
 }

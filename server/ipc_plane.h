@@ -1,5 +1,6 @@
-// IpcPlane: the server side of the CUDA IPC data plane (proto IpcGather / IpcScatter),
-// for workers on the same GPU as this --memory=device server. It maps the worker's
+// IpcPlane: the server side of the CUDA IPC data plane (data-plane ops kIpcGather and
+// kIpcScatter, served by DataServer on the worker's data connections), for workers on
+// the same GPU as this --memory=device server. It maps the worker's
 // exported buffer (cached per allocation) and has the group write the gathered shard
 // into it, or copy the gradient out of it into a device staging slot, before the call
 // returns. Exactly-once, versions, deadlines and clipping as on the TCP data plane.
@@ -12,10 +13,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "proto/flatshard.pb.h"
 #include "server/clip_coordinator.h"
 #include "server/registry.h"
 #include "server/stats.h"
+#include "transport/data_protocol.h"
 
 namespace flatshard::server {
 
@@ -30,10 +31,14 @@ class IpcPlane {
   // Starts the plane when `tier` is the device; anything else leaves it off.
   [[nodiscard]] absl::Status Start(MemoryTier tier);
 
-  // Returns the version written.
-  [[nodiscard]] absl::StatusOr<int64_t> Gather(const v1::IpcTransferRequest& request);
-  // Returns the group's version after the contribution.
-  [[nodiscard]] absl::StatusOr<int64_t> Scatter(const v1::IpcTransferRequest& request);
+  // `request` (kIpcGather) names the group, dtype and min_version; `target` the worker's
+  // buffer. Returns the version written.
+  [[nodiscard]] absl::StatusOr<int64_t> Gather(const transport::Request& request,
+                                               const transport::IpcTarget& target);
+  // `request` (kIpcScatter) names the group, dtype, step and worker. Returns the group's
+  // version after the contribution.
+  [[nodiscard]] absl::StatusOr<int64_t> Scatter(const transport::Request& request,
+                                                const transport::IpcTarget& target);
 
  private:
   struct Mappings;  // kernels::cuda::IpcMappings, in CUDA builds

@@ -72,7 +72,7 @@ absl::Status Server::Start() {
     data_port = 0;
   }
   FLATSHARD_RETURN_IF_ERROR(ipc_.Start(memory_tier()));
-  data_ = std::make_unique<DataServer>(registry_, clip_, sessions_, stats_, options_.data);
+  data_ = std::make_unique<DataServer>(registry_, clip_, ipc_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
 
   ServiceIdentity identity{.rank = options_.rank,
@@ -83,7 +83,7 @@ absl::Status Server::Start() {
                            .gpu_uuid = ipc_.gpu_uuid(),
                            .auth_token = options_.auth_token};
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
-                                                stats_, ipc_, [this] { return cluster_check(); });
+                                                stats_, [this] { return cluster_check(); });
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &control_port_);
   builder.RegisterService(service_.get());

@@ -107,7 +107,7 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
 FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
                                    ClipCoordinator& clip, CheckpointStore& checkpoints,
                                    SessionTokens& sessions,
-                                   const ServerStats& stats, IpcPlane& ipc,
+                                   const ServerStats& stats,
                                    std::function<std::string()> cluster_check)
     : identity_(std::move(identity)),
       registry_(registry),
@@ -115,7 +115,6 @@ FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
       checkpoints_(checkpoints),
       sessions_(sessions),
       stats_(stats),
-      ipc_(ipc),
       cluster_check_(std::move(cluster_check)) {}
 
 grpc::Status FlatshardService::Authenticate(const grpc::ServerContext* ctx) const {
@@ -387,26 +386,6 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   if (absl::StatusOr<std::string> root_id = checkpoints_.RootId(); root_id.ok()) {
     response->set_checkpoint_root_id(*root_id);
   }
-  return grpc::Status::OK;
-}
-
-grpc::Status FlatshardService::IpcGather(grpc::ServerContext* ctx,
-                                         const v1::IpcTransferRequest* request,
-                                         v1::IpcTransferResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  absl::StatusOr<int64_t> version = ipc_.Gather(*request);
-  if (!version.ok()) return ToGrpc(version.status());
-  response->set_version(*version);
-  return grpc::Status::OK;
-}
-
-grpc::Status FlatshardService::IpcScatter(grpc::ServerContext* ctx,
-                                          const v1::IpcTransferRequest* request,
-                                          v1::IpcTransferResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  absl::StatusOr<int64_t> version = ipc_.Scatter(*request);
-  if (!version.ok()) return ToGrpc(version.status());
-  response->set_version(*version);
   return grpc::Status::OK;
 }
 

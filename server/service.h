@@ -14,7 +14,6 @@
 #include "server/auth.h"
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
-#include "server/ipc_plane.h"
 #include "server/registry.h"
 #include "server/stats.h"
 
@@ -34,7 +33,7 @@ class FlatshardService final : public v1::Flatshard::Service {
  public:
   FlatshardService(ServiceIdentity identity, Registry& registry, ClipCoordinator& clip,
                    CheckpointStore& checkpoints, SessionTokens& sessions, const ServerStats& stats,
-                   IpcPlane& ipc, std::function<std::string()> cluster_check);
+                   std::function<std::string()> cluster_check);
 
   grpc::Status GetClusterInfo(grpc::ServerContext* ctx, const v1::GetClusterInfoRequest* request,
                               v1::ClusterInfo* response) override;
@@ -70,10 +69,6 @@ class FlatshardService final : public v1::Flatshard::Service {
                                   grpc::ServerWriter<v1::ReadCheckpointFileChunk>* writer) override;
   grpc::Status PushNormPartial(grpc::ServerContext* ctx, const v1::PushNormPartialRequest* request,
                                v1::PushNormPartialResponse* response) override;
-  grpc::Status IpcGather(grpc::ServerContext* ctx, const v1::IpcTransferRequest* request,
-                         v1::IpcTransferResponse* response) override;
-  grpc::Status IpcScatter(grpc::ServerContext* ctx, const v1::IpcTransferRequest* request,
-                          v1::IpcTransferResponse* response) override;
 
  private:
   grpc::Status Authenticate(const grpc::ServerContext* ctx) const;
@@ -84,7 +79,6 @@ class FlatshardService final : public v1::Flatshard::Service {
   CheckpointStore& checkpoints_;
   SessionTokens& sessions_;
   const ServerStats& stats_;
-  IpcPlane& ipc_;
   const std::function<std::string()> cluster_check_;
   const absl::Time started_ = absl::Now();
 };

@@ -1,5 +1,6 @@
 #include "transport/data_protocol.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -25,6 +26,10 @@ absl::Status RecvString(Connection& conn, size_t bytes, std::string& out) {
 
 }  // namespace
 
+absl::Time Request::Deadline() const {
+  return absl::Now() + absl::Milliseconds(std::clamp<int64_t>(timeout_ms, 0, 24 * 3600 * 1000));
+}
+
 absl::Status SendRequest(Connection& conn, RequestHeader header, absl::string_view job,
                          absl::string_view group, absl::Span<const std::byte> payload) {
   if (job.size() > kMaxNameBytes || group.size() > kMaxNameBytes) {
@@ -46,7 +51,7 @@ absl::StatusOr<Request> RecvRequest(Connection& conn) {
         absl::StrCat("bad frame: magic 0x", absl::Hex(header.magic), " is not a flatshard request"));
   }
   if (header.op < static_cast<uint8_t>(DataOp::kHello) ||
-      header.op > static_cast<uint8_t>(DataOp::kPushInit)) {
+      header.op > static_cast<uint8_t>(DataOp::kIpcScatter)) {
     return absl::InvalidArgumentError(absl::StrCat("bad frame: unknown op ", header.op));
   }
   if (header.dtype > static_cast<uint8_t>(DType::kFloat16)) {

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
 #include "transport/transport.h"
@@ -31,6 +32,10 @@ enum class DataOp : uint8_t {
   kGather = 2,    // version = min_version; response payload: the shard in `dtype`
   kScatter = 3,   // version = step; payload: this server's gradient slice in `dtype`
   kPushInit = 4,  // payload: this server's shard of initial values in `dtype`
+  // CUDA IPC, for a worker on the GPU of a --memory=device server: the payload is an
+  // IpcTarget naming the worker's device buffer, and the server's kernels move the bytes.
+  kIpcGather = 5,   // version = min_version; the server writes the shard in `dtype` there
+  kIpcScatter = 6,  // version = step; the server reads the gradient slice in `dtype` there
 };
 
 inline constexpr uint32_t kRequestMagic = 0x31445346;   // "FSD1"
@@ -61,7 +66,15 @@ struct ResponseHeader {
   uint32_t reserved = 0;
 };
 #pragma pack(pop)
+// The payload of kIpcGather and kIpcScatter: `bytes` at `offset` of the worker's
+// allocation that `handle` (cudaIpcMemHandle_t) exports.
+struct IpcTarget {
+  char handle[64] = {};
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
 static_assert(sizeof(RequestHeader) == 40);
+static_assert(sizeof(IpcTarget) == 80);
 static_assert(sizeof(ResponseHeader) == 32);
 
 // A request whose header and names have been read and checked; the payload (if any) is
@@ -75,6 +88,9 @@ struct Request {
   int64_t timeout_ms = 0;
   std::string job;
   std::string group;
+
+  // When waiting on the request's behalf must end: timeout_ms from now, at most a day.
+  absl::Time Deadline() const;
 };
 
 // Sends header + names + payload (header.payload_bytes is set from `payload`).

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -13,22 +14,26 @@
 namespace flatshard::kernels::cuda {
 namespace {
 
-// cuMemGetAddressRange through the runtime's driver entry point, so that nothing links
-// libcuda (it exists only where a driver is installed; the runtime loads it lazily).
+// A driver function through the runtime's entry point, so that nothing links libcuda
+// (it exists only where a driver is installed; the runtime loads it lazily). Null when
+// the driver lacks it.
+template <typename Fn>
+Fn DriverFunction(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+using GetPointerAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
 
 absl::StatusOr<std::pair<CUdeviceptr, size_t>> AddressRange(const void* ptr) {
-  static GetAddressRange get_range = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<GetAddressRange>(nullptr);
-    }
-    return reinterpret_cast<GetAddressRange>(fn);
-  }();
+  static const GetAddressRange get_range = DriverFunction<GetAddressRange>("cuMemGetAddressRange");
   if (get_range == nullptr) return absl::InternalError("the CUDA driver has no cuMemGetAddressRange");
   CUdeviceptr base = 0;
   size_t size = 0;
@@ -38,6 +43,73 @@ absl::StatusOr<std::pair<CUdeviceptr, size_t>> AddressRange(const void* ptr) {
   }
   return std::make_pair(base, size);
 }
+
+// What the driver knows of the allocation holding `ptr`, in one call that needs no
+// current context.
+struct Allocation {
+  unsigned int memory_type = 0;  // CUmemorytype; 0 for memory CUDA does not know
+  int device = -1;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  unsigned long long buffer_id = 0;  // unique to the allocation for the process's life
+  int ipc_capable = 0;               // 1 when cudaIpcGetMemHandle works (not pooled or managed)
+};
+
+absl::StatusOr<Allocation> AllocationOf(const void* ptr) {
+  static const GetPointerAttributes get =
+      DriverFunction<GetPointerAttributes>("cuPointerGetAttributes");
+  if (get == nullptr) return absl::InternalError("the CUDA driver has no cuPointerGetAttributes");
+  Allocation a;
+  CUpointer_attribute attributes[] = {
+      CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+      CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
+  void* values[] = {&a.memory_type, &a.device, &a.base, &a.size, &a.buffer_id, &a.ipc_capable};
+  if (get(6, attributes, values, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) {
+    return absl::InvalidArgumentError(absl::StrFormat("%p is not device memory", ptr));
+  }
+  return a;
+}
+
+// Makes `device` current on this thread for its lifetime, then restores the caller's.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// Exports already made, by allocation (buffer id): a handle costs a driver round trip
+// and stays valid for the allocation's life. Ids are never reused, so a freed
+// allocation's entry is never found again; the cache is emptied when it grows large.
+class ExportCache {
+ public:
+  std::optional<std::string> Find(unsigned long long buffer_id) {
+    absl::MutexLock lock(&mu_);
+    auto it = handles_.find(buffer_id);
+    if (it == handles_.end()) return std::nullopt;
+    return it->second;
+  }
+  void Add(unsigned long long buffer_id, std::string handle) {
+    absl::MutexLock lock(&mu_);
+    if (handles_.size() >= kMaxEntries) handles_.clear();
+    handles_.emplace(buffer_id, std::move(handle));
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 4096;
+  absl::Mutex mu_;
+  absl::flat_hash_map<unsigned long long, std::string> handles_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace
 
@@ -51,33 +123,48 @@ int DeviceOfPointer(const void* ptr) {
 }
 
 absl::StatusOr<std::string> DeviceUuid(int ordinal) {
+  // cudaGetDeviceProperties costs a fraction of a millisecond, and transfers ask per call.
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* known = new absl::flat_hash_map<int, std::string>();
+  absl::MutexLock lock(&mu);
+  if (auto it = known->find(ordinal); it != known->end()) return it->second;
   cudaDeviceProp prop{};
   FLATSHARD_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, ordinal));
   const auto* b = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
-  return absl::StrFormat("GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-                         b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
-                         b[12], b[13], b[14], b[15]);
+  std::string uuid =
+      absl::StrFormat("GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+                      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
+                      b[12], b[13], b[14], b[15]);
+  known->emplace(ordinal, uuid);
+  return uuid;
 }
 
 absl::StatusOr<ExportedBuffer> ExportDeviceBuffer(const void* ptr) {
-  const int device = DeviceOfPointer(ptr);
-  if (device < 0) {
+  FLATSHARD_ASSIGN_OR_RETURN(Allocation a, AllocationOf(ptr));
+  if (a.memory_type != CU_MEMORYTYPE_DEVICE || a.device < 0) {
     return absl::InvalidArgumentError(absl::StrFormat("%p is not device memory", ptr));
   }
-  // The driver call below needs the device's context current on this thread, which a
-  // fresh thread does not have until a runtime call binds it.
-  FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  FLATSHARD_ASSIGN_OR_RETURN(auto range, AddressRange(ptr));
-  cudaIpcMemHandle_t handle{};
-  const cudaError_t err = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(range.first));
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "device memory at ", absl::StrFormat("%p", ptr),
-        " cannot be shared with CUDA IPC (allocate it with cudaMalloc): ", cudaGetErrorString(err)));
+  if (!a.ipc_capable) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "device memory at %p cannot be shared with CUDA IPC (allocate it with cudaMalloc, "
+        "not from a pool or as managed memory)", ptr));
   }
-  return ExportedBuffer{std::string(handle.reserved, sizeof(handle.reserved)),
-                        reinterpret_cast<uintptr_t>(ptr) - range.first, range.second};
+  static ExportCache* cache = new ExportCache();
+  std::optional<std::string> handle = cache->Find(a.buffer_id);
+  if (!handle.has_value()) {
+    DeviceGuard guard(a.device);
+    cudaIpcMemHandle_t ipc{};
+    const cudaError_t err = cudaIpcGetMemHandle(&ipc, reinterpret_cast<void*>(a.base));
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device memory at ", absl::StrFormat("%p", ptr),
+          " cannot be shared with CUDA IPC (allocate it with cudaMalloc): ", cudaGetErrorString(err)));
+    }
+    handle = std::string(ipc.reserved, sizeof(ipc.reserved));
+    cache->Add(a.buffer_id, *handle);
+  }
+  return ExportedBuffer{*std::move(handle), reinterpret_cast<uintptr_t>(ptr) - a.base, a.size};
 }
 
 OpenMapping::~OpenMapping() { cudaIpcCloseMemHandle(base_); }

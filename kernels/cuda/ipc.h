@@ -32,7 +32,8 @@ namespace flatshard::kernels::cuda {
 int DeviceOfPointer(const void* ptr);
 
 // "GPU-8c5e...": the UUID of device `ordinal`, the same string in every process on the
-// node (unlike ordinals, which CUDA_VISIBLE_DEVICES renumbers). Internal on failure.
+// node (unlike ordinals, which CUDA_VISIBLE_DEVICES renumbers); cached after the first
+// call. Internal on failure.
 [[nodiscard]] absl::StatusOr<std::string> DeviceUuid(int ordinal);
 
 struct ExportedBuffer {
@@ -47,7 +48,8 @@ struct ExportedBuffer {
 inline constexpr uint64_t kMinIpcAllocationBytes = uint64_t{2} << 20;
 
 // Exports the allocation holding device pointer `ptr`. InvalidArgument when `ptr` is not
-// in exportable device memory.
+// in exportable device memory. Each allocation's handle is made once and cached; the
+// call neither needs nor changes the calling thread's current device.
 [[nodiscard]] absl::StatusOr<ExportedBuffer> ExportDeviceBuffer(const void* ptr);
 
 // One worker allocation mapped into this process; closed when the last holder lets go.

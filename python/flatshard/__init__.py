@@ -107,6 +107,10 @@ def _native_buffer(value, dtype, numel, what):
                                        f"got {tuple(tensor.shape)} {got}")
         if tensor.dtype == torch.bfloat16:
             tensor = tensor.view(torch.int16)  # same bits; any DLPack consumer reads int16
+        if tensor.is_cuda:
+            # Servers use the memory from their own streams: the work queued on this one
+            # (what wrote a gradient, what still reads the parameters) must be done.
+            torch.cuda.current_stream(tensor.device).synchronize()
         return torch.utils.dlpack.to_dlpack(tensor)
     array = np.asarray(value)
     if array.dtype != _NUMPY[dtype] or array.size != numel or not array.flags.c_contiguous:
@@ -128,7 +132,10 @@ def _as_array(value, what):
             return tensor.numpy(), "bfloat16"
         array = tensor.contiguous().numpy()
     else:
-        array = np.ascontiguousarray(value)
+        # Not np.ascontiguousarray, which turns a 0-dim array into shape (1,).
+        array = np.asarray(value)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
     try:
         return array, dtype_name(array.dtype)
     except InvalidArgumentError:

@@ -48,12 +48,13 @@ class LocalCluster:
     Use as a context manager; ``addresses`` is the list to pass as ``servers=`` to
     flatshard.Client and ``token`` the token (generated when not given). Servers given
     the same ``checkpoint_root`` (two clusters one after the other, say) see the same
-    checkpoints. ``memory`` is the servers' --memory tier. The processes are stopped
+    checkpoints. ``memory`` is the servers' --memory tier; ``server_args`` are more
+    flags for every server (``["--max_file_size=1000000"]``). The processes are stopped
     (SIGTERM, then SIGKILL) on exit or by ``close()``.
     """
 
     def __init__(self, servers=2, checkpoint_root=None, token=None, memory="host",
-                 server_binary=None, startup_timeout=30.0):
+                 server_binary=None, startup_timeout=30.0, server_args=()):
         if servers < 1:
             raise ValueError("servers must be >= 1")
         self._binary = _server_binary(server_binary)
@@ -61,6 +62,7 @@ class LocalCluster:
         self.checkpoint_root = checkpoint_root
         self.token = token if token is not None else secrets.token_hex(16)
         self.memory = memory
+        self.server_args = list(server_args)
         self._startup_timeout = startup_timeout
         self._processes = []
         self._scratch = None
@@ -88,6 +90,7 @@ class LocalCluster:
                     f"--memory={self.memory}"]
             if self.checkpoint_root:
                 args.append(f"--checkpoint_root={self.checkpoint_root}")
+            args += self.server_args
             with open(os.path.join(self._scratch, f"server-{rank}.log"), "w") as log:
                 self._processes.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + self._startup_timeout

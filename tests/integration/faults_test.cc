@@ -25,35 +25,12 @@ class FaultsTest : public ::testing::Test {
     layout_ = *layout;
   }
 
-  // An authenticated raw data connection to server 0 (hello done).
+  // A raw data connection to server 0 (hello done unless `send_hello` is false).
   std::unique_ptr<transport::Connection> RawConnection(bool send_hello = true,
-                                                      std::string token_override = "") {
-    auto stub = v1::Flatshard::NewStub(
-        grpc::CreateChannel(cluster_.addresses()[0], grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    ctx.AddMetadata("authorization", "Bearer " + cluster_.token());
-    v1::OpenSessionResponse session;
-    EXPECT_TRUE(stub->OpenSession(&ctx, v1::OpenSessionRequest(), &session).ok());
-    std::string host;
-    int port = 0;
-    EXPECT_TRUE(transport::SplitHostPort(session.data_address(), host, port).ok());
-    auto conn = transport::ConnectTcp(host, port, absl::Seconds(5));
-    EXPECT_TRUE(conn.ok());
-    EXPECT_TRUE((*conn)->SetTimeout(absl::Seconds(10)).ok());
-    if (send_hello) {
-      const std::string token = token_override.empty() ? session.session_token() : token_override;
-      transport::RequestHeader hello;
-      hello.op = static_cast<uint8_t>(transport::DataOp::kHello);
-      EXPECT_TRUE(transport::SendRequest(**conn, hello, "", "",
-                                         absl::MakeConstSpan(reinterpret_cast<const std::byte*>(token.data()),
-                                                             token.size())).ok());
-      auto response = transport::RecvResponse(**conn, {});
-      EXPECT_TRUE(response.ok());
-      if (token_override.empty()) {
-        EXPECT_TRUE(response->status.ok()) << response->status;
-      }
-    }
-    return std::move(*conn);
+                                                      const std::string& token_override = "") {
+    auto conn = cluster_.RawDataConnection(0, send_hello, token_override);
+    EXPECT_TRUE(conn.ok()) << conn.status();
+    return conn.ok() ? *std::move(conn) : nullptr;
   }
 
   absl::Status RawScatter(transport::Connection& conn, const std::string& group, int64_t step,
@@ -130,6 +107,39 @@ TEST_F(FaultsTest, UnknownGroupWrongSizesAndDTypes) {
   std::vector<float> full(layout_->padded_numel());
   EXPECT_EQ((*client_)->Gather("g", 0, DType::kInt32, AsBytes(full)).get().status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The CUDA IPC ops reach every server's data plane; one without GPU shards (any
+// server of a CPU build) refuses them and the connection stays usable.
+TEST_F(FaultsTest, CudaIpcRequestsToAHostServerAreRefused) {
+  auto conn = RawConnection();
+  auto ipc = [&](transport::DataOp op, absl::Span<const std::byte> payload) {
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(op);
+    header.timeout_ms = 1000;
+    absl::Status sent = transport::SendRequest(*conn, header, "test", "g", payload);
+    if (!sent.ok()) return sent;
+    auto response = transport::RecvResponse(*conn, {});
+    return response.ok() ? response->status : response.status();
+  };
+  transport::IpcTarget target;
+  target.bytes = layout_->shard_numel() * 4;
+  const auto target_bytes = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target));
+  for (transport::DataOp op : {transport::DataOp::kIpcGather, transport::DataOp::kIpcScatter}) {
+    absl::Status refused = ipc(op, target_bytes);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("does not keep its shards in GPU memory"));
+  }
+  absl::Status short_target = ipc(transport::DataOp::kIpcGather, target_bytes.subspan(0, 10));
+  EXPECT_EQ(short_target.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(short_target.message()), HasSubstr("80-byte target; this one 10 bytes"));
+  std::vector<float> shard(layout_->shard_numel());
+  transport::RequestHeader gather;
+  gather.op = static_cast<uint8_t>(transport::DataOp::kGather);
+  ASSERT_TRUE(transport::SendRequest(*conn, gather, "test", "g", {}).ok());
+  auto response = transport::RecvResponse(*conn, AsBytes(shard));
+  ASSERT_TRUE(response.ok());
+  EXPECT_TRUE(response->status.ok()) << response->status;
 }
 
 TEST_F(FaultsTest, DuplicateStaleAndFutureScattersNameTheExpectedStep) {

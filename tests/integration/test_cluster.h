@@ -10,13 +10,19 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "core/status_macros.h"
 #include "flatshard/client.h"
+#include "proto/flatshard.grpc.pb.h"
+#include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
 
 extern char** environ;
@@ -100,6 +106,37 @@ class TestCluster {
       absl::SleepFor(absl::Milliseconds(100));
     }
     return client;
+  }
+
+  // A raw data-plane connection to server `rank`, its session opened over gRPC. With
+  // `hello`, a kHello is sent with the session's token (or `token`, when given) and the
+  // answer read; a refused session token is an error, a refused `token` is not.
+  absl::StatusOr<std::unique_ptr<transport::Connection>> RawDataConnection(
+      int rank, bool hello = true, const std::string& token = "") const {
+    auto stub = v1::Flatshard::NewStub(
+        grpc::CreateChannel(addresses_[rank], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token_);
+    v1::OpenSessionResponse session;
+    if (grpc::Status opened = stub->OpenSession(&ctx, v1::OpenSessionRequest(), &session); !opened.ok()) {
+      return absl::UnavailableError(absl::StrCat("OpenSession: ", opened.error_message()));
+    }
+    std::string host;
+    int port = 0;
+    FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(session.data_address(), host, port));
+    FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<transport::Connection> conn,
+                               transport::ConnectTcp(host, port, absl::Seconds(5)));
+    FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(absl::Seconds(10)));
+    if (!hello) return conn;
+    const std::string presented = token.empty() ? session.session_token() : token;
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(transport::DataOp::kHello);
+    FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(
+        *conn, header, "", "",
+        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(presented.data()), presented.size())));
+    FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(*conn, {}));
+    if (token.empty()) FLATSHARD_RETURN_IF_ERROR(response.status);
+    return conn;
   }
 
   const std::vector<std::string>& addresses() const { return addresses_; }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -18,6 +19,7 @@
 #include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
+#include "transport/data_protocol.h"
 #if FLATSHARD_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -189,6 +191,8 @@ class DeviceBytes {
   void Upload([[maybe_unused]] absl::Span<const std::byte> host) {
 #if FLATSHARD_HAVE_CUDA
     EXPECT_EQ(cudaMemcpy(data_, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    // Ready for a server's stream: a pageable copy returns before its bytes land.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 #endif
   }
   void Download([[maybe_unused]] absl::Span<std::byte> host) {
@@ -362,31 +366,33 @@ TEST(TrainingIntegrationTest, BadCudaIpcRequestsAreRefusedAndTheServerKeepsServi
   ASSERT_TRUE((*client)->ConfigureJob({}).ok());
   auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{});
   ASSERT_TRUE(layout.ok()) << layout.status();
-  auto call = [&](int server, const v1::IpcTransferRequest& request) {
-    auto stub = v1::Flatshard::NewStub(
-        grpc::CreateChannel(cluster.addresses()[server], grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    ctx.AddMetadata("authorization", "Bearer tok");
-    v1::IpcTransferResponse response;
-    return stub->IpcGather(&ctx, request, &response);
+  // Raw kIpcGather requests on the data plane, each on a fresh connection.
+  auto call = [&](int server, const transport::IpcTarget& target, size_t target_bytes) {
+    auto conn = cluster.RawDataConnection(server);
+    if (!conn.ok()) return conn.status();
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(transport::DataOp::kIpcGather);
+    header.dtype = static_cast<uint8_t>(DType::kFloat32);
+    header.timeout_ms = 1000;
+    absl::Status sent = transport::SendRequest(
+        **conn, header, "test", "g",
+        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), target_bytes));
+    if (!sent.ok()) return sent;
+    auto response = transport::RecvResponse(**conn, {});
+    return response.ok() ? response->status : response.status();
   };
-  v1::IpcTransferRequest request;
-  request.set_job("test");
-  request.set_group("g");
-  request.set_dtype(v1::FLOAT32);
-  request.set_bytes((*layout)->shard_numel() * 4);
-  request.set_ipc_handle(std::string(64, '\x5a'));  // no such allocation
-  request.set_timeout_ms(1000);
-  const grpc::Status garbage = call(0, request);
+  transport::IpcTarget target;
+  std::memset(target.handle, 0x5a, sizeof(target.handle));  // no such allocation
+  target.bytes = (*layout)->shard_numel() * 4;
+  const absl::Status garbage = call(0, target, sizeof(target));
   EXPECT_FALSE(garbage.ok());
-  EXPECT_NE(garbage.error_message().find("IPC handle"), std::string::npos) << garbage.error_message();
-  request.set_bytes(12);
-  EXPECT_EQ(call(0, request).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  request.set_ipc_handle("short");
-  request.set_bytes((*layout)->shard_numel() * 4);
-  EXPECT_EQ(call(0, request).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  const grpc::Status host_server = call(1, request);
-  EXPECT_EQ(host_server.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << host_server.error_message();
+  EXPECT_NE(garbage.message().find("IPC handle"), std::string::npos) << garbage;
+  target.bytes = 12;
+  EXPECT_EQ(call(0, target, sizeof(target)).code(), absl::StatusCode::kInvalidArgument);
+  target.bytes = (*layout)->shard_numel() * 4;
+  EXPECT_EQ(call(0, target, 40).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status host_server = call(1, target, sizeof(target));
+  EXPECT_EQ(host_server.code(), absl::StatusCode::kFailedPrecondition) << host_server;
   // Both servers still serve, over either plane.
   DeviceBytes device((*layout)->padded_numel() * 4);
   EXPECT_TRUE((*client)->Gather("g", 0, DType::kFloat32, device.span()).get().ok());

@@ -72,6 +72,17 @@ class ClientTest(unittest.TestCase):
             np.testing.assert_array_equal(bf16[name], expected)
             np.testing.assert_array_equal(fp16[name], value.astype(np.float16))
 
+    def test_zero_dim_tensors_keep_their_shape(self):
+        c = self.client(job="scalar")
+        c.configure_job()
+        c.register_group("g", [("scale", (), "float32"), ("bias", (2,), "float32")],
+                         flatshard.SGD(lr=0.5))
+        c.init_group("g", {"scale": np.float32(3.0), "bias": np.array([1, 2], np.float32)})
+        c.scatter("g", {"scale": np.array(2.0, np.float32), "bias": np.zeros(2, np.float32)}, 0)
+        params = c.gather("g", min_version=1)
+        self.assertEqual(params["scale"].shape, ())
+        self.assertEqual(float(params["scale"]), 2.0)  # 3 - 0.5 * 2
+
     def test_torch_tensors_cross_by_dlpack(self):
         c = self.client(job="dlpack")
         c.configure_job(reduce="sum")

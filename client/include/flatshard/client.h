@@ -123,7 +123,11 @@ class Client {
   // `group` must have been registered by this Client. `out` (and Scatter's `grad`) may
   // be host memory or, in a CUDA build, device memory from cudaMalloc: then servers on
   // the same GPU with --memory=device move the bytes by CUDA IPC, the others over TCP
-  // through a host copy (DataPlanes() says which).
+  // through a host copy (DataPlanes() says which). A server reads and writes a device
+  // buffer from its own CUDA stream, so the buffer must be ready when the call is made:
+  // the GPU work that writes `grad`, or still reads `out`, complete (synchronize its
+  // stream; a pageable cudaMemcpy to the device may return before its bytes land).
+  // Until the future is ready the buffer is the servers'; after, `out` holds the bytes.
   virtual std::future<absl::StatusOr<int64_t>> Gather(const std::string& group,
                                                       int64_t min_version, DType dtype,
                                                       absl::Span<std::byte> out) = 0;
