@@ -46,9 +46,10 @@ class CudaShardCompute final : public ShardCompute {
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     return kc::Cast(src_dtype, src, dst_dtype, dst, numel, stream_);
   }
-  absl::Status Accumulate(DType src_dtype, const void* src, float* dst, int64_t numel) override {
+  absl::Status Reduce(absl::Span<const kernels::Contribution> contributions, float* dst,
+                      int64_t numel, float alpha) override {
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    return kc::Accumulate(src_dtype, src, dst, numel, stream_);
+    return kc::Reduce(contributions, dst, numel, alpha, stream_);
   }
   absl::Status Scale(float* x, int64_t numel, float alpha) override {
     FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));

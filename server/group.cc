@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/huge_pages.h"
@@ -310,22 +311,15 @@ void Group::AbortScatter(const ReceiveSlot& slot) {
 }
 
 absl::Status Group::ReduceContributions() {
-  const int64_t numel = shard_numel();
   // Worker-rank order makes the fp32 sum bitwise reproducible.
+  std::vector<kernels::Contribution> contributions;
   for (int worker = 0; worker < job_settings_.num_workers; ++worker) {
-    const void* contribution = slot_data_[worker];
-    if (worker == 0) {
-      FLATSHARD_RETURN_IF_ERROR(
-          compute_->Cast(slot_dtypes_[0], contribution, DType::kFloat32, grad_.data(), numel));
-    } else {
-      FLATSHARD_RETURN_IF_ERROR(
-          compute_->Accumulate(slot_dtypes_[worker], contribution, grad_.floats(), numel));
-    }
+    contributions.push_back({slot_dtypes_[worker], slot_data_[worker]});
   }
-  if (job_settings_.reduce_mean && job_settings_.num_workers > 1) {
-    FLATSHARD_RETURN_IF_ERROR(compute_->Scale(
-        grad_.floats(), numel, 1.0f / static_cast<float>(job_settings_.num_workers)));
-  }
+  const float alpha = job_settings_.reduce_mean
+                          ? 1.0f / static_cast<float>(job_settings_.num_workers)
+                          : 1.0f;
+  FLATSHARD_RETURN_IF_ERROR(compute_->Reduce(contributions, grad_.floats(), shard_numel(), alpha));
   // The staging slots are free for the next step only once the kernels have read them.
   return compute_->Synchronize();
 }

@@ -43,8 +43,9 @@ class CpuShardCompute final : public ShardCompute {
                     int64_t numel) override {
     return kernels::cpu::Cast(src_dtype, src, dst_dtype, dst, numel);
   }
-  absl::Status Accumulate(DType src_dtype, const void* src, float* dst, int64_t numel) override {
-    return kernels::cpu::Accumulate(src_dtype, src, absl::MakeSpan(dst, numel));
+  absl::Status Reduce(absl::Span<const kernels::Contribution> contributions, float* dst,
+                      int64_t numel, float alpha) override {
+    return kernels::cpu::Reduce(contributions, absl::MakeSpan(dst, numel), alpha);
   }
   absl::Status Scale(float* x, int64_t numel, float alpha) override {
     kernels::cpu::Scale(absl::MakeSpan(x, numel), alpha);

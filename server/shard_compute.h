@@ -23,6 +23,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/dtype.h"
+#include "absl/types/span.h"
+#include "kernels/contribution.h"
 #include "kernels/hyperparams.h"
 #include "server/shard_buffer.h"
 
@@ -58,8 +60,9 @@ class ShardCompute {
   // The kernel families of kernels/kernels.h on this tier's memory.
   [[nodiscard]] virtual absl::Status Cast(DType src_dtype, const void* src, DType dst_dtype,
                                           void* dst, int64_t numel) = 0;
-  [[nodiscard]] virtual absl::Status Accumulate(DType src_dtype, const void* src, float* dst,
-                                                int64_t numel) = 0;
+  // dst = alpha * (sum of the contributions in order), one pass (kernels/cpu/reduce.h).
+  [[nodiscard]] virtual absl::Status Reduce(absl::Span<const kernels::Contribution> contributions,
+                                            float* dst, int64_t numel, float alpha) = 0;
   [[nodiscard]] virtual absl::Status Scale(float* x, int64_t numel, float alpha) = 0;
   [[nodiscard]] virtual absl::Status SgdStep(const kernels::SgdHyperparams& hp, bool first_step,
                                              float* param, const float* grad,

@@ -1,4 +1,5 @@
-// Casts, accumulation and scaling on the GPU, using the CPU kernels' element code.
+// Casts, accumulation, reduction and scaling on the GPU, using the CPU kernels' element
+// code.
 #include "core/float_bits.h"
 #include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/launch.h"
@@ -93,6 +94,62 @@ struct ScaleBody {
   __device__ void Scalar(int64_t i) const { x[i] *= alpha; }
 };
 
+// The workers' gradients summed in order into dst, each read once (one pass instead of a
+// cast, an accumulate per further worker and a scale).
+struct ReduceBody {
+  ReduceSources sources;
+  float* dst;
+  bool accumulate;
+  bool scale;
+  float alpha;
+
+  __device__ float Load(int j, int64_t i) const {
+    switch (sources.kind[j]) {
+      case SourceKind::kFloat32:
+        return static_cast<const float*>(sources.data[j])[i];
+      case SourceKind::kBFloat16:
+        return FromHalf<HalfKind::kBFloat16>(static_cast<const uint16_t*>(sources.data[j])[i]);
+      default:
+        return FromHalf<HalfKind::kFloat16>(static_cast<const uint16_t*>(sources.data[j])[i]);
+    }
+  }
+  __device__ float4 Load4(int j, int64_t g) const {
+    if (sources.kind[j] == SourceKind::kFloat32) {
+      return reinterpret_cast<const float4*>(sources.data[j])[g];
+    }
+    const Half4 in = reinterpret_cast<const Half4*>(sources.data[j])[g];
+    if (sources.kind[j] == SourceKind::kBFloat16) {
+      return make_float4(FromHalf<HalfKind::kBFloat16>(in.x), FromHalf<HalfKind::kBFloat16>(in.y),
+                         FromHalf<HalfKind::kBFloat16>(in.z), FromHalf<HalfKind::kBFloat16>(in.w));
+    }
+    return make_float4(FromHalf<HalfKind::kFloat16>(in.x), FromHalf<HalfKind::kFloat16>(in.y),
+                       FromHalf<HalfKind::kFloat16>(in.z), FromHalf<HalfKind::kFloat16>(in.w));
+  }
+  __device__ void Vector(int64_t g) const {
+    float4 acc = accumulate ? reinterpret_cast<const float4*>(dst)[g] : Load4(0, g);
+    for (int j = accumulate ? 0 : 1; j < sources.count; ++j) {
+      const float4 in = Load4(j, g);
+      acc.x += in.x;
+      acc.y += in.y;
+      acc.z += in.z;
+      acc.w += in.w;
+    }
+    if (scale) {
+      acc.x *= alpha;
+      acc.y *= alpha;
+      acc.z *= alpha;
+      acc.w *= alpha;
+    }
+    reinterpret_cast<float4*>(dst)[g] = acc;
+  }
+  __device__ void Scalar(int64_t i) const {
+    float acc = accumulate ? dst[i] : Load(0, i);
+    for (int j = accumulate ? 0 : 1; j < sources.count; ++j) acc += Load(j, i);
+    if (scale) acc *= alpha;
+    dst[i] = acc;
+  }
+};
+
 bool HalfPairAligned(const float* f, const uint16_t* h) { return Aligned(f, 16) && Aligned(h, 8); }
 
 }  // namespace
@@ -127,6 +184,15 @@ cudaError_t LaunchAccumulateHalf(HalfKind kind, const uint16_t* src, float* dst,
 
 cudaError_t LaunchScale(float* x, int64_t n, float alpha, cudaStream_t stream) {
   return Launch(ScaleBody{x, alpha}, n, Aligned(x, 16), stream);
+}
+
+cudaError_t LaunchReduce(const ReduceSources& sources, bool accumulate, bool scale, float alpha,
+                         float* dst, int64_t n, cudaStream_t stream) {
+  bool vec = Aligned(dst, 16);
+  for (int j = 0; j < sources.count; ++j) {
+    vec = vec && Aligned(sources.data[j], sources.kind[j] == SourceKind::kFloat32 ? 16 : 8);
+  }
+  return Launch(ReduceBody{sources, dst, accumulate, scale, alpha}, n, vec, stream);
 }
 
 }  // namespace flatshard::kernels::cuda::internal

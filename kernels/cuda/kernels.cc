@@ -71,6 +71,34 @@ absl::Status Scale(float* x, int64_t numel, float alpha, cudaStream_t stream) {
   return FromCuda(internal::LaunchScale(x, numel, alpha, stream), "scale kernel");
 }
 
+absl::Status Reduce(absl::Span<const Contribution> contributions, float* dst, int64_t numel,
+                    float alpha, cudaStream_t stream) {
+  FLATSHARD_RETURN_IF_ERROR(CheckNumel(numel));
+  if (contributions.empty()) return absl::InvalidArgumentError("nothing to reduce");
+  for (const Contribution& c : contributions) {
+    if (c.dtype != DType::kFloat32 && !IsHalf(c.dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot reduce ", DTypeName(c.dtype), " gradients"));
+    }
+  }
+  for (size_t first = 0; first < contributions.size(); first += internal::kMaxReduceSources) {
+    internal::ReduceSources sources;
+    for (size_t j = first; j < contributions.size() && sources.count < internal::kMaxReduceSources; ++j) {
+      const DType dtype = contributions[j].dtype;
+      sources.data[sources.count] = contributions[j].data;
+      sources.kind[sources.count++] = dtype == DType::kFloat32    ? internal::SourceKind::kFloat32
+                                      : dtype == DType::kBFloat16 ? internal::SourceKind::kBFloat16
+                                                                  : internal::SourceKind::kFloat16;
+    }
+    const bool last = first + internal::kMaxReduceSources >= contributions.size();
+    FLATSHARD_RETURN_IF_ERROR(FromCuda(
+        internal::LaunchReduce(sources, /*accumulate=*/first > 0, last && alpha != 1.0f, alpha,
+                               dst, numel, stream),
+        "reduce kernel"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SquaredNorm(const float* x, int64_t numel, double* result, cudaStream_t stream) {
   FLATSHARD_RETURN_IF_ERROR(CheckNumel(numel));
   return FromCuda(internal::LaunchSquaredNorm(x, numel, result, stream), "norm kernel");

@@ -1,12 +1,13 @@
 // CUDA kernels with the CPU kernels' semantics (kernels/kernels.h), enqueued on a stream:
-// casts, gradient accumulation, scaling, norms and the fused optimizer updates. Every
+// casts, gradient accumulation and reduction, scaling, norms and the fused optimizer
+// updates. Every
 // pointer is device memory (or memory the device can address) owned by the caller;
 // nothing here synchronizes with the host, so a caller chains kernels on one stream and
 // synchronizes once. Each function returns the launch error, if any (Internal with the
 // CUDA message), or InvalidArgument for an unsupported dtype, launching nothing.
 //
-// Results are bit for bit the CPU kernels' for casts, accumulation, scaling and the
-// optimizers (shared element code: core/float_bits.h, kernels/optimizer_math.h). Norms
+// Results are bit for bit the CPU kernels' for casts, accumulation, reduction, scaling and
+// the optimizers (shared element code: core/float_bits.h, kernels/optimizer_math.h). Norms
 // reduce in a different order: SquaredNorm agrees with the CPU to double rounding,
 // MaxAbs exactly. Loads and stores are 16 bytes wide (8 for 16-bit outputs) when every
 // pointer of the call is aligned for it, element-wise otherwise.
@@ -23,6 +24,8 @@
 
 #include "absl/status/status.h"
 #include "core/dtype.h"
+#include "absl/types/span.h"
+#include "kernels/contribution.h"
 #include "kernels/hyperparams.h"
 
 namespace flatshard::kernels::cuda {
@@ -38,6 +41,13 @@ namespace flatshard::kernels::cuda {
 
 // x[i] *= alpha.
 [[nodiscard]] absl::Status Scale(float* x, int64_t numel, float alpha, cudaStream_t stream);
+
+// dst[i] = alpha * (c[0][i] + c[1][i] + ...) in contribution order, the product taken
+// only when alpha != 1: bit for bit kernels::cpu::Reduce, reading each contribution once
+// (one launch per 8 contributions). InvalidArgument when there is none or a dtype is not
+// float32, bfloat16 or float16.
+[[nodiscard]] absl::Status Reduce(absl::Span<const Contribution> contributions, float* dst,
+                                  int64_t numel, float alpha, cudaStream_t stream);
 
 // *result = sum of x[i]^2 in double; *result = max |x[i]| (NaN if any is NaN, 0 when
 // empty). `result` is device memory; the value is there once the stream reaches it.

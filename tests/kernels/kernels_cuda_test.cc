@@ -1,8 +1,8 @@
 // The CUDA kernels against the CPU kernels (themselves tested against float64 and
 // PyTorch's rules) on fresh random inputs, at sizes that exercise the 16-byte vector
 // path, the element-wise tail and misaligned pointers. Outputs are poisoned before each
-// launch, so an element the kernel never wrote fails. Casts, accumulation, scaling and
-// the optimizers must agree bit for bit (they share their element code with the CPU);
+// launch, so an element the kernel never wrote fails. Casts, accumulation, reduction,
+// scaling and the optimizers must agree bit for bit (they share their element code with the CPU);
 // the squared norm to 1e-12 relative (double sums in another order), max |x| exactly.
 // Skips, with the reason, on a machine without a CUDA device.
 #include "kernels/cuda/kernels.h"
@@ -20,6 +20,7 @@
 #include "kernels/cpu/cast.h"
 #include "kernels/cpu/norm.h"
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/reduce.h"
 #include "kernels/cpu/scale.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_memory.h"
@@ -139,6 +140,40 @@ TEST_P(CudaKernelsTest, AccumulatesEveryDtypeAsTheCpuDoes) {
       ExpectBitwiseEqual(Download(d_acc, n), acc, DTypeName(dtype).data());
     }
   }
+}
+
+// Mixed dtypes; 11 workers take two launches (8 sources each at most).
+TEST_P(CudaKernelsTest, ReducesMixedContributionsAsTheCpuDoes) {
+  const DType dtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  for (int workers : {1, 2, 3, 11}) {
+    for (int64_t n : kSizes) {
+      std::vector<std::vector<float>> f32(workers);
+      std::vector<std::vector<uint16_t>> bits(workers);
+      std::vector<Contribution> host, device;
+      for (int w = 0; w < workers; ++w) {
+        const DType dtype = dtypes[(w + rng_()) % 3];
+        f32[w] = RandomFloats(rng_, n, 2.0f);
+        if (dtype == DType::kFloat32) {
+          host.push_back({dtype, f32[w].data()});
+          device.push_back({dtype, Upload(f32[w])});
+        } else {
+          bits[w].resize(n);
+          ASSERT_TRUE(cpu::Cast(DType::kFloat32, f32[w].data(), dtype, bits[w].data(), n).ok());
+          host.push_back({dtype, bits[w].data()});
+          device.push_back({dtype, Upload(bits[w])});
+        }
+      }
+      for (float alpha : {1.0f, 1.0f / static_cast<float>(workers)}) {
+        std::vector<float> want(n);
+        ASSERT_TRUE(cpu::Reduce(host, absl::MakeSpan(want), alpha).ok());
+        float* d_dst = Poisoned<float>(n);
+        ASSERT_TRUE(Reduce(device, d_dst, n, alpha, stream_).ok());
+        ExpectBitwiseEqual(Download(d_dst, n), want, "reduce");
+      }
+    }
+  }
+  float* d_dst = Poisoned<float>(4);
+  EXPECT_EQ(Reduce({}, d_dst, 4, 1.0f, stream_).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_P(CudaKernelsTest, ScalesAsTheCpuDoes) {
