@@ -119,13 +119,13 @@ def _native_buffer(value, dtype, numel, what):
     return array
 
 
-def _as_array(value, what):
-    """A C-contiguous numpy view (or copy) of an array or CPU torch tensor."""
+def _as_array(value):
+    """A C-contiguous numpy view (or copy) of an array or torch tensor; a tensor on a GPU
+    is copied to the host (per-tensor values travel as one flat host buffer)."""
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # torch.Tensor
         tensor = value.detach()
         if tensor.device.type != "cpu":
-            raise InvalidArgumentError(f"{what}: tensors on {tensor.device} are not supported here; "
-                                       "pass CPU tensors")
+            tensor = tensor.cpu()
         if str(tensor.dtype) == "torch.bfloat16":
             import torch
             tensor = tensor.contiguous().view(torch.int16)
@@ -166,7 +166,7 @@ class GroupLayout:
             raise InvalidArgumentError(f"{what}: missing tensors {missing}, unknown tensors {extra}")
         flat = np.zeros(self.padded_numel, dtype=_NUMPY[dtype])
         for t in self.tensors:
-            array, got = _as_array(values[t["name"]], f"{what} '{t['name']}'")
+            array, got = _as_array(values[t["name"]])
             if tuple(array.shape) != tuple(t["shape"]):
                 raise InvalidArgumentError(f"{what}: tensor '{t['name']}' has shape {tuple(array.shape)}, "
                                            f"registered {tuple(t['shape'])}")
@@ -230,7 +230,7 @@ class Client:
     def init_group(self, name, values):
         """Pushes initial values {tensor name: array} (float32); any one worker does it."""
         flat = self.layout(name).flatten(
-            {k: _as_array(v, "init")[0].astype(np.float32, copy=False) for k, v in values.items()},
+            {k: _as_array(v)[0].astype(np.float32, copy=False) for k, v in values.items()},
             "float32", f"init_group('{name}')")
         self._native.init_group(name, flat)
 

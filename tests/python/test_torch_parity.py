@@ -29,11 +29,11 @@ def relative_error(ours, reference):
     return ((ours - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
-def train_reference(kind, make_optimizer, steps, max_grad_norm=None):
+def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu"):
     torch.manual_seed(0)
-    model = make_model(kind)
+    model = make_model(kind).to(device)
     optimizer = make_optimizer(model.parameters())
-    x, y = make_data(kind)
+    x, y = (t.to(device) for t in make_data(kind))
     losses = []
     for _ in range(steps):
         loss = F.mse_loss(model(x), y)
@@ -46,12 +46,12 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None):
     return model, losses
 
 
-def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None):
+def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu"):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=parity_worker.run,
                                args=(cluster.addresses, cluster.token, rank, kind, optimizer,
-                                     job or {}, steps, param_dtype, queue))
+                                     job or {}, steps, param_dtype, queue, device))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -72,16 +72,23 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None)
 
 
 class ParityTest(unittest.TestCase):
-    def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None):
+    def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
+              device="cpu", memory="host"):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
-        with flatshard.LocalCluster(servers=3) as cluster:
-            losses, state, groups = train_flatshard(cluster, kind, optimizer, steps, job)
+        with flatshard.LocalCluster(servers=3, memory=memory) as cluster:
+            losses, state, groups = train_flatshard(cluster, kind, optimizer, steps, job,
+                                                    device=device)
+            if memory == "device":  # the bytes really went over CUDA IPC, to every server
+                status = flatshard.Client(cluster.addresses, token=cluster.token).status()
+                for server in status["servers"]:
+                    self.assertEqual(int(server["ipc_scatters"]), int(server["scatters"]), server)
+                    self.assertGreater(int(server["ipc_gathers"]), 0, server)
         reference, reference_losses = train_reference(kind, make_reference_optimizer, steps,
-                                                      max_grad_norm)
+                                                      max_grad_norm, device)
         self.assertGreater(len(groups), 1, "the auto-wrap policy should make several groups")
         for step, (ours, theirs) in enumerate(zip(losses, reference_losses)):
             self.assertLess(abs(ours - theirs) / abs(theirs), REL_TOL, f"loss at step {step}")
-        reference_state = reference.state_dict()
+        reference_state = {k: v.cpu() for k, v in reference.state_dict().items()}
         self.assertEqual(set(state), set(reference_state))
         for name, value in reference_state.items():
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
@@ -111,6 +118,13 @@ class ParityTest(unittest.TestCase):
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
                    lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device for torch on this machine")
+    def test_cuda_model_with_gpu_servers_over_cuda_ipc(self):
+        # Workers and --memory=device servers share the GPU: every transfer is CUDA IPC.
+        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 20,
+                   max_grad_norm=0.5, device="cuda", memory="device")
 
 
 class MixedPrecisionAndExportTest(unittest.TestCase):
