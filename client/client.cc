@@ -17,6 +17,7 @@
 #include "absl/synchronization/notification.h"
 #include "client/data_channel.h"
 #include "client/device_memory.h"
+#include "client/nccl_link.h"
 #include "core/file.h"
 #include "core/status_macros.h"
 #include "proto/convert.h"
@@ -125,6 +126,8 @@ class ClientImpl final : public Client {
       FLATSHARD_RETURN_IF_ERROR(
           Call(i, &v1::Flatshard::Stub::OpenSession, session_request, &session));
       server_gpus_.push_back(info.gpu_uuid());
+      server_nccl_.push_back(!info.nccl_version().empty());
+      nccl_links_.push_back(std::make_unique<LinkSlot>());
       channels_.push_back(std::make_unique<DataChannel>(
           session.data_address(), session.session_token(), options_.max_in_flight,
           options_.timeout + absl::Seconds(5)));
@@ -231,7 +234,8 @@ class ClientImpl final : public Client {
     const int device = client_internal::CurrentDevice();
     if (device < 0) return planes;
     for (int i = 0; i < num_servers(); ++i) {
-      if (IpcReachable(i, device)) planes[i] = "cuda-ipc";
+      const Plane plane = PlaneFor(i, device, /*exportable=*/true);
+      planes[i] = plane == Plane::kCudaIpc ? "cuda-ipc" : plane == Plane::kNccl ? "nccl" : "tcp";
     }
     return planes;
   }
@@ -575,19 +579,114 @@ class ClientImpl final : public Client {
     return uuid.ok() && *uuid == server_gpus_[server];
   }
 
-  // Gather into / scatter from a device buffer (`parts` are its per-server slices):
-  // CUDA IPC to servers on the same GPU; host staging and the TCP data plane to the
-  // others (and to all when the buffer cannot be exported, e.g. pooled memory). When
-  // every server is on the buffer's GPU, the requests go straight to the data channels
-  // (no thread of its own, no copies).
+  enum class Plane { kTcp, kCudaIpc, kNccl };
+
+  // The plane a buffer on `device` uses with server i (`exportable`: CUDA IPC can share
+  // it); ClientOptions::device_plane says how to choose.
+  Plane PlaneFor(int server, int device, bool exportable) const {
+    const bool ipc = exportable && IpcReachable(server, device);
+    const bool nccl = server_nccl_[server] && client_internal::NcclLink::Available();
+    switch (options_.device_plane) {
+      case DevicePlane::kAuto:
+        // NCCL refuses two ranks on one GPU: same-GPU servers use IPC or TCP.
+        if (ipc) return Plane::kCudaIpc;
+        return nccl && !IpcReachable(server, device) ? Plane::kNccl : Plane::kTcp;
+      case DevicePlane::kCudaIpc:
+        return ipc ? Plane::kCudaIpc : Plane::kTcp;
+      case DevicePlane::kNccl:
+        return nccl ? Plane::kNccl : Plane::kTcp;
+      case DevicePlane::kTcp:
+        return Plane::kTcp;
+    }
+    return Plane::kTcp;
+  }
+
+  // Server i's NCCL link on `device`, opened (OpenNcclChannel, then the join) when there
+  // is none or the last one failed.
+  absl::StatusOr<std::shared_ptr<client_internal::NcclLink>> Link(int server, int device) {
+    LinkSlot& slot = *nccl_links_[server];
+    absl::MutexLock lock(&slot.mu);
+    if (slot.link != nullptr && !slot.link->failed() && slot.link->device() == device) {
+      return slot.link;
+    }
+    slot.link = nullptr;
+    auto open_channel = [&](const std::string& unique_id) -> absl::StatusOr<uint64_t> {
+      v1::OpenNcclChannelRequest request;
+      request.set_unique_id(unique_id);
+      request.set_worker_rank(options_.worker_rank);
+      v1::OpenNcclChannelResponse response;
+      FLATSHARD_RETURN_IF_ERROR(Call(server, &v1::Flatshard::Stub::OpenNcclChannel, request, &response));
+      return response.channel();
+    };
+    FLATSHARD_ASSIGN_OR_RETURN(slot.link,
+                               client_internal::NcclLink::Open(device, options_.timeout, open_channel));
+    return slot.link;
+  }
+
+  // Drops server i's link if it is still `link` (the server closed its channel).
+  void DropLink(int server, const std::shared_ptr<client_internal::NcclLink>& link) {
+    LinkSlot& slot = *nccl_links_[server];
+    absl::MutexLock lock(&slot.mu);
+    if (slot.link == link) slot.link = nullptr;
+  }
+
+  // One NCCL transfer with server i on its data connection `conn`: the request, the
+  // server's ready answer, the bytes, its done answer. Returns the done answer (or why
+  // there is none) and whether `conn` is still usable.
+  std::pair<absl::StatusOr<int64_t>, bool> NcclTransfer(int server, transport::Connection& conn,
+                                                        transport::DataOp op, const std::string& group,
+                                                        int64_t version, DType dtype,
+                                                        absl::Span<std::byte> part, int device) {
+    const bool gather = op == transport::DataOp::kGather;
+    for (int attempt = 0;; ++attempt) {
+      absl::StatusOr<std::shared_ptr<client_internal::NcclLink>> link = Link(server, device);
+      if (!link.ok()) return {link.status(), true};
+      absl::MutexLock in_order(&(*link)->mu());
+      transport::RequestHeader header;
+      header.op = static_cast<uint8_t>(gather ? transport::DataOp::kNcclGather
+                                              : transport::DataOp::kNcclScatter);
+      header.dtype = static_cast<uint8_t>(dtype);
+      header.worker_rank = options_.worker_rank;
+      header.version = version;
+      header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+      const transport::NcclTarget target{(*link)->channel(), part.size()};
+      absl::Status sent = transport::SendRequest(
+          conn, header, options_.job, group,
+          absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target)));
+      if (!sent.ok()) return {sent, false};
+      absl::StatusOr<transport::Response> ready = transport::RecvResponse(conn, {});
+      if (!ready.ok()) return {ready.status(), false};
+      if (absl::IsNotFound(ready->status) && attempt == 0) {
+        DropLink(server, *link);  // the server closed the channel after a failure: reopen
+        continue;
+      }
+      if (!ready->status.ok()) return {ready->status, true};
+      absl::Status moved = gather ? (*link)->Recv(part.data(), part.size(), options_.timeout)
+                                  : (*link)->Send(part.data(), part.size(), options_.timeout);
+      if (!moved.ok()) return {moved, false};  // the server answers done with its own error
+      absl::StatusOr<transport::Response> done = transport::RecvResponse(conn, {});
+      if (!done.ok()) return {done.status(), false};
+      if (!done->status.ok()) return {done->status, true};
+      return {done->version, true};
+    }
+  }
+
+  // Gather into / scatter from a device buffer (`parts` are its per-server slices), each
+  // server over the plane PlaneFor picks: CUDA IPC and NCCL move the bytes GPU to GPU,
+  // TCP through host copies. Without TCP servers the requests go straight to the data
+  // channels (no thread of its own, no copies).
   template <typename Result>
   std::future<Result> DeviceTransfer(transport::DataOp op, const std::string& group,
                                      int64_t version, DType dtype, const void* buffer,
                                      std::vector<absl::Span<std::byte>> parts, int device) {
     absl::StatusOr<client_internal::IpcExport> exported = client_internal::ExportForIpc(buffer);
-    std::vector<int> ipc_servers, tcp_servers;
+    std::vector<int> ipc_servers, nccl_servers, tcp_servers;
     for (int i = 0; i < num_servers(); ++i) {
-      (exported.ok() && IpcReachable(i, device) ? ipc_servers : tcp_servers).push_back(i);
+      switch (PlaneFor(i, device, exported.ok())) {
+        case Plane::kCudaIpc: ipc_servers.push_back(i); break;
+        case Plane::kNccl: nccl_servers.push_back(i); break;
+        case Plane::kTcp: tcp_servers.push_back(i); break;
+      }
     }
     auto targets = std::make_shared<std::vector<transport::IpcTarget>>(num_servers());
     std::vector<absl::Span<const std::byte>> target_bytes(num_servers());
@@ -601,24 +700,32 @@ class ClientImpl final : public Client {
     }
     const transport::DataOp ipc_op =
         op == transport::DataOp::kGather ? transport::DataOp::kIpcGather : transport::DataOp::kIpcScatter;
+    // The GPU-to-GPU planes' requests, under one completion.
+    auto submit_gpu = [=, this](auto completion) {
+      // The IPC targets must outlive the requests, which the completion ends.
+      Submit(completion, ipc_op, group, version, dtype, target_bytes, {}, ipc_servers, targets);
+      SubmitNccl(completion, op, group, version, dtype, parts, nccl_servers, device);
+    };
+    const size_t gpu_servers = ipc_servers.size() + nccl_servers.size();
     if (tcp_servers.empty()) {
-      // The targets must outlive the requests, which the future's completion ends.
-      return Transfer<Result>(ipc_op, group, version, dtype, std::move(target_bytes), {},
-                              std::move(ipc_servers), targets);
+      auto completion = std::make_shared<Completion<Result>>(static_cast<int>(gpu_servers));
+      submit_gpu(completion);
+      return completion->future();
     }
     return std::async(std::launch::async, [=, this, parts = std::move(parts)]() -> Result {
-      std::future<absl::StatusOr<int64_t>> ipc;
-      if (!ipc_servers.empty()) {
-        ipc = Transfer<absl::StatusOr<int64_t>>(ipc_op, group, version, dtype, target_bytes, {},
-                                                ipc_servers, targets);
+      std::future<absl::StatusOr<int64_t>> gpu;
+      if (gpu_servers > 0) {
+        auto completion = std::make_shared<Completion<absl::StatusOr<int64_t>>>(static_cast<int>(gpu_servers));
+        gpu = completion->future();
+        submit_gpu(completion);
       }
       absl::StatusOr<int64_t> result = StagedTransfer(op, group, version, dtype, parts, tcp_servers);
-      if (ipc.valid()) {
-        absl::StatusOr<int64_t> ipc_result = ipc.get();
-        if (!ipc_result.ok()) {
-          result = ipc_result.status();
+      if (gpu.valid()) {
+        absl::StatusOr<int64_t> gpu_result = gpu.get();
+        if (!gpu_result.ok()) {
+          result = gpu_result.status();
         } else if (result.ok()) {
-          result = std::min(*result, *ipc_result);
+          result = std::min(*result, *gpu_result);
         }
       }
       if constexpr (std::is_same_v<Result, absl::Status>) {
@@ -627,6 +734,32 @@ class ClientImpl final : public Client {
         return result;
       }
     });
+  }
+
+  // NCCL transfers with `servers`, each on its data channel, finishing `completion`.
+  template <typename Result>
+  void SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
+                  const std::string& group, int64_t version, DType dtype,
+                  const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,
+                  int device) {
+    for (int i : servers) {
+      const std::string server = options_.servers[i];
+      const absl::Span<std::byte> part = parts[i];
+      channels_[i]->Submit([=, this](absl::StatusOr<transport::Connection*> conn) {
+        if (!conn.ok()) {
+          completion->Finish(AtServer(server, conn.status()), 0);
+          return true;
+        }
+        auto [result, usable] = NcclTransfer(i, **conn, op, group, version, dtype, part, device);
+        completion->Finish(result.ok() ? absl::OkStatus() : AtServer(server, result.status()),
+                           result.value_or(0));
+        return usable;
+      });
+    }
+  }
+
+  static absl::Status AtServer(const std::string& server, const absl::Status& status) {
+    return absl::Status(status.code(), absl::StrCat("server ", server, ": ", status.message()));
   }
 
   // The TCP data plane for device buffers: through host copies of the slices of `servers`.
@@ -665,18 +798,27 @@ class ClientImpl final : public Client {
 
   // One request per server in `servers` (all when empty) on its data channel:
   // `sends[i]` is server i's payload, or `receives[i]` its response payload's destination.
-  // `keep_alive` is held until every request has finished (what `sends` points into).
   template <typename Result>
   std::future<Result> Transfer(transport::DataOp op, const std::string& group, int64_t version,
                                DType dtype, std::vector<absl::Span<const std::byte>> sends,
                                std::vector<absl::Span<std::byte>> receives,
-                               std::vector<int> servers = {},
-                               std::shared_ptr<const void> keep_alive = nullptr) {
+                               std::vector<int> servers = {}) {
     if (servers.empty()) {
       for (int i = 0; i < num_servers(); ++i) servers.push_back(i);
     }
     auto completion = std::make_shared<Completion<Result>>(static_cast<int>(servers.size()));
-    std::future<Result> future = completion->future();
+    Submit(completion, op, group, version, dtype, sends, receives, servers, nullptr);
+    return completion->future();
+  }
+
+  // Transfer's requests, finishing `completion`; `keep_alive` is held until each has
+  // finished (what `sends` points into).
+  template <typename Result>
+  void Submit(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
+              const std::string& group, int64_t version, DType dtype,
+              const std::vector<absl::Span<const std::byte>>& sends,
+              const std::vector<absl::Span<std::byte>>& receives, const std::vector<int>& servers,
+              std::shared_ptr<const void> keep_alive) {
     for (int i : servers) {
       transport::RequestHeader header;
       header.op = static_cast<uint8_t>(op);
@@ -689,11 +831,7 @@ class ClientImpl final : public Client {
       const std::string server = options_.servers[i];
       channels_[i]->Submit([=, this, hold = keep_alive](absl::StatusOr<transport::Connection*> conn) {
         (void)hold;
-        auto fail = [&](const absl::Status& status) {
-          completion->Finish(absl::Status(status.code(),
-                                          absl::StrCat("server ", server, ": ", status.message())),
-                             0);
-        };
+        auto fail = [&](const absl::Status& status) { completion->Finish(AtServer(server, status), 0); };
         if (!conn.ok()) {
           fail(conn.status());
           return true;
@@ -716,13 +854,18 @@ class ClientImpl final : public Client {
         return true;
       });
     }
-    return future;
   }
 
   const ClientOptions options_;
   std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs_;
   std::vector<std::unique_ptr<DataChannel>> channels_;
   std::vector<std::string> server_gpus_;  // ClusterInfo.gpu_uuid per server
+  std::vector<bool> server_nccl_;         // ClusterInfo.nccl_version is set, per server
+  struct LinkSlot {
+    absl::Mutex mu;
+    std::shared_ptr<client_internal::NcclLink> link ABSL_GUARDED_BY(mu);
+  };
+  std::vector<std::unique_ptr<LinkSlot>> nccl_links_;  // per server
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<FlatLayout>> layouts_ ABSL_GUARDED_BY(mu_);
 };

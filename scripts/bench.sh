@@ -20,6 +20,6 @@ if [[ -x "$build_dir/bin/kernels_cuda_bench" ]]; then
     python3 bench/torch_adamw_bench.py "$json"
   fi
   echo
-  echo "== CUDA IPC data plane (ratio to a device-to-device cudaMemcpy, same run) =="
-  "$build_dir/bin/ipc_cuda_bench"
+  echo "== GPU data planes: CUDA IPC (ratio to cudaMemcpy) and NCCL (ratio to plain NCCL), same run =="
+  "$build_dir/bin/gpu_planes_bench"
 fi

@@ -2,7 +2,7 @@
 # On a lent device machine (GPU), from the repository root: runs the GPU tests and the GPU
 # benchmarks from the binaries scripts/device-carry.sh put in .devcarry/, logs under
 # ${OUT:-/tmp/device-check}. Steps: any of tests, training, bench, kernels-bench,
-# safetensors (default: tests training bench).
+# safetensors, python (default: tests training bench).
 set -uo pipefail
 carry=$PWD/.devcarry
 out=${OUT:-/tmp/device-check}
@@ -31,9 +31,26 @@ for step in ${steps[*]}; do
     training)
       run integration_training "$carry/bin/integration_test" --gtest_filter='Training*' ;;
     bench)
-      run ipc_cuda_bench "$carry/bin/ipc_cuda_bench" ;;
+      run gpu_planes_bench "$carry/bin/gpu_planes_bench" ;;
     kernels-bench)
       run kernels_cuda_bench "$carry/bin/kernels_cuda_bench" ;;
+    python)
+      # The module for this machine's Python, from the carried client libraries.
+      package=/tmp/flatshard-python
+      mkdir -p "$package" && cp -r python/flatshard "$package/"
+      run python_module g++ -std=c++20 -O2 -fPIC -shared -o \
+        "$package/flatshard/_native$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
+        python/module.cc -I. -Iclient/include -I"$carry/include" \
+        -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+        -I"$(python3 -c 'import pybind11; print(pybind11.get_include())')" \
+        -Wl,--start-group "$carry"/static/*.a -Wl,--end-group "$carry"/lib/*.so*
+      export PYTHONPATH="$package:$PWD/tests/python" FLATSHARD_SERVER_BINARY="$carry/bin/flatshard-server"
+      pushd tests/python >/dev/null
+      for suite in test_cuda_tensors test_client \
+                   test_torch_parity.ParityTest.test_cuda_model_with_gpu_servers_over_cuda_ipc; do
+        run "python_${suite%%.*}" python3 -m unittest -v "$suite"
+      done
+      popd >/dev/null ;;
     safetensors)
       run safetensors_library python3 tests/python/safetensors_library_check.py check \
         "$carry/safetensors-sample" ;;

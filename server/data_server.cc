@@ -15,11 +15,12 @@ using transport::Request;
 
 }  // namespace
 
-DataServer::DataServer(Registry& registry, ClipCoordinator& clip, IpcPlane& ipc,
+DataServer::DataServer(Registry& registry, ClipCoordinator& clip, IpcPlane& ipc, NcclPlane& nccl,
                        const SessionTokens& sessions, ServerStats& stats, DataServerOptions options)
     : registry_(registry),
       clip_(clip),
       ipc_(ipc),
+      nccl_(nccl),
       sessions_(sessions),
       stats_(stats),
       options_(options) {}
@@ -122,6 +123,9 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
     case DataOp::kIpcGather:
     case DataOp::kIpcScatter:
       return ServeIpc(conn, request);
+    case DataOp::kNcclGather:
+    case DataOp::kNcclScatter:
+      return ServeNccl(conn, request);
     case DataOp::kHello:
       return Refuse(conn, request,
                     absl::FailedPreconditionError("this connection is already authenticated"));
@@ -211,6 +215,29 @@ bool DataServer::ServeIpc(Connection& conn, const Request& request) {
                                         : ipc_.Scatter(request, target);
   if (!version.ok()) ++stats_.errors;
   return transport::SendResponse(conn, version.status(), version.value_or(0), {}).ok();
+}
+
+bool DataServer::ServeNccl(Connection& conn, const Request& request) {
+  transport::NcclTarget target;
+  if (request.payload_bytes != static_cast<int64_t>(sizeof(target))) {
+    return Refuse(conn, request,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "an NCCL request carries a ", sizeof(target), "-byte target; this one ",
+                      request.payload_bytes, " bytes")));
+  }
+  if (!conn.Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(&target), sizeof(target))).ok()) {
+    return false;
+  }
+  auto begun = nccl_.Begin(request, target);
+  if (!begun.ok()) {
+    ++stats_.errors;
+    return transport::SendResponse(conn, begun.status(), 0, {}).ok();
+  }
+  auto& [transfer, ready_version] = *begun;
+  // Dropping `transfer` unfinished gives back what Begin took (the worker never starts).
+  if (!transport::SendResponse(conn, absl::OkStatus(), ready_version, {}).ok()) return false;
+  absl::StatusOr<int64_t> done = nccl_.Finish(transfer);
+  return transport::SendResponse(conn, done.status(), done.value_or(0), {}).ok();
 }
 
 }  // namespace flatshard::server

@@ -1,8 +1,8 @@
 // DataServer: the server side of the TCP data plane. Accepts connections, requires a
 // kHello with a valid session token first (within hello_timeout, or the connection is
 // closed), then serves gather, scatter and init requests (transport/data_protocol.h)
-// against the Registry, and the CUDA IPC requests through the IpcPlane, one thread per
-// connection. Gradient bytes are received straight
+// against the Registry, and the CUDA IPC and NCCL requests through their planes, one
+// thread per connection. Gradient bytes are received straight
 // into the group's staging slot and gather bytes are sent straight from the version's
 // snapshot. A refused request gets a precise status and the connection stays usable
 // when its stream is still in sync; garbage frames close it. Nothing a peer sends can
@@ -10,7 +10,7 @@
 //
 // Start/Stop from one thread; the rest is internal.
 //
-//   DataServer data(registry, clip, ipc, sessions, stats, {});
+//   DataServer data(registry, clip, ipc, nccl, sessions, stats, {});
 //   FLATSHARD_RETURN_IF_ERROR(data.Start("127.0.0.1", 7071));
 //   ...; data.Stop();
 #ifndef FLATSHARD_SERVER_DATA_SERVER_H_
@@ -28,6 +28,7 @@
 #include "server/auth.h"
 #include "server/clip_coordinator.h"
 #include "server/ipc_plane.h"
+#include "server/nccl_plane.h"
 #include "server/registry.h"
 #include "server/stats.h"
 #include "transport/data_protocol.h"
@@ -44,7 +45,7 @@ struct DataServerOptions {
 
 class DataServer {
  public:
-  DataServer(Registry& registry, ClipCoordinator& clip, IpcPlane& ipc,
+  DataServer(Registry& registry, ClipCoordinator& clip, IpcPlane& ipc, NcclPlane& nccl,
              const SessionTokens& sessions, ServerStats& stats, DataServerOptions options);
   ~DataServer();
 
@@ -64,6 +65,7 @@ class DataServer {
   bool ServeGather(transport::Connection& conn, const transport::Request& request);
   bool ServeReceive(transport::Connection& conn, const transport::Request& request);
   bool ServeIpc(transport::Connection& conn, const transport::Request& request);
+  bool ServeNccl(transport::Connection& conn, const transport::Request& request);
   // Refuses a request whose payload is still on the wire: drains it when small enough.
   bool Refuse(transport::Connection& conn, const transport::Request& request,
               const absl::Status& status);
@@ -71,6 +73,7 @@ class DataServer {
   Registry& registry_;
   ClipCoordinator& clip_;
   IpcPlane& ipc_;
+  NcclPlane& nccl_;
   const SessionTokens& sessions_;
   ServerStats& stats_;
   const DataServerOptions options_;

@@ -26,6 +26,9 @@ ABSL_FLAG(std::string, checkpoint_root, "", "directory that confines every check
 ABSL_FLAG(uint64_t, max_file_size, 5'000'000'000,
           "FULL checkpoints: split into model-0000i-of-0000N.safetensors above this many bytes");
 ABSL_FLAG(int, threads, 0, "gRPC server threads (0: gRPC's default)");
+ABSL_FLAG(absl::Duration, nccl_timeout, absl::Seconds(60),
+          "how long an NCCL channel may take to join, and a transfer to finish, before the "
+          "channel is aborted (a dead worker)");
 ABSL_FLAG(std::string, log_level, "info", "info or debug");
 
 namespace {
@@ -63,6 +66,7 @@ int main(int argc, char** argv) {
     options.checkpoint_root = root.string();
   }
   options.threads = absl::GetFlag(FLAGS_threads);
+  options.nccl_timeout = absl::GetFlag(FLAGS_nccl_timeout);
   options.max_file_bytes = absl::GetFlag(FLAGS_max_file_size);
   if (options.max_file_bytes == 0) return Fail("--max_file_size must be > 0");
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {

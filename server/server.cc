@@ -55,7 +55,8 @@ Server::Server(ServerOptions options)
             }),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
                    options_.checkpoint_root, options_.max_file_bytes, &peers_),
-      ipc_(registry_, clip_, stats_) {}
+      ipc_(registry_, clip_, stats_),
+      nccl_(registry_, clip_, stats_, options_.nccl_timeout) {}
 
 Server::~Server() { Shutdown(); }
 
@@ -72,7 +73,8 @@ absl::Status Server::Start() {
     data_port = 0;
   }
   FLATSHARD_RETURN_IF_ERROR(ipc_.Start(memory_tier()));
-  data_ = std::make_unique<DataServer>(registry_, clip_, ipc_, sessions_, stats_, options_.data);
+  FLATSHARD_RETURN_IF_ERROR(nccl_.Start(memory_tier()));
+  data_ = std::make_unique<DataServer>(registry_, clip_, ipc_, nccl_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
 
   ServiceIdentity identity{.rank = options_.rank,
@@ -83,7 +85,7 @@ absl::Status Server::Start() {
                            .gpu_uuid = ipc_.gpu_uuid(),
                            .auth_token = options_.auth_token};
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
-                                                stats_, [this] { return cluster_check(); });
+                                                stats_, nccl_, [this] { return cluster_check(); });
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &control_port_);
   builder.RegisterService(service_.get());

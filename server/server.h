@@ -22,6 +22,7 @@
 #include "server/clip_coordinator.h"
 #include "server/data_server.h"
 #include "server/ipc_plane.h"
+#include "server/nccl_plane.h"
 #include "server/registry.h"
 #include "server/peer_client.h"
 #include "server/service.h"
@@ -43,6 +44,7 @@ struct ServerOptions {
   std::string checkpoint_root;            // empty: checkpoints disabled
   uint64_t max_file_bytes = 5'000'000'000;  // FULL checkpoints split above this
   int threads = 0;                        // gRPC sync-server threads (0: gRPC's default)
+  absl::Duration nccl_timeout = absl::Seconds(60);  // an NCCL channel's join and transfers
   DataServerOptions data;
 };
 
@@ -77,6 +79,7 @@ class Server {
   SessionTokens sessions_;
   ServerStats stats_;
   IpcPlane ipc_;
+  NcclPlane nccl_;
   std::unique_ptr<DataServer> data_;
   std::unique_ptr<FlatshardService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;

@@ -107,7 +107,7 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
 FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
                                    ClipCoordinator& clip, CheckpointStore& checkpoints,
                                    SessionTokens& sessions,
-                                   const ServerStats& stats,
+                                   const ServerStats& stats, NcclPlane& nccl,
                                    std::function<std::string()> cluster_check)
     : identity_(std::move(identity)),
       registry_(registry),
@@ -115,6 +115,7 @@ FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
       checkpoints_(checkpoints),
       sessions_(sessions),
       stats_(stats),
+      nccl_(nccl),
       cluster_check_(std::move(cluster_check)) {}
 
 grpc::Status FlatshardService::Authenticate(const grpc::ServerContext* ctx) const {
@@ -140,6 +141,7 @@ grpc::Status FlatshardService::GetClusterInfo(grpc::ServerContext* ctx,
   response->set_data_address(identity_.data_address);
   response->set_memory(identity_.memory);
   response->set_gpu_uuid(identity_.gpu_uuid);
+  response->set_nccl_version(nccl_.version());
   response->set_version("0.1.0");
   return grpc::Status::OK;
 }
@@ -149,6 +151,16 @@ grpc::Status FlatshardService::OpenSession(grpc::ServerContext* ctx, const v1::O
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   response->set_session_token(sessions_.Issue());
   response->set_data_address(identity_.data_address);
+  return grpc::Status::OK;
+}
+
+grpc::Status FlatshardService::OpenNcclChannel(grpc::ServerContext* ctx,
+                                               const v1::OpenNcclChannelRequest* request,
+                                               v1::OpenNcclChannelResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<uint64_t> channel = nccl_.Open(request->unique_id(), request->worker_rank());
+  if (!channel.ok()) return ToGrpc(channel.status());
+  response->set_channel(*channel);
   return grpc::Status::OK;
 }
 
@@ -371,6 +383,8 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   response->set_scatters(stats_.scatters.load());
   response->set_ipc_gathers(stats_.ipc_gathers.load());
   response->set_ipc_scatters(stats_.ipc_scatters.load());
+  response->set_nccl_gathers(stats_.nccl_gathers.load());
+  response->set_nccl_scatters(stats_.nccl_scatters.load());
   response->set_errors(stats_.errors.load());
   response->set_open_data_connections(stats_.open_data_connections.load());
   response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));

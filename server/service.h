@@ -14,6 +14,7 @@
 #include "server/auth.h"
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
+#include "server/nccl_plane.h"
 #include "server/registry.h"
 #include "server/stats.h"
 
@@ -33,12 +34,14 @@ class FlatshardService final : public v1::Flatshard::Service {
  public:
   FlatshardService(ServiceIdentity identity, Registry& registry, ClipCoordinator& clip,
                    CheckpointStore& checkpoints, SessionTokens& sessions, const ServerStats& stats,
-                   std::function<std::string()> cluster_check);
+                   NcclPlane& nccl, std::function<std::string()> cluster_check);
 
   grpc::Status GetClusterInfo(grpc::ServerContext* ctx, const v1::GetClusterInfoRequest* request,
                               v1::ClusterInfo* response) override;
   grpc::Status OpenSession(grpc::ServerContext* ctx, const v1::OpenSessionRequest* request,
                            v1::OpenSessionResponse* response) override;
+  grpc::Status OpenNcclChannel(grpc::ServerContext* ctx, const v1::OpenNcclChannelRequest* request,
+                               v1::OpenNcclChannelResponse* response) override;
   grpc::Status ConfigureJob(grpc::ServerContext* ctx, const v1::ConfigureJobRequest* request,
                             v1::ConfigureJobResponse* response) override;
   grpc::Status RegisterGroup(grpc::ServerContext* ctx, const v1::RegisterGroupRequest* request,
@@ -79,6 +82,7 @@ class FlatshardService final : public v1::Flatshard::Service {
   CheckpointStore& checkpoints_;
   SessionTokens& sessions_;
   const ServerStats& stats_;
+  NcclPlane& nccl_;
   const std::function<std::string()> cluster_check_;
   const absl::Time started_ = absl::Now();
 };

@@ -17,6 +17,8 @@ struct ServerStats {
   std::atomic<int32_t> open_data_connections{0};
   std::atomic<int64_t> ipc_gathers{0};   // CUDA IPC plane (also counted in gathers)
   std::atomic<int64_t> ipc_scatters{0};  // CUDA IPC plane (also counted in scatters)
+  std::atomic<int64_t> nccl_gathers{0};   // NCCL plane (also counted in gathers)
+  std::atomic<int64_t> nccl_scatters{0};  // NCCL plane (also counted in scatters)
 };
 
 }  // namespace flatshard::server

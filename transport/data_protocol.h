@@ -36,6 +36,12 @@ enum class DataOp : uint8_t {
   // IpcTarget naming the worker's device buffer, and the server's kernels move the bytes.
   kIpcGather = 5,   // version = min_version; the server writes the shard in `dtype` there
   kIpcScatter = 6,  // version = step; the server reads the gradient slice in `dtype` there
+  // NCCL, for a worker GPU and a --memory=device server on another GPU or node, over the
+  // communicator the OpenNcclChannel RPC set up; the payload is an NcclTarget. The server
+  // answers twice: once ready (the transfer may start; an error ends the request there),
+  // then done, after the bytes moved (a scatter: once it is committed).
+  kNcclGather = 7,   // version = min_version; the server sends the shard in `dtype`
+  kNcclScatter = 8,  // version = step; the server receives the gradient slice in `dtype`
 };
 
 inline constexpr uint32_t kRequestMagic = 0x31445346;   // "FSD1"
@@ -73,7 +79,13 @@ struct IpcTarget {
   uint64_t offset = 0;
   uint64_t bytes = 0;
 };
+// The payload of kNcclGather and kNcclScatter: the channel and the bytes to move.
+struct NcclTarget {
+  uint64_t channel = 0;
+  uint64_t bytes = 0;
+};
 static_assert(sizeof(RequestHeader) == 40);
+static_assert(sizeof(NcclTarget) == 16);
 static_assert(sizeof(IpcTarget) == 80);
 static_assert(sizeof(ResponseHeader) == 32);
 

@@ -25,4 +25,16 @@ absl::StatusOr<std::string> DeviceDescription(int ordinal) {
                          static_cast<double>(prop.totalGlobalMem) / (1 << 30));
 }
 
+ScopedDevice::ScopedDevice(int ordinal) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) {
+    cudaGetLastError();
+    previous_ = -1;
+  }
+  if (previous_ != ordinal) cudaSetDevice(ordinal);
+}
+
+ScopedDevice::~ScopedDevice() {
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
 }  // namespace flatshard::kernels::cuda

@@ -20,6 +20,19 @@ namespace flatshard::kernels::cuda {
 // "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)" for device `ordinal`, or Internal.
 [[nodiscard]] absl::StatusOr<std::string> DeviceDescription(int ordinal);
 
+// Makes `ordinal` the calling thread's current device for its lifetime, then restores
+// the device the thread had (runtime calls bind the device's context to the thread).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int ordinal);
+  ~ScopedDevice();
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 }  // namespace flatshard::kernels::cuda
 
 #endif  // FLATSHARD_KERNELS_CUDA_DEVICE_H_

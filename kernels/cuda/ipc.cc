@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "kernels/cuda/device.h"
 
 namespace flatshard::kernels::cuda {
 namespace {
@@ -70,23 +71,6 @@ absl::StatusOr<Allocation> AllocationOf(const void* ptr) {
   }
   return a;
 }
-
-// Makes `device` current on this thread for its lifetime, then restores the caller's.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 // Exports already made, by allocation (buffer id): a handle costs a driver round trip
 // and stays valid for the allocation's life. Ids are never reused, so a freed
@@ -152,7 +136,7 @@ absl::StatusOr<ExportedBuffer> ExportDeviceBuffer(const void* ptr) {
   static ExportCache* cache = new ExportCache();
   std::optional<std::string> handle = cache->Find(a.buffer_id);
   if (!handle.has_value()) {
-    DeviceGuard guard(a.device);
+    ScopedDevice on_device(a.device);
     cudaIpcMemHandle_t ipc{};
     const cudaError_t err = cudaIpcGetMemHandle(&ipc, reinterpret_cast<void*>(a.base));
     if (err != cudaSuccess) {

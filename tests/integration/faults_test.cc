@@ -109,9 +109,9 @@ TEST_F(FaultsTest, UnknownGroupWrongSizesAndDTypes) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// The CUDA IPC ops reach every server's data plane; one without GPU shards (any
-// server of a CPU build) refuses them and the connection stays usable.
-TEST_F(FaultsTest, CudaIpcRequestsToAHostServerAreRefused) {
+// The CUDA IPC and NCCL ops reach every server's data plane; one without GPU shards
+// (any server of a CPU build) refuses them and the connection stays usable.
+TEST_F(FaultsTest, GpuPlaneRequestsToAHostServerAreRefused) {
   auto conn = RawConnection();
   auto ipc = [&](transport::DataOp op, absl::Span<const std::byte> payload) {
     transport::RequestHeader header;
@@ -133,6 +133,24 @@ TEST_F(FaultsTest, CudaIpcRequestsToAHostServerAreRefused) {
   absl::Status short_target = ipc(transport::DataOp::kIpcGather, target_bytes.subspan(0, 10));
   EXPECT_EQ(short_target.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(short_target.message()), HasSubstr("80-byte target; this one 10 bytes"));
+  const transport::NcclTarget nccl_target{1, target.bytes};
+  const auto nccl_bytes = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&nccl_target), sizeof(nccl_target));
+  for (transport::DataOp op : {transport::DataOp::kNcclGather, transport::DataOp::kNcclScatter}) {
+    absl::Status refused = ipc(op, nccl_bytes);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("no NCCL data plane"));
+  }
+  EXPECT_THAT(std::string(ipc(transport::DataOp::kNcclGather, target_bytes).message()),
+              HasSubstr("16-byte target; this one 80 bytes"));
+  {
+    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster_.addresses()[0], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + cluster_.token());
+    v1::OpenNcclChannelRequest request;
+    request.set_unique_id(std::string(128, 'x'));
+    v1::OpenNcclChannelResponse response;
+    EXPECT_EQ(stub->OpenNcclChannel(&ctx, request, &response).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
   std::vector<float> shard(layout_->shard_numel());
   transport::RequestHeader gather;
   gather.op = static_cast<uint8_t>(transport::DataOp::kGather);

@@ -92,13 +92,15 @@ class TestCluster {
 
   // Connects a client as `worker_rank` of `num_workers`, retrying while servers start.
   absl::StatusOr<std::unique_ptr<Client>> Connect(int worker_rank, int num_workers,
-                                                  const std::string& job = "test") const {
+                                                  const std::string& job = "test",
+                                                  DevicePlane plane = DevicePlane::kAuto) const {
     ClientOptions options{.servers = addresses_,
                           .token = token_,
                           .worker_rank = worker_rank,
                           .num_workers = num_workers,
                           .job = job,
-                          .timeout = absl::Seconds(20)};
+                          .timeout = absl::Seconds(20),
+                          .device_plane = plane};
     absl::StatusOr<std::unique_ptr<Client>> client;
     for (int attempt = 0; attempt < 100; ++attempt) {
       client = Client::Connect(options);

@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/nccl.h"
 #endif
 
 namespace flatshard {
@@ -207,8 +208,8 @@ class DeviceBytes {
 };
 
 void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<GroupCase>& cases,
-               bool device_buffers) {
-  auto client = cluster.Connect(rank, kWorkers);
+               bool device_buffers, DevicePlane plane) {
+  auto client = cluster.Connect(rank, kWorkers, "test", plane);
   ASSERT_TRUE(client.ok()) << client.status();
   std::vector<const FlatLayout*> layouts;
   for (const GroupCase& c : cases) {
@@ -242,16 +243,29 @@ void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<
   }
 }
 
+// NCCL refuses two ranks on one GPU of one host. Servers started with another
+// NCCL_HOSTID than this process's are other nodes to NCCL, which then moves the bytes
+// over its socket transport on loopback: the path between nodes, on the one GPU a test
+// machine has. Set `id` before starting servers, and the workers' id after.
+void SetNcclHost(const char* id) {
+  setenv("NCCL_SOCKET_IFNAME", "lo", 1);
+  setenv("NCCL_HOSTID", id, 1);
+}
+constexpr char kNcclServers[] = "flatshard-test-servers";
+constexpr char kNcclWorkers[] = "flatshard-test-workers";
+
 // `memory[i]`: server i's --memory; `device_buffers`: the workers gather into and scatter
-// from GPU buffers.
+// from GPU buffers, over `plane` where the servers keep their shards on the GPU.
 void TrainAndCompare(const JobOptions& job,
                      const std::vector<std::string>& memory = {"host", "host", "host"},
-                     bool device_buffers = false) {
+                     bool device_buffers = false, DevicePlane plane = DevicePlane::kAuto) {
   std::vector<std::vector<std::string>> args;
   for (const std::string& tier : memory) args.push_back({"--memory=" + tier});
+  if (plane == DevicePlane::kNccl) SetNcclHost(kNcclServers);
   testing::TestCluster cluster(3, "s3cret-token", ::testing::TempDir(), "", args);
+  if (plane == DevicePlane::kNccl) SetNcclHost(kNcclWorkers);
   const std::vector<GroupCase> cases = Cases();
-  auto setup = cluster.Connect(0, kWorkers);
+  auto setup = cluster.Connect(0, kWorkers, "test", plane);
   ASSERT_TRUE(setup.ok()) << setup.status();
   ASSERT_TRUE((*setup)->ConfigureJob(job).ok());
   std::vector<const FlatLayout*> layouts;
@@ -266,7 +280,7 @@ void TrainAndCompare(const JobOptions& job,
 
   std::vector<std::thread> workers;
   for (int rank = 0; rank < kWorkers; ++rank) {
-    workers.emplace_back([&, rank] { RunWorker(cluster, rank, cases, device_buffers); });
+    workers.emplace_back([&, rank] { RunWorker(cluster, rank, cases, device_buffers, plane); });
   }
   for (std::thread& worker : workers) worker.join();
   if (::testing::Test::HasFatalFailure()) return;
@@ -298,18 +312,26 @@ void TrainAndCompare(const JobOptions& job,
     }
   }
   if (device_buffers) {
+    const bool nccl = plane == DevicePlane::kNccl;
     std::vector<std::string> planes;
-    for (const std::string& tier : memory) planes.push_back(tier == "device" ? "cuda-ipc" : "tcp");
+    for (const std::string& tier : memory) {
+      planes.push_back(tier != "device" ? "tcp" : nccl ? "nccl" : "cuda-ipc");
+    }
     EXPECT_EQ((*setup)->DataPlanes(), planes);
-    // The bytes really went where the planes say: CUDA IPC to device servers only.
+    // The bytes really went where the planes say, to device servers only.
     const auto statuses = FetchClusterStatus(cluster.addresses(), cluster.token(), absl::Seconds(10));
     for (size_t i = 0; i < memory.size(); ++i) {
       ASSERT_TRUE(statuses[i].ok()) << statuses[i].status();
+      const v1::ServerStatus& s = *statuses[i];
+      const int64_t gpu_scatters = nccl ? s.nccl_scatters() : s.ipc_scatters();
+      const int64_t gpu_gathers = nccl ? s.nccl_gathers() : s.ipc_gathers();
+      const int64_t other_plane = nccl ? s.ipc_scatters() + s.ipc_gathers() : s.nccl_scatters() + s.nccl_gathers();
+      EXPECT_EQ(other_plane, 0) << i;
       if (memory[i] == "device") {
-        EXPECT_EQ(statuses[i]->ipc_scatters(), kWorkers * kSteps * static_cast<int64_t>(cases.size())) << i;
-        EXPECT_GT(statuses[i]->ipc_gathers(), 0) << i;
+        EXPECT_EQ(gpu_scatters, kWorkers * kSteps * static_cast<int64_t>(cases.size())) << i;
+        EXPECT_GT(gpu_gathers, 0) << i;
       } else {
-        EXPECT_EQ(statuses[i]->ipc_scatters() + statuses[i]->ipc_gathers(), 0) << i;
+        EXPECT_EQ(gpu_scatters + gpu_gathers, 0) << i;
       }
     }
   }
@@ -399,6 +421,105 @@ TEST(TrainingIntegrationTest, BadCudaIpcRequestsAreRefusedAndTheServerKeepsServi
   std::vector<float> host((*layout)->padded_numel());
   EXPECT_TRUE((*client)->Gather("g", 0, DType::kFloat32, AsBytes(host)).get().ok());
 }
+
+#if FLATSHARD_HAVE_CUDA
+bool HaveNccl() { return kernels::cuda::NcclVersion().ok(); }
+#else
+bool HaveNccl() { return false; }
+#endif
+
+// GPU workers and --memory=device servers over NCCL (as between nodes, see
+// SetNcclHost), with a host server in the mix; still bitwise equal to the CPU reference.
+TEST(TrainingIntegrationTest, GpuWorkersOverNcclMatchSingleProcessBitwise) {
+  if (!HaveGpu()) GTEST_SKIP() << "NCCL needs a CUDA build and a CUDA device";
+  if (!HaveNccl()) GTEST_SKIP() << "NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
+  TrainAndCompare({}, {"device", "device", "device"}, /*device_buffers=*/true, DevicePlane::kNccl);
+  TrainAndCompare({.max_grad_norm = 0.3}, {"device", "host", "device"}, /*device_buffers=*/true,
+                  DevicePlane::kNccl);
+}
+
+#if FLATSHARD_HAVE_CUDA
+// A worker that opens a channel and never joins, and one that vanishes in the middle of
+// a scatter: each request fails with a status within --nccl_timeout, the channel is
+// closed, nothing of the scatter is kept, and the server serves on.
+TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsServing) {
+  if (!HaveGpu()) GTEST_SKIP() << "NCCL needs a CUDA build and a CUDA device";
+  if (!HaveNccl()) GTEST_SKIP() << "NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
+  SetNcclHost(kNcclServers);
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), "", {{"--memory=device", "--nccl_timeout=2s"}});
+  SetNcclHost(kNcclWorkers);
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
+  auto open = [&](const std::string& unique_id) -> absl::StatusOr<uint64_t> {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer tok");
+    v1::OpenNcclChannelRequest request;
+    request.set_unique_id(unique_id);
+    v1::OpenNcclChannelResponse response;
+    grpc::Status status = stub->OpenNcclChannel(&ctx, request, &response);
+    if (!status.ok()) return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+    return response.channel();
+  };
+  // Sends an NCCL request and reads the ready answer.
+  auto begin = [&](transport::Connection& conn, transport::DataOp op, uint64_t channel) {
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(op);
+    header.timeout_ms = 10000;
+    const transport::NcclTarget target{channel, static_cast<uint64_t>((*layout)->shard_numel() * 4)};
+    absl::Status sent = transport::SendRequest(
+        conn, header, "test", "g", absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target)));
+    if (!sent.ok()) return sent;
+    auto ready = transport::RecvResponse(conn, {});
+    return ready.ok() ? ready->status : ready.status();
+  };
+  EXPECT_EQ(open("short").status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Opened, never joined: the server gives up joining after 2 s.
+  auto never_joined = open(*kernels::cuda::NcclCommunicator::NewUniqueId());
+  ASSERT_TRUE(never_joined.ok()) << never_joined.status();
+  {
+    auto conn = cluster.RawDataConnection(0);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    const absl::Status refused = begin(**conn, transport::DataOp::kNcclGather, *never_joined);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kDeadlineExceeded) << refused;
+    EXPECT_NE(refused.message().find("could not join"), std::string::npos) << refused;
+  }
+
+  // Joined, then silent after the ready answer of a scatter.
+  const std::string unique_id = *kernels::cuda::NcclCommunicator::NewUniqueId();
+  auto channel = open(unique_id);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  auto comm = kernels::cuda::NcclCommunicator::Create(unique_id, 2, 1, absl::Seconds(20));
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  {
+    auto conn = cluster.RawDataConnection(0);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    ASSERT_TRUE(begin(**conn, transport::DataOp::kNcclScatter, *channel).ok());
+    const absl::Time start = absl::Now();
+    auto done = transport::RecvResponse(**conn, {});  // the worker never sends
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_EQ(done->status.code(), absl::StatusCode::kDeadlineExceeded) << done->status;
+    EXPECT_NE(done->status.message().find("channel closed"), std::string::npos) << done->status;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    const absl::Status closed = begin(**conn, transport::DataOp::kNcclGather, *channel);
+    EXPECT_EQ(closed.code(), absl::StatusCode::kNotFound) << closed;
+  }
+  (*comm)->Abort();
+  // Nothing of that scatter was kept: worker 0 sends step 0 again, over TCP, and it applies.
+  std::vector<float> grad((*layout)->padded_numel(), 1.0f);
+  const absl::Status sent = (*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
+  ASSERT_TRUE(sent.ok()) << sent;
+  std::vector<float> params((*layout)->padded_numel());
+  auto version = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params)).get();
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 1);
+  EXPECT_EQ(params[0], -1.0f);  // 0 - lr * 1
+}
+#endif
 
 TEST(TrainingIntegrationTest, UnavailableMemoryTierIsRefusedAtStartup) {
   if (HaveGpu()) GTEST_SKIP() << "this machine has the GPU tiers";

@@ -32,6 +32,17 @@
 
 namespace flatshard {
 
+// How device (GPU) buffers reach a --memory=device server (host buffers always use TCP):
+//   kAuto     CUDA IPC when the server's shards are on the buffer's GPU, NCCL when they
+//             are on another GPU or node (and NCCL loads on both sides), else TCP
+//             through host staging;
+//   kCudaIpc  CUDA IPC where possible, else TCP;
+//   kNccl     NCCL where the server has it, even on the buffer's own GPU (NCCL refuses
+//             two ranks on one GPU unless their NCCL_HOSTID differ: for tests and
+//             comparisons), else TCP;
+//   kTcp      always TCP through host staging.
+enum class DevicePlane { kAuto, kCudaIpc, kNccl, kTcp };
+
 struct ClientOptions {
   std::vector<std::string> servers;  // control addresses in rank order (as --cluster)
   std::string token;                 // the cluster's shared token; empty: none
@@ -41,6 +52,7 @@ struct ClientOptions {
   absl::Duration timeout = absl::Seconds(30);  // per RPC, per transfer, per version wait
   int max_in_flight = 2;                       // concurrent transfers per server
   uint32_t export_chunk_bytes = 4 << 20;       // ExportStateDict: bytes per message (<= 64 MiB)
+  DevicePlane device_plane = DevicePlane::kAuto;
 };
 
 struct JobOptions {
@@ -121,10 +133,11 @@ class Client {
   // Fills `out` (padded_numel() elements of `dtype`) with the parameters at a version
   // >= min_version and returns that version (the lowest one any server sent).
   // `group` must have been registered by this Client. `out` (and Scatter's `grad`) may
-  // be host memory or, in a CUDA build, device memory from cudaMalloc: then servers on
-  // the same GPU with --memory=device move the bytes by CUDA IPC, the others over TCP
-  // through a host copy (DataPlanes() says which). A server reads and writes a device
-  // buffer from its own CUDA stream, so the buffer must be ready when the call is made:
+  // be host memory or, in a CUDA build, device memory from cudaMalloc: then
+  // --memory=device servers move the bytes by CUDA IPC (on the same GPU) or NCCL (on
+  // another), the others over TCP through a host copy (ClientOptions::device_plane,
+  // DataPlanes() says which). The servers and NCCL read and write a device buffer from
+  // their own CUDA streams, so the buffer must be ready when the call is made:
   // the GPU work that writes `grad`, or still reads `out`, complete (synchronize its
   // stream; a pageable cudaMemcpy to the device may return before its bytes land).
   // Until the future is ready the buffer is the servers'; after, `out` holds the bytes.
@@ -139,8 +152,7 @@ class Client {
                                             absl::Span<const std::byte> grad) = 0;
 
   // Per server, the data plane a device buffer on this thread's current GPU would use:
-  // "cuda-ipc" (the server keeps its shards on that GPU) or "tcp". Host buffers always
-  // use "tcp".
+  // "cuda-ipc", "nccl" or "tcp" (see DevicePlane). Host buffers always use "tcp".
   virtual std::vector<std::string> DataPlanes() const = 0;
 
   // Waits until every server's shard of `group` reaches min_version.

@@ -1,0 +1,290 @@
+// The GPU data planes: gathers and scatters between a worker's device buffers and a
+// --memory=device server, per plane, as a ratio to the same bytes moved without
+// flatshard in the same run:
+//   cuda-ipc  worker and server on one GPU; reference: a device-to-device cudaMemcpy.
+//   nccl      worker and server as on two nodes (NCCL_HOSTID set apart, so NCCL uses
+//             its socket transport on loopback); reference: plain ncclRecv / ncclSend
+//             of the same bytes between this process and a child process, same
+//             transport.
+// Starts one flatshard-server (the binary next to this one) on 127.0.0.1, and two
+// workers per plane (in this process) whose buffers are cudaMalloc memory. Rows:
+//   gather          the server's shard, cast to the dtype, into the worker's buffer;
+//   scatter         worker 0's gradient into the server's staging slot;
+//   scatter + step  worker 1's, the last of the step: its bytes, the reduction of both
+//                   slots and the optimizer step (SGD), before it answers.
+// Ratios compare gathers with the reference's receive and scatters with its send. The
+// smallest size shows a call's fixed cost. Median of 10 after 2 warm-ups.
+//
+//   build/bin/gpu_planes_bench [--planes=cuda-ipc,nccl]
+#include <cuda_runtime.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/cluster_status.h"
+#include "flatshard/client.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/device_memory.h"
+#include "kernels/cuda/nccl.h"
+#include "transport/tcp/tcp_transport.h"
+
+extern char** environ;
+
+namespace {
+
+using flatshard::DType;
+namespace kc = flatshard::kernels::cuda;
+
+constexpr int kWarmups = 2;
+constexpr int kRuns = 10;
+const int64_t kNcclMaxNumel = int64_t{64} << 20;  // NCCL over sockets: up to 256 MiB
+
+void Check(const absl::Status& status, const char* what) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, status.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// Starts `args` with NCCL_HOSTID=`nccl_host` in its environment; returns the pid.
+pid_t Spawn(std::vector<std::string> args, const std::string& nccl_host) {
+  std::vector<std::string> env = {"NCCL_HOSTID=" + nccl_host};
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!absl::StartsWith(*e, "NCCL_HOSTID=")) env.push_back(*e);
+  }
+  std::vector<char*> argv, envp;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  for (std::string& var : env) envp.push_back(var.data());
+  argv.push_back(nullptr);
+  envp.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()) != 0) {
+    std::fprintf(stderr, "cannot start %s\n", args[0].c_str());
+    std::exit(1);
+  }
+  return pid;
+}
+
+double Median(std::vector<double> times) {
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Median milliseconds of each of the phases `run` times, over kRuns runs after
+// kWarmups. `run` returns the phases' durations.
+std::vector<double> MedianMs(const std::function<std::vector<absl::Duration>()>& run) {
+  for (int i = 0; i < kWarmups; ++i) run();
+  std::vector<std::vector<double>> phases;
+  for (int i = 0; i < kRuns; ++i) {
+    const std::vector<absl::Duration> times = run();
+    phases.resize(times.size());
+    for (size_t p = 0; p < times.size(); ++p) phases[p].push_back(absl::ToDoubleMilliseconds(times[p]));
+  }
+  std::vector<double> medians;
+  for (auto& times : phases) medians.push_back(Median(times));
+  return medians;
+}
+
+absl::Duration Timed(const std::function<void()>& fn) {
+  const absl::Time start = absl::Now();
+  fn();
+  return absl::Now() - start;
+}
+
+// The sizes (bytes) of the rows, in order: fp32 then bf16 per element count.
+std::vector<int64_t> NumelsFor(const std::string& plane) {
+  std::vector<int64_t> numels = {int64_t{1} << 20, int64_t{16} << 20, int64_t{64} << 20, int64_t{256} << 20};
+  if (plane == "nccl") numels.erase(std::remove_if(numels.begin(), numels.end(), [](int64_t n) { return n > kNcclMaxNumel; }), numels.end());
+  return numels;
+}
+const DType kDtypes[] = {DType::kFloat32, DType::kBFloat16};
+
+// The reference's other end (a child process): per size, kWarmups + kRuns sends, then as
+// many receives, matching the parent's receives and sends.
+int NcclPeer(const std::string& unique_id_hex) {
+  Check(cudaSetDevice(0) == cudaSuccess ? absl::OkStatus() : absl::InternalError("cudaSetDevice"), "device");
+  auto comm = kc::NcclCommunicator::Create(absl::HexStringToBytes(unique_id_hex), 2, 0, absl::Seconds(60));
+  Check(comm.status(), "peer join");
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  auto buffer = kc::DeviceMemory::Allocate(kNcclMaxNumel * 4, "peer buffer");
+  Check(buffer.status(), "peer alloc");
+  for (int64_t numel : NumelsFor("nccl")) {
+    for (DType dtype : kDtypes) {
+      const size_t bytes = numel * flatshard::DTypeSize(dtype);
+      for (int i = 0; i < kWarmups + kRuns; ++i) {
+        Check((*comm)->Send(buffer->data(), bytes, 1, stream), "peer send");
+        Check((*comm)->Wait(stream, absl::Seconds(60)), "peer send");
+      }
+      for (int i = 0; i < kWarmups + kRuns; ++i) {
+        Check((*comm)->Recv(buffer->data(), bytes, 1, stream), "peer recv");
+        Check((*comm)->Wait(stream, absl::Seconds(60)), "peer recv");
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> planes = {"cuda-ipc", "nccl"};
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (absl::StartsWith(arg, "--nccl_peer=")) return NcclPeer(arg.substr(12));
+    if (absl::StartsWith(arg, "--planes=")) {
+      planes = absl::StrSplit(arg.substr(9), ',');
+    } else {
+      std::fprintf(stderr, "usage: %s [--planes=cuda-ipc,nccl]\n", argv[0]);
+      return 2;
+    }
+  }
+  absl::StatusOr<int> devices = kc::DeviceCount();
+  Check(devices.status(), "device count");
+  if (*devices == 0) {
+    std::printf("gpu_planes_bench: no CUDA device on this machine; nothing to measure\n");
+    return 0;
+  }
+  if (std::find(planes.begin(), planes.end(), "nccl") != planes.end() && !kc::NcclVersion().ok()) {
+    std::printf("gpu_planes_bench: NCCL does not load here (%s); measuring CUDA IPC only\n",
+                kc::NcclVersion().status().ToString().c_str());
+    planes.erase(std::remove(planes.begin(), planes.end(), "nccl"), planes.end());
+  }
+  // As on separate nodes: this process, the server and the reference's peer each get a
+  // host id of their own; NCCL's socket transport runs on loopback.
+  setenv("NCCL_SOCKET_IFNAME", "lo", 1);
+  setenv("NCCL_HOSTID", "flatshard-bench-worker", 1);
+  const std::string self = argv[0];
+  const std::string server_path = (std::filesystem::path(self).parent_path() / "flatshard-server").string();
+  const std::vector<int> ports = *flatshard::transport::PickFreeLoopbackPorts(2);
+  const std::string address = absl::StrCat("127.0.0.1:", ports[0]);
+  const pid_t server = Spawn({server_path, "--listen=" + address, "--cluster=" + address,
+                              absl::StrCat("--data_listen=127.0.0.1:", ports[1]), "--memory=device"},
+                             "flatshard-bench-server");
+  auto connect = [&](int rank, const std::string& job, flatshard::DevicePlane plane) {
+    absl::StatusOr<std::unique_ptr<flatshard::Client>> client;
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      client = flatshard::Client::Connect({.servers = {address}, .token = "", .worker_rank = rank, .num_workers = 2,
+                                           .job = job, .timeout = absl::Seconds(60),
+                                           .device_plane = plane});
+      if (client.ok()) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    Check(client.status(), "connect");
+    return *std::move(client);
+  };
+
+  std::printf("GPU data planes on %s\n", kc::DeviceDescription(0)->c_str());
+  std::printf("| plane | op | dtype | MiB | flatshard (ms) | reference (ms) | ratio |\n");
+  std::printf("| --- | --- | --- | ---: | ---: | ---: | ---: |\n");
+  for (const std::string& plane : planes) {
+    const bool nccl = plane == "nccl";
+    const flatshard::DevicePlane choice = nccl ? flatshard::DevicePlane::kNccl : flatshard::DevicePlane::kCudaIpc;
+    auto worker0 = connect(0, plane, choice), worker1 = connect(1, plane, choice);
+    Check(worker0->ConfigureJob({}), "configure");
+    if (worker0->DataPlanes()[0] != plane) {
+      std::fprintf(stderr, "the client chose %s, not %s\n", worker0->DataPlanes()[0].c_str(), plane.c_str());
+      return 1;
+    }
+    std::unique_ptr<kc::NcclCommunicator> reference;  // with the child peer
+    cudaStream_t stream;
+    cudaStreamCreate(&stream);
+    pid_t peer = -1;
+    if (nccl) {
+      const std::string unique_id = *kc::NcclCommunicator::NewUniqueId();
+      peer = Spawn({self, "--nccl_peer=" + absl::BytesToHexString(unique_id)}, "flatshard-bench-peer");
+      auto comm = kc::NcclCommunicator::Create(unique_id, 2, 1, absl::Seconds(60));
+      Check(comm.status(), "reference join");
+      reference = *std::move(comm);
+    }
+    for (int64_t numel : NumelsFor(plane)) {
+      const std::string group = absl::StrCat("g", numel);
+      for (auto& worker : {worker0.get(), worker1.get()}) {
+        Check(worker->RegisterGroup(group, {{"w", {numel}, DType::kFloat32}}, 0,
+                                    flatshard::SgdOptions{.lr = 1e-3}).status(), "register");
+      }
+      Check(worker0->InitGroupFromSeed(group, 1), "init");
+      absl::StatusOr<kc::DeviceMemory> buffer = kc::DeviceMemory::Allocate(numel * 4, "worker buffer");
+      absl::StatusOr<kc::DeviceMemory> copy = kc::DeviceMemory::Allocate(numel * 4, "copy target");
+      Check(buffer.status(), "alloc");
+      Check(copy.status(), "alloc");
+      cudaMemset(buffer->data(), 0x3c, numel * 4);  // small positive floats, not zeros
+      cudaDeviceSynchronize();                      // ready before a server reads it
+      for (DType dtype : kDtypes) {
+        const size_t bytes = numel * flatshard::DTypeSize(dtype);
+        const absl::Span<std::byte> span(buffer->as<std::byte>(), bytes);
+        // The reference: [receive, send] for NCCL, [copy, copy] for CUDA IPC.
+        std::vector<double> reference_ms;
+        if (nccl) {
+          for (bool receive : {true, false}) {
+            reference_ms.push_back(MedianMs([&] {
+              return std::vector<absl::Duration>{Timed([&] {
+                Check(receive ? reference->Recv(copy->data(), bytes, 0, stream)
+                              : reference->Send(buffer->data(), bytes, 0, stream), "reference");
+                Check(reference->Wait(stream, absl::Seconds(60)), "reference");
+              })};
+            })[0]);
+          }
+        } else {
+          const double copy_ms = MedianMs([&] {
+            return std::vector<absl::Duration>{Timed([&] {
+              cudaMemcpy(copy->data(), buffer->data(), bytes, cudaMemcpyDeviceToDevice);
+              cudaDeviceSynchronize();  // a device-to-device cudaMemcpy returns before it is done
+            })};
+          })[0];
+          reference_ms = {copy_ms, copy_ms};
+        }
+        const double gather_ms = MedianMs([&] {
+          return std::vector<absl::Duration>{Timed([&] {
+            Check(worker0->Gather(group, 0, dtype, span).get().status(), "gather");
+          })};
+        })[0];
+        int64_t step = worker0->WaitVersion(group, 0).value();
+        const std::vector<double> scatter_ms = MedianMs([&] {
+          std::vector<absl::Duration> phases = {
+              Timed([&] { Check(worker0->Scatter(group, step, dtype, span).get(), "scatter"); }),
+              Timed([&] { Check(worker1->Scatter(group, step, dtype, span).get(), "scatter"); })};
+          ++step;
+          return phases;
+        });
+        const char* name = dtype == DType::kFloat32 ? "float32" : "bfloat16";
+        const double mib = bytes / double(1 << 20);
+        auto row = [&](const char* op, double ms, double reference) {
+          std::printf("| %s | %s | %s | %.0f | %.3f | %.3f | %.2fx |\n", plane.c_str(), op, name, mib,
+                      ms, reference, reference / ms);
+        };
+        row("gather", gather_ms, reference_ms[0]);
+        row("scatter", scatter_ms[0], reference_ms[1]);
+        row("scatter + step", scatter_ms[1], reference_ms[1]);
+      }
+    }
+    if (peer > 0) waitpid(peer, nullptr, 0);
+    reference.reset();
+    cudaStreamDestroy(stream);
+  }
+  const auto status = flatshard::FetchClusterStatus({address}, "", absl::Seconds(10));
+  if (status[0].ok()) {
+    const auto& s = *status[0];
+    std::printf("\nserver counted %lld gathers (%lld over CUDA IPC, %lld over NCCL), %lld scatters "
+                "(%lld over CUDA IPC, %lld over NCCL)\n",
+                static_cast<long long>(s.gathers()), static_cast<long long>(s.ipc_gathers()),
+                static_cast<long long>(s.nccl_gathers()), static_cast<long long>(s.scatters()),
+                static_cast<long long>(s.ipc_scatters()), static_cast<long long>(s.nccl_scatters()));
+  }
+  kill(server, SIGTERM);
+  waitpid(server, nullptr, 0);
+  return 0;
+}

@@ -1,0 +1,103 @@
+#include "client/nccl_link.h"
+
+#include <atomic>
+
+#include "core/status_macros.h"
+#if FLATSHARD_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/nccl.h"
+#endif
+
+namespace flatshard::client_internal {
+
+#if FLATSHARD_HAVE_CUDA
+namespace kc = kernels::cuda;
+
+namespace {
+
+constexpr int kServerRank = 0;
+constexpr int kWorkerRank = 1;
+
+}  // namespace
+
+struct NcclLink::State {
+  std::unique_ptr<kc::NcclCommunicator> comm;
+  cudaStream_t stream = nullptr;
+  std::atomic<bool> failed{false};
+};
+
+bool NcclLink::Available() { return kc::NcclVersion().ok(); }
+
+absl::StatusOr<std::unique_ptr<NcclLink>> NcclLink::Open(
+    int device, absl::Duration timeout,
+    const std::function<absl::StatusOr<uint64_t>(const std::string& unique_id)>& open_channel) {
+  kc::ScopedDevice on_device(device);
+  FLATSHARD_ASSIGN_OR_RETURN(std::string unique_id, kc::NcclCommunicator::NewUniqueId());
+  FLATSHARD_ASSIGN_OR_RETURN(uint64_t channel, open_channel(unique_id));
+  auto state = std::make_unique<State>();
+  FLATSHARD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
+  FLATSHARD_ASSIGN_OR_RETURN(state->comm,
+                             kc::NcclCommunicator::Create(unique_id, 2, kWorkerRank, timeout));
+  return std::unique_ptr<NcclLink>(new NcclLink(device, channel, std::move(state)));
+}
+
+NcclLink::NcclLink(int device, uint64_t channel, std::unique_ptr<State> state)
+    : device_(device), channel_(channel), state_(std::move(state)) {}
+
+NcclLink::~NcclLink() {
+  kc::ScopedDevice on_device(device_);
+  state_->comm.reset();  // before its stream goes
+  cudaStreamDestroy(state_->stream);
+}
+
+bool NcclLink::failed() const { return state_->failed; }
+
+absl::Status NcclLink::Recv(void* dst, size_t bytes, absl::Duration timeout) {
+  kc::ScopedDevice on_device(device_);
+  absl::Status status = state_->comm->Recv(dst, bytes, kServerRank, state_->stream);
+  if (status.ok()) status = state_->comm->Wait(state_->stream, timeout);
+  if (!status.ok()) {
+    state_->comm->Abort();
+    state_->failed = true;
+  }
+  return status;
+}
+
+absl::Status NcclLink::Send(const void* src, size_t bytes, absl::Duration timeout) {
+  kc::ScopedDevice on_device(device_);
+  absl::Status status = state_->comm->Send(src, bytes, kServerRank, state_->stream);
+  if (status.ok()) status = state_->comm->Wait(state_->stream, timeout);
+  if (!status.ok()) {
+    state_->comm->Abort();
+    state_->failed = true;
+  }
+  return status;
+}
+
+#else
+
+struct NcclLink::State {};
+
+bool NcclLink::Available() { return false; }
+
+absl::StatusOr<std::unique_ptr<NcclLink>> NcclLink::Open(
+    int, absl::Duration, const std::function<absl::StatusOr<uint64_t>(const std::string&)>&) {
+  return absl::FailedPreconditionError("this client was built without CUDA (no NCCL plane)");
+}
+
+NcclLink::NcclLink(int device, uint64_t channel, std::unique_ptr<State> state)
+    : device_(device), channel_(channel), state_(std::move(state)) {}
+NcclLink::~NcclLink() = default;
+bool NcclLink::failed() const { return true; }
+absl::Status NcclLink::Recv(void*, size_t, absl::Duration) {
+  return absl::FailedPreconditionError("this client was built without CUDA");
+}
+absl::Status NcclLink::Send(const void*, size_t, absl::Duration) {
+  return absl::FailedPreconditionError("this client was built without CUDA");
+}
+
+#endif
+
+}  // namespace flatshard::client_internal
