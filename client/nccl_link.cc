@@ -3,6 +3,7 @@
 #include <atomic>
 
 #include "core/status_macros.h"
+#include "transport/data_protocol.h"
 #if FLATSHARD_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -14,13 +15,6 @@ namespace flatshard::client_internal {
 
 #if FLATSHARD_HAVE_CUDA
 namespace kc = kernels::cuda;
-
-namespace {
-
-constexpr int kServerRank = 0;
-constexpr int kWorkerRank = 1;
-
-}  // namespace
 
 struct NcclLink::State {
   std::unique_ptr<kc::NcclCommunicator> comm;
@@ -38,8 +32,8 @@ absl::StatusOr<std::unique_ptr<NcclLink>> NcclLink::Open(
   FLATSHARD_ASSIGN_OR_RETURN(uint64_t channel, open_channel(unique_id));
   auto state = std::make_unique<State>();
   FLATSHARD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
-  FLATSHARD_ASSIGN_OR_RETURN(state->comm,
-                             kc::NcclCommunicator::Create(unique_id, 2, kWorkerRank, timeout));
+  FLATSHARD_ASSIGN_OR_RETURN(
+      state->comm, kc::NcclCommunicator::Create(unique_id, 2, transport::kNcclWorkerRank, timeout));
   return std::unique_ptr<NcclLink>(new NcclLink(device, channel, std::move(state)));
 }
 
@@ -56,7 +50,8 @@ bool NcclLink::failed() const { return state_->failed; }
 
 absl::Status NcclLink::Recv(void* dst, size_t bytes, absl::Duration timeout) {
   kc::ScopedDevice on_device(device_);
-  absl::Status status = state_->comm->Recv(dst, bytes, kServerRank, state_->stream);
+  absl::Status status =
+      state_->comm->Recv(dst, bytes, transport::kNcclServerRank, state_->stream);
   if (status.ok()) status = state_->comm->Wait(state_->stream, timeout);
   if (!status.ok()) {
     state_->comm->Abort();
@@ -67,7 +62,8 @@ absl::Status NcclLink::Recv(void* dst, size_t bytes, absl::Duration timeout) {
 
 absl::Status NcclLink::Send(const void* src, size_t bytes, absl::Duration timeout) {
   kc::ScopedDevice on_device(device_);
-  absl::Status status = state_->comm->Send(src, bytes, kServerRank, state_->stream);
+  absl::Status status =
+      state_->comm->Send(src, bytes, transport::kNcclServerRank, state_->stream);
   if (status.ok()) status = state_->comm->Wait(state_->stream, timeout);
   if (!status.ok()) {
     state_->comm->Abort();

@@ -1,6 +1,7 @@
 #include "server/data_server.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -12,6 +13,11 @@ namespace {
 using transport::Connection;
 using transport::DataOp;
 using transport::Request;
+
+template <typename T>
+absl::Span<std::byte> BytesOf(T& value) {
+  return absl::MakeSpan(reinterpret_cast<std::byte*>(&value), sizeof(T));
+}
 
 }  // namespace
 
@@ -199,16 +205,23 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
   return transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
 }
 
-bool DataServer::ServeIpc(Connection& conn, const Request& request) {
-  transport::IpcTarget target;
-  if (request.payload_bytes != static_cast<int64_t>(sizeof(target))) {
+std::optional<bool> DataServer::RecvTarget(Connection& conn, const Request& request,
+                                           absl::Span<std::byte> target,
+                                           absl::string_view request_name) {
+  if (request.payload_bytes != static_cast<int64_t>(target.size())) {
     return Refuse(conn, request,
                   absl::InvalidArgumentError(absl::StrCat(
-                      "a CUDA IPC request carries a ", sizeof(target), "-byte target; this one ",
+                      request_name, " carries a ", target.size(), "-byte target; this one ",
                       request.payload_bytes, " bytes")));
   }
-  if (!conn.Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(&target), sizeof(target))).ok()) {
-    return false;
+  if (!conn.Recv(target).ok()) return false;
+  return std::nullopt;
+}
+
+bool DataServer::ServeIpc(Connection& conn, const Request& request) {
+  transport::IpcTarget target;
+  if (std::optional<bool> done = RecvTarget(conn, request, BytesOf(target), "a CUDA IPC request")) {
+    return *done;
   }
   absl::StatusOr<int64_t> version = request.op == DataOp::kIpcGather
                                         ? ipc_.Gather(request, target)
@@ -219,14 +232,8 @@ bool DataServer::ServeIpc(Connection& conn, const Request& request) {
 
 bool DataServer::ServeNccl(Connection& conn, const Request& request) {
   transport::NcclTarget target;
-  if (request.payload_bytes != static_cast<int64_t>(sizeof(target))) {
-    return Refuse(conn, request,
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "an NCCL request carries a ", sizeof(target), "-byte target; this one ",
-                      request.payload_bytes, " bytes")));
-  }
-  if (!conn.Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(&target), sizeof(target))).ok()) {
-    return false;
+  if (std::optional<bool> done = RecvTarget(conn, request, BytesOf(target), "an NCCL request")) {
+    return *done;
   }
   auto begun = nccl_.Begin(request, target);
   if (!begun.ok()) {

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -64,6 +65,12 @@ class DataServer {
   bool ServeRequest(transport::Connection& conn, const transport::Request& request);
   bool ServeGather(transport::Connection& conn, const transport::Request& request);
   bool ServeReceive(transport::Connection& conn, const transport::Request& request);
+  // Receives the fixed-size payload of a GPU-plane request (`request_name`: "a CUDA IPC
+  // request") into `target`. Refuses a payload of another size; then, or when the
+  // connection fails, returns what ServeRequest should return; nullopt when `target`
+  // holds the payload.
+  std::optional<bool> RecvTarget(transport::Connection& conn, const transport::Request& request,
+                                 absl::Span<std::byte> target, absl::string_view request_name);
   bool ServeIpc(transport::Connection& conn, const transport::Request& request);
   bool ServeNccl(transport::Connection& conn, const transport::Request& request);
   // Refuses a request whose payload is still on the wire: drains it when small enough.

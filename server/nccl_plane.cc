@@ -26,8 +26,6 @@ namespace kc = kernels::cuda;
 namespace {
 
 constexpr size_t kMaxChannels = 64;
-constexpr int kServerRank = 0;
-constexpr int kWorkerRank = 1;
 
 // One worker's communicator with this server: joined in the background, then used by
 // one transfer at a time (transfer_mu, held from Begin to the end of Finish).
@@ -175,8 +173,9 @@ absl::StatusOr<uint64_t> NcclPlane::Open(const std::string& unique_id, int worke
     joining->join_status = [&]() -> absl::Status {
       FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
       FLATSHARD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&joining->stream, cudaStreamNonBlocking));
-      FLATSHARD_ASSIGN_OR_RETURN(joining->comm,
-                                 kc::NcclCommunicator::Create(unique_id, 2, kServerRank, timeout));
+      FLATSHARD_ASSIGN_OR_RETURN(
+          joining->comm,
+          kc::NcclCommunicator::Create(unique_id, 2, transport::kNcclServerRank, timeout));
       return absl::OkStatus();
     }();
     joining->joined.Notify();
@@ -256,10 +255,11 @@ absl::StatusOr<int64_t> NcclPlane::Finish(const std::shared_ptr<Transfer>& trans
                            ? absl::OkStatus()
                            : absl::InternalError("cudaSetDevice failed");
   if (moved.ok()) {
-    moved = gather ? channel.comm->Send(channel.staging.data(), transfer->bytes, kWorkerRank,
+    constexpr int kWorker = transport::kNcclWorkerRank;
+    moved = gather ? channel.comm->Send(channel.staging.data(), transfer->bytes, kWorker,
                                         channel.stream)
-                   : channel.comm->Recv(transfer->slot()->buffer.data(), transfer->bytes,
-                                        kWorkerRank, channel.stream);
+                   : channel.comm->Recv(transfer->slot()->buffer.data(), transfer->bytes, kWorker,
+                                        channel.stream);
   }
   if (moved.ok()) moved = channel.comm->Wait(channel.stream, timeout_);
   if (!moved.ok()) {

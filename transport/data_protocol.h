@@ -79,6 +79,10 @@ struct IpcTarget {
   uint64_t offset = 0;
   uint64_t bytes = 0;
 };
+// The ranks of an NCCL channel's 2-rank communicator.
+inline constexpr int kNcclServerRank = 0;
+inline constexpr int kNcclWorkerRank = 1;
+
 // The payload of kNcclGather and kNcclScatter: the channel and the bytes to move.
 struct NcclTarget {
   uint64_t channel = 0;

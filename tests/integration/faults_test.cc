@@ -33,6 +33,17 @@ class FaultsTest : public ::testing::Test {
     return conn.ok() ? *std::move(conn) : nullptr;
   }
 
+  // A plain gather on `conn` is served (after refused requests on it, say).
+  void ExpectGatherServed(transport::Connection& conn) {
+    std::vector<float> shard(layout_->shard_numel());
+    transport::RequestHeader gather;
+    gather.op = static_cast<uint8_t>(transport::DataOp::kGather);
+    ASSERT_TRUE(transport::SendRequest(conn, gather, "test", "g", {}).ok());
+    auto response = transport::RecvResponse(conn, AsBytes(shard));
+    ASSERT_TRUE(response.ok());
+    EXPECT_TRUE(response->status.ok()) << response->status;
+  }
+
   absl::Status RawScatter(transport::Connection& conn, const std::string& group, int64_t step,
                           int worker, int64_t bytes) {
     std::vector<std::byte> payload(bytes);
@@ -93,13 +104,7 @@ TEST_F(FaultsTest, UnknownGroupWrongSizesAndDTypes) {
   EXPECT_EQ(wrong_size.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(wrong_size.message()), HasSubstr("carries 7 bytes; expected 16"));
   // Same connection still works: a valid gather after refused requests.
-  std::vector<float> shard(layout_->shard_numel());
-  transport::RequestHeader gather;
-  gather.op = static_cast<uint8_t>(transport::DataOp::kGather);
-  ASSERT_TRUE(transport::SendRequest(*conn, gather, "test", "g", {}).ok());
-  auto response = transport::RecvResponse(*conn, AsBytes(shard));
-  ASSERT_TRUE(response.ok());
-  EXPECT_TRUE(response->status.ok()) << response->status;
+  ExpectGatherServed(*conn);
 
   std::vector<float> too_small(3);
   EXPECT_EQ((*client_)->Gather("g", 0, DType::kFloat32, AsBytes(too_small)).get().status().code(),
@@ -151,13 +156,7 @@ TEST_F(FaultsTest, GpuPlaneRequestsToAHostServerAreRefused) {
     v1::OpenNcclChannelResponse response;
     EXPECT_EQ(stub->OpenNcclChannel(&ctx, request, &response).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   }
-  std::vector<float> shard(layout_->shard_numel());
-  transport::RequestHeader gather;
-  gather.op = static_cast<uint8_t>(transport::DataOp::kGather);
-  ASSERT_TRUE(transport::SendRequest(*conn, gather, "test", "g", {}).ok());
-  auto response = transport::RecvResponse(*conn, AsBytes(shard));
-  ASSERT_TRUE(response.ok());
-  EXPECT_TRUE(response->status.ok()) << response->status;
+  ExpectGatherServed(*conn);
 }
 
 TEST_F(FaultsTest, DuplicateStaleAndFutureScattersNameTheExpectedStep) {
