@@ -33,7 +33,8 @@ for step in ${steps[*]}; do
     bench)
       run gpu_planes_bench "$carry/bin/gpu_planes_bench" ;;
     kernels-bench)
-      run kernels_cuda_bench "$carry/bin/kernels_cuda_bench" ;;
+      run kernels_cuda_bench "$carry/bin/kernels_cuda_bench" --json="$out/kernels.json"
+      run torch_adamw_bench python3 bench/torch_adamw_bench.py "$out/kernels.json" ;;
     python)
       # The module for this machine's Python, from the carried client libraries.
       package=/tmp/flatshard-python
