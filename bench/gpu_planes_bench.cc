@@ -13,7 +13,10 @@
 //   scatter + step  worker 1's, the last of the step: its bytes, the reduction of both
 //                   slots and the optimizer step (SGD), before it answers.
 // Ratios compare gathers with the reference's receive and scatters with its send. The
-// smallest size shows a call's fixed cost. Median of 10 after 2 warm-ups.
+// smallest size shows a call's fixed cost. CUDA IPC also gets "x8 in flight" rows: 8
+// groups' gathers (or worker 0's scatters) started together and then awaited, as a
+// training step issues them, by clients with max_in_flight 8, against 8 cudaMemcpyAsync
+// of the same sizes and one synchronization. Median of 10 after 2 warm-ups.
 //
 //   build/bin/gpu_planes_bench [--planes=cuda-ipc,nccl]
 #include <cuda_runtime.h>
@@ -26,6 +29,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -49,6 +53,7 @@ using flatshard::DType;
 namespace kc = flatshard::kernels::cuda;
 
 constexpr int kWarmups = 2;
+constexpr int kInFlight = 8;  // groups per "in flight" row, and those clients' max_in_flight
 constexpr int kRuns = 10;
 const int64_t kNcclMaxNumel = int64_t{64} << 20;  // NCCL over sockets: up to 256 MiB
 
@@ -174,12 +179,13 @@ int main(int argc, char** argv) {
   const pid_t server = Spawn({server_path, "--listen=" + address, "--cluster=" + address,
                               absl::StrCat("--data_listen=127.0.0.1:", ports[1]), "--memory=device"},
                              "flatshard-bench-server");
-  auto connect = [&](int rank, const std::string& job, flatshard::DevicePlane plane) {
+  // `in_flight`: the client's max_in_flight (concurrent transfers per server).
+  auto connect = [&](int rank, const std::string& job, flatshard::DevicePlane plane, int in_flight = 2) {
     absl::StatusOr<std::unique_ptr<flatshard::Client>> client;
     for (int attempt = 0; attempt < 100; ++attempt) {
       client = flatshard::Client::Connect({.servers = {address}, .token = "", .worker_rank = rank, .num_workers = 2,
                                            .job = job, .timeout = absl::Seconds(60),
-                                           .device_plane = plane});
+                                           .max_in_flight = in_flight, .device_plane = plane});
       if (client.ok()) break;
       absl::SleepFor(absl::Milliseconds(100));
     }
@@ -269,6 +275,63 @@ int main(int argc, char** argv) {
         row("gather", gather_ms, reference_ms[0]);
         row("scatter", scatter_ms[0], reference_ms[1]);
         row("scatter + step", scatter_ms[1], reference_ms[1]);
+      }
+    }
+    if (!nccl) {
+      // Clients that run kInFlight transfers per server at once (the default is 2).
+      worker0 = connect(0, "in-flight", choice, kInFlight);
+      worker1 = connect(1, "in-flight", choice, kInFlight);
+      Check(worker0->ConfigureJob({}), "configure");
+      for (int64_t numel : {int64_t{4} << 20, int64_t{16} << 20, int64_t{64} << 20}) {
+        std::vector<std::string> groups;
+        for (int g = 0; g < kInFlight; ++g) {
+          groups.push_back(absl::StrCat("p", numel, "_", g));
+          for (auto& worker : {worker0.get(), worker1.get()}) {
+            Check(worker->RegisterGroup(groups.back(), {{"w", {numel}, DType::kFloat32}}, 0,
+                                        flatshard::SgdOptions{.lr = 1e-3}).status(), "register");
+          }
+          Check(worker0->InitGroupFromSeed(groups.back(), 1), "init");
+        }
+        const size_t bytes = numel * 4;
+        absl::StatusOr<kc::DeviceMemory> buffer = kc::DeviceMemory::Allocate(bytes * kInFlight, "worker buffers");
+        absl::StatusOr<kc::DeviceMemory> copy = kc::DeviceMemory::Allocate(bytes * kInFlight, "copy targets");
+        Check(buffer.status(), "alloc");
+        Check(copy.status(), "alloc");
+        cudaMemset(buffer->data(), 0x3c, bytes * kInFlight);
+        cudaDeviceSynchronize();
+        auto span = [&](int g) { return absl::Span<std::byte>(buffer->as<std::byte>() + g * bytes, bytes); };
+        const double copy_ms = MedianMs([&] {
+          return std::vector<absl::Duration>{Timed([&] {
+            for (int g = 0; g < kInFlight; ++g) {
+              cudaMemcpyAsync(copy->as<std::byte>() + g * bytes, buffer->as<std::byte>() + g * bytes, bytes,
+                              cudaMemcpyDeviceToDevice, stream);
+            }
+            cudaStreamSynchronize(stream);
+          })};
+        })[0];
+        const double gather_ms = MedianMs([&] {
+          return std::vector<absl::Duration>{Timed([&] {
+            std::vector<std::future<absl::StatusOr<int64_t>>> pending;
+            for (int g = 0; g < kInFlight; ++g) pending.push_back(worker0->Gather(groups[g], 0, DType::kFloat32, span(g)));
+            for (auto& p : pending) Check(p.get().status(), "gather");
+          })};
+        })[0];
+        int64_t step = 0;
+        const double scatter_ms = MedianMs([&] {
+          std::vector<absl::Duration> phases = {Timed([&] {
+            std::vector<std::future<absl::Status>> pending;
+            for (int g = 0; g < kInFlight; ++g) pending.push_back(worker0->Scatter(groups[g], step, DType::kFloat32, span(g)));
+            for (auto& p : pending) Check(p.get(), "scatter");
+          })};
+          for (int g = 0; g < kInFlight; ++g) Check(worker1->Scatter(groups[g], step, DType::kFloat32, span(g)).get(), "scatter");
+          ++step;
+          return phases;
+        })[0];
+        const double mib = kInFlight * bytes / double(1 << 20);
+        std::printf("| %s | gather x%d in flight | float32 | %.0f | %.3f | %.3f | %.2fx |\n", plane.c_str(), kInFlight,
+                    mib, gather_ms, copy_ms, copy_ms / gather_ms);
+        std::printf("| %s | scatter x%d in flight | float32 | %.0f | %.3f | %.3f | %.2fx |\n", plane.c_str(), kInFlight,
+                    mib, scatter_ms, copy_ms, copy_ms / scatter_ms);
       }
     }
     if (peer > 0) waitpid(peer, nullptr, 0);
