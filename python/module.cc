@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <future>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -205,13 +206,23 @@ py::dict LayoutToDict(const FlatLayout& layout) {
 class PyClient {
  public:
   PyClient(std::vector<std::string> servers, int worker_rank, int num_workers, std::string token,
-           double timeout, std::string job) {
+           double timeout, std::string job, std::string device_plane) {
+    static const std::map<std::string, DevicePlane> kPlanes = {{"auto", DevicePlane::kAuto},
+                                                               {"cuda-ipc", DevicePlane::kCudaIpc},
+                                                               {"nccl", DevicePlane::kNccl},
+                                                               {"tcp", DevicePlane::kTcp}};
+    auto plane = kPlanes.find(device_plane);
+    if (plane == kPlanes.end()) {
+      Raise(absl::InvalidArgumentError(absl::StrCat(
+          "device_plane '", device_plane, "' is not one of auto, cuda-ipc, nccl, tcp")));
+    }
     ClientOptions options{.servers = std::move(servers),
                           .token = std::move(token),
                           .worker_rank = worker_rank,
                           .num_workers = num_workers,
                           .job = std::move(job),
-                          .timeout = absl::Seconds(timeout)};
+                          .timeout = absl::Seconds(timeout),
+                          .device_plane = plane->second};
     absl::StatusOr<std::unique_ptr<Client>> client = [&] {
       py::gil_scoped_release release;
       return Client::Connect(options);
@@ -366,9 +377,9 @@ PYBIND11_MODULE(_native, m) {
       .def("wait", &Pending::Wait, "Waits for the transfer; returns the version (gather) or 0.")
       .def("done", &Pending::Done);
   py::class_<PyClient>(m, "Client")
-      .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string>(),
+      .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string>(),
            py::arg("servers"), py::arg("worker_rank"), py::arg("num_workers"), py::arg("token"),
-           py::arg("timeout"), py::arg("job"))
+           py::arg("timeout"), py::arg("job"), py::arg("device_plane"))
       .def("configure_job", &PyClient::ConfigureJob)
       .def("register_group", &PyClient::RegisterGroup)
       .def("init_group", &PyClient::InitGroup)

@@ -188,12 +188,17 @@ class Transfer:
 
 
 class Client:
-    """A training worker's connection to every server of a cluster (C++ client inside)."""
+    """A training worker's connection to every server of a cluster (C++ client inside).
+
+    ``device_plane`` says how CUDA tensors reach --memory=device servers: "auto" (CUDA
+    IPC on the same GPU, NCCL on another GPU or node), "cuda-ipc", "nccl" or "tcp"
+    (through host memory); see ClientOptions::device_plane in the C++ client.
+    """
 
     def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,
-                 job="default"):
+                 job="default", device_plane="auto"):
         self._native = _native.Client(list(servers), int(worker_rank), int(num_workers),
-                                      token or "", float(timeout), job)
+                                      token or "", float(timeout), job, device_plane)
         self.servers = list(servers)
         self._token = token
         self._timeout = timeout

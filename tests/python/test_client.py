@@ -162,6 +162,11 @@ class ClientTest(unittest.TestCase):
         module.load_state_dict(tensors, strict=True)
         np.testing.assert_array_equal(module.weight.detach().numpy(), init["weight"])
 
+    def test_an_unknown_device_plane_is_refused(self):
+        with self.assertRaisesRegex(flatshard.InvalidArgumentError, "device_plane 'gpu' is not one of"):
+            self.client(device_plane="gpu")
+        self.assertEqual(self.client(device_plane="tcp").data_planes(), ["tcp"] * 3)
+
     def test_status_reports_every_server(self):
         c = self.client(job="status")
         status = c.status()
