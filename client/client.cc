@@ -132,6 +132,9 @@ class ClientImpl final : public Client {
           session.data_address(), session.session_token(), options_.max_in_flight,
           options_.timeout + absl::Seconds(5)));
     }
+    // Loading NCCL costs; only a cluster with an NCCL plane needs it.
+    nccl_loads_ = std::find(server_nccl_.begin(), server_nccl_.end(), true) != server_nccl_.end() &&
+                  client_internal::NcclLink::Available();
     return absl::OkStatus();
   }
 
@@ -585,7 +588,7 @@ class ClientImpl final : public Client {
   // it); ClientOptions::device_plane says how to choose.
   Plane PlaneFor(int server, int device, bool exportable) const {
     const bool ipc = exportable && IpcReachable(server, device);
-    const bool nccl = server_nccl_[server] && client_internal::NcclLink::Available();
+    const bool nccl = server_nccl_[server] && nccl_loads_;
     switch (options_.device_plane) {
       case DevicePlane::kAuto:
         // NCCL refuses two ranks on one GPU: same-GPU servers use IPC or TCP.
@@ -861,6 +864,7 @@ class ClientImpl final : public Client {
   std::vector<std::unique_ptr<DataChannel>> channels_;
   std::vector<std::string> server_gpus_;  // ClusterInfo.gpu_uuid per server
   std::vector<bool> server_nccl_;         // ClusterInfo.nccl_version is set, per server
+  bool nccl_loads_ = false;               // NCCL loads in this process
   struct LinkSlot {
     absl::Mutex mu;
     std::shared_ptr<client_internal::NcclLink> link ABSL_GUARDED_BY(mu);
