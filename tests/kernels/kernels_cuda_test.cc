@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -110,6 +111,27 @@ TEST_P(CudaKernelsTest, CastsToAndFrom16BitFloatsAsTheCpuDoes) {
       ASSERT_TRUE(Cast(DType::kFloat32, d_src, half, d_dst, n, stream_).ok());
       ExpectBitwiseEqual(Download(d_dst, n), want, DTypeName(half).data());
     }
+    // Narrowing of a sweep over every exponent (subnormal results, overflow, NaN
+    // payloads) and of every tie: the midpoints between neighbouring 16-bit values.
+    std::vector<float> sweep;
+    for (uint64_t bits = rng_() % 997; bits <= 0xFFFFFFFFu; bits += 4099) {
+      sweep.push_back(std::bit_cast<float>(static_cast<uint32_t>(bits)));
+    }
+    for (uint32_t h = 0; h < 0x7C00u; ++h) {
+      const uint16_t pair[2] = {static_cast<uint16_t>(h), static_cast<uint16_t>(h + 1)};
+      float lo_hi[2] = {};
+      ASSERT_TRUE(cpu::Cast(half, pair, DType::kFloat32, lo_hi, 2).ok());
+      const float lo = lo_hi[0], hi = lo_hi[1];
+      if (std::isfinite(hi)) {
+        sweep.push_back((lo + hi) / 2);  // exact in float32
+        sweep.push_back(-(lo + hi) / 2);
+      }
+    }
+    std::vector<uint16_t> want_sweep(sweep.size());
+    ASSERT_TRUE(cpu::Cast(DType::kFloat32, sweep.data(), half, want_sweep.data(), sweep.size()).ok());
+    uint16_t* d_sweep = Poisoned<uint16_t>(sweep.size());
+    ASSERT_TRUE(Cast(DType::kFloat32, Upload(sweep), half, d_sweep, sweep.size(), stream_).ok());
+    ExpectBitwiseEqual(Download(d_sweep, sweep.size()), want_sweep, "narrowing sweep");
     // Widening: every 16-bit pattern, NaN payloads included.
     std::vector<uint16_t> all(65536);
     for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
