@@ -50,26 +50,23 @@ bool NcclLink::failed() const { return state_->failed; }
 
 absl::Status NcclLink::Recv(void* dst, size_t bytes, absl::Duration timeout) {
   kc::ScopedDevice on_device(device_);
-  absl::Status status =
-      state_->comm->Recv(dst, bytes, transport::kNcclServerRank, state_->stream);
-  if (status.ok()) status = state_->comm->Wait(state_->stream, timeout);
-  if (!status.ok()) {
-    state_->comm->Abort();
-    state_->failed = true;
-  }
-  return status;
+  return Complete(state_->comm->Recv(dst, bytes, transport::kNcclServerRank, state_->stream),
+                  timeout);
 }
 
 absl::Status NcclLink::Send(const void* src, size_t bytes, absl::Duration timeout) {
   kc::ScopedDevice on_device(device_);
-  absl::Status status =
-      state_->comm->Send(src, bytes, transport::kNcclServerRank, state_->stream);
-  if (status.ok()) status = state_->comm->Wait(state_->stream, timeout);
-  if (!status.ok()) {
+  return Complete(state_->comm->Send(src, bytes, transport::kNcclServerRank, state_->stream),
+                  timeout);
+}
+
+absl::Status NcclLink::Complete(absl::Status enqueued, absl::Duration timeout) {
+  if (enqueued.ok()) enqueued = state_->comm->Wait(state_->stream, timeout);
+  if (!enqueued.ok()) {
     state_->comm->Abort();
     state_->failed = true;
   }
-  return status;
+  return enqueued;
 }
 
 #else

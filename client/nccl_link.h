@@ -46,6 +46,8 @@ class NcclLink {
  private:
   struct State;  // the communicator and stream, in CUDA builds
   NcclLink(int device, uint64_t channel, std::unique_ptr<State> state);
+  // Waits for the transfer `enqueued` started; on any failure aborts the communicator.
+  absl::Status Complete(absl::Status enqueued, absl::Duration timeout);
 
   const int device_;
   const uint64_t channel_;

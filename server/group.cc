@@ -192,6 +192,14 @@ absl::Status Group::CheckDeviceTier(absl::string_view what) const {
       MemoryTierName(compute_->tier())));
 }
 
+absl::Status Group::CheckShardBytes(DType dtype, uint64_t bytes, absl::string_view plane) const {
+  const uint64_t expected = static_cast<uint64_t>(shard_numel()) * DTypeSize(dtype);
+  if (bytes == expected) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      plane, " transfer for group '", name_, "' names ", bytes, " bytes; this server's shard is ",
+      expected, " (", shard_numel(), " ", DTypeName(dtype), " elements)"));
+}
+
 absl::StatusOr<int64_t> Group::GatherInto(int64_t min_version, DType dtype, void* device_dst,
                                           absl::Time deadline) {
   FLATSHARD_RETURN_IF_ERROR(CheckDeviceTier("a CUDA IPC gather"));

@@ -127,6 +127,10 @@ class Group {
   // Waits like WaitVersion, then returns the shard at the current version in `dtype`.
   [[nodiscard]] absl::StatusOr<GatherSnapshot> Gather(int64_t min_version, DType dtype,
                                                       absl::Time deadline);
+  // InvalidArgument naming `plane` ("CUDA IPC") unless `bytes` is this server's shard in
+  // `dtype`: what a transfer that names its size must name.
+  [[nodiscard]] absl::Status CheckShardBytes(DType dtype, uint64_t bytes,
+                                             absl::string_view plane) const;
   // Device groups: waits like Gather, then writes the shard in `dtype` straight into
   // `device_dst` (shard_numel elements) and returns the version written.
   // FailedPrecondition for a group that is not in device memory.

@@ -47,13 +47,7 @@ absl::StatusOr<Resolved> Resolve(Registry& registry, kernels::cuda::IpcMappings&
                                  const transport::IpcTarget& target) {
   FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<Group> group,
                              registry.FindGroup(request.job, request.group));
-  const uint64_t expected = static_cast<uint64_t>(group->shard_numel()) * DTypeSize(request.dtype);
-  if (target.bytes != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CUDA IPC transfer for group '", request.group, "' names ", target.bytes,
-        " bytes; this server's shard is ", expected, " (", group->shard_numel(), " ",
-        DTypeName(request.dtype), " elements)"));
-  }
+  FLATSHARD_RETURN_IF_ERROR(group->CheckShardBytes(request.dtype, target.bytes, "CUDA IPC"));
   FLATSHARD_ASSIGN_OR_RETURN(
       kernels::cuda::MappedBuffer buffer,
       mappings.Map(std::string(target.handle, sizeof(target.handle)), target.offset, target.bytes));

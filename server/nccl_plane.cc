@@ -200,13 +200,7 @@ absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, int64_t>> NcclPla
   }
   FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<Group> group,
                              registry_.FindGroup(request.job, request.group));
-  const uint64_t expected = static_cast<uint64_t>(group->shard_numel()) * DTypeSize(request.dtype);
-  if (target.bytes != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "NCCL transfer for group '", request.group, "' names ", target.bytes,
-        " bytes; this server's shard is ", expected, " (", group->shard_numel(), " ",
-        DTypeName(request.dtype), " elements)"));
-  }
+  FLATSHARD_RETURN_IF_ERROR(group->CheckShardBytes(request.dtype, target.bytes, "NCCL"));
   const absl::Time deadline = request.Deadline();
   // The join gives up after timeout_ from Open: waiting a little longer hears its verdict.
   if (!channel->joined.WaitForNotificationWithDeadline(

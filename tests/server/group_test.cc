@@ -8,6 +8,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/float_bits.h"
 
@@ -88,6 +89,18 @@ TEST(GroupTest, RefusesDuplicateStaleFutureAndInFlight) {
   EXPECT_THAT(std::string(stale.message()), HasSubstr("already applied; expected step 1"));
   EXPECT_EQ(group.BeginScatter(1, 2, DType::kFloat32).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(group.BeginScatter(1, 0, DType::kInt32).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(GroupTest, TransfersMustNameTheShardsBytesInTheirDtype) {
+  std::shared_ptr<Group> group = MakeGroup(1);
+  const uint64_t numel = static_cast<uint64_t>(group->shard_numel());
+  EXPECT_TRUE(group->CheckShardBytes(DType::kFloat32, numel * 4, "NCCL").ok());
+  EXPECT_TRUE(group->CheckShardBytes(DType::kBFloat16, numel * 2, "NCCL").ok());
+  const absl::Status wrong = group->CheckShardBytes(DType::kBFloat16, numel * 4, "CUDA IPC");
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(wrong.message(), absl::StrCat("CUDA IPC transfer for group 'g' names ", numel * 4,
+                                          " bytes; this server's shard is ", numel * 2, " (", numel,
+                                          " bfloat16 elements)"));
 }
 
 TEST(GroupTest, GatherWaitsForTheVersionOrTheDeadline) {
