@@ -11,6 +11,8 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   # JSON (layout specs, safetensors headers), checksums, logging
   nlohmann-json3-dev libxxhash-dev libspdlog-dev libfmt-dev
+  # the CPU tiers' kernel threads (server/compute_pool.h)
+  libtbb-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev iperf3
   # the Python package and its tests (/usr/bin/python3): pybind11 module, numpy, PyTorch

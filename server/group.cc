@@ -41,8 +41,10 @@ int DTypeIndex(DType dtype) { return static_cast<int>(dtype); }
 absl::StatusOr<std::shared_ptr<Group>> Group::Create(std::string job, std::string name,
                                                      FlatLayout layout, int rank,
                                                      JobSettings job_settings,
-                                                     OptimizerConfig optimizer, MemoryTier tier) {
-  FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<ShardCompute> compute, MakeShardCompute(tier));
+                                                     OptimizerConfig optimizer, MemoryTier tier,
+                                                     std::shared_ptr<const ComputePool> pool) {
+  FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<ShardCompute> compute,
+                             MakeShardCompute(tier, std::move(pool)));
   const std::string what = absl::StrCat("group '", name, "'");
   const size_t bytes = static_cast<size_t>(layout.shard_numel()) * sizeof(float);
   FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer params,
@@ -319,6 +321,15 @@ void Group::AbortScatter(const ReceiveSlot& slot) {
 }
 
 absl::Status Group::ReduceContributions() {
+  // A job of one worker whose gradient came as float32 is its own reduction (a mean over
+  // one divides by 1). On the CPU tiers staging slots and shards are the same kind of
+  // memory, so the slot and the gradient buffer trade places instead of being copied.
+  if (job_settings_.num_workers == 1 && slot_dtypes_[0] == DType::kFloat32 &&
+      compute_->tier() != MemoryTier::kDevice && slot_data_[0] == staging_[0].data() &&
+      staging_[0].size() == grad_.size()) {
+    std::swap(staging_[0], grad_);
+    return absl::OkStatus();
+  }
   // Worker-rank order makes the fp32 sum bitwise reproducible.
   std::vector<kernels::Contribution> contributions;
   for (int worker = 0; worker < job_settings_.num_workers; ++worker) {

@@ -101,11 +101,13 @@ struct GroupStats {
 class Group {
  public:
   // `layout` is the group's layout over the cluster; this server holds shard `rank` in
-  // `tier`. ResourceExhausted naming the group and the bytes when the tier cannot hold
-  // it; FailedPrecondition for a tier this build or machine lacks.
+  // `tier`, whose CPU kernels run on `pool` (null: on the calling thread).
+  // ResourceExhausted naming the group and the bytes when the tier cannot hold it;
+  // FailedPrecondition for a tier this build or machine lacks.
   [[nodiscard]] static absl::StatusOr<std::shared_ptr<Group>> Create(
       std::string job, std::string name, FlatLayout layout, int rank, JobSettings job_settings,
-      OptimizerConfig optimizer, MemoryTier tier = MemoryTier::kHost);
+      OptimizerConfig optimizer, MemoryTier tier = MemoryTier::kHost,
+      std::shared_ptr<const ComputePool> pool = nullptr);
 
   MemoryTier memory_tier() const { return compute_->tier(); }
 
@@ -239,7 +241,8 @@ class Group {
   std::vector<SlotState> slot_states_ ABSL_GUARDED_BY(mu_);
   std::vector<DType> slot_dtypes_ ABSL_GUARDED_BY(mu_);
   // One staging buffer per worker; a slot in kReceiving is written without the lock by
-  // the one connection that reserved it.
+  // the one connection that reserved it. A ready slot may trade places with grad_ under
+  // the lock (ReduceContributions).
   std::vector<ShardBuffer> staging_;
   std::vector<ShardBuffer> device_staging_;  // CUDA IPC contributions (device groups)
   // Where each worker's reserved or ready contribution is (staging_ or device_staging_).

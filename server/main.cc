@@ -26,6 +26,9 @@ ABSL_FLAG(std::string, checkpoint_root, "", "directory that confines every check
 ABSL_FLAG(uint64_t, max_file_size, 5'000'000'000,
           "FULL checkpoints: split into model-0000i-of-0000N.safetensors above this many bytes");
 ABSL_FLAG(int, threads, 0, "gRPC server threads (0: gRPC's default)");
+ABSL_FLAG(int, compute_threads, 0,
+          "threads the host and pinned tiers' kernels (optimizer, reduction, casts) run on, "
+          "shared by all groups (0: one per hardware thread)");
 ABSL_FLAG(absl::Duration, nccl_timeout, absl::Seconds(60),
           "how long an NCCL channel may take to join, and a transfer to finish, before the "
           "channel is aborted (a dead worker)");
@@ -66,6 +69,7 @@ int main(int argc, char** argv) {
     options.checkpoint_root = root.string();
   }
   options.threads = absl::GetFlag(FLAGS_threads);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.nccl_timeout = absl::GetFlag(FLAGS_nccl_timeout);
   options.max_file_bytes = absl::GetFlag(FLAGS_max_file_size);
   if (options.max_file_bytes == 0) return Fail("--max_file_size must be > 0");

@@ -61,7 +61,7 @@ absl::StatusOr<Registry::Registration> Registry::RegisterGroup(const std::string
     return Registration{slot, false};
   }
   absl::StatusOr<std::shared_ptr<Group>> group =
-      Group::Create(job, name, std::move(layout), rank_, job_it->second, optimizer, tier_);
+      Group::Create(job, name, std::move(layout), rank_, job_it->second, optimizer, tier_, pool_);
   if (!group.ok()) {
     groups_.erase({job, name});
     return group.status();

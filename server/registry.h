@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/compute_pool.h"
 #include "server/group.h"
 #include "server/job.h"
 #include "server/shard_compute.h"
@@ -23,10 +24,11 @@ namespace flatshard::server {
 
 class Registry {
  public:
-  // This server is shard `rank` of `num_servers`.
-  // Groups keep their shards in `tier` (server/shard_compute.h).
-  Registry(int rank, int num_servers, MemoryTier tier = MemoryTier::kHost)
-      : rank_(rank), num_servers_(num_servers), tier_(tier) {}
+  // This server is shard `rank` of `num_servers`. Groups keep their shards in `tier`
+  // (server/shard_compute.h) and run CPU kernels on `pool` (null: the caller's thread).
+  Registry(int rank, int num_servers, MemoryTier tier = MemoryTier::kHost,
+           std::shared_ptr<const ComputePool> pool = nullptr)
+      : rank_(rank), num_servers_(num_servers), tier_(tier), pool_(std::move(pool)) {}
 
   // Creates job `job` or checks that it exists with the same settings
   // (FailedPrecondition naming the difference otherwise). InvalidArgument for W < 1 or
@@ -60,6 +62,7 @@ class Registry {
   const int rank_;
   const int num_servers_;
   const MemoryTier tier_;
+  const std::shared_ptr<const ComputePool> pool_;
   mutable absl::Mutex mu_;
   std::map<std::string, JobSettings> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, std::shared_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);

@@ -34,6 +34,10 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                                    options.cluster[options.rank]));
   }
   FLATSHARD_RETURN_IF_ERROR(ParseMemoryTier(options.memory).status());
+  if (options.threads < 0 || options.compute_threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--threads=", options.threads, ", --compute_threads=",
+                                                   options.compute_threads, ": thread counts are >= 0"));
+  }
   if (!options.data_listen.empty()) {
     FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
   }
@@ -46,8 +50,8 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
 
 Server::Server(ServerOptions options)
     : options_(std::move(options)),
-      registry_(options_.rank, static_cast<int>(options_.cluster.size()),
-                memory_tier()),
+      registry_(options_.rank, static_cast<int>(options_.cluster.size()), memory_tier(),
+                std::make_shared<ComputePool>(options_.compute_threads)),
       peers_(options_.cluster, options_.rank, options_.auth_token),
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
             [this](int peer, const std::string& job, int64_t step, double partial) {

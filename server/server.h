@@ -44,12 +44,14 @@ struct ServerOptions {
   std::string checkpoint_root;            // empty: checkpoints disabled
   uint64_t max_file_bytes = 5'000'000'000;  // FULL checkpoints split above this
   int threads = 0;                        // gRPC sync-server threads (0: gRPC's default)
+  int compute_threads = 0;                // CPU tiers' kernel threads (0: one per hardware thread)
   absl::Duration nccl_timeout = absl::Seconds(60);  // an NCCL channel's join and transfers
   DataServerOptions data;
 };
 
 // InvalidArgument naming the flag for: a rank outside the cluster, a duplicate address,
-// --listen not equal to cluster[rank], an unknown memory tier; FailedPrecondition for
+// --listen not equal to cluster[rank], an unknown memory tier, negative thread counts;
+// FailedPrecondition for
 // --memory=pinned|device in a build without CUDA or on a machine without a GPU.
 [[nodiscard]] absl::Status ValidateServerOptions(const ServerOptions& options);
 

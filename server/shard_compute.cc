@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/container/inlined_vector.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "core/huge_pages.h"
 #include "core/status_macros.h"
@@ -25,11 +27,13 @@ absl::StatusOr<ShardBuffer> AllocateHost(size_t bytes, absl::string_view what) {
   return buffer;
 }
 
-// Host memory, plain or pinned, and the CPU kernels. Everything completes in the call.
+// Host memory, plain or pinned, and the CPU kernels, cut into chunks that run on the
+// server's ComputePool. Everything completes in the call.
 class CpuShardCompute final : public ShardCompute {
  public:
   using Allocator = absl::StatusOr<ShardBuffer> (*)(size_t, absl::string_view);
-  CpuShardCompute(MemoryTier tier, Allocator allocate) : tier_(tier), allocate_(allocate) {}
+  CpuShardCompute(MemoryTier tier, Allocator allocate, std::shared_ptr<const ComputePool> pool)
+      : tier_(tier), allocate_(allocate), pool_(std::move(pool)) {}
 
   MemoryTier tier() const override { return tier_; }
   absl::StatusOr<ShardBuffer> AllocateShard(size_t bytes, absl::string_view what) override {
@@ -41,45 +45,70 @@ class CpuShardCompute final : public ShardCompute {
 
   absl::Status Cast(DType src_dtype, const void* src, DType dst_dtype, void* dst,
                     int64_t numel) override {
-    return kernels::cpu::Cast(src_dtype, src, dst_dtype, dst, numel);
+    // Refuses a bad pair or count before anything is written.
+    FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(src_dtype, src, dst_dtype, dst, 0));
+    if (numel < 0) return kernels::cpu::Cast(src_dtype, src, dst_dtype, dst, numel);
+    const size_t src_size = DTypeSize(src_dtype), dst_size = DTypeSize(dst_dtype);
+    ForChunks(numel, [&](int64_t begin, int64_t end) {
+      (void)kernels::cpu::Cast(src_dtype, static_cast<const char*>(src) + begin * src_size,
+                               dst_dtype, static_cast<char*>(dst) + begin * dst_size, end - begin);
+    });
+    return absl::OkStatus();
   }
   absl::Status Reduce(absl::Span<const kernels::Contribution> contributions, float* dst,
                       int64_t numel, float alpha) override {
-    return kernels::cpu::Reduce(contributions, absl::MakeSpan(dst, numel), alpha);
+    FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Reduce(contributions, {}, alpha));  // validates
+    ForChunks(numel, [&](int64_t begin, int64_t end) {
+      absl::InlinedVector<kernels::Contribution, 8> chunk;
+      for (const kernels::Contribution& c : contributions) chunk.push_back({c.dtype, c.At(begin)});
+      (void)kernels::cpu::Reduce(chunk, absl::MakeSpan(dst + begin, end - begin), alpha);
+    });
+    return absl::OkStatus();
   }
   absl::Status Scale(float* x, int64_t numel, float alpha) override {
-    kernels::cpu::Scale(absl::MakeSpan(x, numel), alpha);
+    ForChunks(numel, [&](int64_t begin, int64_t end) {
+      kernels::cpu::Scale(absl::MakeSpan(x + begin, end - begin), alpha);
+    });
     return absl::OkStatus();
   }
   absl::Status SgdStep(const kernels::SgdHyperparams& hp, bool first_step, float* param,
                        const float* grad, float* momentum_buffer, int64_t numel) override {
-    kernels::cpu::SgdStep(hp, first_step, absl::MakeSpan(param, numel), absl::MakeConstSpan(grad, numel),
-                          absl::MakeSpan(momentum_buffer, momentum_buffer ? numel : 0));
+    ForChunks(numel, [&](int64_t begin, int64_t end) {
+      const size_t n = static_cast<size_t>(end - begin);
+      kernels::cpu::SgdStep(hp, first_step, absl::MakeSpan(param + begin, n),
+                            absl::MakeConstSpan(grad + begin, n), Optional(momentum_buffer, begin, n));
+    });
     return absl::OkStatus();
   }
   absl::Status AdamStep(const kernels::AdamHyperparams& hp, int64_t step, float* param,
                         const float* grad, float* exp_avg, float* exp_avg_sq,
                         float* max_exp_avg_sq, int64_t numel) override {
-    kernels::cpu::AdamStep(hp, step, absl::MakeSpan(param, numel), absl::MakeConstSpan(grad, numel),
-                           absl::MakeSpan(exp_avg, numel), absl::MakeSpan(exp_avg_sq, numel),
-                           absl::MakeSpan(max_exp_avg_sq, max_exp_avg_sq ? numel : 0));
+    ForChunks(numel, [&](int64_t begin, int64_t end) {
+      const size_t n = static_cast<size_t>(end - begin);
+      kernels::cpu::AdamStep(hp, step, absl::MakeSpan(param + begin, n),
+                             absl::MakeConstSpan(grad + begin, n), absl::MakeSpan(exp_avg + begin, n),
+                             absl::MakeSpan(exp_avg_sq + begin, n), Optional(max_exp_avg_sq, begin, n));
+    });
     return absl::OkStatus();
   }
+  // One thread: the sum's order (and so its bits) must not depend on the chunking.
   absl::StatusOr<double> NormPartial(const float* x, int64_t numel, double norm_type) override {
     const absl::Span<const float> values(x, numel);
     if (std::isinf(norm_type)) return static_cast<double>(kernels::cpu::MaxAbs(values));
     return kernels::cpu::SquaredNorm(values);
   }
   absl::Status CopyToHost(const float* shard, float* host, int64_t numel) override {
-    if (numel > 0) std::memcpy(host, shard, numel * sizeof(float));
+    CopyFloats(host, shard, numel);
     return absl::OkStatus();
   }
   absl::Status CopyFromHost(const float* host, float* shard, int64_t numel) override {
-    if (numel > 0) std::memcpy(shard, host, numel * sizeof(float));
+    CopyFloats(shard, host, numel);
     return absl::OkStatus();
   }
   absl::Status Zero(float* shard, int64_t numel) override {
-    if (numel > 0) std::memset(shard, 0, numel * sizeof(float));
+    ForChunks(numel, [&](int64_t begin, int64_t end) {
+      std::memset(shard + begin, 0, (end - begin) * sizeof(float));
+    });
     return absl::OkStatus();
   }
   absl::Status CopyBytes(void* dst, const void* src, size_t bytes) override {
@@ -89,8 +118,26 @@ class CpuShardCompute final : public ShardCompute {
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
  private:
+  void ForChunks(int64_t numel, absl::FunctionRef<void(int64_t, int64_t)> body) const {
+    if (pool_ == nullptr) {
+      if (numel > 0) body(0, numel);
+    } else {
+      pool_->ParallelFor(numel, body);
+    }
+  }
+  void CopyFloats(float* dst, const float* src, int64_t numel) const {
+    ForChunks(numel, [&](int64_t begin, int64_t end) {
+      std::memcpy(dst + begin, src + begin, (end - begin) * sizeof(float));
+    });
+  }
+  // Elements [begin, begin + n) of an optional buffer (null: not used, empty span).
+  static absl::Span<float> Optional(float* buffer, int64_t begin, size_t n) {
+    return buffer == nullptr ? absl::Span<float>() : absl::MakeSpan(buffer + begin, n);
+  }
+
   const MemoryTier tier_;
   const Allocator allocate_;
+  const std::shared_ptr<const ComputePool> pool_;  // null: the caller's thread only
 };
 
 #if !FLATSHARD_HAVE_CUDA
@@ -148,13 +195,14 @@ absl::StatusOr<MemoryTier> ParseMemoryTier(absl::string_view name) {
 #endif
 }
 
-absl::StatusOr<std::unique_ptr<ShardCompute>> MakeShardCompute(MemoryTier tier) {
+absl::StatusOr<std::unique_ptr<ShardCompute>> MakeShardCompute(
+    MemoryTier tier, std::shared_ptr<const ComputePool> pool) {
   switch (tier) {
     case MemoryTier::kHost:
-      return std::make_unique<CpuShardCompute>(tier, &AllocateHost);
+      return std::make_unique<CpuShardCompute>(tier, &AllocateHost, std::move(pool));
 #if FLATSHARD_HAVE_CUDA
     case MemoryTier::kPinned:
-      return std::make_unique<CpuShardCompute>(tier, &internal::AllocatePinned);
+      return std::make_unique<CpuShardCompute>(tier, &internal::AllocatePinned, std::move(pool));
     case MemoryTier::kDevice:
       return internal::MakeCudaShardCompute();
 #else

@@ -1,7 +1,8 @@
 // ShardCompute: where a group's shard lives (the server's --memory tier) and the kernels
 // that run on it. Two implementations:
 //   host, pinned  parameters, gradients and optimizer state in host memory (pinned:
-//                 cudaHostAlloc, FSDP's CPU offload with pin_memory); CPU kernels.
+//                 cudaHostAlloc, FSDP's CPU offload with pin_memory); CPU kernels on
+//                 the server's threads (server/compute_pool.h).
 //   device        the same in GPU memory (cudaMalloc); CUDA kernels on the group's own
 //                 stream, so groups run concurrently. Staging slots and gather snapshots
 //                 are pinned host memory that the kernels read and write directly (no
@@ -26,6 +27,7 @@
 #include "absl/types/span.h"
 #include "kernels/contribution.h"
 #include "kernels/hyperparams.h"
+#include "server/compute_pool.h"
 #include "server/shard_buffer.h"
 
 namespace flatshard::server {
@@ -86,8 +88,10 @@ class ShardCompute {
   [[nodiscard]] virtual absl::Status Synchronize() = 0;
 };
 
-// The ShardCompute of `tier`; FailedPrecondition as ParseMemoryTier says.
-[[nodiscard]] absl::StatusOr<std::unique_ptr<ShardCompute>> MakeShardCompute(MemoryTier tier);
+// The ShardCompute of `tier`; FailedPrecondition as ParseMemoryTier says. The CPU tiers
+// run their kernels on `pool` (null: on the calling thread); the device tier ignores it.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<ShardCompute>> MakeShardCompute(
+    MemoryTier tier, std::shared_ptr<const ComputePool> pool = nullptr);
 
 }  // namespace flatshard::server
 

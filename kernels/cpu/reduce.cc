@@ -14,10 +14,6 @@ namespace {
 // 64 KiB of float32: the block of dst and one block of each contribution stay in L2.
 constexpr size_t kBlock = 16 * 1024;
 
-const void* Advance(const Contribution& c, size_t elements) {
-  return static_cast<const char*>(c.data) + elements * DTypeSize(c.dtype);
-}
-
 }  // namespace
 
 absl::Status Reduce(absl::Span<const Contribution> contributions, absl::Span<float> dst,
@@ -33,10 +29,10 @@ absl::Status Reduce(absl::Span<const Contribution> contributions, absl::Span<flo
     const absl::Span<float> block = dst.subspan(begin, std::min(kBlock, dst.size() - begin));
     const Contribution& first = contributions[0];
     FLATSHARD_RETURN_IF_ERROR(
-        Cast(first.dtype, Advance(first, begin), DType::kFloat32, block.data(), block.size()));
+        Cast(first.dtype, first.At(begin), DType::kFloat32, block.data(), block.size()));
     for (size_t w = 1; w < contributions.size(); ++w) {
       FLATSHARD_RETURN_IF_ERROR(
-          Accumulate(contributions[w].dtype, Advance(contributions[w], begin), block));
+          Accumulate(contributions[w].dtype, contributions[w].At(begin), block));
     }
     if (alpha != 1.0f) Scale(block, alpha);
   }

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/float_bits.h"
+#include "kernels/kernels.h"
 
 namespace flatshard::server {
 namespace {
@@ -64,6 +65,37 @@ TEST(GroupTest, MeanReductionInRankOrderIsReproducible) {
   EXPECT_EQ(results[0], results[1]);
   const float expected0 = -(((1e8f + 1.0f) + -1e8f) * (1.0f / 3.0f));
   EXPECT_EQ(results[0][0], expected0);
+}
+
+// One worker's float32 gradient is the step's gradient: its slot trades places with the
+// gradient buffer instead of being copied. Steps in float32 and bfloat16 alternate, and
+// a clipped step reads the gradient of its own step, never the previous one.
+TEST(GroupTest, OneFloat32WorkerStepsOnItsSlotAlternatingWithBFloat16) {
+  std::shared_ptr<Group> group = MakeGroup(1, /*mean=*/true);  // a mean over one: alpha 1
+  auto contribute_bf16 = [&](int64_t step, const std::vector<float>& grad) {
+    absl::StatusOr<ReceiveSlot> slot = group->BeginScatter(step, 0, DType::kBFloat16);
+    ASSERT_TRUE(slot.ok());
+    ASSERT_TRUE(kernels::cpu::Cast(DType::kFloat32, grad.data(), DType::kBFloat16, slot->buffer.data(), 3).ok());
+    ASSERT_TRUE(group->CommitScatter(*slot).ok());
+  };
+  ASSERT_TRUE(Contribute(*group, 0, 0, {1, 2, 3}).ok());
+  EXPECT_EQ(Params(*group), (std::vector<float>{-1, -2, -3}));  // SGD lr 1
+  contribute_bf16(1, {0.5f, 0.25f, 4});
+  EXPECT_EQ(Params(*group), (std::vector<float>{-1.5f, -2.25f, -7}));
+  ASSERT_TRUE(Contribute(*group, 2, 0, {1, 1, 1}).ok());
+  ASSERT_TRUE(Contribute(*group, 3, 0, {2, 0, 0}).ok());
+  EXPECT_EQ(Params(*group), (std::vector<float>{-4.5f, -3.25f, -8}));
+
+  auto layout = FlatLayout::Create({{"w", {3}, DType::kFloat32}}, 0, 1);
+  std::shared_ptr<Group> clipped = *Group::Create(
+      "job", "c", *layout, 0, JobSettings{.num_workers = 1, .max_grad_norm = 1.0}, kernels::SgdHyperparams{.lr = 1.0f});
+  ASSERT_TRUE(Contribute(*clipped, 0, 0, {3, 4, 0}).ok());
+  EXPECT_EQ(*clipped->NormPartial(2.0), 25.0);
+  ASSERT_TRUE(clipped->FinishClippedStep(0, 0.2f).ok());
+  ASSERT_TRUE(Contribute(*clipped, 1, 0, {1, 0, 0}).ok());
+  EXPECT_EQ(*clipped->NormPartial(2.0), 1.0);
+  ASSERT_TRUE(clipped->FinishClippedStep(1, 1.0f).ok());
+  EXPECT_EQ(Params(*clipped), (std::vector<float>{-3 * 0.2f - 1, -4 * 0.2f, 0}));
 }
 
 TEST(GroupTest, RefusesDuplicateStaleFutureAndInFlight) {
