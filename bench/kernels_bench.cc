@@ -46,11 +46,17 @@ void BM_CastToBFloat16(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * kNumel * 6);
 }
 
+// The F16C instruction where the CPU has it (`Portable`: the loop every other CPU runs).
+template <bool kPortable>
 void BM_CastToFloat16(benchmark::State& state) {
   std::vector<float> src = RandomFloats(kNumel);
   std::vector<uint16_t> dst(kNumel);
   for (auto _ : state) {
-    flatshard::kernels::cpu::CastFloat32ToFloat16(src, absl::MakeSpan(dst));
+    if constexpr (kPortable) {
+      flatshard::kernels::cpu::CastFloat32ToFloat16Portable(src, absl::MakeSpan(dst));
+    } else {
+      flatshard::kernels::cpu::CastFloat32ToFloat16(src, absl::MakeSpan(dst));
+    }
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(state.iterations() * kNumel * 6);
@@ -107,7 +113,8 @@ void BM_SquaredNorm(benchmark::State& state) {
 
 BENCHMARK(BM_MemcpyAnchor)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CastToBFloat16)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_CastToFloat16)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CastToFloat16<false>)->Name("BM_CastToFloat16")->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CastToFloat16<true>)->Name("BM_CastToFloat16Portable")->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AccumulateBFloat16)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AccumulateFloat32)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Reduce2Float32)->Unit(benchmark::kMillisecond);

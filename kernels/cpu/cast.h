@@ -17,7 +17,10 @@ namespace flatshard::kernels::cpu {
 
 // Preconditions for the typed casts: dst.size() == src.size().
 void CastFloat32ToBFloat16(absl::Span<const float> src, absl::Span<uint16_t> dst);
+// On x86-64 CPUs with F16C, by the conversion instruction; bitwise equal to:
 void CastFloat32ToFloat16(absl::Span<const float> src, absl::Span<uint16_t> dst);
+// the portable loop over FloatToHalfBits (every other CPU).
+void CastFloat32ToFloat16Portable(absl::Span<const float> src, absl::Span<uint16_t> dst);
 void CastBFloat16ToFloat32(absl::Span<const uint16_t> src, absl::Span<float> dst);
 void CastFloat16ToFloat32(absl::Span<const uint16_t> src, absl::Span<float> dst);
 

@@ -35,6 +35,27 @@ TEST(CastKernelTest, NarrowingMatchesScalarConversionBitwise) {
   }
 }
 
+// The F16C path (where the CPU has it) against the portable loop, for every float32 bit
+// pattern: both signs of every exponent, every mantissa, so every tie, subnormal,
+// overflow and NaN payload. Blocks of 2^16 patterns start at odd offsets so the
+// vector loop's tail runs too.
+TEST(CastKernelTest, Float16NarrowingEqualsThePortableLoopForEveryFloat) {
+  constexpr size_t kBlock = size_t{1} << 16;
+  std::vector<float> src(kBlock + 3);
+  std::vector<uint16_t> fast(src.size()), portable(src.size());
+  for (uint64_t high = 0; high < (uint64_t{1} << 32); high += kBlock) {
+    for (size_t i = 0; i < kBlock; ++i) src[i + 3] = std::bit_cast<float>(static_cast<uint32_t>(high + i));
+    const auto in = absl::MakeConstSpan(src).subspan(3);
+    CastFloat32ToFloat16(in, absl::MakeSpan(fast).subspan(3));
+    CastFloat32ToFloat16Portable(in, absl::MakeSpan(portable).subspan(3));
+    if (fast != portable) {
+      for (size_t i = 3; i < src.size(); ++i) {
+        ASSERT_EQ(fast[i], portable[i]) << "float bits 0x" << std::hex << std::bit_cast<uint32_t>(src[i]);
+      }
+    }
+  }
+}
+
 TEST(CastKernelTest, WideningMatchesScalarConversionBitwise) {
   std::vector<uint16_t> all(65536);
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
