@@ -338,7 +338,7 @@ int main(int argc, char** argv) {
     reference.reset();
     cudaStreamDestroy(stream);
   }
-  const auto status = flatshard::FetchClusterStatus({address}, "", absl::Seconds(10));
+  const auto status = flatshard::FetchClusterStatus({.servers = {address}, .timeout = absl::Seconds(10)});
   if (status[0].ok()) {
     const auto& s = *status[0];
     std::printf("\nserver counted %lld gathers (%lld over CUDA IPC, %lld over NCCL), %lld scatters "

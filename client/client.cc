@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "client/control_channel.h"
 #include "client/data_channel.h"
 #include "client/device_memory.h"
 #include "client/nccl_link.h"
@@ -104,15 +105,17 @@ class ClientImpl final : public Client {
                                                      " outside [0, num_workers=",
                                                      options_.num_workers, ")"));
     }
+    FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                               client_internal::ControlPlaneCredentials(options_.tls_ca_file));
     for (size_t i = 0; i < options_.servers.size(); ++i) {
       const std::string& address = options_.servers[i];
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(65 << 20);  // export chunks of up to 64 MiB
-      stubs_.push_back(v1::Flatshard::NewStub(
-          grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+      stubs_.push_back(v1::Flatshard::NewStub(grpc::CreateCustomChannel(address, credentials, args)));
       v1::ClusterInfo info;
-      FLATSHARD_RETURN_IF_ERROR(Call(i, &v1::Flatshard::Stub::GetClusterInfo,
-                                     v1::GetClusterInfoRequest(), &info));
+      FLATSHARD_RETURN_IF_ERROR(client_internal::WithTlsHint(
+          Call(i, &v1::Flatshard::Stub::GetClusterInfo, v1::GetClusterInfoRequest(), &info),
+          options_.tls_ca_file));
       const std::vector<std::string> cluster(info.cluster().begin(), info.cluster().end());
       if (cluster != options_.servers || info.rank() != static_cast<int>(i)) {
         return absl::FailedPreconditionError(absl::StrCat(

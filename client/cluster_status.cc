@@ -6,26 +6,33 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "client/control_channel.h"
 #include "proto/flatshard.grpc.pb.h"
 
 namespace flatshard {
 
-std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(
-    const std::vector<std::string>& servers, const std::string& token, absl::Duration timeout) {
+std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options) {
   std::vector<absl::StatusOr<v1::ServerStatus>> result;
-  for (const std::string& address : servers) {
-    auto stub = v1::Flatshard::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      client_internal::ControlPlaneCredentials(options.tls_ca_file);
+  for (const std::string& address : options.servers) {
+    if (!credentials.ok()) {
+      result.emplace_back(credentials.status());
+      continue;
+    }
+    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(address, *credentials));
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
+    if (!options.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options.token);
     v1::ServerStatus status;
     const grpc::Status rpc = stub->GetStatus(&ctx, v1::GetStatusRequest(), &status);
     if (rpc.ok()) {
       result.emplace_back(std::move(status));
     } else {
-      result.emplace_back(absl::Status(static_cast<absl::StatusCode>(rpc.error_code()),
-                                       absl::StrCat(address, ": ", rpc.error_message())));
+      result.emplace_back(client_internal::WithTlsHint(
+          absl::Status(static_cast<absl::StatusCode>(rpc.error_code()),
+                       absl::StrCat(address, ": ", rpc.error_message())),
+          options.tls_ca_file));
     }
   }
   return result;

@@ -1,7 +1,7 @@
 // Fetches every server's status over the control plane, for `flatshard status` and
 // tools. Not part of the public client API (it exposes the protobufs). Thread-safe.
 //
-//   auto statuses = FetchClusterStatus({"127.0.0.1:7070"}, token, absl::Seconds(5));
+//   auto statuses = FetchClusterStatus({.servers = {"127.0.0.1:7070"}, .token = token});
 #ifndef FLATSHARD_CLIENT_CLUSTER_STATUS_H_
 #define FLATSHARD_CLIENT_CLUSTER_STATUS_H_
 
@@ -10,13 +10,14 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "flatshard/client.h"
 #include "proto/flatshard.pb.h"
 
 namespace flatshard {
 
-// One entry per server, in order: its status, or why it could not be read.
-std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(
-    const std::vector<std::string>& servers, const std::string& token, absl::Duration timeout);
+// One entry per server of options.servers, in order: its status, or why it could not be
+// read (options.token, .timeout and .tls_ca_file apply; the rest is unused).
+std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options);
 
 // `flatshard status --json`: {"servers": [status as JSON (proto field names), or
 // {"address", "error"} for a server that did not answer]}, indented by `indent` (-1:

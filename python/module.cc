@@ -206,7 +206,7 @@ py::dict LayoutToDict(const FlatLayout& layout) {
 class PyClient {
  public:
   PyClient(std::vector<std::string> servers, int worker_rank, int num_workers, std::string token,
-           double timeout, std::string job, std::string device_plane) {
+           double timeout, std::string job, std::string device_plane, std::string tls_ca_file) {
     static const std::map<std::string, DevicePlane> kPlanes = {{"auto", DevicePlane::kAuto},
                                                                {"cuda-ipc", DevicePlane::kCudaIpc},
                                                                {"nccl", DevicePlane::kNccl},
@@ -222,7 +222,8 @@ class PyClient {
                           .num_workers = num_workers,
                           .job = std::move(job),
                           .timeout = absl::Seconds(timeout),
-                          .device_plane = plane->second};
+                          .device_plane = plane->second,
+                          .tls_ca_file = std::move(tls_ca_file)};
     absl::StatusOr<std::unique_ptr<Client>> client = [&] {
       py::gil_scoped_release release;
       return Client::Connect(options);
@@ -322,7 +323,7 @@ class PyClient {
   std::string StatusJson() {
     py::gil_scoped_release release;
     const auto& options = client_->options();
-    return ClusterStatusJson(options.servers, FetchClusterStatus(options.servers, options.token, options.timeout), -1);
+    return ClusterStatusJson(options.servers, FetchClusterStatus(options), -1);
   }
 
   std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }
@@ -377,9 +378,10 @@ PYBIND11_MODULE(_native, m) {
       .def("wait", &Pending::Wait, "Waits for the transfer; returns the version (gather) or 0.")
       .def("done", &Pending::Done);
   py::class_<PyClient>(m, "Client")
-      .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string>(),
+      .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string,
+                    std::string>(),
            py::arg("servers"), py::arg("worker_rank"), py::arg("num_workers"), py::arg("token"),
-           py::arg("timeout"), py::arg("job"), py::arg("device_plane"))
+           py::arg("timeout"), py::arg("job"), py::arg("device_plane"), py::arg("tls_ca_file"))
       .def("configure_job", &PyClient::ConfigureJob)
       .def("register_group", &PyClient::RegisterGroup)
       .def("init_group", &PyClient::InitGroup)

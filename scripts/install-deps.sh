@@ -13,6 +13,8 @@ packages=(
   nlohmann-json3-dev libxxhash-dev libspdlog-dev libfmt-dev
   # the CPU tiers' kernel threads (server/compute_pool.h)
   libtbb-dev
+  # TLS: certificate checks at server start-up; the tests make certificates with openssl
+  libssl-dev openssl
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev iperf3
   # the Python package and its tests (/usr/bin/python3): pybind11 module, numpy, PyTorch

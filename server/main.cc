@@ -8,10 +8,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/command_line.h"
+#include "core/file.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC control-plane address HOST:PORT");
@@ -22,6 +24,13 @@ ABSL_FLAG(std::string, cluster, "",
           "every server and client (default: --listen alone)");
 ABSL_FLAG(std::string, memory, "host", "storage tier: host, pinned or device (GPU build)");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's shared token (empty: no auth)");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate (chain) of this server: the gRPC control plane then speaks TLS; it "
+          "must name the host of --listen (empty: plaintext)");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "PEM CA bundle the other servers' certificates are checked against (empty: the "
+          "system's roots)");
 ABSL_FLAG(std::string, checkpoint_root, "", "directory that confines every checkpoint path");
 ABSL_FLAG(uint64_t, max_file_size, 5'000'000'000,
           "FULL checkpoints: split into model-0000i-of-0000N.safetensors above this many bytes");
@@ -81,6 +90,21 @@ int main(int argc, char** argv) {
     options.auth_token = std::string(absl::StripAsciiWhitespace(text.str()));
     if (options.auth_token.empty()) return Fail("--auth_token_file=" + path + " is empty");
   }
+  const struct {
+    const char* flag;
+    std::string path;
+    std::string* pem;
+  } tls_files[] = {{"--tls_cert_file", absl::GetFlag(FLAGS_tls_cert_file), &options.tls.cert_chain},
+                   {"--tls_key_file", absl::GetFlag(FLAGS_tls_key_file), &options.tls.private_key},
+                   {"--tls_ca_file", absl::GetFlag(FLAGS_tls_ca_file), &options.tls.root_certs}};
+  for (const auto& file : tls_files) {
+    if (file.path.empty()) continue;
+    absl::StatusOr<std::string> text = flatshard::ReadFileToString(file.path);
+    if (!text.ok()) {
+      return Fail(absl::StrCat("cannot read ", file.flag, "=", file.path, ": ", text.status().message()));
+    }
+    *file.pem = *std::move(text);
+  }
   if (absl::Status valid = flatshard::server::ValidateServerOptions(options); !valid.ok()) {
     return Fail(std::string(valid.message()));
   }
@@ -100,7 +124,8 @@ int main(int argc, char** argv) {
   std::cerr << "flatshard-server rank " << options.rank << "/" << options.cluster.size()
             << ": control " << options.listen << " (gRPC), data port " << server.data_port()
             << " (TCP), memory " << options.memory
-            << (options.auth_token.empty() ? ", no auth" : ", token auth") << std::endl;
+            << (options.auth_token.empty() ? ", no auth" : ", token auth")
+            << (options.tls.enabled() ? ", TLS" : ", plaintext gRPC") << std::endl;
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
   std::cerr << "flatshard-server rank " << options.rank << ": " << strsignal(signal_number)

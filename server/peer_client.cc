@@ -96,6 +96,7 @@ absl::Status PeerPartWriter::Finish(const std::string& part) {
 }
 
 PeerClient::PeerClient(std::vector<std::string> cluster, int rank, std::string token,
+                       std::shared_ptr<grpc::ChannelCredentials> credentials,
                        absl::Duration give_up_after)
     : cluster_(std::move(cluster)), rank_(rank), token_(std::move(token)), give_up_after_(give_up_after) {
   // Peers start at about the same time: retry connecting quickly, not after gRPC's
@@ -106,7 +107,7 @@ PeerClient::PeerClient(std::vector<std::string> cluster, int rank, std::string t
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetMaxReceiveMessageSize(16 << 20);  // checkpoint file chunks of 4 MiB
   for (const std::string& address : cluster_) {
-    channels_.push_back(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    channels_.push_back(grpc::CreateCustomChannel(address, credentials, args));
     stubs_.push_back(v1::Flatshard::NewStub(channels_.back()));
   }
 }

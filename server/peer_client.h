@@ -4,7 +4,7 @@
 // there, reading byte ranges back for a load). Channels are made once; calls carry the
 // cluster token. Thread-safe.
 //
-//   PeerClient peers(cluster, rank, token);
+//   PeerClient peers(cluster, rank, token, PeerCredentials(tls));
 //   FLATSHARD_RETURN_IF_ERROR(peers.SendNormPartial(1, "job", step, partial));
 #ifndef FLATSHARD_SERVER_PEER_CLIENT_H_
 #define FLATSHARD_SERVER_PEER_CLIENT_H_
@@ -13,6 +13,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <grpcpp/security/credentials.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -53,7 +55,9 @@ class PeerPartWriter final : public CheckpointSink {
 
 class PeerClient {
  public:
+  // Calls the peers with `credentials` (server/tls.h: PeerCredentials).
   PeerClient(std::vector<std::string> cluster, int rank, std::string token,
+             std::shared_ptr<grpc::ChannelCredentials> credentials,
              absl::Duration give_up_after = absl::Seconds(30));
 
   // Delivers this server's norm share to `peer`, retrying while it is unreachable (a

@@ -34,6 +34,7 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                                    options.cluster[options.rank]));
   }
   FLATSHARD_RETURN_IF_ERROR(ParseMemoryTier(options.memory).status());
+  FLATSHARD_RETURN_IF_ERROR(ValidateTls(options.tls));
   if (options.threads < 0 || options.compute_threads < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--threads=", options.threads, ", --compute_threads=",
                                                    options.compute_threads, ": thread counts are >= 0"));
@@ -52,7 +53,7 @@ Server::Server(ServerOptions options)
     : options_(std::move(options)),
       registry_(options_.rank, static_cast<int>(options_.cluster.size()), memory_tier(),
                 std::make_shared<ComputePool>(options_.compute_threads)),
-      peers_(options_.cluster, options_.rank, options_.auth_token),
+      peers_(options_.cluster, options_.rank, options_.auth_token, PeerCredentials(options_.tls)),
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
             [this](int peer, const std::string& job, int64_t step, double partial) {
               return peers_.SendNormPartial(peer, job, step, partial);
@@ -91,7 +92,7 @@ absl::Status Server::Start() {
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
                                                 stats_, nccl_, [this] { return cluster_check(); });
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &control_port_);
+  builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls), &control_port_);
   builder.RegisterService(service_.get());
   builder.SetMaxReceiveMessageSize(16 << 20);
   if (options_.threads > 0) {

@@ -27,6 +27,7 @@
 #include "server/peer_client.h"
 #include "server/service.h"
 #include "server/stats.h"
+#include "server/tls.h"
 
 namespace grpc {
 class Server;
@@ -46,11 +47,13 @@ struct ServerOptions {
   int threads = 0;                        // gRPC sync-server threads (0: gRPC's default)
   int compute_threads = 0;                // CPU tiers' kernel threads (0: one per hardware thread)
   absl::Duration nccl_timeout = absl::Seconds(60);  // an NCCL channel's join and transfers
+  TlsOptions tls;                         // gRPC over TLS when it holds a certificate
   DataServerOptions data;
 };
 
 // InvalidArgument naming the flag for: a rank outside the cluster, a duplicate address,
-// --listen not equal to cluster[rank], an unknown memory tier, negative thread counts;
+// --listen not equal to cluster[rank], an unknown memory tier, negative thread counts,
+// TLS files that do not go together (server/tls.h);
 // FailedPrecondition for
 // --memory=pinned|device in a build without CUDA or on a machine without a GPU.
 [[nodiscard]] absl::Status ValidateServerOptions(const ServerOptions& options);

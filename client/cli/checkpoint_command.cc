@@ -77,6 +77,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   ClientOptions client_options;
   client_options.servers = options.servers;
   client_options.token = options.token;
+  client_options.tls_ca_file = options.tls_ca_file;
   client_options.job = options.job;
   client_options.timeout = absl::Minutes(10);
   if (options.chunk_mib < 1 || options.chunk_mib > 64) {

@@ -13,6 +13,7 @@ struct CheckpointCommandOptions {
   std::string command;  // save, load, checkpoints, delete, export
   std::vector<std::string> servers;
   std::string token;
+  std::string tls_ca_file;  // TLS to the servers when set (ClientOptions::tls_ca_file)
   std::string job = "default";
   std::string name;
   std::string kind = "sharded";

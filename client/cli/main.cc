@@ -24,6 +24,9 @@
 ABSL_FLAG(bool, json, false, "layout, status: print JSON instead of a table");
 ABSL_FLAG(std::string, cluster, "", "status: every server's control address, comma-separated");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (empty: none)");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "status, checkpoints: PEM CA bundle of servers started with --tls_cert_file (empty: "
+          "plaintext gRPC)");
 ABSL_FLAG(int, servers, 2, "local-cluster: number of servers");
 ABSL_FLAG(int, base_port, 7070, "local-cluster: server i listens on base_port+2i (data +1)");
 ABSL_FLAG(std::string, checkpoint_root, "", "local-cluster: passed to every server");
@@ -94,6 +97,7 @@ int Status() {
     return 2;
   }
   if (!ReadToken(options.token)) return 2;
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   return flatshard::cli::RunStatusCommand(options, std::cout, std::cerr);
 }
 
@@ -119,6 +123,7 @@ int Checkpoint(const std::string& command) {
   options.async = absl::GetFlag(FLAGS_async);
   options.chunk_mib = absl::GetFlag(FLAGS_chunk_mib);
   if (!ReadToken(options.token)) return 2;
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   return flatshard::cli::RunCheckpointCommand(options, std::cout, std::cerr);
 }
 

@@ -10,7 +10,8 @@
 namespace flatshard::cli {
 
 int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std::ostream& err) {
-  const auto statuses = FetchClusterStatus(options.servers, options.token, options.timeout);
+  const auto statuses = FetchClusterStatus(
+      {.servers = options.servers, .token = options.token, .timeout = options.timeout, .tls_ca_file = options.tls_ca_file});
   int exit_code = 0;
   if (options.json) {
     for (const auto& status : statuses) {

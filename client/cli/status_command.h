@@ -14,6 +14,7 @@ namespace flatshard::cli {
 struct StatusCommandOptions {
   std::vector<std::string> servers;
   std::string token;
+  std::string tls_ca_file;  // TLS to the servers when set (ClientOptions::tls_ca_file)
   bool json = false;
   absl::Duration timeout = absl::Seconds(5);
 };

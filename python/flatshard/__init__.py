@@ -18,6 +18,7 @@ which numpy lacks, travel as their bit patterns in int16 arrays
 """
 
 import json
+import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -193,15 +194,20 @@ class Client:
     ``device_plane`` says how CUDA tensors reach --memory=device servers: "auto" (CUDA
     IPC on the same GPU, NCCL on another GPU or node), "cuda-ipc", "nccl" or "tcp"
     (through host memory); see ClientOptions::device_plane in the C++ client.
+
+    ``tls_ca_file``: the PEM CA bundle of servers started with --tls_cert_file (the
+    control plane then speaks TLS); None for plaintext servers.
     """
 
     def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,
-                 job="default", device_plane="auto"):
+                 job="default", device_plane="auto", tls_ca_file=None):
         self._native = _native.Client(list(servers), int(worker_rank), int(num_workers),
-                                      token or "", float(timeout), job, device_plane)
+                                      token or "", float(timeout), job, device_plane,
+                                      os.fspath(tls_ca_file) if tls_ca_file else "")
         self.servers = list(servers)
         self._token = token
         self._timeout = timeout
+        self._tls_ca_file = tls_ca_file
         self.worker_rank = worker_rank
         self.num_workers = num_workers
         self.job = job

@@ -139,7 +139,8 @@ class ShardedModule(torch.nn.Module):
                 for group in self._groups:
                     c.init_group(group.name, {fqn: initial[fqn] for fqn, _ in group.params})
         barrier = flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
-                                   timeout=c._timeout, job=f"{c.job}.{name}.barrier")
+                                   timeout=c._timeout, job=f"{c.job}.{name}.barrier",
+                                   tls_ca_file=c._tls_ca_file)
         barrier.configure_job()
         barrier.register_group("barrier", [("x", (1,), "float32")], flatshard.SGD(lr=0.0))
         start = barrier.version("barrier")

@@ -54,6 +54,26 @@ inline void StopServer(pid_t pid) {
   }
 }
 
+// Spawns a server on a free port with `flags` and waits up to 5 s for it to exit: true
+// when it exited with a non-zero status. A server still running is stopped.
+inline bool RefusesToStart(const std::vector<std::string>& flags) {
+  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(1);
+  const std::string address = absl::StrCat("127.0.0.1:", ports[0]);
+  std::vector<std::string> args = {"--listen=" + address, "--cluster=" + address};
+  args.insert(args.end(), flags.begin(), flags.end());
+  const pid_t pid = testing::SpawnServer(args);
+  if (pid <= 0) return false;
+  int status = 0;
+  for (int i = 0; i < 100 && waitpid(pid, &status, WNOHANG) == 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  if (waitpid(pid, &status, WNOHANG) == 0 && kill(pid, 0) == 0) {
+    testing::StopServer(pid);
+    return false;
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) != 0;
+}
+
 class TestCluster {
  public:
   // `checkpoint_root` empty: checkpoints disabled on these servers. `extra_args[i]`
@@ -94,13 +114,16 @@ class TestCluster {
   absl::StatusOr<std::unique_ptr<Client>> Connect(int worker_rank, int num_workers,
                                                   const std::string& job = "test",
                                                   DevicePlane plane = DevicePlane::kAuto) const {
-    ClientOptions options{.servers = addresses_,
-                          .token = token_,
-                          .worker_rank = worker_rank,
-                          .num_workers = num_workers,
-                          .job = job,
-                          .timeout = absl::Seconds(20),
-                          .device_plane = plane};
+    return Connect({.worker_rank = worker_rank,
+                    .num_workers = num_workers,
+                    .job = job,
+                    .timeout = absl::Seconds(20),
+                    .device_plane = plane});
+  }
+  // The same with `options` (their servers and token filled in).
+  absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options) const {
+    options.servers = addresses_;
+    options.token = token_;
     absl::StatusOr<std::unique_ptr<Client>> client;
     for (int attempt = 0; attempt < 100; ++attempt) {
       client = Client::Connect(options);

@@ -319,7 +319,8 @@ void TrainAndCompare(const JobOptions& job,
     }
     EXPECT_EQ((*setup)->DataPlanes(), planes);
     // The bytes really went where the planes say, to device servers only.
-    const auto statuses = FetchClusterStatus(cluster.addresses(), cluster.token(), absl::Seconds(10));
+    const auto statuses = FetchClusterStatus(
+        {.servers = cluster.addresses(), .token = cluster.token(), .timeout = absl::Seconds(10)});
     for (size_t i = 0; i < memory.size(); ++i) {
       ASSERT_TRUE(statuses[i].ok()) << statuses[i].status();
       const v1::ServerStatus& s = *statuses[i];
@@ -521,37 +522,17 @@ TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsSer
 }
 #endif
 
-// Spawns a server on a free port with `flags` and waits up to 5 s for it to exit: true
-// when it exited with a non-zero status. A server still running is stopped.
-bool RefusesToStart(const std::vector<std::string>& flags) {
-  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(1);
-  const std::string address = absl::StrCat("127.0.0.1:", ports[0]);
-  std::vector<std::string> args = {"--listen=" + address, "--cluster=" + address};
-  args.insert(args.end(), flags.begin(), flags.end());
-  const pid_t pid = testing::SpawnServer(args);
-  if (pid <= 0) return false;
-  int status = 0;
-  for (int i = 0; i < 100 && waitpid(pid, &status, WNOHANG) == 0; ++i) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  if (waitpid(pid, &status, WNOHANG) == 0 && kill(pid, 0) == 0) {
-    testing::StopServer(pid);
-    return false;
-  }
-  return WIFEXITED(status) && WEXITSTATUS(status) != 0;
-}
-
 TEST(TrainingIntegrationTest, UnavailableMemoryTierIsRefusedAtStartup) {
   if (HaveGpu()) GTEST_SKIP() << "this machine has the GPU tiers";
   for (const char* memory : {"--memory=device", "--memory=pinned"}) {
-    EXPECT_TRUE(RefusesToStart({memory})) << memory;
+    EXPECT_TRUE(testing::RefusesToStart({memory})) << memory;
   }
 }
 
 TEST(TrainingIntegrationTest, NegativeThreadCountsAreRefusedAtStartup) {
-  EXPECT_TRUE(RefusesToStart({"--compute_threads=-1"}));
-  EXPECT_TRUE(RefusesToStart({"--threads=-2"}));
-  EXPECT_FALSE(RefusesToStart({"--compute_threads=1", "--threads=2"})) << "valid counts must start";
+  EXPECT_TRUE(testing::RefusesToStart({"--compute_threads=-1"}));
+  EXPECT_TRUE(testing::RefusesToStart({"--threads=-2"}));
+  EXPECT_FALSE(testing::RefusesToStart({"--compute_threads=1", "--threads=2"})) << "valid counts must start";
 }
 
 }  // namespace

@@ -3,6 +3,7 @@ against numpy float64, and its errors (each a flatshard.Error subclass, raised
 promptly)."""
 
 import os
+import subprocess
 import tempfile
 import threading
 import time
@@ -224,6 +225,51 @@ class ErrorTest(unittest.TestCase):
         with self.assertRaises(flatshard.DeadlineExceededError):
             self.c.gather("g", min_version=3)
         self.assertLess(time.monotonic() - start, 10.0)
+
+
+class TlsTest(unittest.TestCase):
+    """Servers started with --tls_cert_file: the Python client connects with tls_ca_file,
+    trains a clipped step (the servers exchange the norm over TLS) and reads the status;
+    a plaintext client is refused."""
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+        run = lambda *args: subprocess.run(["openssl", *args], cwd=self.dir.name, check=True,
+                                           capture_output=True)
+        run("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=flatshard-test-ca")
+        run("req", *key, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+        with open(os.path.join(self.dir.name, "san.cnf"), "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\n")
+        run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", "server.pem")
+        self.ca = os.path.join(self.dir.name, "ca.pem")
+        self.cluster = flatshard.LocalCluster(servers=2, server_args=[
+            f"--tls_cert_file={self.dir.name}/server.pem", f"--tls_key_file={self.dir.name}/server.key",
+            f"--tls_ca_file={self.ca}"]).start()
+
+    def tearDown(self):
+        self.cluster.close()
+        self.dir.cleanup()
+
+    def test_clipped_step_and_status_over_tls(self):
+        c = flatshard.Client(self.cluster.addresses, token=self.cluster.token, tls_ca_file=self.ca)
+        c.configure_job(max_grad_norm=1.0)
+        c.register_group("g", TENSORS, flatshard.SGD(lr=1.0))
+        init = values(2)
+        c.init_group("g", init)
+        grads = values(3)
+        c.scatter("g", grads, step=0)
+        params = c.gather("g", min_version=1)
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads.values()))
+        coef = min(1.0, 1.0 / (norm + 1e-6))
+        for name in ("weight", "bias"):
+            np.testing.assert_allclose(params[name], init[name] - coef * grads[name].astype(np.float64),
+                                       rtol=1e-5, atol=1e-6)
+        self.assertEqual(len(c.status()["servers"]), 2)
+        with self.assertRaisesRegex(flatshard.UnavailableError, "needs tls_ca_file"):
+            flatshard.Client(self.cluster.addresses, token=self.cluster.token, timeout=5.0)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ namespace flatshard {
 enum class DevicePlane { kAuto, kCudaIpc, kNccl, kTcp };
 
 struct ClientOptions {
-  std::vector<std::string> servers;  // control addresses in rank order (as --cluster)
-  std::string token;                 // the cluster's shared token; empty: none
+  std::vector<std::string> servers = {};  // control addresses in rank order (as --cluster)
+  std::string token = {};                 // the cluster's shared token; empty: none
   int worker_rank = 0;
   int num_workers = 1;
   std::string job = "default";
@@ -53,6 +53,9 @@ struct ClientOptions {
   int max_in_flight = 2;                       // concurrent transfers per server
   uint32_t export_chunk_bytes = 4 << 20;       // ExportStateDict: bytes per message (<= 64 MiB)
   DevicePlane device_plane = DevicePlane::kAuto;
+  // PEM CA bundle the servers' certificates are checked against: the control plane then
+  // speaks TLS (servers started with --tls_cert_file). Empty: plaintext gRPC.
+  std::string tls_ca_file = {};
 };
 
 struct JobOptions {

@@ -1,0 +1,83 @@
+#include "server/tls.h"
+
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <openssl/bio.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace flatshard::server {
+namespace {
+
+struct BioFree {
+  void operator()(BIO* bio) const { BIO_free(bio); }
+};
+struct X509Free {
+  void operator()(X509* cert) const { X509_free(cert); }
+};
+struct KeyFree {
+  void operator()(EVP_PKEY* key) const { EVP_PKEY_free(key); }
+};
+using Cert = std::unique_ptr<X509, X509Free>;
+
+std::unique_ptr<BIO, BioFree> Read(const std::string& pem) {
+  return std::unique_ptr<BIO, BioFree>(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
+}
+
+// The first PEM certificate of `pem`, or null.
+Cert FirstCertificate(const std::string& pem) {
+  auto bio = Read(pem);
+  return Cert(bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr);
+}
+
+}  // namespace
+
+absl::Status ValidateTls(const TlsOptions& tls) {
+  if (!tls.enabled()) {
+    if (!tls.private_key.empty() || !tls.root_certs.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls_key_file and --tls_ca_file need --tls_cert_file (TLS is off without a certificate)");
+    }
+    return absl::OkStatus();
+  }
+  if (tls.private_key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert_file needs --tls_key_file, the certificate's private key");
+  }
+  const Cert cert = FirstCertificate(tls.cert_chain);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError("--tls_cert_file holds no PEM certificate");
+  }
+  auto key_bio = Read(tls.private_key);
+  const std::unique_ptr<EVP_PKEY, KeyFree> key(
+      key_bio ? PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr) : nullptr);
+  if (key == nullptr) {
+    return absl::InvalidArgumentError("--tls_key_file holds no unencrypted PEM private key");
+  }
+  if (X509_check_private_key(cert.get(), key.get()) != 1) {
+    return absl::InvalidArgumentError(
+        "--tls_key_file is not the private key of the certificate in --tls_cert_file");
+  }
+  if (!tls.root_certs.empty() && FirstCertificate(tls.root_certs) == nullptr) {
+    return absl::InvalidArgumentError("--tls_ca_file holds no PEM certificate");
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls) {
+  if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions options;
+  options.pem_key_cert_pairs.push_back({tls.private_key, tls.cert_chain});
+  return grpc::SslServerCredentials(options);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls) {
+  if (!tls.enabled()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions options;
+  options.pem_root_certs = tls.root_certs;  // empty: gRPC's default roots
+  return grpc::SslCredentials(options);
+}
+
+}  // namespace flatshard::server

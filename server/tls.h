@@ -1,0 +1,52 @@
+// TLS for the gRPC control plane (DESIGN.md, "Security"). A server given a certificate
+// and its key serves gRPC over TLS and calls its peers over TLS, checking their
+// certificates against the CA bundle it was given (the system's roots when none). Each
+// server's certificate must name the host of its --listen address (an IP or DNS
+// subject alternative name), since that is the name clients and peers dial. Without a
+// certificate the control plane is plaintext, as before.
+//
+// The data plane stays plain TCP, for speed: a data connection is accepted only with a
+// session token the server issued over this control plane, so with TLS the token never
+// crosses the network in the clear, but the tensor bytes do (run it on a trusted
+// network, or under IPsec or WireGuard).
+//
+//   TlsOptions tls{.cert_chain = pem, .private_key = key_pem, .root_certs = ca_pem};
+//   FLATSHARD_RETURN_IF_ERROR(ValidateTls(tls));
+//   builder.AddListeningPort(address, ServerCredentials(tls), &port);
+#ifndef FLATSHARD_SERVER_TLS_H_
+#define FLATSHARD_SERVER_TLS_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace grpc {
+class ServerCredentials;
+class ChannelCredentials;
+}  // namespace grpc
+
+namespace flatshard::server {
+
+// PEM texts, as read from --tls_cert_file, --tls_key_file and --tls_ca_file.
+struct TlsOptions {
+  std::string cert_chain;   // this server's certificate (then its intermediates); empty: no TLS
+  std::string private_key;  // the certificate's key
+  std::string root_certs;   // CAs that sign the peers' certificates; empty: the system's
+
+  bool enabled() const { return !cert_chain.empty(); }
+};
+
+// InvalidArgument naming the flag unless: certificate and key are given together and
+// parse, the key is the certificate's, and a CA bundle (only with a certificate) holds
+// at least one certificate.
+[[nodiscard]] absl::Status ValidateTls(const TlsOptions& tls);
+
+// What the control plane serves with (TLS when enabled, plaintext otherwise), and what
+// this server calls its peers with. Preconditions: ValidateTls(tls) is OK.
+std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls);
+std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls);
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_TLS_H_

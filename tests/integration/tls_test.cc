@@ -1,0 +1,139 @@
+// TLS on the control plane (server/tls.h): a cluster started with certificates trains a
+// clipped step (its servers call each other over TLS for the norm), clients that speak
+// plaintext or trust another CA are refused with a hint, and bad TLS files stop a server
+// at start-up. The certificates are made by the openssl command line for each run.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/cluster_status.h"
+#include "tests/integration/test_cluster.h"
+
+namespace flatshard {
+namespace {
+
+using testing::TestCluster;
+
+// A CA, a certificate for 127.0.0.1 signed by it with its key, and an unrelated CA.
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/flatshard-tls-", getpid()));
+    std::filesystem::create_directories(*dir_);
+    const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes";
+    const std::string script = absl::StrCat(
+        "set -e; cd '", *dir_, "'\n",
+        "openssl req -x509 ", key, " -keyout ca.key -out ca.pem -days 2 -subj /CN=flatshard-test-ca\n",
+        "openssl req -x509 ", key, " -keyout other-ca.key -out other-ca.pem -days 2 -subj /CN=other-ca\n",
+        "openssl req ", key, " -keyout server.key -out server.csr -subj /CN=127.0.0.1\n",
+        "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > san.cnf\n",
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 ",
+        "-extfile san.cnf -out server.pem\n");
+    std::ofstream(File("make-certificates.sh")) << script;
+    ASSERT_EQ(std::system(absl::StrCat("bash '", File("make-certificates.sh"), "' 2>/dev/null").c_str()), 0)
+        << "openssl could not make the test certificates";
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove_all(*dir_);
+    delete dir_;
+  }
+
+  static std::string File(const std::string& name) { return absl::StrCat(*dir_, "/", name); }
+  static std::vector<std::string> ServerTls() {
+    return {"--tls_cert_file=" + File("server.pem"), "--tls_key_file=" + File("server.key"),
+            "--tls_ca_file=" + File("ca.pem")};
+  }
+
+  static std::string* dir_;
+};
+
+std::string* TlsTest::dir_ = nullptr;
+
+TEST_F(TlsTest, ClusterTrainsAClippedStepOverTls) {
+  TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {ServerTls(), ServerTls()});
+  auto client = cluster.Connect({.timeout = absl::Seconds(20), .tls_ca_file = File("ca.pem")});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 3).ok());
+  std::vector<float> before((*layout)->padded_numel()), after(before.size());
+  ASSERT_TRUE((*client)->Gather("g", 0, DType::kFloat32, AsBytes(before)).get().ok());
+
+  // Each server's share of the norm reaches the other over TLS, or the step never ends.
+  std::vector<float> grad(before.size(), 0.0f);
+  std::fill_n(grad.begin(), 1000, 0.5f);  // norm 0.5 * sqrt(1000) ~ 15.8: clipped to 1
+  ASSERT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  auto version = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(after)).get();
+  ASSERT_TRUE(version.ok()) << version.status();
+  const double coef = 1.0 / (0.5 * std::sqrt(1000.0) + 1e-6);  // torch's clip_grad_norm_
+  for (int i = 0; i < 1000; ++i) {
+    ASSERT_NEAR(after[i], before[i] - 0.5 * coef, 1e-6) << i;
+  }
+
+  // The servers also checked each other over TLS at start-up.
+  const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token(),
+                                            .tls_ca_file = File("ca.pem")});
+  for (const auto& status : statuses) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    for (int i = 0; i < 50 && status->cluster_check() == "checking"; ++i) absl::SleepFor(absl::Milliseconds(100));
+  }
+  const auto rechecked = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token(),
+                                             .tls_ca_file = File("ca.pem")});
+  for (const auto& status : rechecked) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(status->cluster_check(), "agreed");
+  }
+}
+
+TEST_F(TlsTest, PlaintextAndUntrustingClientsAreRefusedAndTheServerKeepsServing) {
+  TestCluster cluster(1, "tls-token", ::testing::TempDir(), "", {ServerTls()});
+  const ClientOptions trusting{.servers = cluster.addresses(), .token = cluster.token(),
+                               .timeout = absl::Seconds(10), .tls_ca_file = File("ca.pem")};
+  ASSERT_TRUE(cluster.Connect(trusting).ok()) << "the server did not start";
+
+  ClientOptions plaintext = trusting;
+  plaintext.tls_ca_file = "";
+  absl::StatusOr<std::unique_ptr<Client>> refused = Client::Connect(plaintext);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "needs tls_ca_file")) << refused.status();
+
+  ClientOptions untrusting = trusting;
+  untrusting.tls_ca_file = File("other-ca.pem");
+  refused = Client::Connect(untrusting);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "signed by that CA")) << refused.status();
+
+  ClientOptions not_pem = trusting;
+  not_pem.tls_ca_file = File("server.csr");
+  refused = Client::Connect(not_pem);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  not_pem.tls_ca_file = File("missing.pem");
+  refused = Client::Connect(not_pem);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+
+  auto client = Client::Connect(trusting);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE((*client)->ConfigureJob({}).ok());
+}
+
+TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {
+  const std::string cert = "--tls_cert_file=" + File("server.pem");
+  EXPECT_TRUE(testing::RefusesToStart({cert})) << "a certificate without its key";
+  EXPECT_TRUE(testing::RefusesToStart({cert, "--tls_key_file=" + File("ca.key")})) << "another key";
+  EXPECT_TRUE(testing::RefusesToStart({cert, "--tls_key_file=" + File("server.pem")})) << "no key";
+  EXPECT_TRUE(testing::RefusesToStart({cert, "--tls_key_file=" + File("server.key"),
+                                       "--tls_ca_file=" + File("server.csr")}))
+      << "a CA file without a certificate";
+  EXPECT_TRUE(testing::RefusesToStart({"--tls_ca_file=" + File("ca.pem")})) << "a CA without a certificate";
+  EXPECT_TRUE(testing::RefusesToStart({cert, "--tls_key_file=" + File("missing.key")})) << "a missing file";
+  EXPECT_FALSE(testing::RefusesToStart(ServerTls())) << "matching files must start";
+}
+
+}  // namespace
+}  // namespace flatshard
