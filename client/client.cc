@@ -18,6 +18,7 @@
 #include "client/control_channel.h"
 #include "client/data_channel.h"
 #include "client/device_memory.h"
+#include "client/link_pool.h"
 #include "client/nccl_link.h"
 #include "core/file.h"
 #include "core/status_macros.h"
@@ -130,7 +131,8 @@ class ClientImpl final : public Client {
           Call(i, &v1::Flatshard::Stub::OpenSession, session_request, &session));
       server_gpus_.push_back(info.gpu_uuid());
       server_nccl_.push_back(!info.nccl_version().empty());
-      nccl_links_.push_back(std::make_unique<LinkSlot>());
+      nccl_links_.push_back(std::make_unique<NcclLinks>(
+          options_.max_in_flight, [this, i](int device) { return OpenLink(static_cast<int>(i), device); }));
       channels_.push_back(std::make_unique<DataChannel>(
           session.data_address(), session.session_token(), options_.max_in_flight,
           options_.timeout + absl::Seconds(5)));
@@ -607,15 +609,8 @@ class ClientImpl final : public Client {
     return Plane::kTcp;
   }
 
-  // Server i's NCCL link on `device`, opened (OpenNcclChannel, then the join) when there
-  // is none or the last one failed.
-  absl::StatusOr<std::shared_ptr<client_internal::NcclLink>> Link(int server, int device) {
-    LinkSlot& slot = *nccl_links_[server];
-    absl::MutexLock lock(&slot.mu);
-    if (slot.link != nullptr && !slot.link->failed() && slot.link->device() == device) {
-      return slot.link;
-    }
-    slot.link = nullptr;
+  // A new NCCL link with server i on `device`: the OpenNcclChannel RPC, then the join.
+  absl::StatusOr<std::shared_ptr<client_internal::NcclLink>> OpenLink(int server, int device) {
     auto open_channel = [&](const std::string& unique_id) -> absl::StatusOr<uint64_t> {
       v1::OpenNcclChannelRequest request;
       request.set_unique_id(unique_id);
@@ -624,16 +619,9 @@ class ClientImpl final : public Client {
       FLATSHARD_RETURN_IF_ERROR(Call(server, &v1::Flatshard::Stub::OpenNcclChannel, request, &response));
       return response.channel();
     };
-    FLATSHARD_ASSIGN_OR_RETURN(slot.link,
+    FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<client_internal::NcclLink> link,
                                client_internal::NcclLink::Open(device, options_.timeout, open_channel));
-    return slot.link;
-  }
-
-  // Drops server i's link if it is still `link` (the server closed its channel).
-  void DropLink(int server, const std::shared_ptr<client_internal::NcclLink>& link) {
-    LinkSlot& slot = *nccl_links_[server];
-    absl::MutexLock lock(&slot.mu);
-    if (slot.link == link) slot.link = nullptr;
+    return std::shared_ptr<client_internal::NcclLink>(std::move(link));
   }
 
   // One NCCL transfer with server i on its data connection `conn`: the request, the
@@ -645,9 +633,10 @@ class ClientImpl final : public Client {
                                                         absl::Span<std::byte> part, int device) {
     const bool gather = op == transport::DataOp::kGather;
     for (int attempt = 0;; ++attempt) {
-      absl::StatusOr<std::shared_ptr<client_internal::NcclLink>> link = Link(server, device);
-      if (!link.ok()) return {link.status(), true};
-      absl::MutexLock in_order(&(*link)->mu());
+      // This transfer's own link: others with this server run beside it on theirs.
+      absl::StatusOr<NcclLinks::Lease> lease = nccl_links_[server]->Acquire(device);
+      if (!lease.ok()) return {lease.status(), true};
+      client_internal::NcclLink& link = **lease;
       transport::RequestHeader header;
       header.op = static_cast<uint8_t>(gather ? transport::DataOp::kNcclGather
                                               : transport::DataOp::kNcclScatter);
@@ -655,7 +644,7 @@ class ClientImpl final : public Client {
       header.worker_rank = options_.worker_rank;
       header.version = version;
       header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
-      const transport::NcclTarget target{(*link)->channel(), part.size()};
+      const transport::NcclTarget target{link.channel(), part.size()};
       absl::Status sent = transport::SendRequest(
           conn, header, options_.job, group,
           absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target)));
@@ -663,12 +652,12 @@ class ClientImpl final : public Client {
       absl::StatusOr<transport::Response> ready = transport::RecvResponse(conn, {});
       if (!ready.ok()) return {ready.status(), false};
       if (absl::IsNotFound(ready->status) && attempt == 0) {
-        DropLink(server, *link);  // the server closed the channel after a failure: reopen
+        lease->Drop();  // the server closed the channel after a failure: reopen
         continue;
       }
       if (!ready->status.ok()) return {ready->status, true};
-      absl::Status moved = gather ? (*link)->Recv(part.data(), part.size(), options_.timeout)
-                                  : (*link)->Send(part.data(), part.size(), options_.timeout);
+      absl::Status moved = gather ? link.Recv(part.data(), part.size(), options_.timeout)
+                                  : link.Send(part.data(), part.size(), options_.timeout);
       if (!moved.ok()) return {moved, false};  // the server answers done with its own error
       absl::StatusOr<transport::Response> done = transport::RecvResponse(conn, {});
       if (!done.ok()) return {done.status(), false};
@@ -868,11 +857,8 @@ class ClientImpl final : public Client {
   std::vector<std::string> server_gpus_;  // ClusterInfo.gpu_uuid per server
   std::vector<bool> server_nccl_;         // ClusterInfo.nccl_version is set, per server
   bool nccl_loads_ = false;               // NCCL loads in this process
-  struct LinkSlot {
-    absl::Mutex mu;
-    std::shared_ptr<client_internal::NcclLink> link ABSL_GUARDED_BY(mu);
-  };
-  std::vector<std::unique_ptr<LinkSlot>> nccl_links_;  // per server
+  using NcclLinks = client_internal::LinkPool<client_internal::NcclLink>;
+  std::vector<std::unique_ptr<NcclLinks>> nccl_links_;  // per server
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<FlatLayout>> layouts_ ABSL_GUARDED_BY(mu_);
 };

@@ -1,10 +1,11 @@
 // Internal to the client: a worker's NCCL communicator with one server, for the NCCL
 // data plane (the server is rank 0, this worker rank 1; see server/nccl_plane.h), with
 // the CUDA stream its transfers run on. The server moves a channel's transfers one at
-// a time in the order its requests arrive, so a caller holds mu() from sending a
-// request until its transfer is done. A transfer that fails aborts the communicator
-// (failed() turns true) and the client opens a new link. In a build without CUDA,
-// Available() is false and Open is FailedPrecondition. Thread-safe.
+// a time in the order its requests arrive, so one caller uses a link from sending a
+// request until its transfer is done (client/link_pool.h lends links so). A transfer
+// that fails aborts the communicator (failed() turns true) and the client opens a new
+// link. In a build without CUDA, Available() is false and Open is FailedPrecondition.
+// Thread-safe.
 #ifndef FLATSHARD_CLIENT_NCCL_LINK_H_
 #define FLATSHARD_CLIENT_NCCL_LINK_H_
 
@@ -15,7 +16,6 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace flatshard::client_internal {
@@ -35,7 +35,6 @@ class NcclLink {
 
   uint64_t channel() const { return channel_; }
   int device() const { return device_; }
-  absl::Mutex& mu() { return mu_; }
   bool failed() const;
 
   // Receives `bytes` from / sends them to the server on this link's stream and waits
@@ -52,7 +51,6 @@ class NcclLink {
   const int device_;
   const uint64_t channel_;
   std::unique_ptr<State> state_;
-  absl::Mutex mu_;
 };
 
 }  // namespace flatshard::client_internal
