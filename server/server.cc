@@ -51,8 +51,8 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
 
 Server::Server(ServerOptions options)
     : options_(std::move(options)),
-      registry_(options_.rank, static_cast<int>(options_.cluster.size()), memory_tier(),
-                std::make_shared<ComputePool>(options_.compute_threads)),
+      compute_pool_(std::make_shared<ComputePool>(options_.compute_threads)),
+      registry_(options_.rank, static_cast<int>(options_.cluster.size()), memory_tier(), compute_pool_),
       peers_(options_.cluster, options_.rank, options_.auth_token, PeerCredentials(options_.tls)),
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
             [this](int peer, const std::string& job, int64_t step, double partial) {
@@ -88,7 +88,9 @@ absl::Status Server::Start() {
                            .data_address = absl::StrCat(data_host, ":", data_->port()),
                            .memory = options_.memory,
                            .gpu_uuid = ipc_.gpu_uuid(),
-                           .auth_token = options_.auth_token};
+                           .auth_token = options_.auth_token,
+                           .tls = options_.tls.enabled(),
+                           .compute_threads = compute_pool_->threads()};
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
                                                 stats_, nccl_, [this] { return cluster_check(); });
   grpc::ServerBuilder builder;

@@ -77,6 +77,7 @@ class Server {
   }
 
   ServerOptions options_;
+  const std::shared_ptr<const ComputePool> compute_pool_;  // the groups' CPU kernel threads
   Registry registry_;
   PeerClient peers_;
   ClipCoordinator clip_;

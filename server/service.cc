@@ -365,6 +365,9 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   response->set_data_address(identity_.data_address);
   response->set_memory(identity_.memory);
   response->set_gpu_uuid(identity_.gpu_uuid);
+  response->set_nccl_version(nccl_.version());
+  response->set_tls(identity_.tls);
+  response->set_compute_threads(identity_.compute_threads);
   for (const auto& group : registry_.groups()) {
     const GroupStats stats = group->stats();
     v1::GroupStatus* proto = response->add_groups();

@@ -28,6 +28,8 @@ struct ServiceIdentity {
   std::string memory = "host";
   std::string gpu_uuid;    // --memory=device: the GPU holding the shards
   std::string auth_token;  // empty: no authentication
+  bool tls = false;        // the control plane speaks TLS
+  int compute_threads = 1;  // the CPU tiers' kernel threads (server/compute_pool.h)
 };
 
 class FlatshardService final : public v1::Flatshard::Service {

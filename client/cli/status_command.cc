@@ -6,6 +6,7 @@
 #include "client/cli/human_bytes.h"
 #include "client/cluster_status.h"
 #include "client/device_memory.h"
+#include "client/nccl_link.h"
 
 namespace flatshard::cli {
 
@@ -20,17 +21,20 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
     out << ClusterStatusJson(options.servers, statuses) << "\n";
     return exit_code;
   }
-  // The data plane a GPU worker on this machine's current device would get: CUDA IPC to
-  // a server keeping its shards on that same GPU, TCP otherwise.
+  // The data plane a GPU worker on this machine's current device would get (as
+  // ClientOptions::device_plane kAuto picks): CUDA IPC to a server keeping its shards on
+  // that same GPU, NCCL to one on another GPU when both sides load NCCL, TCP otherwise.
   const int device = client_internal::CurrentDevice();
   const absl::StatusOr<std::string> local_gpu =
       device >= 0 ? client_internal::DeviceUuid(device) : absl::StatusOr<std::string>("");
   auto plane = [&](const v1::ServerStatus& s) -> std::string {
-    return !s.gpu_uuid().empty() && local_gpu.ok() && *local_gpu == s.gpu_uuid() ? "cuda-ipc" : "tcp";
+    if (s.gpu_uuid().empty() || !local_gpu.ok() || local_gpu->empty()) return "tcp";
+    if (*local_gpu == s.gpu_uuid()) return "cuda-ipc";
+    return !s.nccl_version().empty() && client_internal::NcclLink::Available() ? "nccl" : "tcp";
   };
-  out << absl::StrFormat("%-4s %-21s %-6s %-8s %6s %5s %10s %10s %8s %8s %6s\n", "rank", "address",
-                         "memory", "plane", "groups", "conns", "sent", "received", "gathers",
-                         "scatters", "errors");
+  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-3s %7s %6s %5s %10s %10s %8s %8s %6s\n", "rank",
+                         "address", "memory", "plane", "tls", "threads", "groups", "conns", "sent",
+                         "received", "gathers", "scatters", "errors");
   for (size_t i = 0; i < statuses.size(); ++i) {
     if (!statuses[i].ok()) {
       out << absl::StrFormat("%-4s %-21s unreachable: %s\n", "?", options.servers[i],
@@ -39,9 +43,10 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
       continue;
     }
     const v1::ServerStatus& s = *statuses[i];
-    out << absl::StrFormat("%-4d %-21s %-6s %-8s %6d %5d %10s %10s %8d %8d %6d\n", s.rank(),
-                           s.control_address(), s.memory(), plane(s), s.groups_size(),
-                           s.open_data_connections(), HumanBytes(s.bytes_sent()),
+    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-3s %7d %6d %5d %10s %10s %8d %8d %6d\n", s.rank(),
+                           s.control_address(), s.memory(), plane(s), s.tls() ? "yes" : "no",
+                           s.compute_threads(), s.groups_size(), s.open_data_connections(),
+                           HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), s.gathers(), s.scatters(), s.errors());
   }
   out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s\n", "rank", "job/group", "version",

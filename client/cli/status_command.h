@@ -12,9 +12,9 @@
 namespace flatshard::cli {
 
 struct StatusCommandOptions {
-  std::vector<std::string> servers;
-  std::string token;
-  std::string tls_ca_file;  // TLS to the servers when set (ClientOptions::tls_ca_file)
+  std::vector<std::string> servers = {};
+  std::string token = {};
+  std::string tls_ca_file = {};  // TLS to the servers when set (ClientOptions::tls_ca_file)
   bool json = false;
   absl::Duration timeout = absl::Seconds(5);
 };

@@ -88,6 +88,7 @@ TEST_F(TlsTest, ClusterTrainsAClippedStepOverTls) {
   for (const auto& status : rechecked) {
     ASSERT_TRUE(status.ok()) << status.status();
     EXPECT_EQ(status->cluster_check(), "agreed");
+    EXPECT_TRUE(status->tls());
   }
 }
 
