@@ -60,18 +60,31 @@ v1::OptimizerSettings OptimizerToProto(const OptimizerOptions& optimizer) {
   return proto;
 }
 
-// Collects the per-server results of one transfer and completes its promise once.
+// The status a split gather ends with when its ranges saw different versions (the
+// group stepped meanwhile); the gather is then repeated whole.
+constexpr absl::string_view kTornGather = "the ranges of a split gather saw different versions";
+
+// Collects the per-request results of one transfer and completes its promise once.
+// With `same_version` (the ranges of one split gather), requests that answered with
+// different versions end it with Aborted(kTornGather).
 template <typename Result>
 class Completion {
  public:
-  Completion(int parts) : remaining_(parts) {}
+  explicit Completion(int parts, bool same_version = false)
+      : remaining_(parts), same_version_(same_version) {}
   std::future<Result> future() { return promise_.get_future(); }
 
   void Finish(const absl::Status& status, int64_t version) {
     absl::MutexLock lock(&mu_);
     if (!status.ok() && status_.ok()) status_ = status;
-    min_version_ = std::min(min_version_, version);
+    if (status.ok()) {
+      min_version_ = std::min(min_version_, version);
+      max_version_ = std::max(max_version_, version);
+    }
     if (--remaining_ > 0) return;
+    if (same_version_ && status_.ok() && min_version_ != max_version_) {
+      status_ = absl::AbortedError(kTornGather);
+    }
     if constexpr (std::is_same_v<Result, absl::Status>) {
       promise_.set_value(status_);
     } else {
@@ -82,8 +95,10 @@ class Completion {
  private:
   absl::Mutex mu_;
   int remaining_ ABSL_GUARDED_BY(mu_);
+  const bool same_version_;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   int64_t min_version_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<int64_t>::max();
+  int64_t max_version_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<int64_t>::min();
   std::promise<Result> promise_;
 };
 
@@ -219,8 +234,7 @@ class ClientImpl final : public Client {
                                                      min_version, dtype, out.data(),
                                                      *std::move(parts), device);
     }
-    return Transfer<absl::StatusOr<int64_t>>(transport::DataOp::kGather, group, min_version,
-                                             dtype, {}, *parts);
+    return HostGather(group, min_version, dtype, *std::move(parts));
   }
 
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
@@ -791,6 +805,71 @@ class ClientImpl final : public Client {
     return min_version;
   }
 
+  // How many ranges a gather of `bytes` from one server comes in: one below
+  // gather_split_bytes, else up to max_in_flight of at least half that size each.
+  int64_t GatherRanges(size_t bytes) const {
+    const int64_t split = options_.gather_split_bytes;
+    if (split <= 0 || options_.max_in_flight < 2 || static_cast<int64_t>(bytes) < split) return 1;
+    return std::clamp<int64_t>(static_cast<int64_t>(bytes) / std::max<int64_t>(1, split / 2), 1,
+                               options_.max_in_flight);
+  }
+
+  // A gather into host memory. A server's part of gather_split_bytes or more comes in
+  // ranges over several of its connections at once; if the group stepped between them
+  // (that server's ranges saw different versions), that part is gathered again whole.
+  // As for any gather, different servers' parts may hold different versions (async jobs);
+  // the result is the lowest.
+  std::future<absl::StatusOr<int64_t>> HostGather(const std::string& group, int64_t min_version,
+                                                  DType dtype, std::vector<absl::Span<std::byte>> parts) {
+    using Result = absl::StatusOr<int64_t>;
+    const bool split = std::any_of(parts.begin(), parts.end(), [&](absl::Span<std::byte> part) {
+      return GatherRanges(part.size()) > 1;
+    });
+    if (!split) return Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts);
+    std::vector<std::future<Result>> per_server;
+    for (int i = 0; i < num_servers(); ++i) {
+      const int64_t count = GatherRanges(parts[i].size());
+      auto completion =
+          std::make_shared<Completion<Result>>(static_cast<int>(count), /*same_version=*/count > 1);
+      per_server.push_back(completion->future());
+      if (count == 1) {
+        SubmitOne(completion, i, transport::DataOp::kGather, group, min_version, dtype, {}, parts[i],
+                  nullptr);
+        continue;
+      }
+      // Range boundaries on 64 bytes: whole elements of every dtype.
+      const uint64_t bytes = parts[i].size();
+      const uint64_t step = (bytes / count + 63) / 64 * 64;
+      auto ranges = std::make_shared<std::vector<transport::GatherRange>>();
+      for (uint64_t offset = 0; offset < bytes; offset += step) {
+        ranges->push_back({offset, std::min(step, bytes - offset)});
+      }
+      for (const transport::GatherRange& range : *ranges) {
+        SubmitOne(completion, i, transport::DataOp::kGatherRange, group, min_version, dtype,
+                  absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&range), sizeof(range)),
+                  parts[i].subspan(range.offset, range.bytes), ranges);
+      }
+    }
+    return std::async(std::launch::async, [this, group, min_version, dtype, parts = std::move(parts),
+                                           per_server = std::move(per_server)]() mutable -> Result {
+      Result combined = std::numeric_limits<int64_t>::max();
+      // Every part is waited for, even after an error: its requests write into `parts`.
+      for (int i = 0; i < num_servers(); ++i) {
+        Result part = per_server[i].get();
+        if (!part.ok() && part.status().message() == kTornGather) {
+          part = Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts, {i})
+                     .get();
+        }
+        if (!part.ok()) {
+          if (combined.ok()) combined = part.status();
+        } else if (combined.ok()) {
+          combined = std::min(*combined, *part);
+        }
+      }
+      return combined;
+    });
+  }
+
   // One request per server in `servers` (all when empty) on its data channel:
   // `sends[i]` is server i's payload, or `receives[i]` its response payload's destination.
   template <typename Result>
@@ -815,40 +894,50 @@ class ClientImpl final : public Client {
               const std::vector<absl::Span<std::byte>>& receives, const std::vector<int>& servers,
               std::shared_ptr<const void> keep_alive) {
     for (int i : servers) {
-      transport::RequestHeader header;
-      header.op = static_cast<uint8_t>(op);
-      header.dtype = static_cast<uint8_t>(dtype);
-      header.worker_rank = options_.worker_rank;
-      header.version = version;
-      header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
-      const absl::Span<const std::byte> send = sends.empty() ? absl::Span<const std::byte>() : sends[i];
-      const absl::Span<std::byte> receive = receives.empty() ? absl::Span<std::byte>() : receives[i];
-      const std::string server = options_.servers[i];
-      channels_[i]->Submit([=, this, hold = keep_alive](absl::StatusOr<transport::Connection*> conn) {
-        (void)hold;
-        auto fail = [&](const absl::Status& status) { completion->Finish(AtServer(server, status), 0); };
-        if (!conn.ok()) {
-          fail(conn.status());
-          return true;
-        }
-        absl::Status sent = transport::SendRequest(**conn, header, options_.job, group, send);
-        if (!sent.ok()) {
-          fail(sent);
-          return false;
-        }
-        absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, receive);
-        if (!response.ok()) {
-          fail(response.status());
-          return false;
-        }
-        if (!response->status.ok()) {
-          fail(response->status);
-        } else {
-          completion->Finish(absl::OkStatus(), response->version);
-        }
-        return true;
-      });
+      SubmitOne(completion, i, op, group, version, dtype,
+                sends.empty() ? absl::Span<const std::byte>() : sends[i],
+                receives.empty() ? absl::Span<std::byte>() : receives[i], keep_alive);
     }
+  }
+
+  // One request to server i: `send` is its payload, `receive` its response payload's
+  // destination; it finishes `completion`, and `keep_alive` is held until then.
+  template <typename Result>
+  void SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int i, transport::DataOp op,
+                 const std::string& group, int64_t version, DType dtype,
+                 absl::Span<const std::byte> send, absl::Span<std::byte> receive,
+                 std::shared_ptr<const void> keep_alive) {
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(op);
+    header.dtype = static_cast<uint8_t>(dtype);
+    header.worker_rank = options_.worker_rank;
+    header.version = version;
+    header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+    const std::string server = options_.servers[i];
+    channels_[i]->Submit([=, this, hold = keep_alive](absl::StatusOr<transport::Connection*> conn) {
+      (void)hold;
+      auto fail = [&](const absl::Status& status) { completion->Finish(AtServer(server, status), 0); };
+      if (!conn.ok()) {
+        fail(conn.status());
+        return true;
+      }
+      absl::Status sent = transport::SendRequest(**conn, header, options_.job, group, send);
+      if (!sent.ok()) {
+        fail(sent);
+        return false;
+      }
+      absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, receive);
+      if (!response.ok()) {
+        fail(response.status());
+        return false;
+      }
+      if (!response->status.ok()) {
+        fail(response->status);
+      } else {
+        completion->Finish(absl::OkStatus(), response->version);
+      }
+      return true;
+    });
   }
 
   const ClientOptions options_;

@@ -122,6 +122,7 @@ bool DataServer::Authenticate(Connection& conn) {
 bool DataServer::ServeRequest(Connection& conn, const Request& request) {
   switch (request.op) {
     case DataOp::kGather:
+    case DataOp::kGatherRange:
       return ServeGather(conn, request);
     case DataOp::kScatter:
     case DataOp::kPushInit:
@@ -150,19 +151,42 @@ bool DataServer::Refuse(Connection& conn, const Request& request, const absl::St
 }
 
 bool DataServer::ServeGather(Connection& conn, const Request& request) {
-  if (request.payload_bytes != 0) {
+  // A whole shard, or the range a kGatherRange names.
+  const bool ranged = request.op == DataOp::kGatherRange;
+  transport::GatherRange range;
+  if (!ranged && request.payload_bytes != 0) {
     return Refuse(conn, request, absl::InvalidArgumentError("a gather request carries no payload"));
   }
+  if (ranged) {
+    if (std::optional<bool> done = RecvTarget(conn, request, BytesOf(range), "a gather range request")) {
+      return *done;
+    }
+  }
+  // The payload (if any) has been read: a refusal is the answer alone.
+  auto refuse = [&](const absl::Status& status) {
+    ++stats_.errors;
+    return transport::SendResponse(conn, status, 0, {}).ok();
+  };
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
-  if (!group.ok()) return Refuse(conn, request, group.status());
+  if (!group.ok()) return refuse(group.status());
   absl::StatusOr<GatherSnapshot> snapshot =
       (*group)->Gather(request.version, request.dtype, request.Deadline());
-  if (!snapshot.ok()) return Refuse(conn, request, snapshot.status());
-  const absl::Status sent = transport::SendResponse(conn, absl::OkStatus(), snapshot->version,
-                                                    absl::MakeConstSpan(snapshot->bytes->bytes()));
-  if (!sent.ok()) return false;
-  ++stats_.gathers;
-  stats_.bytes_sent += static_cast<int64_t>(snapshot->bytes->size());
+  if (!snapshot.ok()) return refuse(snapshot.status());
+  absl::Span<const std::byte> bytes = absl::MakeConstSpan(snapshot->bytes->bytes());
+  if (ranged) {
+    const uint64_t size = bytes.size(), element = DTypeSize(request.dtype);
+    if (range.bytes == 0 || range.offset % element != 0 || range.bytes % element != 0 ||
+        range.offset > size || range.bytes > size - range.offset) {
+      return refuse(absl::InvalidArgumentError(absl::StrCat(
+          "gather range [", range.offset, ", +", range.bytes, ") of group '", request.group,
+          "' is not a non-empty range of whole ", DTypeName(request.dtype), " elements within its ",
+          size, "-byte shard")));
+    }
+    bytes = bytes.subspan(range.offset, range.bytes);
+  }
+  if (!transport::SendResponse(conn, absl::OkStatus(), snapshot->version, bytes).ok()) return false;
+  if (!ranged || range.offset == 0) ++stats_.gathers;  // a split gather counts once
+  stats_.bytes_sent += static_cast<int64_t>(bytes.size());
   return true;
 }
 

@@ -42,6 +42,11 @@ enum class DataOp : uint8_t {
   // then done, after the bytes moved (a scatter: once it is committed).
   kNcclGather = 7,   // version = min_version; the server sends the shard in `dtype`
   kNcclScatter = 8,  // version = step; the server receives the gradient slice in `dtype`
+  // Part of a gather, so that one large shard can come over several connections at once:
+  // the payload is a GatherRange; the response payload is those bytes of the shard in
+  // `dtype` at a version >= min_version (the ranges of one gather may see different
+  // versions when the group steps meanwhile; the client checks).
+  kGatherRange = 9,  // version = min_version
 };
 
 inline constexpr uint32_t kRequestMagic = 0x31445346;   // "FSD1"
@@ -88,6 +93,13 @@ struct NcclTarget {
   uint64_t channel = 0;
   uint64_t bytes = 0;
 };
+// The payload of kGatherRange: `bytes` bytes from byte `offset` of the shard in the
+// request's dtype; both multiples of the dtype's size, bytes > 0.
+struct GatherRange {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+static_assert(sizeof(GatherRange) == 16);
 static_assert(sizeof(RequestHeader) == 40);
 static_assert(sizeof(NcclTarget) == 16);
 static_assert(sizeof(IpcTarget) == 80);

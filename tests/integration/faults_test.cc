@@ -159,6 +159,43 @@ TEST_F(FaultsTest, GpuPlaneRequestsToAHostServerAreRefused) {
   ExpectGatherServed(*conn);
 }
 
+TEST_F(FaultsTest, BadGatherRangesAreRefusedAndTheConnectionServesOn) {
+  ASSERT_TRUE((*client_)->InitGroupFromSeed("g", 7).ok());
+  auto conn = RawConnection();
+  const uint64_t shard_bytes = layout_->shard_numel() * 4;
+  // A request on `conn`; its payload is `payload` bytes of `range` (16: all of it).
+  auto request = [&](transport::DataOp op, transport::GatherRange range, DType dtype,
+                     size_t payload = sizeof(transport::GatherRange)) -> absl::StatusOr<std::vector<std::byte>> {
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(op);
+    header.dtype = static_cast<uint8_t>(dtype);
+    header.timeout_ms = 1000;
+    const auto bytes = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&range), payload);
+    FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(*conn, header, "test", "g", bytes));
+    std::vector<std::byte> out(op == transport::DataOp::kGather ? shard_bytes * DTypeSize(dtype) / 4 : range.bytes);
+    FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(*conn, absl::MakeSpan(out)));
+    FLATSHARD_RETURN_IF_ERROR(response.status);
+    return out;
+  };
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const uint64_t element = DTypeSize(dtype);
+    auto whole = request(transport::DataOp::kGather, {}, dtype, 0);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    auto middle = request(transport::DataOp::kGatherRange, {element, 2 * element}, dtype);
+    ASSERT_TRUE(middle.ok()) << middle.status();
+    EXPECT_TRUE(std::equal(middle->begin(), middle->end(), whole->begin() + element)) << DTypeName(dtype);
+  }
+  const transport::GatherRange bad[] = {{0, 0}, {2, 4}, {0, 6}, {shard_bytes, 4}, {4, shard_bytes}};
+  for (const transport::GatherRange& range : bad) {
+    auto refused = request(transport::DataOp::kGatherRange, range, DType::kFloat32);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << range.offset << "+" << range.bytes;
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("is not a non-empty range of whole float32"));
+  }
+  auto short_payload = request(transport::DataOp::kGatherRange, {0, 4}, DType::kFloat32, 10);
+  EXPECT_THAT(std::string(short_payload.status().message()), HasSubstr("16-byte target; this one 10 bytes"));
+  ExpectGatherServed(*conn);
+}
+
 TEST_F(FaultsTest, DuplicateStaleAndFutureScattersNameTheExpectedStep) {
   auto conn = RawConnection();
   const int64_t bytes = layout_->shard_numel() * 4;

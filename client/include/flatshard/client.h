@@ -53,6 +53,10 @@ struct ClientOptions {
   int max_in_flight = 2;                       // concurrent transfers per server
   uint32_t export_chunk_bytes = 4 << 20;       // ExportStateDict: bytes per message (<= 64 MiB)
   DevicePlane device_plane = DevicePlane::kAuto;
+  // A gather into host memory whose part from one server has at least this many bytes
+  // comes in up to max_in_flight ranges over that server's connections at once (each at
+  // least half this size): one TCP stream is CPU-bound on each side. 0: never split.
+  int64_t gather_split_bytes = 16 << 20;
   // PEM CA bundle the servers' certificates are checked against: the control plane then
   // speaks TLS (servers started with --tls_cert_file). Empty: plaintext gRPC.
   std::string tls_ca_file = {};

@@ -1,0 +1,109 @@
+// Gathers split into ranges over several connections (ClientOptions::gather_split_bytes):
+// bitwise the same as whole gathers in every dtype, counted once by the servers, and
+// never a mix of two versions when the group steps during the gather.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "client/cluster_status.h"
+#include "tests/integration/test_cluster.h"
+
+namespace flatshard {
+namespace {
+
+using testing::TestCluster;
+
+// Splits every gather of more than 4 KiB per server into up to 3 ranges.
+ClientOptions Splitting(const std::string& job) {
+  return {.job = job, .timeout = absl::Seconds(20), .max_in_flight = 3, .gather_split_bytes = 4096};
+}
+
+TEST(SplitGatherTest, RangesGatherTheSameBitsAsWholeGathersAndCountOnce) {
+  TestCluster cluster(2, "split-token", ::testing::TempDir());
+  auto split = cluster.Connect(Splitting("split"));
+  ClientOptions whole_options = Splitting("split");
+  whole_options.gather_split_bytes = 0;
+  auto whole = cluster.Connect(whole_options);
+  ASSERT_TRUE(split.ok() && whole.ok()) << split.status() << whole.status();
+  ASSERT_TRUE((*split)->ConfigureJob({}).ok());
+  // 10037 elements: 5019 per server, so the ranges are uneven.
+  auto layout = (*split)->RegisterGroup("g", {{"w", {10037}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE((*whole)->RegisterGroup("g", {{"w", {10037}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  ASSERT_TRUE((*split)->InitGroupFromSeed("g", 11).ok());
+  const size_t numel = (*layout)->padded_numel();
+  std::vector<float> grad(numel, 0.25f);
+  ASSERT_TRUE((*split)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    std::vector<std::byte> a(numel * DTypeSize(dtype), std::byte{0xAA}), b(a.size(), std::byte{0x55});
+    auto va = (*split)->Gather("g", 1, dtype, absl::MakeSpan(a)).get();
+    auto vb = (*whole)->Gather("g", 1, dtype, absl::MakeSpan(b)).get();
+    ASSERT_TRUE(va.ok() && vb.ok()) << va.status() << vb.status();
+    EXPECT_EQ(*va, 1);
+    EXPECT_EQ(*vb, 1);
+    EXPECT_EQ(a, b) << DTypeName(dtype);
+  }
+  // 3 dtypes x 2 clients, each counted once per server however many ranges it took.
+  for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(status->gathers(), 6);
+  }
+}
+
+// An async job steps on every contribution while another client gathers in ranges: each
+// server's part of a gather must hold one version throughout (params = version there).
+// Servers step independently in async mode, so the parts may differ from each other;
+// the gather returns the lowest.
+TEST(SplitGatherTest, AGroupSteppingMeanwhileNeverYieldsAMixOfVersions) {
+  TestCluster cluster(2, "split-token", ::testing::TempDir());
+  auto writer = cluster.Connect(0, 1, "async");
+  auto reader = cluster.Connect(Splitting("async"));
+  ASSERT_TRUE(writer.ok() && reader.ok()) << writer.status() << reader.status();
+  ASSERT_TRUE((*writer)->ConfigureJob({.async = true}).ok());
+  auto layout = (*writer)->RegisterGroup("g", {{"w", {40000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE((*reader)->RegisterGroup("g", {{"w", {40000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0}).ok());
+  ASSERT_EQ((*layout)->padded_numel(), 40000);
+  ASSERT_TRUE((*writer)->InitGroup("g", std::vector<float>(40000, 0.0f)).ok());
+
+  constexpr int kSteps = 150;
+  std::atomic<bool> writing{true};
+  std::thread steps([&] {
+    const std::vector<float> minus_one(40000, -1.0f);  // SGD lr 1: every step adds 1
+    for (int step = 0; step < kSteps; ++step) {
+      EXPECT_TRUE((*writer)->Scatter("g", step, DType::kFloat32, AsBytes(minus_one)).get().ok());
+    }
+    writing = false;
+  });
+  // Stops at the first failure; the writer is always joined.
+  auto consistent_gather = [&]() -> bool {
+    std::vector<float> params(40000);
+    auto version = (*reader)->Gather("g", 0, DType::kFloat32, AsBytes(params)).get();
+    EXPECT_TRUE(version.ok()) << version.status();
+    if (!version.ok()) return false;
+    float lowest = kSteps;
+    for (size_t server = 0; server < 2; ++server) {
+      const float* part = params.data() + server * 20000;
+      for (size_t i = 0; i < 20000; ++i) {
+        if (part[i] != part[0]) {
+          ADD_FAILURE() << "element " << i << " of server " << server << "'s part is " << part[i]
+                        << ", element 0 is " << part[0];
+          return false;
+        }
+      }
+      lowest = std::min(lowest, part[0]);
+    }
+    EXPECT_EQ(static_cast<float>(*version), lowest);
+    return true;
+  };
+  int gathers = 0;
+  while ((writing || gathers < 5) && consistent_gather()) ++gathers;
+  steps.join();
+  EXPECT_GE(gathers, 5);
+}
+
+}  // namespace
+}  // namespace flatshard
