@@ -1,6 +1,7 @@
 // DataServer: the server side of the TCP data plane. Accepts connections, requires a
 // kHello with a valid session token first (within hello_timeout, or the connection is
-// closed), then serves gather, scatter and init requests (transport/data_protocol.h)
+// closed), then serves gather (whole shards or byte ranges of them), scatter and init
+// requests (transport/data_protocol.h)
 // against the Registry, and the CUDA IPC and NCCL requests through their planes, one
 // thread per connection. Gradient bytes are received straight
 // into the group's staging slot and gather bytes are sent straight from the version's
