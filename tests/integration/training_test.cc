@@ -181,6 +181,7 @@ class DeviceBytes {
 #if FLATSHARD_HAVE_CUDA
     EXPECT_EQ(cudaMalloc(&data_, std::max<size_t>(bytes, 2 << 20)), cudaSuccess);
     EXPECT_EQ(cudaMemset(data_, 0xA5, bytes), cudaSuccess);  // poison
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // landed before a server writes
 #endif
   }
   ~DeviceBytes() {
@@ -309,6 +310,25 @@ void TrainAndCompare(const JobOptions& job,
       std::vector<uint16_t> via_device(bf16.size());
       device.Download(AsBytes(via_device));
       EXPECT_EQ(via_device, bf16) << cases[g].name;
+    }
+  }
+  if (device_buffers) {
+    // Every group at once: over NCCL each transfer in flight has a link of its own
+    // (client/link_pool.h), so these run side by side.
+    std::vector<std::unique_ptr<DeviceBytes>> buffers;
+    std::vector<std::future<absl::StatusOr<int64_t>>> pending;
+    for (size_t g = 0; g < cases.size(); ++g) {
+      buffers.push_back(std::make_unique<DeviceBytes>(layouts[g]->padded_numel() * sizeof(uint16_t)));
+      pending.push_back((*setup)->Gather(cases[g].name, kSteps, DType::kBFloat16, buffers.back()->span()));
+    }
+    for (size_t g = 0; g < cases.size(); ++g) {
+      auto version = pending[g].get();
+      ASSERT_TRUE(version.ok()) << cases[g].name << ": " << version.status();
+      std::vector<uint16_t> bf16(layouts[g]->padded_numel());
+      buffers[g]->Download(AsBytes(bf16));
+      for (size_t i = 0; i < reference[g].size(); ++i) {
+        ASSERT_EQ(bf16[i], FloatToBFloat16Bits(reference[g][i])) << cases[g].name << " element " << i;
+      }
     }
   }
   if (device_buffers) {
