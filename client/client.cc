@@ -109,6 +109,10 @@ std::future<Result> ReadyFuture(Result result) {
   return promise.get_future();
 }
 
+// Data connections (and NCCL links) per server: beyond this, threads and sockets are
+// wasted and a mistyped option would exhaust the servers' descriptors.
+constexpr int kMaxInFlight = 64;
+
 class ClientImpl final : public Client {
  public:
   explicit ClientImpl(ClientOptions options) : options_(std::move(options)) {}
@@ -120,6 +124,14 @@ class ClientImpl final : public Client {
       return absl::InvalidArgumentError(absl::StrCat("worker_rank ", options_.worker_rank,
                                                      " outside [0, num_workers=",
                                                      options_.num_workers, ")"));
+    }
+    if (options_.max_in_flight < 1 || options_.max_in_flight > kMaxInFlight) {
+      return absl::InvalidArgumentError(absl::StrCat("max_in_flight ", options_.max_in_flight,
+                                                     " outside [1, ", kMaxInFlight, "]"));
+    }
+    if (options_.gather_split_bytes < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gather_split_bytes ", options_.gather_split_bytes, " is negative"));
     }
     FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                                client_internal::ControlPlaneCredentials(options_.tls_ca_file));

@@ -140,7 +140,7 @@ class ShardedModule(torch.nn.Module):
                     c.init_group(group.name, {fqn: initial[fqn] for fqn, _ in group.params})
         barrier = flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
                                    timeout=c._timeout, job=f"{c.job}.{name}.barrier",
-                                   tls_ca_file=c._tls_ca_file)
+                                   tls_ca_file=c._tls_ca_file, max_in_flight=1)
         barrier.configure_job()
         barrier.register_group("barrier", [("x", (1,), "float32")], flatshard.SGD(lr=0.0))
         start = barrier.version("barrier")

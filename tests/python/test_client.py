@@ -168,6 +168,21 @@ class ClientTest(unittest.TestCase):
             self.client(device_plane="gpu")
         self.assertEqual(self.client(device_plane="tcp").data_planes(), ["tcp"] * 3)
 
+    def test_transfer_options_split_a_gather_into_the_same_values(self):
+        whole = self.client(job="split")
+        split = self.client(job="split", max_in_flight=4, gather_split_bytes=256)
+        for c in (whole, split):
+            c.configure_job()
+            c.register_group("big", [("w", (3001,), "float32")], flatshard.SGD(lr=0.1))
+        whole.init_group_from_seed("big", 5)
+        expected = whole.gather("big")["w"]
+        np.testing.assert_array_equal(split.gather("big")["w"], expected)
+        np.testing.assert_array_equal(split.gather("big", dtype="float16")["w"],
+                                      expected.astype(np.float16).astype(np.float32))
+        for bad in ({"max_in_flight": 0}, {"max_in_flight": 65}, {"gather_split_bytes": -1}):
+            with self.assertRaises(flatshard.InvalidArgumentError):
+                self.client(job="split", **bad)
+
     def test_status_reports_every_server(self):
         c = self.client(job="status")
         status = c.status()

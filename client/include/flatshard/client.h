@@ -50,7 +50,7 @@ struct ClientOptions {
   int num_workers = 1;
   std::string job = "default";
   absl::Duration timeout = absl::Seconds(30);  // per RPC, per transfer, per version wait
-  int max_in_flight = 2;                       // concurrent transfers per server
+  int max_in_flight = 2;                       // concurrent transfers per server, 1-64
   uint32_t export_chunk_bytes = 4 << 20;       // ExportStateDict: bytes per message (<= 64 MiB)
   DevicePlane device_plane = DevicePlane::kAuto;
   // A gather into host memory whose part from one server has at least this many bytes
