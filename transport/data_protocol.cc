@@ -112,6 +112,9 @@ absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> pa
 }
 
 absl::Status DrainPayload(Connection& conn, int64_t bytes) {
+  if (bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot drain ", bytes, " bytes"));
+  }
   std::vector<std::byte> scratch(std::min<int64_t>(bytes, 1 << 20));
   while (bytes > 0) {
     const int64_t chunk = std::min<int64_t>(bytes, static_cast<int64_t>(scratch.size()));

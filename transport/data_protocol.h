@@ -149,6 +149,7 @@ struct Response {
                                                     absl::Span<std::byte> payload_dest);
 
 // Reads and throws away `bytes` bytes (a refused request's payload), in bounded chunks.
+// InvalidArgument for a negative count; transport errors as Connection::Recv returns them.
 [[nodiscard]] absl::Status DrainPayload(Connection& conn, int64_t bytes);
 
 }  // namespace flatshard::transport

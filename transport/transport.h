@@ -38,6 +38,7 @@ class Connection {
   [[nodiscard]] virtual absl::Status Recv(absl::Span<std::byte> buffer) = 0;
 
   // Inactivity timeout for each later Send/Recv (absl::InfiniteDuration(): none).
+  // InvalidArgument for a timeout that is not positive.
   [[nodiscard]] virtual absl::Status SetTimeout(absl::Duration timeout) = 0;
 
   // Unblocks a Send or Recv in progress on another thread; later calls fail.

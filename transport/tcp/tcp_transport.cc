@@ -9,9 +9,11 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/numbers.h"
@@ -41,6 +43,17 @@ absl::StatusOr<sockaddr_in> ResolveIpv4(absl::string_view host, int port) {
         absl::StrCat("'", host, "' is not an IPv4 address (use e.g. 127.0.0.1)"));
   }
   return addr;
+}
+
+// poll()'s timeout argument for waiting until `deadline`: -1 (forever) for an infinite
+// one, else the milliseconds left, rounded up and clamped to what an int holds.
+int PollMilliseconds(absl::Time deadline) {
+  if (deadline == absl::InfiniteFuture()) return -1;
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return 0;
+  return static_cast<int>(std::min<int64_t>(
+      absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
+      std::numeric_limits<int>::max()));
 }
 
 void TuneSocket(int fd) {
@@ -111,8 +124,15 @@ class TcpConnection final : public Connection {
   }
 
   absl::Status SetTimeout(absl::Duration timeout) override {
+    if (timeout <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("timeout ", absl::FormatDuration(timeout), " is not positive"));
+    }
+    // A zero timeval means "no timeout" to the kernel: round tiny timeouts up.
     timeval tv{};
-    if (timeout != absl::InfiniteDuration()) tv = absl::ToTimeval(timeout);
+    if (timeout != absl::InfiniteDuration()) {
+      tv = absl::ToTimeval(std::max(timeout, absl::Microseconds(1)));
+    }
     if (setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
         setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) != 0) {
       return ErrnoStatus("setsockopt(SO_RCVTIMEO)", errno);
@@ -217,8 +237,12 @@ absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, i
       close(fd);
       return ErrnoStatus(what, err);
     }
+    const absl::Time deadline = absl::Now() + timeout;
     pollfd pfd{fd, POLLOUT, 0};
-    const int ready = poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
+    int ready = 0;
+    do {
+      ready = poll(&pfd, 1, PollMilliseconds(deadline));
+    } while (ready < 0 && errno == EINTR);
     int err = 0;
     socklen_t len = sizeof(err);
     if (ready <= 0) {

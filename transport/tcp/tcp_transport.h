@@ -23,7 +23,9 @@ namespace flatshard::transport {
 // port). Returns Unavailable with errno's text if the address cannot be bound.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Listener>> ListenTcp(absl::string_view host, int port);
 
-// Connects to host:port within `timeout`. Returns Unavailable or DeadlineExceeded.
+// Connects to host:port within `timeout` (absl::InfiniteDuration(): the kernel's own
+// limit). Returns Unavailable (refused, unreachable) or DeadlineExceeded; InvalidArgument
+// for a host that is not an IPv4 address or a port outside [0, 65535].
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host,
                                                                      int port,
                                                                      absl::Duration timeout);

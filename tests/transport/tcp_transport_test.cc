@@ -1,0 +1,250 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace flatshard::transport {
+namespace {
+
+using ::testing::HasSubstr;
+
+absl::Span<const std::byte> Bytes(const std::vector<uint8_t>& data) {
+  return absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()), data.size());
+}
+absl::Span<std::byte> Bytes(std::vector<uint8_t>& data) {
+  return absl::MakeSpan(reinterpret_cast<std::byte*>(data.data()), data.size());
+}
+
+std::vector<uint8_t> RandomBytes(size_t size, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> data(size);
+  for (uint8_t& b : data) b = static_cast<uint8_t>(rng());
+  return data;
+}
+
+// A connected loopback pair: `client` from ConnectTcp, `server` from the listener.
+struct Pair {
+  std::unique_ptr<Listener> listener;
+  std::unique_ptr<Connection> client;
+  std::unique_ptr<Connection> server;
+};
+
+Pair Connected() {
+  Pair pair;
+  auto listener = ListenTcp("127.0.0.1", 0);
+  EXPECT_TRUE(listener.ok()) << listener.status();
+  if (!listener.ok()) return pair;
+  pair.listener = *std::move(listener);
+  auto client = ConnectTcp("127.0.0.1", pair.listener->port(), absl::Seconds(5));
+  EXPECT_TRUE(client.ok()) << client.status();
+  auto server = pair.listener->Accept();
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (client.ok()) pair.client = *std::move(client);
+  if (server.ok()) pair.server = *std::move(server);
+  for (Connection* conn : {pair.client.get(), pair.server.get()}) {
+    if (conn != nullptr) {
+      EXPECT_TRUE(conn->SetTimeout(absl::Seconds(30)).ok());
+    }
+  }
+  return pair;
+}
+
+TEST(TcpTransportTest, ListenerOnPortZeroGetsAPortAndPeersAreNamed) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  ASSERT_NE(pair.client, nullptr);
+  EXPECT_GT(pair.listener->port(), 0);
+  EXPECT_EQ(pair.client->peer(), absl::StrCat("127.0.0.1:", pair.listener->port()));
+  EXPECT_THAT(pair.server->peer(), HasSubstr("127.0.0.1:"));
+  EXPECT_NE(pair.server->peer(), pair.client->peer());
+}
+
+TEST(TcpTransportTest, SendGathersBuffersInOrderAndSkipsEmptyOnes) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  const std::vector<uint8_t> a = RandomBytes(3, 1), b, c = RandomBytes(70000, 2);
+  ASSERT_TRUE(pair.client->Send({Bytes(a), Bytes(b), Bytes(c)}).ok());
+  std::vector<uint8_t> got(a.size() + c.size());
+  ASSERT_TRUE(pair.server->Recv(Bytes(got)).ok());
+  std::vector<uint8_t> want = a;
+  want.insert(want.end(), c.begin(), c.end());
+  EXPECT_EQ(got, want);
+}
+
+// Larger than any socket buffer, in both directions at once (one sender and one receiver
+// per connection at a time, as the interface allows), so partial sends are exercised.
+TEST(TcpTransportTest, LargeTransfersArriveIntactInBothDirectionsAtOnce) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  const size_t size = 48 << 20;
+  const std::vector<uint8_t> up = RandomBytes(size, 3), down = RandomBytes(size, 4);
+  const size_t head = 1 << 20;  // two buffers: the split lands inside a sendmsg
+  absl::Status up_sent, down_sent;
+  std::thread client_sender([&] {
+    up_sent = pair.client->Send({Bytes(up).subspan(0, head), Bytes(up).subspan(head)});
+  });
+  std::thread server_sender([&] {
+    down_sent = pair.server->Send({Bytes(down).subspan(0, head), Bytes(down).subspan(head)});
+  });
+  std::vector<uint8_t> up_got(size), down_got(size);
+  absl::Status down_received;
+  std::thread client_receiver([&] { down_received = pair.client->Recv(Bytes(down_got)); });
+  const absl::Status up_received = pair.server->Recv(Bytes(up_got));
+  client_sender.join();
+  server_sender.join();
+  client_receiver.join();
+  ASSERT_TRUE(up_sent.ok()) << up_sent;
+  ASSERT_TRUE(down_sent.ok()) << down_sent;
+  ASSERT_TRUE(up_received.ok()) << up_received;
+  ASSERT_TRUE(down_received.ok()) << down_received;
+  EXPECT_TRUE(up_got == up);
+  EXPECT_TRUE(down_got == down);
+}
+
+TEST(TcpTransportTest, RecvNamesHowManyBytesArrivedBeforeThePeerClosed) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  ASSERT_TRUE(pair.client->Send({Bytes(RandomBytes(10, 5))}).ok());
+  pair.client.reset();
+  std::vector<uint8_t> buffer(100);
+  const absl::Status status = pair.server->Recv(Bytes(buffer));
+  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
+  EXPECT_THAT(status.message(), HasSubstr("after 10 of 100 bytes"));
+}
+
+TEST(TcpTransportTest, RecvTimesOutWhenNothingArrives) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  ASSERT_TRUE(pair.server->SetTimeout(absl::Milliseconds(50)).ok());
+  std::vector<uint8_t> buffer(8);
+  const absl::Status status = pair.server->Recv(Bytes(buffer));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(status)) << status;
+}
+
+TEST(TcpTransportTest, SendTimesOutWhenThePeerStopsReading) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  ASSERT_TRUE(pair.client->SetTimeout(absl::Milliseconds(100)).ok());
+  // Far more than loopback's socket buffers can absorb while nobody reads.
+  const std::vector<uint8_t> data(256 << 20);
+  const absl::Status status = pair.client->Send({Bytes(data)});
+  EXPECT_TRUE(absl::IsDeadlineExceeded(status)) << status;
+}
+
+TEST(TcpTransportTest, SendToAClosedPeerIsUnavailable) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  pair.server.reset();
+  const std::vector<uint8_t> data(1 << 20);
+  absl::Status status;
+  // The first send may still land in the socket buffer; the reset arrives soon after.
+  for (int i = 0; i < 100 && status.ok(); ++i) status = pair.client->Send({Bytes(data)});
+  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
+}
+
+TEST(TcpTransportTest, TimeoutsMustBePositive) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  EXPECT_TRUE(absl::IsInvalidArgument(pair.server->SetTimeout(absl::ZeroDuration())));
+  EXPECT_TRUE(absl::IsInvalidArgument(pair.server->SetTimeout(absl::Seconds(-1))));
+  EXPECT_TRUE(pair.server->SetTimeout(absl::InfiniteDuration()).ok());
+  // Below the kernel's microsecond resolution still times out rather than meaning "never".
+  ASSERT_TRUE(pair.server->SetTimeout(absl::Nanoseconds(1)).ok());
+  std::vector<uint8_t> buffer(8);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(pair.server->Recv(Bytes(buffer))));
+}
+
+TEST(TcpTransportTest, ShutdownUnblocksARecvOnAnotherThread) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  ASSERT_TRUE(pair.server->SetTimeout(absl::InfiniteDuration()).ok());
+  absl::Status status;
+  std::thread receiver([&] {
+    std::vector<uint8_t> buffer(8);
+    status = pair.server->Recv(Bytes(buffer));
+  });
+  absl::SleepFor(absl::Milliseconds(50));  // usually blocked by now; either order must work
+  pair.server->Shutdown();
+  receiver.join();
+  EXPECT_FALSE(status.ok());
+  std::vector<uint8_t> buffer(8);
+  EXPECT_FALSE(pair.server->Recv(Bytes(buffer)).ok());  // later calls fail too
+}
+
+TEST(TcpTransportTest, ListenerShutdownUnblocksAccept) {
+  auto listener = ListenTcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  absl::Status status;
+  std::thread acceptor([&] { status = (*listener)->Accept().status(); });
+  absl::SleepFor(absl::Milliseconds(50));
+  (*listener)->Shutdown();
+  acceptor.join();
+  EXPECT_TRUE(absl::IsCancelled(status)) << status;
+}
+
+TEST(TcpTransportTest, ConnectingToAPortNobodyListensOnIsUnavailable) {
+  auto ports = PickFreeLoopbackPorts(1);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  auto conn = ConnectTcp("127.0.0.1", (*ports)[0], absl::Seconds(5));
+  EXPECT_TRUE(absl::IsUnavailable(conn.status())) << conn.status();
+  EXPECT_THAT(conn.status().message(), HasSubstr(absl::StrCat("127.0.0.1:", (*ports)[0])));
+}
+
+TEST(TcpTransportTest, BadAddressesAreInvalidArguments) {
+  EXPECT_TRUE(absl::IsInvalidArgument(ConnectTcp("example.com", 80, absl::Seconds(1)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ConnectTcp("127.0.0.1", 65536, absl::Seconds(1)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ListenTcp("::1", 0).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ListenTcp("127.0.0.1", -1).status()));
+  auto localhost = ListenTcp("localhost", 0);
+  EXPECT_TRUE(localhost.ok()) << localhost.status();
+}
+
+TEST(TcpTransportTest, BindingATakenPortIsUnavailable) {
+  auto first = ListenTcp("127.0.0.1", 0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = ListenTcp("127.0.0.1", (*first)->port());
+  EXPECT_TRUE(absl::IsUnavailable(second.status())) << second.status();
+  EXPECT_THAT(second.status().message(), HasSubstr("bind"));
+}
+
+TEST(TcpTransportTest, PickedPortsAreDistinctAndBindable) {
+  auto ports = PickFreeLoopbackPorts(16);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  EXPECT_EQ(std::set<int>(ports->begin(), ports->end()).size(), 16u);
+  std::vector<std::unique_ptr<Listener>> listeners;
+  for (int port : *ports) {
+    auto listener = ListenTcp("127.0.0.1", port);
+    ASSERT_TRUE(listener.ok()) << "port " << port << ": " << listener.status();
+    EXPECT_EQ((*listener)->port(), port);
+    listeners.push_back(*std::move(listener));
+  }
+}
+
+TEST(TcpTransportTest, SplitHostPortAcceptsHostColonPortOnly) {
+  std::string host;
+  int port = 0;
+  ASSERT_TRUE(SplitHostPort("127.0.0.1:7070", host, port).ok());
+  EXPECT_EQ(host, "127.0.0.1");
+  EXPECT_EQ(port, 7070);
+  ASSERT_TRUE(SplitHostPort("node-3.cluster:0", host, port).ok());
+  EXPECT_EQ(host, "node-3.cluster");
+  EXPECT_EQ(port, 0);
+  for (const char* bad : {"", "127.0.0.1", ":7070", "host:", "host:http", "host:65536",
+                          "host:-1", "host:7070x"}) {
+    const absl::Status status = SplitHostPort(bad, host, port);
+    EXPECT_TRUE(absl::IsInvalidArgument(status)) << "'" << bad << "': " << status;
+    EXPECT_THAT(status.message(), HasSubstr("HOST:PORT")) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace flatshard::transport
