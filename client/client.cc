@@ -129,6 +129,10 @@ class ClientImpl final : public Client {
       return absl::InvalidArgumentError(absl::StrCat("max_in_flight ", options_.max_in_flight,
                                                      " outside [1, ", kMaxInFlight, "]"));
     }
+    if (options_.timeout <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("timeout ", absl::FormatDuration(options_.timeout), " is not positive"));
+    }
     if (options_.gather_split_bytes < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("gather_split_bytes ", options_.gather_split_bytes, " is negative"));

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
 #include "transport/data_protocol.h"
@@ -298,6 +300,26 @@ TEST_F(FaultsTest, GatherOfAFutureVersionTimesOut) {
   auto version = (*client)->Gather("g", 5, DType::kFloat32, AsBytes(full)).get();
   EXPECT_EQ(version.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(version.status().message()), HasSubstr("timed out waiting for version 5"));
+}
+
+TEST_F(FaultsTest, ConnectRefusesOptionsOutOfRangeBeforeCallingAnyServer) {
+  const ClientOptions good{.servers = cluster_.addresses(), .token = cluster_.token(), .job = "test"};
+  const std::pair<std::function<void(ClientOptions&)>, const char*> cases[] = {
+      {[](ClientOptions& o) { o.servers.clear(); }, "servers: empty"},
+      {[](ClientOptions& o) { o.worker_rank = 1; }, "worker_rank 1 outside [0, num_workers=1)"},
+      {[](ClientOptions& o) { o.max_in_flight = 0; }, "max_in_flight 0 outside [1, 64]"},
+      {[](ClientOptions& o) { o.max_in_flight = 65; }, "max_in_flight 65 outside [1, 64]"},
+      {[](ClientOptions& o) { o.timeout = absl::ZeroDuration(); }, "timeout 0 is not positive"},
+      {[](ClientOptions& o) { o.gather_split_bytes = -1; }, "gather_split_bytes -1 is negative"},
+  };
+  for (const auto& [corrupt, message] : cases) {
+    ClientOptions options = good;
+    corrupt(options);
+    auto client = Client::Connect(options);
+    EXPECT_TRUE(absl::IsInvalidArgument(client.status())) << message << ": " << client.status();
+    EXPECT_THAT(std::string(client.status().message()), HasSubstr(message));
+  }
+  EXPECT_TRUE(Client::Connect(good).ok());
 }
 
 }  // namespace
