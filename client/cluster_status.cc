@@ -1,38 +1,31 @@
 #include "client/cluster_status.h"
 
 #include <google/protobuf/util/json_util.h>
-#include <grpcpp/grpcpp.h>
 
 #include <nlohmann/json.hpp>
 
-#include "absl/strings/str_cat.h"
 #include "client/control_channel.h"
+#include "client/control_plane.h"
 #include "proto/flatshard.grpc.pb.h"
 
 namespace flatshard {
 
 std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options) {
   std::vector<absl::StatusOr<v1::ServerStatus>> result;
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      client_internal::ControlPlaneCredentials(options.tls_ca_file);
-  for (const std::string& address : options.servers) {
-    if (!credentials.ok()) {
-      result.emplace_back(credentials.status());
+  absl::StatusOr<std::unique_ptr<client_internal::ControlPlane>> control =
+      client_internal::ControlPlane::Create(options);
+  for (size_t i = 0; i < options.servers.size(); ++i) {
+    if (!control.ok()) {
+      result.emplace_back(control.status());
       continue;
     }
-    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(address, *credentials));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
-    if (!options.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options.token);
     v1::ServerStatus status;
-    const grpc::Status rpc = stub->GetStatus(&ctx, v1::GetStatusRequest(), &status);
-    if (rpc.ok()) {
+    const absl::Status called =
+        (*control)->Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status);
+    if (called.ok()) {
       result.emplace_back(std::move(status));
     } else {
-      result.emplace_back(client_internal::WithTlsHint(
-          absl::Status(static_cast<absl::StatusCode>(rpc.error_code()),
-                       absl::StrCat(address, ": ", rpc.error_message())),
-          options.tls_ca_file));
+      result.emplace_back(client_internal::WithTlsHint(called, options.tls_ca_file));
     }
   }
   return result;

@@ -1,0 +1,283 @@
+#include "client/checkpoint_calls.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "core/file.h"
+#include "core/status_macros.h"
+
+namespace flatshard::client_internal {
+namespace {
+
+v1::CheckpointKind KindToProto(CheckpointKind kind) {
+  switch (kind) {
+    case CheckpointKind::kFull:
+      return v1::FULL;
+    case CheckpointKind::kSharded:
+      return v1::SHARDED;
+    case CheckpointKind::kLocal:
+      return v1::LOCAL;
+  }
+  return v1::CHECKPOINT_KIND_UNSPECIFIED;
+}
+
+// One chunk of an export into `out_dir`: announces, fills or closes a file.
+absl::Status WriteChunk(const std::string& out_dir, const v1::ExportChunk& chunk,
+                        std::map<std::string, File>& files) {
+  const std::string& name = chunk.file();
+  if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
+    return absl::DataLossError(absl::StrCat("export: the server named a file '", name, "'"));
+  }
+  auto it = files.find(name);
+  if (it == files.end()) {
+    FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(out_dir + "/" + name, File::Mode::kWrite));
+    FLATSHARD_RETURN_IF_ERROR(file.Truncate(chunk.file_size()));
+    it = files.emplace(name, std::move(file)).first;
+  }
+  if (!chunk.data().empty()) {
+    FLATSHARD_RETURN_IF_ERROR(it->second.WriteAt(
+        chunk.offset(), absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()),
+                                            chunk.data().size())));
+  }
+  if (chunk.close()) {
+    FLATSHARD_RETURN_IF_ERROR(it->second.Sync());
+    files.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+// A LOCAL save over roots that differ needs one root per server: where only some
+// servers share one, neither the shared nor the per-server commit fits.
+absl::Status CheckRootPerServer(const std::vector<std::string>& ids) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (size_t j = i + 1; j < ids.size(); ++j) {
+      if (ids[i] != ids[j]) continue;
+      return absl::FailedPreconditionError(
+          absl::StrCat("servers ", i, " and ", j,
+                       " share a --checkpoint_root that other servers do not; LOCAL "
+                       "checkpoints need one root shared by all servers or one root per server"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The consistent cut of a save or export: every group of `job` at the highest version
+// any server has (servers of a synchronous job are at most one step apart; each waits
+// until it gets there).
+void CutVersions(const std::string& job, const std::vector<v1::ServerStatus>& statuses,
+                 google::protobuf::Map<std::string, int64_t>& versions) {
+  for (const v1::ServerStatus& status : statuses) {
+    for (const v1::GroupStatus& group : status.groups()) {
+      if (group.job() != job) continue;
+      versions[group.group()] = std::max(versions[group.group()], group.version());
+    }
+  }
+}
+
+// Every server's checkpoint root id (empty: no root; equal ids: a shared root).
+std::vector<std::string> RootIds(const std::vector<v1::ServerStatus>& statuses) {
+  std::vector<std::string> ids;
+  for (const v1::ServerStatus& status : statuses) ids.push_back(status.checkpoint_root_id());
+  return ids;
+}
+
+}  // namespace
+
+absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind, bool optimizer,
+                                   bool async, const Client::Progress& progress) const {
+  v1::SaveCheckpointRequest request;
+  request.set_async(async);
+  request.set_name(name);
+  request.set_kind(KindToProto(kind));
+  request.set_optimizer(optimizer);
+  request.set_job(job_);
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+  const std::vector<std::string> root_ids = RootIds(statuses);
+  const bool shared =
+      std::set<std::string>(root_ids.begin(), root_ids.end()).size() == 1 ||
+      std::find(root_ids.begin(), root_ids.end(), "") != root_ids.end();  // the server says why
+  if (!shared && kind == CheckpointKind::kLocal) {
+    FLATSHARD_RETURN_IF_ERROR(CheckRootPerServer(root_ids));
+    request.set_root_per_server(true);
+  } else if (!shared) {
+    request.set_home_root_id(root_ids[0]);  // kept whole in server 0's root
+  }
+  CutVersions(job_, statuses, *request.mutable_versions());
+  FLATSHARD_RETURN_IF_ERROR(WithProgress(name, "save", async ? nullptr : progress, [&] {
+    return control_.OnAllServersInParallel([&](size_t i) {
+      v1::SaveCheckpointResponse response;
+      return control_.Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
+    });
+  }));
+  if (async) return absl::OkStatus();  // the servers commit when they are done
+  // Every part is in server 0's root (shared or not), which commits; with a root per
+  // server, each server commits its own LOCAL part.
+  v1::CheckpointRequest commit;
+  commit.set_name(name);
+  for (int i = 0; i < (request.root_per_server() ? control_.size() : 1); ++i) {
+    v1::CheckpointResponse response;
+    FLATSHARD_RETURN_IF_ERROR(
+        control_.Call(i, &v1::Flatshard::Stub::CommitCheckpoint, commit, &response));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointCalls::Load(const std::string& name,
+                                   const Client::Progress& progress) const {
+  v1::LoadCheckpointRequest request;
+  request.set_name(name);
+  request.set_job(job_);
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+  const std::vector<std::string> root_ids = RootIds(statuses);
+  // Servers whose roots lack the checkpoint read it from server 0's.
+  if (std::set<std::string>(root_ids.begin(), root_ids.end()).size() > 1)
+    request.set_home_root_id(root_ids[0]);
+  auto phase = [&](v1::LoadCheckpointRequest::Phase p) {
+    request.set_phase(p);
+    return control_.OnAllServersInParallel([&](size_t i) {
+      v1::CheckpointResponse response;
+      return control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response);
+    });
+  };
+  const absl::Status prepared = WithProgress(
+      name, "load", progress, [&] { return phase(v1::LoadCheckpointRequest::PREPARE); });
+  if (!prepared.ok()) {
+    (void)phase(v1::LoadCheckpointRequest::ABORT);
+    return prepared;
+  }
+  return phase(v1::LoadCheckpointRequest::COMMIT);
+}
+
+absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List() const {
+  v1::ListCheckpointsResponse response;
+  FLATSHARD_RETURN_IF_ERROR(control_.Call(0, &v1::Flatshard::Stub::ListCheckpoints,
+                                          v1::ListCheckpointsRequest(), &response));
+  std::vector<CheckpointEntry> entries;
+  for (const v1::CheckpointEntry& e : response.checkpoints()) {
+    entries.push_back({e.name(), e.complete(), e.kind(), e.job(), e.servers(), e.optimizer(),
+                       e.bytes(),
+                       std::map<std::string, int64_t>(e.versions().begin(), e.versions().end())});
+  }
+  return entries;
+}
+
+// From every server's root: server 0's answer decides NotFound (with a shared root the
+// others find nothing left).
+absl::Status CheckpointCalls::Delete(const std::string& name) const {
+  v1::CheckpointRequest request;
+  request.set_name(name);
+  for (int i = 0; i < control_.size(); ++i) {
+    v1::CheckpointResponse response;
+    const absl::Status deleted =
+        control_.Call(i, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response);
+    if (!deleted.ok() && (i == 0 || !absl::IsNotFound(deleted))) return deleted;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind kind,
+                                     bool optimizer, const Client::Progress& progress) const {
+  if (kind == CheckpointKind::kLocal)
+    return absl::InvalidArgumentError("export: kind must be FULL or SHARDED");
+  v1::ExportRequest request;
+  request.set_job(job_);
+  request.set_kind(KindToProto(kind));
+  request.set_optimizer(optimizer);
+  request.set_chunk_bytes(export_chunk_bytes_);
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+  CutVersions(job_, statuses, *request.mutable_versions());
+  std::error_code error;
+  std::filesystem::create_directories(out_dir, error);
+  if (error)
+    return absl::InternalError(absl::StrCat("cannot create '", out_dir, "': ", error.message()));
+  absl::Mutex progress_mu;
+  std::map<std::string, uint64_t> sizes;  // every file announced, for the total
+  uint64_t done = 0;
+  auto report = [&](const v1::ExportChunk& chunk) {
+    if (!progress) return;
+    absl::MutexLock lock(&progress_mu);
+    if (chunk.file_size() > 0) sizes[chunk.file()] = chunk.file_size();
+    done += chunk.data().size();
+    uint64_t total = 0;
+    for (const auto& [file, size] : sizes) total += size;
+    progress(done, total);
+  };
+  return control_.OnAllServersInParallel([&](size_t i) -> absl::Status {
+    grpc::ClientContext ctx;
+    control_.Prepare(ctx);
+    auto reader = control_.stub(i).ExportStateDict(&ctx, request);
+    std::map<std::string, File> files;
+    v1::ExportChunk chunk;
+    absl::Status written;
+    while (written.ok() && reader->Read(&chunk)) {
+      written = WriteChunk(out_dir, chunk, files);
+      report(chunk);
+    }
+    if (!written.ok()) ctx.TryCancel();
+    const grpc::Status finished = reader->Finish();
+    if (!written.ok()) return written;
+    return control_.Named(i, finished);
+  });
+}
+
+// Every server's status, fetched from all at once.
+absl::StatusOr<std::vector<v1::ServerStatus>> CheckpointCalls::Statuses() const {
+  std::vector<v1::ServerStatus> statuses(static_cast<size_t>(control_.size()));
+  FLATSHARD_RETURN_IF_ERROR(control_.OnAllServersInParallel([&](size_t i) {
+    return control_.Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &statuses[i]);
+  }));
+  return statuses;
+}
+
+// Runs `body`; meanwhile, with `progress`, polls the servers' status a few times a
+// second and reports the bytes done and to do of `operation` on checkpoint `name`
+// summed over the servers, and done = total once `body` succeeds.
+absl::Status CheckpointCalls::WithProgress(const std::string& name, const std::string& operation,
+                                           const Client::Progress& progress,
+                                           const std::function<absl::Status()>& body) const {
+  if (progress == nullptr) return body();
+  absl::Notification finished;
+  // Per server, the last (done, total) seen; a server that has finished its part leaves
+  // the status list, and then counts as done.
+  std::vector<std::pair<uint64_t, uint64_t>> seen(static_cast<size_t>(control_.size()));
+  uint64_t reported_total = 0;
+  std::thread poller([&] {
+    while (!finished.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+      for (int i = 0; i < control_.size(); ++i) {
+        v1::ServerStatus status;
+        if (!control_.Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status)
+                 .ok())
+          continue;
+        auto& [done, total] = seen[static_cast<size_t>(i)];
+        done = total;  // unless still listed
+        for (const v1::CheckpointProgress& row : status.checkpoints_in_progress()) {
+          if (row.name() != name || row.operation() != operation) continue;
+          done = row.done();
+          total = row.total();
+        }
+      }
+      uint64_t done = 0, total = 0;
+      for (const auto& [server_done, server_total] : seen) {
+        done += server_done;
+        total += server_total;
+      }
+      if (total > 0 && !finished.HasBeenNotified()) {
+        reported_total = total;
+        progress(done, total);
+      }
+    }
+  });
+  absl::Status status = body();
+  finished.Notify();
+  poller.join();
+  if (status.ok() && reported_total > 0) progress(reported_total, reported_total);
+  return status;
+}
+
+}  // namespace flatshard::client_internal

@@ -1,0 +1,52 @@
+// CheckpointCalls: the client side of checkpoints and state-dict export for one job
+// (DESIGN.md "Checkpoints"): the consistent cut, the save/commit and prepare/commit
+// protocols over every server, progress from the servers' status, and writing an
+// exported stream into local files. Internal to the client library; Client's methods of
+// the same names document each call. Thread-safe; every call blocks until done.
+//
+//   CheckpointCalls checkpoints(*control, "default", 4 << 20);
+//   FLATSHARD_RETURN_IF_ERROR(checkpoints.Save("step-100", CheckpointKind::kFull, true, false,
+//   {}));
+#ifndef FLATSHARD_CLIENT_CHECKPOINT_CALLS_H_
+#define FLATSHARD_CLIENT_CHECKPOINT_CALLS_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/control_plane.h"
+#include "flatshard/client.h"
+
+namespace flatshard::client_internal {
+
+class CheckpointCalls {
+ public:
+  // `control` must outlive this object.
+  CheckpointCalls(const ControlPlane& control, std::string job, uint32_t export_chunk_bytes)
+      : control_(control), job_(std::move(job)), export_chunk_bytes_(export_chunk_bytes) {}
+
+  [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer,
+                                  bool async, const Client::Progress& progress) const;
+  [[nodiscard]] absl::Status Load(const std::string& name, const Client::Progress& progress) const;
+  [[nodiscard]] absl::StatusOr<std::vector<CheckpointEntry>> List() const;
+  [[nodiscard]] absl::Status Delete(const std::string& name) const;
+  [[nodiscard]] absl::Status Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
+                                    const Client::Progress& progress) const;
+
+ private:
+  absl::StatusOr<std::vector<v1::ServerStatus>> Statuses() const;
+  absl::Status WithProgress(const std::string& name, const std::string& operation,
+                            const Client::Progress& progress,
+                            const std::function<absl::Status()>& body) const;
+
+  const ControlPlane& control_;
+  const std::string job_;
+  const uint32_t export_chunk_bytes_;
+};
+
+}  // namespace flatshard::client_internal
+
+#endif  // FLATSHARD_CLIENT_CHECKPOINT_CALLS_H_

@@ -1,0 +1,57 @@
+#include "client/control_plane.h"
+
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "client/control_channel.h"
+#include "core/status_macros.h"
+
+namespace flatshard::client_internal {
+
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view server) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat("server ", server, ": ", status.error_message()));
+}
+
+absl::StatusOr<std::unique_ptr<ControlPlane>> ControlPlane::Create(const ClientOptions& options) {
+  FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                             ControlPlaneCredentials(options.tls_ca_file));
+  std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs;
+  for (const std::string& address : options.servers) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(65 << 20);  // export chunks of up to 64 MiB
+    stubs.push_back(v1::Flatshard::NewStub(grpc::CreateCustomChannel(address, credentials, args)));
+  }
+  return std::unique_ptr<ControlPlane>(new ControlPlane(options, std::move(stubs)));
+}
+
+ControlPlane::ControlPlane(const ClientOptions& options,
+                           std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs)
+    : servers_(options.servers),
+      token_(options.token),
+      timeout_(options.timeout),
+      stubs_(std::move(stubs)) {}
+
+void ControlPlane::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {
+  ctx.set_deadline(
+      absl::ToChronoTime(absl::Now() + (timeout > absl::ZeroDuration() ? timeout : timeout_)));
+  if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
+}
+
+absl::Status ControlPlane::Named(size_t server, const grpc::Status& status) const {
+  return FromGrpc(status, servers_[server]);
+}
+
+absl::Status ControlPlane::OnAllServersInParallel(
+    const std::function<absl::Status(size_t)>& call) const {
+  std::vector<std::future<absl::Status>> results;
+  for (size_t i = 0; i < stubs_.size(); ++i) {
+    results.push_back(std::async(std::launch::async, call, i));
+  }
+  absl::Status status;
+  for (auto& result : results) status.Update(result.get());
+  return status;
+}
+
+}  // namespace flatshard::client_internal

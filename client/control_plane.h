@@ -1,0 +1,86 @@
+// ControlPlane: a client's gRPC stubs for every server of a cluster, in rank order, and
+// calls on them that carry the client's deadline and token and turn gRPC errors into
+// statuses naming the server. Internal to the client library. Thread-safe (gRPC stubs
+// are); creating one connects lazily, so it never blocks.
+//
+//   FLATSHARD_ASSIGN_OR_RETURN(auto control, ControlPlane::Create(options));
+//   FLATSHARD_RETURN_IF_ERROR(control->Call(0, &v1::Flatshard::Stub::GetStatus, request, &status));
+#ifndef FLATSHARD_CLIENT_CONTROL_PLANE_H_
+#define FLATSHARD_CLIENT_CONTROL_PLANE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "flatshard/client.h"
+#include "proto/flatshard.grpc.pb.h"
+
+namespace flatshard::client_internal {
+
+// `status` as an absl::Status whose message names `server`.
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view server);
+
+class ControlPlane {
+ public:
+  template <typename Request, typename Response>
+  using Method = grpc::Status (v1::Flatshard::Stub::*)(grpc::ClientContext*, const Request&,
+                                                       Response*);
+
+  // Channels to options.servers, with options.token, .timeout and .tls_ca_file.
+  // InvalidArgument when the CA file cannot be read.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<ControlPlane>> Create(
+      const ClientOptions& options);
+
+  int size() const { return static_cast<int>(stubs_.size()); }
+  const std::string& address(size_t server) const { return servers_[server]; }
+
+  // One unary call to `server`, within `timeout` (zero: the client's). Blocks. Returns
+  // the call's error with the server's address in its message.
+  template <typename Request, typename Response>
+  [[nodiscard]] absl::Status Call(size_t server, Method<Request, Response> method,
+                                  const Request& request, Response* response,
+                                  absl::Duration timeout = absl::ZeroDuration()) const {
+    grpc::ClientContext ctx;
+    Prepare(ctx, timeout);
+    return Named(server, (stubs_[server].get()->*method)(&ctx, request, response));
+  }
+
+  // Call on every server in rank order; stops at the first error.
+  template <typename Request, typename Response>
+  [[nodiscard]] absl::Status CallAll(Method<Request, Response> method, const Request& request,
+                                     Response* response) const {
+    for (size_t i = 0; i < stubs_.size(); ++i) {
+      if (absl::Status status = Call(i, method, request, response); !status.ok()) return status;
+    }
+    return absl::OkStatus();
+  }
+
+  // Runs `call(server)` for every server at once, each on a thread of its own, and waits
+  // for all; the first error (in rank order) wins.
+  [[nodiscard]] absl::Status OnAllServersInParallel(
+      const std::function<absl::Status(size_t)>& call) const;
+
+  // For streaming calls: the stub, a context to Prepare, and Named for the outcome.
+  v1::Flatshard::Stub& stub(size_t server) const { return *stubs_[server]; }
+  void Prepare(grpc::ClientContext& ctx, absl::Duration timeout = absl::ZeroDuration()) const;
+  absl::Status Named(size_t server, const grpc::Status& status) const;
+
+ private:
+  ControlPlane(const ClientOptions& options,
+               std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs);
+
+  const std::vector<std::string> servers_;
+  const std::string token_;
+  const absl::Duration timeout_;
+  const std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs_;
+};
+
+}  // namespace flatshard::client_internal
+
+#endif  // FLATSHARD_CLIENT_CONTROL_PLANE_H_

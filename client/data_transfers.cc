@@ -1,0 +1,425 @@
+#include "client/data_transfers.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "client/device_memory.h"
+#include "core/status_macros.h"
+
+namespace flatshard::client_internal {
+
+DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> servers,
+                             OpenNcclChannel open_channel)
+    : options_(std::move(options)),
+      servers_(std::move(servers)),
+      open_channel_(std::move(open_channel)),
+      // Loading NCCL costs; only a cluster with an NCCL plane needs it.
+      nccl_loads_(std::any_of(servers_.begin(), servers_.end(),
+                              [](const ServerEndpoint& server) { return server.nccl; }) &&
+                  NcclLink::Available()) {
+  for (int i = 0; i < num_servers(); ++i) {
+    nccl_links_.push_back(std::make_unique<NcclLinks>(
+        options_.max_in_flight, [this, i](int device) { return OpenLink(i, device); }));
+    channels_.push_back(
+        std::make_unique<DataChannel>(servers_[i].data_address, servers_[i].session_token,
+                                      options_.max_in_flight, options_.timeout + absl::Seconds(5)));
+  }
+}
+
+std::future<absl::StatusOr<int64_t>> DataTransfers::Gather(
+    const std::string& group, int64_t min_version, DType dtype,
+    std::vector<absl::Span<std::byte>> parts) {
+  const int device = DeviceOf(parts[0].data());
+  if (device >= 0) {
+    return DeviceTransfer<absl::StatusOr<int64_t>>(transport::DataOp::kGather, group, min_version,
+                                                   dtype, std::move(parts), device);
+  }
+  return HostGather(group, min_version, dtype, std::move(parts));
+}
+
+std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64_t step,
+                                                 DType dtype,
+                                                 std::vector<absl::Span<std::byte>> parts) {
+  const int device = DeviceOf(parts[0].data());
+  if (device >= 0) {
+    return DeviceTransfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype,
+                                        std::move(parts), device);
+  }
+  std::vector<absl::Span<const std::byte>> sends(parts.begin(), parts.end());
+  return Transfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype, std::move(sends),
+                                {});
+}
+
+absl::Status DataTransfers::PushInit(const std::string& group,
+                                     std::vector<absl::Span<const std::byte>> shards) {
+  return Transfer<absl::Status>(transport::DataOp::kPushInit, group, 0, DType::kFloat32,
+                                std::move(shards), {})
+      .get();
+}
+
+std::vector<std::string> DataTransfers::PlaneNames() const {
+  std::vector<std::string> planes(num_servers(), "tcp");
+  const int device = CurrentDevice();
+  if (device < 0) return planes;
+  for (int i = 0; i < num_servers(); ++i) {
+    const Plane plane = PlaneFor(i, device, /*exportable=*/true);
+    planes[i] = plane == Plane::kCudaIpc ? "cuda-ipc" : plane == Plane::kNccl ? "nccl" : "tcp";
+  }
+  return planes;
+}
+
+// True when server i keeps its shards on the GPU `device` is (CUDA IPC works).
+bool DataTransfers::IpcReachable(int server, int device) const {
+  if (servers_[server].gpu_uuid.empty()) return false;
+  absl::StatusOr<std::string> uuid = DeviceUuid(device);
+  return uuid.ok() && *uuid == servers_[server].gpu_uuid;
+}
+
+// The plane a buffer on `device` uses with server i (`exportable`: CUDA IPC can share
+// it); ClientOptions::device_plane says how to choose.
+DataTransfers::Plane DataTransfers::PlaneFor(int server, int device, bool exportable) const {
+  const bool ipc = exportable && IpcReachable(server, device);
+  const bool nccl = servers_[server].nccl && nccl_loads_;
+  switch (options_.device_plane) {
+    case DevicePlane::kAuto:
+      // NCCL refuses two ranks on one GPU: same-GPU servers use IPC or TCP.
+      if (ipc) return Plane::kCudaIpc;
+      return nccl && !IpcReachable(server, device) ? Plane::kNccl : Plane::kTcp;
+    case DevicePlane::kCudaIpc:
+      return ipc ? Plane::kCudaIpc : Plane::kTcp;
+    case DevicePlane::kNccl:
+      return nccl ? Plane::kNccl : Plane::kTcp;
+    case DevicePlane::kTcp:
+      return Plane::kTcp;
+  }
+  return Plane::kTcp;
+}
+
+// How many ranges a gather of `bytes` from one server comes in: one below
+// gather_split_bytes, else up to max_in_flight of at least half that size each.
+int64_t DataTransfers::GatherRanges(size_t bytes) const {
+  const int64_t split = options_.gather_split_bytes;
+  if (split <= 0 || options_.max_in_flight < 2 || static_cast<int64_t>(bytes) < split) return 1;
+  return std::clamp<int64_t>(static_cast<int64_t>(bytes) / std::max<int64_t>(1, split / 2), 1,
+                             options_.max_in_flight);
+}
+
+absl::Status DataTransfers::AtServer(int server, const absl::Status& status) const {
+  return absl::Status(status.code(),
+                      absl::StrCat("server ", servers_[server].address, ": ", status.message()));
+}
+
+// A new NCCL link with server i on `device`: the OpenNcclChannel RPC, then the join.
+absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, int device) {
+  auto open_channel = [&](const std::string& unique_id) {
+    return open_channel_(server, unique_id);
+  };
+  FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<NcclLink> link,
+                             NcclLink::Open(device, options_.timeout, open_channel));
+  return std::shared_ptr<NcclLink>(std::move(link));
+}
+
+// One request to server i: `send` is its payload, `receive` its response payload's
+// destination; it finishes `completion`, and `keep_alive` is held until then.
+template <typename Result>
+void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int i,
+                              transport::DataOp op, const std::string& group, int64_t version,
+                              DType dtype, absl::Span<const std::byte> send,
+                              absl::Span<std::byte> receive,
+                              std::shared_ptr<const void> keep_alive) {
+  transport::RequestHeader header;
+  header.op = static_cast<uint8_t>(op);
+  header.dtype = static_cast<uint8_t>(dtype);
+  header.worker_rank = options_.worker_rank;
+  header.version = version;
+  header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+  channels_[i]->Submit([=, this, hold = keep_alive](absl::StatusOr<transport::Connection*> conn) {
+    (void)hold;
+    auto fail = [&](const absl::Status& status) { completion->Finish(AtServer(i, status), 0); };
+    if (!conn.ok()) {
+      fail(conn.status());
+      return true;
+    }
+    absl::Status sent = transport::SendRequest(**conn, header, options_.job, group, send);
+    if (!sent.ok()) {
+      fail(sent);
+      return false;
+    }
+    absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, receive);
+    if (!response.ok()) {
+      fail(response.status());
+      return false;
+    }
+    if (!response->status.ok()) {
+      fail(response->status);
+    } else {
+      completion->Finish(absl::OkStatus(), response->version);
+    }
+    return true;
+  });
+}
+
+// Transfer's requests, finishing `completion`; `keep_alive` is held until each has
+// finished (what `sends` points into).
+template <typename Result>
+void DataTransfers::Submit(const std::shared_ptr<Completion<Result>>& completion,
+                           transport::DataOp op, const std::string& group, int64_t version,
+                           DType dtype, const std::vector<absl::Span<const std::byte>>& sends,
+                           const std::vector<absl::Span<std::byte>>& receives,
+                           const std::vector<int>& servers,
+                           std::shared_ptr<const void> keep_alive) {
+  for (int i : servers) {
+    SubmitOne(completion, i, op, group, version, dtype,
+              sends.empty() ? absl::Span<const std::byte>() : sends[i],
+              receives.empty() ? absl::Span<std::byte>() : receives[i], keep_alive);
+  }
+}
+
+// One request per server in `servers` (all when empty) on its data channel:
+// `sends[i]` is server i's payload, or `receives[i]` its response payload's destination.
+template <typename Result>
+std::future<Result> DataTransfers::Transfer(transport::DataOp op, const std::string& group,
+                                            int64_t version, DType dtype,
+                                            std::vector<absl::Span<const std::byte>> sends,
+                                            std::vector<absl::Span<std::byte>> receives,
+                                            std::vector<int> servers) {
+  if (servers.empty()) {
+    for (int i = 0; i < num_servers(); ++i) servers.push_back(i);
+  }
+  auto completion = std::make_shared<Completion<Result>>(static_cast<int>(servers.size()));
+  Submit(completion, op, group, version, dtype, sends, receives, servers, nullptr);
+  return completion->future();
+}
+
+// One NCCL transfer with server i on its data connection `conn`: the request, the
+// server's ready answer, the bytes, its done answer. Returns the done answer (or why
+// there is none) and whether `conn` is still usable.
+std::pair<absl::StatusOr<int64_t>, bool> DataTransfers::NcclTransfer(
+    int server, transport::Connection& conn, transport::DataOp op, const std::string& group,
+    int64_t version, DType dtype, absl::Span<std::byte> part, int device) {
+  const bool gather = op == transport::DataOp::kGather;
+  for (int attempt = 0;; ++attempt) {
+    // This transfer's own link: others with this server run beside it on theirs.
+    absl::StatusOr<NcclLinks::Lease> lease = nccl_links_[server]->Acquire(device);
+    if (!lease.ok()) return {lease.status(), true};
+    NcclLink& link = **lease;
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(gather ? transport::DataOp::kNcclGather
+                                            : transport::DataOp::kNcclScatter);
+    header.dtype = static_cast<uint8_t>(dtype);
+    header.worker_rank = options_.worker_rank;
+    header.version = version;
+    header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+    const transport::NcclTarget target{link.channel(), part.size()};
+    absl::Status sent = transport::SendRequest(
+        conn, header, options_.job, group,
+        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target)));
+    if (!sent.ok()) return {sent, false};
+    absl::StatusOr<transport::Response> ready = transport::RecvResponse(conn, {});
+    if (!ready.ok()) return {ready.status(), false};
+    if (absl::IsNotFound(ready->status) && attempt == 0) {
+      lease->Drop();  // the server closed the channel after a failure: reopen
+      continue;
+    }
+    if (!ready->status.ok()) return {ready->status, true};
+    absl::Status moved = gather ? link.Recv(part.data(), part.size(), options_.timeout)
+                                : link.Send(part.data(), part.size(), options_.timeout);
+    if (!moved.ok()) return {moved, false};  // the server answers done with its own error
+    absl::StatusOr<transport::Response> done = transport::RecvResponse(conn, {});
+    if (!done.ok()) return {done.status(), false};
+    if (!done->status.ok()) return {done->status, true};
+    return {done->version, true};
+  }
+}
+
+// NCCL transfers with `servers`, each on its data channel, finishing `completion`.
+template <typename Result>
+void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& completion,
+                               transport::DataOp op, const std::string& group, int64_t version,
+                               DType dtype, const std::vector<absl::Span<std::byte>>& parts,
+                               const std::vector<int>& servers, int device) {
+  for (int i : servers) {
+    const absl::Span<std::byte> part = parts[i];
+    channels_[i]->Submit([=, this](absl::StatusOr<transport::Connection*> conn) {
+      if (!conn.ok()) {
+        completion->Finish(AtServer(i, conn.status()), 0);
+        return true;
+      }
+      auto [result, usable] = NcclTransfer(i, **conn, op, group, version, dtype, part, device);
+      completion->Finish(result.ok() ? absl::OkStatus() : AtServer(i, result.status()),
+                         result.value_or(0));
+      return usable;
+    });
+  }
+}
+
+// The TCP data plane for device buffers: through host copies of the slices of `servers`.
+absl::StatusOr<int64_t> DataTransfers::StagedTransfer(
+    transport::DataOp op, const std::string& group, int64_t version, DType dtype,
+    const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers) {
+  const bool gather = op == transport::DataOp::kGather;
+  std::vector<std::vector<std::byte>> staging(num_servers());
+  std::vector<absl::Span<const std::byte>> sends(num_servers());
+  std::vector<absl::Span<std::byte>> receives(num_servers());
+  for (int i : servers) {
+    staging[i].resize(parts[i].size());
+    if (!gather) {
+      FLATSHARD_RETURN_IF_ERROR(CopyToHost(staging[i].data(), parts[i].data(), parts[i].size()));
+    }
+    sends[i] = staging[i];
+    receives[i] = absl::MakeSpan(staging[i]);
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(
+      int64_t min_version,
+      Transfer<absl::StatusOr<int64_t>>(
+          op, group, version, dtype, gather ? std::vector<absl::Span<const std::byte>>{} : sends,
+          gather ? receives : std::vector<absl::Span<std::byte>>{}, servers)
+          .get());
+  if (gather) {
+    for (int i : servers) {
+      FLATSHARD_RETURN_IF_ERROR(
+          CopyToDevice(parts[i].data(), staging[i].data(), staging[i].size()));
+    }
+  }
+  return min_version;
+}
+
+// Gather into / scatter from a device buffer (`parts` are its per-server slices), each
+// server over the plane PlaneFor picks: CUDA IPC and NCCL move the bytes GPU to GPU,
+// TCP through host copies. Without TCP servers the requests go straight to the data
+// channels (no thread of its own, no copies).
+template <typename Result>
+std::future<Result> DataTransfers::DeviceTransfer(transport::DataOp op, const std::string& group,
+                                                  int64_t version, DType dtype,
+                                                  std::vector<absl::Span<std::byte>> parts,
+                                                  int device) {
+  absl::StatusOr<IpcExport> exported = ExportForIpc(parts[0].data());
+  std::vector<int> ipc_servers, nccl_servers, tcp_servers;
+  for (int i = 0; i < num_servers(); ++i) {
+    switch (PlaneFor(i, device, exported.ok())) {
+      case Plane::kCudaIpc:
+        ipc_servers.push_back(i);
+        break;
+      case Plane::kNccl:
+        nccl_servers.push_back(i);
+        break;
+      case Plane::kTcp:
+        tcp_servers.push_back(i);
+        break;
+    }
+  }
+  auto targets = std::make_shared<std::vector<transport::IpcTarget>>(num_servers());
+  std::vector<absl::Span<const std::byte>> target_bytes(num_servers());
+  for (int i : ipc_servers) {
+    transport::IpcTarget& target = (*targets)[i];
+    std::memcpy(target.handle, exported->handle.data(),
+                std::min(exported->handle.size(), sizeof(target.handle)));
+    target.offset = exported->offset + static_cast<uint64_t>(parts[i].data() - parts[0].data());
+    target.bytes = parts[i].size();
+    target_bytes[i] =
+        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target));
+  }
+  const transport::DataOp ipc_op = op == transport::DataOp::kGather
+                                       ? transport::DataOp::kIpcGather
+                                       : transport::DataOp::kIpcScatter;
+  // The GPU-to-GPU planes' requests, under one completion.
+  auto submit_gpu = [=, this](auto completion) {
+    // The IPC targets must outlive the requests, which the completion ends.
+    Submit(completion, ipc_op, group, version, dtype, target_bytes, {}, ipc_servers, targets);
+    SubmitNccl(completion, op, group, version, dtype, parts, nccl_servers, device);
+  };
+  const size_t gpu_servers = ipc_servers.size() + nccl_servers.size();
+  if (tcp_servers.empty()) {
+    auto completion = std::make_shared<Completion<Result>>(static_cast<int>(gpu_servers));
+    submit_gpu(completion);
+    return completion->future();
+  }
+  return std::async(std::launch::async, [=, this, parts = std::move(parts)]() -> Result {
+    std::future<absl::StatusOr<int64_t>> gpu;
+    if (gpu_servers > 0) {
+      auto completion =
+          std::make_shared<Completion<absl::StatusOr<int64_t>>>(static_cast<int>(gpu_servers));
+      gpu = completion->future();
+      submit_gpu(completion);
+    }
+    absl::StatusOr<int64_t> result = StagedTransfer(op, group, version, dtype, parts, tcp_servers);
+    if (gpu.valid()) {
+      absl::StatusOr<int64_t> gpu_result = gpu.get();
+      if (!gpu_result.ok()) {
+        result = gpu_result.status();
+      } else if (result.ok()) {
+        result = std::min(*result, *gpu_result);
+      }
+    }
+    if constexpr (std::is_same_v<Result, absl::Status>) {
+      return result.status();
+    } else {
+      return result;
+    }
+  });
+}
+
+// A gather into host memory. A server's part of gather_split_bytes or more comes in
+// ranges over several of its connections at once; if the group stepped between them
+// (that server's ranges saw different versions), that part is gathered again whole.
+// As for any gather, different servers' parts may hold different versions (async jobs);
+// the result is the lowest.
+std::future<absl::StatusOr<int64_t>> DataTransfers::HostGather(
+    const std::string& group, int64_t min_version, DType dtype,
+    std::vector<absl::Span<std::byte>> parts) {
+  using Result = absl::StatusOr<int64_t>;
+  const bool split = std::any_of(parts.begin(), parts.end(), [&](absl::Span<std::byte> part) {
+    return GatherRanges(part.size()) > 1;
+  });
+  if (!split)
+    return Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts);
+  std::vector<std::future<Result>> per_server;
+  for (int i = 0; i < num_servers(); ++i) {
+    const int64_t count = GatherRanges(parts[i].size());
+    auto completion =
+        std::make_shared<Completion<Result>>(static_cast<int>(count), /*same_version=*/count > 1);
+    per_server.push_back(completion->future());
+    if (count == 1) {
+      SubmitOne(completion, i, transport::DataOp::kGather, group, min_version, dtype, {}, parts[i],
+                nullptr);
+      continue;
+    }
+    // Range boundaries on 64 bytes: whole elements of every dtype.
+    const uint64_t bytes = parts[i].size();
+    const uint64_t step = (bytes / count + 63) / 64 * 64;
+    auto ranges = std::make_shared<std::vector<transport::GatherRange>>();
+    for (uint64_t offset = 0; offset < bytes; offset += step) {
+      ranges->push_back({offset, std::min(step, bytes - offset)});
+    }
+    for (const transport::GatherRange& range : *ranges) {
+      SubmitOne(completion, i, transport::DataOp::kGatherRange, group, min_version, dtype,
+                absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&range), sizeof(range)),
+                parts[i].subspan(range.offset, range.bytes), ranges);
+    }
+  }
+  return std::async(std::launch::async,
+                    [this, group, min_version, dtype, parts = std::move(parts),
+                     per_server = std::move(per_server)]() mutable -> Result {
+                      Result combined = std::numeric_limits<int64_t>::max();
+                      // Every part is waited for, even after an error: its requests write into
+                      // `parts`.
+                      for (int i = 0; i < num_servers(); ++i) {
+                        Result part = per_server[i].get();
+                        if (!part.ok() && part.status().message() == kTornGather) {
+                          part = Transfer<Result>(transport::DataOp::kGather, group, min_version,
+                                                  dtype, {}, parts, {i})
+                                     .get();
+                        }
+                        if (!part.ok()) {
+                          if (combined.ok()) combined = part.status();
+                        } else if (combined.ok()) {
+                          combined = std::min(*combined, *part);
+                        }
+                      }
+                      return combined;
+                    });
+}
+
+}  // namespace flatshard::client_internal

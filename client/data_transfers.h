@@ -1,0 +1,131 @@
+// DataTransfers: a worker's data plane to every server of the cluster. Per server it
+// holds the data connections (client/data_channel.h) and the NCCL links
+// (client/link_pool.h), and it moves a gather, scatter or initial push as one request per
+// server, each over the plane that pair allows: TCP for host buffers; for device
+// buffers CUDA IPC (server on the buffer's GPU), NCCL (server on another GPU) or TCP
+// through host staging, as ClientOptions::device_plane says. Internal to the client
+// library; Client::Gather and Client::Scatter document the caller's side. Thread-safe.
+//
+//   DataTransfers transfers(options, endpoints, open_nccl_channel);
+//   auto version = transfers.Gather("mlp", 0, DType::kFloat32, per_server_slices).get();
+#ifndef FLATSHARD_CLIENT_DATA_TRANSFERS_H_
+#define FLATSHARD_CLIENT_DATA_TRANSFERS_H_
+
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "client/completion.h"
+#include "client/data_channel.h"
+#include "client/link_pool.h"
+#include "client/nccl_link.h"
+#include "core/dtype.h"
+#include "flatshard/client.h"
+#include "transport/data_protocol.h"
+
+namespace flatshard::client_internal {
+
+// What a client learned about one server when it connected.
+struct ServerEndpoint {
+  std::string address;       // control address, for messages
+  std::string data_address;  // and the session, from OpenSession
+  std::string session_token;
+  std::string gpu_uuid;  // the GPU of a --memory=device server; empty otherwise
+  bool nccl = false;     // the server offers the NCCL plane
+};
+
+// The OpenNcclChannel RPC to server `server`: hands it `unique_id`, returns its channel.
+using OpenNcclChannel =
+    std::function<absl::StatusOr<uint64_t>(int server, const std::string& unique_id)>;
+
+class DataTransfers {
+ public:
+  // One endpoint per server in rank order; `open_channel` must stay callable for the
+  // object's lifetime. Opens nothing yet: connections and links open on first use.
+  // Destruction waits for the requests already handed to the data connections.
+  DataTransfers(ClientOptions options, std::vector<ServerEndpoint> servers,
+                OpenNcclChannel open_channel);
+
+  // `parts`: consecutive slices of one buffer (host or device memory), one per server in
+  // rank order, each that server's shard in `dtype`. The buffer must stay valid until
+  // the future is ready. Errors name the server.
+  std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version,
+                                              DType dtype,
+                                              std::vector<absl::Span<std::byte>> parts);
+  std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
+                                    std::vector<absl::Span<std::byte>> parts);
+  // Initial fp32 values, one host shard per server. Blocks.
+  [[nodiscard]] absl::Status PushInit(const std::string& group,
+                                      std::vector<absl::Span<const std::byte>> shards);
+
+  // Per server, the plane a buffer on this thread's GPU would use (Client::DataPlanes).
+  std::vector<std::string> PlaneNames() const;
+
+ private:
+  enum class Plane { kTcp, kCudaIpc, kNccl };
+  using NcclLinks = LinkPool<NcclLink>;
+
+  int num_servers() const { return static_cast<int>(servers_.size()); }
+  bool IpcReachable(int server, int device) const;
+  Plane PlaneFor(int server, int device, bool exportable) const;
+  absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device);
+  int64_t GatherRanges(size_t bytes) const;
+  absl::Status AtServer(int server, const absl::Status& status) const;
+
+  std::future<absl::StatusOr<int64_t>> HostGather(const std::string& group, int64_t min_version,
+                                                  DType dtype,
+                                                  std::vector<absl::Span<std::byte>> parts);
+  template <typename Result>
+  std::future<Result> DeviceTransfer(transport::DataOp op, const std::string& group,
+                                     int64_t version, DType dtype,
+                                     std::vector<absl::Span<std::byte>> parts, int device);
+  absl::StatusOr<int64_t> StagedTransfer(transport::DataOp op, const std::string& group,
+                                         int64_t version, DType dtype,
+                                         const std::vector<absl::Span<std::byte>>& parts,
+                                         const std::vector<int>& servers);
+  std::pair<absl::StatusOr<int64_t>, bool> NcclTransfer(int server, transport::Connection& conn,
+                                                        transport::DataOp op,
+                                                        const std::string& group, int64_t version,
+                                                        DType dtype, absl::Span<std::byte> part,
+                                                        int device);
+  template <typename Result>
+  void SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
+                  const std::string& group, int64_t version, DType dtype,
+                  const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,
+                  int device);
+  template <typename Result>
+  std::future<Result> Transfer(transport::DataOp op, const std::string& group, int64_t version,
+                               DType dtype, std::vector<absl::Span<const std::byte>> sends,
+                               std::vector<absl::Span<std::byte>> receives,
+                               std::vector<int> servers = {});
+  template <typename Result>
+  void Submit(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
+              const std::string& group, int64_t version, DType dtype,
+              const std::vector<absl::Span<const std::byte>>& sends,
+              const std::vector<absl::Span<std::byte>>& receives, const std::vector<int>& servers,
+              std::shared_ptr<const void> keep_alive);
+  template <typename Result>
+  void SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int server,
+                 transport::DataOp op, const std::string& group, int64_t version, DType dtype,
+                 absl::Span<const std::byte> send, absl::Span<std::byte> receive,
+                 std::shared_ptr<const void> keep_alive);
+
+  const ClientOptions options_;
+  const std::vector<ServerEndpoint> servers_;
+  const OpenNcclChannel open_channel_;
+  const bool nccl_loads_;  // some server offers NCCL and NCCL loads in this process
+  // Destroyed first (declared last): their threads finish tasks that use the rest.
+  std::vector<std::unique_ptr<NcclLinks>> nccl_links_;  // per server
+  std::vector<std::unique_ptr<DataChannel>> channels_;  // per server
+};
+
+}  // namespace flatshard::client_internal
+
+#endif  // FLATSHARD_CLIENT_DATA_TRANSFERS_H_

@@ -1,0 +1,99 @@
+#include "client/completion.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+namespace flatshard::client_internal {
+namespace {
+
+bool Ready(std::future<absl::StatusOr<int64_t>>& future) {
+  return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+TEST(CompletionTest, ReadyOnlyAfterTheLastPartWithTheLowestVersion) {
+  Completion<absl::StatusOr<int64_t>> completion(3);
+  auto future = completion.future();
+  completion.Finish(absl::OkStatus(), 7);
+  completion.Finish(absl::OkStatus(), 5);
+  EXPECT_FALSE(Ready(future));
+  completion.Finish(absl::OkStatus(), 6);
+  ASSERT_TRUE(Ready(future));
+  absl::StatusOr<int64_t> result = future.get();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(*result, 5);
+}
+
+TEST(CompletionTest, TheFirstErrorWinsAndVersionsOfFailedPartsAreIgnored) {
+  Completion<absl::Status> completion(3);
+  auto future = completion.future();
+  completion.Finish(absl::OkStatus(), 1);
+  completion.Finish(absl::UnavailableError("server a: gone"), 0);
+  completion.Finish(absl::InternalError("server b: broken"), 0);
+  const absl::Status status = future.get();
+  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
+  EXPECT_EQ(status.message(), "server a: gone");
+
+  Completion<absl::StatusOr<int64_t>> versioned(2);
+  auto versioned_future = versioned.future();
+  versioned.Finish(absl::OkStatus(), 4);
+  versioned.Finish(absl::DeadlineExceededError("late"), 99);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(versioned_future.get().status()));
+}
+
+TEST(CompletionTest, SameVersionRangesThatDifferEndTorn) {
+  Completion<absl::StatusOr<int64_t>> torn(2, /*same_version=*/true);
+  auto future = torn.future();
+  torn.Finish(absl::OkStatus(), 3);
+  torn.Finish(absl::OkStatus(), 4);
+  const absl::Status status = future.get().status();
+  EXPECT_TRUE(absl::IsAborted(status)) << status;
+  EXPECT_EQ(status.message(), kTornGather);
+
+  Completion<absl::StatusOr<int64_t>> agreed(2, /*same_version=*/true);
+  auto agreed_future = agreed.future();
+  agreed.Finish(absl::OkStatus(), 4);
+  agreed.Finish(absl::OkStatus(), 4);
+  EXPECT_EQ(agreed_future.get().value_or(-1), 4);
+
+  // Without same_version, parts at different versions are fine (different servers).
+  Completion<absl::StatusOr<int64_t>> servers(2);
+  auto servers_future = servers.future();
+  servers.Finish(absl::OkStatus(), 3);
+  servers.Finish(absl::OkStatus(), 4);
+  EXPECT_EQ(servers_future.get().value_or(-1), 3);
+}
+
+TEST(CompletionTest, AnErrorIsReportedRatherThanATornGather) {
+  Completion<absl::StatusOr<int64_t>> completion(3, /*same_version=*/true);
+  auto future = completion.future();
+  completion.Finish(absl::OkStatus(), 3);
+  completion.Finish(absl::OkStatus(), 4);
+  completion.Finish(absl::NotFoundError("group g"), 0);
+  EXPECT_TRUE(absl::IsNotFound(future.get().status()));
+}
+
+TEST(CompletionTest, PartsFinishingFromManyThreadsCompleteItOnce) {
+  constexpr int kThreads = 8, kPartsPerThread = 500;
+  auto completion = std::make_shared<Completion<absl::StatusOr<int64_t>>>(kThreads * kPartsPerThread);
+  auto future = completion->future();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([completion, t] {
+      for (int i = 0; i < kPartsPerThread; ++i) completion->Finish(absl::OkStatus(), 10 + t + i);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(future.get().value_or(-1), 10);
+}
+
+TEST(CompletionTest, ReadyFutureHoldsItsValue) {
+  EXPECT_TRUE(absl::IsInvalidArgument(ReadyFuture(absl::InvalidArgumentError("x")).get()));
+  EXPECT_EQ(ReadyFuture(absl::StatusOr<int64_t>(12)).get().value_or(-1), 12);
+}
+
+}  // namespace
+}  // namespace flatshard::client_internal
