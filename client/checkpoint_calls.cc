@@ -11,21 +11,10 @@
 #include "absl/synchronization/notification.h"
 #include "core/file.h"
 #include "core/status_macros.h"
+#include "proto/convert.h"
 
 namespace flatshard::client_internal {
 namespace {
-
-v1::CheckpointKind KindToProto(CheckpointKind kind) {
-  switch (kind) {
-    case CheckpointKind::kFull:
-      return v1::FULL;
-    case CheckpointKind::kSharded:
-      return v1::SHARDED;
-    case CheckpointKind::kLocal:
-      return v1::LOCAL;
-  }
-  return v1::CHECKPOINT_KIND_UNSPECIFIED;
-}
 
 // One chunk of an export into `out_dir`: announces, fills or closes a file.
 absl::Status WriteChunk(const std::string& out_dir, const v1::ExportChunk& chunk,
@@ -94,7 +83,7 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   v1::SaveCheckpointRequest request;
   request.set_async(async);
   request.set_name(name);
-  request.set_kind(KindToProto(kind));
+  request.set_kind(ToProto(kind));
   request.set_optimizer(optimizer);
   request.set_job(job_);
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
@@ -187,7 +176,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
     return absl::InvalidArgumentError("export: kind must be FULL or SHARDED");
   v1::ExportRequest request;
   request.set_job(job_);
-  request.set_kind(KindToProto(kind));
+  request.set_kind(ToProto(kind));
   request.set_optimizer(optimizer);
   request.set_chunk_bytes(export_chunk_bytes_);
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());

@@ -20,7 +20,8 @@ install(TARGETS ${_flatshard_exported}
         LIBRARY DESTINATION lib
         INCLUDES DESTINATION include)
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/client/include/flatshard DESTINATION include)
-install(FILES ${PROJECT_SOURCE_DIR}/core/dtype.h ${PROJECT_SOURCE_DIR}/core/layout.h
+install(FILES ${PROJECT_SOURCE_DIR}/core/checkpoint_kind.h
+              ${PROJECT_SOURCE_DIR}/core/dtype.h ${PROJECT_SOURCE_DIR}/core/layout.h
               ${PROJECT_SOURCE_DIR}/core/flat_buffer.h ${PROJECT_SOURCE_DIR}/core/float_bits.h
               ${PROJECT_SOURCE_DIR}/core/status_macros.h
         DESTINATION include/core)

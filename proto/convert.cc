@@ -29,6 +29,32 @@ absl::StatusOr<DType> FromProto(v1::DType dtype) {
   }
 }
 
+v1::CheckpointKind ToProto(CheckpointKind kind) {
+  switch (kind) {
+    case CheckpointKind::kFull:
+      return v1::FULL;
+    case CheckpointKind::kSharded:
+      return v1::SHARDED;
+    case CheckpointKind::kLocal:
+      return v1::LOCAL;
+  }
+  return v1::CHECKPOINT_KIND_UNSPECIFIED;
+}
+
+absl::StatusOr<CheckpointKind> FromProto(v1::CheckpointKind kind) {
+  switch (kind) {
+    case v1::FULL:
+      return CheckpointKind::kFull;
+    case v1::SHARDED:
+      return CheckpointKind::kSharded;
+    case v1::LOCAL:
+      return CheckpointKind::kLocal;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint kind ", static_cast<int>(kind),
+                                                     ": expected FULL, SHARDED or LOCAL"));
+  }
+}
+
 void ToProto(const std::vector<TensorSpec>& tensors,
              google::protobuf::RepeatedPtrField<v1::TensorSpec>* out) {
   for (const TensorSpec& spec : tensors) {

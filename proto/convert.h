@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/checkpoint_kind.h"
 #include "core/dtype.h"
 #include "core/layout.h"
 #include "proto/flatshard.pb.h"
@@ -15,6 +16,10 @@ namespace flatshard {
 v1::DType ToProto(DType dtype);  // precondition: IsFloatingParamDType(dtype)
 // InvalidArgument for DTYPE_UNSPECIFIED or an unknown value.
 [[nodiscard]] absl::StatusOr<DType> FromProto(v1::DType dtype);
+
+v1::CheckpointKind ToProto(CheckpointKind kind);
+// InvalidArgument for CHECKPOINT_KIND_UNSPECIFIED or an unknown value.
+[[nodiscard]] absl::StatusOr<CheckpointKind> FromProto(v1::CheckpointKind kind);
 
 void ToProto(const std::vector<TensorSpec>& tensors,
              google::protobuf::RepeatedPtrField<v1::TensorSpec>* out);

@@ -43,13 +43,7 @@ T Check(absl::StatusOr<T> value) {
 
 DType ToDType(const std::string& name) { return Check(ParseDType(name)); }
 
-CheckpointKind ToKind(const std::string& kind) {
-  if (kind == "full") return CheckpointKind::kFull;
-  if (kind == "sharded") return CheckpointKind::kSharded;
-  if (kind == "local") return CheckpointKind::kLocal;
-  Raise(absl::InvalidArgumentError(
-      absl::StrCat("checkpoint kind '", kind, "': expected full, sharded or local")));
-}
+CheckpointKind ToKind(const std::string& kind) { return Check(ParseCheckpointKind(kind)); }
 
 // A contiguous buffer of `bytes` bytes from any object with the buffer protocol.
 py::buffer_info Buffer(const py::buffer& buffer, bool writable) {

@@ -233,25 +233,6 @@ absl::Status WriteOwnFile(CheckpointSink& sink, int rank, CheckpointKind kind,
 
 }  // namespace
 
-absl::string_view CheckpointKindName(CheckpointKind kind) {
-  switch (kind) {
-    case CheckpointKind::kFull:
-      return "full";
-    case CheckpointKind::kSharded:
-      return "sharded";
-    case CheckpointKind::kLocal:
-      return "local";
-  }
-  return "?";
-}
-
-absl::StatusOr<CheckpointKind> ParseCheckpointKind(absl::string_view name) {
-  if (name == "full") return CheckpointKind::kFull;
-  if (name == "sharded") return CheckpointKind::kSharded;
-  if (name == "local") return CheckpointKind::kLocal;
-  return absl::InvalidArgumentError(absl::StrCat("checkpoint kind '", name, "': expected full, sharded or local"));
-}
-
 nlohmann::json TensorsJson(const FlatLayout& layout) {
   nlohmann::json tensors = nlohmann::json::array();
   for (const TensorSpec& t : layout.tensors()) {

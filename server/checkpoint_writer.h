@@ -24,15 +24,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "core/checkpoint_kind.h"
 #include "server/checkpoint_sink.h"
 #include "server/group.h"
 #include "server/registry.h"
 
 namespace flatshard::server {
-
-enum class CheckpointKind { kFull, kSharded, kLocal };
-absl::string_view CheckpointKindName(CheckpointKind kind);
-[[nodiscard]] absl::StatusOr<CheckpointKind> ParseCheckpointKind(absl::string_view name);
 
 // Unpins a group when a save or export is done with it. Not copyable: exactly one Unpin
 // per Pin.

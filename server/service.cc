@@ -56,19 +56,6 @@ class StreamSink final : public CheckpointSink {
   const size_t chunk_bytes_;
 };
 
-absl::StatusOr<CheckpointKind> KindFromProto(v1::CheckpointKind kind) {
-  switch (kind) {
-    case v1::FULL:
-      return CheckpointKind::kFull;
-    case v1::SHARDED:
-      return CheckpointKind::kSharded;
-    case v1::LOCAL:
-      return CheckpointKind::kLocal;
-    default:
-      return absl::InvalidArgumentError("kind: full, sharded or local");
-  }
-}
-
 absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
   const auto deadline = ctx->deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
@@ -233,7 +220,7 @@ grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
                                               const v1::SaveCheckpointRequest* request,
                                               v1::SaveCheckpointResponse*) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  absl::StatusOr<CheckpointKind> kind = KindFromProto(request->kind());
+  absl::StatusOr<CheckpointKind> kind = FromProto(request->kind());
   if (!kind.ok()) return ToGrpc(kind.status());
   const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
   const SaveOptions options{.async = request->async(),
@@ -292,7 +279,7 @@ grpc::Status FlatshardService::DeleteCheckpoint(grpc::ServerContext* ctx, const 
 grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, const v1::ExportRequest* request,
                                                grpc::ServerWriter<v1::ExportChunk>* writer) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  absl::StatusOr<CheckpointKind> kind = KindFromProto(request->kind());
+  absl::StatusOr<CheckpointKind> kind = FromProto(request->kind());
   if (!kind.ok()) return ToGrpc(kind.status());
   if (*kind == CheckpointKind::kLocal) {
     return ToGrpc(absl::InvalidArgumentError("export: kind must be full or sharded"));

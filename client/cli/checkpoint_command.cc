@@ -65,12 +65,8 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     err << "flatshard " << command << ": --name is required\n";
     return 2;
   }
-  CheckpointKind kind = CheckpointKind::kSharded;
-  if (options.kind == "full") {
-    kind = CheckpointKind::kFull;
-  } else if (options.kind == "local") {
-    kind = CheckpointKind::kLocal;
-  } else if (options.kind != "sharded") {
+  const absl::StatusOr<CheckpointKind> kind = ParseCheckpointKind(options.kind);
+  if (!kind.ok()) {
     err << "flatshard " << command << ": --kind must be full, sharded or local\n";
     return 2;
   }
@@ -100,11 +96,11 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
       printer(done, total);
     };
     if (command == "save") {
-      status = (*client)->SaveCheckpoint(options.name, kind, options.optimizer, options.async, progress);
+      status = (*client)->SaveCheckpoint(options.name, *kind, options.optimizer, options.async, progress);
     } else if (command == "load") {
       status = (*client)->LoadCheckpoint(options.name, progress);
     } else {
-      status = (*client)->ExportStateDict(options.out, kind, options.optimizer, progress);
+      status = (*client)->ExportStateDict(options.out, *kind, options.optimizer, progress);
     }
     if (*drawn && isatty(STDOUT_FILENO)) out << "\n";
   } else if (command == "delete") {

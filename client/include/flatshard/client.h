@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/checkpoint_kind.h"
 #include "core/dtype.h"
 #include "core/layout.h"
 
@@ -92,11 +93,6 @@ struct AdamOptions {
 };
 
 using OptimizerOptions = std::variant<SgdOptions, AdamOptions>;
-
-// FULL: safetensors by tensor name (loadable by PyTorch), any server count on load.
-// SHARDED: each server's pieces of the original tensors, any server count on load.
-// LOCAL: each server's flat shard as it is; same server count and layout on load.
-enum class CheckpointKind { kFull, kSharded, kLocal };
 
 struct CheckpointEntry {
   std::string name;
