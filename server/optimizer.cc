@@ -174,8 +174,8 @@ absl::Status ShardOptimizer::ReadStateSlice(absl::string_view name, int64_t offs
   if (buffer == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("no optimizer state '", name, "' in ", what_));
   }
-  if (offset < 0 || count < 0 || offset + count > buffer->numel()) {
-    return absl::OutOfRangeError(absl::StrCat("elements [", offset, ", ", offset + count, ") of ",
+  if (offset < 0 || count < 0 || offset > buffer->numel() - count) {  // no overflow
+    return absl::OutOfRangeError(absl::StrCat(count, " elements from ", offset, " of ",
                                               buffer->numel(), " in ", what_, " ", name));
   }
   return compute_->CopyToHost(buffer->floats() + offset, out, count);
