@@ -11,12 +11,16 @@
 #include "core/huge_pages.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
+#include "server/host_memory.h"
 #if FLATSHARD_HAVE_CUDA
 #include "server/cuda_shard_compute.h"
 #endif
 
 namespace flatshard::server {
 namespace {
+
+// Host allocations from this size on are checked against the memory left (host_memory.h).
+constexpr size_t kCheckedHostBytes = size_t{16} << 20;
 
 void FreeHost(void* data) { std::free(data); }
 
@@ -154,6 +158,11 @@ absl::Status NoCudaInThisBuild(absl::string_view name) {
 // groups do not take 2 MiB each.
 absl::StatusOr<ShardBuffer> AllocateHostUnwritten(size_t bytes, absl::string_view what) {
   if (bytes == 0) return ShardBuffer();
+  // Linux overcommits: beyond what the node (or cgroup) has, malloc would succeed and the
+  // first touch bring the OOM killer. Small buffers are not worth reading /proc for.
+  if (bytes >= kCheckedHostBytes) {
+    FLATSHARD_RETURN_IF_ERROR(CheckHostMemory(bytes, what, AvailableHostMemory()));
+  }
   constexpr size_t kAlign = size_t{2} << 20;
   const bool huge = bytes >= 4 * kAlign;
   const size_t rounded = huge ? (bytes + kAlign - 1) / kAlign * kAlign : bytes;

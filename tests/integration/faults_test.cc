@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <functional>
 
 #include "proto/flatshard.grpc.pb.h"
@@ -300,6 +301,26 @@ TEST_F(FaultsTest, GatherOfAFutureVersionTimesOut) {
   auto version = (*client)->Gather("g", 5, DType::kFloat32, AsBytes(full)).get();
   EXPECT_EQ(version.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(version.status().message()), HasSubstr("timed out waiting for version 5"));
+}
+
+// Linux overcommits, so without the server's own check the registration would succeed
+// and zeroing the shards would bring the OOM killer (server/host_memory.h).
+TEST_F(FaultsTest, AGroupLargerThanTheServersMemoryIsResourceExhausted) {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t total_kib = 0;
+  while (meminfo >> key && key != "MemTotal:") meminfo.ignore(1 << 10, '\n');
+  ASSERT_TRUE(meminfo >> total_kib) << "no MemTotal in /proc/meminfo";
+  // Per server: a float32 shard of four times the machine's memory. malloc would refuse
+  // that too, with another message: the test fails, rather than the machine, if the
+  // check is broken.
+  const int64_t numel = total_kib * 1024 * static_cast<int64_t>(cluster_.addresses().size());
+  auto layout = (*client_)->RegisterGroup("huge", {{"w", {numel}, DType::kFloat32}}, 0,
+                                          AdamOptions{});
+  EXPECT_TRUE(absl::IsResourceExhausted(layout.status())) << layout.status();
+  EXPECT_THAT(std::string(layout.status().message()), HasSubstr("group 'huge' parameters"));
+  EXPECT_THAT(std::string(layout.status().message()), HasSubstr("bytes of host memory asked"));
+  ExpectStepCompletes(0);
 }
 
 TEST_F(FaultsTest, ConnectRefusesOptionsOutOfRangeBeforeCallingAnyServer) {
