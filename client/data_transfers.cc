@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "client/device_memory.h"
 #include "core/status_macros.h"
@@ -18,7 +19,9 @@ DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> 
       // Loading NCCL costs; only a cluster with an NCCL plane needs it.
       nccl_loads_(std::any_of(servers_.begin(), servers_.end(),
                               [](const ServerEndpoint& server) { return server.nccl; }) &&
-                  NcclLink::Available()) {
+                  NcclLink::Available()),
+      staging_pool_(&AllocateStagingHost,
+                    options_.max_in_flight * static_cast<int>(servers_.size())) {
   for (int i = 0; i < num_servers(); ++i) {
     nccl_links_.push_back(std::make_unique<NcclLinks>(
         options_.max_in_flight, [this, i](int device) { return OpenLink(i, device); }));
@@ -260,16 +263,21 @@ absl::StatusOr<int64_t> DataTransfers::StagedTransfer(
     transport::DataOp op, const std::string& group, int64_t version, DType dtype,
     const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers) {
   const bool gather = op == transport::DataOp::kGather;
-  std::vector<std::vector<std::byte>> staging(num_servers());
+  std::vector<StagingBuffer> staging(num_servers());
+  // Every request has finished on every return path below: the buffers go back then.
+  absl::Cleanup give_back = [&] {
+    for (StagingBuffer& buffer : staging) {
+      if (buffer.data() != nullptr) staging_pool_.Give(std::move(buffer));
+    }
+  };
   std::vector<absl::Span<const std::byte>> sends(num_servers());
   std::vector<absl::Span<std::byte>> receives(num_servers());
   for (int i : servers) {
-    staging[i].resize(parts[i].size());
-    if (!gather) {
-      FLATSHARD_RETURN_IF_ERROR(CopyToHost(staging[i].data(), parts[i].data(), parts[i].size()));
-    }
-    sends[i] = staging[i];
-    receives[i] = absl::MakeSpan(staging[i]);
+    FLATSHARD_ASSIGN_OR_RETURN(staging[i], staging_pool_.Take(parts[i].size()));
+    receives[i] = staging[i].first(parts[i].size());
+    sends[i] = receives[i];
+    if (!gather)
+      FLATSHARD_RETURN_IF_ERROR(CopyToHost(receives[i].data(), parts[i].data(), parts[i].size()));
   }
   FLATSHARD_ASSIGN_OR_RETURN(
       int64_t min_version,
@@ -279,8 +287,7 @@ absl::StatusOr<int64_t> DataTransfers::StagedTransfer(
           .get());
   if (gather) {
     for (int i : servers) {
-      FLATSHARD_RETURN_IF_ERROR(
-          CopyToDevice(parts[i].data(), staging[i].data(), staging[i].size()));
+      FLATSHARD_RETURN_IF_ERROR(CopyToDevice(parts[i].data(), receives[i].data(), parts[i].size()));
     }
   }
   return min_version;

@@ -26,6 +26,7 @@
 #include "client/data_channel.h"
 #include "client/link_pool.h"
 #include "client/nccl_link.h"
+#include "client/staging_pool.h"
 #include "core/dtype.h"
 #include "flatshard/client.h"
 #include "transport/data_protocol.h"
@@ -121,6 +122,8 @@ class DataTransfers {
   const std::vector<ServerEndpoint> servers_;
   const OpenNcclChannel open_channel_;
   const bool nccl_loads_;  // some server offers NCCL and NCCL loads in this process
+  // Host staging for device buffers sent over TCP: as many as can be in flight at once.
+  StagingPool staging_pool_;
   // Destroyed first (declared last): their threads finish tasks that use the rest.
   std::vector<std::unique_ptr<NcclLinks>> nccl_links_;  // per server
   std::vector<std::unique_ptr<DataChannel>> channels_;  // per server

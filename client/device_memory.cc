@@ -1,5 +1,9 @@
 #include "client/device_memory.h"
 
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+
 #if FLATSHARD_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -8,8 +12,29 @@
 #endif
 
 namespace flatshard::client_internal {
+namespace {
+
+absl::StatusOr<StagingBuffer> AllocateHeap(size_t bytes) {
+  void* data = std::malloc(std::max<size_t>(bytes, 1));
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", bytes, " bytes of host staging memory"));
+  }
+  return StagingBuffer(data, bytes, &std::free);
+}
+
+}  // namespace
 
 #if FLATSHARD_HAVE_CUDA
+
+absl::StatusOr<StagingBuffer> AllocateStagingHost(size_t bytes) {
+  void* data = nullptr;
+  if (bytes > 0 && cudaHostAlloc(&data, bytes, cudaHostAllocPortable) == cudaSuccess) {
+    return StagingBuffer(data, bytes, [](void* pinned) { cudaFreeHost(pinned); });
+  }
+  cudaGetLastError();  // pinning failed (no driver, or too much pinned): use the heap
+  return AllocateHeap(bytes);
+}
 
 int DeviceOf(const void* ptr) { return kernels::cuda::DeviceOfPointer(ptr); }
 
@@ -49,6 +74,7 @@ namespace {
 absl::Status NoCuda() { return absl::FailedPreconditionError("this client was built without CUDA"); }
 }  // namespace
 
+absl::StatusOr<StagingBuffer> AllocateStagingHost(size_t bytes) { return AllocateHeap(bytes); }
 int DeviceOf(const void*) { return -1; }
 int CurrentDevice() { return -1; }
 absl::StatusOr<std::string> DeviceUuid(int) { return NoCuda(); }

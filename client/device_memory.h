@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "client/staging_pool.h"
 
 namespace flatshard::client_internal {
 
@@ -26,6 +27,11 @@ struct IpcExport {
 // it cannot be exported, or when the allocation is below 2 MiB (small cudaMallocs share
 // memory regions, which a server can map only once): those go through host staging.
 [[nodiscard]] absl::StatusOr<IpcExport> ExportForIpc(const void* ptr);
+
+// Host memory for staging transfers of `bytes` between a device buffer and TCP: pinned
+// (cudaHostAlloc) where that succeeds, plain heap memory otherwise. Not zeroed.
+// ResourceExhausted when neither can be had.
+[[nodiscard]] absl::StatusOr<StagingBuffer> AllocateStagingHost(size_t bytes);
 
 // Synchronous copies between device and host memory.
 [[nodiscard]] absl::Status CopyToDevice(void* device_dst, const void* host_src, size_t bytes);
