@@ -164,4 +164,21 @@ std::vector<TensorPiece> FlatLayout::MapRange(int64_t begin, int64_t end) const 
   return pieces;
 }
 
+std::vector<std::pair<int64_t, int64_t>> FlatLayout::ShardPaddingRuns(int rank) const {
+  const int64_t base = rank * shard_numel_;
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  int64_t covered = 0;  // shard offset up to which elements are accounted for
+  auto pad_to = [&](int64_t offset) {
+    if (offset <= covered) return;
+    runs.emplace_back(covered, offset - covered);
+    covered = offset;
+  };
+  for (const TensorPiece& piece : MapRange(base, base + shard_numel_)) {
+    pad_to(piece.flat_offset - base);
+    covered = piece.flat_offset - base + piece.numel;
+  }
+  pad_to(shard_numel_);
+  return runs;
+}
+
 }  // namespace flatshard

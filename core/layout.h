@@ -106,6 +106,11 @@ class FlatLayout {
   // The tensor pieces covering the flat range [begin, end), in order, skipping alignment
   // and shard padding. Precondition: 0 <= begin <= end <= padded_numel().
   std::vector<TensorPiece> MapRange(int64_t begin, int64_t end) const;
+  // The padding of shard `rank` (alignment gaps and the zeros appended to the shard) as
+  // runs {offset in the shard, count}, in order, adjacent runs merged; with the pieces
+  // MapRange gives for the shard's range they tile [0, shard_numel()).
+  // Precondition: 0 <= rank < num_shards().
+  std::vector<std::pair<int64_t, int64_t>> ShardPaddingRuns(int rank) const;
   // Flat index of element `intra_index` of tensor `tensor_index` (the inverse of
   // MapRange). Precondition: 0 <= intra_index < tensor_numel(tensor_index).
   int64_t FlatIndex(int tensor_index, int64_t intra_index) const {

@@ -68,6 +68,7 @@ Group::Group(std::string job, std::string name, FlatLayout layout, int rank,
       layout_(std::move(layout)),
       rank_(rank),
       job_settings_(job_settings),
+      padding_runs_(layout_.ShardPaddingRuns(rank)),
       compute_(std::move(compute)),
       params_(std::move(params)),
       grad_(std::move(grad)),
@@ -287,6 +288,7 @@ absl::StatusOr<CommitOutcome> Group::CommitAsync(const ReceiveSlot& slot) {
     FLATSHARD_RETURN_IF_ERROR(compute_->Scale(
         grad_.floats(), numel, 1.0f / static_cast<float>(job_settings_.num_workers)));
   }
+  FLATSHARD_RETURN_IF_ERROR(ZeroGradientPadding());
   last_async_step_[slot.worker_rank] = slot.step;
   FLATSHARD_RETURN_IF_ERROR(StepOptimizer());
   return CommitOutcome::kApplied;
@@ -328,7 +330,7 @@ absl::Status Group::ReduceContributions() {
       compute_->tier() != MemoryTier::kDevice && slot_data_[0] == staging_[0].data() &&
       staging_[0].size() == grad_.size()) {
     std::swap(staging_[0], grad_);
-    return absl::OkStatus();
+    return ZeroGradientPadding();
   }
   // Worker-rank order makes the fp32 sum bitwise reproducible.
   std::vector<kernels::Contribution> contributions;
@@ -339,8 +341,16 @@ absl::Status Group::ReduceContributions() {
                           ? 1.0f / static_cast<float>(job_settings_.num_workers)
                           : 1.0f;
   FLATSHARD_RETURN_IF_ERROR(compute_->Reduce(contributions, grad_.floats(), shard_numel(), alpha));
+  FLATSHARD_RETURN_IF_ERROR(ZeroGradientPadding());
   // The staging slots are free for the next step only once the kernels have read them.
   return compute_->Synchronize();
+}
+
+absl::Status Group::ZeroGradientPadding() {
+  for (const auto& [offset, count] : padding_runs_) {
+    FLATSHARD_RETURN_IF_ERROR(compute_->Zero(grad_.floats() + offset, count));
+  }
+  return absl::OkStatus();
 }
 
 void Group::AwaitUnpinned() const {

@@ -212,6 +212,9 @@ class Group {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDeviceTier(absl::string_view what) const;
   absl::Status ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Zeroes grad_ at the shard's padding, whatever the workers sent there: padding never
+  // counts in norms or optimizer results (DESIGN.md, flat layout rule 5).
+  absl::Status ZeroGradientPadding() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StepOptimizer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<CommitOutcome> CommitAsync(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishNewValues() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -230,6 +233,7 @@ class Group {
   const FlatLayout layout_;
   const int rank_;
   const JobSettings job_settings_;
+  const std::vector<std::pair<int64_t, int64_t>> padding_runs_;  // {offset, count} in the shard
 
   mutable absl::Mutex mu_;
   // Kernels and memory of the tier; calls are serialized by mu_.

@@ -118,6 +118,33 @@ TEST_F(LayoutPropertyTest, EveryPaddedElementMapsExactlyOnce) {
   }
 }
 
+// ShardPaddingRuns marks exactly the elements of each shard that no tensor owns, in
+// ordered, merged runs.
+TEST_F(LayoutPropertyTest, PaddingRunsAreExactlyTheUnownedElementsOfEachShard) {
+  for (int trial = 0; trial < 3000; ++trial) {
+    const RandomSpec spec = MakeRandomSpec(rng_);
+    absl::StatusOr<FlatLayout> layout = FlatLayout::Create(spec.tensors, spec.align, spec.shards);
+    ASSERT_TRUE(layout.ok());
+    std::vector<Owner> owners = ReferenceOwners(spec);
+    owners.resize(layout->padded_numel());
+    for (int rank = 0; rank < spec.shards; ++rank) {
+      const int64_t base = rank * layout->shard_numel();
+      std::vector<bool> padding(layout->shard_numel(), false);
+      int64_t previous_end = -1;
+      for (const auto& [offset, count] : layout->ShardPaddingRuns(rank)) {
+        ASSERT_GT(count, 0);
+        ASSERT_GT(offset, previous_end) << "runs overlap, touch or are out of order";
+        previous_end = offset + count;
+        ASSERT_LE(previous_end, layout->shard_numel());
+        for (int64_t k = offset; k < offset + count; ++k) padding[k] = true;
+      }
+      for (int64_t k = 0; k < layout->shard_numel(); ++k) {
+        ASSERT_EQ(padding[k], owners[base + k].tensor < 0) << "trial " << trial << " rank " << rank << " k " << k;
+      }
+    }
+  }
+}
+
 TEST_F(LayoutPropertyTest, RandomRangesRoundTrip) {
   for (int trial = 0; trial < 3000; ++trial) {
     const RandomSpec spec = MakeRandomSpec(rng_);

@@ -51,6 +51,40 @@ TEST(GroupTest, StepAppliesOnceAllWorkersContributed) {
   EXPECT_EQ(Params(group), (std::vector<float>{-111, -222, -333}));  // SGD lr 1, sum
 }
 
+// Workers may send anything at padding positions (a whole padded buffer): it never counts
+// in the norm, never moves the parameters there, and every path to the reduced gradient
+// (one float32 worker's slot, the reduction of several, async application) drops it.
+TEST(GroupTest, PaddingGradientNeverReachesNormsOrParameters) {
+  // a: flat [0, 3), alignment padding at 3, b: [4, 6); 4 shards of 2: shard 1 is
+  // {a[2], padding}, shard 3 is all padding.
+  auto layout = FlatLayout::Create({{"a", {3}, DType::kFloat32}, {"b", {2}, DType::kFloat32}}, 4, 4);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_EQ(layout->shard_numel(), 2);
+  const std::vector<JobSettings> jobs = {
+      {.num_workers = 1, .max_grad_norm = 100.0},
+      {.num_workers = 2, .reduce_mean = false, .max_grad_norm = 100.0},
+  };
+  for (const JobSettings& job : jobs) {
+    for (int rank : {1, 3}) {
+      std::shared_ptr<Group> group = *Group::Create("job", "g", *layout, rank, job,
+                                                    kernels::AdamHyperparams{.lr = 0.1f});
+      for (int worker = 0; worker < job.num_workers; ++worker) {
+        ASSERT_TRUE(Contribute(*group, 0, worker, {3.0f, 7.0f}).ok());
+      }
+      const double real = rank == 1 ? 3.0 * job.num_workers : 0.0;  // a[2] only
+      EXPECT_EQ(*group->NormPartial(2.0), real * real) << "workers " << job.num_workers << " rank " << rank;
+      ASSERT_TRUE(group->FinishClippedStep(0, 1.0f).ok());
+      const std::vector<float> params = Params(*group);
+      EXPECT_EQ(params[1], 0.0f) << "padding moved";
+      EXPECT_EQ(params[0] != 0.0f, rank == 1);
+    }
+  }
+  std::shared_ptr<Group> async = *Group::Create(
+      "job", "g", *layout, 1, JobSettings{.num_workers = 2, .async = true}, kernels::SgdHyperparams{.lr = 1.0f});
+  ASSERT_TRUE(Contribute(*async, 0, 1, {2.0f, 5.0f}).ok());
+  EXPECT_EQ(Params(*async), (std::vector<float>{-1.0f, 0.0f}));  // mean over 2 workers
+}
+
 TEST(GroupTest, MeanReductionInRankOrderIsReproducible) {
   // Arrival order must not change a bit: the sum runs in worker-rank order.
   const std::vector<std::vector<float>> grads = {{1e8f, 1, 0.1f}, {1, -1e8f, 0.2f}, {-1e8f, 3, 0.3f}};
