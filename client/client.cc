@@ -65,8 +65,12 @@ class ClientImpl final : public Client {
     checkpoints_ = std::make_unique<client_internal::CheckpointCalls>(*control_, options_.job,
                                                                       options_.export_chunk_bytes);
     transfers_ = std::make_unique<client_internal::DataTransfers>(
-        options_, std::move(endpoints), [this](int server, const std::string& unique_id) {
-          return OpenNcclChannel(server, unique_id);
+        options_, std::move(endpoints),
+        client_internal::ControlCalls{
+            .open_nccl_channel = [this](int server, const std::string& unique_id) {
+              return OpenNcclChannel(server, unique_id);
+            },
+            .open_session = [this](int server) { return OpenSession(server); },
         });
     return absl::OkStatus();
   }
@@ -240,18 +244,23 @@ class ClientImpl final : public Client {
                        absl::StrJoin(cluster, ","), "]; this client expects rank ", i, " of [",
                        absl::StrJoin(options_.servers, ","), "]"));
     }
-    v1::OpenSessionRequest session_request;
-    session_request.set_worker_rank(options_.worker_rank);
-    v1::OpenSessionResponse session;
-    FLATSHARD_RETURN_IF_ERROR(
-        control_->Call(i, &v1::Flatshard::Stub::OpenSession, session_request, &session));
+    FLATSHARD_ASSIGN_OR_RETURN(client_internal::DataSession session, OpenSession(i));
     return client_internal::ServerEndpoint{
         .address = address,
-        .data_address = session.data_address(),
-        .session_token = session.session_token(),
+        .session = std::move(session),
         .gpu_uuid = info.gpu_uuid(),
         .nccl = !info.nccl_version().empty(),
     };
+  }
+
+  // This worker's data-plane session with server i: where to connect, what to present.
+  absl::StatusOr<client_internal::DataSession> OpenSession(int server) {
+    v1::OpenSessionRequest request;
+    request.set_worker_rank(options_.worker_rank);
+    v1::OpenSessionResponse response;
+    FLATSHARD_RETURN_IF_ERROR(
+        control_->Call(server, &v1::Flatshard::Stub::OpenSession, request, &response));
+    return client_internal::DataSession{response.data_address(), response.session_token()};
   }
 
   absl::StatusOr<uint64_t> OpenNcclChannel(int server, const std::string& unique_id) {

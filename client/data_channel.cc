@@ -6,11 +6,9 @@
 
 namespace flatshard::client_internal {
 
-DataChannel::DataChannel(std::string data_address, std::string session_token, int connections,
+DataChannel::DataChannel(DataSession session, SessionOpener renew, int connections,
                          absl::Duration timeout)
-    : data_address_(std::move(data_address)),
-      session_token_(std::move(session_token)),
-      timeout_(timeout) {
+    : renew_(std::move(renew)), timeout_(timeout), session_(std::move(session)) {
   for (int i = 0; i < std::max(1, connections); ++i) threads_.emplace_back([this] { Run(); });
 }
 
@@ -28,17 +26,41 @@ void DataChannel::Submit(DataTask task) {
 }
 
 absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open() {
+  DataSession session;
+  {
+    absl::MutexLock lock(&session_mu_);
+    session = session_;
+  }
+  absl::StatusOr<std::unique_ptr<transport::Connection>> conn = Hello(session);
+  if (conn.ok() || !absl::IsUnauthenticated(conn.status()) || renew_ == nullptr) return conn;
+  // The server does not know the session: it restarted. Unless another connection has
+  // renewed it meanwhile, open a new one.
+  DataSession renewed;
+  {
+    absl::MutexLock lock(&session_mu_);
+    if (session_.token != session.token) renewed = session_;
+  }
+  if (renewed.token.empty()) {
+    FLATSHARD_ASSIGN_OR_RETURN(renewed, renew_());
+    absl::MutexLock lock(&session_mu_);
+    session_ = renewed;
+  }
+  return Hello(renewed);
+}
+
+absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Hello(
+    const DataSession& session) const {
   std::string host;
   int port = 0;
-  FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(data_address_, host, port));
+  FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(session.data_address, host, port));
   FLATSHARD_ASSIGN_OR_RETURN(auto conn, transport::ConnectTcp(host, port, timeout_));
   FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(timeout_));
   transport::RequestHeader hello;
   hello.op = static_cast<uint8_t>(transport::DataOp::kHello);
   FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(
       *conn, hello, "", "",
-      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(session_token_.data()),
-                          session_token_.size())));
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(session.token.data()),
+                          session.token.size())));
   FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(*conn, {}));
   FLATSHARD_RETURN_IF_ERROR(response.status);
   return conn;
@@ -59,6 +81,9 @@ void DataChannel::Run() {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
+    // An idle connection the server has closed (it restarted, or the connection sat idle
+    // past its limit) would fail the task: open a fresh one instead.
+    if (conn != nullptr && conn->PeerClosed()) conn.reset();
     if (conn == nullptr) {
       absl::StatusOr<std::unique_ptr<transport::Connection>> opened = Open();
       if (!opened.ok()) {

@@ -1,9 +1,11 @@
 // DataChannel: a worker's data connections to one server. Holds up to `connections`
 // TCP connections, each driven by its own thread that takes tasks from a shared queue,
 // so at most that many transfers to the server run at once. A connection that fails is
-// dropped and a fresh one (with a fresh hello) is opened for the next task. Thread-safe.
+// dropped and a fresh one (with a fresh hello) is opened for the next task. When the
+// server no longer knows the session (it restarted), the channel opens a new one through
+// `renew` (the OpenSession RPC) and says hello again. Thread-safe.
 //
-//   DataChannel channel("127.0.0.1:7071", token, 2, absl::Seconds(30));
+//   DataChannel channel({"127.0.0.1:7071", token}, renew, 2, absl::Seconds(30));
 //   channel.Submit([](absl::StatusOr<transport::Connection*> conn) { ... });
 #ifndef FLATSHARD_CLIENT_DATA_CHANNEL_H_
 #define FLATSHARD_CLIENT_DATA_CHANNEL_H_
@@ -22,25 +24,35 @@
 
 namespace flatshard::client_internal {
 
+// Where a worker's data connections to one server go, and the token they present.
+struct DataSession {
+  std::string data_address;
+  std::string token;
+};
+// Opens a new session with the server (the OpenSession RPC).
+using SessionOpener = std::function<absl::StatusOr<DataSession>()>;
+
 // Runs with a ready, authenticated connection, or with the error that prevented one.
 // Returns false if it left the connection unusable (it is then closed).
 using DataTask = std::function<bool(absl::StatusOr<transport::Connection*>)>;
 
 class DataChannel {
  public:
-  DataChannel(std::string data_address, std::string session_token, int connections,
-              absl::Duration timeout);
+  DataChannel(DataSession session, SessionOpener renew, int connections, absl::Duration timeout);
   ~DataChannel();  // finishes queued tasks, then joins the threads
 
   void Submit(DataTask task);
 
  private:
   void Run();
+  // A connection that said hello with the current session, renewed once if refused.
   absl::StatusOr<std::unique_ptr<transport::Connection>> Open();
+  absl::StatusOr<std::unique_ptr<transport::Connection>> Hello(const DataSession& session) const;
 
-  const std::string data_address_;
-  const std::string session_token_;
+  const SessionOpener renew_;
   const absl::Duration timeout_;
+  absl::Mutex session_mu_;
+  DataSession session_ ABSL_GUARDED_BY(session_mu_);
   absl::Mutex mu_;
   std::deque<DataTask> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -12,10 +12,10 @@
 namespace flatshard::client_internal {
 
 DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> servers,
-                             OpenNcclChannel open_channel)
+                             ControlCalls calls)
     : options_(std::move(options)),
       servers_(std::move(servers)),
-      open_channel_(std::move(open_channel)),
+      calls_(std::move(calls)),
       // Loading NCCL costs; only a cluster with an NCCL plane needs it.
       nccl_loads_(std::any_of(servers_.begin(), servers_.end(),
                               [](const ServerEndpoint& server) { return server.nccl; }) &&
@@ -25,9 +25,9 @@ DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> 
   for (int i = 0; i < num_servers(); ++i) {
     nccl_links_.push_back(std::make_unique<NcclLinks>(
         options_.max_in_flight, [this, i](int device) { return OpenLink(i, device); }));
-    channels_.push_back(
-        std::make_unique<DataChannel>(servers_[i].data_address, servers_[i].session_token,
-                                      options_.max_in_flight, options_.timeout + absl::Seconds(5)));
+    channels_.push_back(std::make_unique<DataChannel>(
+        servers_[i].session, [this, i] { return calls_.open_session(i); }, options_.max_in_flight,
+        options_.timeout + absl::Seconds(5)));
   }
 }
 
@@ -117,7 +117,7 @@ absl::Status DataTransfers::AtServer(int server, const absl::Status& status) con
 // A new NCCL link with server i on `device`: the OpenNcclChannel RPC, then the join.
 absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, int device) {
   auto open_channel = [&](const std::string& unique_id) {
-    return open_channel_(server, unique_id);
+    return calls_.open_nccl_channel(server, unique_id);
   };
   FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<NcclLink> link,
                              NcclLink::Open(device, options_.timeout, open_channel));

@@ -35,24 +35,26 @@ namespace flatshard::client_internal {
 
 // What a client learned about one server when it connected.
 struct ServerEndpoint {
-  std::string address;       // control address, for messages
-  std::string data_address;  // and the session, from OpenSession
-  std::string session_token;
+  std::string address;   // control address, for messages
+  DataSession session;   // from OpenSession
   std::string gpu_uuid;  // the GPU of a --memory=device server; empty otherwise
   bool nccl = false;     // the server offers the NCCL plane
 };
 
-// The OpenNcclChannel RPC to server `server`: hands it `unique_id`, returns its channel.
-using OpenNcclChannel =
-    std::function<absl::StatusOr<uint64_t>(int server, const std::string& unique_id)>;
+// The control-plane calls the data plane makes, on server `server`.
+struct ControlCalls {
+  // OpenNcclChannel: hands the server `unique_id`, returns its channel.
+  std::function<absl::StatusOr<uint64_t>(int server, const std::string& unique_id)> open_nccl_channel;
+  // OpenSession: a new data session, for a server that restarted.
+  std::function<absl::StatusOr<DataSession>(int server)> open_session;
+};
 
 class DataTransfers {
  public:
-  // One endpoint per server in rank order; `open_channel` must stay callable for the
-  // object's lifetime. Opens nothing yet: connections and links open on first use.
+  // One endpoint per server in rank order; `calls` must stay callable for the object's
+  // lifetime. Opens nothing yet: connections and links open on first use.
   // Destruction waits for the requests already handed to the data connections.
-  DataTransfers(ClientOptions options, std::vector<ServerEndpoint> servers,
-                OpenNcclChannel open_channel);
+  DataTransfers(ClientOptions options, std::vector<ServerEndpoint> servers, ControlCalls calls);
 
   // `parts`: consecutive slices of one buffer (host or device memory), one per server in
   // rank order, each that server's shard in `dtype`. The buffer must stay valid until
@@ -120,7 +122,7 @@ class DataTransfers {
 
   const ClientOptions options_;
   const std::vector<ServerEndpoint> servers_;
-  const OpenNcclChannel open_channel_;
+  const ControlCalls calls_;
   const bool nccl_loads_;  // some server offers NCCL and NCCL loads in this process
   // Host staging for device buffers sent over TCP: as many as can be in flight at once.
   StagingPool staging_pool_;

@@ -44,6 +44,10 @@ class Connection {
   // Unblocks a Send or Recv in progress on another thread; later calls fail.
   virtual void Shutdown() = 0;
 
+  // For an idle connection (no bytes expected): whether the peer has closed or reset its
+  // end, so that a request sent now would fail. Does not block; reads nothing.
+  virtual bool PeerClosed() = 0;
+
   // "127.0.0.1:41234", for logs and errors.
   virtual std::string peer() const = 0;
 };

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -475,6 +476,47 @@ TEST(CheckpointIntegrationTest, AsyncSaveIsAConsistentCutWhileTrainingContinues)
 
 namespace flatshard {
 namespace {
+
+// A worker's Client outlives a server restart: once the job is configured, its group
+// registered and a checkpoint loaded again (the restarted server comes back empty), the
+// same Client gathers and scatters on. Its idle data connections to the old process are
+// replaced, and the session the new process does not know is opened again.
+TEST(CheckpointIntegrationTest, AClientOutlivesAServerRestart) {
+  const std::string root = FreshDir("ckpt-restart");
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const std::vector<TensorSpec> tensors = {{"w", {1000}, DType::kFloat32}, {"b", {7}, DType::kFloat32}};
+  auto setup = [&] {
+    absl::Status configured;
+    for (int attempt = 0; attempt < 100; ++attempt) {  // while the server starts
+      configured = (*client)->ConfigureJob({});
+      if (!absl::IsUnavailable(configured)) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    if (!configured.ok()) return configured;
+    return (*client)->RegisterGroup("g", tensors, 0, AdamOptions{.lr = 0.01}).status();
+  };
+  ASSERT_TRUE(setup().ok());
+  const FlatLayout& layout = **(*client)->RegisterGroup("g", tensors, 0, AdamOptions{.lr = 0.01});
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 3).ok());
+  std::vector<float> grad(layout.padded_numel(), 0.25f);  // padding too: it must not count
+  ASSERT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  std::vector<float> saved(layout.padded_numel());
+  ASSERT_EQ((*client)->Gather("g", 1, DType::kFloat32, AsBytes(saved)).get().value_or(-1), 1);
+  ASSERT_TRUE((*client)->SaveCheckpoint("before-restart", CheckpointKind::kSharded, true).ok());
+
+  cluster.Restart(1);
+  ASSERT_TRUE(setup().ok());
+  ASSERT_TRUE((*client)->LoadCheckpoint("before-restart").ok());
+  std::vector<float> loaded(layout.padded_numel(), -1.0f);
+  absl::StatusOr<int64_t> version = (*client)->Gather("g", 0, DType::kFloat32, AsBytes(loaded)).get();
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 1);
+  EXPECT_EQ(std::memcmp(loaded.data(), saved.data(), saved.size() * sizeof(float)), 0);
+  ASSERT_TRUE((*client)->Scatter("g", 1, DType::kFloat32, AsBytes(grad)).get().ok());
+  EXPECT_EQ((*client)->Gather("g", 2, DType::kFloat32, AsBytes(loaded)).get().value_or(-1), 2);
+}
 
 TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIntact) {
   const std::string root = FreshDir("ckpt-kill");

@@ -102,7 +102,16 @@ class TestCluster {
         args.insert(args.end(), extra_args[i].begin(), extra_args[i].end());
       }
       pids_.push_back(SpawnServer(args));
+      args_.push_back(std::move(args));
     }
+  }
+
+  // Kills server `rank` (SIGKILL: nothing saved, nothing said to peers or clients) and
+  // starts it again with the same flags; it comes back empty.
+  void Restart(int rank) {
+    kill(pids_[rank], SIGKILL);
+    StopServer(pids_[rank]);
+    pids_[rank] = SpawnServer(args_[rank]);
   }
 
   ~TestCluster() {
@@ -172,6 +181,7 @@ class TestCluster {
   std::string token_;
   std::vector<std::string> addresses_;
   std::vector<pid_t> pids_;
+  std::vector<std::vector<std::string>> args_;  // per server
 };
 
 }  // namespace flatshard::testing

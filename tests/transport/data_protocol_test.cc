@@ -41,6 +41,7 @@ class LoopbackConnection final : public Connection {
   }
   absl::Status SetTimeout(absl::Duration) override { return absl::OkStatus(); }
   void Shutdown() override {}
+  bool PeerClosed() override { return false; }
   std::string peer() const override { return "loopback"; }
 
   size_t unread() const { return bytes_.size() - read_; }

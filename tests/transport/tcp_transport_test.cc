@@ -180,6 +180,24 @@ TEST(TcpTransportTest, ShutdownUnblocksARecvOnAnotherThread) {
   EXPECT_FALSE(pair.server->Recv(Bytes(buffer)).ok());  // later calls fail too
 }
 
+TEST(TcpTransportTest, PeerClosedSeesAClosedPeerButNotPendingData) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  EXPECT_FALSE(pair.client->PeerClosed());
+  ASSERT_TRUE(pair.server->Send({Bytes(RandomBytes(1, 12))}).ok());
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(pair.client->PeerClosed());  // a byte waits: open, and the byte stays
+  std::vector<uint8_t> byte(1);
+  ASSERT_TRUE(pair.client->Recv(Bytes(byte)).ok());
+  pair.server.reset();
+  bool closed = false;
+  for (int i = 0; i < 100 && !closed; ++i) {  // the FIN crosses loopback at once
+    closed = pair.client->PeerClosed();
+    if (!closed) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(closed);
+}
+
 TEST(TcpTransportTest, ListenerShutdownUnblocksAccept) {
   auto listener = ListenTcp("127.0.0.1", 0);
   ASSERT_TRUE(listener.ok()) << listener.status();

@@ -142,6 +142,14 @@ class TcpConnection final : public Connection {
 
   void Shutdown() override { shutdown(fd_, SHUT_RDWR); }
 
+  bool PeerClosed() override {
+    pollfd pfd{fd_, POLLIN | POLLRDHUP, 0};
+    if (poll(&pfd, 1, 0) <= 0) return false;  // nothing pending: open
+    if (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) return true;
+    std::byte byte;  // readable: a FIN reads as 0 bytes, an unexpected byte as data
+    return recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT) <= 0;
+  }
+
   std::string peer() const override { return peer_; }
 
  private:
