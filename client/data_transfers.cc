@@ -31,6 +31,28 @@ DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> 
   }
 }
 
+DataTransfers::~DataTransfers() {
+  absl::MutexLock lock(&aside_mu_);
+  aside_mu_.Await(absl::Condition(
+      +[](int* running) { return *running == 0; }, &aside_running_));
+}
+
+template <typename Work>
+auto DataTransfers::RunAside(Work work) -> std::future<decltype(work())> {
+  {
+    absl::MutexLock lock(&aside_mu_);
+    ++aside_running_;
+  }
+  return std::async(std::launch::async, [this, work = std::move(work)]() mutable {
+    // Counted down once `work` is done with this object; the future is set after.
+    absl::Cleanup done = [this] {
+      absl::MutexLock lock(&aside_mu_);
+      --aside_running_;
+    };
+    return work();
+  });
+}
+
 std::future<absl::StatusOr<int64_t>> DataTransfers::Gather(
     const std::string& group, int64_t min_version, DType dtype,
     std::vector<absl::Span<std::byte>> parts) {
@@ -343,7 +365,7 @@ std::future<Result> DataTransfers::DeviceTransfer(transport::DataOp op, const st
     submit_gpu(completion);
     return completion->future();
   }
-  return std::async(std::launch::async, [=, this, parts = std::move(parts)]() -> Result {
+  return RunAside([=, this, parts = std::move(parts)]() -> Result {
     std::future<absl::StatusOr<int64_t>> gpu;
     if (gpu_servers > 0) {
       auto completion =
@@ -406,27 +428,26 @@ std::future<absl::StatusOr<int64_t>> DataTransfers::HostGather(
                 parts[i].subspan(range.offset, range.bytes), ranges);
     }
   }
-  return std::async(std::launch::async,
-                    [this, group, min_version, dtype, parts = std::move(parts),
-                     per_server = std::move(per_server)]() mutable -> Result {
-                      Result combined = std::numeric_limits<int64_t>::max();
-                      // Every part is waited for, even after an error: its requests write into
-                      // `parts`.
-                      for (int i = 0; i < num_servers(); ++i) {
-                        Result part = per_server[i].get();
-                        if (!part.ok() && part.status().message() == kTornGather) {
-                          part = Transfer<Result>(transport::DataOp::kGather, group, min_version,
-                                                  dtype, {}, parts, {i})
-                                     .get();
-                        }
-                        if (!part.ok()) {
-                          if (combined.ok()) combined = part.status();
-                        } else if (combined.ok()) {
-                          combined = std::min(*combined, *part);
-                        }
-                      }
-                      return combined;
-                    });
+  return RunAside([this, group, min_version, dtype, parts = std::move(parts),
+                   per_server = std::move(per_server)]() mutable -> Result {
+    Result combined = std::numeric_limits<int64_t>::max();
+    // Every part is waited for, even after an error: its requests write into
+    // `parts`.
+    for (int i = 0; i < num_servers(); ++i) {
+      Result part = per_server[i].get();
+      if (!part.ok() && part.status().message() == kTornGather) {
+        part =
+            Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts, {i})
+                .get();
+      }
+      if (!part.ok()) {
+        if (combined.ok()) combined = part.status();
+      } else if (combined.ok()) {
+        combined = std::min(*combined, *part);
+      }
+    }
+    return combined;
+  });
 }
 
 }  // namespace flatshard::client_internal

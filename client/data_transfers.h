@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "client/completion.h"
 #include "client/data_channel.h"
@@ -44,7 +45,8 @@ struct ServerEndpoint {
 // The control-plane calls the data plane makes, on server `server`.
 struct ControlCalls {
   // OpenNcclChannel: hands the server `unique_id`, returns its channel.
-  std::function<absl::StatusOr<uint64_t>(int server, const std::string& unique_id)> open_nccl_channel;
+  std::function<absl::StatusOr<uint64_t>(int server, const std::string& unique_id)>
+      open_nccl_channel;
   // OpenSession: a new data session, for a server that restarted.
   std::function<absl::StatusOr<DataSession>(int server)> open_session;
 };
@@ -53,8 +55,10 @@ class DataTransfers {
  public:
   // One endpoint per server in rank order; `calls` must stay callable for the object's
   // lifetime. Opens nothing yet: connections and links open on first use.
-  // Destruction waits for the requests already handed to the data connections.
   DataTransfers(ClientOptions options, std::vector<ServerEndpoint> servers, ControlCalls calls);
+  // Waits for the transfers in flight: the futures this object returned become ready
+  // (and stay valid) whether or not the caller waited for them first.
+  ~DataTransfers();
 
   // `parts`: consecutive slices of one buffer (host or device memory), one per server in
   // rank order, each that server's shard in `dtype`. The buffer must stay valid until
@@ -76,6 +80,9 @@ class DataTransfers {
   using NcclLinks = LinkPool<NcclLink>;
 
   int num_servers() const { return static_cast<int>(servers_.size()); }
+  // std::async of `work`, counted so that the destructor can wait for it.
+  template <typename Work>
+  auto RunAside(Work work) -> std::future<decltype(work())>;
   bool IpcReachable(int server, int device) const;
   Plane PlaneFor(int server, int device, bool exportable) const;
   absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device);
@@ -126,6 +133,8 @@ class DataTransfers {
   const bool nccl_loads_;  // some server offers NCCL and NCCL loads in this process
   // Host staging for device buffers sent over TCP: as many as can be in flight at once.
   StagingPool staging_pool_;
+  absl::Mutex aside_mu_;
+  int aside_running_ ABSL_GUARDED_BY(aside_mu_) = 0;  // RunAside threads not yet done
   // Destroyed first (declared last): their threads finish tasks that use the rest.
   std::vector<std::unique_ptr<NcclLinks>> nccl_links_;  // per server
   std::vector<std::unique_ptr<DataChannel>> channels_;  // per server

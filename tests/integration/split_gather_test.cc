@@ -105,5 +105,44 @@ TEST(SplitGatherTest, AGroupSteppingMeanwhileNeverYieldsAMixOfVersions) {
   EXPECT_GE(gathers, 5);
 }
 
+// Futures outlive their Client: destroying it waits for the gathers in flight (here
+// split ones, whose parts a thread of the client's combines), which then complete with
+// the right bytes and version. (Without that wait the combining threads could outlive
+// the client; the window is microseconds wide, so this test shows the contract rather
+// than catching the race.)
+TEST(SplitGatherTest, DestroyingTheClientWaitsForItsGathersInFlight) {
+  TestCluster cluster(2, "split-token", ::testing::TempDir());
+  auto gatherer = cluster.Connect(Splitting("drop"));
+  ClientOptions stepper_options = Splitting("drop");
+  stepper_options.worker_rank = 0;
+  auto stepper = cluster.Connect(stepper_options);
+  ASSERT_TRUE(gatherer.ok() && stepper.ok()) << gatherer.status() << stepper.status();
+  ASSERT_TRUE((*stepper)->ConfigureJob({}).ok());
+  const std::vector<TensorSpec> tensors = {{"w", {10037}, DType::kFloat32}};
+  auto layout = (*stepper)->RegisterGroup("g", tensors, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE((*gatherer)->RegisterGroup("g", tensors, 0, SgdOptions{.lr = 0.5}).ok());
+  ASSERT_TRUE((*stepper)->InitGroupFromSeed("g", 5).ok());
+  const size_t numel = (*layout)->padded_numel();
+
+  // Version 1 does not exist yet: the gathers wait on the servers.
+  std::vector<std::vector<float>> outs(4, std::vector<float>(numel));
+  std::vector<std::future<absl::StatusOr<int64_t>>> pending;
+  for (auto& out : outs) pending.push_back((*gatherer)->Gather("g", 1, DType::kFloat32, AsBytes(out)));
+  std::thread destroy([&] { gatherer->reset(); });
+  absl::SleepFor(absl::Milliseconds(200));  // the destructor is waiting by now
+  std::vector<float> grad(numel, 1.0f);
+  ASSERT_TRUE((*stepper)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  destroy.join();
+  std::vector<float> expected(numel);
+  ASSERT_EQ((*stepper)->Gather("g", 1, DType::kFloat32, AsBytes(expected)).get().value_or(-1), 1);
+  for (size_t i = 0; i < pending.size(); ++i) {
+    absl::StatusOr<int64_t> version = pending[i].get();
+    ASSERT_TRUE(version.ok()) << version.status();
+    EXPECT_EQ(*version, 1);
+    EXPECT_EQ(std::memcmp(outs[i].data(), expected.data(), numel * sizeof(float)), 0) << i;
+  }
+}
+
 }  // namespace
 }  // namespace flatshard
