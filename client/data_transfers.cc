@@ -296,7 +296,7 @@ absl::StatusOr<int64_t> DataTransfers::StagedTransfer(
   std::vector<absl::Span<std::byte>> receives(num_servers());
   for (int i : servers) {
     FLATSHARD_ASSIGN_OR_RETURN(staging[i], staging_pool_.Take(parts[i].size()));
-    receives[i] = staging[i].first(parts[i].size());
+    receives[i] = staging[i].bytes().subspan(0, parts[i].size());
     sends[i] = receives[i];
     if (!gather)
       FLATSHARD_RETURN_IF_ERROR(CopyToHost(receives[i].data(), parts[i].data(), parts[i].size()));

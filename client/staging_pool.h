@@ -2,7 +2,7 @@
 // that keeps them between transfers. A device buffer's bytes go to (or come from) a TCP
 // server through host memory; pinned memory makes those copies DMA at the link's speed,
 // and reusing it avoids pinning (slow) and page faults on every call. Buffers are not
-// zeroed. StagingBuffer is move-only; StagingPool is thread-safe.
+// zeroed. StagingPool is thread-safe.
 //
 //   StagingPool pool(&AllocateStagingHost, /*max_idle=*/4);
 //   FLATSHARD_ASSIGN_OR_RETURN(StagingBuffer buffer, pool.Take(bytes));
@@ -19,47 +19,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/types/span.h"
+#include "core/owned_buffer.h"
 
 namespace flatshard::client_internal {
 
-class StagingBuffer {
- public:
-  using Free = void (*)(void*);
-
-  StagingBuffer() = default;
-  StagingBuffer(void* data, size_t size, Free free) : data_(data), size_(size), free_(free) {}
-  StagingBuffer(StagingBuffer&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)),
-        size_(std::exchange(other.size_, 0)),
-        free_(std::exchange(other.free_, nullptr)) {}
-  StagingBuffer& operator=(StagingBuffer&& other) noexcept {
-    if (this != &other) {
-      Release();
-      data_ = std::exchange(other.data_, nullptr);
-      size_ = std::exchange(other.size_, 0);
-      free_ = std::exchange(other.free_, nullptr);
-    }
-    return *this;
-  }
-  ~StagingBuffer() { Release(); }
-
-  std::byte* data() const { return static_cast<std::byte*>(data_); }
-  size_t size() const { return size_; }
-  // The first `bytes` bytes.
-  absl::Span<std::byte> first(size_t bytes) const { return {data(), std::min(bytes, size_)}; }
-
- private:
-  void Release() {
-    if (data_ != nullptr && free_ != nullptr) free_(data_);
-    data_ = nullptr;
-    size_ = 0;
-  }
-
-  void* data_ = nullptr;
-  size_t size_ = 0;
-  Free free_ = nullptr;
-};
+// A host staging buffer (core/owned_buffer.h): pinned or heap memory with its free.
+using StagingBuffer = OwnedBuffer;
 
 class StagingPool {
  public:

@@ -31,8 +31,8 @@ TEST_F(StagingPoolTest, ReturnedBuffersAreReusedSmallestFittingFirst) {
   StagingPool pool(&CountedAllocate, 4);
   absl::StatusOr<StagingBuffer> small = pool.Take(100), large = pool.Take(1000);
   ASSERT_TRUE(small.ok() && large.ok());
-  std::byte* const small_data = small->data();
-  std::byte* const large_data = large->data();
+  void* const small_data = small->data();
+  void* const large_data = large->data();
   pool.Give(*std::move(large));
   pool.Give(*std::move(small));
   EXPECT_EQ(live_buffers, 2);
@@ -43,7 +43,7 @@ TEST_F(StagingPoolTest, ReturnedBuffersAreReusedSmallestFittingFirst) {
   absl::StatusOr<StagingBuffer> needs_large = pool.Take(500);
   ASSERT_TRUE(needs_large.ok());
   EXPECT_EQ(needs_large->data(), large_data);
-  EXPECT_EQ(needs_large->first(500).size(), 500u);
+  EXPECT_EQ(needs_large->bytes().subspan(0, 500).size(), 500u);
   absl::StatusOr<StagingBuffer> fresh = pool.Take(2000);  // nothing idle fits
   ASSERT_TRUE(fresh.ok());
   EXPECT_EQ(fresh->size(), 2000u);
@@ -77,9 +77,9 @@ TEST_F(StagingPoolTest, ConcurrentTransfersNeverShareABuffer) {
       for (int i = 0; i < 500; ++i) {
         StagingBuffer buffer = *pool.Take(64 + i % 7);
         // Mark it as this thread's; another holder would overwrite the mark.
-        buffer.data()[0] = static_cast<std::byte>(t);
+        buffer.bytes()[0] = static_cast<std::byte>(t);
         std::this_thread::yield();
-        EXPECT_EQ(buffer.data()[0], static_cast<std::byte>(t));
+        EXPECT_EQ(buffer.bytes()[0], static_cast<std::byte>(t));
         pool.Give(std::move(buffer));
       }
     });

@@ -57,6 +57,21 @@ std::vector<Owner> ReferenceOwners(const RandomSpec& spec) {
 
 class LayoutPropertyTest : public ::testing::Test {
  protected:
+  // A random layout and the owner of each of its padded_numel() elements (shard padding
+  // included, as tensor -1).
+  struct Trial {
+    RandomSpec spec;
+    FlatLayout layout;
+    std::vector<Owner> owners;
+  };
+  Trial NextTrial() {
+    RandomSpec spec = MakeRandomSpec(rng_);
+    FlatLayout layout = FlatLayout::Create(spec.tensors, spec.align, spec.shards).value();
+    std::vector<Owner> owners = ReferenceOwners(spec);
+    owners.resize(layout.padded_numel());
+    return {std::move(spec), std::move(layout), std::move(owners)};
+  }
+
   std::mt19937 rng_{20261122};
 };
 
@@ -97,11 +112,8 @@ TEST_F(LayoutPropertyTest, ShardInfosMatchElementReference) {
 
 TEST_F(LayoutPropertyTest, EveryPaddedElementMapsExactlyOnce) {
   for (int trial = 0; trial < 3000; ++trial) {
-    const RandomSpec spec = MakeRandomSpec(rng_);
-    absl::StatusOr<FlatLayout> layout = FlatLayout::Create(spec.tensors, spec.align, spec.shards);
-    ASSERT_TRUE(layout.ok());
-    std::vector<Owner> owners = ReferenceOwners(spec);
-    owners.resize(layout->padded_numel());  // shard padding
+    const auto [spec, layout_value, owners] = NextTrial();
+    const FlatLayout* layout = &layout_value;
     std::vector<int> covered(owners.size(), 0);
     for (const TensorPiece& piece : layout->MapRange(0, layout->padded_numel())) {
       for (int64_t k = 0; k < piece.numel; ++k) {
@@ -122,11 +134,8 @@ TEST_F(LayoutPropertyTest, EveryPaddedElementMapsExactlyOnce) {
 // ordered, merged runs.
 TEST_F(LayoutPropertyTest, PaddingRunsAreExactlyTheUnownedElementsOfEachShard) {
   for (int trial = 0; trial < 3000; ++trial) {
-    const RandomSpec spec = MakeRandomSpec(rng_);
-    absl::StatusOr<FlatLayout> layout = FlatLayout::Create(spec.tensors, spec.align, spec.shards);
-    ASSERT_TRUE(layout.ok());
-    std::vector<Owner> owners = ReferenceOwners(spec);
-    owners.resize(layout->padded_numel());
+    const auto [spec, layout_value, owners] = NextTrial();
+    const FlatLayout* layout = &layout_value;
     for (int rank = 0; rank < spec.shards; ++rank) {
       const int64_t base = rank * layout->shard_numel();
       std::vector<bool> padding(layout->shard_numel(), false);
@@ -147,11 +156,8 @@ TEST_F(LayoutPropertyTest, PaddingRunsAreExactlyTheUnownedElementsOfEachShard) {
 
 TEST_F(LayoutPropertyTest, RandomRangesRoundTrip) {
   for (int trial = 0; trial < 3000; ++trial) {
-    const RandomSpec spec = MakeRandomSpec(rng_);
-    absl::StatusOr<FlatLayout> layout = FlatLayout::Create(spec.tensors, spec.align, spec.shards);
-    ASSERT_TRUE(layout.ok());
-    std::vector<Owner> owners = ReferenceOwners(spec);
-    owners.resize(layout->padded_numel());
+    const auto [spec, layout_value, owners] = NextTrial();
+    const FlatLayout* layout = &layout_value;
     std::uniform_int_distribution<int64_t> pick(0, layout->padded_numel());
     int64_t begin = pick(rng_);
     int64_t end = pick(rng_);
