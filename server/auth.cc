@@ -19,6 +19,11 @@ std::string SessionTokens::Issue() {
   for (int i = 0; i < 4; ++i) absl::StrAppendFormat(&token, "%08x", entropy());
   absl::MutexLock lock(&mu_);
   tokens_.insert(token);
+  issue_order_.push_back(token);
+  if (issue_order_.size() > capacity_) {
+    tokens_.erase(issue_order_.front());
+    issue_order_.pop_front();
+  }
   return token;
 }
 

@@ -39,6 +39,15 @@ TEST(AuthTest, SessionTokensAreFreshRandomHexAndOnlyIssuedOnesAreValid) {
   EXPECT_FALSE(SessionTokens().Valid(*issued.begin()));  // per server
 }
 
+TEST(AuthTest, OnlyTheMostRecentSessionTokensStayValid) {
+  SessionTokens sessions(3);
+  std::vector<std::string> tokens;
+  for (int i = 0; i < 5; ++i) tokens.push_back(sessions.Issue());
+  EXPECT_FALSE(sessions.Valid(tokens[0]));
+  EXPECT_FALSE(sessions.Valid(tokens[1]));
+  for (int i = 2; i < 5; ++i) EXPECT_TRUE(sessions.Valid(tokens[i])) << i;
+}
+
 TEST(AuthTest, SessionTokensMayBeIssuedAndCheckedFromManyThreads) {
   SessionTokens sessions;
   std::vector<std::thread> threads;
