@@ -32,9 +32,12 @@ absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open() {
     session = session_;
   }
   absl::StatusOr<std::unique_ptr<transport::Connection>> conn = Hello(session);
-  if (conn.ok() || !absl::IsUnauthenticated(conn.status()) || renew_ == nullptr) return conn;
-  // The server does not know the session: it restarted. Unless another connection has
-  // renewed it meanwhile, open a new one.
+  // Refused (the server does not know the session) or unreachable (it may have come back
+  // on another data port): the server restarted, or is down. Unless another connection
+  // has renewed the session meanwhile, ask the control plane for a new one; while the
+  // server is down that fails too, with its own error.
+  const bool stale = absl::IsUnauthenticated(conn.status()) || absl::IsUnavailable(conn.status());
+  if (conn.ok() || !stale || renew_ == nullptr) return conn;
   DataSession renewed;
   {
     absl::MutexLock lock(&session_mu_);

@@ -2,8 +2,9 @@
 // TCP connections, each driven by its own thread that takes tasks from a shared queue,
 // so at most that many transfers to the server run at once. A connection that fails is
 // dropped and a fresh one (with a fresh hello) is opened for the next task. When the
-// server no longer knows the session (it restarted), the channel opens a new one through
-// `renew` (the OpenSession RPC) and says hello again. Thread-safe.
+// server refuses the session or cannot be reached at its data address (it restarted,
+// perhaps on another port), the channel opens a new session through `renew` (the
+// OpenSession RPC) and says hello again. Thread-safe.
 //
 //   DataChannel channel({"127.0.0.1:7071", token}, renew, 2, absl::Seconds(30));
 //   channel.Submit([](absl::StatusOr<transport::Connection*> conn) { ... });

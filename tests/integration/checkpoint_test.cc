@@ -480,9 +480,13 @@ namespace {
 // A worker's Client outlives a server restart: once the job is configured, its group
 // registered and a checkpoint loaded again (the restarted server comes back empty), the
 // same Client gathers and scatters on. Its idle data connections to the old process are
-// replaced, and the session the new process does not know is opened again.
-TEST(CheckpointIntegrationTest, AClientOutlivesAServerRestart) {
-  const std::string root = FreshDir("ckpt-restart");
+// replaced, and the session the new process does not know is opened again, also when
+// the server comes back on another data port.
+class ServerRestartTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ServerRestartTest, AClientOutlivesIt) {
+  const bool new_data_port = GetParam();
+  const std::string root = FreshDir(new_data_port ? "ckpt-restart-port" : "ckpt-restart");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();
@@ -506,7 +510,7 @@ TEST(CheckpointIntegrationTest, AClientOutlivesAServerRestart) {
   ASSERT_EQ((*client)->Gather("g", 1, DType::kFloat32, AsBytes(saved)).get().value_or(-1), 1);
   ASSERT_TRUE((*client)->SaveCheckpoint("before-restart", CheckpointKind::kSharded, true).ok());
 
-  cluster.Restart(1);
+  cluster.Restart(1, new_data_port ? transport::PickFreeLoopbackPorts(1)->at(0) : 0);
   ASSERT_TRUE(setup().ok());
   ASSERT_TRUE((*client)->LoadCheckpoint("before-restart").ok());
   std::vector<float> loaded(layout.padded_numel(), -1.0f);
@@ -517,6 +521,8 @@ TEST(CheckpointIntegrationTest, AClientOutlivesAServerRestart) {
   ASSERT_TRUE((*client)->Scatter("g", 1, DType::kFloat32, AsBytes(grad)).get().ok());
   EXPECT_EQ((*client)->Gather("g", 2, DType::kFloat32, AsBytes(loaded)).get().value_or(-1), 2);
 }
+
+INSTANTIATE_TEST_SUITE_P(SameOrNewDataPort, ServerRestartTest, ::testing::Bool());
 
 TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIntact) {
   const std::string root = FreshDir("ckpt-kill");

@@ -16,6 +16,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -107,10 +108,16 @@ class TestCluster {
   }
 
   // Kills server `rank` (SIGKILL: nothing saved, nothing said to peers or clients) and
-  // starts it again with the same flags; it comes back empty.
-  void Restart(int rank) {
+  // starts it again with the same flags, or on data port `data_port` when given; it
+  // comes back empty.
+  void Restart(int rank, int data_port = 0) {
     kill(pids_[rank], SIGKILL);
     StopServer(pids_[rank]);
+    if (data_port > 0) {
+      for (std::string& arg : args_[rank]) {
+        if (absl::StartsWith(arg, "--data_listen=")) arg = absl::StrCat("--data_listen=127.0.0.1:", data_port);
+      }
+    }
     pids_[rank] = SpawnServer(args_[rank]);
   }
 
