@@ -179,7 +179,8 @@ class ClientTest(unittest.TestCase):
         np.testing.assert_array_equal(split.gather("big")["w"], expected)
         np.testing.assert_array_equal(split.gather("big", dtype="float16")["w"],
                                       expected.astype(np.float16).astype(np.float32))
-        for bad in ({"max_in_flight": 0}, {"max_in_flight": 65}, {"gather_split_bytes": -1}):
+        for bad in ({"max_in_flight": 0}, {"max_in_flight": 65}, {"gather_split_bytes": -1},
+                    {"timeout": 0}):
             with self.assertRaises(flatshard.InvalidArgumentError):
                 self.client(job="split", **bad)
 
