@@ -3,10 +3,11 @@
 // (client/link_pool.h), and it moves a gather, scatter or initial push as one request per
 // server, each over the plane that pair allows: TCP for host buffers; for device
 // buffers CUDA IPC (server on the buffer's GPU), NCCL (server on another GPU) or TCP
-// through host staging, as ClientOptions::device_plane says. Internal to the client
-// library; Client::Gather and Client::Scatter document the caller's side. Thread-safe.
+// through pooled pinned host staging (client/staging_pool.h), as
+// ClientOptions::device_plane says. Internal to the client library; Client::Gather and
+// Client::Scatter document the caller's side. Thread-safe.
 //
-//   DataTransfers transfers(options, endpoints, open_nccl_channel);
+//   DataTransfers transfers(options, endpoints, {open_nccl_channel, open_session});
 //   auto version = transfers.Gather("mlp", 0, DType::kFloat32, per_server_slices).get();
 #ifndef FLATSHARD_CLIENT_DATA_TRANSFERS_H_
 #define FLATSHARD_CLIENT_DATA_TRANSFERS_H_
