@@ -1,5 +1,6 @@
 #include "server/host_memory.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -31,6 +32,12 @@ std::optional<uint64_t> ParseNumber(absl::string_view text) {
   return value;
 }
 
+// "/a/b" -> "/a" -> "" (the root, whose files CgroupMemoryCandidates adds last).
+std::string Parent(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "" : path.substr(0, slash);
+}
+
 }  // namespace
 
 absl::StatusOr<uint64_t> ParseMemAvailable(absl::string_view meminfo) {
@@ -49,15 +56,20 @@ std::vector<CgroupMemoryFiles> CgroupMemoryCandidates(absl::string_view proc_sel
   for (absl::string_view line : absl::StrSplit(proc_self_cgroup, '\n', absl::SkipEmpty())) {
     const std::vector<absl::string_view> fields = absl::StrSplit(line, absl::MaxSplits(':', 2));
     if (fields.size() != 3) continue;
-    const std::string path(absl::StripSuffix(fields[2], "/"));
-    if (fields[0] == "0" && fields[1].empty()) {
-      candidates.push_back({absl::StrCat(kCgroupRoot, path, "/memory.max"),
-                            absl::StrCat(kCgroupRoot, path, "/memory.current")});
-    }
-    for (absl::string_view controller : absl::StrSplit(fields[1], ',')) {
-      if (controller != "memory") continue;
-      candidates.push_back({absl::StrCat(kCgroupRoot, "/memory", path, "/memory.limit_in_bytes"),
-                            absl::StrCat(kCgroupRoot, "/memory", path, "/memory.usage_in_bytes")});
+    const bool v2 = fields[0] == "0" && fields[1].empty();
+    const std::vector<absl::string_view> controllers = absl::StrSplit(fields[1], ',');
+    const bool v1 = std::find(controllers.begin(), controllers.end(), "memory") != controllers.end();
+    // The cgroup and each of its ancestors: a limit on a parent (a systemd slice, say)
+    // bounds this process as well.
+    for (std::string path(absl::StripSuffix(fields[2], "/")); !path.empty(); path = Parent(path)) {
+      if (v2) {
+        candidates.push_back({absl::StrCat(kCgroupRoot, path, "/memory.max"),
+                              absl::StrCat(kCgroupRoot, path, "/memory.current")});
+      }
+      if (v1) {
+        candidates.push_back({absl::StrCat(kCgroupRoot, "/memory", path, "/memory.limit_in_bytes"),
+                              absl::StrCat(kCgroupRoot, "/memory", path, "/memory.usage_in_bytes")});
+      }
     }
   }
   candidates.push_back({absl::StrCat(kCgroupRoot, "/memory.max"),
@@ -89,7 +101,6 @@ absl::StatusOr<HostMemory> AvailableHostMemory() {
     if (headroom.has_value() && *headroom < memory.available_bytes) {
       memory = {*headroom, files.limit};
     }
-    break;  // the most specific readable cgroup decides
   }
   return memory;
 }

@@ -40,10 +40,12 @@ struct HostMemory {
 // The parts of AvailableHostMemory, for tests.
 // MemAvailable of /proc/meminfo's text, in bytes; InvalidArgument when absent.
 [[nodiscard]] absl::StatusOr<uint64_t> ParseMemAvailable(absl::string_view meminfo);
-// Where this process's cgroup keeps its memory limit and usage, most specific first,
-// from /proc/self/cgroup's text: "0::/x" (v2) -> /sys/fs/cgroup/x/memory.max and
-// memory.current; "4:memory:/x" (v1) -> /sys/fs/cgroup/memory/x/memory.limit_in_bytes and
-// memory.usage_in_bytes; then the mount's root files (a container's own cgroup).
+// Where this process's cgroup and its ancestors keep their memory limits and usage, most
+// specific first, from /proc/self/cgroup's text: "0::/x/y" (v2) ->
+// /sys/fs/cgroup/x/y/memory.max and memory.current, then /sys/fs/cgroup/x/...;
+// "4:memory:/x" (v1) -> /sys/fs/cgroup/memory/x/memory.limit_in_bytes and
+// memory.usage_in_bytes; then the mount's root files (a container's own cgroup). The
+// tightest headroom among the readable ones applies.
 struct CgroupMemoryFiles {
   std::string limit;
   std::string usage;

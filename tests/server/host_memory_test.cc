@@ -25,24 +25,27 @@ TEST(HostMemoryTest, MemAvailableIsReadInBytes) {
   EXPECT_TRUE(absl::IsInvalidArgument(ParseMemAvailable("MemAvailable: 12 MB\n").status()));
 }
 
-TEST(HostMemoryTest, CgroupFilesComeFromV2AndV1EntriesThenTheMountRoot) {
+TEST(HostMemoryTest, CgroupFilesComeFromV2AndV1EntriesAndTheirAncestorsThenTheMountRoot) {
   std::vector<CgroupMemoryFiles> v2 = CgroupMemoryCandidates("0::/system.slice/flatshard.service\n");
-  ASSERT_EQ(v2.size(), 3u);
+  ASSERT_EQ(v2.size(), 4u);
   EXPECT_EQ(v2[0].limit, "/sys/fs/cgroup/system.slice/flatshard.service/memory.max");
   EXPECT_EQ(v2[0].usage, "/sys/fs/cgroup/system.slice/flatshard.service/memory.current");
-  EXPECT_EQ(v2[1].limit, "/sys/fs/cgroup/memory.max");
-  EXPECT_EQ(v2[2].limit, "/sys/fs/cgroup/memory/memory.limit_in_bytes");
+  EXPECT_EQ(v2[1].limit, "/sys/fs/cgroup/system.slice/memory.max");  // the slice's limit
+  EXPECT_EQ(v2[2].limit, "/sys/fs/cgroup/memory.max");
+  EXPECT_EQ(v2[3].limit, "/sys/fs/cgroup/memory/memory.limit_in_bytes");
 
   std::vector<CgroupMemoryFiles> v1 =
       CgroupMemoryCandidates("5:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n");
   ASSERT_GE(v1.size(), 2u);
   EXPECT_EQ(v1[0].limit, "/sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes");
   EXPECT_EQ(v1[0].usage, "/sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes");
-  EXPECT_EQ(v1[1].limit, "/sys/fs/cgroup/memory.max");  // "0::/" is the root
+  EXPECT_EQ(v1[1].limit, "/sys/fs/cgroup/memory/docker/memory.limit_in_bytes");
+  EXPECT_EQ(v1[2].limit, "/sys/fs/cgroup/memory.max");  // "0::/" is the root
 
   EXPECT_EQ(CgroupMemoryCandidates("7:cpu,memory:/x\n")[0].limit,
             "/sys/fs/cgroup/memory/x/memory.limit_in_bytes");
   EXPECT_EQ(CgroupMemoryCandidates("").size(), 2u);  // no /proc/self/cgroup: the roots
+  EXPECT_EQ(CgroupMemoryCandidates("0::relative\n").size(), 3u);  // malformed: no crash
 }
 
 TEST(HostMemoryTest, HeadroomIsLimitMinusUsageWhenThereIsALimit) {
