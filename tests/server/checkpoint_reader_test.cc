@@ -2,7 +2,7 @@
 // equal what was written (from the page cache and, after the cache is dropped, through
 // O_DIRECT; across extents and tasks; converted from bf16), and every kind of damage is
 // DataLoss naming the file, on either path. Read through a RemoteRead (a checkpoint in
-// another server's root), the same holds. Extent tiling refuses gaps and overlaps.
+// another server's root), the same holds.
 #include "server/checkpoint_reader.h"
 
 #include <fcntl.h>
@@ -13,7 +13,6 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <random>
 
 #include "core/float_bits.h"
@@ -221,27 +220,6 @@ TEST(CheckpointReaderTest, RemoteReadsAreVerifiedLikeLocalOnes) {
   flip = false;
   fail = true;
   EXPECT_THAT(std::string(read_all(out).message()), HasSubstr("server 0 went away"));
-}
-
-TEST(FileExtentsTest, TilingRefusesGapsOverlapsAndShortCoverage) {
-  std::vector<FileExtent> gap = {{10, 5, 0}, {0, 8, 0}};
-  absl::Status status = SortAndCheckTiling(gap, 15, "file");
-  EXPECT_THAT(std::string(status.message()), HasSubstr("bytes [8, 10) were written by no server"));
-  std::vector<FileExtent> overlap = {{0, 8, 0}, {6, 9, 0}};
-  status = SortAndCheckTiling(overlap, 15, "file");
-  EXPECT_THAT(std::string(status.message()), HasSubstr("bytes [6, 8) were written twice"));
-  std::vector<FileExtent> short_cover = {{0, 8, 0}};
-  EXPECT_EQ(SortAndCheckTiling(short_cover, 15, "file").code(), absl::StatusCode::kFailedPrecondition);
-  std::vector<FileExtent> exact = {{8, 7, 1}, {0, 8, 2}};
-  EXPECT_TRUE(SortAndCheckTiling(exact, 15, "file").ok());
-  EXPECT_EQ(exact[0].offset, 0u);
-
-  absl::StatusOr<std::vector<FileExtent>> back = ExtentsFromJson(ExtentsToJson(exact), "file");
-  ASSERT_TRUE(back.ok());
-  ASSERT_EQ(back->size(), 2u);
-  EXPECT_EQ((*back)[1].xxh3, 1u);
-  EXPECT_EQ(ExtentsFromJson(nlohmann::json::parse(R"([[0, 4, "zz"]])"), "file").status().code(),
-            absl::StatusCode::kDataLoss);
 }
 
 }  // namespace
