@@ -23,6 +23,7 @@
 #include <functional>
 #include <grpcpp/grpcpp.h>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -162,6 +163,45 @@ double ScatterThroughput(int servers, int workers, int64_t bytes, double seconds
       for (int64_t step = 1; absl::Now() < stop; ++step) {
         Check(client->Scatter("g", step, DType::kFloat32, AsBytes(grad)).get());
         moved += numel * 4;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  return static_cast<double>(moved.load()) / absl::ToDoubleSeconds(absl::Now() - begin);
+}
+
+// Aggregate bytes/s of data-parallel training: `workers` threads in one job each scatter
+// a full fp32 gradient and gather the parameters it produced, step after step. The
+// servers reduce the workers' contributions and run the optimizer between the two, so
+// the reduction and the step are in the loop; bytes count both directions.
+double TrainingStepThroughput(int servers, int workers, int64_t bytes, double seconds) {
+  auto cluster = StartCluster(servers);
+  const int64_t numel = bytes / 4;
+  std::atomic<int64_t> moved{0};
+  std::atomic<int64_t> last_step{std::numeric_limits<int64_t>::max()};
+  std::barrier start(workers);
+  std::vector<std::thread> threads;
+  absl::Time begin;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      auto client = Connect(*cluster, w, workers, "train");
+      Check(client->ConfigureJob({}));
+      const FlatLayout* layout = Register(*client, "g", numel);
+      if (w == 0) Check(client->InitGroupFromSeed("g", 1));
+      std::vector<float> grad(layout->padded_numel(), 1.0f), params(layout->padded_numel());
+      // Workers stop after the same step: every step needs all of them. Worker 0 names
+      // that step before it scatters for it, so each worker sees the name before its own
+      // gather of that step can return.
+      for (int64_t step = 0;; ++step) {
+        if (step == 1) {  // step 0 warmed up
+          start.arrive_and_wait();
+          if (w == 0) begin = absl::Now();
+        }
+        if (w == 0 && step > 1 && absl::Now() - begin > absl::Seconds(seconds)) last_step = step;
+        Check(client->Scatter("g", step, DType::kFloat32, AsBytes(grad)).get());
+        Check(client->Gather("g", step + 1, DType::kFloat32, AsBytes(params)).get().status());
+        if (step > 0) moved += 2 * numel * 4;
+        if (step == last_step) break;
       }
     });
   }
@@ -468,14 +508,16 @@ void DataPlane(bool quick, double seconds) {
     const int streams = c.servers * c.workers;
     if (!iperf.count(streams)) iperf[streams] = Iperf3(streams, seconds < 1 ? 1 : 2);
     const double anchor = iperf[streams];
-    for (const char* op : {"gather", "scatter"}) {
-      const double rate = std::string(op) == "gather" ? GatherThroughput(c.servers, c.workers, c.bytes, seconds)
-                                                      : ScatterThroughput(c.servers, c.workers, c.bytes, seconds);
+    for (const std::string op : {"gather", "scatter", "step"}) {
+      if (op == "step" && c.workers == 1) continue;  // the scatter row is that job
+      const double rate = op == "gather"    ? GatherThroughput(c.servers, c.workers, c.bytes, seconds)
+                          : op == "scatter" ? ScatterThroughput(c.servers, c.workers, c.bytes, seconds)
+                                            : TrainingStepThroughput(c.servers, c.workers, c.bytes, seconds);
       if (anchor > 0) {
-        std::printf("%-8s %7d %7d %8s %10.2f %14.2f %7.2fx\n", op, c.servers, c.workers, Mib(c.bytes).c_str(),
+        std::printf("%-8s %7d %7d %8s %10.2f %14.2f %7.2fx\n", op.c_str(), c.servers, c.workers, Mib(c.bytes).c_str(),
                     rate / 1e9, anchor / 1e9, rate / anchor);
       } else {
-        std::printf("%-8s %7d %7d %8s %10.2f %14s %8s\n", op, c.servers, c.workers, Mib(c.bytes).c_str(),
+        std::printf("%-8s %7d %7d %8s %10.2f %14s %8s\n", op.c_str(), c.servers, c.workers, Mib(c.bytes).c_str(),
                     rate / 1e9, "n/a", "n/a");
       }
       std::fflush(stdout);
