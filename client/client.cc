@@ -29,6 +29,8 @@ v1::OptimizerSettings OptimizerToProto(const OptimizerOptions& optimizer) {
     out->set_dampening(sgd->dampening);
     out->set_weight_decay(sgd->weight_decay);
     out->set_nesterov(sgd->nesterov);
+  } else if (std::holds_alternative<FrozenOptions>(optimizer)) {
+    proto.mutable_frozen();
   } else {
     const auto& adam = std::get<AdamOptions>(optimizer);
     v1::AdamSettings* out = proto.mutable_adam();

@@ -180,6 +180,7 @@ OptimizerOptions ToOptimizer(const py::dict& spec) {
                        .amsgrad = spec["amsgrad"].cast<bool>(),
                        .decoupled_weight_decay = kind == "adamw"};
   }
+  if (kind == "frozen") return FrozenOptions{};
   Raise(absl::InvalidArgumentError(absl::StrCat("optimizer kind '", kind, "'")));
 }
 

@@ -26,7 +26,7 @@ absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t ste
     if (state.shared) return absl::OkStatus();
     bool any = false;
     for (const auto& group : registry_.job_groups(job)) {  // name order
-      if (group->version() != step) continue;
+      if (group->frozen() || group->version() != step) continue;  // frozen: no gradients
       if (!group->reduced_at(step)) return absl::OkStatus();  // others still pending
       any = true;
       FLATSHARD_ASSIGN_OR_RETURN(const double share, group->NormPartial(settings.norm_type));

@@ -1,7 +1,8 @@
 // ClipCoordinator: gradient clipping by global norm (torch.nn.utils.clip_grad_norm_ on the
 // reduced gradient) over every group of a job and every server of the cluster.
 //
-// When all groups of a clipped job that are at version `step` have reduced their
+// When all groups of a clipped job that are at version `step` (frozen ones aside: they
+// take no gradients) have reduced their
 // contributions on this server, the server computes its share of the norm (sum of
 // squares over its shards, in group-name order, for norm_type 2; max |g| for inf), sends
 // it to every peer and records it. Once the shares of all N servers are in, each server

@@ -49,8 +49,10 @@ absl::StatusOr<std::shared_ptr<Group>> Group::Create(std::string job, std::strin
   const size_t bytes = static_cast<size_t>(layout.shard_numel()) * sizeof(float);
   FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer params,
                              compute->AllocateShard(bytes, absl::StrCat(what, " parameters")));
-  FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer grad,
-                             compute->AllocateShard(bytes, absl::StrCat(what, " gradient")));
+  ShardBuffer grad;  // a frozen group takes no gradients
+  if (!IsFrozen(optimizer)) {
+    FLATSHARD_ASSIGN_OR_RETURN(grad, compute->AllocateShard(bytes, absl::StrCat(what, " gradient")));
+  }
   FLATSHARD_ASSIGN_OR_RETURN(
       ShardOptimizer shard_optimizer,
       ShardOptimizer::Create(std::move(optimizer), layout.shard_numel(), *compute,
@@ -73,6 +75,7 @@ Group::Group(std::string job, std::string name, FlatLayout layout, int rank,
       params_(std::move(params)),
       grad_(std::move(grad)),
       optimizer_(std::move(optimizer)),
+      frozen_(IsFrozen(optimizer_.config())),
       slot_states_(job_settings.num_workers, SlotState::kEmpty),
       slot_dtypes_(job_settings.num_workers, DType::kFloat32),
       staging_(job_settings.num_workers),
@@ -233,6 +236,11 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
   if (!IsFloatingParamDType(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("scatter dtype ", DTypeName(dtype),
                                                    " is not float32, bfloat16 or float16"));
+  }
+  if (frozen_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group '", name_, "' of job '", job_,
+                     "' is frozen (registered without an optimizer): it takes no gradients"));
   }
   absl::MutexLock lock(&mu_);
   FLATSHARD_RETURN_IF_ERROR(CheckContribution(step, worker_rank));

@@ -13,6 +13,8 @@
 //  - Async mode: each contribution (step = the version it was computed from) is applied
 //    on arrival as one optimizer step, scaled by 1/W for a mean; contributions older
 //    than max_staleness versions, or not newer than the worker's last one, are refused.
+//  - A frozen group (optimizer Frozen) holds parameters only: no gradient buffer, no
+//    optimizer state, every scatter refused, and its version stays where it is.
 //  - A contribution is received in two phases so the bytes land straight in its staging
 //    slot without holding the lock: BeginScatter reserves the slot, the caller fills
 //    it, then CommitScatter (or AbortScatter if the transfer failed: the worker may
@@ -117,6 +119,8 @@ class Group {
   int64_t shard_numel() const { return layout_.shard_numel(); }
   std::string optimizer_name() const;
   OptimizerConfig optimizer_config() const;
+  // Registered with optimizer Frozen (fixed for the group's life).
+  bool frozen() const { return frozen_; }
 
   // True when `layout` and `optimizer` equal this group's (idempotent registration).
   bool SameSpec(const FlatLayout& layout, const OptimizerConfig& optimizer) const;
@@ -240,8 +244,9 @@ class Group {
   const std::unique_ptr<ShardCompute> compute_;
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   ShardBuffer params_ ABSL_GUARDED_BY(mu_);  // fp32 master shard
-  ShardBuffer grad_ ABSL_GUARDED_BY(mu_);    // reduced gradient of the step
+  ShardBuffer grad_ ABSL_GUARDED_BY(mu_);    // reduced gradient of the step; empty if frozen
   ShardOptimizer optimizer_ ABSL_GUARDED_BY(mu_);
+  const bool frozen_;
   std::vector<SlotState> slot_states_ ABSL_GUARDED_BY(mu_);
   std::vector<DType> slot_dtypes_ ABSL_GUARDED_BY(mu_);
   // One staging buffer per worker; a slot in kReceiving is written without the lock by

@@ -13,15 +13,18 @@ namespace flatshard::server {
 using kernels::AdamHyperparams;
 using kernels::SgdHyperparams;
 
+bool IsFrozen(const OptimizerConfig& config) { return std::holds_alternative<Frozen>(config); }
+
 std::string OptimizerName(const OptimizerConfig& config) {
   if (const auto* adam = std::get_if<AdamHyperparams>(&config)) {
     return adam->decoupled_weight_decay ? "adamw" : "adam";
   }
-  return "sgd";
+  return IsFrozen(config) ? "frozen" : "sgd";
 }
 
 bool SameOptimizer(const OptimizerConfig& a, const OptimizerConfig& b) {
   if (a.index() != b.index()) return false;
+  if (IsFrozen(a)) return true;
   if (const auto* x = std::get_if<SgdHyperparams>(&a)) {
     const auto& y = std::get<SgdHyperparams>(b);
     return x->lr == y.lr && x->momentum == y.momentum && x->dampening == y.dampening &&
@@ -48,6 +51,7 @@ std::string ShortestFloat(float value) {
 }  // namespace
 
 std::string OptimizerHyperparamsJson(const OptimizerConfig& config) {
+  if (IsFrozen(config)) return "{}";
   if (const auto* sgd = std::get_if<SgdHyperparams>(&config)) {
     return absl::StrCat(R"({"lr":)", ShortestFloat(sgd->lr), R"(,"momentum":)", ShortestFloat(sgd->momentum),
                         R"(,"dampening":)", ShortestFloat(sgd->dampening), R"(,"weight_decay":)",
@@ -61,6 +65,7 @@ std::string OptimizerHyperparamsJson(const OptimizerConfig& config) {
 }
 
 absl::Status ValidateOptimizer(const OptimizerConfig& config) {
+  if (IsFrozen(config)) return absl::OkStatus();
   if (const auto* sgd = std::get_if<SgdHyperparams>(&config)) {
     if (!(sgd->lr >= 0)) return absl::InvalidArgumentError(absl::StrCat("sgd.lr: ", sgd->lr, " < 0"));
     if (!(sgd->momentum >= 0)) return absl::InvalidArgumentError("sgd.momentum: must be >= 0");
@@ -97,13 +102,16 @@ absl::Status ShardOptimizer::AllocateState() {
     FLATSHARD_RETURN_IF_ERROR(ensure(exp_avg_, "exp_avg"));
     FLATSHARD_RETURN_IF_ERROR(ensure(exp_avg_sq_, "exp_avg_sq"));
     if (adam->amsgrad) FLATSHARD_RETURN_IF_ERROR(ensure(max_exp_avg_sq_, "max_exp_avg_sq"));
-  } else if (std::get<SgdHyperparams>(config_).momentum != 0.0f) {
+  } else if (const auto* sgd = std::get_if<SgdHyperparams>(&config_); sgd != nullptr && sgd->momentum != 0.0f) {
     FLATSHARD_RETURN_IF_ERROR(ensure(exp_avg_, "momentum_buffer"));
   }
   return absl::OkStatus();
 }
 
 absl::Status ShardOptimizer::Step(float* params, const float* grad) {
+  if (IsFrozen(config_)) {
+    return absl::FailedPreconditionError(absl::StrCat(what_, ": the group is frozen and takes no steps"));
+  }
   ++steps_;
   if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
     return compute_->AdamStep(*adam, steps_, params, grad, exp_avg_.floats(), exp_avg_sq_.floats(),

@@ -1,6 +1,8 @@
 // The optimizer of a group and its state on one server's shard: SGD (momentum buffer),
-// Adam / AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad). The state lives in
-// the group's memory tier and steps run that tier's fused kernels (ShardCompute).
+// Adam / AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad), or none (Frozen: the
+// group's parameters are never trained, as torch's parameters that no optimizer holds).
+// The state lives in the group's memory tier and steps run that tier's fused kernels
+// (ShardCompute).
 // Not thread-safe: its Group serializes access. The ShardCompute must outlive it.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(ShardOptimizer opt,
@@ -26,9 +28,13 @@
 
 namespace flatshard::server {
 
-using OptimizerConfig = std::variant<kernels::SgdHyperparams, kernels::AdamHyperparams>;
+// A group that takes no gradients and keeps no optimizer state (frozen parameters).
+struct Frozen {};
 
-// "sgd", "adam" or "adamw".
+using OptimizerConfig = std::variant<kernels::SgdHyperparams, kernels::AdamHyperparams, Frozen>;
+
+bool IsFrozen(const OptimizerConfig& config);
+// "sgd", "adam", "adamw" or "frozen".
 std::string OptimizerName(const OptimizerConfig& config);
 bool SameOptimizer(const OptimizerConfig& a, const OptimizerConfig& b);
 // The hyper-parameters as a JSON object string, e.g. {"lr":0.001,"betas":[0.9,0.999],...}.
@@ -46,7 +52,8 @@ class ShardOptimizer {
                                                              absl::string_view what);
 
   // Applies one step to `params` with the reduced gradient `grad` (both shard_numel,
-  // shard memory). Enqueued on the tier; the caller synchronizes.
+  // shard memory). Enqueued on the tier; the caller synchronizes. FailedPrecondition
+  // when frozen.
   [[nodiscard]] absl::Status Step(float* params, const float* grad);
   // Replaces the hyper-parameters, allocating state that momentum or amsgrad now needs;
   // FailedPrecondition if the kind (SGD vs Adam) differs.
@@ -60,7 +67,7 @@ class ShardOptimizer {
 
   // The state this optimizer keeps, by torch's names: SGD with momentum
   // {"momentum_buffer"}; Adam/AdamW {"exp_avg", "exp_avg_sq"} (+ "max_exp_avg_sq" with
-  // amsgrad); plain SGD none. Each buffer has shard_numel elements.
+  // amsgrad); plain SGD and Frozen none. Each buffer has shard_numel elements.
   std::vector<std::string> state_names() const;
   // Copies state `name` to the host. InvalidArgument for a name it does not keep.
   [[nodiscard]] absl::StatusOr<HostFloats> ReadState(absl::string_view name) const;

@@ -86,8 +86,10 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
           .amsgrad = adam.amsgrad(),
           .decoupled_weight_decay = adam.decoupled_weight_decay()});
     }
+    case v1::OptimizerSettings::kFrozen:
+      return OptimizerConfig(Frozen{});
     default:
-      return absl::InvalidArgumentError("optimizer: none set (sgd or adam)");
+      return absl::InvalidArgumentError("optimizer: none set (sgd, adam or frozen)");
   }
 }
 

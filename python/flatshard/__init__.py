@@ -31,7 +31,7 @@ from ._errors import (AlreadyExistsError, DataLossError, DeadlineExceededError, 
 from .local_cluster import LocalCluster
 
 __all__ = [
-    "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Error", "InvalidArgumentError",
+    "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Frozen", "Error", "InvalidArgumentError",
     "DeadlineExceededError", "NotFoundError", "AlreadyExistsError", "ResourceExhaustedError",
     "FailedPreconditionError", "UnavailableError", "InternalError", "DataLossError",
     "UnauthenticatedError",
@@ -90,6 +90,16 @@ class AdamW(Adam):
     """torch.optim.AdamW on the servers (decoupled weight decay; torch's default 0.01)."""
     weight_decay: float = 0.01
     _kind = "adamw"
+
+
+@dataclass
+class Frozen:
+    """No optimizer: parameters that are never trained (torch's requires_grad=False). The
+    servers keep no gradient or optimizer state for the group and refuse scatters to it;
+    gathers, init_group, checkpoints and export work as for any group."""
+
+    def _spec(self):
+        return dict(kind="frozen")
 
 
 def _is_torch(value):

@@ -15,6 +15,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "client/cluster_status.h"
 #include "core/file.h"
 #include "core/float_bits.h"
 #include "core/safetensors.h"
@@ -119,6 +120,51 @@ TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
 
 // Each server with a root of its own (no shared file system): LOCAL checkpoints save
 // (blocking and async), list, load and delete per server.
+// A frozen group (parameters never trained: FrozenOptions) through real servers: it is
+// initialized and gathered like any group, refuses gradients with a precise status while
+// the job's other groups train on, and round-trips through a checkpoint with optimizer
+// state (it has none) into a fresh cluster.
+TEST(CheckpointIntegrationTest, AFrozenGroupRefusesGradientsAndRoundTrips) {
+  const std::string root = FreshDir("ckpt-frozen");
+  std::vector<float> frozen_values(42);
+  for (size_t i = 0; i < frozen_values.size(); ++i) frozen_values[i] = 0.25f * static_cast<float>(i) - 3.0f;
+  const std::vector<TensorSpec> backbone = {{"backbone.weight", {6, 7}, DType::kFloat32}};
+  std::vector<float> trained_after;
+  {
+    testing::TestCluster three(3, "tok", ::testing::TempDir(), root);
+    Trainer a(three);
+    auto frozen = a.client->RegisterGroup("backbone", backbone, 0, FrozenOptions{});
+    ASSERT_TRUE(frozen.ok()) << frozen.status();
+    ASSERT_TRUE(a.client->InitGroup("backbone", frozen_values).ok());
+    ASSERT_TRUE(a.client->InitGroupFromSeed("big", 3).ok());
+    std::vector<float> grad((*frozen)->padded_numel(), 1.0f);
+    const absl::Status refused = a.client->Scatter("backbone", 0, DType::kFloat32, AsBytes(grad)).get();
+    EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("group 'backbone' of job 'test' is frozen"));
+    EXPECT_EQ(a.client->SetHyperparams("backbone", SgdOptions{.lr = 0.1}).code(),
+              absl::StatusCode::kFailedPrecondition);
+    for (int64_t step = 0; step < 2; ++step) a.Step(step);  // the other groups train on
+    EXPECT_EQ(*a.client->WaitVersion("big", 2), 2);
+    EXPECT_EQ(a.Params("backbone", *frozen, 0), frozen_values);
+    trained_after = a.Params("big", a.big, 2);
+    const std::vector<absl::StatusOr<v1::ServerStatus>> statuses = FetchClusterStatus(
+        ClientOptions{.servers = three.addresses(), .token = "tok"});
+    bool listed = false;
+    for (const v1::GroupStatus& group : statuses[0]->groups()) {
+      if (group.group() == "backbone") listed = group.optimizer() == "frozen";
+    }
+    EXPECT_TRUE(listed) << statuses[0]->DebugString();
+    ASSERT_TRUE(a.client->SaveCheckpoint("with-frozen", CheckpointKind::kFull, true).ok());
+  }
+  testing::TestCluster two(2, "tok", ::testing::TempDir(), root);
+  Trainer b(two);
+  auto frozen = b.client->RegisterGroup("backbone", backbone, 0, FrozenOptions{});
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  ASSERT_TRUE(b.client->LoadCheckpoint("with-frozen").ok());
+  EXPECT_EQ(b.Params("backbone", *frozen, 0), frozen_values);
+  EXPECT_EQ(b.Params("big", b.big, 2), trained_after);
+}
+
 TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
   std::vector<std::string> roots;
   std::vector<std::vector<std::string>> args;

@@ -119,6 +119,22 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(flatshard.InvalidArgumentError):
             c.set_hyperparams("g", betas=(0.9, 0.9))
 
+    def test_a_frozen_group_keeps_its_values_and_refuses_gradients(self):
+        c = self.client(job="frozen")
+        c.configure_job()
+        c.register_group("backbone", TENSORS, flatshard.Frozen())
+        init = values(4)
+        c.init_group("backbone", init)
+        with self.assertRaises(flatshard.FailedPreconditionError) as refused:
+            c.scatter("backbone", values(5), 0)
+        self.assertIn("is frozen", refused.exception.message)
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            c.set_hyperparams("backbone", lr=0.1)  # a frozen group has none
+        self.assertEqual(c.version("backbone"), 0)
+        params = c.gather("backbone")
+        for name in ("weight", "bias"):
+            np.testing.assert_array_equal(params[name], init[name])
+
     def test_checkpoints_are_shared_by_clusters_on_the_same_root(self):
         c = self.client(job="ckpt")
         c.configure_job()

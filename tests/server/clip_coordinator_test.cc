@@ -114,6 +114,25 @@ TEST_F(ClipCoordinatorTest, InfNormAndNoScalingBelowTheBound) {
   EXPECT_EQ(Params(1, "a"), (std::vector<float>{-1, 2}));
 }
 
+// A frozen group of the job sits at version 0 with no gradient ever: it must not hold up
+// the step (as torch's clip_grad_norm_ skips parameters without a gradient).
+TEST_F(ClipCoordinatorTest, FrozenGroupsNeitherWaitNorCount) {
+  Start(/*max_norm=*/1.0, /*norm_type=*/2.0);
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(servers_[rank]
+                    .registry->RegisterGroup("job", "frozen", {{"w", {4}, DType::kFloat32}}, 0, Frozen{})
+                    .ok());
+  }
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(Contribute(rank, "a", kGrads[rank][0]).ok());
+    ASSERT_TRUE(Contribute(rank, "b", kGrads[rank][1]).ok());
+  }
+  EXPECT_EQ(Version(0, "a"), 1);
+  EXPECT_EQ(Version(1, "b"), 1);
+  EXPECT_EQ(Version(0, "frozen"), 0);
+  EXPECT_NEAR(Params(0, "a")[0], -3.0 / (std::sqrt(35.0) + 1e-6), 1e-6);  // the norm of a and b only
+}
+
 TEST_F(ClipCoordinatorTest, RejectsSharesForUnknownRanksAndUnclippedJobs) {
   Start(1.0, 2.0);
   EXPECT_EQ(servers_[0].clip->RecordPartial("job", 0, 7, 1.0).code(), absl::StatusCode::kInvalidArgument);

@@ -270,12 +270,6 @@ TEST(GroupTest, RestoreInstallsALoadedShard) {
   EXPECT_EQ(Params(group), (std::vector<float>{3, 4, 5}));
 }
 
-}  // namespace
-}  // namespace flatshard::server
-
-namespace flatshard::server {
-namespace {
-
 std::shared_ptr<Group> MakeAsyncGroup(int workers, int64_t max_staleness) {
   auto layout = FlatLayout::Create({{"w", {2}, DType::kFloat32}}, 0, 1);
   return *Group::Create("job", "g", *layout, 0,
@@ -312,12 +306,6 @@ TEST(GroupAsyncTest, UnboundedStalenessAcceptsOldGradients) {
   EXPECT_THAT(std::string(again.message()), HasSubstr("already contributed from version 4"));
 }
 
-}  // namespace
-}  // namespace flatshard::server
-
-namespace flatshard::server {
-namespace {
-
 TEST(GroupTest, HyperparametersChangeFromTheNextStepAndTheKindCannot) {
   std::shared_ptr<Group> group_owner = MakeGroup(1, /*mean=*/false);
   Group& group = *group_owner;  // SGD lr 1
@@ -330,6 +318,28 @@ TEST(GroupTest, HyperparametersChangeFromTheNextStepAndTheKindCannot) {
   EXPECT_THAT(std::string(other_kind.message()), HasSubstr("cannot switch to adam"));
   EXPECT_EQ(group.SetOptimizer(kernels::SgdHyperparams{.lr = -1.0f}).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST(GroupTest, AFrozenGroupHoldsParametersOnlyAndRefusesGradients) {
+  auto layout = FlatLayout::Create({{"w", {3}, DType::kFloat32}, {"b", {2}, DType::kFloat32}}, 0, 2);
+  std::shared_ptr<Group> group =
+      *Group::Create("job", "frozen", *layout, 0, JobSettings{.num_workers = 2}, Frozen{});
+  EXPECT_TRUE(group->frozen());
+  EXPECT_EQ(group->optimizer_name(), "frozen");
+  // Parameters only: no gradient buffer, no optimizer state.
+  EXPECT_EQ(group->stats().bytes, static_cast<int64_t>(group->shard_numel() * sizeof(float)));
+  ASSERT_TRUE(group->InitFromSeed(5).ok());
+  const std::vector<float> initial = Params(*group);
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    absl::StatusOr<ReceiveSlot> slot = group->BeginScatter(0, 0, dtype);
+    EXPECT_TRUE(absl::IsFailedPrecondition(slot.status())) << slot.status();
+    EXPECT_THAT(std::string(slot.status().message()),
+                HasSubstr("group 'frozen' of job 'job' is frozen (registered without an optimizer): it takes no "
+                          "gradients"));
+  }
+  EXPECT_EQ(group->version(), 0);
+  EXPECT_EQ(Params(*group), initial);
+  EXPECT_FALSE(MakeGroup(1)->frozen());
 }
 
 }  // namespace

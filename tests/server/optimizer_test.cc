@@ -86,6 +86,11 @@ TEST(OptimizerSettingsTest, NamesAndJsonUseTorchsSpellingAndShortestFloats) {
   EXPECT_TRUE(SameOptimizer(AdamHyperparams{}, AdamHyperparams{}));
   EXPECT_FALSE(SameOptimizer(AdamHyperparams{}, AdamHyperparams{.decoupled_weight_decay = true}));
   EXPECT_FALSE(SameOptimizer(SgdHyperparams{}, AdamHyperparams{}));
+  EXPECT_EQ(OptimizerName(Frozen{}), "frozen");
+  EXPECT_EQ(OptimizerHyperparamsJson(Frozen{}), "{}");
+  EXPECT_TRUE(ValidateOptimizer(Frozen{}).ok());
+  EXPECT_TRUE(SameOptimizer(Frozen{}, Frozen{}));
+  EXPECT_FALSE(SameOptimizer(Frozen{}, SgdHyperparams{}));
 }
 
 TEST_F(ShardOptimizerTest, KeepsExactlyTheStateItsSettingsNeed) {
@@ -99,6 +104,7 @@ TEST_F(ShardOptimizerTest, KeepsExactlyTheStateItsSettingsNeed) {
       {SgdHyperparams{.momentum = 0.9f}, {"momentum_buffer"}},
       {AdamHyperparams{}, {"exp_avg", "exp_avg_sq"}},
       {AdamHyperparams{.amsgrad = true}, {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}},
+      {Frozen{}, {}},
   };
   for (const Case& c : cases) {
     ShardOptimizer optimizer = Make(c.config);
@@ -118,6 +124,21 @@ TEST_F(ShardOptimizerTest, SwitchingBetweenSgdAndAdamIsRefusedAndChangesNothing)
   EXPECT_TRUE(absl::IsFailedPrecondition(status)) << status;
   EXPECT_THAT(std::string(status.message()), HasSubstr("optimizer is sgd; cannot switch to adam"));
   EXPECT_TRUE(SameOptimizer(optimizer.config(), SgdHyperparams{.lr = 0.5f}));
+}
+
+TEST_F(ShardOptimizerTest, AFrozenOptimizerTakesNoStepAndStaysFrozen) {
+  ShardOptimizer optimizer = Make(Frozen{});
+  std::vector<float> params(kNumel, 1.0f), grad(kNumel, 1.0f);
+  const absl::Status step = optimizer.Step(params.data(), grad.data());
+  EXPECT_TRUE(absl::IsFailedPrecondition(step)) << step;
+  EXPECT_THAT(std::string(step.message()), HasSubstr("frozen"));
+  EXPECT_EQ(optimizer.steps(), 0);
+  EXPECT_EQ(params, std::vector<float>(kNumel, 1.0f));
+  EXPECT_THAT(std::string(optimizer.SetConfig(AdamHyperparams{}).message()),
+              HasSubstr("optimizer is frozen; cannot switch to adam"));
+  EXPECT_TRUE(optimizer.SetConfig(Frozen{}).ok());
+  EXPECT_THAT(std::string(Make(SgdHyperparams{}).SetConfig(Frozen{}).message()),
+              HasSubstr("optimizer is sgd; cannot switch to frozen"));
 }
 
 // torch.optim.SGD creates the momentum buffer on the first step that uses momentum, as

@@ -94,7 +94,13 @@ struct AdamOptions {
   bool decoupled_weight_decay = false;  // true: AdamW
 };
 
-using OptimizerOptions = std::variant<SgdOptions, AdamOptions>;
+// Parameters that are never trained (torch: requires_grad=False). The servers keep no
+// gradient or optimizer state for the group and refuse scatters to it; Gather, InitGroup,
+// checkpoints and export work as for any group. Its version stays 0 unless a checkpoint
+// load sets it.
+struct FrozenOptions {};
+
+using OptimizerOptions = std::variant<SgdOptions, AdamOptions, FrozenOptions>;
 
 struct CheckpointEntry {
   std::string name;
