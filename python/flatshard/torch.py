@@ -24,6 +24,14 @@ moment its last gradient arrives, while backward continues with the other groups
 gathered in param_dtype (the servers keep the fp32 master and cast), gradients are sent
 in reduce_dtype (default: param_dtype). One backward per step (no gradient accumulation
 across several backward calls); sync jobs only.
+
+Shared parameters (tied embeddings: one Parameter under several names) are stored once,
+under the first name ``named_parameters()`` gives; ``state_dict()`` repeats them under
+every name, as torch's does. Frozen parameters (``requires_grad=False`` when the module
+is wrapped) live in one group of their own, named ``<name>.<frozen>``: on the servers, so
+checkpoints hold them and every worker gets worker 0's values, but gathered once, never
+sent gradients and never stepped (torch's optimizers skip a parameter without a gradient,
+weight decay included).
 """
 
 import collections
@@ -37,26 +45,43 @@ import flatshard
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _auto_wrap(module, min_params, prefix=""):
-    """FSDP-style size-based grouping: returns (groups, leftover params).
+def _auto_wrap(module, min_params, keep, prefix=""):
+    """FSDP-style size-based grouping of the parameters for which keep(fqn, param) holds:
+    returns (groups, leftover params).
 
     groups: [(module path, [(fqn, param)])] in pre-order of the wrapped modules.
     """
     groups, leftover = [], []
     for child_name, child in module.named_children():
         child_prefix = f"{prefix}{child_name}."
-        child_groups, child_left = _auto_wrap(child, min_params, child_prefix)
+        child_groups, child_left = _auto_wrap(child, min_params, keep, child_prefix)
         groups.extend(child_groups)
         if sum(p.numel() for _, p in child_left) >= min_params:
             groups.append((child_prefix[:-1], child_left))
         else:
             leftover.extend(child_left)
     own = [(f"{prefix}{n}", p) for n, p in module.named_parameters(recurse=False)]
-    return groups, own + leftover
+    return groups, [(fqn, p) for fqn, p in own if keep(fqn, p)] + leftover
+
+
+def _parameter_names(module):
+    """(canonical, aliases): canonical maps id(param) to the name named_parameters() gives
+    it (its first); aliases maps every other name of a shared parameter to that one."""
+    canonical = {id(p): fqn for fqn, p in module.named_parameters()}
+    aliases = {}
+    for path, submodule in module.named_modules(remove_duplicate=False):
+        for n, p in submodule.named_parameters(recurse=False):
+            fqn = f"{path}.{n}" if path else n
+            if fqn != canonical[id(p)]:
+                aliases[fqn] = canonical[id(p)]
+    return canonical, aliases
 
 
 class _Group:
-    def __init__(self, name, path, module, params, layout, param_dtype, reduce_dtype):
+    """One flat parameter: `params` view `flat`; gradients gather in `flat_grad` (None for
+    the frozen parameters' group)."""
+
+    def __init__(self, name, path, module, params, layout, param_dtype, reduce_dtype, trained=True):
         self.name = name
         self.path = path
         self.module = module
@@ -67,7 +92,8 @@ class _Group:
         # On the parameters' device: CUDA tensors move by CUDA IPC or staging (DLPack).
         device = params[0][1].device
         self.flat = torch.empty(layout.padded_numel, dtype=param_dtype, device=device)
-        self.flat_grad = torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=device)
+        self.flat_grad = (torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=device)
+                          if trained else None)
         self.offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
         self.pending_gather = None
         self.pending_scatter = None
@@ -96,20 +122,31 @@ class ShardedModule(torch.nn.Module):
         for dtype in (self._param_dtype, self._reduce_dtype):
             if dtype not in _NAMES:
                 raise flatshard.InvalidArgumentError(f"dtype {dtype}: expected float32, bfloat16 or float16")
-        wrapped, rest = _auto_wrap(module, auto_wrap_min_params)
+        canonical, self._aliases = _parameter_names(module)
+        wrapped, rest = _auto_wrap(
+            module, auto_wrap_min_params,
+            lambda fqn, p: p.requires_grad and canonical[id(p)] == fqn)
         if rest:
             wrapped.insert(0, ("", rest))  # the root group: forward starts there
+        frozen = [(fqn, p) for fqn, p in module.named_parameters() if not p.requires_grad]
         modules = dict(module.named_modules())
         # fp32 initial values, taken before the parameters become views of (possibly
         # bf16) flat buffers: the servers' master copy starts from full precision.
-        initial = {fqn: p.detach().float().clone() for _, params in wrapped for fqn, p in params}
-        self._groups = []
+        initial = {fqn: p.detach().float().clone() for fqn, p in module.named_parameters()}
+        register = lambda group_name, params, group_optimizer: client.register_group(
+            group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], group_optimizer)
+        self._groups = []  # trained, in forward order
         for path, params in wrapped:
             group_name = f"{name}.{path or '<root>'}"
-            layout = client.register_group(
-                group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], optimizer)
-            self._groups.append(_Group(group_name, path, modules[path], params, layout,
+            self._groups.append(_Group(group_name, path, modules[path], params,
+                                       register(group_name, params, optimizer),
                                        self._param_dtype, self._reduce_dtype))
+        self._frozen = None
+        if frozen:
+            group_name = f"{name}.<frozen>"
+            self._frozen = _Group(group_name, None, None, frozen,
+                                  register(group_name, frozen, flatshard.Frozen()),
+                                  self._param_dtype, self._reduce_dtype, trained=False)
         self._initialize(name, load_checkpoint, initial)
         del initial
         for index, group in enumerate(self._groups):
@@ -120,8 +157,12 @@ class ShardedModule(torch.nn.Module):
 
     @property
     def groups(self):
-        """[(group name, module path, [parameter fqn])], in forward order."""
-        return [(g.name, g.path, [f for f, _ in g.params]) for g in self._groups]
+        """[(group name, module path, [parameter fqn])], in forward order, then the frozen
+        parameters' group (module path None) if there is one."""
+        return [(g.name, g.path, [f for f, _ in g.params]) for g in self._all_groups()]
+
+    def _all_groups(self):
+        return self._groups + ([self._frozen] if self._frozen else [])
 
     @property
     def version(self):
@@ -135,8 +176,8 @@ class ShardedModule(torch.nn.Module):
         if c.worker_rank == 0:
             if checkpoint:
                 c.load_checkpoint(checkpoint)
-            elif all(c.version(group.name) == 0 for group in self._groups):
-                for group in self._groups:
+            elif all(c.version(group.name) == 0 for group in self._groups or self._all_groups()):
+                for group in self._all_groups():
                     c.init_group(group.name, {fqn: initial[fqn] for fqn, _ in group.params})
         barrier = flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
                                    timeout=c._timeout, job=f"{c.job}.{name}.barrier",
@@ -147,6 +188,13 @@ class ShardedModule(torch.nn.Module):
         barrier.scatter("barrier", {"x": np.zeros(1, np.float32)}, step=start)
         barrier.wait_version("barrier", start + 1)
         self._step = c.version(self._groups[0].name) if self._groups else 0
+        self._gather_frozen()
+
+    def _gather_frozen(self):
+        """Fills the frozen parameters from the servers (they never change there)."""
+        if self._frozen:
+            self._client.gather_async(self._frozen.name, 0, _NAMES[self._param_dtype],
+                                      out=self._frozen.flat).wait()
 
     def _gather_all(self):
         for group in self._groups:
@@ -214,26 +262,36 @@ class ShardedModule(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         """The full state dict, parameters read from the servers in fp32 (buffers local)."""
         out = collections.OrderedDict()
-        for group in self._groups:
-            values = self._client.gather(group.name, self._step, "float32")
+        for group in self._all_groups():
+            values = self._client.gather(group.name, 0 if group is self._frozen else self._step,
+                                         "float32")
             for fqn, _ in group.params:
                 out[fqn] = torch.from_numpy(np.array(values[fqn]))
+        for alias, fqn in self._aliases.items():  # as torch's: shared tensors under each name
+            out[alias] = out[fqn]
         for fqn, buffer in self.module.named_buffers():
             out[fqn] = buffer.detach().clone()
         return out
 
     def load_state_dict(self, state_dict, strict=True):
-        """Pushes a full state dict to the servers (before the first step)."""
-        names = set(itertools.chain.from_iterable([f for f, _ in g.params] for g in self._groups))
+        """Pushes a full state dict to the servers (before the first step). A shared
+        parameter may come under any of its names."""
+        names = set(itertools.chain.from_iterable([f for f, _ in g.params] for g in self._all_groups()))
+        names |= set(self._aliases)
         buffers = dict(self.module.named_buffers())
         missing = sorted((names | set(buffers)) - set(state_dict))
         unexpected = sorted(set(state_dict) - names - set(buffers))
         if strict and (missing or unexpected):
             raise flatshard.InvalidArgumentError(f"missing keys {missing}, unexpected keys {unexpected}")
-        for group in self._groups:
+        given = dict(state_dict)
+        for alias, fqn in self._aliases.items():
+            if fqn not in given and alias in given:
+                given[fqn] = given[alias]
+        for group in self._all_groups():
             self._client.init_group(group.name, {
-                fqn: (state_dict[fqn] if fqn in state_dict else p).detach().float()
+                fqn: (given[fqn] if fqn in given else p).detach().float()
                 for fqn, p in group.params})
+        self._gather_frozen()
         with torch.no_grad():
             for fqn, buffer in buffers.items():
                 if fqn in state_dict:

@@ -53,6 +53,26 @@ class AttentionModel(nn.Module):
         return self.head(self.attention(h, h, h, need_weights=False)[0].mean(dim=1))
 
 
+class TiedFrozenModel(nn.Module):
+    """Input and output embeddings tied (one Parameter under two names, as GPT-2 does) and
+    a frozen projection (requires_grad=False, as when fine-tuning): ShardedModule must keep
+    one copy of the tied weight, and neither update nor send gradients for the frozen one."""
+
+    def __init__(self, vocab=12, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, dim))
+        self.unembed = nn.Linear(dim, vocab, bias=False)
+        self.unembed.weight = self.embed.weight
+        self.project = nn.Linear(vocab, 4)
+        self.project.requires_grad_(False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.mlp(h)
+        return self.project(self.unembed(h).mean(dim=1))
+
+
 def make_model(kind):
     torch.manual_seed(0)
     if kind == "mlp":
@@ -62,11 +82,16 @@ def make_model(kind):
         return TransformerBlock()
     if kind == "attention":
         return AttentionModel()
+    if kind == "tied_frozen":
+        return TiedFrozenModel()
     raise ValueError(kind)
 
 
 def make_data(kind, batch=16):
     generator = torch.Generator().manual_seed(1)
+    if kind == "tied_frozen":  # token ids
+        x = torch.randint(0, 12, (batch, 5), generator=generator)
+        return x, torch.randn(batch, 4, generator=generator)
     x = torch.randn(batch, 8, generator=generator) if kind == "mlp" else \
         torch.randn(batch, 5, 6, generator=generator)
     y = torch.randn(batch, 4, generator=generator)

@@ -96,7 +96,7 @@ class ParityTest(unittest.TestCase):
         initial = make_model(kind).state_dict()
         moved = max(relative_error(state[n], initial[n]) for n in initial)
         self.assertGreater(moved, 100 * REL_TOL)
-        return losses
+        return losses, state, groups
 
     def test_mlp_adamw_weight_decay_and_clipping(self):
         self.check("mlp", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
@@ -114,6 +114,24 @@ class ParityTest(unittest.TestCase):
     def test_modules_used_functionally_get_their_parameters(self):
         self.check("attention", flatshard.SGD(lr=0.05, momentum=0.9),
                    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 10)
+
+    def test_tied_and_frozen_parameters(self):
+        # Parity covers the rest: torch counts the tied weight once in the norm, gives it
+        # the sum of both uses' gradients, and skips the frozen projection (no gradient, so
+        # no weight decay either).
+        losses, state, groups = self.check(
+            "tied_frozen", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
+            lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 20, max_grad_norm=0.5)
+        self.assertLess(losses[-1], losses[0])
+        stored = [fqn for _, _, names in groups for fqn in names]
+        self.assertEqual(sorted(stored), sorted(set(stored)))  # no tensor in two groups
+        self.assertIn("embed.weight", stored)
+        self.assertNotIn("unembed.weight", stored)  # the tied name: an alias, not a copy
+        np.testing.assert_array_equal(state["unembed.weight"], state["embed.weight"])
+        initial = make_model("tied_frozen").state_dict()
+        for name in ("project.weight", "project.bias"):
+            self.assertIn(name, stored)  # on the servers, so checkpoints hold it
+            self.assertTrue(torch.equal(torch.from_numpy(state[name]), initial[name]), name)
 
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
