@@ -6,6 +6,14 @@
         loss.backward()          # each group's gradient is scattered as soon as it is ready
         model.step()             # waits for the servers' new version
 
+    # Gradient accumulation over micro-batches, as with FSDP's and DDP's no_sync():
+    with model.no_sync():
+        for x, y in micro_batches[:-1]:
+            (loss_fn(model(x), y) / len(micro_batches)).backward()  # summed locally
+    x, y = micro_batches[-1]
+    (loss_fn(model(x), y) / len(micro_batches)).backward()  # adds its own, sends the sum
+    model.step()
+
 Parameters are grouped one flat parameter per wrapped submodule, chosen like FSDP's
 ``size_based_auto_wrap_policy``: a submodule whose not-yet-wrapped parameters number at
 least ``auto_wrap_min_params`` becomes a group, the root takes the rest. Worker 0's
@@ -22,8 +30,8 @@ moment its last gradient arrives, while backward continues with the other groups
 
 ``param_dtype`` / ``reduce_dtype`` follow FSDP's ``MixedPrecision``: parameters are
 gathered in param_dtype (the servers keep the fp32 master and cast), gradients are sent
-in reduce_dtype (default: param_dtype). One backward per step (no gradient accumulation
-across several backward calls); sync jobs only.
+in reduce_dtype (default: param_dtype) and accumulated in it under ``no_sync()``. One
+backward per step outside ``no_sync()`` (a second one raises); sync jobs only.
 
 Shared parameters (tied embeddings: one Parameter under several names) are stored once,
 under the first name ``named_parameters()`` gives; ``state_dict()`` repeats them under
@@ -35,6 +43,7 @@ weight decay included).
 """
 
 import collections
+import contextlib
 import itertools
 
 import numpy as np
@@ -96,8 +105,10 @@ class _Group:
                           if trained else None)
         self.offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
         self.pending_gather = None
+        self.gathered_step = None  # the step whose gather was issued last
         self.pending_scatter = None
-        self.seen = set()
+        self.seen = set()         # parameters whose gradient this backward delivered
+        self.accumulated = set()  # parameters whose gradient flat_grad holds for the step
         self.eager = True   # wait for its gather before the forward (until its hook is seen)
         self.fired = False  # its module's pre-hook ran in this step
         with torch.no_grad():
@@ -117,6 +128,7 @@ class ShardedModule(torch.nn.Module):
         self.module = module
         self._client = client
         self._step = 0
+        self._accumulating = False  # inside no_sync()
         self._param_dtype = param_dtype or torch.float32
         self._reduce_dtype = reduce_dtype or self._param_dtype
         for dtype in (self._param_dtype, self._reduce_dtype):
@@ -198,7 +210,8 @@ class ShardedModule(torch.nn.Module):
 
     def _gather_all(self):
         for group in self._groups:
-            if group.pending_gather is None:
+            if group.pending_gather is None and group.gathered_step != self._step:
+                group.gathered_step = self._step  # later forwards of the step reuse it
                 group.pending_gather = self._client.gather_async(
                     group.name, self._step, _NAMES[self._param_dtype], out=group.flat)
         for group in self._groups:
@@ -217,12 +230,35 @@ class ShardedModule(torch.nn.Module):
         self._wait_gather(group)
 
     def _on_grad(self, group, fqn, grad):
+        if group.pending_scatter is not None:  # it would overwrite what is being sent
+            raise flatshard.FailedPreconditionError(
+                f"group '{group.name}' was already sent for step {self._step}: call step() "
+                "before the next backward, or run the earlier micro-batches under no_sync()")
         offset, numel = group.offsets[fqn]
-        group.flat_grad[offset:offset + numel].copy_(grad.detach().reshape(-1))
-        group.seen.add(fqn)
-        if len(group.seen) == len(group.params):
-            self._scatter(group)
+        target = group.flat_grad[offset:offset + numel]
+        if fqn in group.accumulated:  # an earlier micro-batch's gradient is there
+            target.add_(grad.detach().reshape(-1))
+        else:
+            target.copy_(grad.detach().reshape(-1))
+            group.accumulated.add(fqn)
+        if not self._accumulating:
+            group.seen.add(fqn)
+            if len(group.seen) == len(group.params):
+                self._scatter(group)
         return None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation (FSDP's and DDP's no_sync()): backward passes inside add
+        their gradients into the local flat gradient buffers and send nothing. The first
+        backward after the block adds its own and sends the sum, group by group as
+        usual; step() sends whatever is left. Gradients are summed, as torch sums them:
+        scale each micro-batch's loss for a mean."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     def _scatter(self, group):
         group.pending_scatter = self._client.scatter_async(
@@ -242,7 +278,7 @@ class ShardedModule(torch.nn.Module):
         for group in self._groups:
             if group.pending_scatter is None:
                 for fqn, _ in group.params:
-                    if fqn not in group.seen:
+                    if fqn not in group.accumulated:
                         offset, numel = group.offsets[fqn]
                         group.flat_grad[offset:offset + numel].zero_()
                 self._scatter(group)
@@ -250,6 +286,7 @@ class ShardedModule(torch.nn.Module):
             group.pending_scatter.wait()
             group.pending_scatter = None
             group.seen.clear()
+            group.accumulated.clear()
         for group in self._groups:
             self._client.wait_version(group.name, self._step + 1)
             self._wait_gather(group)  # a prefetch nobody waited for: its buffer is ours again
@@ -292,6 +329,9 @@ class ShardedModule(torch.nn.Module):
                 fqn: (given[fqn] if fqn in given else p).detach().float()
                 for fqn, p in group.params})
         self._gather_frozen()
+        for group in self._groups:  # the next forward gathers the pushed values
+            self._wait_gather(group)
+            group.gathered_step = None
         with torch.no_grad():
             for fqn, buffer in buffers.items():
                 if fqn in state_dict:

@@ -1,5 +1,6 @@
 """A training worker process for the parity tests: trains `kind` with ShardedModule on
-its half of the batch (on `device`: "cpu" or "cuda") and reports its losses and
+its half of the batch (on `device`: "cpu" or "cuda"), in `micro_batches` pieces whose
+gradients accumulate under no_sync() but for the last, and reports its losses and
 (worker 0) the final state dict."""
 
 import torch
@@ -10,7 +11,8 @@ import flatshard.torch
 from models import make_data, make_model
 
 
-def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue, device="cpu"):
+def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue, device="cpu",
+        micro_batches=1):
     try:
         torch.set_num_threads(1)
         client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token,
@@ -24,11 +26,22 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
         half = x.shape[0] // 2
         x, y = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
         losses = []
+        micro = x.shape[0] // micro_batches
         for _ in range(steps):
-            loss = F.mse_loss(model(x).float(), y)
-            loss.backward()
+            total = 0.0
+            for m in range(micro_batches):
+                piece = slice(m * micro, (m + 1) * micro)
+                # The mean over the half batch: each piece's mean, over micro_batches.
+                if m < micro_batches - 1:
+                    with model.no_sync():
+                        loss = F.mse_loss(model(x[piece]).float(), y[piece]) / micro_batches
+                        loss.backward()
+                else:
+                    loss = F.mse_loss(model(x[piece]).float(), y[piece]) / micro_batches
+                    loss.backward()
+                total += loss.item()
             model.step()
-            losses.append(loss.item())
+            losses.append(total)
         state = {k: v.cpu().numpy() for k, v in model.state_dict().items()} if rank == 0 else None
         queue.put((rank, losses, state, model.groups, None))
     except BaseException as e:  # report instead of hanging the test

@@ -46,12 +46,13 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
     return model, losses
 
 
-def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu"):
+def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu",
+                    micro_batches=1):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=parity_worker.run,
                                args=(cluster.addresses, cluster.token, rank, kind, optimizer,
-                                     job or {}, steps, param_dtype, queue, device))
+                                     job or {}, steps, param_dtype, queue, device, micro_batches))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -73,11 +74,11 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
 
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
-              device="cpu", memory="host"):
+              device="cpu", memory="host", micro_batches=1):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
         with flatshard.LocalCluster(servers=3, memory=memory) as cluster:
             losses, state, groups = train_flatshard(cluster, kind, optimizer, steps, job,
-                                                    device=device)
+                                                    device=device, micro_batches=micro_batches)
             if memory == "device":  # every gradient went over CUDA IPC, to every server
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 for server in status["servers"]:
@@ -132,6 +133,25 @@ class ParityTest(unittest.TestCase):
         for name in ("project.weight", "project.bias"):
             self.assertIn(name, stored)  # on the servers, so checkpoints hold it
             self.assertTrue(torch.equal(torch.from_numpy(state[name]), initial[name]), name)
+
+    def test_gradient_accumulation_under_no_sync(self):
+        # 4 micro-batches per worker, 3 accumulated locally: the same steps as one batch.
+        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10,
+                   max_grad_norm=0.5, micro_batches=4)
+
+    def test_a_second_backward_outside_no_sync_is_refused(self):
+        import flatshard.torch
+        with flatshard.LocalCluster(servers=2) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="twice")
+            client.configure_job()
+            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
+                                                  auto_wrap_min_params=200)
+            x, y = make_data("mlp")
+            F.mse_loss(model(x), y).backward()
+            with self.assertRaises(flatshard.FailedPreconditionError) as refused:
+                F.mse_loss(model(x), y).backward()
+            self.assertIn("call step() before the next backward", refused.exception.message)
 
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
