@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -530,6 +531,8 @@ void DataPlane(bool quick, double seconds) {
 
 int main(int argc, char** argv) {
   using namespace flatshard::bench;
+  absl::SetProgramUsageMessage(
+      "cluster_bench [--quick] [--sections=data,optimizer,latency,checkpoints]: ratios against anchors measured in the same run");
   flatshard::ParseCommandLineOrExit(argc, argv, "cluster_bench");
   const bool quick = absl::GetFlag(FLAGS_quick);
   const double seconds = quick ? 0.4 : absl::GetFlag(FLAGS_seconds);

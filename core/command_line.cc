@@ -2,22 +2,56 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <map>
+#include <string>
 
-#include "absl/flags/parse.h"
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 
 namespace flatshard {
+
+namespace {
+
+// "server/main.cc" rather than the build machine's absolute path.
+std::string RelativeFlagFile(absl::string_view file) {
+  absl::string_view root = __FILE__;  // Abseil reports flag files without the leading '/'
+  absl::ConsumePrefix(&root, "/");
+  absl::ConsumePrefix(&file, "/");
+  if (absl::ConsumeSuffix(&root, "core/command_line.cc")) absl::ConsumePrefix(&file, root);
+  return std::string(file);
+}
+
+// The usage message, then every flag the program defines (Abseil's own aside) by file.
+// Abseil's --help lists only flags of a file named after the program, which ours are
+// not, and exits 1.
+void PrintHelp(std::ostream& out) {
+  std::map<std::string, std::map<std::string, const absl::CommandLineFlag*>> by_file;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    const std::string file = RelativeFlagFile(flag->Filename());
+    if (!absl::StrContains(file, "absl/")) by_file[file][std::string(name)] = flag;
+  }
+  out << absl::ProgramUsageMessage() << "\n";
+  for (const auto& [file, flags] : by_file) {
+    out << "\n  Flags from " << file << ":\n";
+    for (const auto& [name, flag] : flags) {
+      out << "    --" << name << " (" << flag->Help() << "); default: "
+          << (flag->IsOfType<std::string>() ? "\"" + flag->DefaultValue() + "\"" : flag->DefaultValue()) << "\n";
+    }
+  }
+}
+
+}  // namespace
 
 std::vector<std::string> ParseCommandLineOrExit(int argc, char** argv, const char* program) {
   std::vector<std::string> positional;
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h" || arg == "--helpfull") {
-      char* help_argv[] = {argv[0], const_cast<char*>("--help")};
-      absl::ParseCommandLine(2, help_argv);  // prints the usage and exits
+      PrintHelp(std::cout);
       std::exit(0);
     }
     if (!absl::StartsWith(arg, "-") || arg == "-") {

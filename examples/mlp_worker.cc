@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "core/command_line.h"
@@ -57,6 +58,8 @@ int Fail(const absl::Status& status) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "mlp_worker --cluster=A0,A1,... --worker_rank=I --num_workers=W [flags]: trains a two-layer MLP on flatshard servers");
   flatshard::ParseCommandLineOrExit(argc, argv, "mlp_worker");
   flatshard::ClientOptions options;
   options.servers = absl::StrSplit(absl::GetFlag(FLAGS_cluster), ',', absl::SkipEmpty());

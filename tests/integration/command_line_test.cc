@@ -1,0 +1,84 @@
+// The binaries' command lines as an operator meets them: --help lists every flag of the
+// program (with where it is defined) and exits 0; a bad flag, a bad value or a missing
+// value prints one line naming it and exits 2; a configuration the server cannot run
+// (--listen not in --cluster) exits non-zero with the reason. No server starts listening.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_split.h"
+
+namespace flatshard {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Runs `binary args` with stderr folded into stdout: (exit code, output).
+std::pair<int, std::string> RunBinary(const std::string& binary, const std::string& args) {
+  FILE* pipe = popen((binary + " " + args + " 2>&1 < /dev/null").c_str(), "r");
+  std::string output;
+  char buffer[4096];
+  size_t read;
+  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, read);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+TEST(CommandLineTest, ServerHelpListsEveryFlag) {
+  for (const char* help : {"--help", "--helpfull", "-h"}) {
+    const auto [code, output] = RunBinary(FLATSHARD_SERVER_PATH, help);
+    EXPECT_EQ(code, 0) << output;
+    EXPECT_THAT(output, HasSubstr("Flags from server/main.cc"));
+    for (const char* flag : {"--listen", "--data_listen", "--rank", "--cluster", "--memory", "--auth_token_file",
+                             "--checkpoint_root", "--tls_cert_file", "--compute_threads", "--nccl_timeout"}) {
+      EXPECT_THAT(output, HasSubstr(std::string(flag) + " (")) << help;
+    }
+    EXPECT_THAT(output, Not(HasSubstr("No flags matched")));
+  }
+}
+
+TEST(CommandLineTest, CliHelpListsCommandsAndFlags) {
+  const auto [code, output] = RunBinary(FLATSHARD_CLI_PATH, "--help");
+  EXPECT_EQ(code, 0) << output;
+  EXPECT_THAT(output, HasSubstr("local-cluster --servers=N"));
+  EXPECT_THAT(output, HasSubstr("Flags from client/cli/main.cc"));
+  for (const char* flag : {"--cluster", "--name", "--kind", "--chunk_mib", "--tls_ca_file"}) {
+    EXPECT_THAT(output, HasSubstr(std::string(flag) + " ("));
+  }
+}
+
+TEST(CommandLineTest, BadFlagsExitTwoWithOneLineNamingThem) {
+  const struct {
+    std::string args, message;
+  } cases[] = {
+      {"--bogus=1", "flatshard-server: unknown flag --bogus (see --help)\n"},
+      {"--rank=x", "flatshard-server: bad value for --rank: "},
+      {"--listen", "flatshard-server: flag --listen needs a value\n"},
+      {"stray", "unexpected argument 'stray'"},
+  };
+  for (const auto& c : cases) {
+    const auto [code, output] = RunBinary(FLATSHARD_SERVER_PATH, c.args);
+    EXPECT_EQ(code, 2) << c.args << ": " << output;
+    EXPECT_THAT(output, HasSubstr(c.message)) << c.args;
+    EXPECT_EQ(std::vector<std::string>(absl::StrSplit(output, '\n', absl::SkipEmpty())).size(), 1u)
+        << c.args << ": " << output;
+  }
+  const auto [code, output] = RunBinary(FLATSHARD_CLI_PATH, "status --bogus");
+  EXPECT_EQ(code, 2) << output;
+  EXPECT_THAT(output, HasSubstr("unknown flag --bogus"));
+}
+
+TEST(CommandLineTest, AServerNotInItsClusterRefusesToStart) {
+  // Ports 1 and 2 are never bound: the check comes first.
+  const auto [code, output] = RunBinary(FLATSHARD_SERVER_PATH, "--listen=127.0.0.1:1 --cluster=127.0.0.1:2 --rank=0");
+  EXPECT_NE(code, 0) << output;
+  EXPECT_THAT(output, HasSubstr("--listen=127.0.0.1:1 but --cluster[0] is 127.0.0.1:2"));
+}
+
+}  // namespace
+}  // namespace flatshard
