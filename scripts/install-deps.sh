@@ -19,6 +19,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev iperf3
   # the Python package and its tests (/usr/bin/python3): pybind11 module, numpy, PyTorch
   python3-dev pybind11-dev python3-numpy python3-torch
+  # the deployment files' test reads the Kubernetes manifest
+  python3-yaml
 )
 
 missing=()
