@@ -3,11 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <fstream>
 #include <sstream>
+
+#include "tests/run_command.h"
 
 namespace flatshard::cli {
 namespace {
@@ -51,13 +51,7 @@ std::pair<int, std::string> RunBinary(const std::string& args, const std::string
   std::ofstream(spec_path) << stdin_text;
   const std::string command = std::string(FLATSHARD_CLI_PATH) + " layout " + args + " < " +
                               spec_path + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  char buffer[4096];
-  size_t read;
-  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, read);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+  return flatshard::testing::RunCommand(command);
 }
 
 TEST(LayoutBinaryTest, JsonFromStdin) {

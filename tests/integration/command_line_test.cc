@@ -4,13 +4,11 @@
 // (--listen not in --cluster) exits non-zero with the reason. No server starts listening.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-
-#include <cstdio>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_split.h"
+#include "tests/run_command.h"
 
 namespace flatshard {
 namespace {
@@ -20,13 +18,7 @@ using ::testing::Not;
 
 // Runs `binary args` with stderr folded into stdout: (exit code, output).
 std::pair<int, std::string> RunBinary(const std::string& binary, const std::string& args) {
-  FILE* pipe = popen((binary + " " + args + " 2>&1 < /dev/null").c_str(), "r");
-  std::string output;
-  char buffer[4096];
-  size_t read;
-  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, read);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+  return testing::RunCommand(binary + " " + args + " 2>&1 < /dev/null");
 }
 
 TEST(CommandLineTest, ServerHelpListsEveryFlag) {
