@@ -2,14 +2,13 @@
 // reduced gradient) over every group of a job and every server of the cluster.
 //
 // When all groups of a clipped job that are at version `step` (frozen ones aside: they
-// take no gradients) have reduced their
-// contributions on this server, the server computes its share of the norm (sum of
-// squares over its shards, in group-name order, for norm_type 2; max |g| for inf), sends
-// it to every peer and records it. Once the shares of all N servers are in, each server
-// combines them in rank order (so every server computes the same bits), derives
-// clip_coef = max_norm / (total_norm + 1e-6) and finishes the step of every such group:
-// scale by clip_coef when it is below 1, optimizer step, version + 1. The groups of the
-// job thus step together.
+// take no gradients) have reduced their contributions on this server, the server computes
+// its share of the norm (sum of squares over its shards, in group-name order, for
+// norm_type 2; max |g| for inf), sends it to every peer and records it. Once the shares of
+// all N servers are in, each server combines them in rank order (so every server computes
+// the same bits), derives clip_coef = max_norm / (total_norm + 1e-6) and finishes the step
+// of every such group: scale by clip_coef when it is below 1, optimizer step, version + 1.
+// The groups of the job thus step together.
 //
 // Thread-safe. Lock order: this coordinator, then a Group; never the reverse.
 //
