@@ -221,8 +221,12 @@ class ShardedModule(torch.nn.Module):
     @staticmethod
     def _wait_gather(group):
         if group.pending_gather is not None:
-            group.pending_gather.wait()
-            group.pending_gather = None
+            pending, group.pending_gather = group.pending_gather, None
+            try:
+                pending.wait()
+            except BaseException:
+                group.gathered_step = None  # the next forward gathers again
+                raise
 
     def _before_forward(self, index):
         group = self._groups[index]
