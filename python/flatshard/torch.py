@@ -6,6 +6,8 @@
         loss.backward()          # each group's gradient is scattered as soon as it is ready
         model.step()             # waits for the servers' new version
 
+    model.set_hyperparams(lr=1e-4)   # a learning-rate schedule: from the next step on
+
     # Gradient accumulation over micro-batches, as with FSDP's and DDP's no_sync():
     with model.no_sync():
         for x, y in micro_batches[:-1]:
@@ -250,6 +252,13 @@ class ShardedModule(torch.nn.Module):
             if len(group.seen) == len(group.params):
                 self._scatter(group)
         return None
+
+    def set_hyperparams(self, **changes):
+        """New optimizer hyper-parameters for every trained group from the next step on,
+        as a learning-rate schedule sets torch's param_groups: set_hyperparams(lr=1e-4).
+        The servers apply them to the step that the next step() completes."""
+        for group in self._groups:
+            self._client.set_hyperparams(group.name, **changes)
 
     @contextlib.contextmanager
     def no_sync(self):

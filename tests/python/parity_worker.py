@@ -1,7 +1,8 @@
 """A training worker process for the parity tests: trains `kind` with ShardedModule on
 its half of the batch (on `device`: "cpu" or "cuda"), in `micro_batches` pieces whose
-gradients accumulate under no_sync() but for the last, and reports its losses and
-(worker 0) the final state dict."""
+gradients accumulate under no_sync() but for the last, with the learning rate set to
+lr_schedule[step] before the steps it names, and reports its losses and (worker 0) the
+final state dict."""
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from models import make_data, make_model
 
 
 def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue, device="cpu",
-        micro_batches=1):
+        micro_batches=1, lr_schedule=None):
     try:
         torch.set_num_threads(1)
         client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token,
@@ -27,7 +28,9 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
         x, y = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
         losses = []
         micro = x.shape[0] // micro_batches
-        for _ in range(steps):
+        for step in range(steps):
+            if lr_schedule and step in lr_schedule:
+                model.set_hyperparams(lr=lr_schedule[step])
             total = 0.0
             for m in range(micro_batches):
                 piece = slice(m * micro, (m + 1) * micro)

@@ -29,13 +29,16 @@ def relative_error(ours, reference):
     return ((ours - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
-def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu"):
+def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu", lr_schedule=None):
     torch.manual_seed(0)
     model = make_model(kind).to(device)
     optimizer = make_optimizer(model.parameters())
     x, y = (t.to(device) for t in make_data(kind))
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if lr_schedule and step in lr_schedule:
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = lr_schedule[step]
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -47,12 +50,13 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
 
 
 def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu",
-                    micro_batches=1):
+                    micro_batches=1, lr_schedule=None):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=parity_worker.run,
                                args=(cluster.addresses, cluster.token, rank, kind, optimizer,
-                                     job or {}, steps, param_dtype, queue, device, micro_batches))
+                                     job or {}, steps, param_dtype, queue, device, micro_batches,
+                                     lr_schedule))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -74,18 +78,19 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
 
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
-              device="cpu", memory="host", micro_batches=1):
+              device="cpu", memory="host", micro_batches=1, lr_schedule=None):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
         with flatshard.LocalCluster(servers=3, memory=memory) as cluster:
             losses, state, groups = train_flatshard(cluster, kind, optimizer, steps, job,
-                                                    device=device, micro_batches=micro_batches)
+                                                    device=device, micro_batches=micro_batches,
+                                                    lr_schedule=lr_schedule)
             if memory == "device":  # every gradient went over CUDA IPC, to every server
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 for server in status["servers"]:
                     self.assertEqual(int(server["ipc_scatters"]), steps * len(groups) * 2, server)
                     self.assertGreater(int(server["ipc_gathers"]), 0, server)
         reference, reference_losses = train_reference(kind, make_reference_optimizer, steps,
-                                                      max_grad_norm, device)
+                                                      max_grad_norm, device, lr_schedule)
         self.assertGreater(len(groups), 1, "the auto-wrap policy should make several groups")
         for step, (ours, theirs) in enumerate(zip(losses, reference_losses)):
             self.assertLess(abs(ours - theirs) / abs(theirs), REL_TOL, f"loss at step {step}")
@@ -139,6 +144,12 @@ class ParityTest(unittest.TestCase):
         self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
                    lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10,
                    max_grad_norm=0.5, micro_batches=4)
+
+    def test_a_learning_rate_schedule_applies_from_the_next_step(self):
+        # Frozen parameters too: set_hyperparams must leave their group alone.
+        self.check("tied_frozen", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
+                   lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 12,
+                   lr_schedule={4: 3e-2, 8: 1e-3})
 
     def test_a_second_backward_outside_no_sync_is_refused(self):
         import flatshard.torch
