@@ -29,38 +29,52 @@ std::string ShardTensors(const FlatLayout& layout, int rank) {
 
 }  // namespace
 
-std::string FormatLayoutTable(const FlatLayout& layout) {
-  // The server keeps an fp32 master copy, an fp32 gradient accumulator and, for Adam,
-  // two fp32 moments per shard element (padding included).
+absl::StatusOr<OptimizerBuffers> BuffersFor(absl::string_view optimizer) {
+  if (optimizer == "adam" || optimizer == "adamw") return OptimizerBuffers{.grads = 1, .state = 2};
+  if (optimizer == "sgd") return OptimizerBuffers{.grads = 1, .state = 0};
+  if (optimizer == "sgd-momentum") return OptimizerBuffers{.grads = 1, .state = 1};
+  if (optimizer == "frozen") return OptimizerBuffers{.grads = 0, .state = 0};
+  return absl::InvalidArgumentError(absl::StrCat("--optimizer_kind=", optimizer,
+                                                 ": expected adam, adamw, sgd, sgd-momentum or frozen"));
+}
+
+std::string FormatLayoutTable(const FlatLayout& layout, absl::string_view optimizer) {
+  // The server keeps an fp32 master copy and, unless frozen, an fp32 gradient and the
+  // optimizer's fp32 state (Adam: two moments) per shard element (padding included).
+  const OptimizerBuffers buffers = BuffersFor(optimizer).value_or(OptimizerBuffers{});
   const int64_t shard_bytes = layout.shard_numel() * 4;
   std::string table = absl::StrFormat(
       "%d tensors, %d servers, align %d: unpadded %d elements, shard %d, padded %d\n",
       layout.num_tensors(), layout.num_shards(), layout.align(), layout.unpadded_numel(),
       layout.shard_numel(), layout.padded_numel());
   absl::StrAppendFormat(&table, "%-6s %-27s %9s %11s %11s %11s  %s\n", "server", "range",
-                        "padding", "params", "grads", "adam", "tensors");
+                        "padding", "params", "grads", std::string(optimizer), "tensors");
   for (int rank = 0; rank < layout.num_shards(); ++rank) {
     absl::StrAppendFormat(&table, "%-6d %-27s %9d %11s %11s %11s  %s\n", rank,
                           absl::StrCat("[", layout.shard_start(rank), ", ",
                                        layout.shard_end(rank), ")"),
                           layout.shard_padding(rank), HumanBytes(shard_bytes),
-                          HumanBytes(shard_bytes), HumanBytes(2 * shard_bytes),
+                          HumanBytes(buffers.grads * shard_bytes), HumanBytes(buffers.state * shard_bytes),
                           ShardTensors(layout, rank));
   }
-  absl::StrAppendFormat(&table, "per server: %s (params + grads + Adam state)\n",
-                        HumanBytes(4 * shard_bytes));
+  absl::StrAppendFormat(&table, "per server: %s (params + grads + %s state)\n",
+                        HumanBytes((1 + buffers.grads + buffers.state) * shard_bytes), std::string(optimizer));
   return table;
 }
 
 int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std::ostream& out,
                      std::ostream& err) {
+  if (absl::Status known = BuffersFor(options.optimizer).status(); !known.ok()) {
+    err << "flatshard layout: " << known.message() << "\n";
+    return 2;
+  }
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   absl::StatusOr<FlatLayout> layout = ParseLayoutSpecJson(text);
   if (!layout.ok()) {
     err << "flatshard layout: " << layout.status().message() << "\n";
     return 2;
   }
-  out << (options.json ? LayoutToJson(*layout) : FormatLayoutTable(*layout));
+  out << (options.json ? LayoutToJson(*layout) : FormatLayoutTable(*layout, options.optimizer));
   return 0;
 }
 

@@ -8,23 +8,38 @@
 #define FLATSHARD_CLIENT_CLI_LAYOUT_COMMAND_H_
 
 #include <iosfwd>
+#include <string>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/layout.h"
 
 namespace flatshard::cli {
 
 struct LayoutCommandOptions {
   bool json = false;  // print the full layout as JSON instead of the table
+  // The optimizer whose state the memory columns count: adam (adamw alike), sgd,
+  // sgd-momentum or frozen (parameters only).
+  std::string optimizer = "adam";
 };
 
-// Returns the process exit code: 0 on success, 2 when the spec is malformed or invalid
-// (one line "flatshard layout: <reason>" on `err`).
+// fp32 buffers per shard element a server keeps besides the parameters for `optimizer`
+// (as LayoutCommandOptions names it): {gradient buffers, optimizer state buffers}.
+// InvalidArgument naming the accepted names.
+struct OptimizerBuffers {
+  int grads = 1;
+  int state = 2;
+};
+[[nodiscard]] absl::StatusOr<OptimizerBuffers> BuffersFor(absl::string_view optimizer);
+
+// Returns the process exit code: 0 on success, 2 when the spec is malformed or invalid or
+// the optimizer unknown (one line "flatshard layout: <reason>" on `err`).
 int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std::ostream& out,
                      std::ostream& err);
 
-// The per-server table: shard range, padding, fp32 parameter / gradient / Adam-state
-// bytes, and the tensor pieces each server holds.
-std::string FormatLayoutTable(const FlatLayout& layout);
+// The per-server table: shard range, padding, fp32 parameter / gradient /
+// optimizer-state bytes, and the tensor pieces each server holds.
+std::string FormatLayoutTable(const FlatLayout& layout, absl::string_view optimizer = "adam");
 
 }  // namespace flatshard::cli
 

@@ -1,5 +1,5 @@
 // `flatshard`: the admin command line.
-//   flatshard layout [SPEC.json|-] [--json]          a group's flat layout per server
+//   flatshard layout [SPEC.json|-] [--json] [--optimizer_kind=K]  a group's flat layout per server
 //   flatshard status --cluster=A0,A1,... [--json]    servers, groups, versions, traffic
 //   flatshard local-cluster --servers=N [--base_port=P]  N servers on 127.0.0.1
 #include <unistd.h>
@@ -22,6 +22,9 @@
 #include "core/command_line.h"
 
 ABSL_FLAG(bool, json, false, "layout, status: print JSON instead of a table");
+ABSL_FLAG(std::string, optimizer_kind, "adam",
+          "layout: the optimizer whose state the memory columns count (adam, adamw, sgd, sgd-momentum or "
+          "frozen)");
 ABSL_FLAG(std::string, cluster, "", "status: every server's control address, comma-separated");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (empty: none)");
 ABSL_FLAG(std::string, tls_ca_file, "",
@@ -44,7 +47,8 @@ constexpr char kUsage[] =
     "flatshard <command> [args]\n"
     "\n"
     "commands:\n"
-    "  layout [SPEC.json|-] [--json]   read a layout spec (file or stdin) and print the\n"
+    "  layout [SPEC.json|-] [--json] [--optimizer_kind=adam]\n"
+    "                                  read a layout spec (file or stdin) and print the\n"
     "                                  layout per server: shard ranges, memory, tensors\n"
     "  status --cluster=A0,A1,... [--json]\n"
     "                                  servers, groups, versions, memory and traffic\n"
@@ -58,7 +62,8 @@ constexpr char kUsage[] =
     "                                  stream a state dict to this machine's disk\n";
 
 int Layout(const std::vector<std::string>& args) {
-  const flatshard::cli::LayoutCommandOptions options{.json = absl::GetFlag(FLAGS_json)};
+  const flatshard::cli::LayoutCommandOptions options{.json = absl::GetFlag(FLAGS_json),
+                                                     .optimizer = absl::GetFlag(FLAGS_optimizer_kind)};
   if (args.size() > 2) {
     std::cerr << "flatshard layout: expected at most one spec file\n";
     return 2;

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "tests/run_command.h"
 
 namespace flatshard::cli {
@@ -32,6 +34,33 @@ TEST(LayoutCommandTest, TableShowsRangesMemoryAndTensors) {
   EXPECT_THAT(table, HasSubstr("24 B"));   // 6 fp32 parameters
   EXPECT_THAT(table, HasSubstr("48 B"));   // Adam: two moments
   EXPECT_TRUE(err.str().empty());
+}
+
+TEST(LayoutCommandTest, MemoryColumnsCountTheOptimizersState) {
+  // Shards of 6 fp32 elements: 24 B per buffer.
+  const struct {
+    const char* optimizer;
+    const char* grads;
+    const char* state;
+    const char* total;
+  } cases[] = {{"adam", "24 B", "48 B", "96 B"},
+               {"sgd", "24 B", "0 B", "48 B"},
+               {"sgd-momentum", "24 B", "24 B", "72 B"},
+               {"frozen", "0 B", "0 B", "24 B"}};
+  for (const auto& c : cases) {
+    std::istringstream in(kSpec);
+    std::ostringstream out, err;
+    ASSERT_EQ(RunLayoutCommand({.optimizer = c.optimizer}, in, out, err), 0) << err.str();
+    const std::string table = out.str();
+    EXPECT_THAT(table, HasSubstr(absl::StrFormat("%11s %11s %11s", "24 B", c.grads, c.state))) << c.optimizer;
+    EXPECT_THAT(table, HasSubstr(absl::StrCat("per server: ", c.total, " (params + grads + ", c.optimizer)))
+        << c.optimizer;
+  }
+  std::istringstream in(kSpec);
+  std::ostringstream out, err;
+  EXPECT_EQ(RunLayoutCommand({.optimizer = "lamb"}, in, out, err), 2);
+  EXPECT_EQ(err.str(), "flatshard layout: --optimizer_kind=lamb: expected adam, adamw, sgd, sgd-momentum or frozen\n");
+  EXPECT_TRUE(out.str().empty());
 }
 
 TEST(LayoutCommandTest, InvalidSpecExitsTwoWithOneLine) {
@@ -60,6 +89,13 @@ TEST(LayoutBinaryTest, JsonFromStdin) {
   const nlohmann::json json = nlohmann::json::parse(output);
   EXPECT_EQ(json["padded_numel"], 18);
   EXPECT_EQ(json["shards"][2]["params"][2]["offset_in_shard"], 4);
+}
+
+TEST(LayoutBinaryTest, OptimizerKindFlagReachesTheTable) {
+  auto [code, output] = RunBinary("--optimizer_kind=frozen", kSpec);
+  ASSERT_EQ(code, 0) << output;
+  EXPECT_THAT(output, HasSubstr("per server: 24 B (params + grads + frozen state)"));
+  EXPECT_EQ(RunBinary("--optimizer_kind=lamb", kSpec).first, 2);
 }
 
 TEST(LayoutBinaryTest, MalformedJsonExitsTwo) {
