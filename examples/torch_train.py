@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Trains a small PyTorch model with 2 worker processes on a local flatshard cluster,
 saves a checkpoint, kills the cluster, starts a fresh one on the same checkpoint root,
-loads the checkpoint and continues: the loss picks up where it stopped.
+loads the checkpoint and continues: the loss picks up where it stopped. Each worker
+accumulates its half batch over 2 micro-batches (no_sync) and follows a cosine
+learning-rate schedule (set_hyperparams), which resumes by step number.
 
     PYTHONPATH=build/python /usr/bin/python3 examples/torch_train.py [--steps 40]
 """
 
 import argparse
+import contextlib
+import math
 import multiprocessing
 import tempfile
 
@@ -31,7 +35,15 @@ def batch(step, rank):
     return x[rank * 32:(rank + 1) * 32], y[rank * 32:(rank + 1) * 32]
 
 
-def worker(addresses, token, rank, first_step, steps, checkpoint, queue):
+MICRO_BATCHES = 2
+
+
+def learning_rate(step, total):
+    """Cosine decay from 1e-2 to 1e-3 over `total` steps."""
+    return 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, queue):
     torch.set_num_threads(1)
     client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token)
     client.configure_job(max_grad_norm=1.0)
@@ -41,19 +53,26 @@ def worker(addresses, token, rank, first_step, steps, checkpoint, queue):
     assert model.version == first_step, (model.version, first_step)
     losses = []
     for step in range(first_step, first_step + steps):
+        model.set_hyperparams(lr=learning_rate(step, total_steps))
         x, y = batch(step, rank)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
+        total = 0.0
+        for micro, (xm, ym) in enumerate(zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES))):
+            # Gradients of all but the last micro-batch stay local; the last sends the sum.
+            with model.no_sync() if micro < MICRO_BATCHES - 1 else contextlib.nullcontext():
+                loss = F.mse_loss(model(xm), ym) / MICRO_BATCHES
+                loss.backward()
+            total += loss.item()
         model.step()
-        losses.append(loss.item())
+        losses.append(total)
     queue.put((rank, losses, model.groups if rank == 0 else None))
 
 
-def train(cluster, first_step, steps, checkpoint=None):
+def train(cluster, first_step, steps, total_steps, checkpoint=None):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     processes = [context.Process(target=worker, args=(cluster.addresses, cluster.token, rank,
-                                                      first_step, steps, checkpoint, queue))
+                                                      first_step, steps, total_steps, checkpoint,
+                                                      queue))
                  for rank in range(2)]
     for p in processes:
         p.start()
@@ -72,7 +91,7 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         with flatshard.LocalCluster(servers=2, checkpoint_root=root) as cluster:
             print(f"cluster 1: servers {cluster.addresses}")
-            losses, groups = train(cluster, 0, args.steps)
+            losses, groups = train(cluster, 0, args.steps, 2 * args.steps)
             print(f"groups: {[name for name, _, _ in groups]}")
             print(f"steps 1-{args.steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
             client = flatshard.Client(cluster.addresses, num_workers=2, token=cluster.token)
@@ -80,7 +99,8 @@ def main():
             print("saved FULL checkpoint 'torch-example' with optimizer state; stopping the cluster")
         with flatshard.LocalCluster(servers=2, checkpoint_root=root) as cluster:
             print(f"cluster 2: servers {cluster.addresses} (fresh processes, same checkpoint root)")
-            resumed, _ = train(cluster, args.steps, args.steps, checkpoint="torch-example")
+            resumed, _ = train(cluster, args.steps, args.steps, 2 * args.steps,
+                               checkpoint="torch-example")
             print(f"steps {args.steps + 1}-{2 * args.steps} after loading: "
                   f"loss {resumed[0]:.4f} -> {resumed[-1]:.4f}")
     # A fresh start would begin near the first loss; a resumed one near the last.
