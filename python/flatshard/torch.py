@@ -282,8 +282,23 @@ class ShardedModule(torch.nn.Module):
             cast = lambda x: x.to(self._param_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
-        self._gather_all()
-        return self.module(*args, **kwargs)
+        try:
+            self._gather_all()
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self._settle_gathers()
+            raise
+
+    def _settle_gathers(self):
+        """After a failed forward: waits out every gather still in flight (none may write
+        into a buffer the next forward gathers into again), so that the next forward
+        issues again exactly those that failed. Their errors are dropped: the forward's
+        own is being raised."""
+        for group in self._groups:
+            try:
+                self._wait_gather(group)
+            except Exception:  # noqa: BLE001 (reported by the failed forward)
+                pass
 
     def step(self):
         """Sends what backward did not (unused parameters count as zero gradients), waits

@@ -164,6 +164,32 @@ class ParityTest(unittest.TestCase):
                 F.mse_loss(model(x), y).backward()
             self.assertIn("call step() before the next backward", refused.exception.message)
 
+    def test_a_failed_gather_is_issued_again_by_the_next_forward(self):
+        import flatshard.torch
+        with flatshard.LocalCluster(servers=2) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="retry")
+            client.configure_job()
+            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
+                                                  auto_wrap_min_params=200)
+            x, _ = make_data("mlp")
+
+            class Failed:
+                def wait(self):
+                    raise flatshard.UnavailableError("injected: the server went away")
+
+            real, issued = client.gather_async, []
+            client.gather_async = lambda *a, **k: issued.append(a[0]) or Failed()
+            with self.assertRaises(flatshard.UnavailableError):
+                model(x)
+            failed = list(issued)
+            with torch.no_grad():  # what a transfer that broke off may leave behind
+                for group in model._groups:
+                    group.flat.fill_(float("nan"))
+            client.gather_async = lambda *a, **k: issued.append(a[0]) or real(*a, **k)
+            expected = make_model("mlp")(x)
+            self.assertTrue(torch.equal(model(x), expected))  # gathered again, not stale
+            self.assertEqual(sorted(issued[len(failed):]), sorted(failed))
+
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
                    lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)
