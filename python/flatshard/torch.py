@@ -109,6 +109,7 @@ class _Group:
         self.pending_gather = None
         self.gathered_step = None  # the step whose gather was issued last
         self.pending_scatter = None
+        self.sent = False         # its gradient for the step arrived (step() may be retried)
         self.seen = set()         # parameters whose gradient this backward delivered
         self.accumulated = set()  # parameters whose gradient flat_grad holds for the step
         self.eager = True   # wait for its gather before the forward (until its hook is seen)
@@ -236,7 +237,7 @@ class ShardedModule(torch.nn.Module):
         self._wait_gather(group)
 
     def _on_grad(self, group, fqn, grad):
-        if group.pending_scatter is not None:  # it would overwrite what is being sent
+        if group.pending_scatter is not None or group.sent:  # it would change what was sent
             raise flatshard.FailedPreconditionError(
                 f"group '{group.name}' was already sent for step {self._step}: call step() "
                 "before the next backward, or run the earlier micro-batches under no_sync()")
@@ -302,22 +303,35 @@ class ShardedModule(torch.nn.Module):
 
     def step(self):
         """Sends what backward did not (unused parameters count as zero gradients), waits
-        until every group reaches the next version, and clears the gradients."""
+        until every group reaches the next version, and clears the gradients. If it
+        raises (a transfer failed, a deadline passed), calling it again sends only the
+        gradients that did not arrive and waits again."""
         for group in self._groups:
-            if group.pending_scatter is None:
+            if group.pending_scatter is None and not group.sent:
                 for fqn, _ in group.params:
                     if fqn not in group.accumulated:
                         offset, numel = group.offsets[fqn]
                         group.flat_grad[offset:offset + numel].zero_()
                 self._scatter(group)
-        for group in self._groups:
-            group.pending_scatter.wait()
-            group.pending_scatter = None
-            group.seen.clear()
-            group.accumulated.clear()
+        error = None
+        for group in self._groups:  # every transfer settles before any error is raised
+            if group.pending_scatter is None:
+                continue  # sent by an earlier call
+            pending, group.pending_scatter = group.pending_scatter, None
+            try:
+                pending.wait()
+                group.sent = True
+            except BaseException as e:  # noqa: BLE001 (raised below)
+                error = error or e
+        if error is not None:
+            raise error
         for group in self._groups:
             self._client.wait_version(group.name, self._step + 1)
             self._wait_gather(group)  # a prefetch nobody waited for: its buffer is ours again
+        for group in self._groups:
+            group.sent = False
+            group.seen.clear()
+            group.accumulated.clear()
             group.eager = not group.fired
             group.fired = False
         self._step += 1

@@ -190,6 +190,42 @@ class ParityTest(unittest.TestCase):
             self.assertTrue(torch.equal(model(x), expected))  # gathered again, not stale
             self.assertEqual(sorted(issued[len(failed):]), sorted(failed))
 
+    def test_a_failed_step_sends_again_only_what_did_not_arrive(self):
+        import flatshard.torch
+        with flatshard.LocalCluster(servers=2) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="resend")
+            client.configure_job()
+            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
+                                                  auto_wrap_min_params=200)
+            x, y = make_data("mlp")
+
+            class Failed:
+                def wait(self):
+                    raise flatshard.DeadlineExceededError("injected: the transfer timed out")
+
+            real, sent = client.scatter_async, []
+            victim = model.groups[1][0]
+
+            def flaky(name, *a, **k):
+                sent.append(name)
+                return Failed() if name == victim and sent.count(name) == 1 else real(name, *a, **k)
+
+            client.scatter_async = flaky
+            F.mse_loss(model(x), y).backward()
+            with self.assertRaises(flatshard.DeadlineExceededError):
+                model.step()
+            self.assertEqual(model.version, 0)
+            first = len(sent)
+            model.step()  # the retry
+            self.assertEqual(sent[first:], [victim])
+            self.assertEqual(model.version, 1)
+            F.mse_loss(model(x), y).backward()  # and training goes on
+            model.step()
+            state = model.state_dict()
+        reference, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), 2)
+        for name, value in reference.state_dict().items():
+            self.assertLess(relative_error(state[name], value), REL_TOL, name)
+
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
                    lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)
