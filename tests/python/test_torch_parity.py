@@ -4,9 +4,11 @@
 batch; the servers average them and run the optimizer. A single process runs the same
 model with torch.optim on the whole batch (mean loss = average of the half-batch means).
 Parameters must agree within 1e-5 relative error (||ours - torch|| / ||torch|| per
-tensor) after every run, and the loss curves to the same bound.
+tensor) after every run, and the loss curves to the same bound. MisuseAndRecoveryTest:
+a one-worker job with failures injected into its transfers, and a misused backward.
 """
 
+import contextlib
 import multiprocessing
 import os
 import tempfile
@@ -151,13 +153,42 @@ class ParityTest(unittest.TestCase):
                    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 12,
                    lr_schedule={4: 3e-2, 8: 1e-3})
 
+    def test_adam(self):
+        self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
+                   lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device for torch on this machine")
+    def test_cuda_model_with_gpu_servers_over_cuda_ipc(self):
+        # Workers and --memory=device servers share the GPU: every transfer is CUDA IPC.
+        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 20,
+                   max_grad_norm=0.5, device="cuda", memory="device")
+
+
+@contextlib.contextmanager
+def one_worker_mlp(job):
+    """(client, ShardedModule of the MLP with SGD) of a one-worker job on 2 servers."""
+    import flatshard.torch
+    with flatshard.LocalCluster(servers=2) as cluster:
+        client = flatshard.Client(cluster.addresses, token=cluster.token, job=job)
+        client.configure_job()
+        yield client, flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
+                                                    auto_wrap_min_params=200)
+
+
+class Failed:
+    """A transfer's future that raises `error` when waited on."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def wait(self):
+        raise self.error
+
+
+class MisuseAndRecoveryTest(unittest.TestCase):
     def test_a_second_backward_outside_no_sync_is_refused(self):
-        import flatshard.torch
-        with flatshard.LocalCluster(servers=2) as cluster:
-            client = flatshard.Client(cluster.addresses, token=cluster.token, job="twice")
-            client.configure_job()
-            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
-                                                  auto_wrap_min_params=200)
+        with one_worker_mlp("twice") as (_, model):
             x, y = make_data("mlp")
             F.mse_loss(model(x), y).backward()
             with self.assertRaises(flatshard.FailedPreconditionError) as refused:
@@ -165,20 +196,11 @@ class ParityTest(unittest.TestCase):
             self.assertIn("call step() before the next backward", refused.exception.message)
 
     def test_a_failed_gather_is_issued_again_by_the_next_forward(self):
-        import flatshard.torch
-        with flatshard.LocalCluster(servers=2) as cluster:
-            client = flatshard.Client(cluster.addresses, token=cluster.token, job="retry")
-            client.configure_job()
-            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
-                                                  auto_wrap_min_params=200)
+        with one_worker_mlp("retry") as (client, model):
             x, _ = make_data("mlp")
-
-            class Failed:
-                def wait(self):
-                    raise flatshard.UnavailableError("injected: the server went away")
-
             real, issued = client.gather_async, []
-            client.gather_async = lambda *a, **k: issued.append(a[0]) or Failed()
+            injected = flatshard.UnavailableError("injected: the server went away")
+            client.gather_async = lambda *a, **k: issued.append(a[0]) or Failed(injected)
             with self.assertRaises(flatshard.UnavailableError):
                 model(x)
             failed = list(issued)
@@ -191,24 +213,15 @@ class ParityTest(unittest.TestCase):
             self.assertEqual(sorted(issued[len(failed):]), sorted(failed))
 
     def test_a_failed_step_sends_again_only_what_did_not_arrive(self):
-        import flatshard.torch
-        with flatshard.LocalCluster(servers=2) as cluster:
-            client = flatshard.Client(cluster.addresses, token=cluster.token, job="resend")
-            client.configure_job()
-            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
-                                                  auto_wrap_min_params=200)
+        with one_worker_mlp("resend") as (client, model):
             x, y = make_data("mlp")
-
-            class Failed:
-                def wait(self):
-                    raise flatshard.DeadlineExceededError("injected: the transfer timed out")
-
             real, sent = client.scatter_async, []
             victim = model.groups[1][0]
+            injected = flatshard.DeadlineExceededError("injected: the transfer timed out")
 
             def flaky(name, *a, **k):
                 sent.append(name)
-                return Failed() if name == victim and sent.count(name) == 1 else real(name, *a, **k)
+                return Failed(injected) if name == victim and sent.count(name) == 1 else real(name, *a, **k)
 
             client.scatter_async = flaky
             F.mse_loss(model(x), y).backward()
@@ -225,17 +238,6 @@ class ParityTest(unittest.TestCase):
         reference, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), 2)
         for name, value in reference.state_dict().items():
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
-
-    def test_adam(self):
-        self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
-                   lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)
-
-    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device for torch on this machine")
-    def test_cuda_model_with_gpu_servers_over_cuda_ipc(self):
-        # Workers and --memory=device servers share the GPU: every transfer is CUDA IPC.
-        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
-                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 20,
-                   max_grad_norm=0.5, device="cuda", memory="device")
 
 
 class MixedPrecisionAndExportTest(unittest.TestCase):
