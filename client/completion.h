@@ -1,7 +1,9 @@
 // Internal to the client: Completion collects the results of the requests one transfer
 // is made of (one per server, or one per byte range) and completes the transfer's
-// future once, when the last has finished: with the first error, else with the lowest
-// version any request answered (absl::StatusOr<int64_t>) or OK (absl::Status).
+// future once, when the last has finished: with the first error (AlreadyExists only if
+// no request failed otherwise: a resent scatter that every server already held), else
+// with the lowest version any request answered (absl::StatusOr<int64_t>) or OK
+// (absl::Status).
 // With `same_version` (the ranges of one split gather) requests that answered different
 // versions end it with Aborted(kTornGather) instead: the caller gathers again. Thread-
 // safe: requests finish from any thread; shared by them through a shared_ptr.
@@ -45,7 +47,9 @@ class Completion {
   // One request's outcome; `version` counts only when `status` is OK.
   void Finish(const absl::Status& status, int64_t version) {
     absl::MutexLock lock(&mu_);
-    if (!status.ok() && status_.ok()) status_ = status;
+    if (!status.ok() && (status_.ok() || (absl::IsAlreadyExists(status_) && !absl::IsAlreadyExists(status)))) {
+      status_ = status;
+    }
     if (status.ok()) {
       min_version_ = std::min(min_version_, version);
       max_version_ = std::max(max_version_, version);

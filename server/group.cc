@@ -153,8 +153,8 @@ absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
           " versions old; the bound is ", job_settings_.max_staleness, "; gather version ",
           version_, " and recompute"));
     }
-    if (step <= last_async_step_[worker_rank]) {
-      return absl::FailedPreconditionError(absl::StrCat(
+    if (step <= last_async_step_[worker_rank]) {  // applied: a resend finds it there
+      return absl::AlreadyExistsError(absl::StrCat(
           "duplicate contribution to group '", name_, "' from worker ", worker_rank,
           ": it already contributed from version ", last_async_step_[worker_rank],
           "; expected a version after it"));
@@ -165,8 +165,8 @@ absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
     }
     return absl::OkStatus();
   }
-  if (step < version_) {
-    return absl::FailedPreconditionError(
+  if (step < version_) {  // applied, with every worker's contribution: this one's too
+    return absl::AlreadyExistsError(
         absl::StrCat("stale contribution to group '", name_, "' from worker ", worker_rank,
                      ": step ", step, " was already applied; expected step ", version_));
   }
@@ -178,7 +178,7 @@ absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
   }
   switch (slot_states_[worker_rank]) {
     case SlotState::kReady:
-      return absl::FailedPreconditionError(
+      return absl::AlreadyExistsError(
           absl::StrCat("duplicate contribution to group '", name_, "' from worker ", worker_rank,
                        " for step ", step, "; it is waiting for the other workers"));
     case SlotState::kReceiving:

@@ -3,8 +3,10 @@
 //
 //  - version() = optimizer steps applied. Gathers wait (with a deadline) for a version.
 //  - Each of the job's W workers contributes its gradient slice for step == version()
-//    exactly once; duplicates, stale and future steps are refused with
-//    FailedPrecondition naming the expected step.
+//    exactly once. A contribution the group already holds or applied (a duplicate, or a
+//    stale step, which in sync mode was applied with every worker's) is AlreadyExists, so
+//    a worker that lost an answer may send again and learn its gradient arrived; future
+//    steps are FailedPrecondition. Both name the expected step.
 //  - When all W are in, the server reduces them in fp32 in worker-rank order (bitwise
 //    reproducible), divides by W for a mean, runs the optimizer and publishes v + 1.
 //  - With gradient clipping, the reduced gradient waits (kReduced) until the job's
@@ -143,8 +145,10 @@ class Group {
   [[nodiscard]] absl::StatusOr<int64_t> GatherInto(int64_t min_version, DType dtype,
                                                    void* device_dst, absl::Time deadline);
 
-  // Reserves the slot for `worker_rank`'s gradient for `step`. FailedPrecondition for a
-  // stale, future or duplicate contribution (or one already being received),
+  // Reserves the slot for `worker_rank`'s gradient for `step`. AlreadyExists for a
+  // contribution already held or applied (duplicate, stale; async: not newer than the
+  // worker's last), FailedPrecondition for a future one, one already being received or
+  // one beyond the staleness bound,
   // InvalidArgument for a worker rank outside [0, W) or a non-float dtype.
   // FailedPrecondition for SlotMemory::kDevice on a group that is not in device memory.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype,

@@ -305,7 +305,8 @@ class ShardedModule(torch.nn.Module):
         """Sends what backward did not (unused parameters count as zero gradients), waits
         until every group reaches the next version, and clears the gradients. If it
         raises (a transfer failed, a deadline passed), calling it again sends only the
-        gradients that did not arrive and waits again."""
+        gradients that did not arrive (or whose answer was lost: the servers say they
+        hold them) and waits again."""
         for group in self._groups:
             if group.pending_scatter is None and not group.sent:
                 for fqn, _ in group.params:
@@ -320,6 +321,8 @@ class ShardedModule(torch.nn.Module):
             pending, group.pending_scatter = group.pending_scatter, None
             try:
                 pending.wait()
+                group.sent = True
+            except flatshard.AlreadyExistsError:  # a resend: every server has it already
                 group.sent = True
             except BaseException as e:  # noqa: BLE001 (raised below)
                 error = error or e

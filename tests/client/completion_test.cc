@@ -44,6 +44,26 @@ TEST(CompletionTest, TheFirstErrorWinsAndVersionsOfFailedPartsAreIgnored) {
   EXPECT_TRUE(absl::IsDeadlineExceeded(versioned_future.get().status()));
 }
 
+// A resent scatter: servers that already held it answer AlreadyExists. That is the
+// result only when no server failed otherwise, whatever the order of the answers.
+TEST(CompletionTest, AlreadyExistsGivesWayToAnyOtherError) {
+  Completion<absl::Status> resent(3);
+  auto all_there = resent.future();
+  resent.Finish(absl::AlreadyExistsError("server a: duplicate"), 0);
+  resent.Finish(absl::OkStatus(), 0);  // server b lacked it and took it
+  resent.Finish(absl::AlreadyExistsError("server c: duplicate"), 0);
+  const absl::Status status = all_there.get();
+  EXPECT_TRUE(absl::IsAlreadyExists(status)) << status;
+  EXPECT_EQ(status.message(), "server a: duplicate");
+
+  Completion<absl::Status> one_failed(3);
+  auto failed = one_failed.future();
+  one_failed.Finish(absl::AlreadyExistsError("server a: duplicate"), 0);
+  one_failed.Finish(absl::UnavailableError("server b: gone"), 0);
+  one_failed.Finish(absl::AlreadyExistsError("server c: duplicate"), 0);
+  EXPECT_TRUE(absl::IsUnavailable(failed.get())) << "a real failure must not hide behind a duplicate";
+}
+
 TEST(CompletionTest, SameVersionRangesThatDifferEndTorn) {
   Completion<absl::StatusOr<int64_t>> torn(2, /*same_version=*/true);
   auto future = torn.future();

@@ -204,7 +204,7 @@ TEST_F(FaultsTest, DuplicateStaleAndFutureScattersNameTheExpectedStep) {
   const int64_t bytes = layout_->shard_numel() * 4;
   ASSERT_TRUE(RawScatter(*conn, "g", 0, 0, bytes).ok());
   absl::Status duplicate = RawScatter(*conn, "g", 0, 0, bytes);
-  EXPECT_EQ(duplicate.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(duplicate.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(std::string(duplicate.message()), HasSubstr("duplicate contribution"));
   absl::Status future = RawScatter(*conn, "g", 3, 1, bytes);
   EXPECT_EQ(future.code(), absl::StatusCode::kFailedPrecondition);
@@ -213,7 +213,7 @@ TEST_F(FaultsTest, DuplicateStaleAndFutureScattersNameTheExpectedStep) {
   EXPECT_EQ(bad_worker.code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(RawScatter(*conn, "g", 0, 1, bytes).ok());  // step 0 completes on server 0
   absl::Status stale = RawScatter(*conn, "g", 0, 1, bytes);
-  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(std::string(stale.message()), HasSubstr("already applied; expected step 1"));
 }
 

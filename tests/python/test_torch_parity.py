@@ -239,6 +239,33 @@ class MisuseAndRecoveryTest(unittest.TestCase):
         for name, value in reference.state_dict().items():
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
 
+    def test_a_step_whose_answer_was_lost_completes_when_retried(self):
+        with one_worker_mlp("lost") as (client, model):
+            x, y = make_data("mlp")
+            real, sent = client.scatter_async, []
+            victim = model.groups[0][0]
+            injected = flatshard.DeadlineExceededError("injected: the answer was lost")
+
+            def lossy(name, *a, **k):
+                sent.append(name)
+                future = real(name, *a, **k)
+                if name != victim or sent.count(name) > 1:
+                    return future
+                future.wait()  # the gradient arrives; its answer does not
+                return Failed(injected)
+
+            client.scatter_async = lossy
+            F.mse_loss(model(x), y).backward()
+            with self.assertRaises(flatshard.DeadlineExceededError):
+                model.step()
+            model.step()  # the servers answer the resend: they hold it already
+            self.assertEqual(sent.count(victim), 2)
+            self.assertEqual(model.version, 1)
+            state = model.state_dict()
+        reference, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), 1)
+        for name, value in reference.state_dict().items():
+            self.assertLess(relative_error(state[name], value), REL_TOL, name)
+
 
 class MixedPrecisionAndExportTest(unittest.TestCase):
     def test_bf16_params_fp32_reduce_converges_and_gathers_exact_casts(self):

@@ -137,9 +137,10 @@ TEST(GroupTest, RefusesDuplicateStaleFutureAndInFlight) {
   Group& group = *group_owner;
   ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
   absl::Status duplicate = Contribute(group, 0, 0, {1, 1, 1});
-  EXPECT_EQ(duplicate.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(duplicate.code(), absl::StatusCode::kAlreadyExists);  // a resend learns it arrived
   EXPECT_THAT(std::string(duplicate.message()), HasSubstr("duplicate contribution"));
   absl::Status future = Contribute(group, 1, 1, {1, 1, 1});
+  EXPECT_EQ(future.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(future.message()), HasSubstr("future contribution"));
   EXPECT_THAT(std::string(future.message()), HasSubstr("expected step 0"));
 
@@ -152,6 +153,7 @@ TEST(GroupTest, RefusesDuplicateStaleFutureAndInFlight) {
   ASSERT_TRUE(Contribute(group, 0, 1, {1, 1, 1}).ok());
   EXPECT_EQ(group.version(), 1);
   absl::Status stale = Contribute(group, 0, 1, {1, 1, 1});
+  EXPECT_EQ(stale.code(), absl::StatusCode::kAlreadyExists);  // applied, with this one's
   EXPECT_THAT(std::string(stale.message()), HasSubstr("already applied; expected step 1"));
   EXPECT_EQ(group.BeginScatter(1, 2, DType::kFloat32).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(group.BeginScatter(1, 0, DType::kInt32).status().code(), absl::StatusCode::kInvalidArgument);
@@ -301,8 +303,8 @@ TEST(GroupAsyncTest, UnboundedStalenessAcceptsOldGradients) {
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(Contribute(group, i, 0, {1, 1}).ok());
   ASSERT_TRUE(Contribute(group, 0, 1, {1, 1}).ok());  // five versions old
   EXPECT_EQ(group.version(), 6);
-  absl::Status again = Contribute(group, 3, 0, {1, 1});
-  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  absl::Status again = Contribute(group, 3, 0, {1, 1});  // a resend of one applied
+  EXPECT_EQ(again.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(std::string(again.message()), HasSubstr("already contributed from version 4"));
 }
 

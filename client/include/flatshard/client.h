@@ -158,7 +158,9 @@ class Client {
 
   // Sends this worker's full flat gradient (padded_numel() elements of `dtype`) for
   // `step`: each server receives its slice. Ready once every server holds it; it does
-  // not wait for the other workers.
+  // not wait for the other workers. Sent again after a failure, it is AlreadyExists when
+  // every server already held or applied it (the servers that lacked it take it), and
+  // any other error when one still failed.
   virtual std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                             absl::Span<const std::byte> grad) = 0;
 
