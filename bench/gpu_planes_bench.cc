@@ -13,10 +13,12 @@
 //   scatter + step  worker 1's, the last of the step: its bytes, the reduction of both
 //                   slots and the optimizer step (SGD), before it answers.
 // Ratios compare gathers with the reference's receive and scatters with its send. The
-// smallest size shows a call's fixed cost. CUDA IPC also gets "x8 in flight" rows: 8
+// smallest size shows a call's fixed cost. Both planes also get "x8 in flight" rows: 8
 // groups' gathers (or worker 0's scatters) started together and then awaited, as a
-// training step issues them, by clients with max_in_flight 8, against 8 cudaMemcpyAsync
-// of the same sizes and one synchronization. Median of 10 after 2 warm-ups.
+// training step issues them, by clients with max_in_flight 8 (NCCL: a pool of up to 8
+// links), against 8 cudaMemcpyAsync of the same sizes and one synchronization (NCCL: 8
+// receives, or sends, queued on the reference's one communicator, then one wait).
+// Median of 10 after 2 warm-ups.
 //
 //   build/bin/gpu_planes_bench [--planes=cuda-ipc,nccl]
 #include <cuda_runtime.h>
@@ -117,6 +119,12 @@ std::vector<int64_t> NumelsFor(const std::string& plane) {
 }
 const DType kDtypes[] = {DType::kFloat32, DType::kBFloat16};
 
+// Elements per group of the "in flight" rows (kInFlight groups each, float32).
+std::vector<int64_t> InFlightNumelsFor(const std::string& plane) {
+  if (plane == "nccl") return {int64_t{4} << 20, int64_t{16} << 20};  // 128 and 512 MiB in all
+  return {int64_t{4} << 20, int64_t{16} << 20, int64_t{64} << 20};
+}
+
 // The reference's other end (a child process): per size, kWarmups + kRuns sends, then as
 // many receives, matching the parent's receives and sends.
 int NcclPeer(const std::string& unique_id_hex) {
@@ -137,6 +145,20 @@ int NcclPeer(const std::string& unique_id_hex) {
       for (int i = 0; i < kWarmups + kRuns; ++i) {
         Check((*comm)->Recv(buffer->data(), bytes, 1, stream), "peer recv");
         Check((*comm)->Wait(stream, absl::Seconds(60)), "peer recv");
+      }
+    }
+  }
+  // The "in flight" references: kInFlight transfers queued, then one wait (all from and
+  // into the same buffer: only the bytes moved matter).
+  for (int64_t numel : InFlightNumelsFor("nccl")) {
+    const size_t bytes = numel * 4;
+    for (bool send : {true, false}) {
+      for (int i = 0; i < kWarmups + kRuns; ++i) {
+        for (int g = 0; g < kInFlight; ++g) {
+          Check(send ? (*comm)->Send(buffer->data(), bytes, 1, stream) : (*comm)->Recv(buffer->data(), bytes, 1, stream),
+                "peer in flight");
+        }
+        Check((*comm)->Wait(stream, absl::Seconds(120)), "peer in flight");
       }
     }
   }
@@ -277,12 +299,12 @@ int main(int argc, char** argv) {
         row("scatter + step", scatter_ms[1], reference_ms[1]);
       }
     }
-    if (!nccl) {
+    {
       // Clients that run kInFlight transfers per server at once (the default is 2).
-      worker0 = connect(0, "in-flight", choice, kInFlight);
-      worker1 = connect(1, "in-flight", choice, kInFlight);
+      worker0 = connect(0, "in-flight-" + plane, choice, kInFlight);
+      worker1 = connect(1, "in-flight-" + plane, choice, kInFlight);
       Check(worker0->ConfigureJob({}), "configure");
-      for (int64_t numel : {int64_t{4} << 20, int64_t{16} << 20, int64_t{64} << 20}) {
+      for (int64_t numel : InFlightNumelsFor(plane)) {
         std::vector<std::string> groups;
         for (int g = 0; g < kInFlight; ++g) {
           groups.push_back(absl::StrCat("p", numel, "_", g));
@@ -300,15 +322,33 @@ int main(int argc, char** argv) {
         cudaMemset(buffer->data(), 0x3c, bytes * kInFlight);
         cudaDeviceSynchronize();
         auto span = [&](int g) { return absl::Span<std::byte>(buffer->as<std::byte>() + g * bytes, bytes); };
-        const double copy_ms = MedianMs([&] {
-          return std::vector<absl::Duration>{Timed([&] {
-            for (int g = 0; g < kInFlight; ++g) {
-              cudaMemcpyAsync(copy->as<std::byte>() + g * bytes, buffer->as<std::byte>() + g * bytes, bytes,
-                              cudaMemcpyDeviceToDevice, stream);
-            }
-            cudaStreamSynchronize(stream);
-          })};
-        })[0];
+        // [gathers' reference, scatters' reference]: the same bytes without flatshard.
+        std::vector<double> reference_ms;
+        if (nccl) {
+          for (bool receive : {true, false}) {  // the peer sends first, then receives
+            reference_ms.push_back(MedianMs([&] {
+              return std::vector<absl::Duration>{Timed([&] {
+                for (int g = 0; g < kInFlight; ++g) {
+                  Check(receive ? reference->Recv(copy->as<std::byte>() + g * bytes, bytes, 0, stream)
+                                : reference->Send(buffer->as<std::byte>() + g * bytes, bytes, 0, stream),
+                        "reference");
+                }
+                Check(reference->Wait(stream, absl::Seconds(120)), "reference");
+              })};
+            })[0]);
+          }
+        } else {
+          const double copy_ms = MedianMs([&] {
+            return std::vector<absl::Duration>{Timed([&] {
+              for (int g = 0; g < kInFlight; ++g) {
+                cudaMemcpyAsync(copy->as<std::byte>() + g * bytes, buffer->as<std::byte>() + g * bytes, bytes,
+                                cudaMemcpyDeviceToDevice, stream);
+              }
+              cudaStreamSynchronize(stream);
+            })};
+          })[0];
+          reference_ms = {copy_ms, copy_ms};
+        }
         const double gather_ms = MedianMs([&] {
           return std::vector<absl::Duration>{Timed([&] {
             std::vector<std::future<absl::StatusOr<int64_t>>> pending;
@@ -329,9 +369,9 @@ int main(int argc, char** argv) {
         })[0];
         const double mib = kInFlight * bytes / double(1 << 20);
         std::printf("| %s | gather x%d in flight | float32 | %.0f | %.3f | %.3f | %.2fx |\n", plane.c_str(), kInFlight,
-                    mib, gather_ms, copy_ms, copy_ms / gather_ms);
+                    mib, gather_ms, reference_ms[0], reference_ms[0] / gather_ms);
         std::printf("| %s | scatter x%d in flight | float32 | %.0f | %.3f | %.3f | %.2fx |\n", plane.c_str(), kInFlight,
-                    mib, scatter_ms, copy_ms, copy_ms / scatter_ms);
+                    mib, scatter_ms, reference_ms[1], reference_ms[1] / scatter_ms);
       }
     }
     if (peer > 0) waitpid(peer, nullptr, 0);
