@@ -297,7 +297,9 @@ class Client:
         return Transfer(pending, lambda _: None)
 
     def scatter(self, name, grads, step, dtype="float32"):
-        """Sends this worker's gradient for `step`; returns once every server holds it."""
+        """Sends this worker's gradient for `step`; returns once every server holds it.
+        Sent again after a failure, it raises AlreadyExistsError when every server held
+        or applied it already (the answer was lost), any other error if one still failed."""
         self.scatter_async(name, grads, step, dtype).wait()
 
     def version(self, name):
