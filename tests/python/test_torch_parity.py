@@ -187,6 +187,12 @@ class Failed:
 
 
 class MisuseAndRecoveryTest(unittest.TestCase):
+    def assert_matches_sgd(self, state, steps):
+        """`state` is what torch.optim.SGD(lr=0.1) makes of the MLP in `steps` steps."""
+        reference, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), steps)
+        for name, value in reference.state_dict().items():
+            self.assertLess(relative_error(state[name], value), REL_TOL, name)
+
     def test_a_second_backward_outside_no_sync_is_refused(self):
         with one_worker_mlp("twice") as (_, model):
             x, y = make_data("mlp")
@@ -235,9 +241,7 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             F.mse_loss(model(x), y).backward()  # and training goes on
             model.step()
             state = model.state_dict()
-        reference, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), 2)
-        for name, value in reference.state_dict().items():
-            self.assertLess(relative_error(state[name], value), REL_TOL, name)
+        self.assert_matches_sgd(state, steps=2)
 
     def test_a_step_whose_answer_was_lost_completes_when_retried(self):
         with one_worker_mlp("lost") as (client, model):
@@ -262,9 +266,7 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             self.assertEqual(sent.count(victim), 2)
             self.assertEqual(model.version, 1)
             state = model.state_dict()
-        reference, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), 1)
-        for name, value in reference.state_dict().items():
-            self.assertLess(relative_error(state[name], value), REL_TOL, name)
+        self.assert_matches_sgd(state, steps=1)
 
 
 class MixedPrecisionAndExportTest(unittest.TestCase):
