@@ -30,25 +30,25 @@ std::string ShardTensors(const FlatLayout& layout, int rank) {
 }  // namespace
 
 absl::StatusOr<OptimizerBuffers> BuffersFor(absl::string_view optimizer) {
-  if (optimizer == "adam" || optimizer == "adamw") return OptimizerBuffers{.grads = 1, .state = 2};
-  if (optimizer == "sgd") return OptimizerBuffers{.grads = 1, .state = 0};
-  if (optimizer == "sgd-momentum") return OptimizerBuffers{.grads = 1, .state = 1};
-  if (optimizer == "frozen") return OptimizerBuffers{.grads = 0, .state = 0};
+  const std::string kind(optimizer);
+  if (kind == "adam" || kind == "adamw") return OptimizerBuffers{.kind = kind, .grads = 1, .state = 2};
+  if (kind == "sgd") return OptimizerBuffers{.kind = kind, .grads = 1, .state = 0};
+  if (kind == "sgd-momentum") return OptimizerBuffers{.kind = kind, .grads = 1, .state = 1};
+  if (kind == "frozen") return OptimizerBuffers{.kind = kind, .grads = 0, .state = 0};
   return absl::InvalidArgumentError(absl::StrCat("--optimizer_kind=", optimizer,
                                                  ": expected adam, adamw, sgd, sgd-momentum or frozen"));
 }
 
-std::string FormatLayoutTable(const FlatLayout& layout, absl::string_view optimizer) {
+std::string FormatLayoutTable(const FlatLayout& layout, const OptimizerBuffers& buffers) {
   // The server keeps an fp32 master copy and, unless frozen, an fp32 gradient and the
   // optimizer's fp32 state (Adam: two moments) per shard element (padding included).
-  const OptimizerBuffers buffers = BuffersFor(optimizer).value_or(OptimizerBuffers{});
   const int64_t shard_bytes = layout.shard_numel() * 4;
   std::string table = absl::StrFormat(
       "%d tensors, %d servers, align %d: unpadded %d elements, shard %d, padded %d\n",
       layout.num_tensors(), layout.num_shards(), layout.align(), layout.unpadded_numel(),
       layout.shard_numel(), layout.padded_numel());
   absl::StrAppendFormat(&table, "%-6s %-27s %9s %11s %11s %11s  %s\n", "server", "range",
-                        "padding", "params", "grads", std::string(optimizer), "tensors");
+                        "padding", "params", "grads", buffers.kind, "tensors");
   for (int rank = 0; rank < layout.num_shards(); ++rank) {
     absl::StrAppendFormat(&table, "%-6d %-27s %9d %11s %11s %11s  %s\n", rank,
                           absl::StrCat("[", layout.shard_start(rank), ", ",
@@ -58,14 +58,15 @@ std::string FormatLayoutTable(const FlatLayout& layout, absl::string_view optimi
                           ShardTensors(layout, rank));
   }
   absl::StrAppendFormat(&table, "per server: %s (params + grads + %s state)\n",
-                        HumanBytes((1 + buffers.grads + buffers.state) * shard_bytes), std::string(optimizer));
+                        HumanBytes((1 + buffers.grads + buffers.state) * shard_bytes), buffers.kind);
   return table;
 }
 
 int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std::ostream& out,
                      std::ostream& err) {
-  if (absl::Status known = BuffersFor(options.optimizer).status(); !known.ok()) {
-    err << "flatshard layout: " << known.message() << "\n";
+  const absl::StatusOr<OptimizerBuffers> buffers = BuffersFor(options.optimizer);
+  if (!buffers.ok()) {
+    err << "flatshard layout: " << buffers.status().message() << "\n";
     return 2;
   }
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -74,7 +75,7 @@ int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std:
     err << "flatshard layout: " << layout.status().message() << "\n";
     return 2;
   }
-  out << (options.json ? LayoutToJson(*layout) : FormatLayoutTable(*layout, options.optimizer));
+  out << (options.json ? LayoutToJson(*layout) : FormatLayoutTable(*layout, *buffers));
   return 0;
 }
 

@@ -23,13 +23,14 @@ struct LayoutCommandOptions {
   std::string optimizer = "adam";
 };
 
-// fp32 buffers per shard element a server keeps besides the parameters for `optimizer`
-// (as LayoutCommandOptions names it): {gradient buffers, optimizer state buffers}.
-// InvalidArgument naming the accepted names.
+// The fp32 buffers per shard element a server keeps besides the parameters for one
+// optimizer kind (default: Adam).
 struct OptimizerBuffers {
+  std::string kind = "adam";  // as LayoutCommandOptions::optimizer names it
   int grads = 1;
   int state = 2;
 };
+// The buffers of the kind `optimizer` names; InvalidArgument listing the accepted names.
 [[nodiscard]] absl::StatusOr<OptimizerBuffers> BuffersFor(absl::string_view optimizer);
 
 // Returns the process exit code: 0 on success, 2 when the spec is malformed or invalid or
@@ -39,7 +40,7 @@ int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std:
 
 // The per-server table: shard range, padding, fp32 parameter / gradient /
 // optimizer-state bytes, and the tensor pieces each server holds.
-std::string FormatLayoutTable(const FlatLayout& layout, absl::string_view optimizer = "adam");
+std::string FormatLayoutTable(const FlatLayout& layout, const OptimizerBuffers& buffers = {});
 
 }  // namespace flatshard::cli
 
