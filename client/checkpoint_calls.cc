@@ -69,6 +69,20 @@ void CutVersions(const std::string& job, const std::vector<v1::ServerStatus>& st
   }
 }
 
+// Whether each server writes its part of a save or export of `job`: all of them, but
+// for a hybrid-sharded job only replica group 0, since the others hold the same shards.
+std::vector<bool> Writers(const std::string& job, const std::vector<v1::ServerStatus>& statuses) {
+  std::vector<bool> writers;
+  for (const v1::ServerStatus& status : statuses) {
+    bool writer = true;
+    for (const v1::GroupStatus& group : status.groups()) {
+      if (group.job() == job && group.replica() != 0) writer = false;
+    }
+    writers.push_back(writer);
+  }
+  return writers;
+}
+
 // Every server's checkpoint root id (empty: no root; equal ids: a shared root).
 std::vector<std::string> RootIds(const std::vector<v1::ServerStatus>& statuses) {
   std::vector<std::string> ids;
@@ -87,7 +101,9 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   request.set_optimizer(optimizer);
   request.set_job(job_);
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
-  const std::vector<std::string> root_ids = RootIds(statuses);
+  const std::vector<bool> writers = Writers(job_, statuses);
+  std::vector<std::string> root_ids = RootIds(statuses);
+  root_ids.resize(std::count(writers.begin(), writers.end(), true));  // replica group 0 leads
   const bool shared =
       std::set<std::string>(root_ids.begin(), root_ids.end()).size() == 1 ||
       std::find(root_ids.begin(), root_ids.end(), "") != root_ids.end();  // the server says why
@@ -100,6 +116,7 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   CutVersions(job_, statuses, *request.mutable_versions());
   FLATSHARD_RETURN_IF_ERROR(WithProgress(name, "save", async ? nullptr : progress, [&] {
     return control_.OnAllServersInParallel([&](size_t i) {
+      if (!writers[i]) return absl::OkStatus();
       v1::SaveCheckpointResponse response;
       return control_.Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
     });
@@ -109,7 +126,7 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   // server, each server commits its own LOCAL part.
   v1::CheckpointRequest commit;
   commit.set_name(name);
-  for (int i = 0; i < (request.root_per_server() ? control_.size() : 1); ++i) {
+  for (int i = 0; i < (request.root_per_server() ? static_cast<int>(root_ids.size()) : 1); ++i) {
     v1::CheckpointResponse response;
     FLATSHARD_RETURN_IF_ERROR(
         control_.Call(i, &v1::Flatshard::Stub::CommitCheckpoint, commit, &response));
@@ -181,6 +198,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   request.set_chunk_bytes(export_chunk_bytes_);
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
   CutVersions(job_, statuses, *request.mutable_versions());
+  const std::vector<bool> writers = Writers(job_, statuses);
   std::error_code error;
   std::filesystem::create_directories(out_dir, error);
   if (error)
@@ -198,6 +216,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
     progress(done, total);
   };
   return control_.OnAllServersInParallel([&](size_t i) -> absl::Status {
+    if (!writers[i]) return absl::OkStatus();
     grpc::ClientContext ctx;
     control_.Prepare(ctx);
     auto reader = control_.stub(i).ExportStateDict(&ctx, request);

@@ -89,6 +89,7 @@ class ClientImpl final : public Client {
     settings->set_norm_type(job.norm_type);
     settings->set_mode(job.async ? v1::JobSettings::ASYNC : v1::JobSettings::SYNC);
     if (job.max_staleness >= 0) settings->set_max_staleness(job.max_staleness);
+    settings->set_replicas(job.replicas);
     v1::ConfigureJobResponse response;
     return control_->CallAll(&v1::Flatshard::Stub::ConfigureJob, request, &response);
   }
@@ -96,8 +97,6 @@ class ClientImpl final : public Client {
   absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group,
                                                   std::vector<TensorSpec> tensors, int64_t align,
                                                   const OptimizerOptions& optimizer) override {
-    FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
-                               FlatLayout::Create(tensors, align, num_servers()));
     v1::RegisterGroupRequest request;
     request.set_job(options_.job);
     request.set_group(group);
@@ -107,7 +106,17 @@ class ClientImpl final : public Client {
     v1::RegisterGroupResponse response;
     FLATSHARD_RETURN_IF_ERROR(
         control_->CallAll(&v1::Flatshard::Stub::RegisterGroup, request, &response));
+    // The layout is over one replica group (the servers know the job's replica groups).
+    const int replicas = std::max(1, response.replicas());
+    FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
+                               FlatLayout::Create(std::move(tensors), align, num_servers() / replicas));
+    if (layout.shard_numel() != response.shard_numel()) {
+      return absl::InternalError(absl::StrCat("group '", group, "': the servers hold shards of ",
+                                              response.shard_numel(), " elements; this client computed ",
+                                              layout.shard_numel()));
+    }
     absl::MutexLock lock(&mu_);
+    replicas_ = replicas;
     auto& slot = layouts_[group];
     if (slot == nullptr || !(*slot == layout))
       slot = std::make_unique<FlatLayout>(std::move(layout));
@@ -122,11 +131,12 @@ class ClientImpl final : public Client {
           "initial values for group '", group, "': ", flat.size(), " elements, expected ",
           layout->unpadded_numel(), " (or padded ", layout->padded_numel(), ")"));
     }
-    // Each server gets its shard, right-padded with zeros.
+    // Each server gets its shard, right-padded with zeros (every replica group its copy).
     std::vector<std::vector<float>> shards(num_servers());
     for (int rank = 0; rank < num_servers(); ++rank) {
+      const int shard = rank % layout->num_shards();
       shards[rank].assign(layout->shard_numel(), 0.0f);
-      std::copy(flat.begin() + layout->shard_start(rank), flat.begin() + layout->shard_end(rank),
+      std::copy(flat.begin() + layout->shard_start(shard), flat.begin() + layout->shard_end(shard),
                 shards[rank].begin());
     }
     std::vector<absl::Span<const std::byte>> parts;
@@ -147,7 +157,7 @@ class ClientImpl final : public Client {
                                               DType dtype, absl::Span<std::byte> out) override {
     absl::StatusOr<std::vector<absl::Span<std::byte>>> parts = Split(group, dtype, out);
     if (!parts.ok()) return ReadyFuture<absl::StatusOr<int64_t>>(parts.status());
-    return transfers_->Gather(group, min_version, dtype, *std::move(parts));
+    return transfers_->Gather(group, min_version, dtype, *std::move(parts), ReplicaServers());
   }
 
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
@@ -155,7 +165,7 @@ class ClientImpl final : public Client {
     absl::StatusOr<std::vector<absl::Span<std::byte>>> parts =
         Split(group, dtype, absl::MakeSpan(const_cast<std::byte*>(grad.data()), grad.size()));
     if (!parts.ok()) return ReadyFuture<absl::Status>(parts.status());
-    return transfers_->Scatter(group, step, dtype, *std::move(parts));
+    return transfers_->Scatter(group, step, dtype, *std::move(parts), ReplicaServers());
   }
 
   std::vector<std::string> DataPlanes() const override { return transfers_->PlaneNames(); }
@@ -166,7 +176,7 @@ class ClientImpl final : public Client {
     request.set_group(group);
     request.set_min_version(min_version);
     int64_t version = std::numeric_limits<int64_t>::max();
-    for (int i = 0; i < num_servers(); ++i) {
+    for (int i : ReplicaServers()) {
       v1::WaitVersionResponse response;
       FLATSHARD_RETURN_IF_ERROR(
           control_->Call(i, &v1::Flatshard::Stub::WaitVersion, request, &response));
@@ -285,7 +295,19 @@ class ClientImpl final : public Client {
     return it->second.get();
   }
 
-  // Splits a full flat buffer (padded_numel elements of dtype) into per-server slices.
+  // The servers of this worker's replica group, in rank order: all of them unless the
+  // job is hybrid-sharded.
+  std::vector<int> ReplicaServers() {
+    absl::MutexLock lock(&mu_);
+    const int shards = num_servers() / replicas_;
+    const int first = (options_.worker_rank % replicas_) * shards;
+    std::vector<int> servers;
+    for (int i = 0; i < shards; ++i) servers.push_back(first + i);
+    return servers;
+  }
+
+  // Splits a full flat buffer (padded_numel elements of dtype) into per-server slices,
+  // indexed by rank: shard i goes to server i of this worker's replica group.
   absl::StatusOr<std::vector<absl::Span<std::byte>>> Split(const std::string& group, DType dtype,
                                                            absl::Span<std::byte> full) {
     FLATSHARD_ASSIGN_OR_RETURN(const FlatLayout* layout, FindLayout(group));
@@ -294,14 +316,17 @@ class ClientImpl final : public Client {
           absl::StrCat("dtype ", DTypeName(dtype), " is not float32, bfloat16 or float16"));
     }
     const size_t slice = static_cast<size_t>(layout->shard_numel()) * DTypeSize(dtype);
-    if (full.size() != slice * num_servers()) {
+    const size_t shards = static_cast<size_t>(layout->num_shards());
+    if (full.size() != slice * shards) {
       return absl::InvalidArgumentError(
           absl::StrCat("buffer for group '", group, "' holds ", full.size(), " bytes; expected ",
-                       slice * num_servers(), " (padded_numel ", layout->padded_numel(), " x ",
+                       slice * shards, " (padded_numel ", layout->padded_numel(), " x ",
                        DTypeSize(dtype), " bytes of ", DTypeName(dtype), ")"));
     }
-    std::vector<absl::Span<std::byte>> parts;
-    for (int i = 0; i < num_servers(); ++i) parts.push_back(full.subspan(i * slice, slice));
+    std::vector<absl::Span<std::byte>> parts(num_servers());
+    for (int rank = 0; rank < num_servers(); ++rank) {
+      parts[rank] = full.subspan((rank % shards) * slice, slice);
+    }
     return parts;
   }
 
@@ -311,6 +336,7 @@ class ClientImpl final : public Client {
   std::unique_ptr<client_internal::DataTransfers> transfers_;
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<FlatLayout>> layouts_ ABSL_GUARDED_BY(mu_);
+  int replicas_ ABSL_GUARDED_BY(mu_) = 1;  // the job's replica groups, from RegisterGroup
 };
 
 }  // namespace

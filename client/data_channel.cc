@@ -2,7 +2,6 @@
 
 #include "core/status_macros.h"
 #include "transport/data_protocol.h"
-#include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::client_internal {
 
@@ -53,20 +52,7 @@ absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open() {
 
 absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Hello(
     const DataSession& session) const {
-  std::string host;
-  int port = 0;
-  FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(session.data_address, host, port));
-  FLATSHARD_ASSIGN_OR_RETURN(auto conn, transport::ConnectTcp(host, port, timeout_));
-  FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(timeout_));
-  transport::RequestHeader hello;
-  hello.op = static_cast<uint8_t>(transport::DataOp::kHello);
-  FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(
-      *conn, hello, "", "",
-      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(session.token.data()),
-                          session.token.size())));
-  FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(*conn, {}));
-  FLATSHARD_RETURN_IF_ERROR(response.status);
-  return conn;
+  return transport::OpenDataConnection(session.data_address, session.token, timeout_);
 }
 
 void DataChannel::Run() {

@@ -55,26 +55,27 @@ auto DataTransfers::RunAside(Work work) -> std::future<decltype(work())> {
 
 std::future<absl::StatusOr<int64_t>> DataTransfers::Gather(
     const std::string& group, int64_t min_version, DType dtype,
-    std::vector<absl::Span<std::byte>> parts) {
-  const int device = DeviceOf(parts[0].data());
+    std::vector<absl::Span<std::byte>> parts, std::vector<int> servers) {
+  const int device = DeviceOf(parts[servers.front()].data());
   if (device >= 0) {
     return DeviceTransfer<absl::StatusOr<int64_t>>(transport::DataOp::kGather, group, min_version,
-                                                   dtype, std::move(parts), device);
+                                                   dtype, std::move(parts), servers, device);
   }
-  return HostGather(group, min_version, dtype, std::move(parts));
+  return HostGather(group, min_version, dtype, std::move(parts), std::move(servers));
 }
 
 std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64_t step,
                                                  DType dtype,
-                                                 std::vector<absl::Span<std::byte>> parts) {
-  const int device = DeviceOf(parts[0].data());
+                                                 std::vector<absl::Span<std::byte>> parts,
+                                                 std::vector<int> servers) {
+  const int device = DeviceOf(parts[servers.front()].data());
   if (device >= 0) {
     return DeviceTransfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype,
-                                        std::move(parts), device);
+                                        std::move(parts), servers, device);
   }
   std::vector<absl::Span<const std::byte>> sends(parts.begin(), parts.end());
   return Transfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype, std::move(sends),
-                                {});
+                                {}, std::move(servers));
 }
 
 absl::Status DataTransfers::PushInit(const std::string& group,
@@ -323,10 +324,11 @@ template <typename Result>
 std::future<Result> DataTransfers::DeviceTransfer(transport::DataOp op, const std::string& group,
                                                   int64_t version, DType dtype,
                                                   std::vector<absl::Span<std::byte>> parts,
-                                                  int device) {
-  absl::StatusOr<IpcExport> exported = ExportForIpc(parts[0].data());
+                                                  const std::vector<int>& servers, int device) {
+  const std::byte* base = parts[servers.front()].data();
+  absl::StatusOr<IpcExport> exported = ExportForIpc(base);
   std::vector<int> ipc_servers, nccl_servers, tcp_servers;
-  for (int i = 0; i < num_servers(); ++i) {
+  for (int i : servers) {
     switch (PlaneFor(i, device, exported.ok())) {
       case Plane::kCudaIpc:
         ipc_servers.push_back(i);
@@ -345,7 +347,7 @@ std::future<Result> DataTransfers::DeviceTransfer(transport::DataOp op, const st
     transport::IpcTarget& target = (*targets)[i];
     std::memcpy(target.handle, exported->handle.data(),
                 std::min(exported->handle.size(), sizeof(target.handle)));
-    target.offset = exported->offset + static_cast<uint64_t>(parts[i].data() - parts[0].data());
+    target.offset = exported->offset + static_cast<uint64_t>(parts[i].data() - base);
     target.bytes = parts[i].size();
     target_bytes[i] =
         absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target));
@@ -397,15 +399,16 @@ std::future<Result> DataTransfers::DeviceTransfer(transport::DataOp op, const st
 // the result is the lowest.
 std::future<absl::StatusOr<int64_t>> DataTransfers::HostGather(
     const std::string& group, int64_t min_version, DType dtype,
-    std::vector<absl::Span<std::byte>> parts) {
+    std::vector<absl::Span<std::byte>> parts, std::vector<int> servers) {
   using Result = absl::StatusOr<int64_t>;
-  const bool split = std::any_of(parts.begin(), parts.end(), [&](absl::Span<std::byte> part) {
-    return GatherRanges(part.size()) > 1;
-  });
-  if (!split)
-    return Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts);
+  const bool split = std::any_of(servers.begin(), servers.end(),
+                                 [&](int i) { return GatherRanges(parts[i].size()) > 1; });
+  if (!split) {
+    return Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts,
+                            std::move(servers));
+  }
   std::vector<std::future<Result>> per_server;
-  for (int i = 0; i < num_servers(); ++i) {
+  for (int i : servers) {
     const int64_t count = GatherRanges(parts[i].size());
     auto completion =
         std::make_shared<Completion<Result>>(static_cast<int>(count), /*same_version=*/count > 1);
@@ -429,12 +432,14 @@ std::future<absl::StatusOr<int64_t>> DataTransfers::HostGather(
     }
   }
   return RunAside([this, group, min_version, dtype, parts = std::move(parts),
+                   servers = std::move(servers),
                    per_server = std::move(per_server)]() mutable -> Result {
     Result combined = std::numeric_limits<int64_t>::max();
     // Every part is waited for, even after an error: its requests write into
     // `parts`.
-    for (int i = 0; i < num_servers(); ++i) {
-      Result part = per_server[i].get();
+    for (size_t k = 0; k < servers.size(); ++k) {
+      const int i = servers[k];
+      Result part = per_server[k].get();
       if (!part.ok() && part.status().message() == kTornGather) {
         part =
             Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts, {i})

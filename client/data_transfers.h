@@ -61,14 +61,18 @@ class DataTransfers {
   // (and stay valid) whether or not the caller waited for them first.
   ~DataTransfers();
 
-  // `parts`: consecutive slices of one buffer (host or device memory), one per server in
-  // rank order, each that server's shard in `dtype`. The buffer must stay valid until
-  // the future is ready. Errors name the server.
+  // `parts`: indexed by server rank, consecutive slices of one buffer (host or device
+  // memory), each that server's shard in `dtype`, for the servers in `servers` (in
+  // rank order; the others' entries are ignored: a hybrid-sharded job's worker moves its
+  // buffer with its replica group only). The buffer must stay valid until the future
+  // is ready. Errors name the server.
   std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version,
                                               DType dtype,
-                                              std::vector<absl::Span<std::byte>> parts);
+                                              std::vector<absl::Span<std::byte>> parts,
+                                              std::vector<int> servers);
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
-                                    std::vector<absl::Span<std::byte>> parts);
+                                    std::vector<absl::Span<std::byte>> parts,
+                                    std::vector<int> servers);
   // Initial fp32 values, one host shard per server. Blocks.
   [[nodiscard]] absl::Status PushInit(const std::string& group,
                                       std::vector<absl::Span<const std::byte>> shards);
@@ -92,11 +96,13 @@ class DataTransfers {
 
   std::future<absl::StatusOr<int64_t>> HostGather(const std::string& group, int64_t min_version,
                                                   DType dtype,
-                                                  std::vector<absl::Span<std::byte>> parts);
+                                                  std::vector<absl::Span<std::byte>> parts,
+                                                  std::vector<int> servers);
   template <typename Result>
   std::future<Result> DeviceTransfer(transport::DataOp op, const std::string& group,
                                      int64_t version, DType dtype,
-                                     std::vector<absl::Span<std::byte>> parts, int device);
+                                     std::vector<absl::Span<std::byte>> parts,
+                                     const std::vector<int>& servers, int device);
   absl::StatusOr<int64_t> StagedTransfer(transport::DataOp op, const std::string& group,
                                          int64_t version, DType dtype,
                                          const std::vector<absl::Span<std::byte>>& parts,

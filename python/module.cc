@@ -229,9 +229,10 @@ class PyClient {
     client_ = Check(std::move(client));
   }
 
-  void ConfigureJob(bool async, bool mean, double max_grad_norm, double norm_type, int64_t max_staleness) {
+  void ConfigureJob(bool async, bool mean, double max_grad_norm, double norm_type, int64_t max_staleness,
+                    int replicas) {
     const JobOptions job{.reduce_mean = mean, .max_grad_norm = max_grad_norm, .norm_type = norm_type,
-                         .async = async, .max_staleness = max_staleness};
+                         .async = async, .max_staleness = max_staleness, .replicas = replicas};
     Released([&] { return client_->ConfigureJob(job); });
   }
 

@@ -83,10 +83,12 @@ absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& na
 absl::Status CheckpointStore::Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
                                      const std::string& job, const std::map<std::string, int64_t>& versions,
                                      absl::Time deadline) const {
+  // Any replica group holds the same shard: the files are those of its shard index.
+  FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   // Pinned, not copied: the server's memory stays bounded by the slices in flight.
   FLATSHARD_ASSIGN_OR_RETURN(std::vector<SavedShard> shards,
-                             TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/true));
-  return WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, nullptr).status();
+                             TakeShards(registry_, placement.shard, job, versions, deadline, /*pin=*/true));
+  return WriteShards(sink, placement.shard, kind, optimizer, max_file_bytes_, shards, nullptr).status();
 }
 
 absl::StatusOr<std::string> CheckpointStore::RootId() {
@@ -131,6 +133,14 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
                                    const std::map<std::string, int64_t>& versions,
                                    absl::Time deadline, const SaveOptions& options) {
   FLATSHARD_RETURN_IF_ERROR(ValidateName(name));
+  FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
+  if (placement.replica != 0) {
+    // Every replica group holds the same shards; the first one writes them (its ranks
+    // are its shard indices), so a checkpoint is that of a cluster of S servers.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "server ", rank_, " is in replica group ", placement.replica, " of job '", job,
+        "'; checkpoints are written by replica group 0 (servers 0 to ", placement.shards - 1, ")"));
+  }
   bool to_server_zero = false;
   if (kind != CheckpointKind::kLocal) {
     FLATSHARD_ASSIGN_OR_RETURN(to_server_zero, KeptByServerZero(options.home_root_id));
@@ -154,8 +164,9 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   FLATSHARD_ASSIGN_OR_RETURN(std::vector<SavedShard> shards,
                              TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/!options.async));
   // What the part says besides its extents (which the writing sink records).
-  auto describe = [this, job, kind, optimizer](const std::vector<std::string>& files, Json specs) {
-    return Json{{"job", job},           {"kind", CheckpointKindName(kind)}, {"servers", num_servers_},
+  auto describe = [job, kind, optimizer, servers = placement.shards](const std::vector<std::string>& files,
+                                                                    Json specs) {
+    return Json{{"job", job},           {"kind", CheckpointKindName(kind)}, {"servers", servers},
                 {"optimizer", optimizer}, {"groups", std::move(specs)},    {"files", files}};
   };
   const bool async = options.async;
@@ -200,9 +211,18 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   return absl::OkStatus();
 }
 
+int CheckpointStore::PartsExpected(const std::string& dir) const {
+  // A hybrid-sharded job's checkpoint has one part per server of a replica group; every
+  // part says how many (this server's is there when it asks).
+  absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
+  const int servers = own.ok() ? own->value("servers", num_servers_) : num_servers_;
+  return servers >= 1 && servers <= num_servers_ ? servers : num_servers_;
+}
+
 absl::Status CheckpointStore::CommitIfComplete(const std::string& name) {
   const std::string dir = PartialDir(name);
-  for (int rank = 0; rank < num_servers_; ++rank) {
+  const int parts = PartsExpected(dir);
+  for (int rank = 0; rank < parts; ++rank) {
     if (!fs::exists(absl::StrCat(dir, "/part-", rank, ".json"))) return absl::OkStatus();  // not yet
   }
   // A lock file picks exactly one committer.
@@ -330,8 +350,9 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
   if (!fs::exists(dir) && fs::exists(final_dir + "/" + kManifest)) {
     return absl::OkStatus();  // a server sharing this root committed it
   }
+  const int parts = PartsExpected(dir);
   bool all_parts = true;
-  for (int rank = 0; rank < num_servers_; ++rank) {
+  for (int rank = 0; rank < parts; ++rank) {
     all_parts &= fs::exists(absl::StrCat(dir, "/part-", rank, ".json"));
   }
   if (!all_parts) {
@@ -348,7 +369,7 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
   }
   Json manifest;
   std::map<std::string, std::vector<FileExtent>> files;
-  for (int rank = 0; rank < num_servers_; ++rank) {
+  for (int rank = 0; rank < parts; ++rank) {
     absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
     if (!part.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -478,9 +499,12 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
                              })
           : CheckpointReader(dir, std::move(files), read_buffers_);
 
+  // A hybrid-sharded job loads shard r % S of S into server r of every replica group.
+  FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   const std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "load");
   FLATSHARD_ASSIGN_OR_RETURN(StagedGroups staged,
-                             StageCheckpoint(manifest, reader, registry_, name, job, rank_, num_servers_, progress.get()));
+                             StageCheckpoint(manifest, reader, registry_, name, job, placement.shard,
+                                             placement.shards, progress.get()));
   absl::MutexLock lock(&mu_);
   staged_[name] = std::move(staged);
   return absl::OkStatus();

@@ -13,6 +13,10 @@
 //    the index and only the pieces that overlap its new shard: any server count.
 //  - LOCAL: local-<rank>.safetensors with each group's flat shard and optimizer state as
 //    they are; loads only into the same server count and layout.
+// Hybrid-sharded jobs (server/job.h): every replica group holds the same shards, so
+// replica group 0 writes them and the checkpoint is that of a cluster of S = N / R
+// servers (its manifest says S); a load fills server r with shard r % S in every replica
+// group, and an export may read any one replica group.
 // The files are written by server/checkpoint_writer.h and read back by
 // server/checkpoint_loader.h; this class owns directories, commits and the roots.
 //
@@ -154,6 +158,9 @@ class CheckpointStore {
   std::string PartialDir(const std::string& name) const { return root_ + "/." + name + ".partial"; }
   // Commits `name` if every part is in its partial directory and no one else has begun to.
   absl::Status CommitIfComplete(const std::string& name);
+  // How many parts the checkpoint in partial directory `dir` has: its parts' "servers"
+  // (the servers of one replica group, for a hybrid-sharded job), else the cluster's.
+  int PartsExpected(const std::string& dir) const;
   // Whether a FULL or SHARDED checkpoint is kept in server 0's root rather than this one.
   absl::StatusOr<bool> KeptByServerZero(const std::string& home_root_id);
   Registry& registry_;

@@ -11,18 +11,20 @@ namespace flatshard::server {
 ClipCoordinator::ClipCoordinator(Registry& registry, int rank, int num_servers, SendPartial send)
     : registry_(registry), rank_(rank), num_servers_(num_servers), send_(std::move(send)) {}
 
-ClipCoordinator::StepState& ClipCoordinator::State(const std::string& job, int64_t step) {
+ClipCoordinator::StepState& ClipCoordinator::State(const std::string& job, int64_t step,
+                                                   const Placement& placement) {
   StepState& state = steps_[{job, step}];
-  if (state.partials.empty()) state.partials.resize(num_servers_);
+  if (state.partials.empty()) state.partials.resize(placement.shards);
   return state;
 }
 
 absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t step) {
   FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
+  FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   double partial = 0.0;
   {
     absl::MutexLock lock(&mu_);
-    StepState& state = State(job, step);
+    StepState& state = State(job, step, placement);
     if (state.shared) return absl::OkStatus();
     bool any = false;
     for (const auto& group : registry_.job_groups(job)) {  // name order
@@ -36,7 +38,9 @@ absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t ste
     if (!any) return absl::OkStatus();
     state.shared = true;
   }
-  for (int peer = 0; peer < num_servers_; ++peer) {
+  // Every replica group reduced the same gradient: the norm is its own replica's.
+  for (int shard = 0; shard < placement.shards; ++shard) {
+    const int peer = placement.replica * placement.shards + shard;
     if (peer == rank_) continue;
     if (absl::Status sent = send_(peer, job, step, partial); !sent.ok()) {
       return absl::UnavailableError(absl::StrCat(
@@ -57,13 +61,20 @@ absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step
   if (!settings.clipping()) {
     return absl::InvalidArgumentError(absl::StrCat("job '", job, "' does not clip gradients"));
   }
+  FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
+  if (rank / placement.shards != placement.replica) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "norm share from server ", rank, " of replica group ", rank / placement.shards,
+        " for job '", job, "'; this server combines replica group ", placement.replica, "'s"));
+  }
   absl::MutexLock lock(&mu_);
-  StepState& state = State(job, step);
-  if (state.partials[rank].has_value()) return absl::OkStatus();
-  state.partials[rank] = partial;
-  if (++state.received < num_servers_) return absl::OkStatus();
+  StepState& state = State(job, step, placement);
+  const int shard = rank % placement.shards;
+  if (state.partials[shard].has_value()) return absl::OkStatus();
+  state.partials[shard] = partial;
+  if (++state.received < placement.shards) return absl::OkStatus();
 
-  // Every server combines the shares in rank order: the same bits everywhere.
+  // Every server combines the shares in shard order: the same bits everywhere.
   const bool inf_norm = std::isinf(settings.norm_type);
   double combined = 0.0;
   for (const auto& share : state.partials) {

@@ -8,7 +8,9 @@
 // all N servers are in, each server combines them in rank order (so every server computes
 // the same bits), derives clip_coef = max_norm / (total_norm + 1e-6) and finishes the step
 // of every such group: scale by clip_coef when it is below 1, optimizer step, version + 1.
-// The groups of the job thus step together.
+// The groups of the job thus step together. In a hybrid-sharded job (server/job.h) every
+// replica group holds the same reduced gradient, so "every peer" and "all N servers" are
+// the S servers of this server's replica group, combined in shard order.
 //
 // Thread-safe. Lock order: this coordinator, then a Group; never the reverse.
 //
@@ -46,7 +48,7 @@ class ClipCoordinator {
 
   // A server's share for (job, step); the last one finishes the step here. A second
   // share from the same rank is ignored. InvalidArgument for a rank outside the cluster
-  // or a job without clipping.
+  // or this server's replica group, or a job without clipping.
   [[nodiscard]] absl::Status RecordPartial(const std::string& job, int64_t step, int rank,
                                            double partial);
 
@@ -57,7 +59,8 @@ class ClipCoordinator {
     bool shared = false;  // this server's share was computed and sent
   };
 
-  StepState& State(const std::string& job, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  StepState& State(const std::string& job, int64_t step, const Placement& placement)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Registry& registry_;
   const int rank_;

@@ -21,10 +21,10 @@ absl::Span<std::byte> BytesOf(T& value) {
 
 }  // namespace
 
-DataServer::DataServer(Registry& registry, ClipCoordinator& clip, IpcPlane& ipc, NcclPlane& nccl,
+DataServer::DataServer(Registry& registry, ReplicaExchange& exchange, IpcPlane& ipc, NcclPlane& nccl,
                        const SessionTokens& sessions, ServerStats& stats, DataServerOptions options)
     : registry_(registry),
-      clip_(clip),
+      exchange_(exchange),
       ipc_(ipc),
       nccl_(nccl),
       sessions_(sessions),
@@ -126,6 +126,7 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
       return ServeGather(conn, request);
     case DataOp::kScatter:
     case DataOp::kPushInit:
+    case DataOp::kReplicaPartial:
       return ServeReceive(conn, request);
     case DataOp::kIpcGather:
     case DataOp::kIpcScatter:
@@ -193,40 +194,67 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
 bool DataServer::ServeReceive(Connection& conn, const Request& request) {
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
   if (!group.ok()) return Refuse(conn, request, group.status());
-  const bool scatter = request.op == DataOp::kScatter;
+  const char* what = request.op == DataOp::kScatter          ? "scatter"
+                     : request.op == DataOp::kReplicaPartial ? "replica partial"
+                                                             : "init";
   const int64_t expected = (*group)->shard_numel() * static_cast<int64_t>(DTypeSize(request.dtype));
   if (request.payload_bytes != expected) {
     return Refuse(conn, request,
                   absl::InvalidArgumentError(absl::StrCat(
-                      scatter ? "scatter" : "init", " to group '", request.group, "' carries ",
-                      request.payload_bytes, " bytes; expected ", expected, " (",
-                      (*group)->shard_numel(), " ", DTypeName(request.dtype),
-                      " elements of this server's shard)")));
+                      what, " to group '", request.group, "' carries ", request.payload_bytes,
+                      " bytes; expected ", expected, " (", (*group)->shard_numel(), " ",
+                      DTypeName(request.dtype), " elements of this server's shard)")));
   }
-  absl::StatusOr<ReceiveSlot> slot =
-      scatter ? (*group)->BeginScatter(request.version, request.worker_rank, request.dtype)
-              : (*group)->BeginPushInit(request.dtype);
+  absl::StatusOr<ReceiveSlot> slot = BeginReceive(**group, request);
   if (!slot.ok()) return Refuse(conn, request, slot.status());
   if (!conn.Recv(slot->buffer).ok()) {
     // The peer died or stalled mid-transfer: nothing partial is kept.
-    scatter ? (*group)->AbortScatter(*slot) : (*group)->AbortPushInit(*slot);
+    AbortReceive(**group, request, *slot);
     ++stats_.errors;
     return false;
   }
   stats_.bytes_received += request.payload_bytes;
   absl::Status committed;
-  if (scatter) {
-    absl::StatusOr<CommitOutcome> outcome = (*group)->CommitScatter(*slot);
-    committed = outcome.status();
-    if (outcome.ok() && *outcome == CommitOutcome::kReduced) {
-      committed = clip_.OnGroupReduced(request.job, request.version);
-    }
-    if (outcome.ok()) ++stats_.scatters;
-  } else {
+  if (request.op == DataOp::kPushInit) {
     committed = (*group)->CommitPushInit(*slot);
+  } else {
+    absl::StatusOr<CommitOutcome> outcome = request.op == DataOp::kScatter
+                                                ? (*group)->CommitScatter(*slot)
+                                                : (*group)->CommitReplicaPartial(*slot);
+    committed = outcome.status();
+    if (outcome.ok()) committed = exchange_.Continue(**group, request.version, *outcome);
+    if (outcome.ok() && request.op == DataOp::kScatter) ++stats_.scatters;
   }
   if (!committed.ok()) ++stats_.errors;
   return transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
+}
+
+absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request) {
+  switch (request.op) {
+    case DataOp::kScatter:
+      return group.BeginScatter(request.version, request.worker_rank, request.dtype);
+    case DataOp::kReplicaPartial:
+      if (request.dtype != DType::kFloat32) {
+        return absl::InvalidArgumentError(absl::StrCat("a replica partial is float32, not ",
+                                                       DTypeName(request.dtype)));
+      }
+      // A peer replica may run ahead by a step: wait until this one gets there.
+      FLATSHARD_RETURN_IF_ERROR(group.WaitVersion(request.version, request.Deadline()).status());
+      return group.BeginReplicaPartial(request.version, request.worker_rank);
+    default:
+      return group.BeginPushInit(request.dtype);
+  }
+}
+
+void DataServer::AbortReceive(Group& group, const Request& request, const ReceiveSlot& slot) {
+  switch (request.op) {
+    case DataOp::kScatter:
+      return group.AbortScatter(slot);
+    case DataOp::kReplicaPartial:
+      return group.AbortReplicaPartial(slot);
+    default:
+      return group.AbortPushInit(slot);
+  }
 }
 
 std::optional<bool> DataServer::RecvTarget(Connection& conn, const Request& request,

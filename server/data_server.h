@@ -1,7 +1,8 @@
 // DataServer: the server side of the TCP data plane. Accepts connections, requires a
 // kHello with a valid session token first (within hello_timeout, or the connection is
 // closed), then serves gather (whole shards or byte ranges of them), scatter and init
-// requests (transport/data_protocol.h)
+// requests, and the partials that peer servers of a hybrid-sharded job exchange
+// (transport/data_protocol.h; server/replica_exchange.h)
 // against the Registry, and the CUDA IPC and NCCL requests through their planes, one
 // thread per connection. Gradient bytes are received straight
 // into the group's staging slot and gather bytes are sent straight from the version's
@@ -11,7 +12,7 @@
 //
 // Start/Stop from one thread; the rest is internal.
 //
-//   DataServer data(registry, clip, ipc, nccl, sessions, stats, {});
+//   DataServer data(registry, exchange, ipc, nccl, sessions, stats, {});
 //   FLATSHARD_RETURN_IF_ERROR(data.Start("127.0.0.1", 7071));
 //   ...; data.Stop();
 #ifndef FLATSHARD_SERVER_DATA_SERVER_H_
@@ -28,10 +29,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/auth.h"
-#include "server/clip_coordinator.h"
 #include "server/ipc_plane.h"
 #include "server/nccl_plane.h"
 #include "server/registry.h"
+#include "server/replica_exchange.h"
 #include "server/stats.h"
 #include "transport/data_protocol.h"
 #include "transport/transport.h"
@@ -47,7 +48,7 @@ struct DataServerOptions {
 
 class DataServer {
  public:
-  DataServer(Registry& registry, ClipCoordinator& clip, IpcPlane& ipc, NcclPlane& nccl,
+  DataServer(Registry& registry, ReplicaExchange& exchange, IpcPlane& ipc, NcclPlane& nccl,
              const SessionTokens& sessions, ServerStats& stats, DataServerOptions options);
   ~DataServer();
 
@@ -66,6 +67,9 @@ class DataServer {
   bool ServeRequest(transport::Connection& conn, const transport::Request& request);
   bool ServeGather(transport::Connection& conn, const transport::Request& request);
   bool ServeReceive(transport::Connection& conn, const transport::Request& request);
+  // The staging slot for a scatter, a replica partial or initial values, and its release.
+  absl::StatusOr<ReceiveSlot> BeginReceive(Group& group, const transport::Request& request);
+  static void AbortReceive(Group& group, const transport::Request& request, const ReceiveSlot& slot);
   // Receives the fixed-size payload of a GPU-plane request (`request_name`: "a CUDA IPC
   // request") into `target`. Refuses a payload of another size; then, or when the
   // connection fails, returns what ServeRequest should return; nullopt when `target`
@@ -79,7 +83,7 @@ class DataServer {
               const absl::Status& status);
 
   Registry& registry_;
-  ClipCoordinator& clip_;
+  ReplicaExchange& exchange_;
   IpcPlane& ipc_;
   NcclPlane& nccl_;
   const SessionTokens& sessions_;

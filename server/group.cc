@@ -36,10 +36,19 @@ float InitBound(const TensorSpec& spec, int64_t numel) {
 
 int DTypeIndex(DType dtype) { return static_cast<int>(dtype); }
 
+// The workers of `settings` in replica group `replica` (all W without hybrid sharding).
+int ReplicaWorkers(const JobSettings& settings, int replica) {
+  int count = 0;
+  for (int worker = 0; worker < settings.num_workers; ++worker) {
+    count += settings.WorkerReplica(worker) == replica ? 1 : 0;
+  }
+  return count;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Group>> Group::Create(std::string job, std::string name,
-                                                     FlatLayout layout, int rank,
+                                                     FlatLayout layout, Placement placement,
                                                      JobSettings job_settings,
                                                      OptimizerConfig optimizer, MemoryTier tier,
                                                      std::shared_ptr<const ComputePool> pool) {
@@ -57,20 +66,21 @@ absl::StatusOr<std::shared_ptr<Group>> Group::Create(std::string job, std::strin
       ShardOptimizer shard_optimizer,
       ShardOptimizer::Create(std::move(optimizer), layout.shard_numel(), *compute,
                              absl::StrCat(what, " optimizer state")));
-  return std::shared_ptr<Group>(new Group(std::move(job), std::move(name), std::move(layout), rank,
+  return std::shared_ptr<Group>(new Group(std::move(job), std::move(name), std::move(layout), placement,
                                           job_settings, std::move(compute), std::move(params),
                                           std::move(grad), std::move(shard_optimizer)));
 }
 
-Group::Group(std::string job, std::string name, FlatLayout layout, int rank,
+Group::Group(std::string job, std::string name, FlatLayout layout, Placement placement,
              JobSettings job_settings, std::unique_ptr<ShardCompute> compute, ShardBuffer params,
              ShardBuffer grad, ShardOptimizer optimizer)
     : job_(std::move(job)),
       name_(std::move(name)),
       layout_(std::move(layout)),
-      rank_(rank),
+      placement_(placement),
       job_settings_(job_settings),
-      padding_runs_(layout_.ShardPaddingRuns(rank)),
+      replica_workers_(ReplicaWorkers(job_settings, placement.replica)),
+      padding_runs_(layout_.ShardPaddingRuns(placement.shard)),
       compute_(std::move(compute)),
       params_(std::move(params)),
       grad_(std::move(grad)),
@@ -82,6 +92,8 @@ Group::Group(std::string job, std::string name, FlatLayout layout, int rank,
       device_staging_(job_settings.num_workers),
       slot_data_(job_settings.num_workers, nullptr),
       snapshot_pool_(std::make_shared<SnapshotPool>()),
+      partial_states_(job_settings.hybrid() ? job_settings.replicas : 0, SlotState::kEmpty),
+      partials_(job_settings.hybrid() ? job_settings.replicas : 0),
       last_async_step_(job_settings.num_workers, -1) {}
 
 std::string Group::optimizer_name() const {
@@ -233,6 +245,13 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
                                                    job_settings_.num_workers, ") of job '",
                                                    job_, "'"));
   }
+  if (job_settings_.WorkerReplica(worker_rank) != placement_.replica) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker ", worker_rank, " of job '", job_, "' belongs to replica group ",
+        job_settings_.WorkerReplica(worker_rank), "; this server holds shard ", placement_.shard,
+        " of replica group ", placement_.replica, " (worker w scatters to replica w % ",
+        job_settings_.replicas, ")"));
+  }
   if (!IsFloatingParamDType(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("scatter dtype ", DTypeName(dtype),
                                                    " is not float32, bfloat16 or float16"));
@@ -270,8 +289,8 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
   if (job_settings_.async) return CommitAsync(slot);
   slot_states_[slot.worker_rank] = SlotState::kReady;
-  if (++ready_count_ < job_settings_.num_workers) return CommitOutcome::kPending;
-  absl::Status reduced = ReduceContributions();
+  if (++ready_count_ < replica_workers_) return CommitOutcome::kPending;
+  absl::Status reduced = job_settings_.hybrid() ? ReduceOwnPartial() : ReduceContributions();
   if (!reduced.ok()) {
     // A kernel failed: nothing was applied and the other contributions stay. This one is
     // dropped, so its worker gets the error and may send again, which retries the step.
@@ -279,12 +298,117 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
     slot_states_[slot.worker_rank] = SlotState::kEmpty;
     return reduced;
   }
+  if (job_settings_.hybrid()) return CommitOutcome::kShare;
+  return FinishReduction();
+}
+
+absl::StatusOr<CommitOutcome> Group::FinishReduction() {
   if (job_settings_.clipping()) {
     reduced_ = true;
     return CommitOutcome::kReduced;
   }
   FLATSHARD_RETURN_IF_ERROR(StepOptimizer());
   return CommitOutcome::kApplied;
+}
+
+absl::StatusOr<absl::Span<const std::byte>> Group::SharedPartial(int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  if (!job_settings_.hybrid() || version_ != step ||
+      partial_states_[placement_.replica] != SlotState::kReceiving) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group '", name_, "' has no partial of replica group ", placement_.replica,
+        " waiting to be shared for step ", step, " (at version ", version_, ")"));
+  }
+  const size_t bytes = static_cast<size_t>(shard_numel()) * sizeof(float);
+  return absl::Span<const std::byte>(partials_[placement_.replica].bytes().subspan(0, bytes));
+}
+
+absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (!job_settings_.hybrid() || version_ != step ||
+      partial_states_[placement_.replica] != SlotState::kReceiving) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group '", name_, "' has no partial of its own to commit for step ", step,
+        " (at version ", version_, ")"));
+  }
+  partial_states_[placement_.replica] = SlotState::kReady;
+  return PartialArrived();
+}
+
+absl::StatusOr<ReceiveSlot> Group::BeginReplicaPartial(int64_t step, int replica) {
+  if (!job_settings_.hybrid() || replica < 0 || replica >= job_settings_.replicas ||
+      replica == placement_.replica) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "partial from replica group ", replica, " for group '", name_, "' of job '", job_,
+        "': this server is in replica group ", placement_.replica, " of ",
+        job_settings_.replicas, " and takes partials from the others only"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (step < version_) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "partial of replica group ", replica, " for group '", name_, "': step ", step,
+        " was already applied; this server is at version ", version_));
+  }
+  if (step > version_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partial of replica group ", replica, " for group '", name_, "' for step ", step,
+        " before step ", version_, " is complete"));
+  }
+  switch (partial_states_[replica]) {
+    case SlotState::kReady:
+      return absl::AlreadyExistsError(absl::StrCat("duplicate partial of replica group ", replica,
+                                                   " for group '", name_, "' step ", step));
+    case SlotState::kReceiving:
+      return absl::FailedPreconditionError(absl::StrCat("the partial of replica group ", replica,
+                                                        " for group '", name_, "' step ", step,
+                                                        " is already being received"));
+    case SlotState::kEmpty:
+      break;
+  }
+  const size_t bytes = static_cast<size_t>(shard_numel()) * sizeof(float);
+  FLATSHARD_RETURN_IF_ERROR(EnsureStaging(
+      partials_[replica], bytes, absl::StrCat("partial of replica group ", replica)));
+  partial_states_[replica] = SlotState::kReceiving;
+  return ReceiveSlot{step, replica, DType::kFloat32, partials_[replica].bytes().subspan(0, bytes)};
+}
+
+absl::StatusOr<CommitOutcome> Group::CommitReplicaPartial(const ReceiveSlot& slot) {
+  absl::MutexLock lock(&mu_);
+  if (version_ != slot.step || partial_states_[slot.worker_rank] != SlotState::kReceiving) {
+    return absl::AbortedError(absl::StrCat("group '", name_,
+                                           "' was loaded or re-initialized while the partial of replica group ",
+                                           slot.worker_rank, " was received"));
+  }
+  partial_states_[slot.worker_rank] = SlotState::kReady;
+  return PartialArrived();
+}
+
+void Group::AbortReplicaPartial(const ReceiveSlot& slot) {
+  absl::MutexLock lock(&mu_);
+  if (version_ == slot.step && partial_states_[slot.worker_rank] == SlotState::kReceiving) {
+    partial_states_[slot.worker_rank] = SlotState::kEmpty;
+  }
+}
+
+absl::StatusOr<CommitOutcome> Group::PartialArrived() {
+  if (++partials_ready_ < job_settings_.replicas) return CommitOutcome::kPending;
+  // Replica order: every replica adds the same partials in the same order.
+  std::vector<kernels::Contribution> partials;
+  for (const ShardBuffer& partial : partials_) partials.push_back({DType::kFloat32, partial.data()});
+  const float alpha = job_settings_.reduce_mean
+                          ? 1.0f / static_cast<float>(job_settings_.num_workers)
+                          : 1.0f;
+  absl::Status reduced = compute_->Reduce(partials, grad_.floats(), shard_numel(), alpha);
+  if (reduced.ok()) reduced = ZeroGradientPadding();
+  if (reduced.ok()) reduced = compute_->Synchronize();
+  if (!reduced.ok()) {
+    // Nothing was applied; the partials stay, and the last one may be sent again.
+    --partials_ready_;
+    return reduced;
+  }
+  partials_ready_ = 0;
+  std::fill(partial_states_.begin(), partial_states_.end(), SlotState::kEmpty);
+  return FinishReduction();
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitAsync(const ReceiveSlot& slot) {
@@ -352,6 +476,22 @@ absl::Status Group::ReduceContributions() {
   FLATSHARD_RETURN_IF_ERROR(ZeroGradientPadding());
   // The staging slots are free for the next step only once the kernels have read them.
   return compute_->Synchronize();
+}
+
+absl::Status Group::ReduceOwnPartial() {
+  std::vector<kernels::Contribution> contributions;
+  for (int worker = 0; worker < job_settings_.num_workers; ++worker) {
+    if (job_settings_.WorkerReplica(worker) != placement_.replica) continue;
+    contributions.push_back({slot_dtypes_[worker], slot_data_[worker]});
+  }
+  const size_t bytes = static_cast<size_t>(shard_numel()) * sizeof(float);
+  ShardBuffer& partial = partials_[placement_.replica];
+  FLATSHARD_RETURN_IF_ERROR(EnsureStaging(
+      partial, bytes, absl::StrCat("partial of replica group ", placement_.replica)));
+  FLATSHARD_RETURN_IF_ERROR(compute_->Reduce(contributions, partial.floats(), shard_numel(), 1.0f));
+  FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
+  partial_states_[placement_.replica] = SlotState::kReceiving;
+  return absl::OkStatus();
 }
 
 absl::Status Group::ZeroGradientPadding() {
@@ -453,8 +593,8 @@ absl::Status Group::WriteTensorElements(const std::vector<float>& host_shard) {
   AwaitUnpinned();
   ++generation_;
   std::vector<float> values(host_shard.size(), 0.0f);
-  const int64_t start = layout_.shard_start(rank_);
-  for (const TensorPiece& piece : layout_.MapRange(start, layout_.shard_end(rank_))) {
+  const int64_t start = layout_.shard_start(placement_.shard);
+  for (const TensorPiece& piece : layout_.MapRange(start, layout_.shard_end(placement_.shard))) {
     std::copy_n(host_shard.begin() + (piece.flat_offset - start), piece.numel,
                 values.begin() + (piece.flat_offset - start));
   }
@@ -477,8 +617,8 @@ absl::Status Group::InitFromSeed(uint64_t seed) {
         "group '", name_, "' is at version ", version_, "; it can only be initialized before the first step"));
   }
   std::vector<float> values(shard_numel(), 0.0f);
-  const int64_t start = layout_.shard_start(rank_);
-  for (const TensorPiece& piece : layout_.MapRange(start, layout_.shard_end(rank_))) {
+  const int64_t start = layout_.shard_start(placement_.shard);
+  for (const TensorPiece& piece : layout_.MapRange(start, layout_.shard_end(placement_.shard))) {
     const TensorSpec& spec = layout_.tensor(piece.tensor_index);
     const float bound = InitBound(spec, layout_.tensor_numel(piece.tensor_index));
     const uint64_t stream = SplitMix64(seed ^ Fnv1a(spec.fqn));
@@ -535,6 +675,8 @@ absl::Status Group::Restore(LoadedShard loaded) {
   ready_count_ = 0;
   reduced_ = false;
   std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
+  partials_ready_ = 0;
+  std::fill(partial_states_.begin(), partial_states_.end(), SlotState::kEmpty);
   std::fill(last_async_step_.begin(), last_async_step_.end(), loaded.version - 1);
   PublishNewValues();
   return absl::OkStatus();
@@ -550,6 +692,7 @@ GroupStats Group::stats() const {
   int64_t bytes = static_cast<int64_t>(params_.size() + grad_.size()) + optimizer_.state_bytes();
   for (const auto& staging : staging_) bytes += static_cast<int64_t>(staging.size());
   for (const auto& staging : device_staging_) bytes += static_cast<int64_t>(staging.size());
+  for (const auto& partial : partials_) bytes += static_cast<int64_t>(partial.size());
   return GroupStats{version_, bytes, ready_count_};
 }
 

@@ -9,6 +9,12 @@
 //    steps are FailedPrecondition. Both name the expected step.
 //  - When all W are in, the server reduces them in fp32 in worker-rank order (bitwise
 //    reproducible), divides by W for a mean, runs the optimizer and publishes v + 1.
+//  - Hybrid sharding (server/job.h): only the workers of this server's replica group
+//    contribute here. Their fp32 sum, in worker-rank order, is this replica's partial
+//    (kShare): the caller sends it to the servers holding this shard in the other
+//    replicas (SharedPartial, then CommitOwnPartial) and they send theirs
+//    (BeginReplicaPartial / CommitReplicaPartial). Once all R partials are in, they are
+//    added in replica order and divided by W for a mean: the same bits in every replica.
 //  - With gradient clipping, the reduced gradient waits (kReduced) until the job's
 //    global norm is known (server/clip_coordinator.h), which then calls
 //    FinishClippedStep with the clip coefficient.
@@ -73,9 +79,10 @@ struct ReceiveSlot {
 enum class SlotMemory { kHost, kDevice };
 
 enum class CommitOutcome {
-  kPending,  // waiting for other workers' contributions
+  kPending,  // waiting for other workers' contributions (or other replicas' partials)
   kApplied,  // the optimizer step ran; the version advanced
   kReduced,  // clipped job: reduced, waiting for the job's gradient norm
+  kShare,    // hybrid job: this replica's partial is summed; share it (SharedPartial)
 };
 
 // This server's shard of a group at one version: parameters (fp32 master, shard_numel
@@ -104,12 +111,13 @@ struct GroupStats {
 
 class Group {
  public:
-  // `layout` is the group's layout over the cluster; this server holds shard `rank` in
-  // `tier`, whose CPU kernels run on `pool` (null: on the calling thread).
+  // `layout` is the group's layout over `placement.shards` servers; this server holds
+  // shard `placement.shard` (of replica group `placement.replica`) in `tier`, whose CPU
+  // kernels run on `pool` (null: on the calling thread).
   // ResourceExhausted naming the group and the bytes when the tier cannot hold it;
   // FailedPrecondition for a tier this build or machine lacks.
   [[nodiscard]] static absl::StatusOr<std::shared_ptr<Group>> Create(
-      std::string job, std::string name, FlatLayout layout, int rank, JobSettings job_settings,
+      std::string job, std::string name, FlatLayout layout, Placement placement, JobSettings job_settings,
       OptimizerConfig optimizer, MemoryTier tier = MemoryTier::kHost,
       std::shared_ptr<const ComputePool> pool = nullptr);
 
@@ -118,6 +126,7 @@ class Group {
   const std::string& job() const { return job_; }
   const std::string& name() const { return name_; }
   const FlatLayout& layout() const { return layout_; }
+  const Placement& placement() const { return placement_; }
   int64_t shard_numel() const { return layout_.shard_numel(); }
   std::string optimizer_name() const;
   OptimizerConfig optimizer_config() const;
@@ -149,7 +158,8 @@ class Group {
   // contribution already held or applied (duplicate, stale; async: not newer than the
   // worker's last), FailedPrecondition for a future one, one already being received or
   // one beyond the staleness bound,
-  // InvalidArgument for a worker rank outside [0, W) or a non-float dtype.
+  // InvalidArgument for a worker rank outside [0, W) or of another replica group, or a
+  // non-float dtype.
   // FailedPrecondition for SlotMemory::kDevice on a group that is not in device memory.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype,
                                                          SlotMemory memory = SlotMemory::kHost);
@@ -157,8 +167,21 @@ class Group {
   // any process mapped here) into the slot.
   [[nodiscard]] absl::Status FillDeviceSlot(const ReceiveSlot& slot, const void* device_src);
   // Records the filled slot; the last contribution of a step reduces and (without
-  // clipping) runs the optimizer before returning.
+  // clipping) runs the optimizer before returning (hybrid: sums the replica's partial).
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitScatter(const ReceiveSlot& slot);
+
+  // Hybrid jobs. After kShare: this replica's partial for `step` (fp32, shard_numel
+  // elements, host memory), valid until the step is applied; FailedPrecondition when it
+  // is not summed yet or already shared. CommitOwnPartial then counts it among the R;
+  // the last partial in adds them up and continues as the last contribution does.
+  [[nodiscard]] absl::StatusOr<absl::Span<const std::byte>> SharedPartial(int64_t step) const;
+  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitOwnPartial(int64_t step);
+  // Another replica's partial for `step` (slot.worker_rank = that replica, fp32).
+  // AlreadyExists for one already held or applied; FailedPrecondition for a future step
+  // or one being received; InvalidArgument for a replica outside [0, R) or this one's.
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginReplicaPartial(int64_t step, int replica);
+  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitReplicaPartial(const ReceiveSlot& slot);
+  void AbortReplicaPartial(const ReceiveSlot& slot);
 
   // Clipped jobs. True when the contributions for `step` are reduced and wait for the
   // norm. NormPartial: this shard's sum of squares (norm_type 2) or max |g| (inf) of the
@@ -212,7 +235,7 @@ class Group {
  private:
   enum class SlotState { kEmpty, kReceiving, kReady };
 
-  Group(std::string job, std::string name, FlatLayout layout, int rank, JobSettings job_settings,
+  Group(std::string job, std::string name, FlatLayout layout, Placement placement, JobSettings job_settings,
         std::unique_ptr<ShardCompute> compute, ShardBuffer params, ShardBuffer grad,
         ShardOptimizer optimizer);
 
@@ -220,6 +243,13 @@ class Group {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDeviceTier(absl::string_view what) const;
   absl::Status ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hybrid: this replica's contributions, summed in worker-rank order into its partial.
+  absl::Status ReduceOwnPartial() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hybrid: counts one more partial; the last adds all R into grad_ and goes on with the
+  // step (clipping or optimizer).
+  absl::StatusOr<CommitOutcome> PartialArrived() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After the reduction into grad_: kReduced for a clipped job, else the optimizer step.
+  absl::StatusOr<CommitOutcome> FinishReduction() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Zeroes grad_ at the shard's padding, whatever the workers sent there: padding never
   // counts in norms or optimizer results (DESIGN.md, flat layout rule 5).
   absl::Status ZeroGradientPadding() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -239,8 +269,9 @@ class Group {
   const std::string job_;
   const std::string name_;
   const FlatLayout layout_;
-  const int rank_;
+  const Placement placement_;
   const JobSettings job_settings_;
+  const int replica_workers_;  // contributions per step here: W, or this replica's share
   const std::vector<std::pair<int64_t, int64_t>> padding_runs_;  // {offset, count} in the shard
 
   mutable absl::Mutex mu_;
@@ -262,6 +293,12 @@ class Group {
   std::vector<const void*> slot_data_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<SnapshotPool> snapshot_pool_;
   int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
+  // Hybrid: one fp32 partial per replica group (this one's summed here, the others
+  // received); a slot in kReceiving is written without the lock by its one receiver.
+  // This replica's slot is kReceiving from its sum until CommitOwnPartial.
+  std::vector<SlotState> partial_states_ ABSL_GUARDED_BY(mu_);
+  std::vector<ShardBuffer> partials_;
+  int partials_ready_ ABSL_GUARDED_BY(mu_) = 0;
   int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_

@@ -18,8 +18,8 @@ struct IpcPlane::Mappings {
 struct IpcPlane::Mappings {};
 #endif
 
-IpcPlane::IpcPlane(Registry& registry, ClipCoordinator& clip, ServerStats& stats)
-    : registry_(registry), clip_(clip), stats_(stats) {}
+IpcPlane::IpcPlane(Registry& registry, ReplicaExchange& exchange, ServerStats& stats)
+    : registry_(registry), exchange_(exchange), stats_(stats) {}
 IpcPlane::~IpcPlane() = default;
 
 absl::Status IpcPlane::Start(MemoryTier tier) {
@@ -93,9 +93,7 @@ absl::StatusOr<int64_t> IpcPlane::Scatter(const transport::Request& request,
     ++stats_.scatters;
     ++stats_.ipc_scatters;
     stats_.bytes_received += static_cast<int64_t>(target.bytes);
-    if (outcome == CommitOutcome::kReduced) {
-      FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(request.job, request.version));
-    }
+    FLATSHARD_RETURN_IF_ERROR(exchange_.Continue(*r.group, request.version, outcome));
     return r.group->version();
   }
 #endif

@@ -3,7 +3,7 @@
 // the same GPU as this --memory=device server. It maps the worker's
 // exported buffer (cached per allocation) and has the group write the gathered shard
 // into it, or copy the gradient out of it into a device staging slot, before the call
-// returns. Exactly-once, versions, deadlines and clipping as on the TCP data plane.
+// returns. Exactly-once, versions, deadlines, clipping and hybrid sharding as on the TCP data plane.
 // In a build without CUDA, or on a server whose memory is not the device, every call is
 // FailedPrecondition. Thread-safe.
 #ifndef FLATSHARD_SERVER_IPC_PLANE_H_
@@ -13,7 +13,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/clip_coordinator.h"
+#include "server/replica_exchange.h"
 #include "server/registry.h"
 #include "server/stats.h"
 #include "transport/data_protocol.h"
@@ -22,7 +22,7 @@ namespace flatshard::server {
 
 class IpcPlane {
  public:
-  IpcPlane(Registry& registry, ClipCoordinator& clip, ServerStats& stats);
+  IpcPlane(Registry& registry, ReplicaExchange& exchange, ServerStats& stats);
   ~IpcPlane();
 
   // "GPU-..." of the device holding this server's shards, empty when the server does not
@@ -44,7 +44,7 @@ class IpcPlane {
   struct Mappings;  // kernels::cuda::IpcMappings, in CUDA builds
 
   Registry& registry_;
-  ClipCoordinator& clip_;
+  ReplicaExchange& exchange_;
   ServerStats& stats_;
   std::string gpu_uuid_;
   std::unique_ptr<Mappings> mappings_;

@@ -107,9 +107,9 @@ struct NcclPlane::State {};
 class NcclPlane::Transfer {};
 #endif
 
-NcclPlane::NcclPlane(Registry& registry, ClipCoordinator& clip, ServerStats& stats,
+NcclPlane::NcclPlane(Registry& registry, ReplicaExchange& exchange, ServerStats& stats,
                      absl::Duration timeout)
-    : registry_(registry), clip_(clip), stats_(stats), timeout_(timeout) {}
+    : registry_(registry), exchange_(exchange), stats_(stats), timeout_(timeout) {}
 
 NcclPlane::~NcclPlane() = default;
 
@@ -276,9 +276,7 @@ absl::StatusOr<int64_t> NcclPlane::Finish(const std::shared_ptr<Transfer>& trans
   FLATSHARD_ASSIGN_OR_RETURN(CommitOutcome outcome, transfer->group().CommitScatter(slot));
   ++stats_.scatters;
   ++stats_.nccl_scatters;
-  if (outcome == CommitOutcome::kReduced) {
-    FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(request.job, request.version));
-  }
+  FLATSHARD_RETURN_IF_ERROR(exchange_.Continue(transfer->group(), request.version, outcome));
   return transfer->group().version();
 #else
   (void)transfer;

@@ -12,7 +12,7 @@
 //
 // A gather stages the shard in the gather dtype (the version stays whole while it is
 // sent) and sends it; a scatter receives into the worker's device staging slot and
-// commits it (exactly-once, versions and clipping as on the other planes). Each channel
+// commits it (exactly-once, versions, clipping and hybrid sharding as on the other planes). Each channel
 // has its own CUDA stream and moves one transfer at a time, in request order. A
 // transfer that fails or outlasts `timeout` (a dead worker) aborts that channel's
 // communicator and closes the channel; the worker opens another, and every other
@@ -28,7 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/clip_coordinator.h"
+#include "server/replica_exchange.h"
 #include "server/registry.h"
 #include "server/shard_compute.h"
 #include "server/stats.h"
@@ -39,7 +39,7 @@ namespace flatshard::server {
 class NcclPlane {
  public:
   // `timeout` bounds a channel's join and each transfer's wait for the worker.
-  NcclPlane(Registry& registry, ClipCoordinator& clip, ServerStats& stats, absl::Duration timeout);
+  NcclPlane(Registry& registry, ReplicaExchange& exchange, ServerStats& stats, absl::Duration timeout);
   ~NcclPlane();  // closes every channel
 
   // Turns the plane on when `tier` is the device and NCCL loads; otherwise it stays off
@@ -67,7 +67,7 @@ class NcclPlane {
   struct State;  // channels, in CUDA builds
 
   Registry& registry_;
-  ClipCoordinator& clip_;
+  ReplicaExchange& exchange_;
   ServerStats& stats_;
   const absl::Duration timeout_;
   std::string version_;

@@ -112,6 +112,25 @@ PeerClient::PeerClient(std::vector<std::string> cluster, int rank, std::string t
   }
 }
 
+// Calls `call(ctx)` until it succeeds, fails otherwise than by being unreachable, or
+// `give_up_after` passes: a peer still starting or restarting is waited for.
+template <typename Call>
+absl::Status PeerClient::Retried(int peer, Call call) {
+  const absl::Time give_up = absl::Now() + give_up_after_;
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Seconds(5))));
+    ctx.set_wait_for_ready(true);  // a peer still starting: wait for it, not for a backoff
+    if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
+    const grpc::Status status = call(ctx);
+    if (status.ok()) return absl::OkStatus();
+    const bool retry = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                       status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (!retry || absl::Now() >= give_up) return FromGrpc(status, cluster_[peer]);
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
 absl::Status PeerClient::SendNormPartial(int peer, const std::string& job, int64_t step,
                                          double partial) {
   v1::PushNormPartialRequest request;
@@ -119,20 +138,19 @@ absl::Status PeerClient::SendNormPartial(int peer, const std::string& job, int64
   request.set_step(step);
   request.set_rank(rank_);
   request.set_partial(partial);
-  const absl::Time give_up = absl::Now() + give_up_after_;
-  while (true) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Seconds(5))));
-    ctx.set_wait_for_ready(true);  // a peer still starting: wait for it, not for a backoff
-    if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
-    v1::PushNormPartialResponse response;
-    const grpc::Status status = stubs_[peer]->PushNormPartial(&ctx, request, &response);
-    if (status.ok()) return absl::OkStatus();
-    const bool retry = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                       status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-    if (!retry || absl::Now() >= give_up) return FromGrpc(status, cluster_[peer]);
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  v1::PushNormPartialResponse response;
+  return Retried(peer, [&](grpc::ClientContext& ctx) {
+    return stubs_[peer]->PushNormPartial(&ctx, request, &response);
+  });
+}
+
+absl::StatusOr<PeerClient::Session> PeerClient::OpenSession(int peer) {
+  const v1::OpenSessionRequest request;
+  v1::OpenSessionResponse response;
+  FLATSHARD_RETURN_IF_ERROR(Retried(peer, [&](grpc::ClientContext& ctx) {
+    return stubs_[peer]->OpenSession(&ctx, request, &response);
+  }));
+  return Session{response.session_token(), response.data_address()};
 }
 
 absl::Status PeerClient::CheckAgreement(int peer, absl::Duration timeout) {

@@ -1,5 +1,6 @@
 // PeerClient: this server's gRPC client to the other servers of the cluster, for what
-// needs agreement between them (the gradient norm of a clipped job) and for checkpoints
+// needs agreement between them (the gradient norm of a clipped job, data sessions for
+// the gradient exchange of a hybrid-sharded one) and for checkpoints
 // kept in server 0's root when the servers' roots differ (streaming a part of a save
 // there, reading byte ranges back for a load). Channels are made once; calls carry the
 // cluster token. Thread-safe.
@@ -66,6 +67,13 @@ class PeerClient {
   [[nodiscard]] absl::Status SendNormPartial(int peer, const std::string& job, int64_t step,
                                              double partial);
 
+  // A data-plane session on `peer` (OpenSession), retried as SendNormPartial is.
+  struct Session {
+    std::string token;
+    std::string data_address;
+  };
+  [[nodiscard]] absl::StatusOr<Session> OpenSession(int peer);
+
   // Asks `peer` for its view of the cluster (one try, `timeout`). FailedPrecondition
   // naming the difference if it reports another list or another rank; Unavailable (or
   // the RPC's error) if it does not answer.
@@ -96,6 +104,8 @@ class PeerClient {
 
   // OK once the channel to `peer` is connected; Unavailable after 10 s.
   absl::Status Reach(int peer);
+  template <typename Call>
+  absl::Status Retried(int peer, Call call);
 
   // Streams [offset, offset + length) (length 0: to the end) to `deliver`, chunk by chunk.
   absl::Status ReadRange(int peer, const std::string& name, const std::string& file, uint64_t offset,

@@ -24,13 +24,30 @@ absl::Status Registry::ConfigureJob(const std::string& job, const JobSettings& s
     return absl::InvalidArgumentError(
         "max_grad_norm: gradient clipping needs sync mode (a global norm per step)");
   }
+  if (settings.replicas < 1 || num_servers_ % settings.replicas != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replicas: ", settings.replicas, " does not divide the cluster's ", num_servers_,
+        " servers into equal replica groups"));
+  }
+  if (settings.hybrid() && settings.num_workers < settings.replicas) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replicas: ", settings.replicas, " replica groups for ", settings.num_workers,
+        " workers; every replica group needs a worker (worker w belongs to replica w % ",
+        settings.replicas, ")"));
+  }
+  if (settings.hybrid() && settings.async) {
+    return absl::InvalidArgumentError(
+        "replicas: hybrid sharding needs sync mode (replicas applying contributions as they "
+        "arrive would drift apart)");
+  }
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = jobs_.emplace(job, settings);
   if (!inserted && !(it->second == settings)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job '", job, "' is already configured differently (num_workers ", it->second.num_workers,
         ", reduce ", it->second.reduce_mean ? "mean" : "sum", ", max_grad_norm ",
-        it->second.max_grad_norm, ", ", it->second.async ? "async" : "sync",
+        it->second.max_grad_norm, ", ", it->second.async ? "async" : "sync", ", replicas ",
+        it->second.replicas,
         "); every worker must send the same settings"));
   }
   return absl::OkStatus();
@@ -43,14 +60,15 @@ absl::StatusOr<Registry::Registration> Registry::RegisterGroup(const std::string
                                                                const OptimizerConfig& optimizer) {
   if (name.empty()) return absl::InvalidArgumentError("group: empty name");
   FLATSHARD_RETURN_IF_ERROR(ValidateOptimizer(optimizer));
-  FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
-                             FlatLayout::Create(std::move(tensors), align, num_servers_));
-  absl::MutexLock lock(&mu_);
-  const auto job_it = jobs_.find(job);
-  if (job_it == jobs_.end()) {
+  const absl::StatusOr<JobSettings> settings = job_settings(job);
+  if (!settings.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("job '", job, "' is not configured; call ConfigureJob first"));
   }
+  const Placement placement = Placement::Of(rank_, num_servers_, settings->replicas);
+  FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
+                             FlatLayout::Create(std::move(tensors), align, placement.shards));
+  absl::MutexLock lock(&mu_);
   auto& slot = groups_[{job, name}];
   if (slot != nullptr) {
     if (!slot->SameSpec(layout, optimizer)) {
@@ -61,7 +79,7 @@ absl::StatusOr<Registry::Registration> Registry::RegisterGroup(const std::string
     return Registration{slot, false};
   }
   absl::StatusOr<std::shared_ptr<Group>> group =
-      Group::Create(job, name, std::move(layout), rank_, job_it->second, optimizer, tier_, pool_);
+      Group::Create(job, name, std::move(layout), placement, *settings, optimizer, tier_, pool_);
   if (!group.ok()) {
     groups_.erase({job, name});
     return group.status();
@@ -94,6 +112,11 @@ absl::StatusOr<JobSettings> Registry::job_settings(const std::string& job) const
   const auto it = jobs_.find(job);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("unknown job '", job, "'"));
   return it->second;
+}
+
+absl::StatusOr<Placement> Registry::job_placement(const std::string& job) const {
+  FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, job_settings(job));
+  return Placement::Of(rank_, num_servers_, settings.replicas);
 }
 
 std::vector<std::shared_ptr<Group>> Registry::groups() const {

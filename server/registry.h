@@ -56,7 +56,10 @@ class Registry {
   std::vector<std::shared_ptr<Group>> job_groups(const std::string& job) const;
   // NotFound if the job is not configured.
   [[nodiscard]] absl::StatusOr<JobSettings> job_settings(const std::string& job) const;
+  // This server's shard and replica group in `job` (server/job.h); NotFound as above.
+  [[nodiscard]] absl::StatusOr<Placement> job_placement(const std::string& job) const;
   int rank() const { return rank_; }
+  int num_servers() const { return num_servers_; }
 
  private:
   const int rank_;

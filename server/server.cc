@@ -8,9 +8,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::server {
+namespace {
+
+// How long a hybrid-sharded job's partial waits for the peer replica to reach its step.
+constexpr absl::Duration kReplicaExchangeTimeout = absl::Seconds(30);
+
+}  // namespace
 
 absl::Status ValidateServerOptions(const ServerOptions& options) {
   std::string host;
@@ -58,10 +65,18 @@ Server::Server(ServerOptions options)
             [this](int peer, const std::string& job, int64_t step, double partial) {
               return peers_.SendNormPartial(peer, job, step, partial);
             }),
+      exchange_(static_cast<int>(options_.cluster.size()), clip_,
+                [this](int peer) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
+                  FLATSHARD_ASSIGN_OR_RETURN(const PeerClient::Session session, peers_.OpenSession(peer));
+                  // The peer may wait up to kReplicaExchangeTimeout before it answers.
+                  return transport::OpenDataConnection(session.data_address, session.token,
+                                                       kReplicaExchangeTimeout + absl::Seconds(10));
+                },
+                kReplicaExchangeTimeout),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
                    options_.checkpoint_root, options_.max_file_bytes, &peers_),
-      ipc_(registry_, clip_, stats_),
-      nccl_(registry_, clip_, stats_, options_.nccl_timeout) {}
+      ipc_(registry_, exchange_, stats_),
+      nccl_(registry_, exchange_, stats_, options_.nccl_timeout) {}
 
 Server::~Server() { Shutdown(); }
 
@@ -79,7 +94,7 @@ absl::Status Server::Start() {
   }
   FLATSHARD_RETURN_IF_ERROR(ipc_.Start(memory_tier()));
   FLATSHARD_RETURN_IF_ERROR(nccl_.Start(memory_tier()));
-  data_ = std::make_unique<DataServer>(registry_, clip_, ipc_, nccl_, sessions_, stats_, options_.data);
+  data_ = std::make_unique<DataServer>(registry_, exchange_, ipc_, nccl_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
 
   ServiceIdentity identity{.rank = options_.rank,

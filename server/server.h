@@ -20,6 +20,7 @@
 #include "server/auth.h"
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
+#include "server/replica_exchange.h"
 #include "server/data_server.h"
 #include "server/ipc_plane.h"
 #include "server/nccl_plane.h"
@@ -81,6 +82,7 @@ class Server {
   Registry registry_;
   PeerClient peers_;
   ClipCoordinator clip_;
+  ReplicaExchange exchange_;
   CheckpointStore checkpoints_;
   SessionTokens sessions_;
   ServerStats stats_;

@@ -163,7 +163,8 @@ grpc::Status FlatshardService::ConfigureJob(grpc::ServerContext* ctx,
                              .max_grad_norm = proto.max_grad_norm(),
                              .norm_type = proto.norm_type() == 0 ? 2.0 : proto.norm_type(),
                              .async = proto.mode() == v1::JobSettings::ASYNC,
-                             .max_staleness = proto.has_max_staleness() ? proto.max_staleness() : -1};
+                             .max_staleness = proto.has_max_staleness() ? proto.max_staleness() : -1,
+                             .replicas = proto.replicas() == 0 ? 1 : proto.replicas()};
   return ToGrpc(registry_.ConfigureJob(request->job(), settings));
 }
 
@@ -183,6 +184,7 @@ grpc::Status FlatshardService::RegisterGroup(grpc::ServerContext* ctx,
   response->set_shard_numel(group.shard_numel());
   response->set_version(group.version());
   response->set_created(registration->created);
+  response->set_replicas(group.placement().replicas);
   return grpc::Status::OK;
 }
 
@@ -368,6 +370,8 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
     proto->set_bytes(stats.bytes);
     proto->set_optimizer(group->optimizer_name());
     proto->set_pending_contributions(stats.pending_contributions);
+    proto->set_shard(group->placement().shard);
+    proto->set_replica(group->placement().replica);
   }
   response->set_bytes_received(stats_.bytes_received.load());
   response->set_bytes_sent(stats_.bytes_sent.load());

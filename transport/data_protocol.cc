@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::transport {
 namespace {
@@ -51,7 +52,7 @@ absl::StatusOr<Request> RecvRequest(Connection& conn) {
         absl::StrCat("bad frame: magic 0x", absl::Hex(header.magic), " is not a flatshard request"));
   }
   if (header.op < static_cast<uint8_t>(DataOp::kHello) ||
-      header.op > static_cast<uint8_t>(DataOp::kGatherRange)) {
+      header.op > static_cast<uint8_t>(DataOp::kReplicaPartial)) {
     return absl::InvalidArgumentError(absl::StrCat("bad frame: unknown op ", header.op));
   }
   if (header.dtype > static_cast<uint8_t>(DType::kFloat16)) {
@@ -109,6 +110,25 @@ absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> pa
   }
   if (header.payload_bytes != 0) FLATSHARD_RETURN_IF_ERROR(conn.Recv(payload_dest));
   return Response{absl::OkStatus(), header.version};
+}
+
+absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(absl::string_view data_address,
+                                                               absl::string_view session_token,
+                                                               absl::Duration timeout) {
+  std::string host;
+  int port = 0;
+  FLATSHARD_RETURN_IF_ERROR(SplitHostPort(data_address, host, port));
+  FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, ConnectTcp(host, port, timeout));
+  FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(timeout));
+  RequestHeader hello;
+  hello.op = static_cast<uint8_t>(DataOp::kHello);
+  FLATSHARD_RETURN_IF_ERROR(SendRequest(
+      *conn, hello, "", "",
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(session_token.data()),
+                          session_token.size())));
+  FLATSHARD_ASSIGN_OR_RETURN(Response response, RecvResponse(*conn, {}));
+  FLATSHARD_RETURN_IF_ERROR(response.status);
+  return conn;
 }
 
 absl::Status DrainPayload(Connection& conn, int64_t bytes) {

@@ -17,6 +17,7 @@
 #define FLATSHARD_TRANSPORT_DATA_PROTOCOL_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -47,6 +48,11 @@ enum class DataOp : uint8_t {
   // `dtype` at a version >= min_version (the ranges of one gather may see different
   // versions when the group steps meanwhile; the client checks).
   kGatherRange = 9,  // version = min_version
+  // Server to server, hybrid sharding: a replica group's partial sum of the gradient for
+  // the receiver's shard. version = step, worker_rank = the sender's replica group;
+  // payload: the partial in float32. The receiver waits (timeout_ms) until it reaches
+  // that step.
+  kReplicaPartial = 10,
 };
 
 inline constexpr uint32_t kRequestMagic = 0x31445346;   // "FSD1"
@@ -147,6 +153,12 @@ struct Response {
 // DataLoss for a malformed response); the server's own verdict is Response::status.
 [[nodiscard]] absl::StatusOr<Response> RecvResponse(Connection& conn,
                                                     absl::Span<std::byte> payload_dest);
+
+// Connects to the data plane at `data_address` ("host:port", from OpenSession) and
+// presents `session_token` (kHello); every later Send/Recv times out after `timeout`.
+// Errors: transport errors, or the server's refusal of the token.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(
+    absl::string_view data_address, absl::string_view session_token, absl::Duration timeout);
 
 // Reads and throws away `bytes` bytes (a refused request's payload), in bounded chunks.
 // InvalidArgument for a negative count; transport errors as Connection::Recv returns them.

@@ -231,15 +231,20 @@ class Client:
         self._optimizers = {}
 
     def configure_job(self, mode="sync", reduce="mean", max_grad_norm=None, norm_type=2.0,
-                      max_staleness=None):
-        """Job settings, identical from every worker (idempotent)."""
+                      max_staleness=None, replicas=1):
+        """Job settings, identical from every worker (idempotent).
+
+        replicas > 1: hybrid sharding (FSDP's HYBRID_SHARD). The servers form `replicas`
+        replica groups of consecutive ranks; groups are sharded inside one and replicated
+        across them; worker w gathers from and scatters to replica group w % replicas."""
         if mode not in ("sync", "async"):
             raise InvalidArgumentError(f"mode {mode!r}: expected 'sync' or 'async'")
         if reduce not in ("mean", "sum"):
             raise InvalidArgumentError(f"reduce {reduce!r}: expected 'mean' or 'sum'")
         self._native.configure_job(mode == "async", reduce == "mean", float(max_grad_norm or 0.0),
                                    float(norm_type),
-                                   -1 if max_staleness is None else int(max_staleness))
+                                   -1 if max_staleness is None else int(max_staleness),
+                                   int(replicas))
 
     def register_group(self, name, tensors, optimizer, align=0):
         """Registers (or finds the identical) group: tensors = [(name, shape, dtype), ...]."""

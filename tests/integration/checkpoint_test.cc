@@ -36,11 +36,15 @@ struct Trainer {
   const FlatLayout* big = nullptr;
   const FlatLayout* tiny = nullptr;
 
-  explicit Trainer(const testing::TestCluster& cluster) {
-    auto connected = cluster.Connect(0, 1);
+  int worker = 0;
+
+  explicit Trainer(const testing::TestCluster& cluster, int worker_rank = 0, int num_workers = 1,
+                   const JobOptions& job = {})
+      : worker(worker_rank) {
+    auto connected = cluster.Connect(worker_rank, num_workers);
     EXPECT_TRUE(connected.ok()) << connected.status();
     client = std::move(*connected);
-    EXPECT_TRUE(client->ConfigureJob({}).ok());
+    EXPECT_TRUE(client->ConfigureJob(job).ok());
     big = *client->RegisterGroup("big", kTensors, 4, kAdam);
     tiny = *client->RegisterGroup("tiny", kTiny, 0, SgdOptions{.lr = 0.1, .momentum = 0.9});
   }
@@ -50,7 +54,8 @@ struct Trainer {
       std::vector<float> grad(layout->padded_numel(), 0.0f);
       for (const TensorPiece& piece : layout->MapRange(0, layout->padded_numel())) {
         for (int64_t k = 0; k < piece.numel; ++k) {
-          grad[piece.flat_offset + k] = std::cos(0.3f * static_cast<float>(piece.flat_offset + k) + static_cast<float>(step));
+          grad[piece.flat_offset + k] =
+              std::cos(0.3f * static_cast<float>(piece.flat_offset + k) + static_cast<float>(step + 7 * worker));
         }
       }
       ASSERT_TRUE(client->Scatter(name, step, DType::kFloat32, AsBytes(grad)).get().ok());
@@ -124,6 +129,80 @@ TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
 // initialized and gathered like any group, refuses gradients with a precise status while
 // the job's other groups train on, and round-trips through a checkpoint with optimizer
 // state (it has none) into a fresh cluster.
+// Whole files, for comparing two checkpoints' bytes.
+std::string ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// HYBRID_SHARD: 4 servers in 2 replica groups of 2, one worker in each. Replica group 0
+// writes the checkpoints, which are those of a cluster of 2: every kind loads into a
+// plain cluster of 2, a load into the hybrid cluster fills both replica groups, and an
+// export reads one replica group.
+TEST(CheckpointIntegrationTest, HybridShardedJobCheckpointsAreThoseOfOneReplicaGroup) {
+  const std::string root = FreshDir("ckpt-hybrid");
+  testing::TestCluster four(4, "tok", ::testing::TempDir(), root);
+  const JobOptions hybrid{.replicas = 2};
+  Trainer first(four, 0, 2, hybrid), second(four, 1, 2, hybrid);
+  ASSERT_EQ(first.big->num_shards(), 2);
+  ASSERT_TRUE(first.client->InitGroupFromSeed("big", 5).ok());
+  ASSERT_TRUE(first.client->InitGroupFromSeed("tiny", 5).ok());
+  auto step = [&](int64_t s) {
+    first.Step(s);
+    second.Step(s);
+  };
+  for (int64_t s = 0; s < 3; ++s) step(s);
+  const std::vector<float> big = first.Params("big", first.big, 3);
+  const std::vector<float> tiny = first.Params("tiny", first.tiny, 3);
+  ASSERT_EQ(second.Params("big", second.big, 3), big) << "replica groups diverged";
+
+  for (auto [name, kind] : {std::pair{"h-full", CheckpointKind::kFull}, std::pair{"h-sharded", CheckpointKind::kSharded},
+                            std::pair{"h-local", CheckpointKind::kLocal}}) {
+    const absl::Status saved = second.client->SaveCheckpoint(name, kind, true);
+    ASSERT_TRUE(saved.ok()) << name << ": " << saved;
+  }
+  const absl::StatusOr<std::vector<CheckpointEntry>> entries = first.client->ListCheckpoints();
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  ASSERT_EQ(entries->size(), 3u);
+  for (const CheckpointEntry& entry : *entries) {
+    EXPECT_TRUE(entry.complete) << entry.name;
+    EXPECT_EQ(entry.servers, 2) << entry.name;
+  }
+  EXPECT_TRUE(std::filesystem::exists(root + "/h-sharded/shard-1.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(root + "/h-sharded/shard-2.safetensors"));
+  const std::string exported = FreshDir("export-hybrid");
+  ASSERT_TRUE(second.client->ExportStateDict(exported, CheckpointKind::kFull, true).ok());
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+    EXPECT_EQ(ReadWholeFile(exported + "/" + file), ReadWholeFile(root + "/h-full/" + file)) << file;
+  }
+
+  {
+    testing::TestCluster two(2, "tok", ::testing::TempDir(), root);
+    for (const char* name : {"h-full", "h-sharded", "h-local"}) {
+      Trainer plain(two);
+      const absl::Status loaded = plain.client->LoadCheckpoint(name);
+      ASSERT_TRUE(loaded.ok()) << name << ": " << loaded;
+      EXPECT_EQ(plain.Params("big", plain.big, 3), big) << name;
+      EXPECT_EQ(plain.Params("tiny", plain.tiny, 3), tiny) << name;
+    }
+  }
+
+  // Trained on, then loaded back: both replica groups return to step 3 and train on
+  // together.
+  for (int64_t s = 3; s < 5; ++s) step(s);
+  ASSERT_NE(first.Params("big", first.big, 5), big);
+  for (const char* name : {"h-local", "h-sharded"}) {
+    const absl::Status loaded = first.client->LoadCheckpoint(name);
+    ASSERT_TRUE(loaded.ok()) << name << ": " << loaded;
+    EXPECT_EQ(first.Params("big", first.big, 3), big) << name;
+    EXPECT_EQ(second.Params("big", second.big, 3), big) << name;
+    EXPECT_EQ(second.Params("tiny", second.tiny, 3), tiny) << name;
+  }
+  step(3);
+  EXPECT_EQ(first.Params("big", first.big, 4), second.Params("big", second.big, 4));
+  EXPECT_NE(first.Params("big", first.big, 4), big);
+}
+
 TEST(CheckpointIntegrationTest, AFrozenGroupRefusesGradientsAndRoundTrips) {
   const std::string root = FreshDir("ckpt-frozen");
   std::vector<float> frozen_values(42);

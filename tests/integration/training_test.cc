@@ -1,7 +1,7 @@
 // 3 server processes x 2 worker threads train several groups (one smaller than the server
 // count, so some shards hold only padding) for 20 steps with mixed gather and scatter
 // dtypes. The parameters must equal a single-process computation of the same math
-// bit for bit.
+// bit for bit. Hybrid sharding: 4 servers in 2 replica groups, 4 workers, the same.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -30,7 +30,7 @@
 namespace flatshard {
 namespace {
 
-constexpr int kWorkers = 2;
+constexpr int kWorkers = 2;  // unless a test says otherwise
 constexpr int kSteps = 20;
 
 struct GroupCase {
@@ -38,7 +38,7 @@ struct GroupCase {
   std::vector<TensorSpec> tensors;
   int64_t align;
   OptimizerOptions optimizer;
-  DType scatter_dtype[kWorkers];  // per worker
+  DType scatter_dtype[2];  // by worker rank % 2
   DType gather_dtype;
 };
 
@@ -96,10 +96,12 @@ std::vector<float> InitialValues(const FlatLayout& layout) {
 // The same math in one process: reduce in worker order, mean, optional clipping with
 // the norm combined exactly as the servers do (per server: its shards in group-name
 // order; then the servers in rank order), optimizer on the whole flat buffer
-// (elementwise, so sharding cannot change a bit).
+// (elementwise, so sharding cannot change a bit). With replica groups (hybrid sharding),
+// each replica group's workers are summed in rank order, then the replica groups'
+// partials in replica order, and the norm is one replica group's.
 std::vector<std::vector<float>> Reference(const std::vector<GroupCase>& cases,
                                           const std::vector<const FlatLayout*>& layouts,
-                                          const JobOptions& job, int num_servers) {
+                                          const JobOptions& job, int workers) {
   struct State {
     std::vector<float> params, m, v, v_max, grad;
   };
@@ -116,22 +118,29 @@ std::vector<std::vector<float>> Reference(const std::vector<GroupCase>& cases,
   for (int step = 0; step < kSteps; ++step) {
     for (size_t g = 0; g < cases.size(); ++g) {
       std::vector<float>& grad = states[g].grad;
-      for (int w = 0; w < kWorkers; ++w) {
-        const std::vector<std::byte> bytes =
-            Encode(Gradient(*layouts[g], static_cast<int>(g), step, w), cases[g].scatter_dtype[w]);
-        if (w == 0) {
-          EXPECT_TRUE(kernels::cpu::Cast(cases[g].scatter_dtype[w], bytes.data(), DType::kFloat32,
-                                         grad.data(), grad.size()).ok());
+      std::vector<float> partial(grad.size());
+      for (int replica = 0; replica < job.replicas; ++replica) {
+        for (int w = replica; w < workers; w += job.replicas) {
+          const DType dtype = cases[g].scatter_dtype[w % 2];
+          const std::vector<std::byte> bytes = Encode(Gradient(*layouts[g], static_cast<int>(g), step, w), dtype);
+          if (w == replica) {
+            EXPECT_TRUE(kernels::cpu::Cast(dtype, bytes.data(), DType::kFloat32, partial.data(), partial.size()).ok());
+          } else {
+            EXPECT_TRUE(kernels::cpu::Accumulate(dtype, bytes.data(), absl::MakeSpan(partial)).ok());
+          }
+        }
+        if (replica == 0) {
+          grad = partial;
         } else {
-          EXPECT_TRUE(kernels::cpu::Accumulate(cases[g].scatter_dtype[w], bytes.data(), absl::MakeSpan(grad)).ok());
+          EXPECT_TRUE(kernels::cpu::Accumulate(DType::kFloat32, partial.data(), absl::MakeSpan(grad)).ok());
         }
       }
-      kernels::cpu::Scale(absl::MakeSpan(grad), 1.0f / kWorkers);
+      kernels::cpu::Scale(absl::MakeSpan(grad), 1.0f / static_cast<float>(workers));
     }
     if (job.max_grad_norm > 0) {
       const bool inf_norm = std::isinf(job.norm_type);
       double combined = 0.0;
-      for (int rank = 0; rank < num_servers; ++rank) {
+      for (int rank = 0; rank < layouts[0]->num_shards(); ++rank) {
         double partial = 0.0;
         for (size_t g : name_order) {
           const int64_t shard = layouts[g]->shard_numel();
@@ -208,9 +217,9 @@ class DeviceBytes {
   size_t size_;
 };
 
-void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<GroupCase>& cases,
+void RunWorker(const testing::TestCluster& cluster, int rank, int workers, const std::vector<GroupCase>& cases,
                bool device_buffers, DevicePlane plane) {
-  auto client = cluster.Connect(rank, kWorkers, "test", plane);
+  auto client = cluster.Connect(rank, workers, "test", plane);
   ASSERT_TRUE(client.ok()) << client.status();
   std::vector<const FlatLayout*> layouts;
   for (const GroupCase& c : cases) {
@@ -222,14 +231,14 @@ void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<
     for (size_t g = 0; g < cases.size(); ++g) {
       std::vector<std::byte> params(layouts[g]->padded_numel() * DTypeSize(cases[g].gather_dtype));
       const std::vector<std::byte> grad =
-          Encode(Gradient(*layouts[g], static_cast<int>(g), step, rank), cases[g].scatter_dtype[rank]);
+          Encode(Gradient(*layouts[g], static_cast<int>(g), step, rank), cases[g].scatter_dtype[rank % 2]);
       if (device_buffers) {
         DeviceBytes device_params(params.size()), device_grad(grad.size());
         auto version = (*client)->Gather(cases[g].name, step, cases[g].gather_dtype, device_params.span()).get();
         ASSERT_TRUE(version.ok()) << version.status();
         ASSERT_GE(*version, step);
         device_grad.Upload(grad);
-        const absl::Status sent = (*client)->Scatter(cases[g].name, step, cases[g].scatter_dtype[rank],
+        const absl::Status sent = (*client)->Scatter(cases[g].name, step, cases[g].scatter_dtype[rank % 2],
                                                      device_grad.span()).get();
         ASSERT_TRUE(sent.ok()) << sent;
         continue;
@@ -237,7 +246,7 @@ void RunWorker(const testing::TestCluster& cluster, int rank, const std::vector<
       auto version = (*client)->Gather(cases[g].name, step, cases[g].gather_dtype, absl::MakeSpan(params)).get();
       ASSERT_TRUE(version.ok()) << version.status();
       ASSERT_GE(*version, step);
-      const absl::Status sent = (*client)->Scatter(cases[g].name, step, cases[g].scatter_dtype[rank],
+      const absl::Status sent = (*client)->Scatter(cases[g].name, step, cases[g].scatter_dtype[rank % 2],
                                                    absl::MakeConstSpan(grad)).get();
       ASSERT_TRUE(sent.ok()) << sent;
     }
@@ -259,14 +268,15 @@ constexpr char kNcclWorkers[] = "flatshard-test-workers";
 // from GPU buffers, over `plane` where the servers keep their shards on the GPU.
 void TrainAndCompare(const JobOptions& job,
                      const std::vector<std::string>& memory = {"host", "host", "host"},
-                     bool device_buffers = false, DevicePlane plane = DevicePlane::kAuto) {
+                     bool device_buffers = false, DevicePlane plane = DevicePlane::kAuto,
+                     int workers = kWorkers) {
   std::vector<std::vector<std::string>> args;
   for (const std::string& tier : memory) args.push_back({"--memory=" + tier});
   if (plane == DevicePlane::kNccl) SetNcclHost(kNcclServers);
-  testing::TestCluster cluster(3, "s3cret-token", ::testing::TempDir(), "", args);
+  testing::TestCluster cluster(static_cast<int>(memory.size()), "s3cret-token", ::testing::TempDir(), "", args);
   if (plane == DevicePlane::kNccl) SetNcclHost(kNcclWorkers);
   const std::vector<GroupCase> cases = Cases();
-  auto setup = cluster.Connect(0, kWorkers, "test", plane);
+  auto setup = cluster.Connect(0, workers, "test", plane);
   ASSERT_TRUE(setup.ok()) << setup.status();
   ASSERT_TRUE((*setup)->ConfigureJob(job).ok());
   std::vector<const FlatLayout*> layouts;
@@ -276,17 +286,18 @@ void TrainAndCompare(const JobOptions& job,
     ASSERT_TRUE((*setup)->InitGroup(c.name, InitialValues(**layout)).ok());
     layouts.push_back(*layout);
   }
-  EXPECT_EQ(layouts[1]->shard_numel(), 1);  // "tiny": server 2 holds padding only
+  ASSERT_EQ(layouts[1]->num_shards(), 3);  // 3 servers, or replica groups of 3
+  EXPECT_EQ(layouts[1]->shard_numel(), 1);  // "tiny": shard 2 holds padding only
   EXPECT_EQ(layouts[1]->shard_padding(2), 1);
 
-  std::vector<std::thread> workers;
-  for (int rank = 0; rank < kWorkers; ++rank) {
-    workers.emplace_back([&, rank] { RunWorker(cluster, rank, cases, device_buffers, plane); });
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < workers; ++rank) {
+    threads.emplace_back([&, rank] { RunWorker(cluster, rank, workers, cases, device_buffers, plane); });
   }
-  for (std::thread& worker : workers) worker.join();
+  for (std::thread& thread : threads) thread.join();
   if (::testing::Test::HasFatalFailure()) return;
 
-  const std::vector<std::vector<float>> reference = Reference(cases, layouts, job, 3);
+  const std::vector<std::vector<float>> reference = Reference(cases, layouts, job, workers);
   for (size_t g = 0; g < cases.size(); ++g) {
     ASSERT_EQ(*(*setup)->WaitVersion(cases[g].name, kSteps), kSteps);
     const std::vector<float>& expected = reference[g];
@@ -310,6 +321,21 @@ void TrainAndCompare(const JobOptions& job,
       std::vector<uint16_t> via_device(bf16.size());
       device.Download(AsBytes(via_device));
       EXPECT_EQ(via_device, bf16) << cases[g].name;
+    }
+  }
+  // Every replica group holds the same bits: gathered through a worker of each other one.
+  for (int replica = 1; replica < job.replicas; ++replica) {
+    auto other = cluster.Connect(replica, workers, "test", plane);
+    ASSERT_TRUE(other.ok()) << other.status();
+    for (size_t g = 0; g < cases.size(); ++g) {
+      ASSERT_TRUE((*other)->RegisterGroup(cases[g].name, cases[g].tensors, cases[g].align, cases[g].optimizer).ok());
+      std::vector<float> actual(layouts[g]->padded_numel(), -1.0f);
+      auto version = (*other)->Gather(cases[g].name, kSteps, DType::kFloat32, AsBytes(actual)).get();
+      ASSERT_TRUE(version.ok()) << version.status();
+      for (size_t i = 0; i < actual.size(); ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(actual[i]), std::bit_cast<uint32_t>(reference[g][i]))
+            << cases[g].name << " element " << i << " in replica group " << replica;
+      }
     }
   }
   if (device_buffers) {
@@ -349,7 +375,7 @@ void TrainAndCompare(const JobOptions& job,
       const int64_t other_plane = nccl ? s.ipc_scatters() + s.ipc_gathers() : s.nccl_scatters() + s.nccl_gathers();
       EXPECT_EQ(other_plane, 0) << i;
       if (memory[i] == "device") {
-        EXPECT_EQ(gpu_scatters, kWorkers * kSteps * static_cast<int64_t>(cases.size())) << i;
+        EXPECT_EQ(gpu_scatters, workers * kSteps * static_cast<int64_t>(cases.size())) << i;
         EXPECT_GT(gpu_gathers, 0) << i;
       } else {
         EXPECT_EQ(gpu_scatters + gpu_gathers, 0) << i;
@@ -368,6 +394,16 @@ TEST(TrainingIntegrationTest, ClippingByGlobalL2NormAcrossGroupsAndServers) {
 
 TEST(TrainingIntegrationTest, ClippingByGlobalInfNorm) {
   TrainAndCompare({.max_grad_norm = 0.2, .norm_type = std::numeric_limits<double>::infinity()});
+}
+
+// HYBRID_SHARD: 6 servers in 2 replica groups of 3, 4 workers (2 per replica group).
+// Each worker moves its buffers with its own replica group only, the servers exchange the
+// replica groups' partial sums, and clipping takes one replica group's norm: the
+// parameters equal the reference bit for bit in both replica groups.
+TEST(TrainingIntegrationTest, HybridShardingReplicaGroupsMatchTheReferenceBitwise) {
+  const std::vector<std::string> six_hosts(6, "host");
+  TrainAndCompare({.replicas = 2}, six_hosts, false, DevicePlane::kAuto, /*workers=*/4);
+  TrainAndCompare({.max_grad_norm = 0.3, .replicas = 2}, six_hosts, false, DevicePlane::kAuto, 4);
 }
 
 // The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the

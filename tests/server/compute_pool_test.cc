@@ -234,9 +234,9 @@ TEST(PooledGroupTest, StepsMatchAGroupWithoutThePool) {
   const JobSettings job{.num_workers = 2};
   const OptimizerConfig adamw = kernels::AdamHyperparams{.lr = 1e-2f, .weight_decay = 0.1f,
                                                          .decoupled_weight_decay = true};
-  auto pooled = *Group::Create("job", "g", layout, 0, job, adamw, MemoryTier::kHost,
+  auto pooled = *Group::Create("job", "g", layout, Placement{}, job, adamw, MemoryTier::kHost,
                                std::make_shared<ComputePool>(3));
-  auto serial = *Group::Create("job", "g", layout, 0, job, adamw, MemoryTier::kHost, nullptr);
+  auto serial = *Group::Create("job", "g", layout, Placement{}, job, adamw, MemoryTier::kHost, nullptr);
   const int64_t numel = layout.shard_numel();
   std::mt19937 rng(13);
   std::normal_distribution<float> normal;

@@ -20,7 +20,7 @@ using ::testing::HasSubstr;
 
 std::shared_ptr<Group> MakeGroup(int workers, bool mean = true, int rank = 0, int shards = 2) {
   auto layout = FlatLayout::Create({{"w", {3}, DType::kFloat32}, {"b", {2}, DType::kFloat32}}, 0, shards);
-  return *Group::Create("job", "g", *layout, rank, JobSettings{.num_workers = workers, .reduce_mean = mean},
+  return *Group::Create("job", "g", *layout, Placement::Of(rank, shards, 1), JobSettings{.num_workers = workers, .reduce_mean = mean},
                kernels::SgdHyperparams{.lr = 1.0f});
 }
 
@@ -66,7 +66,7 @@ TEST(GroupTest, PaddingGradientNeverReachesNormsOrParameters) {
   };
   for (const JobSettings& job : jobs) {
     for (int rank : {1, 3}) {
-      std::shared_ptr<Group> group = *Group::Create("job", "g", *layout, rank, job,
+      std::shared_ptr<Group> group = *Group::Create("job", "g", *layout, Placement::Of(rank, 4, 1), job,
                                                     kernels::AdamHyperparams{.lr = 0.1f});
       for (int worker = 0; worker < job.num_workers; ++worker) {
         ASSERT_TRUE(Contribute(*group, 0, worker, {3.0f, 7.0f}).ok());
@@ -80,7 +80,7 @@ TEST(GroupTest, PaddingGradientNeverReachesNormsOrParameters) {
     }
   }
   std::shared_ptr<Group> async = *Group::Create(
-      "job", "g", *layout, 1, JobSettings{.num_workers = 2, .async = true}, kernels::SgdHyperparams{.lr = 1.0f});
+      "job", "g", *layout, Placement::Of(1, 4, 1), JobSettings{.num_workers = 2, .async = true}, kernels::SgdHyperparams{.lr = 1.0f});
   ASSERT_TRUE(Contribute(*async, 0, 1, {2.0f, 5.0f}).ok());
   EXPECT_EQ(Params(*async), (std::vector<float>{-1.0f, 0.0f}));  // mean over 2 workers
 }
@@ -122,7 +122,7 @@ TEST(GroupTest, OneFloat32WorkerStepsOnItsSlotAlternatingWithBFloat16) {
 
   auto layout = FlatLayout::Create({{"w", {3}, DType::kFloat32}}, 0, 1);
   std::shared_ptr<Group> clipped = *Group::Create(
-      "job", "c", *layout, 0, JobSettings{.num_workers = 1, .max_grad_norm = 1.0}, kernels::SgdHyperparams{.lr = 1.0f});
+      "job", "c", *layout, Placement{}, JobSettings{.num_workers = 1, .max_grad_norm = 1.0}, kernels::SgdHyperparams{.lr = 1.0f});
   ASSERT_TRUE(Contribute(*clipped, 0, 0, {3, 4, 0}).ok());
   EXPECT_EQ(*clipped->NormPartial(2.0), 25.0);
   ASSERT_TRUE(clipped->FinishClippedStep(0, 0.2f).ok());
@@ -274,7 +274,7 @@ TEST(GroupTest, RestoreInstallsALoadedShard) {
 
 std::shared_ptr<Group> MakeAsyncGroup(int workers, int64_t max_staleness) {
   auto layout = FlatLayout::Create({{"w", {2}, DType::kFloat32}}, 0, 1);
-  return *Group::Create("job", "g", *layout, 0,
+  return *Group::Create("job", "g", *layout, Placement{},
                JobSettings{.num_workers = workers, .reduce_mean = false, .async = true,
                            .max_staleness = max_staleness},
                kernels::SgdHyperparams{.lr = 1.0f});
@@ -325,7 +325,7 @@ TEST(GroupTest, HyperparametersChangeFromTheNextStepAndTheKindCannot) {
 TEST(GroupTest, AFrozenGroupHoldsParametersOnlyAndRefusesGradients) {
   auto layout = FlatLayout::Create({{"w", {3}, DType::kFloat32}, {"b", {2}, DType::kFloat32}}, 0, 2);
   std::shared_ptr<Group> group =
-      *Group::Create("job", "frozen", *layout, 0, JobSettings{.num_workers = 2}, Frozen{});
+      *Group::Create("job", "frozen", *layout, Placement{}, JobSettings{.num_workers = 2}, Frozen{});
   EXPECT_TRUE(group->frozen());
   EXPECT_EQ(group->optimizer_name(), "frozen");
   // Parameters only: no gradient buffer, no optimizer state.

@@ -51,7 +51,7 @@ struct Outcome {
 Outcome RunScript(MemoryTier tier, const JobSettings& job, const OptimizerConfig& optimizer,
                   unsigned seed) {
   absl::StatusOr<std::shared_ptr<Group>> created =
-      Group::Create("job", "g", TestLayout(), /*rank=*/1, job, optimizer, tier);
+      Group::Create("job", "g", TestLayout(), Placement{.shards = 2, .shard = 1}, job, optimizer, tier);
   EXPECT_TRUE(created.ok()) << created.status();
   Group& group = **created;
   EXPECT_EQ(group.memory_tier(), tier);
@@ -136,7 +136,7 @@ TEST_P(GroupTiersTest, RestoreMovesALoadedShardIntoTheTier) {
   const JobSettings job{.num_workers = 1};
   const OptimizerConfig adam = kernels::AdamHyperparams{.lr = 1e-2f};
   const Outcome host = RunScript(MemoryTier::kHost, job, adam, 8);
-  absl::StatusOr<std::shared_ptr<Group>> group = Group::Create("job", "g", TestLayout(), 1, job, adam, GetParam());
+  absl::StatusOr<std::shared_ptr<Group>> group = Group::Create("job", "g", TestLayout(), Placement{.shards = 2, .shard = 1}, job, adam, GetParam());
   ASSERT_TRUE(group.ok()) << group.status();
   LoadedShard loaded;
   loaded.version = host.snapshot.version;
@@ -159,14 +159,14 @@ TEST_P(GroupTiersTest, RegistrationBeyondMemoryIsResourceExhausted) {
   absl::StatusOr<FlatLayout> huge = FlatLayout::Create({{"giant", {int64_t{1} << 37}, DType::kFloat32}}, 0, 2);
   ASSERT_TRUE(huge.ok()) << huge.status();
   absl::StatusOr<std::shared_ptr<Group>> group =
-      Group::Create("job", "giant-group", *huge, 0, JobSettings{.num_workers = 1},
+      Group::Create("job", "giant-group", *huge, Placement{}, JobSettings{.num_workers = 1},
                     kernels::AdamHyperparams{}, GetParam());
   ASSERT_FALSE(group.ok());
   EXPECT_EQ(group.status().code(), absl::StatusCode::kResourceExhausted) << group.status();
   EXPECT_NE(group.status().message().find("group 'giant-group'"), std::string::npos) << group.status();
   EXPECT_NE(group.status().message().find("274877906944 bytes"), std::string::npos) << group.status();
   // The device still serves smaller groups.
-  EXPECT_TRUE(Group::Create("job", "g", TestLayout(), 0, JobSettings{.num_workers = 1},
+  EXPECT_TRUE(Group::Create("job", "g", TestLayout(), Placement{}, JobSettings{.num_workers = 1},
                             kernels::AdamHyperparams{}, GetParam()).ok());
 }
 

@@ -84,7 +84,7 @@ TEST(HostMemoryTest, RegisteringAGroupLargerThanTheNodeIsResourceExhausted) {
   const int64_t numel = static_cast<int64_t>(memory->available_bytes / sizeof(float)) * 4;
   auto layout = FlatLayout::Create({{"w", {numel}, DType::kFloat32}}, 0, 1);
   ASSERT_TRUE(layout.ok()) << layout.status();
-  auto group = Group::Create("job", "huge", *layout, 0, JobSettings{.num_workers = 1},
+  auto group = Group::Create("job", "huge", *layout, Placement{}, JobSettings{.num_workers = 1},
                              kernels::AdamHyperparams{}, MemoryTier::kHost);
   EXPECT_TRUE(absl::IsResourceExhausted(group.status())) << group.status();
   EXPECT_THAT(std::string(group.status().message()), HasSubstr("group 'huge' parameters"));

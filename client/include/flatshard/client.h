@@ -74,6 +74,12 @@ struct JobOptions {
   // max_staleness versions old are refused (< 0: no bound).
   bool async = false;
   int64_t max_staleness = -1;
+  // Hybrid sharding (FSDP's HYBRID_SHARD): the N servers form this many replica groups
+  // of N / replicas consecutive ranks; every group is sharded over one replica group and
+  // replicated across them. Worker w gathers from and scatters to replica group
+  // w % replicas only, and the servers add up the replica groups' gradients among
+  // themselves. Must divide N, be at most num_workers, and needs sync mode.
+  int replicas = 1;
 };
 
 struct SgdOptions {
@@ -129,7 +135,8 @@ class Client {
   [[nodiscard]] virtual absl::Status ConfigureJob(const JobOptions& job) = 0;
 
   // Registers (or finds the identical) group on every server and returns its layout over
-  // the cluster; the pointer stays valid for the Client's lifetime.
+  // the cluster (over one replica group's N / replicas servers for a hybrid-sharded job);
+  // the pointer stays valid for the Client's lifetime.
   [[nodiscard]] virtual absl::StatusOr<const FlatLayout*> RegisterGroup(
       const std::string& group, std::vector<TensorSpec> tensors, int64_t align,
       const OptimizerOptions& optimizer) = 0;
@@ -168,7 +175,8 @@ class Client {
   // "cuda-ipc", "nccl" or "tcp" (see DevicePlane). Host buffers always use "tcp".
   virtual std::vector<std::string> DataPlanes() const = 0;
 
-  // Waits until every server's shard of `group` reaches min_version.
+  // Waits until every server's shard of `group` (of this worker's replica group) reaches
+  // min_version.
   [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group,
                                                             int64_t min_version) = 0;
 

@@ -1,0 +1,70 @@
+// ReplicaExchange: what follows a committed contribution on every data plane, and the
+// gradient exchange between the replica groups of a hybrid-sharded job (server/job.h).
+//
+// After Group::CommitScatter a plane calls Continue with the outcome:
+//  - kShare (hybrid): sends the group's partial for the step to the server holding the
+//    same shard in every other replica group, then counts it (Group::CommitOwnPartial);
+//  - kReduced (clipped): hands the step to the ClipCoordinator.
+// A partial that a peer sends here (DataServer, kReplicaPartial) is committed with
+// Group::CommitReplicaPartial and continues the same way.
+//
+// Partials travel on the TCP data plane, one connection per peer opened with a session
+// from its OpenSession (the cluster token authenticates it), used by one send at a time.
+// A send that fails on a connection that went stale is retried once on a new one; a
+// peer that already holds or applied the partial (AlreadyExists) counts as delivered.
+// If a peer cannot be reached the step stays incomplete and the contribution that
+// triggered the send is answered with Unavailable naming the peer, as for a clipped
+// job's norm share. Thread-safe.
+//
+//   ReplicaExchange exchange(num_servers, clip, connect_to_peer, absl::Seconds(30));
+//   FLATSHARD_RETURN_IF_ERROR(exchange.Continue(*group, step, *group->CommitScatter(slot)));
+#ifndef FLATSHARD_SERVER_REPLICA_EXCHANGE_H_
+#define FLATSHARD_SERVER_REPLICA_EXCHANGE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "server/clip_coordinator.h"
+#include "server/group.h"
+#include "transport/transport.h"
+
+namespace flatshard::server {
+
+class ReplicaExchange {
+ public:
+  // Opens an authenticated data connection to server `rank`.
+  using Connect = std::function<absl::StatusOr<std::unique_ptr<transport::Connection>>(int rank)>;
+
+  // `timeout`: how long a peer may take to reach the step and take a partial.
+  ReplicaExchange(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout);
+
+  // Continues after `group` committed something for `step` with `outcome`.
+  [[nodiscard]] absl::Status Continue(Group& group, int64_t step, CommitOutcome outcome);
+
+ private:
+  struct Link {
+    absl::Mutex mu;
+    std::unique_ptr<transport::Connection> conn ABSL_GUARDED_BY(mu);
+  };
+  absl::Status SendPartial(int peer, const Group& group, int64_t step,
+                           absl::Span<const std::byte> partial);
+  // Sends and sets `verdict` to the peer's answer; returns the transport's error (the
+  // connection is then unusable).
+  absl::Status SendOn(transport::Connection& conn, const Group& group, int64_t step,
+                      absl::Span<const std::byte> partial, absl::Status& verdict) const;
+
+  ClipCoordinator& clip_;
+  const Connect connect_;
+  const absl::Duration timeout_;
+  std::vector<std::unique_ptr<Link>> links_;  // by rank
+};
+
+}  // namespace flatshard::server
+
+#endif  // FLATSHARD_SERVER_REPLICA_EXCHANGE_H_
