@@ -49,14 +49,17 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                            HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), s.gathers(), s.scatters(), s.errors());
   }
-  out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s\n", "rank", "job/group", "version",
-                         "shard_numel", "memory", "optimizer", "pending");
+  // shard: the shard of the group's layout this server holds; replica: its replica group
+  // (hybrid sharding; 0 otherwise).
+  out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s %5s %7s\n", "rank", "job/group", "version",
+                         "shard_numel", "memory", "optimizer", "pending", "shard", "replica");
   for (const auto& status : statuses) {
     if (!status.ok()) continue;
     for (const v1::GroupStatus& g : status->groups()) {
-      out << absl::StrFormat("%-4d %-28s %8d %12d %10s %10s %8d\n", status->rank(),
+      out << absl::StrFormat("%-4d %-28s %8d %12d %10s %10s %8d %5d %7d\n", status->rank(),
                              g.job() + "/" + g.group(), g.version(), g.shard_numel(),
-                             HumanBytes(g.bytes()), g.optimizer(), g.pending_contributions());
+                             HumanBytes(g.bytes()), g.optimizer(), g.pending_contributions(),
+                             g.shard(), g.replica());
     }
   }
   // Checkpoint saves and loads under way (each server's tensor bytes).

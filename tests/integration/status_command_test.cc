@@ -31,6 +31,11 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   ASSERT_TRUE(client.ok()) << client.status();
   ASSERT_TRUE((*client)->ConfigureJob({}).ok());
   ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  // A hybrid-sharded job: both servers hold shard 0, in replica groups 0 and 1.
+  auto hybrid = cluster.Connect(0, 2, "hybrid");
+  ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+  ASSERT_TRUE((*hybrid)->ConfigureJob({.replicas = 2}).ok());
+  ASSERT_TRUE((*hybrid)->RegisterGroup("h", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
 
   cli::StatusCommandOptions options{.servers = cluster.addresses(), .token = cluster.token()};
   std::ostringstream table, err;
@@ -41,13 +46,21 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     const std::vector<std::string> server = Row(table.str(), r, cluster.addresses()[rank]);
     ASSERT_GE(server.size(), 7u) << table.str();
     EXPECT_EQ(std::vector<std::string>(server.begin() + 2, server.begin() + 7),
-              (std::vector<std::string>{"host", "tcp", "no", "3", "1"}))
+              (std::vector<std::string>{"host", "tcp", "no", "3", "2"}))
         << table.str();
-    // rank, job/group, version, shard_numel (500 of 1000 elements), ...
+    // rank, job/group, version, shard_numel (500 of 1000 elements), memory (2 words),
+    // optimizer, pending, shard, replica
     const std::vector<std::string> group = Row(table.str(), r, "status/g");
-    ASSERT_GE(group.size(), 4u) << table.str();
+    ASSERT_EQ(group.size(), 10u) << table.str();
     EXPECT_EQ(group[2], "0");
     EXPECT_EQ(group[3], "500");
+    EXPECT_EQ(group[8], r);
+    EXPECT_EQ(group[9], "0");
+    const std::vector<std::string> replicated = Row(table.str(), r, "hybrid/h");
+    ASSERT_EQ(replicated.size(), 10u) << table.str();
+    EXPECT_EQ(replicated[3], "1000");
+    EXPECT_EQ(replicated[8], "0");
+    EXPECT_EQ(replicated[9], r);
   }
 
   options.json = true;
@@ -59,7 +72,7 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     EXPECT_EQ(server["compute_threads"], 3);
     EXPECT_EQ(server["tls"], false);
     EXPECT_EQ(server["memory"], "host");
-    EXPECT_EQ(server["groups"].size(), 1u);
+    EXPECT_EQ(server["groups"].size(), 2u);
   }
 
   const std::vector<int> free_port = *transport::PickFreeLoopbackPorts(1);

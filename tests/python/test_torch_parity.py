@@ -1,7 +1,7 @@
 """flatshard.torch.ShardedModule against plain single-process PyTorch.
 
-2 worker processes x 3 servers: each worker computes gradients on its half of the
-batch; the servers average them and run the optimizer. A single process runs the same
+2 worker processes x 3 servers (or 4 in 2 replica groups: hybrid sharding): each worker
+computes gradients on its half of the batch; the servers average them and run the optimizer. A single process runs the same
 model with torch.optim on the whole batch (mean loss = average of the half-batch means).
 Parameters must agree within 1e-5 relative error (||ours - torch|| / ||torch|| per
 tensor) after every run, and the loss curves to the same bound. MisuseAndRecoveryTest:
@@ -80,12 +80,24 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
 
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
-              device="cpu", memory="host", micro_batches=1, lr_schedule=None):
+              device="cpu", memory="host", micro_batches=1, lr_schedule=None, servers=3,
+              replicas=1):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
-        with flatshard.LocalCluster(servers=3, memory=memory) as cluster:
+        if replicas > 1:
+            job["replicas"] = replicas
+        with flatshard.LocalCluster(servers=servers, memory=memory) as cluster:
             losses, state, groups = train_flatshard(cluster, kind, optimizer, steps, job,
                                                     device=device, micro_batches=micro_batches,
                                                     lr_schedule=lr_schedule)
+            if replicas > 1:  # server r holds shard r % S in replica group r // S
+                status = flatshard.Client(cluster.addresses, token=cluster.token).status()
+                per_replica = servers // replicas
+                for rank, server in enumerate(status["servers"]):
+                    rows = [g for g in server["groups"] if g["job"] == "parity"]
+                    self.assertTrue(rows, server)
+                    for row in rows:
+                        self.assertEqual(row.get("replica", 0), rank // per_replica, row)
+                        self.assertEqual(row.get("shard", 0), rank % per_replica, row)
             if memory == "device":  # every gradient went over CUDA IPC, to every server
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 for server in status["servers"]:
@@ -152,6 +164,13 @@ class ParityTest(unittest.TestCase):
         self.check("tied_frozen", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
                    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 12,
                    lr_schedule={4: 3e-2, 8: 1e-3})
+
+    def test_hybrid_sharding_two_replica_groups(self):
+        # 4 servers in 2 replica groups of 2, one worker in each: each worker gathers from
+        # its own replica group, the servers add the replica groups' gradients.
+        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10,
+                   max_grad_norm=0.5, servers=4, replicas=2)
 
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
