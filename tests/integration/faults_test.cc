@@ -162,6 +162,34 @@ TEST_F(FaultsTest, GpuPlaneRequestsToAHostServerAreRefused) {
   ExpectGatherServed(*conn);
 }
 
+// kReplicaPartial is for the servers of a hybrid-sharded job: anything else is refused
+// with its reason, on a connection that serves on, and the job trains on.
+TEST_F(FaultsTest, MisdirectedReplicaPartialsAreRefusedAndTheServerServesOn) {
+  auto conn = RawConnection();
+  auto partial = [&](int replica, DType dtype, int64_t bytes) {
+    std::vector<std::byte> payload(bytes);
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(transport::DataOp::kReplicaPartial);
+    header.dtype = static_cast<uint8_t>(dtype);
+    header.worker_rank = replica;
+    header.timeout_ms = 1000;
+    absl::Status sent = transport::SendRequest(*conn, header, "test", "g", payload);
+    if (!sent.ok()) return sent;
+    auto response = transport::RecvResponse(*conn, {});
+    return response.ok() ? response->status : response.status();
+  };
+  const int64_t shard_bytes = layout_->shard_numel() * 4;
+  const absl::Status not_hybrid = partial(1, DType::kFloat32, shard_bytes);
+  EXPECT_EQ(not_hybrid.code(), absl::StatusCode::kInvalidArgument) << not_hybrid;
+  EXPECT_THAT(std::string(not_hybrid.message()), HasSubstr("in replica group 0 of 1"));
+  const absl::Status narrow = partial(1, DType::kBFloat16, shard_bytes / 2);
+  EXPECT_THAT(std::string(narrow.message()), HasSubstr("a replica partial is float32, not bfloat16"));
+  const absl::Status short_one = partial(1, DType::kFloat32, shard_bytes - 4);
+  EXPECT_THAT(std::string(short_one.message()), HasSubstr("replica partial to group 'g' carries"));
+  ExpectGatherServed(*conn);
+  ExpectStepCompletes(0);
+}
+
 TEST_F(FaultsTest, BadGatherRangesAreRefusedAndTheConnectionServesOn) {
   ASSERT_TRUE((*client_)->InitGroupFromSeed("g", 7).ok());
   auto conn = RawConnection();
