@@ -174,8 +174,11 @@ double ScatterThroughput(int servers, int workers, int64_t bytes, double seconds
 // Aggregate bytes/s of data-parallel training: `workers` threads in one job each scatter
 // a full fp32 gradient and gather the parameters it produced, step after step. The
 // servers reduce the workers' contributions and run the optimizer between the two, so
-// the reduction and the step are in the loop; bytes count both directions.
-double TrainingStepThroughput(int servers, int workers, int64_t bytes, double seconds) {
+// the reduction and the step are in the loop; bytes count both directions. With
+// `replicas` > 1 the job is hybrid-sharded: each worker moves its bytes with one replica
+// group, and the servers' exchange of partial sums between replica groups is in the loop
+// (not counted in the bytes).
+double TrainingStepThroughput(int servers, int workers, int64_t bytes, double seconds, int replicas = 1) {
   auto cluster = StartCluster(servers);
   const int64_t numel = bytes / 4;
   std::atomic<int64_t> moved{0};
@@ -186,7 +189,7 @@ double TrainingStepThroughput(int servers, int workers, int64_t bytes, double se
   for (int w = 0; w < workers; ++w) {
     threads.emplace_back([&, w] {
       auto client = Connect(*cluster, w, workers, "train");
-      Check(client->ConfigureJob({}));
+      Check(client->ConfigureJob({.replicas = replicas}));
       const FlatLayout* layout = Register(*client, "g", numel);
       if (w == 0) Check(client->InitGroupFromSeed("g", 1));
       std::vector<float> grad(layout->padded_numel(), 1.0f), params(layout->padded_numel());
@@ -490,10 +493,11 @@ void DataPlane(bool quick, double seconds) {
   struct Config {
     int servers, workers;
     int64_t bytes;
+    int replicas = 1;  // > 1: a hybrid-sharded training step only
   };
   std::vector<Config> configs;
   if (quick) {
-    configs = {{1, 1, 64 << 20}, {2, 2, 64 << 20}};
+    configs = {{1, 1, 64 << 20}, {2, 2, 64 << 20}, {2, 2, 64 << 20, 2}};
   } else {
     for (int64_t bytes : {int64_t{4} << 20, int64_t{64} << 20, int64_t{256} << 20}) configs.push_back({1, 1, bytes});
     for (int servers : {1, 2, 4}) {
@@ -501,6 +505,8 @@ void DataPlane(bool quick, double seconds) {
         if (!(servers == 1 && workers == 1)) configs.push_back({servers, workers, int64_t{64} << 20});
       }
     }
+    configs.push_back({2, 2, int64_t{64} << 20, 2});
+    configs.push_back({4, 4, int64_t{64} << 20, 2});
   }
   std::printf("%-8s %7s %7s %8s %10s %14s %8s\n", "op", "servers", "workers", "group", "GB/s",
               "iperf3 GB/s", "ratio");
@@ -511,15 +517,17 @@ void DataPlane(bool quick, double seconds) {
     const double anchor = iperf[streams];
     for (const std::string op : {"gather", "scatter", "step"}) {
       if (op == "step" && c.workers == 1) continue;  // the scatter row is that job
+      if (op != "step" && c.replicas > 1) continue;
       const double rate = op == "gather"    ? GatherThroughput(c.servers, c.workers, c.bytes, seconds)
                           : op == "scatter" ? ScatterThroughput(c.servers, c.workers, c.bytes, seconds)
-                                            : TrainingStepThroughput(c.servers, c.workers, c.bytes, seconds);
+                                            : TrainingStepThroughput(c.servers, c.workers, c.bytes, seconds, c.replicas);
+      const std::string label = c.replicas > 1 ? absl::StrCat("step/R", c.replicas) : op;
       if (anchor > 0) {
-        std::printf("%-8s %7d %7d %8s %10.2f %14.2f %7.2fx\n", op.c_str(), c.servers, c.workers, Mib(c.bytes).c_str(),
-                    rate / 1e9, anchor / 1e9, rate / anchor);
+        std::printf("%-8s %7d %7d %8s %10.2f %14.2f %7.2fx\n", label.c_str(), c.servers, c.workers,
+                    Mib(c.bytes).c_str(), rate / 1e9, anchor / 1e9, rate / anchor);
       } else {
-        std::printf("%-8s %7d %7d %8s %10.2f %14s %8s\n", op.c_str(), c.servers, c.workers, Mib(c.bytes).c_str(),
-                    rate / 1e9, "n/a", "n/a");
+        std::printf("%-8s %7d %7d %8s %10.2f %14s %8s\n", label.c_str(), c.servers, c.workers,
+                    Mib(c.bytes).c_str(), rate / 1e9, "n/a", "n/a");
       }
       std::fflush(stdout);
     }
