@@ -43,9 +43,14 @@ absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t ste
     const int peer = placement.replica * placement.shards + shard;
     if (peer == rank_) continue;
     if (absl::Status sent = send_(peer, job, step, partial); !sent.ok()) {
+      {
+        absl::MutexLock lock(&mu_);  // a later OnGroupReduced sends it again
+        if (auto it = steps_.find({job, step}); it != steps_.end()) it->second.shared = false;
+      }
       return absl::UnavailableError(absl::StrCat(
           "contribution recorded, but this server's gradient-norm share for job '", job,
-          "' step ", step, " could not reach server ", peer, ": ", sent.message()));
+          "' step ", step, " could not reach server ", peer, ": ", sent.message(),
+          "; send the contribution again to retry"));
     }
   }
   return RecordPartial(job, step, rank_, partial);

@@ -43,7 +43,8 @@ class ClipCoordinator {
 
   // Called after a group of `job` reduced its contributions for `step`. When it was the
   // last such group on this server, shares the partial norm (blocking on the peers).
-  // Returns Unavailable naming the peer if a share could not be delivered.
+  // Returns Unavailable naming the peer if a share could not be delivered; calling it
+  // again then sends the share again (peers ignore a share they already hold).
   [[nodiscard]] absl::Status OnGroupReduced(const std::string& job, int64_t step);
 
   // A server's share for (job, step); the last one finishes the step here. A second

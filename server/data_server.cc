@@ -21,10 +21,10 @@ absl::Span<std::byte> BytesOf(T& value) {
 
 }  // namespace
 
-DataServer::DataServer(Registry& registry, ReplicaExchange& exchange, IpcPlane& ipc, NcclPlane& nccl,
+DataServer::DataServer(Registry& registry, StepDriver& driver, IpcPlane& ipc, NcclPlane& nccl,
                        const SessionTokens& sessions, ServerStats& stats, DataServerOptions options)
     : registry_(registry),
-      exchange_(exchange),
+      driver_(driver),
       ipc_(ipc),
       nccl_(nccl),
       sessions_(sessions),
@@ -222,7 +222,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
                                                 ? (*group)->CommitScatter(*slot)
                                                 : (*group)->CommitReplicaPartial(*slot);
     committed = outcome.status();
-    if (outcome.ok()) committed = exchange_.Continue(**group, request.version, *outcome);
+    if (outcome.ok()) committed = driver_.Continue(**group, request.version, *outcome);
     if (outcome.ok() && request.op == DataOp::kScatter) ++stats_.scatters;
   }
   if (!committed.ok()) ++stats_.errors;
@@ -232,7 +232,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
 absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request) {
   switch (request.op) {
     case DataOp::kScatter:
-      return group.BeginScatter(request.version, request.worker_rank, request.dtype);
+      return driver_.BeginScatter(group, request.version, request.worker_rank, request.dtype);
     case DataOp::kReplicaPartial:
       if (request.dtype != DType::kFloat32) {
         return absl::InvalidArgumentError(absl::StrCat("a replica partial is float32, not ",

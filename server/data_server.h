@@ -2,7 +2,7 @@
 // kHello with a valid session token first (within hello_timeout, or the connection is
 // closed), then serves gather (whole shards or byte ranges of them), scatter and init
 // requests, and the partials that peer servers of a hybrid-sharded job exchange
-// (transport/data_protocol.h; server/replica_exchange.h)
+// (transport/data_protocol.h; server/step_driver.h)
 // against the Registry, and the CUDA IPC and NCCL requests through their planes, one
 // thread per connection. Gradient bytes are received straight
 // into the group's staging slot and gather bytes are sent straight from the version's
@@ -12,7 +12,7 @@
 //
 // Start/Stop from one thread; the rest is internal.
 //
-//   DataServer data(registry, exchange, ipc, nccl, sessions, stats, {});
+//   DataServer data(registry, driver, ipc, nccl, sessions, stats, {});
 //   FLATSHARD_RETURN_IF_ERROR(data.Start("127.0.0.1", 7071));
 //   ...; data.Stop();
 #ifndef FLATSHARD_SERVER_DATA_SERVER_H_
@@ -32,7 +32,7 @@
 #include "server/ipc_plane.h"
 #include "server/nccl_plane.h"
 #include "server/registry.h"
-#include "server/replica_exchange.h"
+#include "server/step_driver.h"
 #include "server/stats.h"
 #include "transport/data_protocol.h"
 #include "transport/transport.h"
@@ -48,7 +48,7 @@ struct DataServerOptions {
 
 class DataServer {
  public:
-  DataServer(Registry& registry, ReplicaExchange& exchange, IpcPlane& ipc, NcclPlane& nccl,
+  DataServer(Registry& registry, StepDriver& driver, IpcPlane& ipc, NcclPlane& nccl,
              const SessionTokens& sessions, ServerStats& stats, DataServerOptions options);
   ~DataServer();
 
@@ -83,7 +83,7 @@ class DataServer {
               const absl::Status& status);
 
   Registry& registry_;
-  ReplicaExchange& exchange_;
+  StepDriver& driver_;
   IpcPlane& ipc_;
   NcclPlane& nccl_;
   const SessionTokens& sessions_;

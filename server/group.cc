@@ -298,7 +298,10 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
     slot_states_[slot.worker_rank] = SlotState::kEmpty;
     return reduced;
   }
-  if (job_settings_.hybrid()) return CommitOutcome::kShare;
+  if (job_settings_.hybrid()) {
+    share_claimed_ = true;
+    return CommitOutcome::kShare;
+  }
   return FinishReduction();
 }
 
@@ -332,7 +335,23 @@ absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(int64_t step) {
         " (at version ", version_, ")"));
   }
   partial_states_[placement_.replica] = SlotState::kReady;
+  share_claimed_ = false;
   return PartialArrived();
+}
+
+void Group::ReleaseShare(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (version_ == step) share_claimed_ = false;
+}
+
+bool Group::ClaimShare(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (!job_settings_.hybrid() || version_ != step || share_claimed_ ||
+      partial_states_[placement_.replica] != SlotState::kReceiving) {
+    return false;
+  }
+  share_claimed_ = true;
+  return true;
 }
 
 absl::StatusOr<ReceiveSlot> Group::BeginReplicaPartial(int64_t step, int replica) {
@@ -676,6 +695,7 @@ absl::Status Group::Restore(LoadedShard loaded) {
   reduced_ = false;
   std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
   partials_ready_ = 0;
+  share_claimed_ = false;
   std::fill(partial_states_.begin(), partial_states_.end(), SlotState::kEmpty);
   std::fill(last_async_step_.begin(), last_async_step_.end(), loaded.version - 1);
   PublishNewValues();

@@ -176,6 +176,10 @@ class Group {
   // the last partial in adds them up and continues as the last contribution does.
   [[nodiscard]] absl::StatusOr<absl::Span<const std::byte>> SharedPartial(int64_t step) const;
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitOwnPartial(int64_t step);
+  // kShare hands the partial to one caller to share. If that fails, ReleaseShare lets a
+  // later ClaimShare (true at most once per release) take it up again.
+  void ReleaseShare(int64_t step);
+  bool ClaimShare(int64_t step);
   // Another replica's partial for `step` (slot.worker_rank = that replica, fp32).
   // AlreadyExists for one already held or applied; FailedPrecondition for a future step
   // or one being received; InvalidArgument for a replica outside [0, R) or this one's.
@@ -299,6 +303,7 @@ class Group {
   std::vector<SlotState> partial_states_ ABSL_GUARDED_BY(mu_);
   std::vector<ShardBuffer> partials_;
   int partials_ready_ ABSL_GUARDED_BY(mu_) = 0;
+  bool share_claimed_ ABSL_GUARDED_BY(mu_) = false;  // this replica's partial is being shared
   int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_

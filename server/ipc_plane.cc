@@ -18,8 +18,8 @@ struct IpcPlane::Mappings {
 struct IpcPlane::Mappings {};
 #endif
 
-IpcPlane::IpcPlane(Registry& registry, ReplicaExchange& exchange, ServerStats& stats)
-    : registry_(registry), exchange_(exchange), stats_(stats) {}
+IpcPlane::IpcPlane(Registry& registry, StepDriver& driver, ServerStats& stats)
+    : registry_(registry), driver_(driver), stats_(stats) {}
 IpcPlane::~IpcPlane() = default;
 
 absl::Status IpcPlane::Start(MemoryTier tier) {
@@ -83,8 +83,8 @@ absl::StatusOr<int64_t> IpcPlane::Scatter(const transport::Request& request,
   if (mappings_ != nullptr) {
     FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request, target));
     FLATSHARD_ASSIGN_OR_RETURN(
-        ReceiveSlot slot, r.group->BeginScatter(request.version, request.worker_rank, r.dtype,
-                                                SlotMemory::kDevice));
+        ReceiveSlot slot, driver_.BeginScatter(*r.group, request.version, request.worker_rank, r.dtype,
+                                               SlotMemory::kDevice));
     if (absl::Status filled = r.group->FillDeviceSlot(slot, r.buffer.data); !filled.ok()) {
       r.group->AbortScatter(slot);
       return filled;
@@ -93,7 +93,7 @@ absl::StatusOr<int64_t> IpcPlane::Scatter(const transport::Request& request,
     ++stats_.scatters;
     ++stats_.ipc_scatters;
     stats_.bytes_received += static_cast<int64_t>(target.bytes);
-    FLATSHARD_RETURN_IF_ERROR(exchange_.Continue(*r.group, request.version, outcome));
+    FLATSHARD_RETURN_IF_ERROR(driver_.Continue(*r.group, request.version, outcome));
     return r.group->version();
   }
 #endif

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/replica_exchange.h"
+#include "server/step_driver.h"
 #include "server/registry.h"
 #include "server/stats.h"
 #include "transport/data_protocol.h"
@@ -22,7 +22,7 @@ namespace flatshard::server {
 
 class IpcPlane {
  public:
-  IpcPlane(Registry& registry, ReplicaExchange& exchange, ServerStats& stats);
+  IpcPlane(Registry& registry, StepDriver& driver, ServerStats& stats);
   ~IpcPlane();
 
   // "GPU-..." of the device holding this server's shards, empty when the server does not
@@ -44,7 +44,7 @@ class IpcPlane {
   struct Mappings;  // kernels::cuda::IpcMappings, in CUDA builds
 
   Registry& registry_;
-  ReplicaExchange& exchange_;
+  StepDriver& driver_;
   ServerStats& stats_;
   std::string gpu_uuid_;
   std::unique_ptr<Mappings> mappings_;

@@ -7,7 +7,7 @@
 // and belongs to replica r / S. Worker w belongs to replica w % R: it gathers from and
 // scatters to its replica's servers only. Each server sums its replica's contributions
 // (a partial), exchanges partials with the servers holding the same shard in the other
-// replicas (server/replica_exchange.h) and adds the R partials in replica order, so every
+// replicas (server/step_driver.h) and adds the R partials in replica order, so every
 // replica computes the same bits and steps identically.
 #ifndef FLATSHARD_SERVER_JOB_H_
 #define FLATSHARD_SERVER_JOB_H_

@@ -41,6 +41,9 @@ ABSL_FLAG(int, compute_threads, 0,
 ABSL_FLAG(absl::Duration, nccl_timeout, absl::Seconds(60),
           "how long an NCCL channel may take to join, and a transfer to finish, before the "
           "channel is aborted (a dead worker)");
+ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(30),
+          "how long this server keeps trying to reach a peer (clipping's norm shares, hybrid "
+          "sharding's partials) and waits for a peer replica group to reach a step");
 ABSL_FLAG(std::string, log_level, "info", "info or debug");
 
 namespace {
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
   options.threads = absl::GetFlag(FLAGS_threads);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.nccl_timeout = absl::GetFlag(FLAGS_nccl_timeout);
+  options.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   options.max_file_bytes = absl::GetFlag(FLAGS_max_file_size);
   if (options.max_file_bytes == 0) return Fail("--max_file_size must be > 0");
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {

@@ -107,9 +107,9 @@ struct NcclPlane::State {};
 class NcclPlane::Transfer {};
 #endif
 
-NcclPlane::NcclPlane(Registry& registry, ReplicaExchange& exchange, ServerStats& stats,
+NcclPlane::NcclPlane(Registry& registry, StepDriver& driver, ServerStats& stats,
                      absl::Duration timeout)
-    : registry_(registry), exchange_(exchange), stats_(stats), timeout_(timeout) {}
+    : registry_(registry), driver_(driver), stats_(stats), timeout_(timeout) {}
 
 NcclPlane::~NcclPlane() = default;
 
@@ -229,8 +229,8 @@ absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, int64_t>> NcclPla
     return std::make_pair(std::move(transfer), version);
   }
   FLATSHARD_ASSIGN_OR_RETURN(ReceiveSlot slot,
-                             transfer->group().BeginScatter(request.version, request.worker_rank,
-                                                            request.dtype, SlotMemory::kDevice));
+                             driver_.BeginScatter(transfer->group(), request.version, request.worker_rank,
+                                                  request.dtype, SlotMemory::kDevice));
   transfer->slot() = slot;
   return std::make_pair(std::move(transfer), request.version);
 #else
@@ -276,7 +276,7 @@ absl::StatusOr<int64_t> NcclPlane::Finish(const std::shared_ptr<Transfer>& trans
   FLATSHARD_ASSIGN_OR_RETURN(CommitOutcome outcome, transfer->group().CommitScatter(slot));
   ++stats_.scatters;
   ++stats_.nccl_scatters;
-  FLATSHARD_RETURN_IF_ERROR(exchange_.Continue(transfer->group(), request.version, outcome));
+  FLATSHARD_RETURN_IF_ERROR(driver_.Continue(transfer->group(), request.version, outcome));
   return transfer->group().version();
 #else
   (void)transfer;

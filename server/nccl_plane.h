@@ -28,7 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/replica_exchange.h"
+#include "server/step_driver.h"
 #include "server/registry.h"
 #include "server/shard_compute.h"
 #include "server/stats.h"
@@ -39,7 +39,7 @@ namespace flatshard::server {
 class NcclPlane {
  public:
   // `timeout` bounds a channel's join and each transfer's wait for the worker.
-  NcclPlane(Registry& registry, ReplicaExchange& exchange, ServerStats& stats, absl::Duration timeout);
+  NcclPlane(Registry& registry, StepDriver& driver, ServerStats& stats, absl::Duration timeout);
   ~NcclPlane();  // closes every channel
 
   // Turns the plane on when `tier` is the device and NCCL loads; otherwise it stays off
@@ -67,7 +67,7 @@ class NcclPlane {
   struct State;  // channels, in CUDA builds
 
   Registry& registry_;
-  ReplicaExchange& exchange_;
+  StepDriver& driver_;
   ServerStats& stats_;
   const absl::Duration timeout_;
   std::string version_;

@@ -12,12 +12,6 @@
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::server {
-namespace {
-
-// How long a hybrid-sharded job's partial waits for the peer replica to reach its step.
-constexpr absl::Duration kReplicaExchangeTimeout = absl::Seconds(30);
-
-}  // namespace
 
 absl::Status ValidateServerOptions(const ServerOptions& options) {
   std::string host;
@@ -46,6 +40,11 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("--threads=", options.threads, ", --compute_threads=",
                                                    options.compute_threads, ": thread counts are >= 0"));
   }
+  if (options.peer_timeout <= absl::ZeroDuration() || options.nccl_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--peer_timeout=", absl::FormatDuration(options.peer_timeout), ", --nccl_timeout=",
+        absl::FormatDuration(options.nccl_timeout), ": timeouts are > 0"));
+  }
   if (!options.data_listen.empty()) {
     FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
   }
@@ -60,23 +59,24 @@ Server::Server(ServerOptions options)
     : options_(std::move(options)),
       compute_pool_(std::make_shared<ComputePool>(options_.compute_threads)),
       registry_(options_.rank, static_cast<int>(options_.cluster.size()), memory_tier(), compute_pool_),
-      peers_(options_.cluster, options_.rank, options_.auth_token, PeerCredentials(options_.tls)),
+      peers_(options_.cluster, options_.rank, options_.auth_token, PeerCredentials(options_.tls),
+             options_.peer_timeout),
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
             [this](int peer, const std::string& job, int64_t step, double partial) {
               return peers_.SendNormPartial(peer, job, step, partial);
             }),
-      exchange_(static_cast<int>(options_.cluster.size()), clip_,
+      driver_(static_cast<int>(options_.cluster.size()), clip_,
                 [this](int peer) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
                   FLATSHARD_ASSIGN_OR_RETURN(const PeerClient::Session session, peers_.OpenSession(peer));
-                  // The peer may wait up to kReplicaExchangeTimeout before it answers.
+                  // The peer may wait up to peer_timeout before it answers.
                   return transport::OpenDataConnection(session.data_address, session.token,
-                                                       kReplicaExchangeTimeout + absl::Seconds(10));
+                                                       options_.peer_timeout + absl::Seconds(10));
                 },
-                kReplicaExchangeTimeout),
+                options_.peer_timeout),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
                    options_.checkpoint_root, options_.max_file_bytes, &peers_),
-      ipc_(registry_, exchange_, stats_),
-      nccl_(registry_, exchange_, stats_, options_.nccl_timeout) {}
+      ipc_(registry_, driver_, stats_),
+      nccl_(registry_, driver_, stats_, options_.nccl_timeout) {}
 
 Server::~Server() { Shutdown(); }
 
@@ -94,7 +94,7 @@ absl::Status Server::Start() {
   }
   FLATSHARD_RETURN_IF_ERROR(ipc_.Start(memory_tier()));
   FLATSHARD_RETURN_IF_ERROR(nccl_.Start(memory_tier()));
-  data_ = std::make_unique<DataServer>(registry_, exchange_, ipc_, nccl_, sessions_, stats_, options_.data);
+  data_ = std::make_unique<DataServer>(registry_, driver_, ipc_, nccl_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
 
   ServiceIdentity identity{.rank = options_.rank,

@@ -20,7 +20,7 @@
 #include "server/auth.h"
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
-#include "server/replica_exchange.h"
+#include "server/step_driver.h"
 #include "server/data_server.h"
 #include "server/ipc_plane.h"
 #include "server/nccl_plane.h"
@@ -48,12 +48,15 @@ struct ServerOptions {
   int threads = 0;                        // gRPC sync-server threads (0: gRPC's default)
   int compute_threads = 0;                // CPU tiers' kernel threads (0: one per hardware thread)
   absl::Duration nccl_timeout = absl::Seconds(60);  // an NCCL channel's join and transfers
+  // Reaching a peer (norm shares, hybrid partials) and waiting for a peer replica group.
+  absl::Duration peer_timeout = absl::Seconds(30);
   TlsOptions tls;                         // gRPC over TLS when it holds a certificate
   DataServerOptions data;
 };
 
 // InvalidArgument naming the flag for: a rank outside the cluster, a duplicate address,
-// --listen not equal to cluster[rank], an unknown memory tier, negative thread counts,
+// --listen not equal to cluster[rank], an unknown memory tier, negative thread counts, a
+// timeout that is not positive,
 // TLS files that do not go together (server/tls.h);
 // FailedPrecondition for
 // --memory=pinned|device in a build without CUDA or on a machine without a GPU.
@@ -82,7 +85,7 @@ class Server {
   Registry registry_;
   PeerClient peers_;
   ClipCoordinator clip_;
-  ReplicaExchange exchange_;
+  StepDriver driver_;
   CheckpointStore checkpoints_;
   SessionTokens sessions_;
   ServerStats stats_;

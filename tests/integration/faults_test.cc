@@ -371,5 +371,42 @@ TEST_F(FaultsTest, ConnectRefusesOptionsOutOfRangeBeforeCallingAnyServer) {
   EXPECT_TRUE(Client::Connect(good).ok());
 }
 
+// Hybrid sharding: a peer replica group that cannot be reached at the exchange fails the
+// contribution with UNAVAILABLE naming it; once it is back, sending the contribution
+// again (as a worker does after an error) completes the step in both replica groups.
+TEST(HybridFaultsTest, AnUnreachablePeerFailsTheScatterAndAResendCompletesTheStep) {
+  const std::vector<std::string> quick_peers = {"--peer_timeout=1s"};
+  testing::TestCluster cluster(4, "tok", ::testing::TempDir(), "", {quick_peers, quick_peers, quick_peers, quick_peers});
+  std::unique_ptr<Client> workers[2];
+  const FlatLayout* layout = nullptr;
+  for (int w = 0; w < 2; ++w) {
+    auto client = cluster.Connect(w, 2);
+    ASSERT_TRUE(client.ok()) << client.status();
+    workers[w] = *std::move(client);
+    ASSERT_TRUE(workers[w]->ConfigureJob({.replicas = 2}).ok());
+    auto registered = workers[w]->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+    ASSERT_TRUE(registered.ok()) << registered.status();
+    layout = *registered;
+  }
+  const std::vector<float> grad0(layout->padded_numel(), 1.0f), grad1(layout->padded_numel(), 3.0f);
+
+  kill(cluster.pid(2), SIGSTOP);  // replica group 1's server of shard 0
+  const absl::Status failed = workers[0]->Scatter("g", 0, DType::kFloat32, AsBytes(grad0)).get();
+  kill(cluster.pid(2), SIGCONT);
+  EXPECT_TRUE(absl::IsUnavailable(failed)) << failed;
+  EXPECT_THAT(std::string(failed.message()), HasSubstr("could not reach server 2"));
+  const absl::Status again = workers[0]->Scatter("g", 0, DType::kFloat32, AsBytes(grad0)).get();
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;  // arrived: the step goes on
+  ASSERT_TRUE(workers[1]->Scatter("g", 0, DType::kFloat32, AsBytes(grad1)).get().ok());
+  for (int w = 0; w < 2; ++w) {
+    std::vector<float> params(layout->padded_numel(), 7.0f);
+    auto version = workers[w]->Gather("g", 1, DType::kFloat32, AsBytes(params)).get();
+    ASSERT_TRUE(version.ok()) << version.status();
+    EXPECT_EQ(*version, 1);
+    params.resize(layout->unpadded_numel());
+    EXPECT_EQ(params, std::vector<float>(params.size(), -1.0f)) << "worker " << w;  // -0.5 * (1 + 3) / 2
+  }
+}
+
 }  // namespace
 }  // namespace flatshard

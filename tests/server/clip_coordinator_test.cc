@@ -28,6 +28,7 @@ class ClipCoordinatorTest : public ::testing::Test {
       servers_[rank].clip = std::make_unique<ClipCoordinator>(
           *servers_[rank].registry, rank, kServers,
           [this](int peer, const std::string& job, int64_t step, double partial) {
+            if (unreachable_) return absl::UnavailableError("peer unreachable");
             return servers_[peer].clip->RecordPartial(job, step, sender_, partial);
           });
       ASSERT_TRUE(servers_[rank].registry
@@ -70,6 +71,7 @@ class ClipCoordinatorTest : public ::testing::Test {
 
   FakeServer servers_[kServers];
   int sender_ = 0;
+  bool unreachable_ = false;  // every send fails
 };
 
 // Shards: server 0 holds elements 0-1 of each group, server 1 elements 2-3.
@@ -139,6 +141,25 @@ TEST_F(ClipCoordinatorTest, RejectsSharesForUnknownRanksAndUnclippedJobs) {
   EXPECT_EQ(servers_[0].clip->RecordPartial("nojob", 0, 1, 1.0).code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(servers_[0].registry->ConfigureJob("plain", {.num_workers = 1}).ok());
   EXPECT_EQ(servers_[0].clip->RecordPartial("plain", 0, 1, 1.0).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A share that could not reach a peer is sent again when asked again (a worker's resend
+// of its contribution does that): the step completes on every server.
+TEST_F(ClipCoordinatorTest, AShareThatCouldNotBeSentIsSentAgain) {
+  Start(/*max_norm=*/1.0, /*norm_type=*/2.0);
+  ASSERT_TRUE(Contribute(0, "a", kGrads[0][0]).ok());
+  unreachable_ = true;
+  const absl::Status failed = Contribute(0, "b", kGrads[0][1]);
+  EXPECT_TRUE(absl::IsUnavailable(failed)) << failed;
+  EXPECT_THAT(failed.message(), ::testing::HasSubstr("send the contribution again"));
+  unreachable_ = false;
+  ASSERT_TRUE(servers_[0].clip->OnGroupReduced("job", 0).ok());
+  ASSERT_TRUE(Contribute(1, "a", kGrads[1][0]).ok());
+  ASSERT_TRUE(Contribute(1, "b", kGrads[1][1]).ok());
+  for (int rank = 0; rank < kServers; ++rank) {
+    EXPECT_EQ(Version(rank, "a"), 1) << rank;
+    EXPECT_EQ(Version(rank, "b"), 1) << rank;
+  }
 }
 
 }  // namespace

@@ -32,7 +32,7 @@ absl::StatusOr<CommitOutcome> Contribute(Group& group, int64_t step, int worker,
   return group.CommitScatter(*slot);
 }
 
-// Hands `from`'s shared partial for `step` to `to`, as ReplicaExchange does over TCP.
+// Hands `from`'s shared partial for `step` to `to`, as StepDriver does over TCP.
 absl::StatusOr<CommitOutcome> Deliver(const Group& from, Group& to, int64_t step) {
   absl::StatusOr<absl::Span<const std::byte>> partial = from.SharedPartial(step);
   if (!partial.ok()) return partial.status();

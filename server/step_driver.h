@@ -1,5 +1,6 @@
-// ReplicaExchange: what follows a committed contribution on every data plane, and the
-// gradient exchange between the replica groups of a hybrid-sharded job (server/job.h).
+// StepDriver: carries a synchronous step on from a committed contribution, the same way
+// on every data plane, including the gradient exchange between the replica groups of a
+// hybrid-sharded job (server/job.h).
 //
 // After Group::CommitScatter a plane calls Continue with the outcome:
 //  - kShare (hybrid): sends the group's partial for the step to the server holding the
@@ -8,18 +9,24 @@
 // A partial that a peer sends here (DataServer, kReplicaPartial) is committed with
 // Group::CommitReplicaPartial and continues the same way.
 //
+// When a peer cannot be reached, the contribution that triggered the send is answered
+// with Unavailable naming the peer, and the step waits. A worker that sends that
+// contribution again finds it held (AlreadyExists): BeginScatter then retries what the
+// step still waits for from this server (the partial, the norm share), so a step
+// survives a peer that was briefly unreachable.
+//
 // Partials travel on the TCP data plane, one connection per peer opened with a session
 // from its OpenSession (the cluster token authenticates it), used by one send at a time.
 // A send that fails on a connection that went stale is retried once on a new one; a
 // peer that already holds or applied the partial (AlreadyExists) counts as delivered.
-// If a peer cannot be reached the step stays incomplete and the contribution that
-// triggered the send is answered with Unavailable naming the peer, as for a clipped
-// job's norm share. Thread-safe.
+// Thread-safe.
 //
-//   ReplicaExchange exchange(num_servers, clip, connect_to_peer, absl::Seconds(30));
-//   FLATSHARD_RETURN_IF_ERROR(exchange.Continue(*group, step, *group->CommitScatter(slot)));
-#ifndef FLATSHARD_SERVER_REPLICA_EXCHANGE_H_
-#define FLATSHARD_SERVER_REPLICA_EXCHANGE_H_
+//   StepDriver driver(num_servers, clip, connect_to_peer, absl::Seconds(30));
+//   FLATSHARD_ASSIGN_OR_RETURN(ReceiveSlot slot, driver.BeginScatter(*group, step, worker, dtype));
+//   ...  // the bytes land in slot.buffer
+//   FLATSHARD_RETURN_IF_ERROR(driver.Continue(*group, step, *group->CommitScatter(slot)));
+#ifndef FLATSHARD_SERVER_STEP_DRIVER_H_
+#define FLATSHARD_SERVER_STEP_DRIVER_H_
 
 #include <cstdint>
 #include <functional>
@@ -36,13 +43,20 @@
 
 namespace flatshard::server {
 
-class ReplicaExchange {
+class StepDriver {
  public:
   // Opens an authenticated data connection to server `rank`.
   using Connect = std::function<absl::StatusOr<std::unique_ptr<transport::Connection>>(int rank)>;
 
   // `timeout`: how long a peer may take to reach the step and take a partial.
-  ReplicaExchange(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout);
+  StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout);
+
+  // Group::BeginScatter; when the contribution is already held (a resend), first sends
+  // again what the step still waits for from this server, and returns that failure if
+  // it fails again (AlreadyExists otherwise).
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(Group& group, int64_t step, int worker_rank,
+                                                         DType dtype,
+                                                         SlotMemory memory = SlotMemory::kHost);
 
   // Continues after `group` committed something for `step` with `outcome`.
   [[nodiscard]] absl::Status Continue(Group& group, int64_t step, CommitOutcome outcome);
@@ -52,6 +66,9 @@ class ReplicaExchange {
     absl::Mutex mu;
     std::unique_ptr<transport::Connection> conn ABSL_GUARDED_BY(mu);
   };
+  // Sends the group's partial to every other replica group, then counts it; on failure
+  // the partial waits to be shared again (Group::ClaimShare).
+  absl::StatusOr<CommitOutcome> SharePartial(Group& group, int64_t step);
   absl::Status SendPartial(int peer, const Group& group, int64_t step,
                            absl::Span<const std::byte> partial);
   // Sends and sets `verdict` to the peer's answer; returns the transport's error (the
@@ -67,4 +84,4 @@ class ReplicaExchange {
 
 }  // namespace flatshard::server
 
-#endif  // FLATSHARD_SERVER_REPLICA_EXCHANGE_H_
+#endif  // FLATSHARD_SERVER_STEP_DRIVER_H_
