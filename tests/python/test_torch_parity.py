@@ -172,6 +172,11 @@ class ParityTest(unittest.TestCase):
                    lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10,
                    max_grad_norm=0.5, servers=4, replicas=2)
 
+    def test_hybrid_sharding_with_tied_frozen_parameters_and_accumulation(self):
+        self.check("tied_frozen", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
+                   lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 10,
+                   max_grad_norm=0.5, micro_batches=2, servers=4, replicas=2)
+
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
                    lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)

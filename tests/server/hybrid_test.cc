@@ -154,6 +154,23 @@ TEST(HybridTest, ALoadDropsPartialsInFlight) {
   EXPECT_EQ(Params(first), Params(second));
 }
 
+TEST(HybridTest, ReplicaGroupsMayHaveDifferentWorkerCounts) {
+  Replicas r = MakeReplicas(3);  // replica group 0: workers 0 and 2; 1: worker 1
+  Group& first = *r.group[0];
+  Group& second = *r.group[1];
+  EXPECT_EQ(*Contribute(second, 0, 1, std::vector<float>(5, 6.0f)), CommitOutcome::kShare);
+  EXPECT_EQ(*Contribute(first, 0, 0, std::vector<float>(5, 1.0f)), CommitOutcome::kPending);
+  EXPECT_EQ(*Contribute(first, 0, 2, std::vector<float>(5, 2.0f)), CommitOutcome::kShare);
+  // Each shares its partial before counting it, as StepDriver does.
+  ASSERT_EQ(*Deliver(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*Deliver(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
+  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
+  const std::vector<float> expected = {-3, -3, -3, -3, 0};  // the mean over all 3 workers
+  EXPECT_EQ(Params(first), expected);
+  EXPECT_EQ(Params(second), expected);
+}
+
 TEST(HybridTest, RegistryLaysGroupsOutOverOneReplicaGroup) {
   Registry registry(/*rank=*/5, /*num_servers=*/6);
   ASSERT_TRUE(registry.ConfigureJob("hybrid", {.num_workers = 4, .replicas = 3}).ok());
