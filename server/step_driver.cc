@@ -8,8 +8,7 @@
 
 namespace flatshard::server {
 
-StepDriver::StepDriver(int num_servers, ClipCoordinator& clip, Connect connect,
-                                 absl::Duration timeout)
+StepDriver::StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout)
     : clip_(clip), connect_(std::move(connect)), timeout_(timeout) {
   for (int rank = 0; rank < num_servers; ++rank) links_.push_back(std::make_unique<Link>());
 }
@@ -20,9 +19,7 @@ absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step,
   if (!absl::IsAlreadyExists(slot.status())) return slot;
   // A resend: its first answer may have been a failure to reach a peer.
   if (group.ClaimShare(step)) {
-    absl::StatusOr<CommitOutcome> outcome = SharePartial(group, step);
-    FLATSHARD_RETURN_IF_ERROR(outcome.status());
-    FLATSHARD_RETURN_IF_ERROR(Continue(group, step, *outcome));
+    FLATSHARD_RETURN_IF_ERROR(Continue(group, step, CommitOutcome::kShare));
   } else if (group.reduced_at(step)) {
     FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(group.job(), step));
   }
@@ -55,7 +52,7 @@ absl::StatusOr<CommitOutcome> StepDriver::SharePartial(Group& group, int64_t ste
 }
 
 absl::Status StepDriver::SendPartial(int peer, const Group& group, int64_t step,
-                                          absl::Span<const std::byte> partial) {
+                                     absl::Span<const std::byte> partial) {
   Link& link = *links_[peer];
   absl::MutexLock lock(&link.mu);
   for (int attempt = 0;; ++attempt) {
@@ -76,7 +73,7 @@ absl::Status StepDriver::SendPartial(int peer, const Group& group, int64_t step,
 }
 
 absl::Status StepDriver::SendOn(transport::Connection& conn, const Group& group, int64_t step,
-                                     absl::Span<const std::byte> partial, absl::Status& verdict) const {
+                                absl::Span<const std::byte> partial, absl::Status& verdict) const {
   transport::RequestHeader header;
   header.op = static_cast<uint8_t>(transport::DataOp::kReplicaPartial);
   header.dtype = static_cast<uint8_t>(DType::kFloat32);

@@ -58,7 +58,8 @@ class StepDriver {
                                                          DType dtype,
                                                          SlotMemory memory = SlotMemory::kHost);
 
-  // Continues after `group` committed something for `step` with `outcome`.
+  // Continues after `group` committed something for `step` with `outcome` (kShare: the
+  // caller holds the share, as CommitScatter or ClaimShare handed it over).
   [[nodiscard]] absl::Status Continue(Group& group, int64_t step, CommitOutcome outcome);
 
  private:
