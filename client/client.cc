@@ -185,6 +185,16 @@ class ClientImpl final : public Client {
     return version;
   }
 
+  absl::StatusOr<double> GradNorm(int64_t step) override {
+    v1::GetGradNormRequest request;
+    request.set_job(options_.job);
+    request.set_step(step);
+    v1::GetGradNormResponse response;
+    // Every server combined the same norm; server 0 is in every job's replica group 0.
+    FLATSHARD_RETURN_IF_ERROR(control_->Call(0, &v1::Flatshard::Stub::GetGradNorm, request, &response));
+    return response.norm();
+  }
+
   absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer,
                               bool async, Progress progress) override {
     return checkpoints_->Save(name, kind, optimizer, async, progress);

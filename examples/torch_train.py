@@ -51,7 +51,7 @@ def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, q
                                           optimizer=flatshard.AdamW(lr=1e-2, weight_decay=0.01),
                                           auto_wrap_min_params=1000, load_checkpoint=checkpoint)
     assert model.version == first_step, (model.version, first_step)
-    losses = []
+    losses, norms = [], []
     for step in range(first_step, first_step + steps):
         model.set_hyperparams(lr=learning_rate(step, total_steps))
         x, y = batch(step, rank)
@@ -64,7 +64,8 @@ def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, q
             total += loss.item()
         model.step()
         losses.append(total)
-    queue.put((rank, losses, model.groups if rank == 0 else None))
+        norms.append(model.grad_norm())  # before clipping, as clip_grad_norm_ returns it
+    queue.put((rank, losses, (model.groups, norms) if rank == 0 else None))
 
 
 def train(cluster, first_step, steps, total_steps, checkpoint=None):
@@ -76,12 +77,13 @@ def train(cluster, first_step, steps, total_steps, checkpoint=None):
                  for rank in range(2)]
     for p in processes:
         p.start()
-    results = dict((rank, (losses, groups)) for rank, losses, groups in (queue.get(timeout=300) for _ in processes))
+    results = dict((rank, (losses, extra)) for rank, losses, extra in (queue.get(timeout=300) for _ in processes))
     for p in processes:
         p.join()
         if p.exitcode != 0:
             raise SystemExit(f"a worker failed (exit code {p.exitcode})")
-    return [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], results[0][1]
+    groups, norms = results[0][1]
+    return [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], groups, norms
 
 
 def main():
@@ -91,16 +93,17 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         with flatshard.LocalCluster(servers=2, checkpoint_root=root) as cluster:
             print(f"cluster 1: servers {cluster.addresses}")
-            losses, groups = train(cluster, 0, args.steps, 2 * args.steps)
+            losses, groups, norms = train(cluster, 0, args.steps, 2 * args.steps)
             print(f"groups: {[name for name, _, _ in groups]}")
-            print(f"steps 1-{args.steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+            print(f"steps 1-{args.steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                  f"gradient norm {norms[0]:.3f} -> {norms[-1]:.3f} (max_grad_norm 1.0)")
             client = flatshard.Client(cluster.addresses, num_workers=2, token=cluster.token)
             client.save_checkpoint("torch-example", kind="full", optimizer=True)
             print("saved FULL checkpoint 'torch-example' with optimizer state; stopping the cluster")
         with flatshard.LocalCluster(servers=2, checkpoint_root=root) as cluster:
             print(f"cluster 2: servers {cluster.addresses} (fresh processes, same checkpoint root)")
-            resumed, _ = train(cluster, args.steps, args.steps, 2 * args.steps,
-                               checkpoint="torch-example")
+            resumed, _, _ = train(cluster, args.steps, args.steps, 2 * args.steps,
+                                  checkpoint="torch-example")
             print(f"steps {args.steps + 1}-{2 * args.steps} after loading: "
                   f"loss {resumed[0]:.4f} -> {resumed[-1]:.4f}")
     # A fresh start would begin near the first loss; a resumed one near the last.

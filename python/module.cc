@@ -283,6 +283,14 @@ class PyClient {
     return Check(std::move(version));
   }
 
+  double GradNorm(int64_t step) {
+    absl::StatusOr<double> norm = [&] {
+      py::gil_scoped_release release;
+      return client_->GradNorm(step);
+    }();
+    return Check(std::move(norm));
+  }
+
   void SetHyperparams(const std::string& name, const py::dict& optimizer) {
     const OptimizerOptions options = ToOptimizer(optimizer);
     Released([&] { return client_->SetHyperparams(name, options); });
@@ -389,6 +397,7 @@ PYBIND11_MODULE(_native, m) {
       .def("gather", &PyClient::Gather)
       .def("scatter", &PyClient::Scatter)
       .def("wait_version", &PyClient::WaitVersion)
+      .def("grad_norm", &PyClient::GradNorm)
       .def("set_hyperparams", &PyClient::SetHyperparams)
       .def("save_checkpoint", &PyClient::SaveCheckpoint)
       .def("load_checkpoint", &PyClient::LoadCheckpoint)

@@ -88,12 +88,47 @@ absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step
   }
   steps_.erase({job, step});
   const double total_norm = inf_norm ? combined : std::sqrt(combined);
+  std::map<int64_t, double>& kept = norms_[job];
+  kept[step] = total_norm;
+  while (kept.size() > kKeptNorms) kept.erase(kept.begin());
   const float clip_coef = static_cast<float>(settings.max_grad_norm / (total_norm + 1e-6));
   absl::Status status;
   for (const auto& group : registry_.job_groups(job)) {
     if (group->reduced_at(step)) status.Update(group->FinishClippedStep(step, clip_coef));
   }
   return status;
+}
+
+void ClipCoordinator::ForgetNorms(const std::string& job) {
+  absl::MutexLock lock(&mu_);
+  norms_.erase(job);
+}
+
+absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_t step,
+                                                  absl::Time deadline) {
+  FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
+  if (!settings.clipping()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job '", job, "' does not clip gradients, so no norm is computed; set max_grad_norm "
+        "(one above any norm reports it without clipping)"));
+  }
+  absl::MutexLock lock(&mu_);
+  std::map<int64_t, double>& kept = norms_[job];
+  bool applied = false;  // a step this server applied without its norm coming back
+  for (const auto& group : registry_.job_groups(job)) {
+    if (!group->frozen() && group->version() > step) applied = true;
+  }
+  if (applied && kept.count(step) == 0) {
+    return absl::NotFoundError(absl::StrCat(
+        "job '", job, "': the norm of step ", step, " is not kept here (the last ", kKeptNorms,
+        " steps are, since this server started or last loaded a checkpoint)"));
+  }
+  auto known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return kept.count(step) > 0; };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&known), deadline)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("job '", job, "': the gradient norm of step ", step, " is not known yet"));
+  }
+  return kept[step];
 }
 
 }  // namespace flatshard::server

@@ -8,7 +8,8 @@
 // all N servers are in, each server combines them in rank order (so every server computes
 // the same bits), derives clip_coef = max_norm / (total_norm + 1e-6) and finishes the step
 // of every such group: scale by clip_coef when it is below 1, optimizer step, version + 1.
-// The groups of the job thus step together. In a hybrid-sharded job (server/job.h) every
+// The groups of the job thus step together, and the norm stays readable (TotalNorm) for
+// logging, as clip_grad_norm_'s return value is. In a hybrid-sharded job (server/job.h) every
 // replica group holds the same reduced gradient, so "every peer" and "all N servers" are
 // the S servers of this server's replica group, combined in shard order.
 //
@@ -53,6 +54,17 @@ class ClipCoordinator {
   [[nodiscard]] absl::Status RecordPartial(const std::string& job, int64_t step, int rank,
                                            double partial);
 
+  // The total gradient norm of `job` at `step`, before clipping (what
+  // torch.nn.utils.clip_grad_norm_ returns), once this server has combined it; waits
+  // until `deadline`. The norms of a job's last kKeptNorms steps are kept.
+  // InvalidArgument for a job that does not clip, NotFound for a step applied here whose
+  // norm is not kept (older, or from before a restart or a load), DeadlineExceeded.
+  static constexpr size_t kKeptNorms = 1024;
+  [[nodiscard]] absl::StatusOr<double> TotalNorm(const std::string& job, int64_t step,
+                                                 absl::Time deadline);
+  // Drops the kept norms of `job` (a checkpoint load rewinds its versions).
+  void ForgetNorms(const std::string& job);
+
  private:
   struct StepState {
     std::vector<std::optional<double>> partials;
@@ -69,6 +81,7 @@ class ClipCoordinator {
   const SendPartial send_;
   absl::Mutex mu_;
   std::map<std::pair<std::string, int64_t>, StepState> steps_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::map<int64_t, double>> norms_ ABSL_GUARDED_BY(mu_);  // job -> step -> norm
 };
 
 }  // namespace flatshard::server

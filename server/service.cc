@@ -247,8 +247,11 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
   switch (request->phase()) {
     case v1::LoadCheckpointRequest::PREPARE:
       return ToGrpc(checkpoints_.PrepareLoad(request->name(), request->job(), request->home_root_id()));
-    case v1::LoadCheckpointRequest::COMMIT:
-      return ToGrpc(checkpoints_.CommitLoad(request->name()));
+    case v1::LoadCheckpointRequest::COMMIT: {
+      const absl::Status loaded = checkpoints_.CommitLoad(request->name());
+      clip_.ForgetNorms(request->job());  // its steps are taken again from the loaded versions
+      return ToGrpc(loaded);
+    }
     default:
       checkpoints_.AbortLoad(request->name());
       return grpc::Status::OK;
@@ -346,6 +349,15 @@ grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   return ToGrpc(clip_.RecordPartial(request->job(), request->step(), request->rank(),
                                     request->partial()));
+}
+
+grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,
+                                           v1::GetGradNormResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  absl::StatusOr<double> norm = clip_.TotalNorm(request->job(), request->step(), DeadlineOf(ctx));
+  if (!norm.ok()) return ToGrpc(norm.status());
+  response->set_norm(*norm);
+  return grpc::Status::OK;
 }
 
 grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,

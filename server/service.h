@@ -74,6 +74,8 @@ class FlatshardService final : public v1::Flatshard::Service {
                                   grpc::ServerWriter<v1::ReadCheckpointFileChunk>* writer) override;
   grpc::Status PushNormPartial(grpc::ServerContext* ctx, const v1::PushNormPartialRequest* request,
                                v1::PushNormPartialResponse* response) override;
+  grpc::Status GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,
+                           v1::GetGradNormResponse* response) override;
 
  private:
   grpc::Status Authenticate(const grpc::ServerContext* ctx) const;

@@ -314,6 +314,12 @@ class Client:
     def wait_version(self, name, min_version):
         return self._native.wait_version(name, int(min_version))
 
+    def grad_norm(self, step):
+        """The job's total gradient norm at `step`, before clipping (what
+        torch.nn.utils.clip_grad_norm_ returns); waits until the step is reduced. The job
+        must clip (max_grad_norm; one above any norm reports it without clipping)."""
+        return self._native.grad_norm(int(step))
+
     def set_hyperparams(self, name, **changes):
         """New hyper-parameters from the next step on, e.g. set_hyperparams("mlp", lr=5e-4)."""
         current = self._optimizers.get(name)

@@ -341,6 +341,13 @@ class ShardedModule(torch.nn.Module):
         for _, param in self.named_parameters():
             param.grad = None
 
+    def grad_norm(self):
+        """The total gradient norm of the last step(), before clipping, as
+        torch.nn.utils.clip_grad_norm_ returns it (the job must set max_grad_norm)."""
+        if self._step == 0:
+            raise flatshard.FailedPreconditionError("no step has been taken yet")
+        return self._client.grad_norm(self._step - 1)
+
     def state_dict(self, *args, **kwargs):
         """The full state dict, parameters read from the servers in fp32 (buffers local)."""
         out = collections.OrderedDict()

@@ -98,10 +98,11 @@ std::vector<float> InitialValues(const FlatLayout& layout) {
 // order; then the servers in rank order), optimizer on the whole flat buffer
 // (elementwise, so sharding cannot change a bit). With replica groups (hybrid sharding),
 // each replica group's workers are summed in rank order, then the replica groups'
-// partials in replica order, and the norm is one replica group's.
+// partials in replica order, and the norm is one replica group's. `norms` gets each
+// clipped step's total norm.
 std::vector<std::vector<float>> Reference(const std::vector<GroupCase>& cases,
                                           const std::vector<const FlatLayout*>& layouts,
-                                          const JobOptions& job, int workers) {
+                                          const JobOptions& job, int workers, std::vector<double>& norms) {
   struct State {
     std::vector<float> params, m, v, v_max, grad;
   };
@@ -151,6 +152,7 @@ std::vector<std::vector<float>> Reference(const std::vector<GroupCase>& cases,
         combined = inf_norm ? std::max(combined, partial) : combined + partial;
       }
       const double total = inf_norm ? combined : std::sqrt(combined);
+      norms.push_back(total);
       const float coef = static_cast<float>(job.max_grad_norm / (total + 1e-6));
       EXPECT_LT(coef, 1.0f) << "the test should clip";
       if (coef < 1.0f) {
@@ -297,7 +299,19 @@ void TrainAndCompare(const JobOptions& job,
   for (std::thread& thread : threads) thread.join();
   if (::testing::Test::HasFatalFailure()) return;
 
-  const std::vector<std::vector<float>> reference = Reference(cases, layouts, job, workers);
+  std::vector<double> norms;
+  const std::vector<std::vector<float>> reference = Reference(cases, layouts, job, workers, norms);
+  // Each step's gradient norm, as the servers combined it: the reference's, bit for bit.
+  if (job.max_grad_norm > 0) {
+    ASSERT_EQ(norms.size(), static_cast<size_t>(kSteps));
+    for (int step = 0; step < kSteps; ++step) {
+      const absl::StatusOr<double> norm = (*setup)->GradNorm(step);
+      ASSERT_TRUE(norm.ok()) << norm.status();
+      EXPECT_EQ(std::bit_cast<uint64_t>(*norm), std::bit_cast<uint64_t>(norms[step])) << "step " << step;
+    }
+  } else {
+    EXPECT_TRUE(absl::IsInvalidArgument((*setup)->GradNorm(0).status()));
+  }
   for (size_t g = 0; g < cases.size(); ++g) {
     ASSERT_EQ(*(*setup)->WaitVersion(cases[g].name, kSteps), kSteps);
     const std::vector<float>& expected = reference[g];

@@ -1,8 +1,8 @@
 """A training worker process for the parity tests: trains `kind` with ShardedModule on
 its half of the batch (on `device`: "cpu" or "cuda"), in `micro_batches` pieces whose
 gradients accumulate under no_sync() but for the last, with the learning rate set to
-lr_schedule[step] before the steps it names, and reports its losses and (worker 0) the
-final state dict."""
+lr_schedule[step] before the steps it names, and reports its losses, (worker 0) the
+final state dict, and (a clipped job) the gradient norm of every step."""
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
         x, y = (t.to(device) for t in make_data(kind))
         half = x.shape[0] // 2
         x, y = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
-        losses = []
+        losses, norms = [], []
         micro = x.shape[0] // micro_batches
         for step in range(steps):
             if lr_schedule and step in lr_schedule:
@@ -45,7 +45,9 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
                 total += loss.item()
             model.step()
             losses.append(total)
+            if job.get("max_grad_norm"):
+                norms.append(model.grad_norm())
         state = {k: v.cpu().numpy() for k, v in model.state_dict().items()} if rank == 0 else None
-        queue.put((rank, losses, state, model.groups, None))
+        queue.put((rank, (losses, state, model.groups, norms), None))
     except BaseException as e:  # report instead of hanging the test
-        queue.put((rank, None, None, None, repr(e)))
+        queue.put((rank, None, repr(e)))

@@ -8,6 +8,7 @@ tensor) after every run, and the loss curves to the same bound. MisuseAndRecover
 a one-worker job with failures injected into its transfers, and a misused backward.
 """
 
+import collections
 import contextlib
 import multiprocessing
 import os
@@ -31,12 +32,18 @@ def relative_error(ours, reference):
     return ((ours - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
+# A flatshard run: per-step losses (the workers' mean), worker 0's final state dict, the
+# groups, and (a clipped job) per-step gradient norms as worker 0 read them.
+Run = collections.namedtuple("Run", "losses state groups norms")
+
+
 def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu", lr_schedule=None):
+    """torch alone: the model, per-step losses and (clipped) clip_grad_norm_'s norms."""
     torch.manual_seed(0)
     model = make_model(kind).to(device)
     optimizer = make_optimizer(model.parameters())
     x, y = (t.to(device) for t in make_data(kind))
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         if lr_schedule and step in lr_schedule:
             for param_group in optimizer.param_groups:
@@ -45,10 +52,10 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
         optimizer.zero_grad()
         loss.backward()
         if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
         optimizer.step()
         losses.append(loss.item())
-    return model, losses
+    return model, losses, norms
 
 
 def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu",
@@ -65,17 +72,17 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
     results = {}
     try:
         for _ in workers:
-            rank, losses, state, groups, error = queue.get(timeout=300)
+            rank, result, error = queue.get(timeout=300)
             if error:
                 raise AssertionError(f"worker {rank} failed: {error}")
-            results[rank] = (losses, state, groups)
+            results[rank] = result
     finally:
         for worker in workers:
             worker.join(timeout=30)
             if worker.is_alive():
                 worker.kill()
     losses = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
-    return losses, results[0][1], results[0][2]
+    return Run(losses, results[0][1], results[0][2], results[0][3])
 
 
 class ParityTest(unittest.TestCase):
@@ -86,9 +93,9 @@ class ParityTest(unittest.TestCase):
         if replicas > 1:
             job["replicas"] = replicas
         with flatshard.LocalCluster(servers=servers, memory=memory) as cluster:
-            losses, state, groups = train_flatshard(cluster, kind, optimizer, steps, job,
-                                                    device=device, micro_batches=micro_batches,
-                                                    lr_schedule=lr_schedule)
+            losses, state, groups, norms = train_flatshard(
+                cluster, kind, optimizer, steps, job, device=device, micro_batches=micro_batches,
+                lr_schedule=lr_schedule)
             if replicas > 1:  # server r holds shard r % S in replica group r // S
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 per_replica = servers // replicas
@@ -103,8 +110,12 @@ class ParityTest(unittest.TestCase):
                 for server in status["servers"]:
                     self.assertEqual(int(server["ipc_scatters"]), steps * len(groups) * 2, server)
                     self.assertGreater(int(server["ipc_gathers"]), 0, server)
-        reference, reference_losses = train_reference(kind, make_reference_optimizer, steps,
-                                                      max_grad_norm, device, lr_schedule)
+        reference, reference_losses, reference_norms = train_reference(
+            kind, make_reference_optimizer, steps, max_grad_norm, device, lr_schedule)
+        # The servers' norm of each step is clip_grad_norm_'s.
+        self.assertEqual(len(norms), len(reference_norms))
+        for step, (ours, theirs) in enumerate(zip(norms, reference_norms)):
+            self.assertLess(abs(ours - theirs) / theirs, REL_TOL, f"gradient norm at step {step}")
         self.assertGreater(len(groups), 1, "the auto-wrap policy should make several groups")
         for step, (ours, theirs) in enumerate(zip(losses, reference_losses)):
             self.assertLess(abs(ours - theirs) / abs(theirs), REL_TOL, f"loss at step {step}")
@@ -213,7 +224,7 @@ class Failed:
 class MisuseAndRecoveryTest(unittest.TestCase):
     def assert_matches_sgd(self, state, steps):
         """`state` is what torch.optim.SGD(lr=0.1) makes of the MLP in `steps` steps."""
-        reference, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), steps)
+        reference, _, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), steps)
         for name, value in reference.state_dict().items():
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
 
@@ -296,8 +307,8 @@ class MisuseAndRecoveryTest(unittest.TestCase):
 class MixedPrecisionAndExportTest(unittest.TestCase):
     def test_bf16_params_fp32_reduce_converges_and_gathers_exact_casts(self):
         with flatshard.LocalCluster(servers=3) as cluster:
-            losses, _, groups = train_flatshard(cluster, "mlp", flatshard.Adam(lr=1e-2), 30,
-                                                param_dtype=torch.bfloat16)
+            losses, _, groups, _ = train_flatshard(cluster, "mlp", flatshard.Adam(lr=1e-2), 30,
+                                                   param_dtype=torch.bfloat16)
             self.assertLess(losses[-1], 0.5 * losses[0], losses)
             client = flatshard.Client(cluster.addresses, worker_rank=0, num_workers=2,
                                       token=cluster.token, job="parity")
@@ -326,7 +337,7 @@ class MixedPrecisionAndExportTest(unittest.TestCase):
 
     def test_full_export_loads_into_torch_and_reproduces_outputs(self):
         with flatshard.LocalCluster(servers=3) as cluster, tempfile.TemporaryDirectory() as out:
-            _, state, _ = train_flatshard(cluster, "transformer", flatshard.AdamW(lr=5e-3), 5)
+            state = train_flatshard(cluster, "transformer", flatshard.AdamW(lr=5e-3), 5).state
             client = flatshard.Client(cluster.addresses, worker_rank=0, num_workers=2,
                                       token=cluster.token, job="parity")
             client.export_state_dict(out, kind="full")

@@ -106,6 +106,27 @@ TEST_F(ClipCoordinatorTest, GroupsStepTogetherWithTheGlobalL2Coefficient) {
   }
 }
 
+// The norm stays readable for logging: every server has the same one, a step not yet
+// reduced is waited for, and one forgotten (a load) is NotFound once applied.
+TEST_F(ClipCoordinatorTest, TheTotalNormOfAStepIsKeptForLogging) {
+  Start(/*max_norm=*/1.0, /*norm_type=*/2.0);
+  const absl::Time soon = absl::Now() + absl::Milliseconds(50);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(servers_[0].clip->TotalNorm("job", 0, soon).status()));
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(Contribute(rank, "a", kGrads[rank][0]).ok());
+    ASSERT_TRUE(Contribute(rank, "b", kGrads[rank][1]).ok());
+  }
+  for (int rank = 0; rank < kServers; ++rank) {
+    const absl::StatusOr<double> norm = servers_[rank].clip->TotalNorm("job", 0, absl::InfiniteFuture());
+    ASSERT_TRUE(norm.ok()) << norm.status();
+    EXPECT_NEAR(*norm, std::sqrt(35.0), 1e-12) << rank;  // 9 + 16 + 1 + 4 + 4 + 1
+  }
+  servers_[0].clip->ForgetNorms("job");
+  EXPECT_TRUE(absl::IsNotFound(servers_[0].clip->TotalNorm("job", 0, absl::InfiniteFuture()).status()));
+  ASSERT_TRUE(servers_[0].registry->ConfigureJob("plain", {.num_workers = 1}).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(servers_[0].clip->TotalNorm("plain", 0, absl::InfiniteFuture()).status()));
+}
+
 TEST_F(ClipCoordinatorTest, InfNormAndNoScalingBelowTheBound) {
   Start(/*max_norm=*/10.0, std::numeric_limits<double>::infinity());  // max |g| = 4 < 10
   for (int rank = 0; rank < kServers; ++rank) {

@@ -180,6 +180,13 @@ class Client {
   [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group,
                                                             int64_t min_version) = 0;
 
+  // The job's total gradient norm at `step`, before clipping (what
+  // torch.nn.utils.clip_grad_norm_ returns), for logging; waits until the step is
+  // reduced. The job must clip (JobOptions::max_grad_norm; one above any norm reports it
+  // without clipping): InvalidArgument otherwise. NotFound for a step more than 1024
+  // steps old.
+  [[nodiscard]] virtual absl::StatusOr<double> GradNorm(int64_t step) = 0;
+
   // New hyper-parameters from the next step on (same optimizer kind as registered).
   [[nodiscard]] virtual absl::Status SetHyperparams(const std::string& group,
                                                     const OptimizerOptions& optimizer) = 0;
