@@ -1,7 +1,7 @@
 // The pinned and device memory tiers against the host tier: the same group driven
 // through the same steps (several workers, mixed dtypes, clipping, async, init,
-// snapshot and restore) ends bit for bit equal, since every tier runs the same element
-// code. Registration beyond the device's memory is ResourceExhausted naming the group
+// snapshot and restore, hybrid sharding's partials) ends bit for bit equal, since every
+// tier runs the same element code. Registration beyond the device's memory is ResourceExhausted naming the group
 // and the bytes. Skips, with the reason, without a CUDA device.
 #include <gtest/gtest.h>
 
@@ -11,6 +11,7 @@
 #include "kernels/cpu/cast.h"
 #include "kernels/cuda/device.h"
 #include "server/group.h"
+#include "tests/server/replica_partials.h"
 
 namespace flatshard::server {
 namespace {
@@ -47,6 +48,7 @@ struct Outcome {
   std::vector<std::byte> fp32, bf16;
   ShardSnapshot snapshot;
 };
+Outcome Observe(Group& group);
 
 Outcome RunScript(MemoryTier tier, const JobSettings& job, const OptimizerConfig& optimizer,
                   unsigned seed) {
@@ -76,6 +78,12 @@ Outcome RunScript(MemoryTier tier, const JobSettings& job, const OptimizerConfig
       }
     }
   }
+  return Observe(group);
+}
+
+// What a worker and a checkpoint see of `group`: gathered fp32 and bf16 bytes, then the
+// snapshot.
+Outcome Observe(Group& group) {
   Outcome outcome;
   for (auto [dtype, out] : {std::pair{DType::kFloat32, &outcome.fp32}, std::pair{DType::kBFloat16, &outcome.bf16}}) {
     absl::StatusOr<GatherSnapshot> gathered = group.Gather(0, dtype, absl::InfiniteFuture());
@@ -122,6 +130,51 @@ TEST_P(GroupTiersTest, AsyncNesterovSgdEqualsTheHostTier) {
   const JobSettings job{.num_workers = 2, .reduce_mean = true, .async = true, .max_staleness = 4};
   const OptimizerConfig sgd = kernels::SgdHyperparams{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 1e-3f, .nesterov = true};
   ExpectSameOutcome(RunScript(GetParam(), job, sgd, 7), RunScript(MemoryTier::kHost, job, sgd, 7));
+}
+
+// Hybrid sharding: shard 1 in replica groups 0 and 1 of a 4-server cluster, 4 workers in
+// mixed dtypes; the partials go from group to group by hand. Both replica groups end
+// equal, and equal to the host tier's.
+Outcome RunHybridScript(MemoryTier tier, unsigned seed) {
+  const JobSettings job{.num_workers = 4, .replicas = 2};
+  const OptimizerConfig adamw = kernels::AdamHyperparams{.lr = 1e-2f, .weight_decay = 0.01f, .decoupled_weight_decay = true};
+  std::shared_ptr<Group> groups[2];
+  for (int replica = 0; replica < 2; ++replica) {
+    absl::StatusOr<std::shared_ptr<Group>> created =
+        Group::Create("job", "g", TestLayout(), Placement::Of(2 * replica + 1, 4, 2), job, adamw, tier);
+    EXPECT_TRUE(created.ok()) << created.status();
+    groups[replica] = *created;
+    EXPECT_TRUE(groups[replica]->InitFromSeed(7).ok());
+  }
+  std::mt19937 rng(seed);
+  const DType dtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  for (int64_t step = 0; step < 4; ++step) {
+    for (int worker = 0; worker < job.num_workers; ++worker) {
+      Group& group = *groups[job.WorkerReplica(worker)];
+      const DType dtype = dtypes[(worker + step) % 3];
+      absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(step, worker, dtype);
+      EXPECT_TRUE(slot.ok()) << slot.status();
+      const std::vector<std::byte> grad = RandomGradient(rng, group.shard_numel(), dtype);
+      std::memcpy(slot->buffer.data(), grad.data(), grad.size());
+      absl::StatusOr<CommitOutcome> outcome = group.CommitScatter(*slot);
+      EXPECT_TRUE(outcome.ok()) << outcome.status();
+    }
+    for (int replica = 0; replica < 2; ++replica) {  // both partials are summed: exchange
+      EXPECT_TRUE(testing::DeliverPartial(*groups[replica], *groups[1 - replica], step).ok());
+    }
+    for (const auto& group : groups) {
+      absl::StatusOr<CommitOutcome> own = group->CommitOwnPartial(step);
+      EXPECT_TRUE(own.ok()) << own.status();
+    }
+  }
+  Outcome first = Observe(*groups[0]);
+  ExpectSameOutcome(Observe(*groups[1]), first);
+  EXPECT_EQ(first.snapshot.version, 4);
+  return first;
+}
+
+TEST_P(GroupTiersTest, HybridPartialsEqualTheHostTier) {
+  ExpectSameOutcome(RunHybridScript(GetParam(), 9), RunHybridScript(MemoryTier::kHost, 9));
 }
 
 // A checkpoint load's host buffers (server/shard_compute.h), filled from `values`.

@@ -11,11 +11,13 @@
 
 #include "server/group.h"
 #include "server/registry.h"
+#include "tests/server/replica_partials.h"
 
 namespace flatshard::server {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::DeliverPartial;
 
 std::vector<float> Params(Group& group) {
   absl::StatusOr<GatherSnapshot> snapshot = group.Gather(0, DType::kFloat32, absl::InfiniteFuture());
@@ -30,16 +32,6 @@ absl::StatusOr<CommitOutcome> Contribute(Group& group, int64_t step, int worker,
   if (!slot.ok()) return slot.status();
   std::memcpy(slot->buffer.data(), grad.data(), slot->buffer.size());
   return group.CommitScatter(*slot);
-}
-
-// Hands `from`'s shared partial for `step` to `to`, as StepDriver does over TCP.
-absl::StatusOr<CommitOutcome> Deliver(const Group& from, Group& to, int64_t step) {
-  absl::StatusOr<absl::Span<const std::byte>> partial = from.SharedPartial(step);
-  if (!partial.ok()) return partial.status();
-  absl::StatusOr<ReceiveSlot> slot = to.BeginReplicaPartial(step, from.placement().replica);
-  if (!slot.ok()) return slot.status();
-  std::memcpy(slot->buffer.data(), partial->data(), partial->size());
-  return to.CommitReplicaPartial(*slot);
 }
 
 struct Replicas {
@@ -75,10 +67,10 @@ TEST(HybridTest, EveryReplicaAddsThePartialsInReplicaOrderToTheSameBits) {
   // Replica group 0 takes workers 0 and 2, replica group 1 workers 1 and 3.
   EXPECT_EQ(*Contribute(first, 0, 2, grads[2]), CommitOutcome::kPending);
   EXPECT_EQ(*Contribute(first, 0, 0, grads[0]), CommitOutcome::kShare);
-  EXPECT_EQ(*Deliver(first, second, 0), CommitOutcome::kPending);  // its own are not in
+  EXPECT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);  // its own are not in
   EXPECT_EQ(*Contribute(second, 0, 1, grads[1]), CommitOutcome::kPending);
   EXPECT_EQ(*Contribute(second, 0, 3, grads[3]), CommitOutcome::kShare);
-  EXPECT_EQ(*Deliver(second, first, 0), CommitOutcome::kPending);  // its own not shared yet
+  EXPECT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);  // its own not shared yet
   EXPECT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
   EXPECT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
   EXPECT_EQ(first.version(), 1);
@@ -121,12 +113,12 @@ TEST(HybridTest, RefusesOtherReplicasWorkersAndMisdirectedPartials) {
   second.AbortReplicaPartial(*receiving);
   ASSERT_TRUE(Contribute(first, 0, 0, grad).ok());
   ASSERT_EQ(*Contribute(first, 0, 2, grad), CommitOutcome::kShare);
-  ASSERT_EQ(*Deliver(first, second, 0), CommitOutcome::kPending);
-  EXPECT_TRUE(absl::IsAlreadyExists(Deliver(first, second, 0).status()));
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
+  EXPECT_TRUE(absl::IsAlreadyExists(DeliverPartial(first, second, 0).status()));
   EXPECT_TRUE(absl::IsAlreadyExists(Contribute(first, 0, 0, grad).status()));  // held
   ASSERT_TRUE(Contribute(second, 0, 1, grad).ok());
   ASSERT_EQ(*Contribute(second, 0, 3, grad), CommitOutcome::kShare);
-  ASSERT_EQ(*Deliver(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
   ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
   ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
   EXPECT_TRUE(absl::IsAlreadyExists(second.BeginReplicaPartial(0, 0).status()));  // applied
@@ -138,16 +130,16 @@ TEST(HybridTest, ALoadDropsPartialsInFlight) {
   Group& first = *r.group[0];
   Group& second = *r.group[1];
   ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(5, 8.0f)), CommitOutcome::kShare);
-  ASSERT_EQ(*Deliver(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
   LoadedShard loaded;
   loaded.version = 0;
   loaded.params = *AllocateHostUnwritten(5 * sizeof(float), "test");
   std::fill_n(loaded.params.floats(), 5, 0.0f);
   ASSERT_TRUE(second.Restore(std::move(loaded)).ok());
   // The partial received before the load is gone: it is taken again.
-  ASSERT_EQ(*Deliver(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
   ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(5, 2.0f)), CommitOutcome::kShare);
-  ASSERT_EQ(*Deliver(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
   ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
   ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
   EXPECT_EQ(Params(second), (std::vector<float>{-5, -5, -5, -5, 0}));  // (8 + 2) / 2
@@ -162,8 +154,8 @@ TEST(HybridTest, ReplicaGroupsMayHaveDifferentWorkerCounts) {
   EXPECT_EQ(*Contribute(first, 0, 0, std::vector<float>(5, 1.0f)), CommitOutcome::kPending);
   EXPECT_EQ(*Contribute(first, 0, 2, std::vector<float>(5, 2.0f)), CommitOutcome::kShare);
   // Each shares its partial before counting it, as StepDriver does.
-  ASSERT_EQ(*Deliver(first, second, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*Deliver(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
   ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
   ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
   const std::vector<float> expected = {-3, -3, -3, -3, 0};  // the mean over all 3 workers
