@@ -24,6 +24,8 @@ ABSL_FLAG(int, num_workers, 1, "workers in the job");
 ABSL_FLAG(int, steps, 300, "optimizer steps");
 ABSL_FLAG(int, batch, 64, "samples per worker per step");
 ABSL_FLAG(std::string, job, "mlp-demo", "job name");
+ABSL_FLAG(int, replicas, 1,
+          "replica groups (hybrid sharding): worker w trains with replica group w % replicas");
 
 namespace {
 
@@ -69,7 +71,7 @@ int main(int argc, char** argv) {
   const int rank = options.worker_rank;
   auto client = flatshard::Client::Connect(options);
   if (!client.ok()) return Fail(client.status());
-  if (auto st = (*client)->ConfigureJob({}); !st.ok()) return Fail(st);
+  if (auto st = (*client)->ConfigureJob({.replicas = absl::GetFlag(FLAGS_replicas)}); !st.ok()) return Fail(st);
 
   const flatshard::AdamOptions adamw{.lr = 1e-2, .weight_decay = 0.01, .decoupled_weight_decay = true};
   auto fc1 = (*client)->RegisterGroup(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main command (make demo): a local cluster of 2 servers on 127.0.0.1,
-# 2 training workers of examples/mlp_worker.cc (AdamW on a two-layer MLP), the cluster's
-# status, a FULL state-dict export (safetensors), then a clean shutdown.
+# 2 training workers of examples/mlp_worker.cc (AdamW on a two-layer MLP), the same as a
+# hybrid-sharded job, the cluster's status, a FULL state-dict export (safetensors), then
+# a clean shutdown.
 # Ports: FLATSHARD_DEMO_PORT (default 17070) and up.
 set -euo pipefail
 build_dir=${1:-build}
@@ -24,6 +25,15 @@ echo "== training: 2 workers, 2 servers, AdamW =="
 "$bin/mlp_worker" --cluster="$cluster" --worker_rank=1 --num_workers=2 &
 worker1=$!
 "$bin/mlp_worker" --cluster="$cluster" --worker_rank=0 --num_workers=2
+wait $worker1
+
+echo
+echo "== hybrid sharding: the same 2 servers as 2 replica groups, 1 worker in each =="
+"$bin/mlp_worker" --cluster="$cluster" --job=mlp-hybrid --replicas=2 --steps=100 \
+  --worker_rank=1 --num_workers=2 &
+worker1=$!
+"$bin/mlp_worker" --cluster="$cluster" --job=mlp-hybrid --replicas=2 --steps=100 \
+  --worker_rank=0 --num_workers=2
 wait $worker1
 
 echo
