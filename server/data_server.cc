@@ -233,14 +233,17 @@ absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request
   switch (request.op) {
     case DataOp::kScatter:
       return driver_.BeginScatter(group, request.version, request.worker_rank, request.dtype);
-    case DataOp::kReplicaPartial:
+    case DataOp::kReplicaPartial: {
       if (request.dtype != DType::kFloat32) {
         return absl::InvalidArgumentError(absl::StrCat("a replica partial is float32, not ",
                                                        DTypeName(request.dtype)));
       }
-      // A peer replica may run ahead by a step: wait until this one gets there.
+      absl::StatusOr<ReceiveSlot> slot = group.BeginReplicaPartial(request.version, request.worker_rank);
+      if (!absl::IsFailedPrecondition(slot.status()) || group.version() >= request.version) return slot;
+      // A peer replica group may be ahead by a step: wait until this one gets there.
       FLATSHARD_RETURN_IF_ERROR(group.WaitVersion(request.version, request.Deadline()).status());
       return group.BeginReplicaPartial(request.version, request.worker_rank);
+    }
     default:
       return group.BeginPushInit(request.dtype);
   }

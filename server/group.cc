@@ -336,7 +336,7 @@ absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(int64_t step) {
   }
   partial_states_[placement_.replica] = SlotState::kReady;
   share_claimed_ = false;
-  return PartialArrived();
+  return PartialArrived(placement_.replica);
 }
 
 void Group::ReleaseShare(int64_t step) {
@@ -399,7 +399,7 @@ absl::StatusOr<CommitOutcome> Group::CommitReplicaPartial(const ReceiveSlot& slo
                                            slot.worker_rank, " was received"));
   }
   partial_states_[slot.worker_rank] = SlotState::kReady;
-  return PartialArrived();
+  return PartialArrived(slot.worker_rank);
 }
 
 void Group::AbortReplicaPartial(const ReceiveSlot& slot) {
@@ -409,7 +409,7 @@ void Group::AbortReplicaPartial(const ReceiveSlot& slot) {
   }
 }
 
-absl::StatusOr<CommitOutcome> Group::PartialArrived() {
+absl::StatusOr<CommitOutcome> Group::PartialArrived(int replica) {
   if (++partials_ready_ < job_settings_.replicas) return CommitOutcome::kPending;
   // Replica order: every replica adds the same partials in the same order.
   std::vector<kernels::Contribution> partials;
@@ -421,8 +421,11 @@ absl::StatusOr<CommitOutcome> Group::PartialArrived() {
   if (reduced.ok()) reduced = ZeroGradientPadding();
   if (reduced.ok()) reduced = compute_->Synchronize();
   if (!reduced.ok()) {
-    // Nothing was applied; the partials stay, and the last one may be sent again.
+    // A kernel failed: nothing was applied. The partial that arrived last is taken back,
+    // so that sending it again (a peer's resend, or this replica group's share claimed
+    // again on a worker's resend) retries the sum.
     --partials_ready_;
+    partial_states_[replica] = replica == placement_.replica ? SlotState::kReceiving : SlotState::kEmpty;
     return reduced;
   }
   partials_ready_ = 0;

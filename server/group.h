@@ -249,9 +249,9 @@ class Group {
   absl::Status ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hybrid: this replica's contributions, summed in worker-rank order into its partial.
   absl::Status ReduceOwnPartial() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Hybrid: counts one more partial; the last adds all R into grad_ and goes on with the
-  // step (clipping or optimizer).
-  absl::StatusOr<CommitOutcome> PartialArrived() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hybrid: counts replica group `replica`'s partial; the last adds all R into grad_ and
+  // goes on with the step (clipping or optimizer).
+  absl::StatusOr<CommitOutcome> PartialArrived(int replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After the reduction into grad_: kReduced for a clipped job, else the optimizer step.
   absl::StatusOr<CommitOutcome> FinishReduction() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Zeroes grad_ at the shard's padding, whatever the workers sent there: padding never
