@@ -90,6 +90,7 @@ class ClientImpl final : public Client {
     settings->set_mode(job.async ? v1::JobSettings::ASYNC : v1::JobSettings::SYNC);
     if (job.max_staleness >= 0) settings->set_max_staleness(job.max_staleness);
     settings->set_replicas(job.replicas);
+    settings->set_skip_nonfinite(job.skip_nonfinite);
     v1::ConfigureJobResponse response;
     return control_->CallAll(&v1::Flatshard::Stub::ConfigureJob, request, &response);
   }

@@ -230,9 +230,10 @@ class PyClient {
   }
 
   void ConfigureJob(bool async, bool mean, double max_grad_norm, double norm_type, int64_t max_staleness,
-                    int replicas) {
+                    int replicas, bool skip_nonfinite) {
     const JobOptions job{.reduce_mean = mean, .max_grad_norm = max_grad_norm, .norm_type = norm_type,
-                         .async = async, .max_staleness = max_staleness, .replicas = replicas};
+                         .async = async, .max_staleness = max_staleness, .replicas = replicas,
+                         .skip_nonfinite = skip_nonfinite};
     Released([&] { return client_->ConfigureJob(job); });
   }
 

@@ -63,8 +63,9 @@ absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step
         absl::StrCat("norm share from rank ", rank, " outside the cluster of ", num_servers_));
   }
   FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
-  if (!settings.clipping()) {
-    return absl::InvalidArgumentError(absl::StrCat("job '", job, "' does not clip gradients"));
+  if (!settings.needs_norm()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job '", job, "' neither clips gradients nor skips non-finite steps"));
   }
   FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   if (rank / placement.shards != placement.replica) {
@@ -91,10 +92,14 @@ absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step
   std::map<int64_t, double>& kept = norms_[job];
   kept[step] = total_norm;
   while (kept.size() > kKeptNorms) kept.erase(kept.begin());
-  const float clip_coef = static_cast<float>(settings.max_grad_norm / (total_norm + 1e-6));
+  // Without clipping the coefficient is 1: the optimizer steps on the gradient as it is.
+  const float clip_coef =
+      settings.clipping() ? static_cast<float>(settings.max_grad_norm / (total_norm + 1e-6)) : 1.0f;
+  const bool skip = settings.skip_nonfinite && !std::isfinite(total_norm);
   absl::Status status;
   for (const auto& group : registry_.job_groups(job)) {
-    if (group->reduced_at(step)) status.Update(group->FinishClippedStep(step, clip_coef));
+    if (!group->reduced_at(step)) continue;
+    status.Update(skip ? group->SkipStep(step) : group->FinishClippedStep(step, clip_coef));
   }
   return status;
 }
@@ -107,10 +112,10 @@ void ClipCoordinator::ForgetNorms(const std::string& job) {
 absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_t step,
                                                   absl::Time deadline) {
   FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
-  if (!settings.clipping()) {
+  if (!settings.needs_norm()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "job '", job, "' does not clip gradients, so no norm is computed; set max_grad_norm "
-        "(one above any norm reports it without clipping)"));
+        "job '", job, "' computes no gradient norm; set max_grad_norm (clipping) or "
+        "skip_nonfinite"));
   }
   absl::MutexLock lock(&mu_);
   std::map<int64_t, double>& kept = norms_[job];

@@ -1,5 +1,7 @@
 // ClipCoordinator: gradient clipping by global norm (torch.nn.utils.clip_grad_norm_ on the
-// reduced gradient) over every group of a job and every server of the cluster.
+// reduced gradient) over every group of a job and every server of the cluster, and the
+// skipping of steps whose norm is inf or NaN (JobSettings::skip_nonfinite: every server
+// sees the same norm, so all skip together).
 //
 // When all groups of a clipped job that are at version `step` (frozen ones aside: they
 // take no gradients) have reduced their contributions on this server, the server computes
@@ -50,14 +52,14 @@ class ClipCoordinator {
 
   // A server's share for (job, step); the last one finishes the step here. A second
   // share from the same rank is ignored. InvalidArgument for a rank outside the cluster
-  // or this server's replica group, or a job without clipping.
+  // or this server's replica group, or a job that computes no norm.
   [[nodiscard]] absl::Status RecordPartial(const std::string& job, int64_t step, int rank,
                                            double partial);
 
   // The total gradient norm of `job` at `step`, before clipping (what
   // torch.nn.utils.clip_grad_norm_ returns), once this server has combined it; waits
   // until `deadline`. The norms of a job's last kKeptNorms steps are kept.
-  // InvalidArgument for a job that does not clip, NotFound for a step applied here whose
+  // InvalidArgument for a job that computes no norm, NotFound for a step applied here whose
   // norm is not kept (older, or from before a restart or a load), DeadlineExceeded.
   static constexpr size_t kKeptNorms = 1024;
   [[nodiscard]] absl::StatusOr<double> TotalNorm(const std::string& job, int64_t step,

@@ -306,7 +306,7 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
 }
 
 absl::StatusOr<CommitOutcome> Group::FinishReduction() {
-  if (job_settings_.clipping()) {
+  if (job_settings_.needs_norm()) {
     reduced_ = true;
     return CommitOutcome::kReduced;
   }
@@ -471,6 +471,18 @@ absl::Status Group::FinishClippedStep(int64_t step, float clip_coef) {
   return StepOptimizer();
 }
 
+absl::Status Group::SkipStep(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (!reduced_ || version_ != step) {
+    return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' has no reduced gradient for step ",
+                                                      step, " (at version ", version_, ")"));
+  }
+  AwaitUnpinned();  // an export is reading this version
+  reduced_ = false;
+  AdvanceVersion();
+  return absl::OkStatus();
+}
+
 void Group::AbortScatter(const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
   slot_states_[slot.worker_rank] = SlotState::kEmpty;
@@ -564,11 +576,15 @@ absl::Status Group::StepOptimizer() {
   }
   FLATSHARD_RETURN_IF_ERROR(optimizer_.Step(params_.floats(), grad_.floats()));
   FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
+  AdvanceVersion();
+  return absl::OkStatus();
+}
+
+void Group::AdvanceVersion() {
   ++version_;
   ready_count_ = 0;
   if (!job_settings_.async) std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
   PublishNewValues();
-  return absl::OkStatus();
 }
 
 void Group::PublishNewValues() {

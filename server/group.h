@@ -15,9 +15,9 @@
 //    replicas (SharedPartial, then CommitOwnPartial) and they send theirs
 //    (BeginReplicaPartial / CommitReplicaPartial). Once all R partials are in, they are
 //    added in replica order and divided by W for a mean: the same bits in every replica.
-//  - With gradient clipping, the reduced gradient waits (kReduced) until the job's
-//    global norm is known (server/clip_coordinator.h), which then calls
-//    FinishClippedStep with the clip coefficient.
+//  - With gradient clipping (or skip_nonfinite), the reduced gradient waits (kReduced)
+//    until the job's global norm is known (server/clip_coordinator.h), which then calls
+//    FinishClippedStep with the clip coefficient (or SkipStep for a non-finite norm).
 //  - Async mode: each contribution (step = the version it was computed from) is applied
 //    on arrival as one optimizer step, scaled by 1/W for a mean; contributions older
 //    than max_staleness versions, or not newer than the worker's last one, are refused.
@@ -196,6 +196,10 @@ class Group {
   // does), runs the optimizer and publishes step + 1. FailedPrecondition unless
   // reduced_at(step).
   [[nodiscard]] absl::Status FinishClippedStep(int64_t step, float clip_coef);
+  // A job with skip_nonfinite whose norm came out inf or NaN: publishes step + 1 without
+  // an optimizer step (parameters and optimizer state stay). FailedPrecondition unless
+  // reduced_at(step).
+  [[nodiscard]] absl::Status SkipStep(int64_t step);
   void AbortScatter(const ReceiveSlot& slot);
 
   // Initial values: a slot for this server's shard (shard_numel elements of `dtype`).
@@ -258,6 +262,8 @@ class Group {
   // counts in norms or optimizer results (DESIGN.md, flat layout rule 5).
   absl::Status ZeroGradientPadding() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StepOptimizer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // version + 1, slots free for the next step, snapshots of the new version.
+  void AdvanceVersion() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<CommitOutcome> CommitAsync(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishNewValues() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A buffer of at least `bytes` (host-addressable, or in the tier for `memory` kDevice),

@@ -24,8 +24,14 @@ struct JobSettings {
   bool async = false;        // apply each contribution on arrival
   int64_t max_staleness = -1;  // async: refuse contributions older than this; < 0: no bound
   int replicas = 1;            // R: replica groups (1: plain sharding over every server)
+  // Sync mode: a step whose reduced gradient holds inf or NaN is skipped on every server
+  // (the version advances; parameters and optimizer state stay), as torch's GradScaler
+  // skips optimizer.step().
+  bool skip_nonfinite = false;
 
   bool clipping() const { return max_grad_norm > 0; }
+  // Each step's global gradient norm is computed (server/clip_coordinator.h).
+  bool needs_norm() const { return clipping() || skip_nonfinite; }
   bool hybrid() const { return replicas > 1; }
   // The replica worker `worker_rank` belongs to.
   int WorkerReplica(int worker_rank) const { return worker_rank % replicas; }

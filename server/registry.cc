@@ -24,6 +24,10 @@ absl::Status Registry::ConfigureJob(const std::string& job, const JobSettings& s
     return absl::InvalidArgumentError(
         "max_grad_norm: gradient clipping needs sync mode (a global norm per step)");
   }
+  if (settings.skip_nonfinite && settings.async) {
+    return absl::InvalidArgumentError(
+        "skip_nonfinite: skipping steps needs sync mode (a global check per step)");
+  }
   if (settings.replicas < 1 || num_servers_ % settings.replicas != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "replicas: ", settings.replicas, " does not divide the cluster's ", num_servers_,
@@ -47,7 +51,7 @@ absl::Status Registry::ConfigureJob(const std::string& job, const JobSettings& s
         "job '", job, "' is already configured differently (num_workers ", it->second.num_workers,
         ", reduce ", it->second.reduce_mean ? "mean" : "sum", ", max_grad_norm ",
         it->second.max_grad_norm, ", ", it->second.async ? "async" : "sync", ", replicas ",
-        it->second.replicas,
+        it->second.replicas, ", skip_nonfinite ", it->second.skip_nonfinite ? "on" : "off",
         "); every worker must send the same settings"));
   }
   return absl::OkStatus();

@@ -164,7 +164,8 @@ grpc::Status FlatshardService::ConfigureJob(grpc::ServerContext* ctx,
                              .norm_type = proto.norm_type() == 0 ? 2.0 : proto.norm_type(),
                              .async = proto.mode() == v1::JobSettings::ASYNC,
                              .max_staleness = proto.has_max_staleness() ? proto.max_staleness() : -1,
-                             .replicas = proto.replicas() == 0 ? 1 : proto.replicas()};
+                             .replicas = proto.replicas() == 0 ? 1 : proto.replicas(),
+                             .skip_nonfinite = proto.skip_nonfinite()};
   return ToGrpc(registry_.ConfigureJob(request->job(), settings));
 }
 

@@ -231,12 +231,16 @@ class Client:
         self._optimizers = {}
 
     def configure_job(self, mode="sync", reduce="mean", max_grad_norm=None, norm_type=2.0,
-                      max_staleness=None, replicas=1):
+                      max_staleness=None, replicas=1, skip_nonfinite=False):
         """Job settings, identical from every worker (idempotent).
 
         replicas > 1: hybrid sharding (FSDP's HYBRID_SHARD). The servers form `replicas`
         replica groups of consecutive ranks; groups are sharded inside one and replicated
-        across them; worker w gathers from and scatters to replica group w % replicas."""
+        across them; worker w gathers from and scatters to replica group w % replicas.
+
+        skip_nonfinite: a step whose reduced gradient holds inf or NaN is skipped on every
+        server (parameters and optimizer state stay), as torch's GradScaler skips
+        optimizer.step(); grad_norm(step) is then inf or NaN."""
         if mode not in ("sync", "async"):
             raise InvalidArgumentError(f"mode {mode!r}: expected 'sync' or 'async'")
         if reduce not in ("mean", "sum"):
@@ -244,7 +248,7 @@ class Client:
         self._native.configure_job(mode == "async", reduce == "mean", float(max_grad_norm or 0.0),
                                    float(norm_type),
                                    -1 if max_staleness is None else int(max_staleness),
-                                   int(replicas))
+                                   int(replicas), bool(skip_nonfinite))
 
     def register_group(self, name, tensors, optimizer, align=0):
         """Registers (or finds the identical) group: tensors = [(name, shape, dtype), ...]."""
@@ -317,7 +321,7 @@ class Client:
     def grad_norm(self, step):
         """The job's total gradient norm at `step`, before clipping (what
         torch.nn.utils.clip_grad_norm_ returns); waits until the step is reduced. The job
-        must clip (max_grad_norm; one above any norm reports it without clipping)."""
+        must clip (max_grad_norm) or skip non-finite steps (skip_nonfinite)."""
         return self._native.grad_norm(int(step))
 
     def set_hyperparams(self, name, **changes):

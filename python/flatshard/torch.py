@@ -343,7 +343,8 @@ class ShardedModule(torch.nn.Module):
 
     def grad_norm(self):
         """The total gradient norm of the last step(), before clipping, as
-        torch.nn.utils.clip_grad_norm_ returns it (the job must set max_grad_norm)."""
+        torch.nn.utils.clip_grad_norm_ returns it (the job must set max_grad_norm or
+        skip_nonfinite; inf or NaN: the servers skipped that step)."""
         if self._step == 0:
             raise flatshard.FailedPreconditionError("no step has been taken yet")
         return self._client.grad_norm(self._step - 1)

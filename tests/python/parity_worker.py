@@ -13,7 +13,7 @@ from models import make_data, make_model
 
 
 def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue, device="cpu",
-        micro_batches=1, lr_schedule=None):
+        micro_batches=1, lr_schedule=None, poison_step=None):
     try:
         torch.set_num_threads(1)
         client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token,
@@ -41,7 +41,11 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
                         loss.backward()
                 else:
                     loss = F.mse_loss(model(x[piece]).float(), y[piece]) / micro_batches
-                    loss.backward()
+                    if step == poison_step and rank == 1:
+                        # Same loss, gradients times inf (NaN where they are 0): a bad batch.
+                        (loss + float("inf") * (loss - loss.detach())).backward()
+                    else:
+                        loss.backward()
                 total += loss.item()
             model.step()
             losses.append(total)

@@ -10,6 +10,7 @@ a one-worker job with failures injected into its transfers, and a misused backwa
 
 import collections
 import contextlib
+import math
 import multiprocessing
 import os
 import tempfile
@@ -37,8 +38,10 @@ def relative_error(ours, reference):
 Run = collections.namedtuple("Run", "losses state groups norms")
 
 
-def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu", lr_schedule=None):
-    """torch alone: the model, per-step losses and (clipped) clip_grad_norm_'s norms."""
+def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu", lr_schedule=None,
+                    skip_step=None):
+    """torch alone: the model, per-step losses and (clipped) clip_grad_norm_'s norms;
+    `skip_step` goes without optimizer.step(), as GradScaler skips a non-finite one."""
     torch.manual_seed(0)
     model = make_model(kind).to(device)
     optimizer = make_optimizer(model.parameters())
@@ -51,6 +54,10 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
+        if step == skip_step:
+            norms.append(float("nan"))
+            losses.append(loss.item())
+            continue
         if max_grad_norm:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
         optimizer.step()
@@ -59,13 +66,13 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
 
 
 def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu",
-                    micro_batches=1, lr_schedule=None):
+                    micro_batches=1, lr_schedule=None, poison_step=None):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=parity_worker.run,
                                args=(cluster.addresses, cluster.token, rank, kind, optimizer,
                                      job or {}, steps, param_dtype, queue, device, micro_batches,
-                                     lr_schedule))
+                                     lr_schedule, poison_step))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -88,14 +95,16 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
               device="cpu", memory="host", micro_batches=1, lr_schedule=None, servers=3,
-              replicas=1):
+              replicas=1, poison_step=None):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
         if replicas > 1:
             job["replicas"] = replicas
+        if poison_step is not None:
+            job["skip_nonfinite"] = True
         with flatshard.LocalCluster(servers=servers, memory=memory) as cluster:
             losses, state, groups, norms = train_flatshard(
                 cluster, kind, optimizer, steps, job, device=device, micro_batches=micro_batches,
-                lr_schedule=lr_schedule)
+                lr_schedule=lr_schedule, poison_step=poison_step)
             if replicas > 1:  # server r holds shard r % S in replica group r // S
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 per_replica = servers // replicas
@@ -111,10 +120,14 @@ class ParityTest(unittest.TestCase):
                     self.assertEqual(int(server["ipc_scatters"]), steps * len(groups) * 2, server)
                     self.assertGreater(int(server["ipc_gathers"]), 0, server)
         reference, reference_losses, reference_norms = train_reference(
-            kind, make_reference_optimizer, steps, max_grad_norm, device, lr_schedule)
-        # The servers' norm of each step is clip_grad_norm_'s.
+            kind, make_reference_optimizer, steps, max_grad_norm, device, lr_schedule,
+            skip_step=poison_step)
+        # The servers' norm of each step is clip_grad_norm_'s; a skipped step's is not finite.
         self.assertEqual(len(norms), len(reference_norms))
         for step, (ours, theirs) in enumerate(zip(norms, reference_norms)):
+            if step == poison_step:
+                self.assertFalse(math.isfinite(ours), f"gradient norm at the poisoned step {step}")
+                continue
             self.assertLess(abs(ours - theirs) / theirs, REL_TOL, f"gradient norm at step {step}")
         self.assertGreater(len(groups), 1, "the auto-wrap policy should make several groups")
         for step, (ours, theirs) in enumerate(zip(losses, reference_losses)):
@@ -187,6 +200,13 @@ class ParityTest(unittest.TestCase):
         self.check("tied_frozen", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
                    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 10,
                    max_grad_norm=0.5, micro_batches=2, servers=4, replicas=2)
+
+    def test_a_non_finite_step_is_skipped_as_grad_scaler_skips_it(self):
+        # Worker 1's gradients turn inf/NaN at step 4: the servers skip that step (Adam's
+        # step count included), and training goes on as torch's does without it.
+        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10,
+                   max_grad_norm=0.5, poison_step=4)
 
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),

@@ -22,7 +22,7 @@ struct FakeServer {
 
 class ClipCoordinatorTest : public ::testing::Test {
  protected:
-  void Start(double max_norm, double norm_type) {
+  void Start(double max_norm, double norm_type, bool skip_nonfinite = false) {
     for (int rank = 0; rank < kServers; ++rank) {
       servers_[rank].registry = std::make_unique<Registry>(rank, kServers);
       servers_[rank].clip = std::make_unique<ClipCoordinator>(
@@ -33,7 +33,7 @@ class ClipCoordinatorTest : public ::testing::Test {
           });
       ASSERT_TRUE(servers_[rank].registry
                       ->ConfigureJob("job", {.num_workers = 1, .max_grad_norm = max_norm,
-                                            .norm_type = norm_type})
+                                            .norm_type = norm_type, .skip_nonfinite = skip_nonfinite})
                       .ok());
       for (const char* name : {"a", "b"}) {
         ASSERT_TRUE(servers_[rank]
@@ -45,16 +45,16 @@ class ClipCoordinatorTest : public ::testing::Test {
   }
 
   // Worker 0's gradient for group `name` on server `rank` (2 of the 4 elements).
-  absl::Status Contribute(int rank, const std::string& name, std::vector<float> shard) {
+  absl::Status Contribute(int rank, const std::string& name, std::vector<float> shard, int64_t step = 0) {
     auto group = servers_[rank].registry->FindGroup("job", name);
-    auto slot = (*group)->BeginScatter(0, 0, DType::kFloat32);
+    auto slot = (*group)->BeginScatter(step, 0, DType::kFloat32);
     if (!slot.ok()) return slot.status();
     std::memcpy(slot->buffer.data(), shard.data(), slot->buffer.size());
     auto outcome = (*group)->CommitScatter(*slot);
     if (!outcome.ok()) return outcome.status();
     EXPECT_EQ(*outcome, CommitOutcome::kReduced);
     sender_ = rank;
-    return servers_[rank].clip->OnGroupReduced("job", 0);
+    return servers_[rank].clip->OnGroupReduced("job", step);
   }
 
   std::vector<float> Params(int rank, const std::string& name) {
@@ -125,6 +125,30 @@ TEST_F(ClipCoordinatorTest, TheTotalNormOfAStepIsKeptForLogging) {
   EXPECT_TRUE(absl::IsNotFound(servers_[0].clip->TotalNorm("job", 0, absl::InfiniteFuture()).status()));
   ASSERT_TRUE(servers_[0].registry->ConfigureJob("plain", {.num_workers = 1}).ok());
   EXPECT_TRUE(absl::IsInvalidArgument(servers_[0].clip->TotalNorm("plain", 0, absl::InfiniteFuture()).status()));
+}
+
+// skip_nonfinite without clipping: a step with an inf (or NaN) anywhere is skipped on
+// every server (nothing moves); the next finite one steps, unscaled.
+TEST_F(ClipCoordinatorTest, ANonFiniteStepIsSkippedEverywhere) {
+  Start(/*max_norm=*/0.0, /*norm_type=*/2.0, /*skip_nonfinite=*/true);
+  const float inf = std::numeric_limits<float>::infinity();
+  ASSERT_TRUE(Contribute(0, "a", {1, 2}).ok());
+  ASSERT_TRUE(Contribute(0, "b", {3, 4}).ok());
+  ASSERT_TRUE(Contribute(1, "a", {inf, 5}).ok());  // one element on one server
+  ASSERT_TRUE(Contribute(1, "b", {std::nanf(""), 6}).ok());
+  for (int rank = 0; rank < kServers; ++rank) {
+    EXPECT_EQ(Version(rank, "a"), 1) << rank;
+    EXPECT_EQ(Params(rank, "a"), (std::vector<float>{0, 0})) << rank;  // not stepped
+    EXPECT_EQ(Params(rank, "b"), (std::vector<float>{0, 0})) << rank;
+    EXPECT_TRUE(std::isnan(*servers_[rank].clip->TotalNorm("job", 0, absl::InfiniteFuture()))) << rank;
+  }
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(Contribute(rank, "a", kGrads[rank][0], /*step=*/1).ok());
+    ASSERT_TRUE(Contribute(rank, "b", kGrads[rank][1], /*step=*/1).ok());
+  }
+  EXPECT_EQ(Version(1, "b"), 2);
+  EXPECT_EQ(Params(0, "b"), (std::vector<float>{0, -4}));  // SGD lr 1, unclipped
+  EXPECT_NEAR(*servers_[0].clip->TotalNorm("job", 1, absl::InfiniteFuture()), std::sqrt(35.0), 1e-12);
 }
 
 TEST_F(ClipCoordinatorTest, InfNormAndNoScalingBelowTheBound) {

@@ -188,7 +188,8 @@ TEST(HybridTest, RegistryLaysGroupsOutOverOneReplicaGroup) {
   for (const Bad& bad : {Bad{{.num_workers = 8, .replicas = 4}, "does not divide"},
                          Bad{{.num_workers = 8, .replicas = 0}, "does not divide"},
                          Bad{{.num_workers = 2, .replicas = 3}, "every replica group needs a worker"},
-                         Bad{{.num_workers = 4, .async = true, .replicas = 2}, "sync mode"}}) {
+                         Bad{{.num_workers = 4, .async = true, .replicas = 2}, "sync mode"},
+                         Bad{{.num_workers = 4, .async = true, .skip_nonfinite = true}, "sync mode"}}) {
     const absl::Status status = registry.ConfigureJob("bad", bad.settings);
     EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
     EXPECT_THAT(status.message(), HasSubstr(bad.message));

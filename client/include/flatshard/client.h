@@ -80,6 +80,11 @@ struct JobOptions {
   // w % replicas only, and the servers add up the replica groups' gradients among
   // themselves. Must divide N, be at most num_workers, and needs sync mode.
   int replicas = 1;
+  // Sync mode: a step whose reduced gradient holds inf or NaN (one bad batch, an fp16
+  // overflow) is skipped on every server: the version advances, parameters and optimizer
+  // state stay, as torch's GradScaler skips optimizer.step(). GradNorm(step) is then inf
+  // or NaN, which is how a worker learns it (to lower a loss scale, say).
+  bool skip_nonfinite = false;
 };
 
 struct SgdOptions {
@@ -182,9 +187,9 @@ class Client {
 
   // The job's total gradient norm at `step`, before clipping (what
   // torch.nn.utils.clip_grad_norm_ returns), for logging; waits until the step is
-  // reduced. The job must clip (JobOptions::max_grad_norm; one above any norm reports it
-  // without clipping): InvalidArgument otherwise. NotFound for a step more than 1024
-  // steps old.
+  // reduced. The job must clip or skip non-finite steps (JobOptions::max_grad_norm,
+  // skip_nonfinite): InvalidArgument otherwise. NotFound for a step more than 1024 steps
+  // old.
   [[nodiscard]] virtual absl::StatusOr<double> GradNorm(int64_t step) = 0;
 
   // New hyper-parameters from the next step on (same optimizer kind as registered).
