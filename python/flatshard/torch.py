@@ -30,6 +30,8 @@ out_proj) are waited for up front, as is everything in the first step. Gradient 
 copy each gradient into the group's flat gradient buffer, and the group is scattered the
 moment its last gradient arrives, while backward continues with the other groups.
 
+Loss scaling for float16 (``GradScaler`` below) needs a job with ``skip_nonfinite``.
+
 ``param_dtype`` / ``reduce_dtype`` follow FSDP's ``MixedPrecision``: parameters are
 gathered in param_dtype (the servers keep the fp32 master and cast), gradients are sent
 in reduce_dtype (default: param_dtype) and accumulated in it under ``no_sync()``. One
@@ -47,6 +49,7 @@ weight decay included).
 import collections
 import contextlib
 import itertools
+import math
 
 import numpy as np
 import torch
@@ -132,6 +135,7 @@ class ShardedModule(torch.nn.Module):
         self._client = client
         self._step = 0
         self._accumulating = False  # inside no_sync()
+        self._grad_scale = 1.0  # GradScaler.scale(): gradients are divided by it before sending
         self._param_dtype = param_dtype or torch.float32
         self._reduce_dtype = reduce_dtype or self._param_dtype
         for dtype in (self._param_dtype, self._reduce_dtype):
@@ -243,10 +247,13 @@ class ShardedModule(torch.nn.Module):
                 "before the next backward, or run the earlier micro-batches under no_sync()")
         offset, numel = group.offsets[fqn]
         target = group.flat_grad[offset:offset + numel]
+        grad = grad.detach().reshape(-1)
+        if self._grad_scale != 1.0:  # unscaled in fp32, then into the reduce dtype
+            grad = grad.float() * (1.0 / self._grad_scale)
         if fqn in group.accumulated:  # an earlier micro-batch's gradient is there
-            target.add_(grad.detach().reshape(-1))
+            target.add_(grad)
         else:
-            target.copy_(grad.detach().reshape(-1))
+            target.copy_(grad)
             group.accumulated.add(fqn)
         if not self._accumulating:
             group.seen.add(fqn)
@@ -338,6 +345,7 @@ class ShardedModule(torch.nn.Module):
             group.eager = not group.fired
             group.fired = False
         self._step += 1
+        self._grad_scale = 1.0
         for _, param in self.named_parameters():
             param.grad = None
 
@@ -390,3 +398,63 @@ class ShardedModule(torch.nn.Module):
                 if fqn in state_dict:
                     buffer.copy_(state_dict[fqn])
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+class GradScaler:
+    """Dynamic loss scaling for fp16 training (torch.cuda.amp.GradScaler's policy), with
+    the servers deciding what a step with inf or NaN gradients does.
+
+        client.configure_job(skip_nonfinite=True)    # needed: the servers skip such steps
+        scaler = flatshard.torch.GradScaler(model)
+        scaler.scale(loss).backward()   # the loss times the scale; each gradient is
+                                        # divided by it (in fp32) before it is sent
+        scaler.step()                   # model.step(), then the scale's update
+
+    step() reads the step's gradient norm from the servers (every worker reads the same
+    one, so every worker keeps the same scale): not finite, the servers skipped the step
+    and the scale is multiplied by backoff_factor; after growth_interval finite steps in
+    a row, by growth_factor. Use reduce_dtype=torch.float32 with float16 parameters, as
+    unscaled gradients in float16 may underflow."""
+
+    def __init__(self, model, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000):
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
+            raise flatshard.InvalidArgumentError(
+                "GradScaler: init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+                "growth_interval >= 1")
+        self._model = model
+        self._scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._growth_tracker = 0
+
+    def scale(self, loss):
+        """`loss` times the current scale; the model unscales this step's gradients."""
+        self._model._grad_scale = self._scale
+        return loss * self._scale
+
+    def step(self):
+        """model.step(), then the scale's update. Returns the step's gradient norm (inf or
+        NaN when the servers skipped the step)."""
+        self._model.step()
+        norm = self._model.grad_norm()
+        if math.isfinite(norm):
+            self._growth_tracker += 1
+            if self._growth_tracker == self._growth_interval:
+                self._scale *= self._growth_factor
+                self._growth_tracker = 0
+        else:
+            self._scale *= self._backoff_factor
+            self._growth_tracker = 0
+        return norm
+
+    def get_scale(self):
+        return self._scale
+
+    def state_dict(self):
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state):
+        self._scale = float(state["scale"])
+        self._growth_tracker = int(state["growth_tracker"])

@@ -2,7 +2,8 @@
 its half of the batch (on `device`: "cpu" or "cuda"), in `micro_batches` pieces whose
 gradients accumulate under no_sync() but for the last, with the learning rate set to
 lr_schedule[step] before the steps it names, and reports its losses, (worker 0) the
-final state dict, and (a clipped job) the gradient norm of every step."""
+final state dict, (a clipped job) the gradient norm of every step and (with a
+GradScaler: init 2**10, growth every 3 steps) the final loss scale."""
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from models import make_data, make_model
 
 
 def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue, device="cpu",
-        micro_batches=1, lr_schedule=None, poison_step=None):
+        micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False):
     try:
         torch.set_num_threads(1)
         client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token,
@@ -23,6 +24,8 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
                                               param_dtype=param_dtype,
                                               reduce_dtype=torch.float32 if param_dtype else None,
                                               auto_wrap_min_params=200)
+        scaler = flatshard.torch.GradScaler(model, init_scale=2.0 ** 10, growth_interval=3) if grad_scaler else None
+        scaled = scaler.scale if scaler else (lambda loss: loss)
         x, y = (t.to(device) for t in make_data(kind))
         half = x.shape[0] // 2
         x, y = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
@@ -38,20 +41,23 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
                 if m < micro_batches - 1:
                     with model.no_sync():
                         loss = F.mse_loss(model(x[piece]).float(), y[piece]) / micro_batches
-                        loss.backward()
+                        scaled(loss).backward()
                 else:
                     loss = F.mse_loss(model(x[piece]).float(), y[piece]) / micro_batches
                     if step == poison_step and rank == 1:
                         # Same loss, gradients times inf (NaN where they are 0): a bad batch.
-                        (loss + float("inf") * (loss - loss.detach())).backward()
+                        scaled(loss + float("inf") * (loss - loss.detach())).backward()
                     else:
-                        loss.backward()
+                        scaled(loss).backward()
                 total += loss.item()
-            model.step()
+            if scaler:
+                norms.append(scaler.step())
+            else:
+                model.step()
+                if job.get("max_grad_norm"):
+                    norms.append(model.grad_norm())
             losses.append(total)
-            if job.get("max_grad_norm"):
-                norms.append(model.grad_norm())
         state = {k: v.cpu().numpy() for k, v in model.state_dict().items()} if rank == 0 else None
-        queue.put((rank, (losses, state, model.groups, norms), None))
+        queue.put((rank, (losses, state, model.groups, norms, scaler.get_scale() if scaler else None), None))
     except BaseException as e:  # report instead of hanging the test
         queue.put((rank, None, repr(e)))

@@ -34,8 +34,9 @@ def relative_error(ours, reference):
 
 
 # A flatshard run: per-step losses (the workers' mean), worker 0's final state dict, the
-# groups, and (a clipped job) per-step gradient norms as worker 0 read them.
-Run = collections.namedtuple("Run", "losses state groups norms")
+# groups, (a clipped job) per-step gradient norms as worker 0 read them, and (with a
+# GradScaler) each worker's final loss scale.
+Run = collections.namedtuple("Run", "losses state groups norms scales")
 
 
 def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu", lr_schedule=None,
@@ -66,13 +67,13 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
 
 
 def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu",
-                    micro_batches=1, lr_schedule=None, poison_step=None):
+                    micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=parity_worker.run,
                                args=(cluster.addresses, cluster.token, rank, kind, optimizer,
                                      job or {}, steps, param_dtype, queue, device, micro_batches,
-                                     lr_schedule, poison_step))
+                                     lr_schedule, poison_step, grad_scaler))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -89,22 +90,22 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
             if worker.is_alive():
                 worker.kill()
     losses = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
-    return Run(losses, results[0][1], results[0][2], results[0][3])
+    return Run(losses, results[0][1], results[0][2], results[0][3], [results[0][4], results[1][4]])
 
 
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
               device="cpu", memory="host", micro_batches=1, lr_schedule=None, servers=3,
-              replicas=1, poison_step=None):
+              replicas=1, poison_step=None, grad_scaler=False):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
         if replicas > 1:
             job["replicas"] = replicas
         if poison_step is not None:
             job["skip_nonfinite"] = True
         with flatshard.LocalCluster(servers=servers, memory=memory) as cluster:
-            losses, state, groups, norms = train_flatshard(
+            losses, state, groups, norms, scales = train_flatshard(
                 cluster, kind, optimizer, steps, job, device=device, micro_batches=micro_batches,
-                lr_schedule=lr_schedule, poison_step=poison_step)
+                lr_schedule=lr_schedule, poison_step=poison_step, grad_scaler=grad_scaler)
             if replicas > 1:  # server r holds shard r % S in replica group r // S
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 per_replica = servers // replicas
@@ -140,7 +141,7 @@ class ParityTest(unittest.TestCase):
         initial = make_model(kind).state_dict()
         moved = max(relative_error(state[n], initial[n]) for n in initial)
         self.assertGreater(moved, 100 * REL_TOL)
-        return losses, state, groups
+        return Run(losses, state, groups, norms, scales)
 
     def test_mlp_adamw_weight_decay_and_clipping(self):
         self.check("mlp", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
@@ -163,7 +164,7 @@ class ParityTest(unittest.TestCase):
         # Parity covers the rest: torch counts the tied weight once in the norm, gives it
         # the sum of both uses' gradients, and skips the frozen projection (no gradient, so
         # no weight decay either).
-        losses, state, groups = self.check(
+        losses, state, groups, _, _ = self.check(
             "tied_frozen", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
             lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 20, max_grad_norm=0.5)
         self.assertLess(losses[-1], losses[0])
@@ -207,6 +208,15 @@ class ParityTest(unittest.TestCase):
         self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
                    lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10,
                    max_grad_norm=0.5, poison_step=4)
+
+    def test_grad_scaler_scales_backs_off_on_the_skipped_step_and_grows(self):
+        # Power-of-two scales are exact in fp32, so the run still matches torch without
+        # scaling, step 4 skipped. Scale 2**10: x2 after steps 0-2, /2 at step 4 (skipped),
+        # x2 after steps 5-7.
+        run = self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                         lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10,
+                         max_grad_norm=0.5, poison_step=4, grad_scaler=True)
+        self.assertEqual(run.scales, [2.0 ** 11, 2.0 ** 11])
 
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
@@ -327,8 +337,8 @@ class MisuseAndRecoveryTest(unittest.TestCase):
 class MixedPrecisionAndExportTest(unittest.TestCase):
     def test_bf16_params_fp32_reduce_converges_and_gathers_exact_casts(self):
         with flatshard.LocalCluster(servers=3) as cluster:
-            losses, _, groups, _ = train_flatshard(cluster, "mlp", flatshard.Adam(lr=1e-2), 30,
-                                                   param_dtype=torch.bfloat16)
+            losses, _, groups, _, _ = train_flatshard(cluster, "mlp", flatshard.Adam(lr=1e-2), 30,
+                                                      param_dtype=torch.bfloat16)
             self.assertLess(losses[-1], 0.5 * losses[0], losses)
             client = flatshard.Client(cluster.addresses, worker_rank=0, num_workers=2,
                                       token=cluster.token, job="parity")
