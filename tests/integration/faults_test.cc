@@ -6,6 +6,8 @@
 
 #include <fstream>
 #include <functional>
+#include <limits>
+#include <cmath>
 
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
@@ -405,6 +407,42 @@ TEST(HybridFaultsTest, AnUnreachablePeerFailsTheScatterAndAResendCompletesTheSte
     EXPECT_EQ(*version, 1);
     params.resize(layout->unpadded_numel());
     EXPECT_EQ(params, std::vector<float>(params.size(), -1.0f)) << "worker " << w;  // -0.5 * (1 + 3) / 2
+  }
+}
+
+// skip_nonfinite in a hybrid-sharded job: one worker's inf skips the step in both replica
+// groups (each sees the same norm from its own servers); the next step applies.
+TEST(HybridFaultsTest, ANonFiniteStepIsSkippedInEveryReplicaGroup) {
+  testing::TestCluster cluster(4, "tok", ::testing::TempDir());
+  std::unique_ptr<Client> workers[2];
+  const FlatLayout* layout = nullptr;
+  for (int w = 0; w < 2; ++w) {
+    auto client = cluster.Connect(w, 2);
+    ASSERT_TRUE(client.ok()) << client.status();
+    workers[w] = *std::move(client);
+    ASSERT_TRUE(workers[w]->ConfigureJob({.replicas = 2, .skip_nonfinite = true}).ok());
+    auto registered = workers[w]->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+    ASSERT_TRUE(registered.ok()) << registered.status();
+    layout = *registered;
+  }
+  auto step = [&](int64_t s, const std::vector<float>& grad0, const std::vector<float>& grad1) {
+    auto a = workers[0]->Scatter("g", s, DType::kFloat32, AsBytes(grad0));
+    auto b = workers[1]->Scatter("g", s, DType::kFloat32, AsBytes(grad1));
+    ASSERT_TRUE(a.get().ok());
+    ASSERT_TRUE(b.get().ok());
+  };
+  std::vector<float> bad(layout->padded_numel(), 1.0f);
+  bad[7] = std::numeric_limits<float>::infinity();
+  step(0, std::vector<float>(layout->padded_numel(), 1.0f), bad);
+  step(1, std::vector<float>(layout->padded_numel(), 1.0f), std::vector<float>(layout->padded_numel(), 3.0f));
+  for (int w = 0; w < 2; ++w) {
+    const absl::StatusOr<double> skipped = workers[w]->GradNorm(0);
+    ASSERT_TRUE(skipped.ok()) << skipped.status();
+    EXPECT_TRUE(std::isinf(*skipped)) << *skipped;
+    std::vector<float> params(layout->padded_numel(), 7.0f);
+    ASSERT_EQ(*workers[w]->Gather("g", 2, DType::kFloat32, AsBytes(params)).get(), 2);
+    params.resize(layout->unpadded_numel());
+    EXPECT_EQ(params, std::vector<float>(params.size(), -1.0f)) << "worker " << w;  // step 1 only
   }
 }
 
