@@ -96,12 +96,24 @@ absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step
   const float clip_coef =
       settings.clipping() ? static_cast<float>(settings.max_grad_norm / (total_norm + 1e-6)) : 1.0f;
   const bool skip = settings.skip_nonfinite && !std::isfinite(total_norm);
+  if (skip) ++skipped_steps_[job];
   absl::Status status;
   for (const auto& group : registry_.job_groups(job)) {
     if (!group->reduced_at(step)) continue;
     status.Update(skip ? group->SkipStep(step) : group->FinishClippedStep(step, clip_coef));
   }
   return status;
+}
+
+ClipCoordinator::JobNorms ClipCoordinator::Norms(const std::string& job) {
+  absl::MutexLock lock(&mu_);
+  JobNorms result;
+  if (const auto it = skipped_steps_.find(job); it != skipped_steps_.end()) result.skipped_steps = it->second;
+  if (const auto it = norms_.find(job); it != norms_.end() && !it->second.empty()) {
+    result.last_step = it->second.rbegin()->first;
+    result.last_norm = it->second.rbegin()->second;
+  }
+  return result;
 }
 
 void ClipCoordinator::ForgetNorms(const std::string& job) {

@@ -67,6 +67,15 @@ class ClipCoordinator {
   // Drops the kept norms of `job` (a checkpoint load rewinds its versions).
   void ForgetNorms(const std::string& job);
 
+  // For status: the last step whose norm this server combined, that norm, and how many
+  // steps it skipped as non-finite (since it started).
+  struct JobNorms {
+    int64_t last_step = -1;  // none yet
+    double last_norm = 0;
+    int64_t skipped_steps = 0;
+  };
+  JobNorms Norms(const std::string& job);
+
  private:
   struct StepState {
     std::vector<std::optional<double>> partials;
@@ -84,6 +93,7 @@ class ClipCoordinator {
   absl::Mutex mu_;
   std::map<std::pair<std::string, int64_t>, StepState> steps_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<int64_t, double>> norms_ ABSL_GUARDED_BY(mu_);  // job -> step -> norm
+  std::map<std::string, int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);  // job -> count
 };
 
 }  // namespace flatshard::server

@@ -111,6 +111,11 @@ std::vector<std::shared_ptr<Group>> Registry::job_groups(const std::string& job)
   return result;
 }
 
+std::map<std::string, JobSettings> Registry::jobs() const {
+  absl::MutexLock lock(&mu_);
+  return jobs_;
+}
+
 absl::StatusOr<JobSettings> Registry::job_settings(const std::string& job) const {
   absl::MutexLock lock(&mu_);
   const auto it = jobs_.find(job);

@@ -56,6 +56,8 @@ class Registry {
   std::vector<std::shared_ptr<Group>> job_groups(const std::string& job) const;
   // NotFound if the job is not configured.
   [[nodiscard]] absl::StatusOr<JobSettings> job_settings(const std::string& job) const;
+  // Every configured job and its settings, in name order.
+  std::map<std::string, JobSettings> jobs() const;
   // This server's shard and replica group in `job` (server/job.h); NotFound as above.
   [[nodiscard]] absl::StatusOr<Placement> job_placement(const std::string& job) const;
   int rank() const { return rank_; }

@@ -372,6 +372,19 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   response->set_nccl_version(nccl_.version());
   response->set_tls(identity_.tls);
   response->set_compute_threads(identity_.compute_threads);
+  for (const auto& [name, settings] : registry_.jobs()) {
+    v1::JobStatus* job = response->add_jobs();
+    job->set_job(name);
+    job->set_num_workers(settings.num_workers);
+    job->set_mode(settings.async ? "async" : "sync");
+    job->set_max_grad_norm(settings.max_grad_norm);
+    job->set_replicas(settings.replicas);
+    job->set_skip_nonfinite(settings.skip_nonfinite);
+    const ClipCoordinator::JobNorms norms = clip_.Norms(name);
+    job->set_last_norm_step(norms.last_step);
+    job->set_last_grad_norm(norms.last_norm);
+    job->set_skipped_steps(norms.skipped_steps);
+  }
   for (const auto& group : registry_.groups()) {
     const GroupStats stats = group->stats();
     v1::GroupStatus* proto = response->add_groups();

@@ -49,6 +49,21 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                            HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), s.gathers(), s.scatters(), s.errors());
   }
+  // Jobs as the first server that answered has them (every server has the same settings,
+  // and the same norms once a step is done).
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    out << absl::StrFormat("\n%-20s %7s %5s %8s %8s %9s %12s %8s\n", "job", "workers", "mode",
+                           "replicas", "max_norm", "skip_inf", "last_norm", "skipped");
+    for (const v1::JobStatus& j : status->jobs()) {
+      const std::string last =
+          j.last_norm_step() < 0 ? "-" : absl::StrFormat("%.4g@%d", j.last_grad_norm(), j.last_norm_step());
+      out << absl::StrFormat("%-20s %7d %5s %8d %8g %9s %12s %8d\n", j.job(), j.num_workers(), j.mode(),
+                             j.replicas(), j.max_grad_norm(), j.skip_nonfinite() ? "yes" : "no", last,
+                             j.skipped_steps());
+    }
+    break;
+  }
   // shard: the shard of the group's layout this server holds; replica: its replica group
   // (hybrid sharding; 0 otherwise).
   out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s %5s %7s\n", "rank", "job/group", "version",

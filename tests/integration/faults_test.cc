@@ -9,6 +9,7 @@
 #include <limits>
 #include <cmath>
 
+#include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
 #include "transport/data_protocol.h"
@@ -443,6 +444,15 @@ TEST(HybridFaultsTest, ANonFiniteStepIsSkippedInEveryReplicaGroup) {
     ASSERT_EQ(*workers[w]->Gather("g", 2, DType::kFloat32, AsBytes(params)).get(), 2);
     params.resize(layout->unpadded_numel());
     EXPECT_EQ(params, std::vector<float>(params.size(), -1.0f)) << "worker " << w;  // step 1 only
+  }
+  // Every server counted the skip, and shows step 1's norm as the last.
+  const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()});
+  for (const auto& status : statuses) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    ASSERT_EQ(status->jobs_size(), 1) << status->DebugString();
+    EXPECT_EQ(status->jobs(0).skipped_steps(), 1) << status->rank();
+    EXPECT_EQ(status->jobs(0).last_norm_step(), 1) << status->rank();
+    EXPECT_EQ(status->jobs(0).replicas(), 2) << status->rank();
   }
 }
 

@@ -40,6 +40,13 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   cli::StatusCommandOptions options{.servers = cluster.addresses(), .token = cluster.token()};
   std::ostringstream table, err;
   ASSERT_EQ(cli::RunStatusCommand(options, table, err), 0) << err.str();
+  // job, workers, mode, replicas, max_norm, skip_inf, last_norm, skipped
+  EXPECT_EQ(Row(table.str(), "status", "1"),
+            (std::vector<std::string>{"status", "1", "sync", "1", "0", "no", "-", "0"}))
+      << table.str();
+  EXPECT_EQ(Row(table.str(), "hybrid", "2"),
+            (std::vector<std::string>{"hybrid", "2", "sync", "2", "0", "no", "-", "0"}))
+      << table.str();
   for (int rank = 0; rank < 2; ++rank) {
     const std::string r = std::to_string(rank);
     // rank, address, memory, plane, tls, threads, groups, ...
