@@ -1,6 +1,8 @@
 #include "server/step_driver.h"
 
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -37,16 +39,25 @@ absl::Status StepDriver::Continue(Group& group, int64_t step, CommitOutcome outc
 absl::StatusOr<CommitOutcome> StepDriver::SharePartial(Group& group, int64_t step) {
   FLATSHARD_ASSIGN_OR_RETURN(const absl::Span<const std::byte> partial, group.SharedPartial(step));
   const Placement& placement = group.placement();
+  std::vector<int> peers;
   for (int replica = 0; replica < placement.replicas; ++replica) {
-    if (replica == placement.replica) continue;
-    const int peer = placement.PeerRank(replica);
-    if (absl::Status sent = SendPartial(peer, group, step, partial); !sent.ok()) {
-      group.ReleaseShare(step);
-      return absl::UnavailableError(absl::StrCat(
-          "contribution recorded, but the partial gradient of replica group ", placement.replica,
-          " for group '", group.name(), "' step ", step, " could not reach server ", peer, ": ",
-          sent.message(), "; send the contribution again to retry"));
-    }
+    if (replica != placement.replica) peers.push_back(placement.PeerRank(replica));
+  }
+  // Every peer at once (each has its own link); this thread sends to the first.
+  std::vector<absl::Status> sent(peers.size());
+  std::vector<std::thread> senders;
+  for (size_t i = 1; i < peers.size(); ++i) {
+    senders.emplace_back([&, i] { sent[i] = SendPartial(peers[i], group, step, partial); });
+  }
+  sent[0] = SendPartial(peers[0], group, step, partial);
+  for (std::thread& sender : senders) sender.join();
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (sent[i].ok()) continue;
+    group.ReleaseShare(step);
+    return absl::UnavailableError(absl::StrCat(
+        "contribution recorded, but the partial gradient of replica group ", placement.replica,
+        " for group '", group.name(), "' step ", step, " could not reach server ", peers[i], ": ",
+        sent[i].message(), "; send the contribution again to retry"));
   }
   return group.CommitOwnPartial(step);
 }

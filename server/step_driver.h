@@ -16,7 +16,8 @@
 // survives a peer that was briefly unreachable.
 //
 // Partials travel on the TCP data plane, one connection per peer opened with a session
-// from its OpenSession (the cluster token authenticates it), used by one send at a time.
+// from its OpenSession (the cluster token authenticates it), used by one send at a time;
+// a partial goes to its R - 1 peers at once.
 // A send that fails on a connection that went stale is retried once on a new one; a
 // peer that already holds or applied the partial (AlreadyExists) counts as delivered.
 // Thread-safe.

