@@ -374,6 +374,21 @@ TEST_F(FaultsTest, ConnectRefusesOptionsOutOfRangeBeforeCallingAnyServer) {
   EXPECT_TRUE(Client::Connect(good).ok());
 }
 
+// Workers 0 and 1 of a 2-worker `job` (replica groups 0 and 1 when it has 2), each with
+// group "g" (10 float32 elements, SGD lr 0.5) registered.
+void ConnectHybridWorkers(const testing::TestCluster& cluster, const JobOptions& job,
+                          std::unique_ptr<Client> (&workers)[2], const FlatLayout*& layout) {
+  for (int w = 0; w < 2; ++w) {
+    auto client = cluster.Connect(w, 2);
+    ASSERT_TRUE(client.ok()) << client.status();
+    workers[w] = *std::move(client);
+    ASSERT_TRUE(workers[w]->ConfigureJob(job).ok());
+    auto registered = workers[w]->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+    ASSERT_TRUE(registered.ok()) << registered.status();
+    layout = *registered;
+  }
+}
+
 // Hybrid sharding: a peer replica group that cannot be reached at the exchange fails the
 // contribution with UNAVAILABLE naming it; once it is back, sending the contribution
 // again (as a worker does after an error) completes the step in both replica groups.
@@ -382,15 +397,8 @@ TEST(HybridFaultsTest, AnUnreachablePeerFailsTheScatterAndAResendCompletesTheSte
   testing::TestCluster cluster(4, "tok", ::testing::TempDir(), "", {quick_peers, quick_peers, quick_peers, quick_peers});
   std::unique_ptr<Client> workers[2];
   const FlatLayout* layout = nullptr;
-  for (int w = 0; w < 2; ++w) {
-    auto client = cluster.Connect(w, 2);
-    ASSERT_TRUE(client.ok()) << client.status();
-    workers[w] = *std::move(client);
-    ASSERT_TRUE(workers[w]->ConfigureJob({.replicas = 2}).ok());
-    auto registered = workers[w]->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
-    ASSERT_TRUE(registered.ok()) << registered.status();
-    layout = *registered;
-  }
+  ConnectHybridWorkers(cluster, {.replicas = 2}, workers, layout);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
   const std::vector<float> grad0(layout->padded_numel(), 1.0f), grad1(layout->padded_numel(), 3.0f);
 
   kill(cluster.pid(2), SIGSTOP);  // replica group 1's server of shard 0
@@ -417,15 +425,8 @@ TEST(HybridFaultsTest, ANonFiniteStepIsSkippedInEveryReplicaGroup) {
   testing::TestCluster cluster(4, "tok", ::testing::TempDir());
   std::unique_ptr<Client> workers[2];
   const FlatLayout* layout = nullptr;
-  for (int w = 0; w < 2; ++w) {
-    auto client = cluster.Connect(w, 2);
-    ASSERT_TRUE(client.ok()) << client.status();
-    workers[w] = *std::move(client);
-    ASSERT_TRUE(workers[w]->ConfigureJob({.replicas = 2, .skip_nonfinite = true}).ok());
-    auto registered = workers[w]->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
-    ASSERT_TRUE(registered.ok()) << registered.status();
-    layout = *registered;
-  }
+  ConnectHybridWorkers(cluster, {.replicas = 2, .skip_nonfinite = true}, workers, layout);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
   auto step = [&](int64_t s, const std::vector<float>& grad0, const std::vector<float>& grad1) {
     auto a = workers[0]->Scatter("g", s, DType::kFloat32, AsBytes(grad0));
     auto b = workers[1]->Scatter("g", s, DType::kFloat32, AsBytes(grad1));
