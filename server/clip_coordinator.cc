@@ -130,22 +130,28 @@ absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_
         "skip_nonfinite"));
   }
   absl::MutexLock lock(&mu_);
-  std::map<int64_t, double>& kept = norms_[job];
+  // Looked up afresh each time: ForgetNorms may drop the job's map while this waits.
+  auto kept = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> const double* {
+    const auto it = norms_.find(job);
+    if (it == norms_.end()) return nullptr;
+    const auto norm = it->second.find(step);
+    return norm == it->second.end() ? nullptr : &norm->second;
+  };
   bool applied = false;  // a step this server applied without its norm coming back
   for (const auto& group : registry_.job_groups(job)) {
     if (!group->frozen() && group->version() > step) applied = true;
   }
-  if (applied && kept.count(step) == 0) {
+  if (applied && kept() == nullptr) {
     return absl::NotFoundError(absl::StrCat(
         "job '", job, "': the norm of step ", step, " is not kept here (the last ", kKeptNorms,
         " steps are, since this server started or last loaded a checkpoint)"));
   }
-  auto known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return kept.count(step) > 0; };
+  auto known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return kept() != nullptr; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&known), deadline)) {
     return absl::DeadlineExceededError(
         absl::StrCat("job '", job, "': the gradient norm of step ", step, " is not known yet"));
   }
-  return kept[step];
+  return *kept();
 }
 
 }  // namespace flatshard::server
