@@ -334,6 +334,48 @@ class MisuseAndRecoveryTest(unittest.TestCase):
         self.assert_matches_sgd(state, steps=1)
 
 
+class ScriptedNorms:
+    """Stands in for a ShardedModule: step() does nothing, grad_norm() replays `norms`."""
+
+    def __init__(self, norms):
+        self._norms = list(norms)
+        self._grad_scale = 1.0
+
+    def step(self):
+        pass
+
+    def grad_norm(self):
+        return self._norms.pop(0)
+
+
+class GradScalerPolicyTest(unittest.TestCase):
+    def test_backs_off_on_a_non_finite_norm_and_grows_after_an_interval(self):
+        model = ScriptedNorms([1.0, 1.0, float("inf"), 1.0, 1.0, 1.0, float("nan"), 1.0])
+        scaler = flatshard.torch.GradScaler(model, init_scale=8.0, growth_factor=2.0,
+                                            backoff_factor=0.25, growth_interval=3)
+        self.assertEqual(scaler.scale(torch.tensor(1.5)).item(), 12.0)
+        self.assertEqual(model._grad_scale, 8.0)  # the model unscales by it
+        scales = []
+        for _ in range(8):
+            scaler.step()
+            scales.append(scaler.get_scale())
+        # 2 good steps, inf: / 4; 3 good: x 2; NaN: / 4; 1 good.
+        self.assertEqual(scales, [8, 8, 2, 2, 2, 4, 1, 1])
+        saved = scaler.state_dict()
+        restored = flatshard.torch.GradScaler(ScriptedNorms([1.0, 1.0]), growth_interval=3)
+        restored.load_state_dict(saved)
+        self.assertEqual(restored.get_scale(), 1.0)
+        restored.step()
+        restored.step()  # with the one good step before the save: 3 in a row
+        self.assertEqual(restored.get_scale(), 2.0)
+
+    def test_refuses_settings_that_would_not_converge(self):
+        for bad in ({"init_scale": 0}, {"growth_factor": 1.0}, {"backoff_factor": 1.0},
+                    {"growth_interval": 0}):
+            with self.assertRaises(flatshard.InvalidArgumentError, msg=str(bad)):
+                flatshard.torch.GradScaler(ScriptedNorms([]), **bad)
+
+
 class MixedPrecisionAndExportTest(unittest.TestCase):
     def test_bf16_params_fp32_reduce_converges_and_gathers_exact_casts(self):
         with flatshard.LocalCluster(servers=3) as cluster:
