@@ -55,12 +55,14 @@ inline void StopServer(pid_t pid) {
   }
 }
 
-// Spawns a server on a free port with `flags` and waits up to 5 s for it to exit: true
-// when it exited with a non-zero status. A server still running is stopped.
+// Spawns a server on free ports (control and data: the default data port, control + 1,
+// may be another test's) with `flags` and waits up to 5 s for it to exit: true when it
+// exited with a non-zero status. A server still running is stopped.
 inline bool RefusesToStart(const std::vector<std::string>& flags) {
-  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(1);
+  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2);
   const std::string address = absl::StrCat("127.0.0.1:", ports[0]);
-  std::vector<std::string> args = {"--listen=" + address, "--cluster=" + address};
+  std::vector<std::string> args = {"--listen=" + address, "--cluster=" + address,
+                                   absl::StrCat("--data_listen=127.0.0.1:", ports[1])};
   args.insert(args.end(), flags.begin(), flags.end());
   const pid_t pid = testing::SpawnServer(args);
   if (pid <= 0) return false;
