@@ -1,7 +1,8 @@
 // Group: one flat parameter's shard on this server and the step engine around it
 // (DESIGN.md, "The training step", synchronous mode).
 //
-//  - version() = optimizer steps applied. Gathers wait (with a deadline) for a version.
+//  - version() = steps completed: optimizer steps applied, plus steps skipped as
+//    non-finite (skip_nonfinite). Gathers wait (with a deadline) for a version.
 //  - Each of the job's W workers contributes its gradient slice for step == version()
 //    exactly once. A contribution the group already holds or applied (a duplicate, or a
 //    stale step, which in sync mode was applied with every worker's) is AlreadyExists, so
@@ -29,8 +30,9 @@
 //    send again, nothing partial is ever applied).
 //
 // Memory: parameters, the reduced gradient and optimizer state live in the group's
-// memory tier (server/shard_compute.h: host, pinned or device); staging slots and gather
-// snapshots are host-addressable memory the tier's kernels reach directly.
+// memory tier (server/shard_compute.h: host, pinned or device); staging slots, replica
+// partials and gather snapshots are host-addressable memory the tier's kernels reach
+// directly.
 //
 // Thread-safe: every public method may be called from any thread.
 //
