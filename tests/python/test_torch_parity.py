@@ -251,6 +251,27 @@ class Failed:
         raise self.error
 
 
+def fail_first_scatter(client, victim, error, arrives):
+    """Makes the first scatter of group `victim` fail with `error`: before it is sent, or
+    (`arrives`) after the servers took it, as when only the answer is lost. Returns the
+    list of group names scattered, in order."""
+    real, sent = client.scatter_async, []
+
+    def scatter(name, *a, **k):
+        sent.append(name)
+        first = name == victim and sent.count(name) == 1
+        if first and not arrives:
+            return Failed(error)
+        future = real(name, *a, **k)
+        if not first:
+            return future
+        future.wait()  # the gradient arrives; its answer does not
+        return Failed(error)
+
+    client.scatter_async = scatter
+    return sent
+
+
 class MisuseAndRecoveryTest(unittest.TestCase):
     def assert_matches_sgd(self, state, steps):
         """`state` is what torch.optim.SGD(lr=0.1) makes of the MLP in `steps` steps."""
@@ -286,15 +307,9 @@ class MisuseAndRecoveryTest(unittest.TestCase):
     def test_a_failed_step_sends_again_only_what_did_not_arrive(self):
         with one_worker_mlp("resend") as (client, model):
             x, y = make_data("mlp")
-            real, sent = client.scatter_async, []
             victim = model.groups[1][0]
-            injected = flatshard.DeadlineExceededError("injected: the transfer timed out")
-
-            def flaky(name, *a, **k):
-                sent.append(name)
-                return Failed(injected) if name == victim and sent.count(name) == 1 else real(name, *a, **k)
-
-            client.scatter_async = flaky
+            sent = fail_first_scatter(client, victim, arrives=False,
+                                      error=flatshard.DeadlineExceededError("injected: the transfer timed out"))
             F.mse_loss(model(x), y).backward()
             with self.assertRaises(flatshard.DeadlineExceededError):
                 model.step()
@@ -311,19 +326,9 @@ class MisuseAndRecoveryTest(unittest.TestCase):
     def test_a_step_whose_answer_was_lost_completes_when_retried(self):
         with one_worker_mlp("lost") as (client, model):
             x, y = make_data("mlp")
-            real, sent = client.scatter_async, []
             victim = model.groups[0][0]
-            injected = flatshard.DeadlineExceededError("injected: the answer was lost")
-
-            def lossy(name, *a, **k):
-                sent.append(name)
-                future = real(name, *a, **k)
-                if name != victim or sent.count(name) > 1:
-                    return future
-                future.wait()  # the gradient arrives; its answer does not
-                return Failed(injected)
-
-            client.scatter_async = lossy
+            sent = fail_first_scatter(client, victim, arrives=True,
+                                      error=flatshard.DeadlineExceededError("injected: the answer was lost"))
             F.mse_loss(model(x), y).backward()
             with self.assertRaises(flatshard.DeadlineExceededError):
                 model.step()
