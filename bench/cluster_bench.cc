@@ -507,6 +507,8 @@ void DataPlane(bool quick, double seconds) {
     }
     configs.push_back({2, 2, int64_t{64} << 20, 2});
     configs.push_back({4, 4, int64_t{64} << 20, 2});
+    configs.push_back({3, 3, int64_t{64} << 20});
+    configs.push_back({3, 3, int64_t{64} << 20, 3});
   }
   std::printf("%-8s %7s %7s %8s %10s %14s %8s\n", "op", "servers", "workers", "group", "GB/s",
               "iperf3 GB/s", "ratio");

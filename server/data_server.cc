@@ -14,6 +14,13 @@ using transport::Connection;
 using transport::DataOp;
 using transport::Request;
 
+// The part of a hybrid job's exchange that `op` carries, if any.
+std::optional<Exchange> ExchangeOf(DataOp op) {
+  if (op == DataOp::kReplicaPartial) return Exchange::kPartial;
+  if (op == DataOp::kReplicaReduced) return Exchange::kReduced;
+  return std::nullopt;
+}
+
 template <typename T>
 absl::Span<std::byte> BytesOf(T& value) {
   return absl::MakeSpan(reinterpret_cast<std::byte*>(&value), sizeof(T));
@@ -127,6 +134,7 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
     case DataOp::kScatter:
     case DataOp::kPushInit:
     case DataOp::kReplicaPartial:
+    case DataOp::kReplicaReduced:
       return ServeReceive(conn, request);
     case DataOp::kIpcGather:
     case DataOp::kIpcScatter:
@@ -194,16 +202,25 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
 bool DataServer::ServeReceive(Connection& conn, const Request& request) {
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
   if (!group.ok()) return Refuse(conn, request, group.status());
+  const std::optional<Exchange> exchange = ExchangeOf(request.op);
   const char* what = request.op == DataOp::kScatter          ? "scatter"
                      : request.op == DataOp::kReplicaPartial ? "replica partial"
+                     : request.op == DataOp::kReplicaReduced ? "reduced chunk"
                                                              : "init";
-  const int64_t expected = (*group)->shard_numel() * static_cast<int64_t>(DTypeSize(request.dtype));
+  // A partial carries the chunk this server reduces; a reduced chunk the sender's.
+  int64_t numel = (*group)->shard_numel();
+  if (exchange.has_value() && (*group)->placement().replicas > 1) {
+    const int chunk = *exchange == Exchange::kPartial ? (*group)->placement().replica : request.worker_rank;
+    if (chunk >= 0 && chunk < (*group)->placement().replicas) numel = (*group)->ReplicaChunk(chunk).second;
+  }
+  const int64_t expected = numel * static_cast<int64_t>(DTypeSize(request.dtype));
   if (request.payload_bytes != expected) {
     return Refuse(conn, request,
                   absl::InvalidArgumentError(absl::StrCat(
                       what, " to group '", request.group, "' carries ", request.payload_bytes,
-                      " bytes; expected ", expected, " (", (*group)->shard_numel(), " ",
-                      DTypeName(request.dtype), " elements of this server's shard)")));
+                      " bytes; expected ", expected, " (", numel, " ", DTypeName(request.dtype),
+                      exchange.has_value() ? " elements of a chunk of this server's shard)"
+                                           : " elements of this server's shard)")));
   }
   absl::StatusOr<ReceiveSlot> slot = BeginReceive(**group, request);
   if (!slot.ok()) return Refuse(conn, request, slot.status());
@@ -215,34 +232,43 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
   }
   stats_.bytes_received += request.payload_bytes;
   absl::Status committed;
+  std::optional<CommitOutcome> aside;  // continued once the peer has its answer
   if (request.op == DataOp::kPushInit) {
     committed = (*group)->CommitPushInit(*slot);
   } else {
-    absl::StatusOr<CommitOutcome> outcome = request.op == DataOp::kScatter
-                                                ? (*group)->CommitScatter(*slot)
-                                                : (*group)->CommitReplicaPartial(*slot);
+    absl::StatusOr<CommitOutcome> outcome = exchange.has_value()
+                                                ? (*group)->CommitExchange(*exchange, *slot)
+                                                : (*group)->CommitScatter(*slot);
     committed = outcome.status();
-    if (outcome.ok()) committed = driver_.Continue(**group, request.version, *outcome);
+    if (outcome.ok() && *outcome == CommitOutcome::kBroadcast && exchange.has_value()) {
+      aside = *outcome;  // sending to peers before answering this one could deadlock
+    } else if (outcome.ok()) {
+      committed = driver_.Continue(**group, request.version, *outcome);
+    }
     if (outcome.ok() && request.op == DataOp::kScatter) ++stats_.scatters;
   }
   if (!committed.ok()) ++stats_.errors;
-  return transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
+  const bool answered = transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
+  if (aside.has_value()) driver_.ContinueAside(*std::move(group), request.version, *aside);
+  return answered;
 }
 
 absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request) {
   switch (request.op) {
     case DataOp::kScatter:
       return driver_.BeginScatter(group, request.version, request.worker_rank, request.dtype);
-    case DataOp::kReplicaPartial: {
+    case DataOp::kReplicaPartial:
+    case DataOp::kReplicaReduced: {
       if (request.dtype != DType::kFloat32) {
-        return absl::InvalidArgumentError(absl::StrCat("a replica partial is float32, not ",
+        return absl::InvalidArgumentError(absl::StrCat("the exchange between replica groups is float32, not ",
                                                        DTypeName(request.dtype)));
       }
-      absl::StatusOr<ReceiveSlot> slot = group.BeginReplicaPartial(request.version, request.worker_rank);
+      const Exchange what = *ExchangeOf(request.op);
+      absl::StatusOr<ReceiveSlot> slot = group.BeginExchange(what, request.version, request.worker_rank);
       if (!absl::IsFailedPrecondition(slot.status()) || group.version() >= request.version) return slot;
       // A peer replica group may be ahead by a step: wait until this one gets there.
       FLATSHARD_RETURN_IF_ERROR(group.WaitVersion(request.version, request.Deadline()).status());
-      return group.BeginReplicaPartial(request.version, request.worker_rank);
+      return group.BeginExchange(what, request.version, request.worker_rank);
     }
     default:
       return group.BeginPushInit(request.dtype);
@@ -254,7 +280,8 @@ void DataServer::AbortReceive(Group& group, const Request& request, const Receiv
     case DataOp::kScatter:
       return group.AbortScatter(slot);
     case DataOp::kReplicaPartial:
-      return group.AbortReplicaPartial(slot);
+    case DataOp::kReplicaReduced:
+      return group.AbortExchange(*ExchangeOf(request.op), slot);
     default:
       return group.AbortPushInit(slot);
   }

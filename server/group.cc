@@ -93,7 +93,8 @@ Group::Group(std::string job, std::string name, FlatLayout layout, Placement pla
       slot_data_(job_settings.num_workers, nullptr),
       snapshot_pool_(std::make_shared<SnapshotPool>()),
       partial_states_(job_settings.hybrid() ? job_settings.replicas : 0, SlotState::kEmpty),
-      partials_(job_settings.hybrid() ? job_settings.replicas : 0),
+      reduced_states_(job_settings.hybrid() ? job_settings.replicas : 0, SlotState::kEmpty),
+      partial_chunks_(job_settings.hybrid() ? job_settings.replicas : 0),
       last_async_step_(job_settings.num_workers, -1) {}
 
 std::string Group::optimizer_name() const {
@@ -314,6 +315,14 @@ absl::StatusOr<CommitOutcome> Group::FinishReduction() {
   return CommitOutcome::kApplied;
 }
 
+std::pair<int64_t, int64_t> Group::ReplicaChunk(int replica) const {
+  const int64_t numel = shard_numel(), replicas = std::max(1, job_settings_.replicas);
+  // Balanced, with each boundary rounded down to 4 elements (16 bytes) for the kernels'
+  // vector loads: small shards may leave a chunk empty.
+  auto boundary = [&](int64_t q) { return q >= replicas ? numel : numel * q / replicas / 4 * 4; };
+  return {boundary(replica), boundary(replica + 1) - boundary(replica)};
+}
+
 absl::StatusOr<absl::Span<const std::byte>> Group::SharedPartial(int64_t step) const {
   absl::MutexLock lock(&mu_);
   if (!job_settings_.hybrid() || version_ != step ||
@@ -322,8 +331,7 @@ absl::StatusOr<absl::Span<const std::byte>> Group::SharedPartial(int64_t step) c
         "group '", name_, "' has no partial of replica group ", placement_.replica,
         " waiting to be shared for step ", step, " (at version ", version_, ")"));
   }
-  const size_t bytes = static_cast<size_t>(shard_numel()) * sizeof(float);
-  return absl::Span<const std::byte>(partials_[placement_.replica].bytes().subspan(0, bytes));
+  return own_partial_.bytes().subspan(0, static_cast<size_t>(shard_numel()) * sizeof(float));
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(int64_t step) {
@@ -339,97 +347,168 @@ absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(int64_t step) {
   return PartialArrived(placement_.replica);
 }
 
-void Group::ReleaseShare(int64_t step) {
+absl::StatusOr<absl::Span<const std::byte>> Group::BroadcastChunk(int64_t step) const {
   absl::MutexLock lock(&mu_);
-  if (version_ == step) share_claimed_ = false;
-}
-
-bool Group::ClaimShare(int64_t step) {
-  absl::MutexLock lock(&mu_);
-  if (!job_settings_.hybrid() || version_ != step || share_claimed_ ||
-      partial_states_[placement_.replica] != SlotState::kReceiving) {
-    return false;
+  if (!job_settings_.hybrid() || version_ != step ||
+      reduced_states_[placement_.replica] != SlotState::kReceiving) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group '", name_, "' has no reduced chunk of replica group ", placement_.replica,
+        " waiting to be broadcast for step ", step, " (at version ", version_, ")"));
   }
-  share_claimed_ = true;
-  return true;
+  const auto [offset, numel] = ReplicaChunk(placement_.replica);
+  return reduced_staging_.bytes().subspan(offset * sizeof(float), numel * sizeof(float));
 }
 
-absl::StatusOr<ReceiveSlot> Group::BeginReplicaPartial(int64_t step, int replica) {
+absl::StatusOr<CommitOutcome> Group::CommitBroadcast(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (!job_settings_.hybrid() || version_ != step ||
+      reduced_states_[placement_.replica] != SlotState::kReceiving) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group '", name_, "' has no reduced chunk of its own to commit for step ", step,
+        " (at version ", version_, ")"));
+  }
+  reduced_states_[placement_.replica] = SlotState::kReady;
+  broadcast_claimed_ = false;
+  return ReducedArrived(placement_.replica);
+}
+
+void Group::ReleasePending(int64_t step, CommitOutcome what) {
+  absl::MutexLock lock(&mu_);
+  if (version_ != step) return;
+  (what == CommitOutcome::kShare ? share_claimed_ : broadcast_claimed_) = false;
+}
+
+std::optional<CommitOutcome> Group::ClaimPending(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (!job_settings_.hybrid() || version_ != step) return std::nullopt;
+  if (!share_claimed_ && partial_states_[placement_.replica] == SlotState::kReceiving) {
+    share_claimed_ = true;
+    return CommitOutcome::kShare;
+  }
+  if (!broadcast_claimed_ && reduced_states_[placement_.replica] == SlotState::kReceiving) {
+    broadcast_claimed_ = true;
+    return CommitOutcome::kBroadcast;
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, int replica) {
+  const char* noun = what == Exchange::kPartial ? "partial" : "reduced chunk";
   if (!job_settings_.hybrid() || replica < 0 || replica >= job_settings_.replicas ||
       replica == placement_.replica) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "partial from replica group ", replica, " for group '", name_, "' of job '", job_,
+        noun, " from replica group ", replica, " for group '", name_, "' of job '", job_,
         "': this server is in replica group ", placement_.replica, " of ",
-        job_settings_.replicas, " and takes partials from the others only"));
+        job_settings_.replicas, " and takes them from the others only"));
   }
   absl::MutexLock lock(&mu_);
   if (step < version_) {
     return absl::AlreadyExistsError(absl::StrCat(
-        "partial of replica group ", replica, " for group '", name_, "': step ", step,
+        noun, " of replica group ", replica, " for group '", name_, "': step ", step,
         " was already applied; this server is at version ", version_));
   }
   if (step > version_) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "partial of replica group ", replica, " for group '", name_, "' for step ", step,
+        noun, " of replica group ", replica, " for group '", name_, "' for step ", step,
         " before step ", version_, " is complete"));
   }
-  switch (partial_states_[replica]) {
+  std::vector<SlotState>& states = ExchangeStates(what);
+  switch (states[replica]) {
     case SlotState::kReady:
-      return absl::AlreadyExistsError(absl::StrCat("duplicate partial of replica group ", replica,
+      return absl::AlreadyExistsError(absl::StrCat("duplicate ", noun, " of replica group ", replica,
                                                    " for group '", name_, "' step ", step));
     case SlotState::kReceiving:
-      return absl::FailedPreconditionError(absl::StrCat("the partial of replica group ", replica,
+      return absl::FailedPreconditionError(absl::StrCat("the ", noun, " of replica group ", replica,
                                                         " for group '", name_, "' step ", step,
                                                         " is already being received"));
     case SlotState::kEmpty:
       break;
   }
-  const size_t bytes = static_cast<size_t>(shard_numel()) * sizeof(float);
-  FLATSHARD_RETURN_IF_ERROR(EnsureStaging(
-      partials_[replica], bytes, absl::StrCat("partial of replica group ", replica)));
-  partial_states_[replica] = SlotState::kReceiving;
-  return ReceiveSlot{step, replica, DType::kFloat32, partials_[replica].bytes().subspan(0, bytes)};
+  // A partial of this server's chunk lands in its own buffer; a reduced chunk in its
+  // place in reduced_staging_.
+  const auto [offset, numel] = ReplicaChunk(what == Exchange::kPartial ? placement_.replica : replica);
+  const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
+  absl::Span<std::byte> buffer;
+  if (what == Exchange::kPartial) {
+    FLATSHARD_RETURN_IF_ERROR(EnsureStaging(partial_chunks_[replica], bytes,
+                                            absl::StrCat("partial of replica group ", replica)));
+    buffer = partial_chunks_[replica].bytes().subspan(0, bytes);
+  } else {
+    FLATSHARD_RETURN_IF_ERROR(EnsureStaging(reduced_staging_, static_cast<size_t>(shard_numel()) * sizeof(float),
+                                            "reduced gradient"));
+    buffer = reduced_staging_.bytes().subspan(offset * sizeof(float), bytes);
+  }
+  states[replica] = SlotState::kReceiving;
+  return ReceiveSlot{step, replica, DType::kFloat32, buffer};
 }
 
-absl::StatusOr<CommitOutcome> Group::CommitReplicaPartial(const ReceiveSlot& slot) {
+absl::StatusOr<CommitOutcome> Group::CommitExchange(Exchange what, const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
-  if (version_ != slot.step || partial_states_[slot.worker_rank] != SlotState::kReceiving) {
-    return absl::AbortedError(absl::StrCat("group '", name_,
-                                           "' was loaded or re-initialized while the partial of replica group ",
-                                           slot.worker_rank, " was received"));
+  std::vector<SlotState>& states = ExchangeStates(what);
+  if (version_ != slot.step || states[slot.worker_rank] != SlotState::kReceiving) {
+    return absl::AbortedError(absl::StrCat(
+        "group '", name_, "' was loaded or re-initialized while the ",
+        what == Exchange::kPartial ? "partial" : "reduced chunk", " of replica group ",
+        slot.worker_rank, " was received"));
   }
-  partial_states_[slot.worker_rank] = SlotState::kReady;
-  return PartialArrived(slot.worker_rank);
+  states[slot.worker_rank] = SlotState::kReady;
+  return what == Exchange::kPartial ? PartialArrived(slot.worker_rank) : ReducedArrived(slot.worker_rank);
 }
 
-void Group::AbortReplicaPartial(const ReceiveSlot& slot) {
+void Group::AbortExchange(Exchange what, const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
-  if (version_ == slot.step && partial_states_[slot.worker_rank] == SlotState::kReceiving) {
-    partial_states_[slot.worker_rank] = SlotState::kEmpty;
+  std::vector<SlotState>& states = ExchangeStates(what);
+  if (version_ == slot.step && states[slot.worker_rank] == SlotState::kReceiving) {
+    states[slot.worker_rank] = SlotState::kEmpty;
   }
+}
+
+bool Group::AllReady(const std::vector<SlotState>& states) {
+  return std::all_of(states.begin(), states.end(),
+                     [](SlotState state) { return state == SlotState::kReady; });
 }
 
 absl::StatusOr<CommitOutcome> Group::PartialArrived(int replica) {
-  if (++partials_ready_ < job_settings_.replicas) return CommitOutcome::kPending;
-  // Replica order: every replica adds the same partials in the same order.
-  std::vector<kernels::Contribution> partials;
-  for (const ShardBuffer& partial : partials_) partials.push_back({DType::kFloat32, partial.data()});
-  const float alpha = job_settings_.reduce_mean
-                          ? 1.0f / static_cast<float>(job_settings_.num_workers)
-                          : 1.0f;
-  absl::Status reduced = compute_->Reduce(partials, grad_.floats(), shard_numel(), alpha);
-  if (reduced.ok()) reduced = ZeroGradientPadding();
-  if (reduced.ok()) reduced = compute_->Synchronize();
+  if (!AllReady(partial_states_)) return CommitOutcome::kPending;
+  // Replica order: the owner of a chunk adds the same partials in the same order as the
+  // whole-shard sum would, and every replica group receives the owner's bits.
+  const auto [offset, numel] = ReplicaChunk(placement_.replica);
+  absl::Status reduced = EnsureStaging(reduced_staging_, static_cast<size_t>(shard_numel()) * sizeof(float),
+                                       "reduced gradient");
+  if (reduced.ok() && numel > 0) {
+    std::vector<kernels::Contribution> partials;
+    for (int q = 0; q < job_settings_.replicas; ++q) {
+      const float* chunk = q == placement_.replica ? own_partial_.floats() + offset : partial_chunks_[q].floats();
+      partials.push_back({DType::kFloat32, chunk});
+    }
+    const float alpha = job_settings_.reduce_mean
+                            ? 1.0f / static_cast<float>(job_settings_.num_workers)
+                            : 1.0f;
+    reduced = compute_->Reduce(partials, reduced_staging_.floats() + offset, numel, alpha);
+    if (reduced.ok()) reduced = compute_->Synchronize();
+  }
   if (!reduced.ok()) {
     // A kernel failed: nothing was applied. The partial that arrived last is taken back,
     // so that sending it again (a peer's resend, or this replica group's share claimed
     // again on a worker's resend) retries the sum.
-    --partials_ready_;
     partial_states_[replica] = replica == placement_.replica ? SlotState::kReceiving : SlotState::kEmpty;
     return reduced;
   }
-  partials_ready_ = 0;
-  std::fill(partial_states_.begin(), partial_states_.end(), SlotState::kEmpty);
+  reduced_states_[placement_.replica] = SlotState::kReceiving;
+  broadcast_claimed_ = true;
+  return CommitOutcome::kBroadcast;
+}
+
+absl::StatusOr<CommitOutcome> Group::ReducedArrived(int replica) {
+  if (!AllReady(reduced_states_)) return CommitOutcome::kPending;
+  absl::Status copied = compute_->CopyFromHost(reduced_staging_.floats(), grad_.floats(), shard_numel());
+  if (copied.ok()) copied = ZeroGradientPadding();
+  if (copied.ok()) copied = compute_->Synchronize();
+  if (!copied.ok()) {
+    // As in PartialArrived: the chunk that arrived last is taken back.
+    reduced_states_[replica] = replica == placement_.replica ? SlotState::kReceiving : SlotState::kEmpty;
+    return copied;
+  }
   return FinishReduction();
 }
 
@@ -519,10 +598,9 @@ absl::Status Group::ReduceOwnPartial() {
     contributions.push_back({slot_dtypes_[worker], slot_data_[worker]});
   }
   const size_t bytes = static_cast<size_t>(shard_numel()) * sizeof(float);
-  ShardBuffer& partial = partials_[placement_.replica];
   FLATSHARD_RETURN_IF_ERROR(EnsureStaging(
-      partial, bytes, absl::StrCat("partial of replica group ", placement_.replica)));
-  FLATSHARD_RETURN_IF_ERROR(compute_->Reduce(contributions, partial.floats(), shard_numel(), 1.0f));
+      own_partial_, bytes, absl::StrCat("partial of replica group ", placement_.replica)));
+  FLATSHARD_RETURN_IF_ERROR(compute_->Reduce(contributions, own_partial_.floats(), shard_numel(), 1.0f));
   FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
   partial_states_[placement_.replica] = SlotState::kReceiving;
   return absl::OkStatus();
@@ -584,7 +662,15 @@ void Group::AdvanceVersion() {
   ++version_;
   ready_count_ = 0;
   if (!job_settings_.async) std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
+  ResetExchange();
   PublishNewValues();
+}
+
+void Group::ResetExchange() {
+  std::fill(partial_states_.begin(), partial_states_.end(), SlotState::kEmpty);
+  std::fill(reduced_states_.begin(), reduced_states_.end(), SlotState::kEmpty);
+  share_claimed_ = false;
+  broadcast_claimed_ = false;
 }
 
 void Group::PublishNewValues() {
@@ -713,9 +799,7 @@ absl::Status Group::Restore(LoadedShard loaded) {
   ready_count_ = 0;
   reduced_ = false;
   std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
-  partials_ready_ = 0;
-  share_claimed_ = false;
-  std::fill(partial_states_.begin(), partial_states_.end(), SlotState::kEmpty);
+  ResetExchange();
   std::fill(last_async_step_.begin(), last_async_step_.end(), loaded.version - 1);
   PublishNewValues();
   return absl::OkStatus();
@@ -731,7 +815,8 @@ GroupStats Group::stats() const {
   int64_t bytes = static_cast<int64_t>(params_.size() + grad_.size()) + optimizer_.state_bytes();
   for (const auto& staging : staging_) bytes += static_cast<int64_t>(staging.size());
   for (const auto& staging : device_staging_) bytes += static_cast<int64_t>(staging.size());
-  for (const auto& partial : partials_) bytes += static_cast<int64_t>(partial.size());
+  for (const auto& chunk : partial_chunks_) bytes += static_cast<int64_t>(chunk.size());
+  bytes += static_cast<int64_t>(own_partial_.size() + reduced_staging_.size());
   return GroupStats{version_, bytes, ready_count_};
 }
 

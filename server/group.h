@@ -11,11 +11,19 @@
 //  - When all W are in, the server reduces them in fp32 in worker-rank order (bitwise
 //    reproducible), divides by W for a mean, runs the optimizer and publishes v + 1.
 //  - Hybrid sharding (server/job.h): only the workers of this server's replica group
-//    contribute here. Their fp32 sum, in worker-rank order, is this replica's partial
-//    (kShare): the caller sends it to the servers holding this shard in the other
-//    replicas (SharedPartial, then CommitOwnPartial) and they send theirs
-//    (BeginReplicaPartial / CommitReplicaPartial). Once all R partials are in, they are
-//    added in replica order and divided by W for a mean: the same bits in every replica.
+//    contribute here. Their fp32 sum, in worker-rank order, is this replica's partial.
+//    The servers holding this shard in the R replica groups then all-reduce their
+//    partials as a reduce-scatter followed by an all-gather: the shard is cut into R
+//    chunks (ReplicaChunk), and replica group q's server reduces chunk q.
+//     1. kShare: the caller sends chunk q of the partial (SharedPartial) to replica group
+//        q's server, for every q but this one, then calls CommitOwnPartial.
+//     2. The others' partials of this server's chunk arrive (Exchange::kPartial). Once
+//        all R are in, they are added in replica order and divided by W for a mean
+//        (kBroadcast): the caller sends the chunk (BroadcastChunk) to every other replica
+//        group, then calls CommitBroadcast.
+//     3. The other chunks arrive reduced from their owners (Exchange::kReduced). With all
+//        R chunks in, the step goes on as after the last contribution.
+//    Every replica group ends with the same bits; each server sends 2(R-1)/R of a shard.
 //  - With gradient clipping (or skip_nonfinite), the reduced gradient waits (kReduced)
 //    until the job's global norm is known (server/clip_coordinator.h), which then calls
 //    FinishClippedStep with the clip coefficient (or SkipStep for a non-finite norm).
@@ -43,7 +51,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/huge_pages.h"
@@ -84,7 +94,14 @@ enum class CommitOutcome {
   kPending,  // waiting for other workers' contributions (or other replicas' partials)
   kApplied,  // the optimizer step ran; the version advanced
   kReduced,  // clipped job: reduced, waiting for the job's gradient norm
-  kShare,    // hybrid job: this replica's partial is summed; share it (SharedPartial)
+  kShare,      // hybrid job: this replica's partial is summed; share it (SharedPartial)
+  kBroadcast,  // hybrid job: this server's chunk is reduced; broadcast it (BroadcastChunk)
+};
+
+// What one replica group's server sends another in a hybrid job's exchange (Group).
+enum class Exchange {
+  kPartial,  // its partial of the receiver's chunk
+  kReduced,  // its own chunk, reduced
 };
 
 // This server's shard of a group at one version: parameters (fp32 master, shard_numel
@@ -172,22 +189,33 @@ class Group {
   // clipping) runs the optimizer before returning (hybrid: sums the replica's partial).
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitScatter(const ReceiveSlot& slot);
 
-  // Hybrid jobs. After kShare: this replica's partial for `step` (fp32, shard_numel
-  // elements, host memory), valid until the step is applied; FailedPrecondition when it
-  // is not summed yet or already shared. CommitOwnPartial then counts it among the R;
-  // the last partial in adds them up and continues as the last contribution does.
+  // Hybrid jobs (the exchange in the header comment). Chunk `replica` of this shard:
+  // {offset, numel} in elements; offsets are multiples of 4 (16 bytes).
+  std::pair<int64_t, int64_t> ReplicaChunk(int replica) const;
+  // After kShare: this replica's partial for `step` (fp32, the whole shard, host
+  // memory), valid until the step is applied; FailedPrecondition when it is not summed
+  // yet or already delivered. CommitOwnPartial then counts it once every chunk reached
+  // its owner.
   [[nodiscard]] absl::StatusOr<absl::Span<const std::byte>> SharedPartial(int64_t step) const;
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitOwnPartial(int64_t step);
-  // kShare hands the partial to one caller to share. If that fails, ReleaseShare lets a
-  // later ClaimShare (true at most once per release) take it up again.
-  void ReleaseShare(int64_t step);
-  bool ClaimShare(int64_t step);
-  // Another replica's partial for `step` (slot.worker_rank = that replica, fp32).
-  // AlreadyExists for one already held or applied; FailedPrecondition for a future step
-  // or one being received; InvalidArgument for a replica outside [0, R) or this one's.
-  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginReplicaPartial(int64_t step, int replica);
-  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitReplicaPartial(const ReceiveSlot& slot);
-  void AbortReplicaPartial(const ReceiveSlot& slot);
+  // After kBroadcast: this server's reduced chunk for `step` (fp32, host memory), valid
+  // until the step is applied. CommitBroadcast then counts it once every other replica
+  // group holds it.
+  [[nodiscard]] absl::StatusOr<absl::Span<const std::byte>> BroadcastChunk(int64_t step) const;
+  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitBroadcast(int64_t step);
+  // kShare and kBroadcast hand what is to be sent to one caller. If sending fails,
+  // ReleasePending lets a later ClaimPending (which returns each at most once per
+  // release) take it up again.
+  void ReleasePending(int64_t step, CommitOutcome what);
+  std::optional<CommitOutcome> ClaimPending(int64_t step);
+  // What another replica group's server sends (slot.worker_rank = its replica group,
+  // fp32, its chunk's size). AlreadyExists for one already held or applied;
+  // FailedPrecondition for a future step or one being received; InvalidArgument for a
+  // replica group outside [0, R) or this one's. Committing the last kPartial returns
+  // kBroadcast, the last kReduced what the last contribution would.
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginExchange(Exchange what, int64_t step, int replica);
+  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitExchange(Exchange what, const ReceiveSlot& slot);
+  void AbortExchange(Exchange what, const ReceiveSlot& slot);
 
   // Clipped jobs. True when the contributions for `step` are reduced and wait for the
   // norm. NormPartial: this shard's sum of squares (norm_type 2) or max |g| (inf) of the
@@ -255,9 +283,16 @@ class Group {
   absl::Status ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hybrid: this replica's contributions, summed in worker-rank order into its partial.
   absl::Status ReduceOwnPartial() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Hybrid: counts replica group `replica`'s partial; the last adds all R into grad_ and
-  // goes on with the step (clipping or optimizer).
+  // Hybrid: after replica group `replica`'s partial of this server's chunk was counted;
+  // the last adds all R into the chunk (kBroadcast).
   absl::StatusOr<CommitOutcome> PartialArrived(int replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hybrid: after chunk `replica` of the reduced gradient was counted; the last copies
+  // them into grad_ and goes on with the step (clipping or optimizer).
+  absl::StatusOr<CommitOutcome> ReducedArrived(int replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static bool AllReady(const std::vector<SlotState>& states);
+  std::vector<SlotState>& ExchangeStates(Exchange what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return what == Exchange::kPartial ? partial_states_ : reduced_states_;
+  }
   // After the reduction into grad_: kReduced for a clipped job, else the optimizer step.
   absl::StatusOr<CommitOutcome> FinishReduction() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Zeroes grad_ at the shard's padding, whatever the workers sent there: padding never
@@ -266,6 +301,8 @@ class Group {
   absl::Status StepOptimizer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // version + 1, slots free for the next step, snapshots of the new version.
   void AdvanceVersion() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hybrid: the exchange's states back to empty, nothing claimed.
+  void ResetExchange() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<CommitOutcome> CommitAsync(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishNewValues() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A buffer of at least `bytes` (host-addressable, or in the tier for `memory` kDevice),
@@ -305,13 +342,21 @@ class Group {
   std::vector<const void*> slot_data_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<SnapshotPool> snapshot_pool_;
   int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
-  // Hybrid: one fp32 partial per replica group (this one's summed here, the others
-  // received); a slot in kReceiving is written without the lock by its one receiver.
-  // This replica's slot is kReceiving from its sum until CommitOwnPartial.
+  // Hybrid exchange, indexed by replica group q (a slot in kReceiving is written without
+  // the lock by its one receiver; all return to kEmpty when the version advances):
+  //  - partial_states_[q], q != this replica: q's partial of this server's chunk, in
+  //    partial_chunks_[q]. [this replica]: its own partial (own_partial_, the whole
+  //    shard), kReceiving from its sum until every chunk reached its owner, then kReady.
+  //  - reduced_states_[q], q != this replica: chunk q as its owner reduced it, in
+  //    reduced_staging_. [this replica]: this server's chunk, reduced into
+  //    reduced_staging_, kReceiving until every other replica group holds it, then kReady.
   std::vector<SlotState> partial_states_ ABSL_GUARDED_BY(mu_);
-  std::vector<ShardBuffer> partials_;
-  int partials_ready_ ABSL_GUARDED_BY(mu_) = 0;
-  bool share_claimed_ ABSL_GUARDED_BY(mu_) = false;  // this replica's partial is being shared
+  std::vector<SlotState> reduced_states_ ABSL_GUARDED_BY(mu_);
+  ShardBuffer own_partial_;
+  std::vector<ShardBuffer> partial_chunks_;
+  ShardBuffer reduced_staging_;
+  bool share_claimed_ ABSL_GUARDED_BY(mu_) = false;      // own_partial_ is being shared
+  bool broadcast_claimed_ ABSL_GUARDED_BY(mu_) = false;  // this chunk is being broadcast
   int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_

@@ -6,9 +6,10 @@
 // consecutive ranks. Every group is laid out over S shards; server r holds shard r % S
 // and belongs to replica r / S. Worker w belongs to replica w % R: it gathers from and
 // scatters to its replica's servers only. Each server sums its replica's contributions
-// (a partial), exchanges partials with the servers holding the same shard in the other
-// replicas (server/step_driver.h) and adds the R partials in replica order, so every
-// replica computes the same bits and steps identically.
+// (a partial), then all-reduces it with the servers holding the same shard in the other
+// replicas (a reduce-scatter and an all-gather: server/group.h, server/step_driver.h),
+// adding the R partials in replica order, so every replica computes the same bits and
+// steps identically.
 #ifndef FLATSHARD_SERVER_JOB_H_
 #define FLATSHARD_SERVER_JOB_H_
 

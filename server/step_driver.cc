@@ -1,5 +1,7 @@
 #include "server/step_driver.h"
 
+#include <algorithm>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -15,13 +17,20 @@ StepDriver::StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, 
   for (int rank = 0; rank < num_servers; ++rank) links_.push_back(std::make_unique<Link>());
 }
 
+StepDriver::~StepDriver() {
+  absl::MutexLock lock(&aside_mu_);
+  stopping_ = true;
+  aside_mu_.Await(absl::Condition(
+      +[](int* running) { return *running == 0; }, &aside_running_));
+}
+
 absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step, int worker_rank,
                                                      DType dtype, SlotMemory memory) {
   absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(step, worker_rank, dtype, memory);
   if (!absl::IsAlreadyExists(slot.status())) return slot;
   // A resend: its first answer may have been a failure to reach a peer.
-  if (group.ClaimShare(step)) {
-    FLATSHARD_RETURN_IF_ERROR(Continue(group, step, CommitOutcome::kShare));
+  if (std::optional<CommitOutcome> pending = group.ClaimPending(step)) {
+    FLATSHARD_RETURN_IF_ERROR(Continue(group, step, *pending));
   } else if (group.reduced_at(step)) {
     FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(group.job(), step));
   }
@@ -29,50 +38,94 @@ absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step,
 }
 
 absl::Status StepDriver::Continue(Group& group, int64_t step, CommitOutcome outcome) {
-  if (outcome == CommitOutcome::kShare) {
-    FLATSHARD_ASSIGN_OR_RETURN(outcome, SharePartial(group, step));
+  while (outcome == CommitOutcome::kShare || outcome == CommitOutcome::kBroadcast) {
+    FLATSHARD_ASSIGN_OR_RETURN(outcome, Deliver(group, step, outcome));
   }
   if (outcome == CommitOutcome::kReduced) return clip_.OnGroupReduced(group.job(), step);
   return absl::OkStatus();
 }
 
-absl::StatusOr<CommitOutcome> StepDriver::SharePartial(Group& group, int64_t step) {
-  FLATSHARD_ASSIGN_OR_RETURN(const absl::Span<const std::byte> partial, group.SharedPartial(step));
-  const Placement& placement = group.placement();
-  std::vector<int> peers;
-  for (int replica = 0; replica < placement.replicas; ++replica) {
-    if (replica != placement.replica) peers.push_back(placement.PeerRank(replica));
+void StepDriver::ContinueAside(std::shared_ptr<Group> group, int64_t step, CommitOutcome outcome) {
+  {
+    absl::MutexLock lock(&aside_mu_);
+    ++aside_running_;
   }
-  // Every peer at once (each has its own link); this thread sends to the first.
-  std::vector<absl::Status> sent(peers.size());
-  std::vector<std::thread> senders;
-  for (size_t i = 1; i < peers.size(); ++i) {
-    senders.emplace_back([&, i] { sent[i] = SendPartial(peers[i], group, step, partial); });
-  }
-  sent[0] = SendPartial(peers[0], group, step, partial);
-  for (std::thread& sender : senders) sender.join();
-  for (size_t i = 0; i < peers.size(); ++i) {
-    if (sent[i].ok()) continue;
-    group.ReleaseShare(step);
-    return absl::UnavailableError(absl::StrCat(
-        "contribution recorded, but the partial gradient of replica group ", placement.replica,
-        " for group '", group.name(), "' step ", step, " could not reach server ", peers[i], ": ",
-        sent[i].message(), "; send the contribution again to retry"));
-  }
-  return group.CommitOwnPartial(step);
+  std::thread([this, group = std::move(group), step, outcome]() mutable {
+    RunAside(std::move(group), step, outcome);
+  }).detach();
 }
 
-absl::Status StepDriver::SendPartial(int peer, const Group& group, int64_t step,
-                                     absl::Span<const std::byte> partial) {
-  Link& link = *links_[peer];
+void StepDriver::RunAside(std::shared_ptr<Group> group, int64_t step, CommitOutcome outcome) {
+  absl::Duration backoff = absl::Milliseconds(100);
+  absl::Status status = Continue(*group, step, outcome);
+  while (!status.ok()) {
+    {
+      absl::MutexLock lock(&aside_mu_);
+      if (aside_mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff)) break;
+    }
+    // Nothing left to send: another caller (a worker's resend) did it, or a load moved
+    // the group on.
+    std::optional<CommitOutcome> pending = group->ClaimPending(step);
+    if (!pending.has_value()) break;
+    status = Continue(*group, step, *pending);
+    backoff = std::min(2 * backoff, absl::Seconds(2));
+  }
+  group.reset();  // before the destructor may return
+  absl::MutexLock lock(&aside_mu_);
+  --aside_running_;
+}
+
+absl::StatusOr<CommitOutcome> StepDriver::Deliver(Group& group, int64_t step, CommitOutcome what) {
+  const bool share = what == CommitOutcome::kShare;
+  const Placement& placement = group.placement();
+  absl::StatusOr<absl::Span<const std::byte>> bytes =
+      share ? group.SharedPartial(step) : group.BroadcastChunk(step);
+  if (!bytes.ok()) return bytes.status();
+  // kShare: chunk q of the partial to replica group q's server; kBroadcast: this
+  // server's reduced chunk to every other replica group.
+  std::vector<Send> sends;
+  for (int replica = 0; replica < placement.replicas; ++replica) {
+    if (replica == placement.replica) continue;
+    absl::Span<const std::byte> part = *bytes;
+    if (share) {
+      const auto [offset, numel] = group.ReplicaChunk(replica);
+      part = part.subspan(offset * sizeof(float), numel * sizeof(float));
+    }
+    sends.push_back({placement.PeerRank(replica), part});
+  }
+  const transport::DataOp op =
+      share ? transport::DataOp::kReplicaPartial : transport::DataOp::kReplicaReduced;
+  // Every peer at once (each has its own link); this thread sends to the first.
+  std::vector<absl::Status> sent(sends.size());
+  std::vector<std::thread> senders;
+  for (size_t i = 1; i < sends.size(); ++i) {
+    senders.emplace_back([&, i] { sent[i] = SendTo(sends[i], op, group, step); });
+  }
+  sent[0] = SendTo(sends[0], op, group, step);
+  for (std::thread& sender : senders) sender.join();
+  for (size_t i = 0; i < sends.size(); ++i) {
+    if (sent[i].ok()) continue;
+    group.ReleasePending(step, what);
+    return absl::UnavailableError(absl::StrCat(
+        "contribution recorded, but the ", share ? "partial gradient" : "reduced gradient chunk",
+        " of replica group ", placement.replica, " for group '", group.name(), "' step ", step,
+        " could not reach server ", sends[i].peer, ": ", sent[i].message(),
+        "; send the contribution again to retry"));
+  }
+  return share ? group.CommitOwnPartial(step) : group.CommitBroadcast(step);
+}
+
+absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Group& group,
+                                int64_t step) {
+  Link& link = *links_[send.peer];
   absl::MutexLock lock(&link.mu);
   for (int attempt = 0;; ++attempt) {
     const bool reused = link.conn != nullptr;
     if (!reused) {
-      FLATSHARD_ASSIGN_OR_RETURN(link.conn, connect_(peer));
+      FLATSHARD_ASSIGN_OR_RETURN(link.conn, connect_(send.peer));
     }
     absl::Status verdict;
-    const absl::Status transported = SendOn(*link.conn, group, step, partial, verdict);
+    const absl::Status transported = SendOn(*link.conn, op, group, step, send.bytes, verdict);
     if (transported.ok()) {
       // Held or applied already (a resend after a lost answer): delivered.
       return absl::IsAlreadyExists(verdict) ? absl::OkStatus() : verdict;
@@ -83,15 +136,16 @@ absl::Status StepDriver::SendPartial(int peer, const Group& group, int64_t step,
   }
 }
 
-absl::Status StepDriver::SendOn(transport::Connection& conn, const Group& group, int64_t step,
-                                absl::Span<const std::byte> partial, absl::Status& verdict) const {
+absl::Status StepDriver::SendOn(transport::Connection& conn, transport::DataOp op, const Group& group,
+                                int64_t step, absl::Span<const std::byte> bytes,
+                                absl::Status& verdict) const {
   transport::RequestHeader header;
-  header.op = static_cast<uint8_t>(transport::DataOp::kReplicaPartial);
+  header.op = static_cast<uint8_t>(op);
   header.dtype = static_cast<uint8_t>(DType::kFloat32);
   header.worker_rank = group.placement().replica;
   header.version = step;
   header.timeout_ms = absl::ToInt64Milliseconds(timeout_);
-  FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(conn, header, group.job(), group.name(), partial));
+  FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(conn, header, group.job(), group.name(), bytes));
   FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(conn, {}));
   verdict = response.status;
   return absl::OkStatus();

@@ -3,23 +3,30 @@
 // hybrid-sharded job (server/job.h).
 //
 // After Group::CommitScatter a plane calls Continue with the outcome:
-//  - kShare (hybrid): sends the group's partial for the step to the server holding the
-//    same shard in every other replica group, then counts it (Group::CommitOwnPartial);
+//  - kShare (hybrid): sends each chunk of the group's partial for the step to the server
+//    that reduces it (Group::ReplicaChunk), then counts the partial
+//    (Group::CommitOwnPartial);
+//  - kBroadcast (hybrid): sends this server's reduced chunk to the server holding the
+//    same shard in every other replica group, then counts it (Group::CommitBroadcast);
 //  - kReduced (clipped): hands the step to the ClipCoordinator.
-// A partial that a peer sends here (DataServer, kReplicaPartial) is committed with
-// Group::CommitReplicaPartial and continues the same way.
+// A partial or reduced chunk that a peer sends here (DataServer, kReplicaPartial and
+// kReplicaReduced) is committed with Group::CommitExchange and continues the same way,
+// except that a broadcast it triggers runs aside (ContinueAside) once the peer has its
+// answer: a handler that sent to peers before answering could deadlock with a peer
+// doing the same.
 //
 // When a peer cannot be reached, the contribution that triggered the send is answered
 // with Unavailable naming the peer, and the step waits. A worker that sends that
 // contribution again finds it held (AlreadyExists): BeginScatter then retries what the
-// step still waits for from this server (the partial, the norm share), so a step
-// survives a peer that was briefly unreachable.
+// step still waits for from this server (the partial, the reduced chunk, the norm
+// share), so a step survives a peer that was briefly unreachable. A broadcast that runs
+// aside has no worker waiting for it: it retries by itself until it is delivered.
 //
-// Partials travel on the TCP data plane, one connection per peer opened with a session
-// from its OpenSession (the cluster token authenticates it), used by one send at a time;
-// a partial goes to its R - 1 peers at once.
+// The exchange travels on the TCP data plane, one connection per peer opened with a
+// session from its OpenSession (the cluster token authenticates it), used by one send at
+// a time; a chunk goes to its R - 1 peers at once.
 // A send that fails on a connection that went stale is retried once on a new one; a
-// peer that already holds or applied the partial (AlreadyExists) counts as delivered.
+// peer that already holds or applied the chunk (AlreadyExists) counts as delivered.
 // Thread-safe.
 //
 //   StepDriver driver(num_servers, clip, connect_to_peer, absl::Seconds(30));
@@ -40,6 +47,7 @@
 #include "absl/types/span.h"
 #include "server/clip_coordinator.h"
 #include "server/group.h"
+#include "transport/data_protocol.h"
 #include "transport/transport.h"
 
 namespace flatshard::server {
@@ -49,8 +57,10 @@ class StepDriver {
   // Opens an authenticated data connection to server `rank`.
   using Connect = std::function<absl::StatusOr<std::unique_ptr<transport::Connection>>(int rank)>;
 
-  // `timeout`: how long a peer may take to reach the step and take a partial.
+  // `timeout`: how long a peer may take to reach the step and take a chunk.
   StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout);
+  // Stops retrying, then waits for what runs aside to finish.
+  ~StepDriver();
 
   // Group::BeginScatter; when the contribution is already held (a resend), first sends
   // again what the step still waits for from this server, and returns that failure if
@@ -59,29 +69,41 @@ class StepDriver {
                                                          DType dtype,
                                                          SlotMemory memory = SlotMemory::kHost);
 
-  // Continues after `group` committed something for `step` with `outcome` (kShare: the
-  // caller holds the share, as CommitScatter or ClaimShare handed it over).
+  // Continues after `group` committed something for `step` with `outcome` (kShare,
+  // kBroadcast: the caller holds the claim, as a commit or ClaimPending handed it over).
   [[nodiscard]] absl::Status Continue(Group& group, int64_t step, CommitOutcome outcome);
+  // Continue on a thread of its own. A failure is retried (after 100 ms, doubling up to
+  // 2 s) until it succeeds, the step no longer needs it (Group::ClaimPending) or the
+  // driver is destroyed.
+  void ContinueAside(std::shared_ptr<Group> group, int64_t step, CommitOutcome outcome);
 
  private:
   struct Link {
     absl::Mutex mu;
     std::unique_ptr<transport::Connection> conn ABSL_GUARDED_BY(mu);
   };
-  // Sends the group's partial to every other replica group, then counts it; on failure
-  // the partial waits to be shared again (Group::ClaimShare).
-  absl::StatusOr<CommitOutcome> SharePartial(Group& group, int64_t step);
-  absl::Status SendPartial(int peer, const Group& group, int64_t step,
-                           absl::Span<const std::byte> partial);
+  // One message of the exchange: `bytes` to server `peer`.
+  struct Send {
+    int peer = 0;
+    absl::Span<const std::byte> bytes;
+  };
+  // kShare and kBroadcast: sends, then commits; on failure releases the claim
+  // (Group::ReleasePending) and returns Unavailable naming the peer.
+  absl::StatusOr<CommitOutcome> Deliver(Group& group, int64_t step, CommitOutcome what);
+  absl::Status SendTo(const Send& send, transport::DataOp op, const Group& group, int64_t step);
   // Sends and sets `verdict` to the peer's answer; returns the transport's error (the
   // connection is then unusable).
-  absl::Status SendOn(transport::Connection& conn, const Group& group, int64_t step,
-                      absl::Span<const std::byte> partial, absl::Status& verdict) const;
+  absl::Status SendOn(transport::Connection& conn, transport::DataOp op, const Group& group,
+                      int64_t step, absl::Span<const std::byte> bytes, absl::Status& verdict) const;
+  void RunAside(std::shared_ptr<Group> group, int64_t step, CommitOutcome outcome);
 
   ClipCoordinator& clip_;
   const Connect connect_;
   const absl::Duration timeout_;
   std::vector<std::unique_ptr<Link>> links_;  // by rank
+  absl::Mutex aside_mu_;
+  int aside_running_ ABSL_GUARDED_BY(aside_mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(aside_mu_) = false;
 };
 
 }  // namespace flatshard::server

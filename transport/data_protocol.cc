@@ -52,7 +52,7 @@ absl::StatusOr<Request> RecvRequest(Connection& conn) {
         absl::StrCat("bad frame: magic 0x", absl::Hex(header.magic), " is not a flatshard request"));
   }
   if (header.op < static_cast<uint8_t>(DataOp::kHello) ||
-      header.op > static_cast<uint8_t>(DataOp::kReplicaPartial)) {
+      header.op > static_cast<uint8_t>(kLastDataOp)) {
     return absl::InvalidArgumentError(absl::StrCat("bad frame: unknown op ", header.op));
   }
   if (header.dtype > static_cast<uint8_t>(DType::kFloat16)) {

@@ -48,12 +48,16 @@ enum class DataOp : uint8_t {
   // `dtype` at a version >= min_version (the ranges of one gather may see different
   // versions when the group steps meanwhile; the client checks).
   kGatherRange = 9,  // version = min_version
-  // Server to server, hybrid sharding: a replica group's partial sum of the gradient for
-  // the receiver's shard. version = step, worker_rank = the sender's replica group;
-  // payload: the partial in float32. The receiver waits (timeout_ms) until it reaches
-  // that step.
+  // Server to server, hybrid sharding (server/group.h, "the exchange"): a replica
+  // group's partial sum of the gradient for the chunk of the shard that the receiver
+  // reduces. version = step, worker_rank = the sender's replica group; payload: the
+  // chunk in float32. The receiver waits (timeout_ms) until it reaches that step.
   kReplicaPartial = 10,
+  // Server to server, hybrid sharding: the sender's chunk of the shard, reduced over
+  // every replica group. Fields as for kReplicaPartial.
+  kReplicaReduced = 11,
 };
+inline constexpr DataOp kLastDataOp = DataOp::kReplicaReduced;
 
 inline constexpr uint32_t kRequestMagic = 0x31445346;   // "FSD1"
 inline constexpr uint32_t kResponseMagic = 0x31525346;  // "FSR1"

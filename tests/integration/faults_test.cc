@@ -165,14 +165,15 @@ TEST_F(FaultsTest, GpuPlaneRequestsToAHostServerAreRefused) {
   ExpectGatherServed(*conn);
 }
 
-// kReplicaPartial is for the servers of a hybrid-sharded job: anything else is refused
-// with its reason, on a connection that serves on, and the job trains on.
-TEST_F(FaultsTest, MisdirectedReplicaPartialsAreRefusedAndTheServerServesOn) {
+// kReplicaPartial and kReplicaReduced are for the servers of a hybrid-sharded job:
+// anything else is refused with its reason, on a connection that serves on, and the job
+// trains on.
+TEST_F(FaultsTest, MisdirectedReplicaExchangesAreRefusedAndTheServerServesOn) {
   auto conn = RawConnection();
-  auto partial = [&](int replica, DType dtype, int64_t bytes) {
+  auto send = [&](transport::DataOp op, int replica, DType dtype, int64_t bytes) {
     std::vector<std::byte> payload(bytes);
     transport::RequestHeader header;
-    header.op = static_cast<uint8_t>(transport::DataOp::kReplicaPartial);
+    header.op = static_cast<uint8_t>(op);
     header.dtype = static_cast<uint8_t>(dtype);
     header.worker_rank = replica;
     header.timeout_ms = 1000;
@@ -182,13 +183,17 @@ TEST_F(FaultsTest, MisdirectedReplicaPartialsAreRefusedAndTheServerServesOn) {
     return response.ok() ? response->status : response.status();
   };
   const int64_t shard_bytes = layout_->shard_numel() * 4;
-  const absl::Status not_hybrid = partial(1, DType::kFloat32, shard_bytes);
-  EXPECT_EQ(not_hybrid.code(), absl::StatusCode::kInvalidArgument) << not_hybrid;
-  EXPECT_THAT(std::string(not_hybrid.message()), HasSubstr("in replica group 0 of 1"));
-  const absl::Status narrow = partial(1, DType::kBFloat16, shard_bytes / 2);
-  EXPECT_THAT(std::string(narrow.message()), HasSubstr("a replica partial is float32, not bfloat16"));
-  const absl::Status short_one = partial(1, DType::kFloat32, shard_bytes - 4);
-  EXPECT_THAT(std::string(short_one.message()), HasSubstr("replica partial to group 'g' carries"));
+  for (const auto& [op, noun] : {std::pair{transport::DataOp::kReplicaPartial, "replica partial"},
+                                 std::pair{transport::DataOp::kReplicaReduced, "reduced chunk"}}) {
+    const absl::Status not_hybrid = send(op, 1, DType::kFloat32, shard_bytes);
+    EXPECT_EQ(not_hybrid.code(), absl::StatusCode::kInvalidArgument) << not_hybrid;
+    EXPECT_THAT(std::string(not_hybrid.message()), HasSubstr("in replica group 0 of 1"));
+    const absl::Status narrow = send(op, 1, DType::kBFloat16, shard_bytes / 2);
+    EXPECT_THAT(std::string(narrow.message()),
+                HasSubstr("the exchange between replica groups is float32, not bfloat16"));
+    const absl::Status short_one = send(op, 1, DType::kFloat32, shard_bytes - 4);
+    EXPECT_THAT(std::string(short_one.message()), HasSubstr(absl::StrCat(noun, " to group 'g' carries")));
+  }
   ExpectGatherServed(*conn);
   ExpectStepCompletes(0);
 }

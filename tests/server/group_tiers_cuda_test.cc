@@ -133,7 +133,7 @@ TEST_P(GroupTiersTest, AsyncNesterovSgdEqualsTheHostTier) {
 }
 
 // Hybrid sharding: shard 1 in replica groups 0 and 1 of a 4-server cluster, 4 workers in
-// mixed dtypes; the partials go from group to group by hand. Both replica groups end
+// mixed dtypes; the exchange goes from group to group by hand. Both replica groups end
 // equal, and equal to the host tier's.
 Outcome RunHybridScript(MemoryTier tier, unsigned seed) {
   const JobSettings job{.num_workers = 4, .replicas = 2};
@@ -159,13 +159,9 @@ Outcome RunHybridScript(MemoryTier tier, unsigned seed) {
       absl::StatusOr<CommitOutcome> outcome = group.CommitScatter(*slot);
       EXPECT_TRUE(outcome.ok()) << outcome.status();
     }
-    for (int replica = 0; replica < 2; ++replica) {  // both partials are summed: exchange
-      EXPECT_TRUE(testing::DeliverPartial(*groups[replica], *groups[1 - replica], step).ok());
-    }
-    for (const auto& group : groups) {
-      absl::StatusOr<CommitOutcome> own = group->CommitOwnPartial(step);
-      EXPECT_TRUE(own.ok()) << own.status();
-    }
+    Group* const replicas[] = {groups[0].get(), groups[1].get()};  // both partials are summed
+    absl::StatusOr<std::vector<CommitOutcome>> exchanged = testing::ExchangeAll(replicas, step);
+    EXPECT_TRUE(exchanged.ok()) << exchanged.status();
   }
   Outcome first = Observe(*groups[0]);
   ExpectSameOutcome(Observe(*groups[1]), first);

@@ -1,16 +1,23 @@
 // Hybrid sharding on one server's side (server/job.h): the job's replica groups in the
-// Registry, and a Group's part of the gradient exchange, with the partials carried by
-// hand between two Groups that hold the same shard in two replica groups.
+// Registry, and a Group's part of the gradient exchange, carried by hand between the
+// Groups that hold the same shard in two or three replica groups.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include "server/clip_coordinator.h"
 #include "server/group.h"
 #include "server/registry.h"
+#include "server/step_driver.h"
+#include "transport/data_protocol.h"
+#include "transport/tcp/tcp_transport.h"
 #include "tests/server/replica_partials.h"
 
 namespace flatshard::server {
@@ -18,6 +25,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::DeliverPartial;
+using testing::DeliverReduced;
 
 std::vector<float> Params(Group& group) {
   absl::StatusOr<GatherSnapshot> snapshot = group.Gather(0, DType::kFloat32, absl::InfiniteFuture());
@@ -35,32 +43,43 @@ absl::StatusOr<CommitOutcome> Contribute(Group& group, int64_t step, int worker,
 }
 
 struct Replicas {
-  std::shared_ptr<Group> group[2];  // the same shard in replica groups 0 and 1
+  std::shared_ptr<Group> group[3];  // the same shard in each replica group
 };
 
-// Shard 1 of 2 in each of 2 replica groups (servers 1 and 3 of 4), 4 workers, mean, SGD
-// with lr 1 from zero: the parameters are minus the reduced gradient. The shard holds
-// elements 5 to 8 of 9, then one element of padding.
-Replicas MakeReplicas(int workers = 4) {
-  auto layout = FlatLayout::Create({{"w", {9}, DType::kFloat32}}, 0, 2);
-  const JobSettings job{.num_workers = workers, .replicas = 2};
-  Replicas replicas;
-  for (int replica = 0; replica < 2; ++replica) {
-    replicas.group[replica] = *Group::Create("job", "g", *layout, Placement::Of(2 * replica + 1, 4, 2), job,
-                                             kernels::SgdHyperparams{.lr = 1.0f});
+// Shard 1 of 2 in each of `replicas` replica groups (servers 1, 3, 5 of 2R), `workers`
+// workers, mean, SGD with lr 1 from zero: the parameters are minus the reduced gradient.
+// The shard holds elements 10 to 18 of 19, then one element of padding; replica group
+// q's server reduces chunk q of it.
+Replicas MakeReplicas(int workers = 4, int replicas = 2, double max_grad_norm = 0) {
+  auto layout = FlatLayout::Create({{"w", {19}, DType::kFloat32}}, 0, 2);
+  const JobSettings job{.num_workers = workers, .max_grad_norm = max_grad_norm, .replicas = replicas};
+  Replicas r;
+  for (int replica = 0; replica < replicas; ++replica) {
+    r.group[replica] = *Group::Create("job", "g", *layout, Placement::Of(2 * replica + 1, 2 * replicas, replicas),
+                                      job, kernels::SgdHyperparams{.lr = 1.0f});
   }
-  return replicas;
+  return r;
+}
+
+TEST(HybridTest, TheShardIsCutIntoAlignedChunksOnePerReplicaGroup) {
+  Replicas two = MakeReplicas();
+  ASSERT_EQ(two.group[0]->shard_numel(), 10);
+  EXPECT_EQ(two.group[0]->ReplicaChunk(0), (std::pair<int64_t, int64_t>{0, 4}));
+  EXPECT_EQ(two.group[0]->ReplicaChunk(1), (std::pair<int64_t, int64_t>{4, 6}));
+  Replicas three = MakeReplicas(3, 3);
+  EXPECT_EQ(three.group[2]->ReplicaChunk(0), (std::pair<int64_t, int64_t>{0, 0}));  // 10 / 3 -> 0
+  EXPECT_EQ(three.group[2]->ReplicaChunk(1), (std::pair<int64_t, int64_t>{0, 4}));  // 20 / 3 -> 4
+  EXPECT_EQ(three.group[2]->ReplicaChunk(2), (std::pair<int64_t, int64_t>{4, 6}));
 }
 
 TEST(HybridTest, EveryReplicaAddsThePartialsInReplicaOrderToTheSameBits) {
   Replicas r = MakeReplicas();
   Group& first = *r.group[0];
   Group& second = *r.group[1];
-  ASSERT_EQ(first.shard_numel(), 5);
   // Magnitudes where the order of fp32 additions changes the result.
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-  std::vector<std::vector<float>> grads(4, std::vector<float>(5));
+  std::vector<std::vector<float>> grads(4, std::vector<float>(10));
   for (int w = 0; w < 4; ++w) {
     for (float& g : grads[w]) g = unit(rng) * (w % 2 == 0 ? 1e7f : 1.0f);
   }
@@ -71,15 +90,20 @@ TEST(HybridTest, EveryReplicaAddsThePartialsInReplicaOrderToTheSameBits) {
   EXPECT_EQ(*Contribute(second, 0, 1, grads[1]), CommitOutcome::kPending);
   EXPECT_EQ(*Contribute(second, 0, 3, grads[3]), CommitOutcome::kShare);
   EXPECT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);  // its own not shared yet
-  EXPECT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
-  EXPECT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
+  // Each owner now holds both partials of its chunk: reduced, to be broadcast.
+  EXPECT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  EXPECT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  EXPECT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);  // its own not broadcast
+  EXPECT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+  EXPECT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
+  EXPECT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
   EXPECT_EQ(first.version(), 1);
   EXPECT_EQ(second.version(), 1);
 
   const std::vector<float> params = Params(first);
   EXPECT_EQ(params, Params(second)) << "replica groups diverged";
-  EXPECT_EQ(params[4], 0.0f) << "padding moved";
-  for (int i = 0; i < 4; ++i) {
+  EXPECT_EQ(params[9], 0.0f) << "padding moved";
+  for (int i = 0; i < 9; ++i) {
     // Each replica group's partial in worker-rank order, then the partials in replica
     // order, then the mean: fp32 throughout (bitwise), and within fp32 rounding of the
     // float64 sum.
@@ -91,26 +115,61 @@ TEST(HybridTest, EveryReplicaAddsThePartialsInReplicaOrderToTheSameBits) {
   }
 }
 
-TEST(HybridTest, RefusesOtherReplicasWorkersAndMisdirectedPartials) {
+// Three replica groups, one of whose chunks is empty: the same bits as adding the three
+// partials of the whole shard in replica order, in every replica group.
+TEST(HybridTest, ThreeReplicaGroupsReduceAChunkEachToTheSameBits) {
+  Replicas r = MakeReplicas(6, 3);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<std::vector<float>> grads(6, std::vector<float>(10));
+  for (int w = 0; w < 6; ++w) {
+    for (float& g : grads[w]) g = unit(rng) * (w % 3 == 1 ? 1e7f : 1.0f);
+  }
+  for (int w = 0; w < 6; ++w) {
+    const absl::StatusOr<CommitOutcome> outcome = Contribute(*r.group[w % 3], 0, w, grads[w]);
+    ASSERT_TRUE(outcome.ok()) << outcome.status();
+    EXPECT_EQ(*outcome, w < 3 ? CommitOutcome::kPending : CommitOutcome::kShare) << w;
+  }
+  Group* const groups[] = {r.group[0].get(), r.group[1].get(), r.group[2].get()};
+  const absl::StatusOr<std::vector<CommitOutcome>> outcomes = testing::ExchangeAll(groups, 0);
+  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  EXPECT_EQ(*outcomes, std::vector<CommitOutcome>(3, CommitOutcome::kApplied));
+  const std::vector<float> params = Params(*r.group[0]);
+  EXPECT_EQ(params[9], 0.0f) << "padding moved";
+  for (int i = 0; i < 9; ++i) {
+    float partials[3];
+    for (int q = 0; q < 3; ++q) partials[q] = grads[q][i] + grads[q + 3][i];
+    EXPECT_EQ(params[i], -((partials[0] + partials[1] + partials[2]) * (1.0f / 6.0f))) << i;
+  }
+  EXPECT_EQ(Params(*r.group[1]), params);
+  EXPECT_EQ(Params(*r.group[2]), params);
+}
+
+TEST(HybridTest, RefusesOtherReplicasWorkersAndMisdirectedExchanges) {
   Replicas r = MakeReplicas();
   Group& first = *r.group[0];
   Group& second = *r.group[1];
-  const std::vector<float> grad(5, 1.0f);
+  const std::vector<float> grad(10, 1.0f);
   absl::StatusOr<CommitOutcome> wrong = Contribute(first, 0, 1, grad);
   EXPECT_TRUE(absl::IsInvalidArgument(wrong.status())) << wrong.status();
   EXPECT_THAT(wrong.status().message(), HasSubstr("belongs to replica group 1"));
-  EXPECT_TRUE(absl::IsInvalidArgument(first.BeginReplicaPartial(0, 0).status()));  // its own
-  EXPECT_TRUE(absl::IsInvalidArgument(first.BeginReplicaPartial(0, 2).status()));  // no such
-  EXPECT_TRUE(absl::IsFailedPrecondition(first.BeginReplicaPartial(1, 1).status()));  // future
+  for (Exchange what : {Exchange::kPartial, Exchange::kReduced}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(first.BeginExchange(what, 0, 0).status()));  // its own
+    EXPECT_TRUE(absl::IsInvalidArgument(first.BeginExchange(what, 0, 2).status()));  // no such
+    EXPECT_TRUE(absl::IsFailedPrecondition(first.BeginExchange(what, 1, 1).status()));  // future
+  }
   EXPECT_TRUE(absl::IsFailedPrecondition(first.SharedPartial(0).status()));  // not summed
   EXPECT_TRUE(absl::IsFailedPrecondition(first.CommitOwnPartial(0).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(first.BroadcastChunk(0).status()));  // not reduced
+  EXPECT_TRUE(absl::IsFailedPrecondition(first.CommitBroadcast(0).status()));
 
-  // A partial being received is not taken twice; one held or applied is AlreadyExists
-  // (a sender whose answer was lost sends it again).
-  absl::StatusOr<ReceiveSlot> receiving = second.BeginReplicaPartial(0, 0);
+  // A chunk being received is not taken twice; one held or applied is AlreadyExists (a
+  // sender whose answer was lost sends it again).
+  absl::StatusOr<ReceiveSlot> receiving = second.BeginExchange(Exchange::kPartial, 0, 0);
   ASSERT_TRUE(receiving.ok()) << receiving.status();
-  EXPECT_TRUE(absl::IsFailedPrecondition(second.BeginReplicaPartial(0, 0).status()));
-  second.AbortReplicaPartial(*receiving);
+  EXPECT_EQ(receiving->buffer.size(), 6 * sizeof(float));  // chunk 1
+  EXPECT_TRUE(absl::IsFailedPrecondition(second.BeginExchange(Exchange::kPartial, 0, 0).status()));
+  second.AbortExchange(Exchange::kPartial, *receiving);
   ASSERT_TRUE(Contribute(first, 0, 0, grad).ok());
   ASSERT_EQ(*Contribute(first, 0, 2, grad), CommitOutcome::kShare);
   ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
@@ -119,30 +178,91 @@ TEST(HybridTest, RefusesOtherReplicasWorkersAndMisdirectedPartials) {
   ASSERT_TRUE(Contribute(second, 0, 1, grad).ok());
   ASSERT_EQ(*Contribute(second, 0, 3, grad), CommitOutcome::kShare);
   ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
-  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
-  EXPECT_TRUE(absl::IsAlreadyExists(second.BeginReplicaPartial(0, 0).status()));  // applied
-  EXPECT_EQ(Params(first), (std::vector<float>{-1, -1, -1, -1, 0}));
+  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
+  EXPECT_TRUE(absl::IsAlreadyExists(DeliverReduced(first, second, 0).status()));
+  ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
+  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
+  EXPECT_TRUE(absl::IsAlreadyExists(second.BeginExchange(Exchange::kPartial, 0, 0).status()));  // applied
+  EXPECT_TRUE(absl::IsAlreadyExists(second.BeginExchange(Exchange::kReduced, 0, 0).status()));
+  EXPECT_EQ(Params(first), (std::vector<float>{-1, -1, -1, -1, -1, -1, -1, -1, -1, 0}));
 }
 
-TEST(HybridTest, ALoadDropsPartialsInFlight) {
+// What a commit hands over to be sent (kShare, kBroadcast) is claimed by one caller at a
+// time; after a failed send it is released and claimed again, once.
+TEST(HybridTest, ASendThatFailedIsClaimedAgainOnce) {
   Replicas r = MakeReplicas(2);
   Group& first = *r.group[0];
   Group& second = *r.group[1];
-  ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(5, 8.0f)), CommitOutcome::kShare);
+  EXPECT_FALSE(first.ClaimPending(0).has_value());  // nothing summed yet
+  ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
+  EXPECT_FALSE(first.ClaimPending(0).has_value());  // the commit's caller holds it
+  first.ReleasePending(0, CommitOutcome::kShare);
+  EXPECT_EQ(first.ClaimPending(0), CommitOutcome::kShare);
+  EXPECT_FALSE(first.ClaimPending(0).has_value());
+  ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  EXPECT_FALSE(first.ClaimPending(0).has_value());
+  first.ReleasePending(0, CommitOutcome::kBroadcast);
+  EXPECT_FALSE(first.ClaimPending(1).has_value());  // another step
+  EXPECT_EQ(first.ClaimPending(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
+  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
+  EXPECT_FALSE(first.ClaimPending(1).has_value());
+  EXPECT_EQ(Params(first), Params(second));
+  EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
+}
+
+// A clipped step waits for the norm with its exchange done: a chunk sent again meanwhile
+// (its sender lost the answer) is a duplicate, not the next step's.
+TEST(HybridTest, AChunkSentAgainWhileTheNormIsPendingIsADuplicate) {
+  Replicas r = MakeReplicas(2, 2, /*max_grad_norm=*/1.0);
+  Group* const groups[] = {r.group[0].get(), r.group[1].get()};
+  ASSERT_EQ(*Contribute(*groups[0], 0, 0, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*Contribute(*groups[1], 0, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
+  const absl::StatusOr<std::vector<CommitOutcome>> outcomes = testing::ExchangeAll(groups, 0);
+  ASSERT_TRUE(outcomes.ok()) << outcomes.status();
+  EXPECT_EQ(*outcomes, std::vector<CommitOutcome>(2, CommitOutcome::kReduced));
+  for (Exchange what : {Exchange::kPartial, Exchange::kReduced}) {
+    const absl::Status again = groups[1]->BeginExchange(what, 0, 0).status();
+    EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  }
+  ASSERT_TRUE(groups[0]->FinishClippedStep(0, 1.0f).ok());
+  ASSERT_TRUE(groups[1]->FinishClippedStep(0, 1.0f).ok());
+  // The next step starts from an empty exchange.
+  ASSERT_EQ(*Contribute(*groups[0], 1, 0, std::vector<float>(10, 1.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*DeliverPartial(*groups[0], *groups[1], 1), CommitOutcome::kPending);
+}
+
+TEST(HybridTest, ALoadDropsTheExchangeInFlight) {
+  Replicas r = MakeReplicas(2);
+  Group& first = *r.group[0];
+  Group& second = *r.group[1];
+  ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 8.0f)), CommitOutcome::kShare);
   ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
   LoadedShard loaded;
   loaded.version = 0;
-  loaded.params = *AllocateHostUnwritten(5 * sizeof(float), "test");
-  std::fill_n(loaded.params.floats(), 5, 0.0f);
+  loaded.params = *AllocateHostUnwritten(10 * sizeof(float), "test");
+  std::fill_n(loaded.params.floats(), 10, 0.0f);
   ASSERT_TRUE(second.Restore(std::move(loaded)).ok());
   // The partial received before the load is gone: it is taken again.
   ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(5, 2.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
   ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
-  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
-  EXPECT_EQ(Params(second), (std::vector<float>{-5, -5, -5, -5, 0}));  // (8 + 2) / 2
+  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
+  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
+  EXPECT_EQ(Params(second), (std::vector<float>{-5, -5, -5, -5, -5, -5, -5, -5, -5, 0}));  // (8 + 2) / 2
   EXPECT_EQ(Params(first), Params(second));
 }
 
@@ -150,17 +270,90 @@ TEST(HybridTest, ReplicaGroupsMayHaveDifferentWorkerCounts) {
   Replicas r = MakeReplicas(3);  // replica group 0: workers 0 and 2; 1: worker 1
   Group& first = *r.group[0];
   Group& second = *r.group[1];
-  EXPECT_EQ(*Contribute(second, 0, 1, std::vector<float>(5, 6.0f)), CommitOutcome::kShare);
-  EXPECT_EQ(*Contribute(first, 0, 0, std::vector<float>(5, 1.0f)), CommitOutcome::kPending);
-  EXPECT_EQ(*Contribute(first, 0, 2, std::vector<float>(5, 2.0f)), CommitOutcome::kShare);
-  // Each shares its partial before counting it, as StepDriver does.
-  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kApplied);
-  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kApplied);
-  const std::vector<float> expected = {-3, -3, -3, -3, 0};  // the mean over all 3 workers
+  EXPECT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 6.0f)), CommitOutcome::kShare);
+  EXPECT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 1.0f)), CommitOutcome::kPending);
+  EXPECT_EQ(*Contribute(first, 0, 2, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
+  Group* const groups[] = {&first, &second};
+  ASSERT_TRUE(testing::ExchangeAll(groups, 0).ok());
+  const std::vector<float> expected = {-3, -3, -3, -3, -3, -3, -3, -3, -3, 0};  // the mean over 3 workers
   EXPECT_EQ(Params(first), expected);
   EXPECT_EQ(Params(second), expected);
+}
+
+// A peer for StepDriver: serves the exchange for `group` on 127.0.0.1, one connection
+// at a time, as DataServer does (no hello).
+class ExchangePeer {
+ public:
+  explicit ExchangePeer(Group& group)
+      : group_(group), listener_(*transport::ListenTcp("127.0.0.1", 0)), thread_([this] { Serve(); }) {}
+  ~ExchangePeer() {
+    listener_->Shutdown();
+    thread_.join();
+  }
+  int port() const { return listener_->port(); }
+
+ private:
+  void Serve() {
+    for (auto conn = listener_->Accept(); conn.ok(); conn = listener_->Accept()) {
+      for (auto request = transport::RecvRequest(**conn); request.ok();
+           request = transport::RecvRequest(**conn)) {
+        const Exchange what = request->op == transport::DataOp::kReplicaPartial ? Exchange::kPartial
+                                                                               : Exchange::kReduced;
+        absl::StatusOr<ReceiveSlot> slot = group_.BeginExchange(what, request->version, request->worker_rank);
+        absl::Status verdict = slot.status();
+        if (!slot.ok()) {
+          if (!transport::DrainPayload(**conn, request->payload_bytes).ok()) break;
+        } else if ((*conn)->Recv(slot->buffer).ok()) {
+          verdict = group_.CommitExchange(what, *slot).status();
+        } else {
+          break;
+        }
+        if (!transport::SendResponse(**conn, verdict, group_.version(), {}).ok()) break;
+      }
+    }
+  }
+
+  Group& group_;
+  const std::unique_ptr<transport::Listener> listener_;
+  std::thread thread_;
+};
+
+// A broadcast that runs aside (a DataServer handler already answered the peer whose
+// partial completed the chunk) has no worker to resend it: it retries until the peer
+// takes it, here after two failed connections.
+TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
+  Replicas r = MakeReplicas(2);
+  Group& first = *r.group[0];
+  Group& second = *r.group[1];
+  ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kPending);  // first's chunk is missing
+
+  ExchangePeer peer(second);  // server 3, replica group 1's holder of shard 1
+  Registry registry(/*rank=*/1, /*num_servers=*/4);
+  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
+  std::atomic<int> connects = 0;
+  {
+    StepDriver driver(4, clip, [&](int rank) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
+      EXPECT_EQ(rank, 3);
+      if (++connects <= 2) return absl::UnavailableError("not yet");
+      return transport::ConnectTcp("127.0.0.1", peer.port(), absl::Seconds(10));
+    }, absl::Seconds(10));
+    driver.ContinueAside(r.group[0], 0, CommitOutcome::kBroadcast);
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    for (Group* group : {&second, &first}) {
+      const absl::StatusOr<int64_t> reached = group->WaitVersion(1, deadline);
+      ASSERT_TRUE(reached.ok()) << reached.status();
+    }
+  }
+  EXPECT_EQ(connects, 3);
+  EXPECT_EQ(Params(first), Params(second));
+  EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
 }
 
 TEST(HybridTest, RegistryLaysGroupsOutOverOneReplicaGroup) {

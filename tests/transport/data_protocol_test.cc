@@ -117,7 +117,7 @@ TEST(DataProtocolTest, RecvRequestRefusesEachKindOfBadHeader) {
   const BadHeader cases[] = {
       {"magic", [](RequestHeader& h) { h.magic = 0x50545448; }, "magic"},
       {"op zero", [](RequestHeader& h) { h.op = 0; }, "unknown op 0"},
-      {"op past the last", [](RequestHeader& h) { h.op = 11; }, "unknown op 11"},
+      {"op past the last", [](RequestHeader& h) { h.op = static_cast<uint8_t>(kLastDataOp) + 1; }, "unknown op 12"},
       {"dtype", [](RequestHeader& h) { h.dtype = 3; }, "dtype 3"},
       {"job name", [](RequestHeader& h) { h.job_bytes = kMaxNameBytes + 1; }, "too long"},
       {"group name", [](RequestHeader& h) { h.group_bytes = 60000; }, "too long"},
@@ -261,7 +261,7 @@ TEST(DataProtocolTest, CorruptedFramesNeverYieldOutOfBoundsValues) {
     if (request.ok()) {
       ++accepted_requests;
       EXPECT_GE(static_cast<int>(request->op), static_cast<int>(DataOp::kHello));
-      EXPECT_LE(static_cast<int>(request->op), static_cast<int>(DataOp::kReplicaPartial));
+      EXPECT_LE(static_cast<int>(request->op), static_cast<int>(kLastDataOp));
       EXPECT_LE(static_cast<int>(request->dtype), static_cast<int>(DType::kFloat16));
       EXPECT_LE(request->job.size(), kMaxNameBytes);
       EXPECT_LE(request->group.size(), kMaxNameBytes);
