@@ -276,6 +276,11 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
   return ReceiveSlot{step, worker_rank, dtype, staging.bytes().subspan(0, bytes)};
 }
 
+bool Group::FinishingBefore(int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  return !job_settings_.async && step == version_ + 1 && ready_count_ >= replica_workers_;
+}
+
 absl::Status Group::EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what,
                                   SlotMemory memory) {
   if (buffer.size() >= bytes) return absl::OkStatus();
@@ -356,7 +361,7 @@ absl::StatusOr<absl::Span<const std::byte>> Group::BroadcastChunk(int64_t step) 
         " waiting to be broadcast for step ", step, " (at version ", version_, ")"));
   }
   const auto [offset, numel] = ReplicaChunk(placement_.replica);
-  return reduced_staging_.bytes().subspan(offset * sizeof(float), numel * sizeof(float));
+  return ReducedGradient().subspan(offset * sizeof(float), numel * sizeof(float));
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitBroadcast(int64_t step) {
@@ -425,7 +430,7 @@ absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, in
       break;
   }
   // A partial of this server's chunk lands in its own buffer; a reduced chunk in its
-  // place in reduced_staging_.
+  // place in the reduced gradient.
   const auto [offset, numel] = ReplicaChunk(what == Exchange::kPartial ? placement_.replica : replica);
   const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
   absl::Span<std::byte> buffer;
@@ -434,9 +439,8 @@ absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, in
                                             absl::StrCat("partial of replica group ", replica)));
     buffer = partial_chunks_[replica].bytes().subspan(0, bytes);
   } else {
-    FLATSHARD_RETURN_IF_ERROR(EnsureStaging(reduced_staging_, static_cast<size_t>(shard_numel()) * sizeof(float),
-                                            "reduced gradient"));
-    buffer = reduced_staging_.bytes().subspan(offset * sizeof(float), bytes);
+    FLATSHARD_RETURN_IF_ERROR(EnsureReducedGradient());
+    buffer = ReducedGradient().subspan(offset * sizeof(float), bytes);
   }
   states[replica] = SlotState::kReceiving;
   return ReceiveSlot{step, replica, DType::kFloat32, buffer};
@@ -463,6 +467,17 @@ void Group::AbortExchange(Exchange what, const ReceiveSlot& slot) {
   }
 }
 
+absl::Status Group::EnsureReducedGradient() {
+  if (compute_->tier() != MemoryTier::kDevice) return absl::OkStatus();
+  return EnsureStaging(reduced_staging_, static_cast<size_t>(shard_numel()) * sizeof(float),
+                       "reduced gradient");
+}
+
+absl::Span<std::byte> Group::ReducedGradient() const {
+  const ShardBuffer& buffer = compute_->tier() != MemoryTier::kDevice ? grad_ : reduced_staging_;
+  return buffer.bytes().subspan(0, static_cast<size_t>(shard_numel()) * sizeof(float));
+}
+
 bool Group::AllReady(const std::vector<SlotState>& states) {
   return std::all_of(states.begin(), states.end(),
                      [](SlotState state) { return state == SlotState::kReady; });
@@ -473,8 +488,7 @@ absl::StatusOr<CommitOutcome> Group::PartialArrived(int replica) {
   // Replica order: the owner of a chunk adds the same partials in the same order as the
   // whole-shard sum would, and every replica group receives the owner's bits.
   const auto [offset, numel] = ReplicaChunk(placement_.replica);
-  absl::Status reduced = EnsureStaging(reduced_staging_, static_cast<size_t>(shard_numel()) * sizeof(float),
-                                       "reduced gradient");
+  absl::Status reduced = EnsureReducedGradient();
   if (reduced.ok() && numel > 0) {
     std::vector<kernels::Contribution> partials;
     for (int q = 0; q < job_settings_.replicas; ++q) {
@@ -484,7 +498,8 @@ absl::StatusOr<CommitOutcome> Group::PartialArrived(int replica) {
     const float alpha = job_settings_.reduce_mean
                             ? 1.0f / static_cast<float>(job_settings_.num_workers)
                             : 1.0f;
-    reduced = compute_->Reduce(partials, reduced_staging_.floats() + offset, numel, alpha);
+    float* out = reinterpret_cast<float*>(ReducedGradient().data()) + offset;
+    reduced = compute_->Reduce(partials, out, numel, alpha);
     if (reduced.ok()) reduced = compute_->Synchronize();
   }
   if (!reduced.ok()) {
@@ -501,7 +516,10 @@ absl::StatusOr<CommitOutcome> Group::PartialArrived(int replica) {
 
 absl::StatusOr<CommitOutcome> Group::ReducedArrived(int replica) {
   if (!AllReady(reduced_states_)) return CommitOutcome::kPending;
-  absl::Status copied = compute_->CopyFromHost(reduced_staging_.floats(), grad_.floats(), shard_numel());
+  absl::Status copied = absl::OkStatus();
+  if (compute_->tier() == MemoryTier::kDevice) {
+    copied = compute_->CopyFromHost(reduced_staging_.floats(), grad_.floats(), shard_numel());
+  }
   if (copied.ok()) copied = ZeroGradientPadding();
   if (copied.ok()) copied = compute_->Synchronize();
   if (!copied.ok()) {

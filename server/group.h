@@ -182,6 +182,11 @@ class Group {
   // FailedPrecondition for SlotMemory::kDevice on a group that is not in device memory.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype,
                                                          SlotMemory memory = SlotMemory::kHost);
+  // Sync mode: true when `step` is the next step and this server holds every
+  // contribution to the current one, so that only peers (the exchange between replica
+  // groups, the norm) keep it from finishing: a contribution for `step` is early, not
+  // wrong.
+  bool FinishingBefore(int64_t step) const;
   // Device slots: copies slot.buffer.size() bytes from `device_src` (device memory of
   // any process mapped here) into the slot.
   [[nodiscard]] absl::Status FillDeviceSlot(const ReceiveSlot& slot, const void* device_src);
@@ -290,6 +295,11 @@ class Group {
   // them into grad_ and goes on with the step (clipping or optimizer).
   absl::StatusOr<CommitOutcome> ReducedArrived(int replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static bool AllReady(const std::vector<SlotState>& states);
+  // Hybrid: where the exchange assembles the reduced gradient (host-addressable, the whole
+  // shard): grad_ itself on the host and pinned tiers, reduced_staging_ (copied into
+  // grad_ once complete) on the device tier. EnsureReducedGradient allocates the staging.
+  absl::Status EnsureReducedGradient() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Span<std::byte> ReducedGradient() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<SlotState>& ExchangeStates(Exchange what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return what == Exchange::kPartial ? partial_states_ : reduced_states_;
   }
@@ -348,8 +358,8 @@ class Group {
   //    partial_chunks_[q]. [this replica]: its own partial (own_partial_, the whole
   //    shard), kReceiving from its sum until every chunk reached its owner, then kReady.
   //  - reduced_states_[q], q != this replica: chunk q as its owner reduced it, in
-  //    reduced_staging_. [this replica]: this server's chunk, reduced into
-  //    reduced_staging_, kReceiving until every other replica group holds it, then kReady.
+  //    ReducedGradient(). [this replica]: this server's chunk, reduced there, kReceiving
+  //    until every other replica group holds it, then kReady.
   std::vector<SlotState> partial_states_ ABSL_GUARDED_BY(mu_);
   std::vector<SlotState> reduced_states_ ABSL_GUARDED_BY(mu_);
   ShardBuffer own_partial_;

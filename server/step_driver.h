@@ -62,9 +62,11 @@ class StepDriver {
   // Stops retrying, then waits for what runs aside to finish.
   ~StepDriver();
 
-  // Group::BeginScatter; when the contribution is already held (a resend), first sends
-  // again what the step still waits for from this server, and returns that failure if
-  // it fails again (AlreadyExists otherwise).
+  // Group::BeginScatter; a contribution to the next step while this server finishes the
+  // current one (Group::FinishingBefore) waits for it, up to `timeout`. When the
+  // contribution is already held (a resend), first sends again what the step still waits
+  // for from this server, and returns that failure if it fails again (AlreadyExists
+  // otherwise).
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(Group& group, int64_t step, int worker_rank,
                                                          DType dtype,
                                                          SlotMemory memory = SlotMemory::kHost);

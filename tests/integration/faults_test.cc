@@ -435,8 +435,9 @@ TEST(HybridFaultsTest, ANonFiniteStepIsSkippedInEveryReplicaGroup) {
   auto step = [&](int64_t s, const std::vector<float>& grad0, const std::vector<float>& grad1) {
     auto a = workers[0]->Scatter("g", s, DType::kFloat32, AsBytes(grad0));
     auto b = workers[1]->Scatter("g", s, DType::kFloat32, AsBytes(grad1));
-    ASSERT_TRUE(a.get().ok());
-    ASSERT_TRUE(b.get().ok());
+    const absl::Status first = a.get(), second = b.get();
+    ASSERT_TRUE(first.ok()) << first;
+    ASSERT_TRUE(second.ok()) << second;
   };
   std::vector<float> bad(layout->padded_numel(), 1.0f);
   bad[7] = std::numeric_limits<float>::infinity();

@@ -356,6 +356,38 @@ TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
   EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
 }
 
+// Every worker's contribution to step 0 is answered before the exchange has finished
+// step 0 on every server: a contribution to step 1 that comes meanwhile waits for it
+// instead of being refused as a future one.
+TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
+  Replicas r = MakeReplicas(2);
+  Group& first = *r.group[0];
+  Group& second = *r.group[1];
+  Registry registry(/*rank=*/1, /*num_servers=*/4);
+  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
+  StepDriver driver(4, clip, [](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(20));
+  const absl::Status early = driver.BeginScatter(first, 1, 0, DType::kFloat32).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(early)) << early;  // step 0 has nothing yet: refused
+  ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+
+  std::thread finish([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    EXPECT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+    EXPECT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
+  });
+  const absl::StatusOr<ReceiveSlot> next = driver.BeginScatter(first, 1, 0, DType::kFloat32);
+  finish.join();
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->step, 1);
+  EXPECT_EQ(first.version(), 1);
+  first.AbortScatter(*next);
+}
+
 TEST(HybridTest, RegistryLaysGroupsOutOverOneReplicaGroup) {
   Registry registry(/*rank=*/5, /*num_servers=*/6);
   ASSERT_TRUE(registry.ConfigureJob("hybrid", {.num_workers = 4, .replicas = 3}).ok());
