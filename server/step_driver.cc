@@ -35,12 +35,20 @@ absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step,
   }
   if (!absl::IsAlreadyExists(slot.status())) return slot;
   // A resend: its first answer may have been a failure to reach a peer.
+  FLATSHARD_RETURN_IF_ERROR(Resume(group, step).status());
+  return slot;
+}
+
+absl::StatusOr<bool> StepDriver::Resume(Group& group, int64_t step) {
   if (std::optional<CommitOutcome> pending = group.ClaimPending(step)) {
     FLATSHARD_RETURN_IF_ERROR(Continue(group, step, *pending));
-  } else if (group.reduced_at(step)) {
-    FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(group.job(), step));
+    return true;
   }
-  return slot;
+  if (group.reduced_at(step)) {
+    FLATSHARD_RETURN_IF_ERROR(clip_.OnGroupReduced(group.job(), step));
+    return true;
+  }
+  return false;
 }
 
 absl::Status StepDriver::Continue(Group& group, int64_t step, CommitOutcome outcome) {
@@ -63,17 +71,16 @@ void StepDriver::ContinueAside(std::shared_ptr<Group> group, int64_t step, Commi
 
 void StepDriver::RunAside(std::shared_ptr<Group> group, int64_t step, CommitOutcome outcome) {
   absl::Duration backoff = absl::Milliseconds(100);
-  absl::Status status = Continue(*group, step, outcome);
-  while (!status.ok()) {
+  const absl::Status continued = Continue(*group, step, outcome);
+  absl::StatusOr<bool> resumed = continued.ok() ? absl::StatusOr<bool>(true) : continued;
+  while (!resumed.ok()) {
     {
       absl::MutexLock lock(&aside_mu_);
       if (aside_mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff)) break;
     }
-    // Nothing left to send: another caller (a worker's resend) did it, or a load moved
-    // the group on.
-    std::optional<CommitOutcome> pending = group->ClaimPending(step);
-    if (!pending.has_value()) break;
-    status = Continue(*group, step, *pending);
+    // Ends when nothing is left to send: another caller (a worker's resend) did it, or
+    // a load moved the group on.
+    resumed = Resume(*group, step);
     backoff = std::min(2 * backoff, absl::Seconds(2));
   }
   group.reset();  // before the destructor may return

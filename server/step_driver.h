@@ -75,8 +75,7 @@ class StepDriver {
   // kBroadcast: the caller holds the claim, as a commit or ClaimPending handed it over).
   [[nodiscard]] absl::Status Continue(Group& group, int64_t step, CommitOutcome outcome);
   // Continue on a thread of its own. A failure is retried (after 100 ms, doubling up to
-  // 2 s) until it succeeds, the step no longer needs it (Group::ClaimPending) or the
-  // driver is destroyed.
+  // 2 s) until it succeeds, the step no longer needs it or the driver is destroyed.
   void ContinueAside(std::shared_ptr<Group> group, int64_t step, CommitOutcome outcome);
 
  private:
@@ -97,6 +96,10 @@ class StepDriver {
   // connection is then unusable).
   absl::Status SendOn(transport::Connection& conn, transport::DataOp op, const Group& group,
                       int64_t step, absl::Span<const std::byte> bytes, absl::Status& verdict) const;
+  // Sends again what `step` still waits for from this server after a failure: a claim
+  // that a failed send released (Group::ClaimPending), or the norm share. False when
+  // nothing is left.
+  absl::StatusOr<bool> Resume(Group& group, int64_t step);
   void RunAside(std::shared_ptr<Group> group, int64_t step, CommitOutcome outcome);
 
   ClipCoordinator& clip_;
