@@ -328,25 +328,26 @@ std::pair<int64_t, int64_t> Group::ReplicaChunk(int replica) const {
   return {boundary(replica), boundary(replica + 1) - boundary(replica)};
 }
 
+absl::Status Group::CheckOutgoing(Exchange what, int64_t step) const {
+  const std::vector<SlotState>& states = what == Exchange::kPartial ? partial_states_ : reduced_states_;
+  if (job_settings_.hybrid() && version_ == step && states[placement_.replica] == SlotState::kReceiving) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "group '", name_, "' has no ", what == Exchange::kPartial ? "partial" : "reduced chunk",
+      " of replica group ", placement_.replica, " waiting to be sent for step ", step,
+      " (at version ", version_, ")"));
+}
+
 absl::StatusOr<absl::Span<const std::byte>> Group::SharedPartial(int64_t step) const {
   absl::MutexLock lock(&mu_);
-  if (!job_settings_.hybrid() || version_ != step ||
-      partial_states_[placement_.replica] != SlotState::kReceiving) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group '", name_, "' has no partial of replica group ", placement_.replica,
-        " waiting to be shared for step ", step, " (at version ", version_, ")"));
-  }
+  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kPartial, step));
   return own_partial_.bytes().subspan(0, static_cast<size_t>(shard_numel()) * sizeof(float));
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(int64_t step) {
   absl::MutexLock lock(&mu_);
-  if (!job_settings_.hybrid() || version_ != step ||
-      partial_states_[placement_.replica] != SlotState::kReceiving) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group '", name_, "' has no partial of its own to commit for step ", step,
-        " (at version ", version_, ")"));
-  }
+  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kPartial, step));
   partial_states_[placement_.replica] = SlotState::kReady;
   share_claimed_ = false;
   return PartialArrived(placement_.replica);
@@ -354,24 +355,14 @@ absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(int64_t step) {
 
 absl::StatusOr<absl::Span<const std::byte>> Group::BroadcastChunk(int64_t step) const {
   absl::MutexLock lock(&mu_);
-  if (!job_settings_.hybrid() || version_ != step ||
-      reduced_states_[placement_.replica] != SlotState::kReceiving) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group '", name_, "' has no reduced chunk of replica group ", placement_.replica,
-        " waiting to be broadcast for step ", step, " (at version ", version_, ")"));
-  }
+  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kReduced, step));
   const auto [offset, numel] = ReplicaChunk(placement_.replica);
   return ReducedGradient().subspan(offset * sizeof(float), numel * sizeof(float));
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitBroadcast(int64_t step) {
   absl::MutexLock lock(&mu_);
-  if (!job_settings_.hybrid() || version_ != step ||
-      reduced_states_[placement_.replica] != SlotState::kReceiving) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group '", name_, "' has no reduced chunk of its own to commit for step ", step,
-        " (at version ", version_, ")"));
-  }
+  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kReduced, step));
   reduced_states_[placement_.replica] = SlotState::kReady;
   broadcast_claimed_ = false;
   return ReducedArrived(placement_.replica);

@@ -295,6 +295,9 @@ class Group {
   // them into grad_ and goes on with the step (clipping or optimizer).
   absl::StatusOr<CommitOutcome> ReducedArrived(int replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static bool AllReady(const std::vector<SlotState>& states);
+  // Hybrid: OK when this server's own `what` for `step` waits to be sent (kReceiving);
+  // FailedPrecondition naming it otherwise.
+  absl::Status CheckOutgoing(Exchange what, int64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hybrid: where the exchange assembles the reduced gradient (host-addressable, the whole
   // shard): grad_ itself on the host and pinned tiers, reduced_staging_ (copied into
   // grad_ once complete) on the device tier. EnsureReducedGradient allocates the staging.
