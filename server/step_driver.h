@@ -24,7 +24,7 @@
 //
 // The exchange travels on the TCP data plane, one connection per peer opened with a
 // session from its OpenSession (the cluster token authenticates it), used by one send at
-// a time; a chunk goes to its R - 1 peers at once.
+// a time; the R - 1 sends of a phase go at once.
 // A send that fails on a connection that went stale is retried once on a new one; a
 // peer that already holds or applied the chunk (AlreadyExists) counts as delivered.
 // Thread-safe.
