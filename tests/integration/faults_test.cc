@@ -379,16 +379,18 @@ TEST_F(FaultsTest, ConnectRefusesOptionsOutOfRangeBeforeCallingAnyServer) {
   EXPECT_TRUE(Client::Connect(good).ok());
 }
 
-// Workers 0 and 1 of a 2-worker `job` (replica groups 0 and 1 when it has 2), each with
-// group "g" (10 float32 elements, SGD lr 0.5) registered.
+// Workers 0 .. n-1 of an n-worker `job`, each with group "g" (`numel` float32 elements,
+// SGD lr 0.5) registered.
+template <size_t n>
 void ConnectHybridWorkers(const testing::TestCluster& cluster, const JobOptions& job,
-                          std::unique_ptr<Client> (&workers)[2], const FlatLayout*& layout) {
-  for (int w = 0; w < 2; ++w) {
-    auto client = cluster.Connect(w, 2);
+                          std::unique_ptr<Client> (&workers)[n], const FlatLayout*& layout,
+                          int64_t numel = 10) {
+  for (int w = 0; w < static_cast<int>(n); ++w) {
+    auto client = cluster.Connect(w, static_cast<int>(n));
     ASSERT_TRUE(client.ok()) << client.status();
     workers[w] = *std::move(client);
     ASSERT_TRUE(workers[w]->ConfigureJob(job).ok());
-    auto registered = workers[w]->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+    auto registered = workers[w]->RegisterGroup("g", {{"w", {numel}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
     ASSERT_TRUE(registered.ok()) << registered.status();
     layout = *registered;
   }
@@ -421,6 +423,42 @@ TEST(HybridFaultsTest, AnUnreachablePeerFailsTheScatterAndAResendCompletesTheSte
     EXPECT_EQ(*version, 1);
     params.resize(layout->unpadded_numel());
     EXPECT_EQ(params, std::vector<float>(params.size(), -1.0f)) << "worker " << w;  // -0.5 * (1 + 3) / 2
+  }
+}
+
+// Three replica groups of one server each (server q reduces chunk q of the shard). A
+// peer that stops after taking its own workers' contributions holds up two sends: the
+// broadcast that server 0 runs aside once server 2's partial completes its chunk (no
+// worker waits on it: it is delivered when the peer resumes), and server 2's partial
+// (its worker gets UNAVAILABLE and sends again). The step then completes everywhere
+// without workers 0 and 1 doing anything more.
+TEST(HybridFaultsTest, ABroadcastRunningAsideWaitsOutAStoppedPeer) {
+  const std::vector<std::string> quick_peers = {"--peer_timeout=1s"};
+  testing::TestCluster cluster(3, "tok", ::testing::TempDir(), "", {quick_peers, quick_peers, quick_peers});
+  std::unique_ptr<Client> workers[3];
+  const FlatLayout* layout = nullptr;
+  ConnectHybridWorkers(cluster, {.replicas = 3}, workers, layout, 40);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  auto grad = [&](float value) { return std::vector<float>(layout->padded_numel(), value); };
+  const std::vector<float> grads[3] = {grad(1.0f), grad(3.0f), grad(5.0f)};
+  for (int w = 0; w < 2; ++w) {
+    const absl::Status sent = workers[w]->Scatter("g", 0, DType::kFloat32, AsBytes(grads[w])).get();
+    ASSERT_TRUE(sent.ok()) << sent;
+  }
+  kill(cluster.pid(1), SIGSTOP);
+  const absl::Status failed = workers[2]->Scatter("g", 0, DType::kFloat32, AsBytes(grads[2])).get();
+  absl::SleepFor(absl::Milliseconds(500));  // server 0's broadcast to server 1 is in flight
+  kill(cluster.pid(1), SIGCONT);
+  EXPECT_TRUE(absl::IsUnavailable(failed)) << failed;
+  EXPECT_THAT(std::string(failed.message()), HasSubstr("could not reach server 1"));
+  const absl::Status again = workers[2]->Scatter("g", 0, DType::kFloat32, AsBytes(grads[2])).get();
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  for (int w = 0; w < 3; ++w) {
+    std::vector<float> params(layout->padded_numel(), 7.0f);
+    auto version = workers[w]->Gather("g", 1, DType::kFloat32, AsBytes(params)).get();
+    ASSERT_TRUE(version.ok()) << version.status();
+    params.resize(layout->unpadded_numel());
+    EXPECT_EQ(params, std::vector<float>(params.size(), -1.5f)) << "worker " << w;  // -0.5 * 9 / 3
   }
 }
 
