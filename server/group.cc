@@ -397,6 +397,10 @@ absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, in
         "': this server is in replica group ", placement_.replica, " of ",
         job_settings_.replicas, " and takes them from the others only"));
   }
+  if (frozen_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group '", name_, "' of job '", job_, "' is frozen: it takes no ", noun, "s"));
+  }
   absl::MutexLock lock(&mu_);
   if (step < version_) {
     return absl::AlreadyExistsError(absl::StrCat(

@@ -215,8 +215,9 @@ class Group {
   std::optional<CommitOutcome> ClaimPending(int64_t step);
   // What another replica group's server sends (slot.worker_rank = its replica group,
   // fp32, its chunk's size). AlreadyExists for one already held or applied;
-  // FailedPrecondition for a future step or one being received; InvalidArgument for a
-  // replica group outside [0, R) or this one's. Committing the last kPartial returns
+  // FailedPrecondition for a future step, one being received or a frozen group;
+  // InvalidArgument for a replica group outside [0, R) or this one's. Committing the last
+  // kPartial returns
   // kBroadcast, the last kReduced what the last contribution would.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginExchange(Exchange what, int64_t step, int replica);
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitExchange(Exchange what, const ReceiveSlot& slot);

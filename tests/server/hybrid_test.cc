@@ -188,6 +188,16 @@ TEST(HybridTest, RefusesOtherReplicasWorkersAndMisdirectedExchanges) {
   EXPECT_TRUE(absl::IsAlreadyExists(second.BeginExchange(Exchange::kPartial, 0, 0).status()));  // applied
   EXPECT_TRUE(absl::IsAlreadyExists(second.BeginExchange(Exchange::kReduced, 0, 0).status()));
   EXPECT_EQ(Params(first), (std::vector<float>{-1, -1, -1, -1, -1, -1, -1, -1, -1, 0}));
+
+  // A frozen group holds no gradient to receive into.
+  auto frozen = Group::Create("job", "frozen", first.layout(), first.placement(), {.num_workers = 4, .replicas = 2},
+                              Frozen{});
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  for (Exchange what : {Exchange::kPartial, Exchange::kReduced}) {
+    const absl::Status refused = (*frozen)->BeginExchange(what, 0, 1).status();
+    EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+    EXPECT_THAT(refused.message(), HasSubstr("is frozen"));
+  }
 }
 
 // What a commit hands over to be sent (kShare, kBroadcast) is claimed by one caller at a
