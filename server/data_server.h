@@ -1,8 +1,9 @@
 // DataServer: the server side of the TCP data plane. Accepts connections, requires a
 // kHello with a valid session token first (within hello_timeout, or the connection is
 // closed), then serves gather (whole shards or byte ranges of them), scatter and init
-// requests, and the partials that peer servers of a hybrid-sharded job exchange
-// (transport/data_protocol.h; server/step_driver.h)
+// requests, and the partial and reduced chunks that peer servers of a hybrid-sharded job
+// exchange (transport/data_protocol.h; server/step_driver.h; a broadcast that a partial
+// completes is continued aside once the peer has its answer)
 // against the Registry, and the CUDA IPC and NCCL requests through their planes, one
 // thread per connection. Gradient bytes are received straight
 // into the group's staging slot and gather bytes are sent straight from the version's
@@ -67,7 +68,8 @@ class DataServer {
   bool ServeRequest(transport::Connection& conn, const transport::Request& request);
   bool ServeGather(transport::Connection& conn, const transport::Request& request);
   bool ServeReceive(transport::Connection& conn, const transport::Request& request);
-  // The staging slot for a scatter, a replica partial or initial values, and its release.
+  // The staging slot for a scatter, a message of the exchange between replica groups or
+  // initial values, and its release.
   absl::StatusOr<ReceiveSlot> BeginReceive(Group& group, const transport::Request& request);
   static void AbortReceive(Group& group, const transport::Request& request, const ReceiveSlot& slot);
   // Receives the fixed-size payload of a GPU-plane request (`request_name`: "a CUDA IPC
