@@ -170,6 +170,7 @@ void Server::Shutdown() {
     grpc_server_.reset();
   }
   if (data_) data_->Stop();
+  driver_.Stop();  // a send to a hung peer would hold up the destructor
 }
 
 }  // namespace flatshard::server

@@ -18,10 +18,21 @@ StepDriver::StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, 
 }
 
 StepDriver::~StepDriver() {
+  Stop();
   absl::MutexLock lock(&aside_mu_);
-  stopping_ = true;
   aside_mu_.Await(absl::Condition(
       +[](int* running) { return *running == 0; }, &aside_running_));
+}
+
+void StepDriver::Stop() {
+  {
+    absl::MutexLock lock(&aside_mu_);
+    stopping_ = true;
+  }
+  for (const std::unique_ptr<Link>& link : links_) {
+    absl::MutexLock lock(&link->active_mu);
+    if (link->active != nullptr) link->active->Shutdown();
+  }
 }
 
 absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step, int worker_rank,
@@ -137,8 +148,18 @@ absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Gr
     if (!reused) {
       FLATSHARD_ASSIGN_OR_RETURN(link.conn, connect_(send.peer));
     }
+    {
+      absl::MutexLock active_lock(&link.active_mu);
+      absl::MutexLock stopping_lock(&aside_mu_);
+      if (stopping_) return absl::CancelledError("this server is shutting down");
+      link.active = link.conn.get();
+    }
     absl::Status verdict;
     const absl::Status transported = SendOn(*link.conn, op, group, step, send.bytes, verdict);
+    {
+      absl::MutexLock active_lock(&link.active_mu);
+      link.active = nullptr;
+    }
     if (transported.ok()) {
       // Held or applied already (a resend after a lost answer): delivered.
       return absl::IsAlreadyExists(verdict) ? absl::OkStatus() : verdict;

@@ -59,8 +59,12 @@ class StepDriver {
 
   // `timeout`: how long a peer may take to reach the step and take a chunk.
   StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout);
-  // Stops retrying, then waits for what runs aside to finish.
+  // Stop(), then waits for what runs aside to finish.
   ~StepDriver();
+
+  // Stops retrying and cuts short the sends in progress (Unavailable to their callers):
+  // the server is going away. Later sends fail with Cancelled. Idempotent.
+  void Stop();
 
   // Group::BeginScatter; a contribution to the next step while this server finishes the
   // current one (Group::FinishingBefore) waits for it, up to `timeout`. When the
@@ -80,8 +84,11 @@ class StepDriver {
 
  private:
   struct Link {
-    absl::Mutex mu;
+    absl::Mutex mu;  // held for a whole send
     std::unique_ptr<transport::Connection> conn ABSL_GUARDED_BY(mu);
+    absl::Mutex active_mu;
+    // `conn` while a send is on it, for Stop to cut short.
+    transport::Connection* active ABSL_GUARDED_BY(active_mu) = nullptr;
   };
   // One message of the exchange: `bytes` to server `peer`.
   struct Send {

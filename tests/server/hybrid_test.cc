@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "server/clip_coordinator.h"
 #include "server/group.h"
 #include "server/registry.h"
@@ -373,6 +374,37 @@ TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
   EXPECT_EQ(connects, 3);
   EXPECT_EQ(Params(first), Params(second));
   EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
+}
+
+// A server that stops while a broadcast waits on a hung peer (it takes the connection
+// but never answers) does not wait for the send's timeout.
+TEST(HybridTest, StoppingTheDriverCutsASendToAHungPeerShort) {
+  Replicas r = MakeReplicas(2);
+  ReduceChunks(r);
+  ASSERT_FALSE(HasFatalFailure());
+  // Connections queue in its backlog; nothing reads them.
+  absl::StatusOr<std::unique_ptr<transport::Listener>> hung = transport::ListenTcp("127.0.0.1", 0);
+  ASSERT_TRUE(hung.ok()) << hung.status();
+  const int port = (*hung)->port();
+  Registry registry(/*rank=*/1, /*num_servers=*/4);
+  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
+  std::atomic<int> connects = 0;
+  auto driver = std::make_unique<StepDriver>(4, clip, [&](int) {
+    ++connects;
+    return transport::ConnectTcp("127.0.0.1", port, absl::Seconds(60));
+  }, absl::Seconds(60));
+  driver->ContinueAside(r.group[0], 0, CommitOutcome::kBroadcast);
+  while (connects == 0) absl::SleepFor(absl::Milliseconds(10));
+  absl::SleepFor(absl::Milliseconds(100));  // the request is sent; the answer never comes
+  absl::Notification destroyed;
+  std::thread stopper([&] {
+    driver.reset();
+    destroyed.Notify();
+  });
+  EXPECT_TRUE(destroyed.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  hung->reset();  // closing the backlog resets the connection, should the test have failed
+  stopper.join();
+  EXPECT_EQ(r.group[0]->version(), 0);  // nothing was delivered
 }
 
 // Every worker's contribution to step 0 is answered before the exchange has finished
