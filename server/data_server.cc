@@ -230,7 +230,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
     ++stats_.errors;
     return false;
   }
-  stats_.bytes_received += request.payload_bytes;
+  (exchange.has_value() ? stats_.exchange_bytes_received : stats_.bytes_received) += request.payload_bytes;
   absl::Status committed;
   std::optional<CommitOutcome> aside;  // continued once the peer has its answer
   if (request.op == DataOp::kPushInit) {

@@ -72,7 +72,7 @@ Server::Server(ServerOptions options)
                   return transport::OpenDataConnection(session.data_address, session.token,
                                                        options_.peer_timeout + absl::Seconds(10));
                 },
-                options_.peer_timeout),
+                options_.peer_timeout, stats_),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
                    options_.checkpoint_root, options_.max_file_bytes, &peers_),
       ipc_(registry_, driver_, stats_),

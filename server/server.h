@@ -85,10 +85,10 @@ class Server {
   Registry registry_;
   PeerClient peers_;
   ClipCoordinator clip_;
+  ServerStats stats_;
   StepDriver driver_;
   CheckpointStore checkpoints_;
   SessionTokens sessions_;
-  ServerStats stats_;
   IpcPlane ipc_;
   NcclPlane nccl_;
   std::unique_ptr<DataServer> data_;

@@ -401,6 +401,8 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   }
   response->set_bytes_received(stats_.bytes_received.load());
   response->set_bytes_sent(stats_.bytes_sent.load());
+  response->set_exchange_bytes_sent(stats_.exchange_bytes_sent.load());
+  response->set_exchange_bytes_received(stats_.exchange_bytes_received.load());
   response->set_gathers(stats_.gathers.load());
   response->set_scatters(stats_.scatters.load());
   response->set_ipc_gathers(stats_.ipc_gathers.load());

@@ -19,6 +19,10 @@ struct ServerStats {
   std::atomic<int64_t> ipc_scatters{0};  // CUDA IPC plane (also counted in scatters)
   std::atomic<int64_t> nccl_gathers{0};   // NCCL plane (also counted in gathers)
   std::atomic<int64_t> nccl_scatters{0};  // NCCL plane (also counted in scatters)
+  // Hybrid-sharded jobs' exchange between replica groups (server/step_driver.h),
+  // delivered to peers and taken from them; not counted in bytes_sent/bytes_received.
+  std::atomic<int64_t> exchange_bytes_sent{0};
+  std::atomic<int64_t> exchange_bytes_received{0};
 };
 
 }  // namespace flatshard::server

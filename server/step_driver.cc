@@ -12,8 +12,9 @@
 
 namespace flatshard::server {
 
-StepDriver::StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout)
-    : clip_(clip), connect_(std::move(connect)), timeout_(timeout) {
+StepDriver::StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout,
+                       ServerStats& stats)
+    : clip_(clip), stats_(stats), connect_(std::move(connect)), timeout_(timeout) {
   for (int rank = 0; rank < num_servers; ++rank) links_.push_back(std::make_unique<Link>());
 }
 
@@ -161,6 +162,7 @@ absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Gr
       link.active = nullptr;
     }
     if (transported.ok()) {
+      if (verdict.ok()) stats_.exchange_bytes_sent += static_cast<int64_t>(send.bytes.size());
       // Held or applied already (a resend after a lost answer): delivered.
       return absl::IsAlreadyExists(verdict) ? absl::OkStatus() : verdict;
     }

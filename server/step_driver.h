@@ -29,7 +29,7 @@
 // peer that already holds or applied the chunk (AlreadyExists) counts as delivered.
 // Thread-safe.
 //
-//   StepDriver driver(num_servers, clip, connect_to_peer, absl::Seconds(30));
+//   StepDriver driver(num_servers, clip, connect_to_peer, absl::Seconds(30), stats);
 //   FLATSHARD_ASSIGN_OR_RETURN(ReceiveSlot slot, driver.BeginScatter(*group, step, worker, dtype));
 //   ...  // the bytes land in slot.buffer
 //   FLATSHARD_RETURN_IF_ERROR(driver.Continue(*group, step, *group->CommitScatter(slot)));
@@ -47,6 +47,7 @@
 #include "absl/types/span.h"
 #include "server/clip_coordinator.h"
 #include "server/group.h"
+#include "server/stats.h"
 #include "transport/data_protocol.h"
 #include "transport/transport.h"
 
@@ -58,7 +59,9 @@ class StepDriver {
   using Connect = std::function<absl::StatusOr<std::unique_ptr<transport::Connection>>(int rank)>;
 
   // `timeout`: how long a peer may take to reach the step and take a chunk.
-  StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout);
+  // `stats` counts the bytes delivered (ServerStats::exchange_bytes_sent).
+  StepDriver(int num_servers, ClipCoordinator& clip, Connect connect, absl::Duration timeout,
+             ServerStats& stats);
   // Stop(), then waits for what runs aside to finish.
   ~StepDriver();
 
@@ -110,6 +113,7 @@ class StepDriver {
   void RunAside(std::shared_ptr<Group> group, int64_t step, CommitOutcome outcome);
 
   ClipCoordinator& clip_;
+  ServerStats& stats_;
   const Connect connect_;
   const absl::Duration timeout_;
   std::vector<std::unique_ptr<Link>> links_;  // by rank

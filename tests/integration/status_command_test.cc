@@ -36,6 +36,17 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   ASSERT_TRUE(hybrid.ok()) << hybrid.status();
   ASSERT_TRUE((*hybrid)->ConfigureJob({.replicas = 2}).ok());
   ASSERT_TRUE((*hybrid)->RegisterGroup("h", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  // One step of it: each server sends its peer the chunk the peer reduces, then the
+  // chunk it reduced itself, 1000 float32 in all, and takes as much.
+  auto second = cluster.Connect(1, 2, "hybrid");
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE((*second)->RegisterGroup("h", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  const std::vector<float> grad(1000, 1.0f);
+  const auto grad_bytes = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(grad.data()), 4000);
+  auto scattered = (*hybrid)->Scatter("h", 0, DType::kFloat32, grad_bytes);
+  ASSERT_TRUE((*second)->Scatter("h", 0, DType::kFloat32, grad_bytes).get().ok());
+  ASSERT_TRUE(scattered.get().ok());
+  for (auto* worker : {&*hybrid, &*second}) ASSERT_TRUE((*worker)->WaitVersion("h", 1).ok());
 
   cli::StatusCommandOptions options{.servers = cluster.addresses(), .token = cluster.token()};
   std::ostringstream table, err;
@@ -54,6 +65,11 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     ASSERT_GE(server.size(), 7u) << table.str();
     EXPECT_EQ(std::vector<std::string>(server.begin() + 2, server.begin() + 7),
               (std::vector<std::string>{"host", "tcp", "no", "3", "2"}))
+        << table.str();
+    // ..., conns, sent (2 words), received (2), x-sent (2), x-recv (2), ...
+    ASSERT_GE(server.size(), 16u) << table.str();
+    EXPECT_EQ(std::vector<std::string>(server.begin() + 12, server.begin() + 16),
+              (std::vector<std::string>{"3.9", "KiB", "3.9", "KiB"}))
         << table.str();
     // rank, job/group, version, shard_numel (500 of 1000 elements), memory (2 words),
     // optimizer, pending, shard, replica
@@ -80,6 +96,8 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     EXPECT_EQ(server["tls"], false);
     EXPECT_EQ(server["memory"], "host");
     EXPECT_EQ(server["groups"].size(), 2u);
+    EXPECT_EQ(server["exchange_bytes_sent"], "4000");  // proto3 JSON: int64 as a string
+    EXPECT_EQ(server["exchange_bytes_received"], "4000");
   }
 
   const std::vector<int> free_port = *transport::PickFreeLoopbackPorts(1);

@@ -16,6 +16,7 @@
 #include "server/clip_coordinator.h"
 #include "server/group.h"
 #include "server/registry.h"
+#include "server/stats.h"
 #include "server/step_driver.h"
 #include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
@@ -358,12 +359,13 @@ TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
   Registry registry(/*rank=*/1, /*num_servers=*/4);
   ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
   std::atomic<int> connects = 0;
+  ServerStats stats;
   {
     StepDriver driver(4, clip, [&](int rank) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
       EXPECT_EQ(rank, 3);
       if (++connects <= 2) return absl::UnavailableError("not yet");
       return transport::ConnectTcp("127.0.0.1", peer.port(), absl::Seconds(10));
-    }, absl::Seconds(10));
+    }, absl::Seconds(10), stats);
     driver.ContinueAside(r.group[0], 0, CommitOutcome::kBroadcast);
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
     for (Group* group : {&second, &first}) {
@@ -372,6 +374,7 @@ TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
     }
   }
   EXPECT_EQ(connects, 3);
+  EXPECT_EQ(stats.exchange_bytes_sent, 4 * sizeof(float));  // chunk 0: elements 0 to 3
   EXPECT_EQ(Params(first), Params(second));
   EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
 }
@@ -389,10 +392,11 @@ TEST(HybridTest, StoppingTheDriverCutsASendToAHungPeerShort) {
   Registry registry(/*rank=*/1, /*num_servers=*/4);
   ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
   std::atomic<int> connects = 0;
+  ServerStats stats;
   auto driver = std::make_unique<StepDriver>(4, clip, [&](int) {
     ++connects;
     return transport::ConnectTcp("127.0.0.1", port, absl::Seconds(60));
-  }, absl::Seconds(60));
+  }, absl::Seconds(60), stats);
   driver->ContinueAside(r.group[0], 0, CommitOutcome::kBroadcast);
   while (connects == 0) absl::SleepFor(absl::Milliseconds(10));
   absl::SleepFor(absl::Milliseconds(100));  // the request is sent; the answer never comes
@@ -405,6 +409,7 @@ TEST(HybridTest, StoppingTheDriverCutsASendToAHungPeerShort) {
   hung->reset();  // closing the backlog resets the connection, should the test have failed
   stopper.join();
   EXPECT_EQ(r.group[0]->version(), 0);  // nothing was delivered
+  EXPECT_EQ(stats.exchange_bytes_sent, 0);
 }
 
 // Every worker's contribution to step 0 is answered before the exchange has finished
@@ -416,7 +421,8 @@ TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
   Group& second = *r.group[1];
   Registry registry(/*rank=*/1, /*num_servers=*/4);
   ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
-  StepDriver driver(4, clip, [](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(20));
+  ServerStats stats;
+  StepDriver driver(4, clip, [](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(20), stats);
   const absl::Status early = driver.BeginScatter(first, 1, 0, DType::kFloat32).status();
   EXPECT_TRUE(absl::IsFailedPrecondition(early)) << early;  // step 0 has nothing yet: refused
   ReduceChunks(r);
