@@ -460,6 +460,16 @@ TEST(HybridFaultsTest, ABroadcastRunningAsideWaitsOutAStoppedPeer) {
     params.resize(layout->unpadded_numel());
     EXPECT_EQ(params, std::vector<float>(params.size(), -1.5f)) << "worker " << w;  // -0.5 * 9 / 3
   }
+  // What went through counts once: server q sends the other chunks of its partial and its
+  // own chunk to 2 peers, n + c_q elements, so 2n x 2 = 4n over the three (n: the shard).
+  int64_t sent = 0, received = 0;
+  for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    sent += status->exchange_bytes_sent();
+    received += status->exchange_bytes_received();
+  }
+  EXPECT_EQ(sent, 4 * layout->shard_numel() * static_cast<int64_t>(sizeof(float)));
+  EXPECT_EQ(received, sent);
 }
 
 // skip_nonfinite in a hybrid-sharded job: one worker's inf skips the step in both replica
