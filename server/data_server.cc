@@ -207,11 +207,13 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
                      : request.op == DataOp::kReplicaPartial ? "replica partial"
                      : request.op == DataOp::kReplicaReduced ? "reduced chunk"
                                                              : "init";
-  // A partial carries the chunk this server reduces; a reduced chunk the sender's.
+  // An exchange message carries one chunk of the shard (a sender outside the job's
+  // replica groups is refused by BeginExchange below).
   int64_t numel = (*group)->shard_numel();
-  if (exchange.has_value() && (*group)->placement().replicas > 1) {
-    const int chunk = *exchange == Exchange::kPartial ? (*group)->placement().replica : request.worker_rank;
-    if (chunk >= 0 && chunk < (*group)->placement().replicas) numel = (*group)->ReplicaChunk(chunk).second;
+  const int sender = request.worker_rank;
+  if (exchange.has_value() && (*group)->placement().replicas > 1 && sender >= 0 &&
+      sender < (*group)->placement().replicas) {
+    numel = (*group)->ExchangeChunk(*exchange, sender).second;
   }
   const int64_t expected = numel * static_cast<int64_t>(DTypeSize(request.dtype));
   if (request.payload_bytes != expected) {

@@ -426,7 +426,7 @@ absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, in
   }
   // A partial of this server's chunk lands in its own buffer; a reduced chunk in its
   // place in the reduced gradient.
-  const auto [offset, numel] = ReplicaChunk(what == Exchange::kPartial ? placement_.replica : replica);
+  const auto [offset, numel] = ExchangeChunk(what, replica);
   const size_t bytes = static_cast<size_t>(numel) * sizeof(float);
   absl::Span<std::byte> buffer;
   if (what == Exchange::kPartial) {

@@ -197,6 +197,11 @@ class Group {
   // Hybrid jobs (the exchange in the header comment). Chunk `replica` of this shard:
   // {offset, numel} in elements; offsets are multiples of 4 (16 bytes).
   std::pair<int64_t, int64_t> ReplicaChunk(int replica) const;
+  // The chunk a `what` from replica group `replica` carries: this server's for kPartial,
+  // the sender's for kReduced.
+  std::pair<int64_t, int64_t> ExchangeChunk(Exchange what, int replica) const {
+    return ReplicaChunk(what == Exchange::kPartial ? placement_.replica : replica);
+  }
   // After kShare: this replica's partial for `step` (fp32, the whole shard, host
   // memory), valid until the step is applied; FailedPrecondition when it is not summed
   // yet or already delivered. CommitOwnPartial then counts it once every chunk reached
