@@ -267,10 +267,10 @@ absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request
       }
       const Exchange what = *ExchangeOf(request.op);
       absl::StatusOr<ReceiveSlot> slot = group.BeginExchange(what, request.version, request.worker_rank);
-      if (!absl::IsFailedPrecondition(slot.status()) || group.version() >= request.version) return slot;
+      if (!absl::IsFailedPrecondition(slot.status())) return slot;
       // A peer replica group may be ahead by a step: wait until this one gets there.
-      FLATSHARD_RETURN_IF_ERROR(group.WaitVersion(request.version, request.Deadline()).status());
-      return group.BeginExchange(what, request.version, request.worker_rank);
+      FLATSHARD_ASSIGN_OR_RETURN(const bool again, group.AwaitEarlyStep(request.version, request.Deadline()));
+      return again ? group.BeginExchange(what, request.version, request.worker_rank) : slot;
     }
     default:
       return group.BeginPushInit(request.dtype);

@@ -276,9 +276,17 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
   return ReceiveSlot{step, worker_rank, dtype, staging.bytes().subspan(0, bytes)};
 }
 
-bool Group::FinishingBefore(int64_t step) const {
+absl::StatusOr<bool> Group::AwaitEarlyStep(int64_t step, absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
-  return !job_settings_.async && step == version_ + 1 && ready_count_ >= replica_workers_;
+  if (version_ >= step) return true;  // reached between the refusal and this call
+  if (job_settings_.async || step != version_ + 1 || ready_count_ < replica_workers_) return false;
+  auto reached = [this, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= step; };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "group '", name_, "' is at version ", version_, ": step ", step,
+        " came early and this server's step ", version_, " did not finish in time"));
+  }
+  return true;
 }
 
 absl::Status Group::EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what,

@@ -182,11 +182,14 @@ class Group {
   // FailedPrecondition for SlotMemory::kDevice on a group that is not in device memory.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype,
                                                          SlotMemory memory = SlotMemory::kHost);
-  // Sync mode: true when `step` is the next step and this server holds every
-  // contribution to the current one, so that only peers (the exchange between replica
-  // groups, the norm) keep it from finishing: a contribution for `step` is early, not
-  // wrong.
-  bool FinishingBefore(int64_t step) const;
+  // After BeginScatter or BeginExchange refused `step` with FailedPrecondition: decides,
+  // atomically with the state it reads, whether to try again. True when this server has
+  // reached `step` since (try again) or reaches it by `deadline`, having waited because
+  // the contribution was early, not wrong: sync mode, `step` is the next step and this
+  // server holds every contribution to the current one, so only peers (the exchange
+  // between replica groups, the norm) keep it from finishing. False when the refusal
+  // stands; DeadlineExceeded when the wait ran out.
+  [[nodiscard]] absl::StatusOr<bool> AwaitEarlyStep(int64_t step, absl::Time deadline) const;
   // Device slots: copies slot.buffer.size() bytes from `device_src` (device memory of
   // any process mapped here) into the slot.
   [[nodiscard]] absl::Status FillDeviceSlot(const ReceiveSlot& slot, const void* device_src);

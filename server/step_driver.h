@@ -70,7 +70,7 @@ class StepDriver {
   void Stop();
 
   // Group::BeginScatter; a contribution to the next step while this server finishes the
-  // current one (Group::FinishingBefore) waits for it, up to `timeout`. When the
+  // current one waits for it, up to `timeout` (Group::AwaitEarlyStep). When the
   // contribution is already held (a resend), first sends again what the step still waits
   // for from this server, and returns that failure if it fails again (AlreadyExists
   // otherwise).

@@ -441,6 +441,34 @@ TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
   first.AbortScatter(*next);
 }
 
+// A replica group that finished step 0 sends its partial of step 1 while this one
+// still waits for the last reduced chunk of step 0: early, not wrong.
+TEST(HybridTest, APartialFromAReplicaGroupAStepAheadWaitsUntilThisOneCatchesUp) {
+  Replicas r = MakeReplicas(2);
+  Group& first = *r.group[0];
+  Group& second = *r.group[1];
+  // Nothing of step 0 is in yet: a partial of step 1 is wrong, and so is one of step 2.
+  EXPECT_FALSE(*first.AwaitEarlyStep(1, absl::InfiniteFuture()));
+  ReduceChunks(r);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);  // first's own is in flight
+  ASSERT_EQ(*Contribute(second, 1, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
+  EXPECT_FALSE(*first.AwaitEarlyStep(2, absl::InfiniteFuture()));
+
+  const absl::Status early = DeliverPartial(second, first, 1).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(early)) << early;
+  const absl::Status timed_out = first.AwaitEarlyStep(1, absl::Now() + absl::Milliseconds(20)).status();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(timed_out)) << timed_out;
+  EXPECT_THAT(timed_out.message(), HasSubstr("step 1 came early"));
+
+  // Step 0 finishes between the refusal and the wait: the partial is taken at once.
+  ASSERT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
+  EXPECT_TRUE(*first.AwaitEarlyStep(1, absl::InfinitePast()));
+  EXPECT_EQ(*DeliverPartial(second, first, 1), CommitOutcome::kPending);
+}
+
 TEST(HybridTest, RegistryLaysGroupsOutOverOneReplicaGroup) {
   Registry registry(/*rank=*/5, /*num_servers=*/6);
   ASSERT_TRUE(registry.ConfigureJob("hybrid", {.num_workers = 4, .replicas = 3}).ok());
