@@ -1,7 +1,8 @@
 // CheckpointProgress: the bytes done and to do of the checkpoint saves and loads running
 // on this server, for GetStatus, from which `flatshard save|load` draw a progress bar.
 // An operation is listed from Start until its ProgressCounter is released; its writers
-// and readers add to the counter as they go. Thread-safe.
+// and readers add to the counter as they go: tensor bytes only, so that done never
+// passes total. Thread-safe.
 //
 //   std::shared_ptr<ProgressCounter> counter = progress.Start("step-100", "save");
 //   counter->total += bytes_to_write;
@@ -17,7 +18,6 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
-#include "server/checkpoint_sink.h"
 
 namespace flatshard::server {
 
@@ -47,26 +47,6 @@ class CheckpointProgress {
   };
   absl::Mutex mu_;
   std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
-};
-
-// Passes everything on to `sink`, adding the bytes of each write to `counter->done`.
-// Not thread-safe (as sinks are not).
-class CountingSink final : public CheckpointSink {
- public:
-  CountingSink(CheckpointSink& sink, ProgressCounter& counter) : sink_(sink), counter_(counter) {}
-  absl::Status Open(const std::string& file, uint64_t size, bool exclusive) override {
-    return sink_.Open(file, size, exclusive);
-  }
-  absl::Status Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) override {
-    absl::Status status = sink_.Write(file, offset, data);
-    if (status.ok()) counter_.done += data.size();
-    return status;
-  }
-  absl::Status Close(const std::string& file) override { return sink_.Close(file); }
-
- private:
-  CheckpointSink& sink_;
-  ProgressCounter& counter_;
 };
 
 }  // namespace flatshard::server

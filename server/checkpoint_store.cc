@@ -179,15 +179,15 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
     if (to_server_zero) {
       FLATSHARD_ASSIGN_OR_RETURN(const std::unique_ptr<PeerPartWriter> sink,
                                  peers_->WritePart(0, name, async, deadline));
-      CountingSink counting(*sink, *progress);
-      FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
-                                 WriteShards(counting, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
+      FLATSHARD_ASSIGN_OR_RETURN(
+          std::vector<std::string> files,
+          WriteShards(*sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get()));
       return sink->Finish(describe(files, std::move(group_specs)).dump());
     }
     DirectorySink sink(dir);
-    CountingSink counting(sink, *progress);
-    FLATSHARD_ASSIGN_OR_RETURN(std::vector<std::string> files,
-                               WriteShards(counting, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs));
+    FLATSHARD_ASSIGN_OR_RETURN(
+        std::vector<std::string> files,
+        WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get()));
     return FinishPart(name, rank_, sink, describe(files, std::move(group_specs)).dump(), /*async=*/false);
   };
   if (!async) return write();

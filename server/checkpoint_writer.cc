@@ -38,8 +38,18 @@ Json GroupJson(const Group& group, const ShardSnapshot& snapshot, bool optimizer
 // Elements converted and written at a time: bounds the memory of a save or export.
 constexpr int64_t kSliceElements = int64_t{1} << 20;
 
+// Writes tensor bytes and counts them in `progress` (when given) once `sink` took them:
+// the progress of a save is its tensor bytes (PartBytes), headers aside.
+absl::Status WriteTensorBytes(CheckpointSink& sink, const std::string& file, uint64_t offset,
+                              absl::Span<const std::byte> data, ProgressCounter* progress) {
+  FLATSHARD_RETURN_IF_ERROR(sink.Write(file, offset, data));
+  if (progress != nullptr) progress->done += data.size();
+  return absl::OkStatus();
+}
+
 absl::Status WritePieces(CheckpointSink& sink, const std::string& file, const SafetensorsHeader& header,
-                         const SavedShard& shard, absl::string_view state, const std::string& tensor_suffix) {
+                         const SavedShard& shard, absl::string_view state, const std::string& tensor_suffix,
+                         ProgressCounter* progress) {
   const FlatLayout& layout = shard.group->layout();
   std::vector<float> values;
   std::vector<std::byte> converted;
@@ -54,9 +64,9 @@ absl::Status WritePieces(CheckpointSink& sink, const std::string& file, const Sa
       FLATSHARD_RETURN_IF_ERROR(shard.Read(state, piece.flat_offset - shard.start + done, count, values.data()));
       converted.resize(static_cast<size_t>(count) * element);
       FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(DType::kFloat32, values.data(), entry->dtype, converted.data(), count));
-      FLATSHARD_RETURN_IF_ERROR(sink.Write(
-          file, header.data_start() + entry->begin + static_cast<uint64_t>(piece.intra_start + done) * element,
-          Bytes(converted)));
+      FLATSHARD_RETURN_IF_ERROR(WriteTensorBytes(
+          sink, file, header.data_start() + entry->begin + static_cast<uint64_t>(piece.intra_start + done) * element,
+          Bytes(converted), progress));
     }
   }
   return absl::OkStatus();
@@ -110,7 +120,8 @@ std::string IndexJson(const std::vector<Output>& outputs) {
 }
 
 absl::Status WriteFull(CheckpointSink& sink, int rank, const std::vector<SavedShard>& shards,
-                       bool optimizer, uint64_t max_file_bytes, std::vector<std::string>& files) {
+                       bool optimizer, uint64_t max_file_bytes, ProgressCounter* progress,
+                       std::vector<std::string>& files) {
   std::vector<SafetensorsTensor> model, state;
   std::set<std::string> fqns;
   for (const SavedShard& shard : shards) {
@@ -161,11 +172,11 @@ absl::Status WriteFull(CheckpointSink& sink, int rank, const std::vector<SavedSh
     if (rank == 0) FLATSHARD_RETURN_IF_ERROR(sink.Write(output.file, 0, header.bytes()));
     for (const SavedShard& shard : shards) {
       if (!output.is_state) {
-        FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, "", ""));
+        FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, "", "", progress));
         continue;
       }
       for (const auto& [name, values] : shard.snapshot.state) {
-        FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, name, "." + name));
+        FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, name, "." + name, progress));
       }
     }
     FLATSHARD_RETURN_IF_ERROR(sink.Close(output.file));
@@ -180,7 +191,7 @@ std::string PieceName(const std::string& group, const std::string& fqn, int64_t 
 
 // SHARDED and LOCAL: one file per server, written by it alone, fp32.
 absl::Status WriteOwnFile(CheckpointSink& sink, int rank, CheckpointKind kind,
-                          const std::vector<SavedShard>& shards, bool optimizer,
+                          const std::vector<SavedShard>& shards, bool optimizer, ProgressCounter* progress,
                           std::vector<std::string>& files) {
   struct Item {
     std::string name;
@@ -221,9 +232,9 @@ absl::Status WriteOwnFile(CheckpointSink& sink, int rank, CheckpointKind kind,
     for (int64_t done = 0; done < item.count; done += kSliceElements) {
       slice.resize(static_cast<size_t>(std::min(kSliceElements, item.count - done)));
       FLATSHARD_RETURN_IF_ERROR(item.shard->Read(item.state, item.offset + done, static_cast<int64_t>(slice.size()), slice.data()));
-      FLATSHARD_RETURN_IF_ERROR(sink.Write(
-          name, header.data_start() + header.tensors()[i].begin + static_cast<uint64_t>(done) * sizeof(float),
-          Bytes(absl::MakeConstSpan(slice))));
+      FLATSHARD_RETURN_IF_ERROR(WriteTensorBytes(
+          sink, name, header.data_start() + header.tensors()[i].begin + static_cast<uint64_t>(done) * sizeof(float),
+          Bytes(absl::MakeConstSpan(slice)), progress));
     }
   }
   FLATSHARD_RETURN_IF_ERROR(sink.Close(name));
@@ -297,12 +308,13 @@ uint64_t PartBytes(CheckpointKind kind, bool optimizer, const std::vector<SavedS
 // JSON specs for the manifest.
 absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int rank, CheckpointKind kind,
                                                      bool optimizer, uint64_t max_file_bytes,
-                                                     const std::vector<SavedShard>& shards, Json* group_specs) {
+                                                     const std::vector<SavedShard>& shards, Json* group_specs,
+                                                     ProgressCounter* progress) {
   std::vector<std::string> files;
   if (kind == CheckpointKind::kFull) {
-    FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank, shards, optimizer, max_file_bytes, files));
+    FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank, shards, optimizer, max_file_bytes, progress, files));
   } else {
-    FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(sink, rank, kind, shards, optimizer, files));
+    FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(sink, rank, kind, shards, optimizer, progress, files));
   }
   if (group_specs != nullptr) {
     *group_specs = Json::array();

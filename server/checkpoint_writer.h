@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/checkpoint_kind.h"
+#include "server/checkpoint_progress.h"
 #include "server/checkpoint_sink.h"
 #include "server/group.h"
 #include "server/registry.h"
@@ -68,17 +69,20 @@ struct SavedShard {
                                                                  const std::map<std::string, int64_t>& versions,
                                                                  absl::Time deadline, bool pin);
 
-// The tensor bytes WriteShards writes for `shards` (headers, a few KiB, aside).
+// The tensor bytes WriteShards writes for `shards` (headers, a few KiB, aside): the
+// progress total of a save.
 uint64_t PartBytes(CheckpointKind kind, bool optimizer, const std::vector<SavedShard>& shards);
 
 // Writes this server's part of the checkpoint files into `sink` (FULL files above
 // `max_file_bytes` of data are split Hugging Face style); returns the names of the files
-// it wrote to and, if asked, the groups' specs for the manifest (a JSON array).
+// it wrote to and, if asked, the groups' specs for the manifest (a JSON array). With
+// `progress`, adds each slice of tensor bytes to progress->done once the sink took it.
 [[nodiscard]] absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int rank,
                                                                    CheckpointKind kind, bool optimizer,
                                                                    uint64_t max_file_bytes,
                                                                    const std::vector<SavedShard>& shards,
-                                                                   nlohmann::json* group_specs);
+                                                                   nlohmann::json* group_specs,
+                                                                   ProgressCounter* progress = nullptr);
 
 // A layout's tensors as the manifest lists them: [{"name", "shape", "dtype"}, ...].
 nlohmann::json TensorsJson(const FlatLayout& layout);
