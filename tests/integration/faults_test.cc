@@ -408,9 +408,9 @@ TEST(HybridFaultsTest, AnUnreachablePeerFailsTheScatterAndAResendCompletesTheSte
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   const std::vector<float> grad0(layout->padded_numel(), 1.0f), grad1(layout->padded_numel(), 3.0f);
 
-  kill(cluster.pid(2), SIGSTOP);  // replica group 1's server of shard 0
+  ASSERT_TRUE(cluster.Pause(2));  // replica group 1's server of shard 0
   const absl::Status failed = workers[0]->Scatter("g", 0, DType::kFloat32, AsBytes(grad0)).get();
-  kill(cluster.pid(2), SIGCONT);
+  cluster.Resume(2);
   EXPECT_TRUE(absl::IsUnavailable(failed)) << failed;
   EXPECT_THAT(std::string(failed.message()), HasSubstr("could not reach server 2"));
   const absl::Status again = workers[0]->Scatter("g", 0, DType::kFloat32, AsBytes(grad0)).get();
@@ -445,10 +445,10 @@ TEST(HybridFaultsTest, ABroadcastRunningAsideWaitsOutAStoppedPeer) {
     const absl::Status sent = workers[w]->Scatter("g", 0, DType::kFloat32, AsBytes(grads[w])).get();
     ASSERT_TRUE(sent.ok()) << sent;
   }
-  kill(cluster.pid(1), SIGSTOP);
+  ASSERT_TRUE(cluster.Pause(1));
   const absl::Status failed = workers[2]->Scatter("g", 0, DType::kFloat32, AsBytes(grads[2])).get();
   absl::SleepFor(absl::Milliseconds(500));  // server 0's broadcast to server 1 is in flight
-  kill(cluster.pid(1), SIGCONT);
+  cluster.Resume(1);
   EXPECT_TRUE(absl::IsUnavailable(failed)) << failed;
   EXPECT_THAT(std::string(failed.message()), HasSubstr("could not reach server 1"));
   const absl::Status again = workers[2]->Scatter("g", 0, DType::kFloat32, AsBytes(grads[2])).get();

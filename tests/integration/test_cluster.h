@@ -182,6 +182,17 @@ class TestCluster {
     return conn;
   }
 
+  // Stops server `rank` (SIGSTOP) and returns once all of its threads have stopped
+  // (waitpid reports the stop): kill() returns sooner, and on a busy machine a thread
+  // may still answer a call before the whole process stops. False if it did not stop.
+  [[nodiscard]] bool Pause(int rank) const {
+    if (kill(pids_[rank], SIGSTOP) != 0) return false;
+    int status = 0;
+    return waitpid(pids_[rank], &status, WUNTRACED) == pids_[rank] && WIFSTOPPED(status);
+  }
+  // Lets a paused server go on (SIGCONT).
+  void Resume(int rank) const { kill(pids_[rank], SIGCONT); }
+
   const std::vector<std::string>& addresses() const { return addresses_; }
   const std::string& token() const { return token_; }
   pid_t pid(int rank) const { return pids_[rank]; }
