@@ -193,10 +193,15 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
     }
     bytes = bytes.subspan(range.offset, range.bytes);
   }
-  if (!transport::SendResponse(conn, absl::OkStatus(), snapshot->version, bytes).ok()) return false;
-  if (!ranged || range.offset == 0) ++stats_.gathers;  // a split gather counts once
+  // Counted before the bytes go out, so that a client holding them sees them counted;
+  // taken back if they do not go out. A split gather counts once.
+  const int64_t gathers = !ranged || range.offset == 0 ? 1 : 0;
+  stats_.gathers += gathers;
   stats_.bytes_sent += static_cast<int64_t>(bytes.size());
-  return true;
+  if (transport::SendResponse(conn, absl::OkStatus(), snapshot->version, bytes).ok()) return true;
+  stats_.gathers -= gathers;
+  stats_.bytes_sent -= static_cast<int64_t>(bytes.size());
+  return false;
 }
 
 bool DataServer::ServeReceive(Connection& conn, const Request& request) {
