@@ -547,7 +547,9 @@ TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) 
 #endif
   }
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // their shadow memory and quarantine inflate RSS
-  EXPECT_LT(growth_mib, 48) << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB";
+  // Two streams of 4 MiB messages and gRPC's buffers: ~37 MiB, up to 49 on a loaded
+  // machine. A client holding the model would need 128.
+  EXPECT_LT(growth_mib, 64) << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB";
 #endif
 
   auto header = SafetensorsHeader::Read(out + "/model.safetensors");
