@@ -109,6 +109,9 @@ absl::Status Server::Start() {
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
                                                 stats_, nccl_, [this] { return cluster_check(); });
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second server on this address would start too
+  // and take half of the connections. It must fail instead, as the data port does.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls), &control_port_);
   builder.RegisterService(service_.get());
   builder.SetMaxReceiveMessageSize(16 << 20);

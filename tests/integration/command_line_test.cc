@@ -1,13 +1,14 @@
 // The binaries' command lines as an operator meets them: --help lists every flag of the
 // program (with where it is defined) and exits 0; a bad flag, a bad value or a missing
 // value prints one line naming it and exits 2; a configuration the server cannot run
-// (--listen not in --cluster) exits non-zero with the reason. No server starts listening.
+// (--listen not in --cluster, a control address in use) exits non-zero with the reason.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_split.h"
+#include "tests/integration/test_cluster.h"
 #include "tests/run_command.h"
 
 namespace flatshard {
@@ -70,6 +71,17 @@ TEST(CommandLineTest, AServerNotInItsClusterRefusesToStart) {
   const auto [code, output] = RunBinary(FLATSHARD_SERVER_PATH, "--listen=127.0.0.1:1 --cluster=127.0.0.1:2 --rank=0");
   EXPECT_NE(code, 0) << output;
   EXPECT_THAT(output, HasSubstr("--listen=127.0.0.1:1 but --cluster[0] is 127.0.0.1:2"));
+}
+
+// A second server on a control address in use exits instead of sharing the port with
+// the first (gRPC's default SO_REUSEPORT would let it start and take half the calls).
+TEST(CommandLineTest, AControlAddressInUseIsRefused) {
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir());
+  const std::string taken = cluster.addresses()[0];
+  EXPECT_TRUE(testing::RefusesToStart({"--listen=" + taken, "--cluster=" + taken}));
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE((*client)->ConfigureJob({}).ok());  // the first serves on
 }
 
 }  // namespace
