@@ -42,6 +42,10 @@ def _free_ports(count):
             s.close()
 
 
+class _PortTaken(Exception):
+    """A server exited because its port was taken before it could bind it."""
+
+
 class LocalCluster:
     """Starts ``servers`` flatshard-server processes on free loopback ports.
 
@@ -77,6 +81,17 @@ class LocalCluster:
         return False
 
     def start(self):
+        # A port picked free can be taken by another process before its server binds
+        # it; that server then exits, and the cluster starts again on other ports.
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if attempt == 2:
+                    raise UnavailableError("flatshard-server: the free ports picked were taken "
+                                           "before the servers bound them, three times") from None
+
+    def _start_once(self):
         self._scratch = tempfile.mkdtemp(prefix="flatshard-local-")
         token_file = os.path.join(self._scratch, "token")
         with open(token_file, "w") as f:
@@ -93,22 +108,22 @@ class LocalCluster:
             args += self.server_args
             with open(os.path.join(self._scratch, f"server-{rank}.log"), "w") as log:
                 self._processes.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+        # A server says it serves once both of its ports are bound: a port another
+        # process holds would take connections too, so connecting proves nothing.
         deadline = time.monotonic() + self._startup_timeout
-        for rank, address in enumerate(self.addresses):
-            host, port = address.rsplit(":", 1)
-            while True:
+        for rank in range(self.num_servers):
+            serving = f"flatshard-server rank {rank}/{self.num_servers}: control "
+            while serving not in self.server_log(rank):
                 if self._processes[rank].poll() is not None:
                     log = self.server_log(rank)
                     self.close()
+                    if "Address already in use" in log or "cannot listen" in log:
+                        raise _PortTaken()
                     raise UnavailableError(f"flatshard-server rank {rank} exited: {log.strip()}")
-                try:
-                    with socket.create_connection((host, int(port)), timeout=0.2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        self.close()
-                        raise UnavailableError(f"flatshard-server rank {rank} did not start")
-                    time.sleep(0.02)
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise UnavailableError(f"flatshard-server rank {rank} did not start")
+                time.sleep(0.02)
         return self
 
     def server_log(self, rank):

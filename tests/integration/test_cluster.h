@@ -9,8 +9,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -55,6 +59,36 @@ inline void StopServer(pid_t pid) {
   }
 }
 
+// True when process `pid` itself listens on 127.0.0.1:`port`: a socket in LISTEN state
+// on that port (/proc/net/tcp, tcp6) is one of its descriptors (/proc/<pid>/fd). A port
+// picked free may have been taken by another process before the server bound it.
+inline bool ListensOn(pid_t pid, int port) {
+  std::vector<std::string> sockets;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the column names
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, skip, inode;
+      fields >> slot >> local >> remote >> state;
+      for (int i = 0; i < 5; ++i) fields >> skip;  // tx:rx, tr:when, retrnsmt, uid, timeout
+      fields >> inode;
+      const size_t colon = local.rfind(':');
+      if (state != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) sockets.push_back("socket:[" + inode + "]");
+    }
+  }
+  std::error_code error;  // the process may be gone, or close descriptors meanwhile
+  for (std::filesystem::directory_iterator fd(absl::StrCat("/proc/", pid, "/fd"), error), end;
+       !error && fd != end; fd.increment(error)) {
+    const std::string target = std::filesystem::read_symlink(fd->path(), error).string();
+    if (std::find(sockets.begin(), sockets.end(), target) != sockets.end()) return true;
+    error.clear();
+  }
+  return false;
+}
+
 // Spawns a server on free ports (control and data: the default data port, control + 1,
 // may be another test's) with `flags` and waits up to 5 s for it to exit: true when it
 // exited with a non-zero status. A server still running is stopped.
@@ -80,7 +114,8 @@ inline bool RefusesToStart(const std::vector<std::string>& flags) {
 class TestCluster {
  public:
   // `checkpoint_root` empty: checkpoints disabled on these servers. `extra_args[i]`
-  // (when present) go to server i, e.g. {"--memory=device"}.
+  // (when present) go to server i, e.g. {"--memory=device"}. Returns once every server
+  // listens on its ports (or after 30 s).
   TestCluster(int servers, std::string token, const std::string& scratch_dir,
               const std::string& checkpoint_root = "",
               const std::vector<std::vector<std::string>>& extra_args = {})
@@ -88,24 +123,13 @@ class TestCluster {
     // One file per process: ctest runs several clusters at once in the same TempDir().
     const std::string token_file = absl::StrCat(scratch_dir, "/token-", getpid());
     std::ofstream(token_file) << token_ << "\n";
-    const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2 * servers);
-    std::vector<int> data_ports;
-    for (int i = 0; i < servers; ++i) {
-      addresses_.push_back(absl::StrCat("127.0.0.1:", ports[2 * i]));
-      data_ports.push_back(ports[2 * i + 1]);
-    }
-    for (int i = 0; i < servers; ++i) {
-      std::vector<std::string> args = {"--listen=" + addresses_[i],
-                                       absl::StrCat("--data_listen=127.0.0.1:", data_ports[i]),
-                                       absl::StrCat("--rank=", i),
-                                       "--cluster=" + absl::StrJoin(addresses_, ","),
-                                       "--auth_token_file=" + token_file};
-      if (!checkpoint_root.empty()) args.push_back("--checkpoint_root=" + checkpoint_root);
-      if (static_cast<size_t>(i) < extra_args.size()) {
-        args.insert(args.end(), extra_args[i].begin(), extra_args[i].end());
-      }
-      pids_.push_back(SpawnServer(args));
-      args_.push_back(std::move(args));
+    for (int attempt = 1;; ++attempt) {
+      Spawn(servers, token_file, checkpoint_root, extra_args);
+      if (AwaitListening(absl::Seconds(30)) || attempt == 3) break;
+      // A port picked free was taken (by another test's client or cluster) before its
+      // server bound it, and the server exited: start the cluster again on other ports.
+      std::cerr << "TestCluster: a server exited while starting; starting again on other ports\n";
+      StopAll();
     }
   }
 
@@ -119,14 +143,12 @@ class TestCluster {
       for (std::string& arg : args_[rank]) {
         if (absl::StartsWith(arg, "--data_listen=")) arg = absl::StrCat("--data_listen=127.0.0.1:", data_port);
       }
+      ports_[rank].second = data_port;
     }
     pids_[rank] = SpawnServer(args_[rank]);
   }
 
-  ~TestCluster() {
-    for (pid_t pid : pids_) kill(pid, SIGTERM);
-    for (pid_t pid : pids_) StopServer(pid);
-  }
+  ~TestCluster() { StopAll(); }
 
   // Connects a client as `worker_rank` of `num_workers`, retrying while servers start.
   absl::StatusOr<std::unique_ptr<Client>> Connect(int worker_rank, int num_workers,
@@ -198,10 +220,60 @@ class TestCluster {
   pid_t pid(int rank) const { return pids_[rank]; }
 
  private:
+  void Spawn(int servers, const std::string& token_file, const std::string& checkpoint_root,
+             const std::vector<std::vector<std::string>>& extra_args) {
+    const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2 * servers);
+    for (int i = 0; i < servers; ++i) addresses_.push_back(absl::StrCat("127.0.0.1:", ports[2 * i]));
+    for (int i = 0; i < servers; ++i) {
+      std::vector<std::string> args = {"--listen=" + addresses_[i],
+                                       absl::StrCat("--data_listen=127.0.0.1:", ports[2 * i + 1]),
+                                       absl::StrCat("--rank=", i),
+                                       "--cluster=" + absl::StrJoin(addresses_, ","),
+                                       "--auth_token_file=" + token_file};
+      if (!checkpoint_root.empty()) args.push_back("--checkpoint_root=" + checkpoint_root);
+      if (static_cast<size_t>(i) < extra_args.size()) {
+        args.insert(args.end(), extra_args[i].begin(), extra_args[i].end());
+      }
+      pids_.push_back(SpawnServer(args));
+      args_.push_back(std::move(args));
+      ports_.push_back({ports[2 * i], ports[2 * i + 1]});
+    }
+  }
+
+  // Until every server listens on both of its ports: false as soon as one has exited;
+  // true once all listen, or when `timeout` passes (the test then sees what happens).
+  bool AwaitListening(absl::Duration timeout) const {
+    const absl::Time deadline = absl::Now() + timeout;
+    std::vector<bool> listening(pids_.size(), false);
+    while (absl::Now() < deadline) {
+      bool all = true;
+      for (size_t i = 0; i < pids_.size(); ++i) {
+        int status = 0;
+        if (pids_[i] <= 0 || waitpid(pids_[i], &status, WNOHANG) == pids_[i]) return false;
+        listening[i] = listening[i] ||
+                       (ListensOn(pids_[i], ports_[i].first) && ListensOn(pids_[i], ports_[i].second));
+        all = all && listening[i];
+      }
+      if (all) return true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return true;
+  }
+
+  void StopAll() {
+    for (pid_t pid : pids_) kill(pid, SIGTERM);
+    for (pid_t pid : pids_) StopServer(pid);
+    pids_.clear();
+    args_.clear();
+    addresses_.clear();
+    ports_.clear();
+  }
+
   std::string token_;
   std::vector<std::string> addresses_;
   std::vector<pid_t> pids_;
   std::vector<std::vector<std::string>> args_;  // per server
+  std::vector<std::pair<int, int>> ports_;      // per server: control, data
 };
 
 }  // namespace flatshard::testing

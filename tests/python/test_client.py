@@ -3,6 +3,7 @@ against numpy float64, and its errors (each a flatshard.Error subclass, raised
 promptly)."""
 
 import os
+import socket
 import subprocess
 import tempfile
 import threading
@@ -257,6 +258,34 @@ class ErrorTest(unittest.TestCase):
         with self.assertRaises(flatshard.DeadlineExceededError):
             self.c.gather("g", min_version=3)
         self.assertLess(time.monotonic() - start, 10.0)
+
+
+class LocalClusterTest(unittest.TestCase):
+    def test_a_port_taken_before_the_server_binds_it_starts_the_cluster_elsewhere(self):
+        from flatshard import local_cluster
+        taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = []
+        real = local_cluster._free_ports
+
+        def first_pick_taken(count):
+            ports = real(count)
+            if not picks:
+                ports[0] = taken.getsockname()[1]  # server 0's control port
+            picks.append(ports)
+            return ports
+
+        local_cluster._free_ports = first_pick_taken
+        try:
+            with flatshard.LocalCluster(servers=2) as cluster:
+                self.assertEqual(len(picks), 2)
+                self.assertEqual(cluster.addresses[0], f"127.0.0.1:{picks[1][0]}")
+                c = flatshard.Client(cluster.addresses, token=cluster.token, timeout=5.0)
+                self.assertEqual(len(c.status()["servers"]), 2)
+        finally:
+            local_cluster._free_ports = real
+            taken.close()
 
 
 class TlsTest(unittest.TestCase):
