@@ -22,6 +22,7 @@
 #include "core/safetensors.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
+#include "tests/scratch_dir.h"
 
 namespace flatshard {
 namespace {
@@ -73,15 +74,9 @@ struct Trainer {
 };
 
 // An empty directory of its own for a test (emptied if a crashed run left it).
-std::string FreshDir(const std::string& name) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/", name, "-", getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
-  const std::string root = FreshDir("ckpt-integration");
+  const testing::ScratchDir root_dir("ckpt-integration");
+  const std::string& root = root_dir.path();
   testing::TestCluster three(3, "tok", ::testing::TempDir(), root);
   Trainer a(three);
   ASSERT_TRUE(a.client->InitGroupFromSeed("big", 3).ok());
@@ -141,7 +136,8 @@ std::string ReadWholeFile(const std::string& path) {
 // plain cluster of 2, a load into the hybrid cluster fills both replica groups, and an
 // export reads one replica group.
 TEST(CheckpointIntegrationTest, HybridShardedJobCheckpointsAreThoseOfOneReplicaGroup) {
-  const std::string root = FreshDir("ckpt-hybrid");
+  const testing::ScratchDir root_dir("ckpt-hybrid");
+  const std::string& root = root_dir.path();
   testing::TestCluster four(4, "tok", ::testing::TempDir(), root);
   const JobOptions hybrid{.replicas = 2};
   Trainer first(four, 0, 2, hybrid), second(four, 1, 2, hybrid);
@@ -179,7 +175,8 @@ TEST(CheckpointIntegrationTest, HybridShardedJobCheckpointsAreThoseOfOneReplicaG
   }
   EXPECT_TRUE(std::filesystem::exists(root + "/h-sharded/shard-1.safetensors"));
   EXPECT_FALSE(std::filesystem::exists(root + "/h-sharded/shard-2.safetensors"));
-  const std::string exported = FreshDir("export-hybrid");
+  const testing::ScratchDir exported_dir("export-hybrid");
+  const std::string& exported = exported_dir.path();
   ASSERT_TRUE(second.client->ExportStateDict(exported, CheckpointKind::kFull, true).ok());
   for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
     EXPECT_EQ(ReadWholeFile(exported + "/" + file), ReadWholeFile(root + "/h-full/" + file)) << file;
@@ -213,7 +210,8 @@ TEST(CheckpointIntegrationTest, HybridShardedJobCheckpointsAreThoseOfOneReplicaG
 }
 
 TEST(CheckpointIntegrationTest, AFrozenGroupRefusesGradientsAndRoundTrips) {
-  const std::string root = FreshDir("ckpt-frozen");
+  const testing::ScratchDir root_dir("ckpt-frozen");
+  const std::string& root = root_dir.path();
   std::vector<float> frozen_values(42);
   for (size_t i = 0; i < frozen_values.size(); ++i) frozen_values[i] = 0.25f * static_cast<float>(i) - 3.0f;
   const std::vector<TensorSpec> backbone = {{"backbone.weight", {6, 7}, DType::kFloat32}};
@@ -254,12 +252,10 @@ TEST(CheckpointIntegrationTest, AFrozenGroupRefusesGradientsAndRoundTrips) {
 }
 
 TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
-  std::vector<std::string> roots;
+  const testing::ScratchDir root_dirs[2] = {testing::ScratchDir("own-root-0"), testing::ScratchDir("own-root-1")};
+  const std::vector<std::string> roots = {root_dirs[0].path(), root_dirs[1].path()};
   std::vector<std::vector<std::string>> args;
-  for (int rank = 0; rank < 2; ++rank) {
-    roots.push_back(FreshDir(absl::StrCat("own-root-", rank)));
-    args.push_back({"--checkpoint_root=" + roots.back()});
-  }
+  for (const std::string& root : roots) args.push_back({"--checkpoint_root=" + root});
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), "", args);
   Trainer a(cluster);
   ASSERT_TRUE(a.client->InitGroupFromSeed("big", 5).ok());
@@ -294,7 +290,6 @@ TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
 
   ASSERT_TRUE(a.client->DeleteCheckpoint("mine").ok());
   for (const std::string& root : roots) EXPECT_FALSE(std::filesystem::exists(root + "/mine")) << root;
-  for (const std::string& root : roots) std::filesystem::remove_all(root);
 }
 
 // Roots that differ: FULL and SHARDED checkpoints are kept whole in server 0's root. Here
@@ -302,7 +297,8 @@ TEST(CheckpointIntegrationTest, LocalCheckpointsWorkWithARootPerServer) {
 // server 0. Then a cluster of 2 whose server 1 has a root of its own (C) loads them,
 // reading from server 0, and refuses a damaged byte that only server 1 reads.
 TEST(CheckpointIntegrationTest, FullAndShardedCheckpointsGoToServerZerosRootWhenRootsDiffer) {
-  const std::string a_root = FreshDir("root-a"), b_root = FreshDir("root-b"), c_root = FreshDir("root-c");
+  const testing::ScratchDir a_dir("root-a"), b_dir("root-b"), c_dir("root-c");
+  const std::string &a_root = a_dir.path(), &b_root = b_dir.path(), &c_root = c_dir.path();
   testing::TestCluster three(3, "tok", ::testing::TempDir(), "",
                              {{"--checkpoint_root=" + a_root}, {"--checkpoint_root=" + a_root},
                               {"--checkpoint_root=" + b_root}});
@@ -438,14 +434,14 @@ TEST(CheckpointIntegrationTest, FullAndShardedCheckpointsGoToServerZerosRootWhen
   ASSERT_TRUE(b.client->DeleteCheckpoint("evil").ok());
   ASSERT_TRUE(b.client->DeleteCheckpoint("full").ok());
   EXPECT_FALSE(std::filesystem::exists(a_root + "/full"));
-  for (const std::string& root : {a_root, b_root, c_root}) std::filesystem::remove_all(root);
 }
 
 // Blocking saves and loads report the servers' bytes as they go: never more than the
 // total, never backwards, and done = total at the end, the total being exactly the
 // tensor bytes of the checkpoint (768 MiB here: a few progress polls at least).
 TEST(CheckpointIntegrationTest, SavesAndLoadsReportProgress) {
-  const std::string root = FreshDir("ckpt-progress");
+  const testing::ScratchDir root_dir("ckpt-progress");
+  const std::string& root = root_dir.path();
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();
@@ -473,7 +469,6 @@ TEST(CheckpointIntegrationTest, SavesAndLoadsReportProgress) {
     std::cout << operation << ": " << calls.size() << " progress reports, last total " << calls.back().second
               << " of " << expected << " bytes\n";
   }
-  std::filesystem::remove_all(root);
 }
 
 TEST(CheckpointIntegrationTest, ServersWithoutARootSaySo) {
@@ -525,8 +520,8 @@ TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) 
                                          0, SgdOptions{.lr = 0.1});
   ASSERT_TRUE(layout.ok());
   ASSERT_TRUE((*client)->InitGroupFromSeed("big", 11).ok());
-  const std::string out = ::testing::TempDir() + "/export-full";
-  std::filesystem::remove_all(out);
+  const testing::ScratchDir out_dir("export-full");
+  const std::string out = out_dir.path() + "/state";
 
   // Each server holds 64 MiB of parameters; the export streams them without a copy.
   std::vector<int64_t> server_rss(2);
@@ -585,7 +580,8 @@ namespace flatshard {
 namespace {
 
 TEST(CheckpointIntegrationTest, AsyncSaveIsAConsistentCutWhileTrainingContinues) {
-  const std::string root = FreshDir("ckpt-async");
+  const testing::ScratchDir root_dir("ckpt-async");
+  const std::string& root = root_dir.path();
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
   Trainer a(cluster);
   ASSERT_TRUE(a.client->InitGroupFromSeed("big", 5).ok());
@@ -622,7 +618,8 @@ class ServerRestartTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(ServerRestartTest, AClientOutlivesIt) {
   const bool new_data_port = GetParam();
-  const std::string root = FreshDir(new_data_port ? "ckpt-restart-port" : "ckpt-restart");
+  const testing::ScratchDir root_dir(new_data_port ? "ckpt-restart-port" : "ckpt-restart");
+  const std::string& root = root_dir.path();
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();
@@ -661,7 +658,8 @@ TEST_P(ServerRestartTest, AClientOutlivesIt) {
 INSTANTIATE_TEST_SUITE_P(SameOrNewDataPort, ServerRestartTest, ::testing::Bool());
 
 TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIntact) {
-  const std::string root = FreshDir("ckpt-kill");
+  const testing::ScratchDir root_dir("ckpt-kill");
+  const std::string& root = root_dir.path();
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root);
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();

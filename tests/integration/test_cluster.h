@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -120,11 +122,12 @@ class TestCluster {
               const std::string& checkpoint_root = "",
               const std::vector<std::vector<std::string>>& extra_args = {})
       : token_(std::move(token)) {
-    // One file per process: ctest runs several clusters at once in the same TempDir().
-    const std::string token_file = absl::StrCat(scratch_dir, "/token-", getpid());
-    std::ofstream(token_file) << token_ << "\n";
+    // One file per cluster: ctest runs several clusters at once in the same TempDir().
+    static std::atomic<int> clusters{0};
+    token_file_ = absl::StrCat(scratch_dir, "/token-", getpid(), "-", clusters++);
+    std::ofstream(token_file_) << token_ << "\n";
     for (int attempt = 1;; ++attempt) {
-      Spawn(servers, token_file, checkpoint_root, extra_args);
+      Spawn(servers, token_file_, checkpoint_root, extra_args);
       if (AwaitListening(absl::Seconds(30)) || attempt == 3) break;
       // A port picked free was taken (by another test's client or cluster) before its
       // server bound it, and the server exited: start the cluster again on other ports.
@@ -148,7 +151,10 @@ class TestCluster {
     pids_[rank] = SpawnServer(args_[rank]);
   }
 
-  ~TestCluster() { StopAll(); }
+  ~TestCluster() {
+    StopAll();
+    std::remove(token_file_.c_str());
+  }
 
   // Connects a client as `worker_rank` of `num_workers`, retrying while servers start.
   absl::StatusOr<std::unique_ptr<Client>> Connect(int worker_rank, int num_workers,
@@ -270,6 +276,7 @@ class TestCluster {
   }
 
   std::string token_;
+  std::string token_file_;  // the servers' --auth_token_file
   std::vector<std::string> addresses_;
   std::vector<pid_t> pids_;
   std::vector<std::vector<std::string>> args_;  // per server
