@@ -127,7 +127,7 @@ class TestCluster {
     token_file_ = absl::StrCat(scratch_dir, "/token-", getpid(), "-", clusters++);
     std::ofstream(token_file_) << token_ << "\n";
     for (int attempt = 1;; ++attempt) {
-      Spawn(servers, token_file_, checkpoint_root, extra_args);
+      Spawn(servers, checkpoint_root, extra_args);
       if (AwaitListening(absl::Seconds(30)) || attempt == 3) break;
       // A port picked free was taken (by another test's client or cluster) before its
       // server bound it, and the server exited: start the cluster again on other ports.
@@ -226,7 +226,7 @@ class TestCluster {
   pid_t pid(int rank) const { return pids_[rank]; }
 
  private:
-  void Spawn(int servers, const std::string& token_file, const std::string& checkpoint_root,
+  void Spawn(int servers, const std::string& checkpoint_root,
              const std::vector<std::vector<std::string>>& extra_args) {
     const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2 * servers);
     for (int i = 0; i < servers; ++i) addresses_.push_back(absl::StrCat("127.0.0.1:", ports[2 * i]));
@@ -235,7 +235,7 @@ class TestCluster {
                                        absl::StrCat("--data_listen=127.0.0.1:", ports[2 * i + 1]),
                                        absl::StrCat("--rank=", i),
                                        "--cluster=" + absl::StrJoin(addresses_, ","),
-                                       "--auth_token_file=" + token_file};
+                                       "--auth_token_file=" + token_file_};
       if (!checkpoint_root.empty()) args.push_back("--checkpoint_root=" + checkpoint_root);
       if (static_cast<size_t>(i) < extra_args.size()) {
         args.insert(args.end(), extra_args[i].begin(), extra_args[i].end());
