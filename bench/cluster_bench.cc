@@ -49,6 +49,8 @@ ABSL_FLAG(bool, quick, false, "fewer configurations and shorter runs");
 ABSL_FLAG(double, seconds, 1.0, "measuring time per configuration");
 ABSL_FLAG(int64_t, gather_split_bytes, flatshard::ClientOptions().gather_split_bytes,
           "the workers' ClientOptions::gather_split_bytes (0: every gather one request per server)");
+ABSL_FLAG(int64_t, scatter_split_bytes, flatshard::ClientOptions().scatter_split_bytes,
+          "the workers' ClientOptions::scatter_split_bytes (0: every scatter one request per server)");
 ABSL_FLAG(std::vector<std::string>, sections, std::vector<std::string>({"data", "optimizer", "latency", "checkpoints"}),
           "which tables to print: data, optimizer, latency, checkpoints");
 
@@ -89,6 +91,7 @@ std::unique_ptr<Client> Connect(const Cluster& cluster, int rank, int workers, c
   options.num_workers = workers;
   options.job = job;
   options.gather_split_bytes = absl::GetFlag(FLAGS_gather_split_bytes);
+  options.scatter_split_bytes = absl::GetFlag(FLAGS_scatter_split_bytes);
   auto client = Client::Connect(options);
   if (!client.ok()) {
     std::cerr << "cluster_bench: " << client.status() << "\n";

@@ -249,6 +249,10 @@ class ClientImpl final : public Client {
       return absl::InvalidArgumentError(
           absl::StrCat("gather_split_bytes ", options.gather_split_bytes, " is negative"));
     }
+    if (options.scatter_split_bytes < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("scatter_split_bytes ", options.scatter_split_bytes, " is negative"));
+    }
     return absl::OkStatus();
   }
 

@@ -73,9 +73,7 @@ std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64
     return DeviceTransfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype,
                                         std::move(parts), servers, device);
   }
-  std::vector<absl::Span<const std::byte>> sends(parts.begin(), parts.end());
-  return Transfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype, std::move(sends),
-                                {}, std::move(servers));
+  return HostScatter(group, step, dtype, parts, servers);
 }
 
 absl::Status DataTransfers::PushInit(const std::string& group,
@@ -123,13 +121,15 @@ DataTransfers::Plane DataTransfers::PlaneFor(int server, int device, bool export
   return Plane::kTcp;
 }
 
-// How many ranges a gather of `bytes` from one server comes in: one below
-// gather_split_bytes, else up to max_in_flight of at least half that size each.
-int64_t DataTransfers::GatherRanges(size_t bytes) const {
-  const int64_t split = options_.gather_split_bytes;
-  if (split <= 0 || options_.max_in_flight < 2 || static_cast<int64_t>(bytes) < split) return 1;
-  return std::clamp<int64_t>(static_cast<int64_t>(bytes) / std::max<int64_t>(1, split / 2), 1,
-                             options_.max_in_flight);
+// The ranges a transfer of `bytes` with one server comes in: all of it below
+// `split_bytes` (0: never split), else up to max_in_flight of at least half that size.
+std::vector<transport::ByteRange> DataTransfers::SplitFor(size_t bytes, int64_t split_bytes) const {
+  int count = 1;
+  if (split_bytes > 0 && options_.max_in_flight > 1 && static_cast<int64_t>(bytes) >= split_bytes) {
+    count = static_cast<int>(std::clamp<int64_t>(
+        static_cast<int64_t>(bytes) / std::max<int64_t>(1, split_bytes / 2), 1, options_.max_in_flight));
+  }
+  return transport::SplitRanges(bytes, count);
 }
 
 absl::Status DataTransfers::AtServer(int server, const absl::Status& status) const {
@@ -153,7 +153,7 @@ template <typename Result>
 void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int i,
                               transport::DataOp op, const std::string& group, int64_t version,
                               DType dtype, absl::Span<const std::byte> send,
-                              absl::Span<std::byte> receive,
+                              absl::Span<const std::byte> send_tail, absl::Span<std::byte> receive,
                               std::shared_ptr<const void> keep_alive) {
   transport::RequestHeader header;
   header.op = static_cast<uint8_t>(op);
@@ -168,7 +168,7 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
       fail(conn.status());
       return true;
     }
-    absl::Status sent = transport::SendRequest(**conn, header, options_.job, group, send);
+    absl::Status sent = transport::SendRequest(**conn, header, options_.job, group, send, send_tail);
     if (!sent.ok()) {
       fail(sent);
       return false;
@@ -198,7 +198,7 @@ void DataTransfers::Submit(const std::shared_ptr<Completion<Result>>& completion
                            std::shared_ptr<const void> keep_alive) {
   for (int i : servers) {
     SubmitOne(completion, i, op, group, version, dtype,
-              sends.empty() ? absl::Span<const std::byte>() : sends[i],
+              sends.empty() ? absl::Span<const std::byte>() : sends[i], {},
               receives.empty() ? absl::Span<std::byte>() : receives[i], keep_alive);
   }
 }
@@ -401,33 +401,28 @@ std::future<absl::StatusOr<int64_t>> DataTransfers::HostGather(
     const std::string& group, int64_t min_version, DType dtype,
     std::vector<absl::Span<std::byte>> parts, std::vector<int> servers) {
   using Result = absl::StatusOr<int64_t>;
-  const bool split = std::any_of(servers.begin(), servers.end(),
-                                 [&](int i) { return GatherRanges(parts[i].size()) > 1; });
+  const bool split = std::any_of(servers.begin(), servers.end(), [&](int i) {
+    return SplitFor(parts[i].size(), options_.gather_split_bytes).size() > 1;
+  });
   if (!split) {
     return Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts,
                             std::move(servers));
   }
   std::vector<std::future<Result>> per_server;
   for (int i : servers) {
-    const int64_t count = GatherRanges(parts[i].size());
-    auto completion =
-        std::make_shared<Completion<Result>>(static_cast<int>(count), /*same_version=*/count > 1);
+    auto ranges = std::make_shared<const std::vector<transport::ByteRange>>(
+        SplitFor(parts[i].size(), options_.gather_split_bytes));
+    const int count = static_cast<int>(ranges->size());
+    auto completion = std::make_shared<Completion<Result>>(count, /*same_version=*/count > 1);
     per_server.push_back(completion->future());
     if (count == 1) {
-      SubmitOne(completion, i, transport::DataOp::kGather, group, min_version, dtype, {}, parts[i],
-                nullptr);
+      SubmitOne(completion, i, transport::DataOp::kGather, group, min_version, dtype, {}, {},
+                parts[i], nullptr);
       continue;
     }
-    // Range boundaries on 64 bytes: whole elements of every dtype.
-    const uint64_t bytes = parts[i].size();
-    const uint64_t step = (bytes / count + 63) / 64 * 64;
-    auto ranges = std::make_shared<std::vector<transport::GatherRange>>();
-    for (uint64_t offset = 0; offset < bytes; offset += step) {
-      ranges->push_back({offset, std::min(step, bytes - offset)});
-    }
-    for (const transport::GatherRange& range : *ranges) {
+    for (const transport::ByteRange& range : *ranges) {
       SubmitOne(completion, i, transport::DataOp::kGatherRange, group, min_version, dtype,
-                absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&range), sizeof(range)),
+                absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&range), sizeof(range)), {},
                 parts[i].subspan(range.offset, range.bytes), ranges);
     }
   }
@@ -453,6 +448,37 @@ std::future<absl::StatusOr<int64_t>> DataTransfers::HostGather(
     }
     return combined;
   });
+}
+
+// A scatter from host memory. A server's part of scatter_split_bytes or more goes in
+// parts over several of its connections at once; the server takes the contribution
+// when the last part has arrived.
+std::future<absl::Status> DataTransfers::HostScatter(const std::string& group, int64_t step,
+                                                     DType dtype,
+                                                     const std::vector<absl::Span<std::byte>>& parts,
+                                                     const std::vector<int>& servers) {
+  std::vector<std::vector<transport::ByteRange>> ranges(num_servers());
+  int requests = 0;
+  for (int i : servers) {
+    ranges[i] = SplitFor(parts[i].size(), options_.scatter_split_bytes);
+    requests += static_cast<int>(ranges[i].size());
+  }
+  auto completion = std::make_shared<Completion<absl::Status>>(requests);
+  for (int i : servers) {
+    const absl::Span<const std::byte> part = parts[i];
+    const uint32_t count = static_cast<uint32_t>(ranges[i].size());
+    if (count == 1) {
+      SubmitOne(completion, i, transport::DataOp::kScatter, group, step, dtype, part, {}, {}, nullptr);
+      continue;
+    }
+    for (uint32_t k = 0; k < count; ++k) {
+      auto head = std::make_shared<const transport::ScatterPart>(transport::ScatterPart{k, count});
+      SubmitOne(completion, i, transport::DataOp::kScatterPart, group, step, dtype,
+                absl::MakeConstSpan(reinterpret_cast<const std::byte*>(head.get()), sizeof(*head)),
+                part.subspan(ranges[i][k].offset, ranges[i][k].bytes), {}, head);
+    }
+  }
+  return completion->future();
 }
 
 }  // namespace flatshard::client_internal

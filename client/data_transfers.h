@@ -91,13 +91,16 @@ class DataTransfers {
   bool IpcReachable(int server, int device) const;
   Plane PlaneFor(int server, int device, bool exportable) const;
   absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device);
-  int64_t GatherRanges(size_t bytes) const;
+  std::vector<transport::ByteRange> SplitFor(size_t bytes, int64_t split_bytes) const;
   absl::Status AtServer(int server, const absl::Status& status) const;
 
   std::future<absl::StatusOr<int64_t>> HostGather(const std::string& group, int64_t min_version,
                                                   DType dtype,
                                                   std::vector<absl::Span<std::byte>> parts,
                                                   std::vector<int> servers);
+  std::future<absl::Status> HostScatter(const std::string& group, int64_t step, DType dtype,
+                                        const std::vector<absl::Span<std::byte>>& parts,
+                                        const std::vector<int>& servers);
   template <typename Result>
   std::future<Result> DeviceTransfer(transport::DataOp op, const std::string& group,
                                      int64_t version, DType dtype,
@@ -131,8 +134,8 @@ class DataTransfers {
   template <typename Result>
   void SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int server,
                  transport::DataOp op, const std::string& group, int64_t version, DType dtype,
-                 absl::Span<const std::byte> send, absl::Span<std::byte> receive,
-                 std::shared_ptr<const void> keep_alive);
+                 absl::Span<const std::byte> send, absl::Span<const std::byte> send_tail,
+                 absl::Span<std::byte> receive, std::shared_ptr<const void> keep_alive);
 
   const ClientOptions options_;
   const std::vector<ServerEndpoint> servers_;

@@ -132,6 +132,7 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
     case DataOp::kGatherRange:
       return ServeGather(conn, request);
     case DataOp::kScatter:
+    case DataOp::kScatterPart:
     case DataOp::kPushInit:
     case DataOp::kReplicaPartial:
     case DataOp::kReplicaReduced:
@@ -162,7 +163,7 @@ bool DataServer::Refuse(Connection& conn, const Request& request, const absl::St
 bool DataServer::ServeGather(Connection& conn, const Request& request) {
   // A whole shard, or the range a kGatherRange names.
   const bool ranged = request.op == DataOp::kGatherRange;
-  transport::GatherRange range;
+  transport::ByteRange range;
   if (!ranged && request.payload_bytes != 0) {
     return Refuse(conn, request, absl::InvalidArgumentError("a gather request carries no payload"));
   }
@@ -204,11 +205,29 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
   return false;
 }
 
-bool DataServer::ServeReceive(Connection& conn, const Request& request) {
+bool DataServer::ServeReceive(Connection& conn, const Request& received) {
+  // A part of a scatter: its head first; `request` then counts the bytes after it.
+  Request request = received;
+  SlotPart part;
+  if (request.op == DataOp::kScatterPart) {
+    transport::ScatterPart head;
+    if (request.payload_bytes < static_cast<int64_t>(sizeof(head))) {
+      return Refuse(conn, request,
+                    absl::InvalidArgumentError(absl::StrCat(
+                        "a scatter part starts with its ", sizeof(head), "-byte head; this one carries ",
+                        request.payload_bytes, " bytes")));
+    }
+    if (!conn.Recv(BytesOf(head)).ok()) return false;
+    request.payload_bytes -= static_cast<int64_t>(sizeof(head));
+    part = {static_cast<int>(std::min<uint32_t>(head.index, transport::kMaxSplitParts)),
+            static_cast<int>(std::min<uint32_t>(head.count, transport::kMaxSplitParts + 1))};
+  }
+  const bool scatter = request.op == DataOp::kScatter || request.op == DataOp::kScatterPart;
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
   if (!group.ok()) return Refuse(conn, request, group.status());
   const std::optional<Exchange> exchange = ExchangeOf(request.op);
   const char* what = request.op == DataOp::kScatter          ? "scatter"
+                     : request.op == DataOp::kScatterPart    ? "scatter part"
                      : request.op == DataOp::kReplicaPartial ? "replica partial"
                      : request.op == DataOp::kReplicaReduced ? "reduced chunk"
                                                              : "init";
@@ -220,16 +239,25 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
       sender < (*group)->placement().replicas) {
     numel = (*group)->ExchangeChunk(*exchange, sender).second;
   }
-  const int64_t expected = numel * static_cast<int64_t>(DTypeSize(request.dtype));
+  int64_t expected = numel * static_cast<int64_t>(DTypeSize(request.dtype));
+  if (request.op == DataOp::kScatterPart) {
+    absl::StatusOr<std::pair<size_t, size_t>> range = (*group)->PartRange(request.dtype, part);
+    if (!range.ok()) return Refuse(conn, request, range.status());
+    expected = static_cast<int64_t>(range->second);
+  }
   if (request.payload_bytes != expected) {
     return Refuse(conn, request,
                   absl::InvalidArgumentError(absl::StrCat(
                       what, " to group '", request.group, "' carries ", request.payload_bytes,
-                      " bytes; expected ", expected, " (", numel, " ", DTypeName(request.dtype),
-                      exchange.has_value() ? " elements of a chunk of this server's shard)"
-                                           : " elements of this server's shard)")));
+                      " bytes; expected ", expected,
+                      request.op == DataOp::kScatterPart
+                          ? absl::StrCat(" (part ", part.index, " of ", part.count, " of ", numel, " ",
+                                         DTypeName(request.dtype), " elements)")
+                          : absl::StrCat(" (", numel, " ", DTypeName(request.dtype),
+                                         exchange.has_value() ? " elements of a chunk of this server's shard)"
+                                                              : " elements of this server's shard)"))));
   }
-  absl::StatusOr<ReceiveSlot> slot = BeginReceive(**group, request);
+  absl::StatusOr<ReceiveSlot> slot = BeginReceive(**group, request, part);
   if (!slot.ok()) return Refuse(conn, request, slot.status());
   if (!conn.Recv(slot->buffer).ok()) {
     // The peer died or stalled mid-transfer: nothing partial is kept.
@@ -252,7 +280,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
     } else if (outcome.ok()) {
       committed = driver_.Continue(**group, request.version, *outcome);
     }
-    if (outcome.ok() && request.op == DataOp::kScatter) ++stats_.scatters;
+    if (outcome.ok() && scatter && part.index == 0) ++stats_.scatters;  // a split one once
   }
   if (!committed.ok()) ++stats_.errors;
   const bool answered = transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
@@ -260,10 +288,13 @@ bool DataServer::ServeReceive(Connection& conn, const Request& request) {
   return answered;
 }
 
-absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request) {
+absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request,
+                                                     SlotPart part) {
   switch (request.op) {
     case DataOp::kScatter:
-      return driver_.BeginScatter(group, request.version, request.worker_rank, request.dtype);
+    case DataOp::kScatterPart:
+      return driver_.BeginScatter(group, request.version, request.worker_rank, request.dtype,
+                                  SlotMemory::kHost, part);
     case DataOp::kReplicaPartial:
     case DataOp::kReplicaReduced: {
       if (request.dtype != DType::kFloat32) {
@@ -285,6 +316,7 @@ absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request
 void DataServer::AbortReceive(Group& group, const Request& request, const ReceiveSlot& slot) {
   switch (request.op) {
     case DataOp::kScatter:
+    case DataOp::kScatterPart:
       return group.AbortScatter(slot);
     case DataOp::kReplicaPartial:
     case DataOp::kReplicaReduced:

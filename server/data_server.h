@@ -1,6 +1,7 @@
 // DataServer: the server side of the TCP data plane. Accepts connections, requires a
 // kHello with a valid session token first (within hello_timeout, or the connection is
-// closed), then serves gather (whole shards or byte ranges of them), scatter and init
+// closed), then serves gather (whole shards or byte ranges of them), scatter (whole or
+// in parts) and init
 // requests, and the partial and reduced chunks that peer servers of a hybrid-sharded job
 // exchange (transport/data_protocol.h; server/step_driver.h; a broadcast that a partial
 // completes is continued aside once the peer has its answer)
@@ -70,7 +71,8 @@ class DataServer {
   bool ServeReceive(transport::Connection& conn, const transport::Request& request);
   // The staging slot for a scatter, a message of the exchange between replica groups or
   // initial values, and its release.
-  absl::StatusOr<ReceiveSlot> BeginReceive(Group& group, const transport::Request& request);
+  absl::StatusOr<ReceiveSlot> BeginReceive(Group& group, const transport::Request& request,
+                                           SlotPart part);
   static void AbortReceive(Group& group, const transport::Request& request, const ReceiveSlot& slot);
   // Receives the fixed-size payload of a GPU-plane request (`request_name`: "a CUDA IPC
   // request") into `target`. Refuses a payload of another size; then, or when the

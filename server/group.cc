@@ -10,6 +10,7 @@
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
 #include "server/snapshot_pool.h"
+#include "transport/data_protocol.h"
 
 namespace flatshard::server {
 namespace {
@@ -86,11 +87,9 @@ Group::Group(std::string job, std::string name, FlatLayout layout, Placement pla
       grad_(std::move(grad)),
       optimizer_(std::move(optimizer)),
       frozen_(IsFrozen(optimizer_.config())),
-      slot_states_(job_settings.num_workers, SlotState::kEmpty),
-      slot_dtypes_(job_settings.num_workers, DType::kFloat32),
+      contributions_(job_settings.num_workers),
       staging_(job_settings.num_workers),
       device_staging_(job_settings.num_workers),
-      slot_data_(job_settings.num_workers, nullptr),
       snapshot_pool_(std::make_shared<SnapshotPool>()),
       partial_states_(job_settings.hybrid() ? job_settings.replicas : 0, SlotState::kEmpty),
       reduced_states_(job_settings.hybrid() ? job_settings.replicas : 0, SlotState::kEmpty),
@@ -172,7 +171,7 @@ absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
           ": it already contributed from version ", last_async_step_[worker_rank],
           "; expected a version after it"));
     }
-    if (slot_states_[worker_rank] == SlotState::kReceiving) {
+    if (contributions_[worker_rank].state == SlotState::kReceiving) {
       return absl::FailedPreconditionError(absl::StrCat(
           "worker ", worker_rank, "'s contribution to group '", name_, "' is already being received"));
     }
@@ -189,7 +188,7 @@ absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
                      ": step ", step, " before step ", version_, " is complete; expected step ",
                      version_));
   }
-  switch (slot_states_[worker_rank]) {
+  switch (contributions_[worker_rank].state) {
     case SlotState::kReady:
       return absl::AlreadyExistsError(
           absl::StrCat("duplicate contribution to group '", name_, "' from worker ", worker_rank,
@@ -239,8 +238,28 @@ absl::Status Group::FillDeviceSlot(const ReceiveSlot& slot, const void* device_s
   return compute_->Synchronize();
 }
 
+absl::StatusOr<std::pair<size_t, size_t>> Group::PartRange(DType dtype, SlotPart part) const {
+  const size_t bytes = static_cast<size_t>(shard_numel()) * DTypeSize(dtype);
+  if (part.count == 1 && part.index == 0) return std::make_pair(size_t{0}, bytes);
+  const std::vector<transport::ByteRange> ranges =
+      part.count >= 1 && part.count <= transport::kMaxSplitParts
+          ? transport::SplitRanges(bytes, part.count)
+          : std::vector<transport::ByteRange>{};
+  if (part.index < 0 || part.index >= part.count ||
+      static_cast<int>(ranges.size()) != part.count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scatter part ", part.index, " of ", part.count, " to group '", name_, "': a ", bytes,
+        "-byte ", DTypeName(dtype), " slice splits into ",
+        part.count >= 1 && part.count <= transport::kMaxSplitParts
+            ? absl::StrCat(ranges.size(), " parts when asked for ", part.count)
+            : absl::StrCat("1 to ", transport::kMaxSplitParts, " parts")));
+  }
+  return std::make_pair(static_cast<size_t>(ranges[part.index].offset),
+                        static_cast<size_t>(ranges[part.index].bytes));
+}
+
 absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, DType dtype,
-                                                SlotMemory memory) {
+                                                SlotMemory memory, SlotPart part) {
   if (worker_rank < 0 || worker_rank >= job_settings_.num_workers) {
     return absl::InvalidArgumentError(absl::StrCat("worker rank ", worker_rank, " outside [0, ",
                                                    job_settings_.num_workers, ") of job '",
@@ -257,23 +276,44 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
     return absl::InvalidArgumentError(absl::StrCat("scatter dtype ", DTypeName(dtype),
                                                    " is not float32, bfloat16 or float16"));
   }
+  FLATSHARD_ASSIGN_OR_RETURN(const auto range, PartRange(dtype, part));
+  if (part.count > 1 && memory == SlotMemory::kDevice) {
+    return absl::InvalidArgumentError("a scatter into device memory comes whole, not in parts");
+  }
   if (frozen_) {
     return absl::FailedPreconditionError(
         absl::StrCat("group '", name_, "' of job '", job_,
                      "' is frozen (registered without an optimizer): it takes no gradients"));
   }
   absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(CheckContribution(step, worker_rank));
-  if (memory == SlotMemory::kDevice) FLATSHARD_RETURN_IF_ERROR(CheckDeviceTier("a CUDA IPC scatter"));
-  const size_t bytes = static_cast<size_t>(shard_numel()) * DTypeSize(dtype);
-  ShardBuffer& staging =
-      memory == SlotMemory::kDevice ? device_staging_[worker_rank] : staging_[worker_rank];
-  FLATSHARD_RETURN_IF_ERROR(EnsureStaging(
-      staging, bytes, absl::StrCat("worker ", worker_rank, "'s staging slot"), memory));
-  slot_states_[worker_rank] = SlotState::kReceiving;
-  slot_dtypes_[worker_rank] = dtype;
-  slot_data_[worker_rank] = staging.data();
-  return ReceiveSlot{step, worker_rank, dtype, staging.bytes().subspan(0, bytes)};
+  Contribution& contribution = contributions_[worker_rank];
+  const uint64_t bit = uint64_t{1} << part.index;
+  const bool same = contribution.state == SlotState::kReceiving && part.count > 1 &&
+                    contribution.step == step && contribution.dtype == dtype &&
+                    contribution.parts == part.count;
+  if (contribution.state == SlotState::kReceiving && !same && contribution.in_flight == 0) {
+    contribution = Contribution{};  // parts of an attempt given up on: start afresh
+  }
+  const bool joins = same && (contribution.in_flight & bit) == 0;
+  if (!joins) {
+    FLATSHARD_RETURN_IF_ERROR(CheckContribution(step, worker_rank));
+    if (memory == SlotMemory::kDevice) FLATSHARD_RETURN_IF_ERROR(CheckDeviceTier("a CUDA IPC scatter"));
+    const size_t bytes = static_cast<size_t>(shard_numel()) * DTypeSize(dtype);
+    ShardBuffer& staging =
+        memory == SlotMemory::kDevice ? device_staging_[worker_rank] : staging_[worker_rank];
+    FLATSHARD_RETURN_IF_ERROR(EnsureStaging(
+        staging, bytes, absl::StrCat("worker ", worker_rank, "'s staging slot"), memory));
+    contribution = Contribution{.state = SlotState::kReceiving,
+                                .dtype = dtype,
+                                .data = staging.data(),
+                                .step = step,
+                                .parts = part.count};
+  }
+  // A part sent again replaces what it carried before.
+  contribution.in_flight |= bit;
+  contribution.arrived &= ~bit;
+  std::byte* data = static_cast<std::byte*>(contribution.data);
+  return ReceiveSlot{step, worker_rank, dtype, absl::MakeSpan(data + range.first, range.second), part};
 }
 
 absl::StatusOr<bool> Group::AwaitEarlyStep(int64_t step, absl::Time deadline) const {
@@ -299,17 +339,35 @@ absl::Status Group::EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::strin
   return absl::OkStatus();
 }
 
+Group::Contribution* Group::Reserved(const ReceiveSlot& slot) {
+  Contribution& contribution = contributions_[slot.worker_rank];
+  const bool reserved = contribution.state == SlotState::kReceiving &&
+                        contribution.step == slot.step &&
+                        (contribution.in_flight & (uint64_t{1} << slot.part.index)) != 0;
+  return reserved ? &contribution : nullptr;
+}
+
 absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
+  Contribution* contribution = Reserved(slot);
+  if (contribution == nullptr) {
+    return absl::AbortedError(absl::StrCat(
+        "worker ", slot.worker_rank, "'s contribution to group '", name_, "' for step ", slot.step,
+        " was dropped while it arrived (the group was loaded); send it again"));
+  }
+  const uint64_t bit = uint64_t{1} << slot.part.index;
+  contribution->in_flight &= ~bit;
+  contribution->arrived |= bit;
+  if (!contribution->complete()) return CommitOutcome::kPending;
   if (job_settings_.async) return CommitAsync(slot);
-  slot_states_[slot.worker_rank] = SlotState::kReady;
+  contribution->state = SlotState::kReady;
   if (++ready_count_ < replica_workers_) return CommitOutcome::kPending;
   absl::Status reduced = job_settings_.hybrid() ? ReduceOwnPartial() : ReduceContributions();
   if (!reduced.ok()) {
     // A kernel failed: nothing was applied and the other contributions stay. This one is
     // dropped, so its worker gets the error and may send again, which retries the step.
     --ready_count_;
-    slot_states_[slot.worker_rank] = SlotState::kEmpty;
+    *contribution = Contribution{};
     return reduced;
   }
   if (job_settings_.hybrid()) {
@@ -446,7 +504,7 @@ absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, in
     buffer = ReducedGradient().subspan(offset * sizeof(float), bytes);
   }
   states[replica] = SlotState::kReceiving;
-  return ReceiveSlot{step, replica, DType::kFloat32, buffer};
+  return ReceiveSlot{step, replica, DType::kFloat32, buffer, {}};
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitExchange(Exchange what, const ReceiveSlot& slot) {
@@ -534,10 +592,10 @@ absl::StatusOr<CommitOutcome> Group::ReducedArrived(int replica) {
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitAsync(const ReceiveSlot& slot) {
-  slot_states_[slot.worker_rank] = SlotState::kEmpty;
+  const void* data = contributions_[slot.worker_rank].data;
+  contributions_[slot.worker_rank] = Contribution{};
   const int64_t numel = shard_numel();
-  FLATSHARD_RETURN_IF_ERROR(compute_->Cast(slot.dtype, slot_data_[slot.worker_rank],
-                                           DType::kFloat32, grad_.data(), numel));
+  FLATSHARD_RETURN_IF_ERROR(compute_->Cast(slot.dtype, data, DType::kFloat32, grad_.data(), numel));
   if (job_settings_.reduce_mean && job_settings_.num_workers > 1) {
     FLATSHARD_RETURN_IF_ERROR(compute_->Scale(
         grad_.floats(), numel, 1.0f / static_cast<float>(job_settings_.num_workers)));
@@ -585,15 +643,19 @@ absl::Status Group::SkipStep(int64_t step) {
 
 void Group::AbortScatter(const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
-  slot_states_[slot.worker_rank] = SlotState::kEmpty;
+  Contribution* contribution = Reserved(slot);
+  if (contribution == nullptr) return;  // dropped already
+  // The parts that arrived stay for a part sent again to complete (BeginScatter).
+  contribution->in_flight &= ~(uint64_t{1} << slot.part.index);
+  if (contribution->in_flight == 0 && contribution->arrived == 0) *contribution = Contribution{};
 }
 
 absl::Status Group::ReduceContributions() {
   // A job of one worker whose gradient came as float32 is its own reduction (a mean over
   // one divides by 1). On the CPU tiers staging slots and shards are the same kind of
   // memory, so the slot and the gradient buffer trade places instead of being copied.
-  if (job_settings_.num_workers == 1 && slot_dtypes_[0] == DType::kFloat32 &&
-      compute_->tier() != MemoryTier::kDevice && slot_data_[0] == staging_[0].data() &&
+  if (job_settings_.num_workers == 1 && contributions_[0].dtype == DType::kFloat32 &&
+      compute_->tier() != MemoryTier::kDevice && contributions_[0].data == staging_[0].data() &&
       staging_[0].size() == grad_.size()) {
     std::swap(staging_[0], grad_);
     return ZeroGradientPadding();
@@ -601,7 +663,7 @@ absl::Status Group::ReduceContributions() {
   // Worker-rank order makes the fp32 sum bitwise reproducible.
   std::vector<kernels::Contribution> contributions;
   for (int worker = 0; worker < job_settings_.num_workers; ++worker) {
-    contributions.push_back({slot_dtypes_[worker], slot_data_[worker]});
+    contributions.push_back({contributions_[worker].dtype, contributions_[worker].data});
   }
   const float alpha = job_settings_.reduce_mean
                           ? 1.0f / static_cast<float>(job_settings_.num_workers)
@@ -616,7 +678,7 @@ absl::Status Group::ReduceOwnPartial() {
   std::vector<kernels::Contribution> contributions;
   for (int worker = 0; worker < job_settings_.num_workers; ++worker) {
     if (job_settings_.WorkerReplica(worker) != placement_.replica) continue;
-    contributions.push_back({slot_dtypes_[worker], slot_data_[worker]});
+    contributions.push_back({contributions_[worker].dtype, contributions_[worker].data});
   }
   const size_t bytes = static_cast<size_t>(shard_numel()) * sizeof(float);
   FLATSHARD_RETURN_IF_ERROR(EnsureStaging(
@@ -682,7 +744,7 @@ absl::Status Group::StepOptimizer() {
 void Group::AdvanceVersion() {
   ++version_;
   ready_count_ = 0;
-  if (!job_settings_.async) std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
+  if (!job_settings_.async) std::fill(contributions_.begin(), contributions_.end(), Contribution{});
   ResetExchange();
   PublishNewValues();
 }
@@ -716,7 +778,7 @@ absl::StatusOr<ReceiveSlot> Group::BeginPushInit(DType dtype) {
   const size_t bytes = static_cast<size_t>(shard_numel()) * DTypeSize(dtype);
   FLATSHARD_RETURN_IF_ERROR(EnsureStaging(init_staging_, bytes, "initial values"));
   init_receiving_ = true;
-  return ReceiveSlot{0, 0, dtype, init_staging_.bytes().subspan(0, bytes)};
+  return ReceiveSlot{0, 0, dtype, init_staging_.bytes().subspan(0, bytes), {}};
 }
 
 absl::Status Group::CommitPushInit(const ReceiveSlot& slot) {
@@ -819,7 +881,7 @@ absl::Status Group::Restore(LoadedShard loaded) {
   version_ = loaded.version;
   ready_count_ = 0;
   reduced_ = false;
-  std::fill(slot_states_.begin(), slot_states_.end(), SlotState::kEmpty);
+  std::fill(contributions_.begin(), contributions_.end(), Contribution{});
   ResetExchange();
   std::fill(last_async_step_.begin(), last_async_step_.end(), loaded.version - 1);
   PublishNewValues();

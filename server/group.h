@@ -36,6 +36,13 @@
 //    slot without holding the lock: BeginScatter reserves the slot, the caller fills
 //    it, then CommitScatter (or AbortScatter if the transfer failed: the worker may
 //    send again, nothing partial is ever applied).
+//  - A contribution may come in parts (SlotPart), each reserved, filled and committed
+//    like a whole one and possibly at once on several connections; it counts when its
+//    last part is committed. A part that is sent again replaces what it carried; the
+//    parts that arrived stay until the contribution is complete, or until, with none in
+//    flight, a BeginScatter for another step, dtype or split starts it afresh.
+//  - A load (Restore) drops the contributions being received: their commits are refused
+//    with Aborted.
 //
 // Memory: parameters, the reduced gradient and optimizer state live in the group's
 // memory tier (server/shard_compute.h: host, pinned or device); staging slots, replica
@@ -77,13 +84,22 @@ struct GatherSnapshot {
   std::shared_ptr<const ShardBuffer> bytes;  // host-addressable
 };
 
-// A reserved staging slot for one worker's contribution (scatter) or for pushed initial
-// values. `buffer` is owned by the Group and valid until Commit/Abort.
+// Which part of a contribution one receive carries: range `index` of
+// transport::SplitRanges(the contribution's bytes, `count`). {0, 1}: all of it.
+struct SlotPart {
+  int index = 0;
+  int count = 1;
+};
+
+// A reserved staging slot for one worker's contribution (scatter), or a part of it, or
+// for pushed initial values. `buffer` is owned by the Group and valid until
+// Commit/Abort.
 struct ReceiveSlot {
   int64_t step = 0;
   int worker_rank = 0;
   DType dtype = DType::kFloat32;
   absl::Span<std::byte> buffer;  // host memory, or device memory for SlotMemory::kDevice
+  SlotPart part;                 // scatters: the part `buffer` holds
 };
 
 // Where a scatter's staging slot lives: host-addressable (the TCP data plane writes it)
@@ -173,15 +189,20 @@ class Group {
   [[nodiscard]] absl::StatusOr<int64_t> GatherInto(int64_t min_version, DType dtype,
                                                    void* device_dst, absl::Time deadline);
 
-  // Reserves the slot for `worker_rank`'s gradient for `step`. AlreadyExists for a
-  // contribution already held or applied (duplicate, stale; async: not newer than the
-  // worker's last), FailedPrecondition for a future one, one already being received or
-  // one beyond the staleness bound,
-  // InvalidArgument for a worker rank outside [0, W) or of another replica group, or a
-  // non-float dtype.
+  // Reserves the slot for `worker_rank`'s gradient for `step`, or for `part` of it.
+  // AlreadyExists for a contribution already held or applied (duplicate, stale; async:
+  // not newer than the worker's last), FailedPrecondition for a future one, one (or this
+  // part of one) already being received, or one beyond the staleness bound,
+  // InvalidArgument for a worker rank outside [0, W) or of another replica group, a
+  // non-float dtype, or a part that SplitRanges does not make of this slot (parts are
+  // host memory only).
   // FailedPrecondition for SlotMemory::kDevice on a group that is not in device memory.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype,
-                                                         SlotMemory memory = SlotMemory::kHost);
+                                                         SlotMemory memory = SlotMemory::kHost,
+                                                         SlotPart part = {});
+  // The bytes {offset, size} of a `dtype` contribution that `part` carries;
+  // InvalidArgument naming the part when SplitRanges does not make it of this slot.
+  [[nodiscard]] absl::StatusOr<std::pair<size_t, size_t>> PartRange(DType dtype, SlotPart part) const;
   // After BeginScatter or BeginExchange refused `step` with FailedPrecondition: decides,
   // atomically with the state it reads, whether to try again. True when this server has
   // reached `step` since (try again) or reaches it by `deadline`, having waited because
@@ -193,8 +214,10 @@ class Group {
   // Device slots: copies slot.buffer.size() bytes from `device_src` (device memory of
   // any process mapped here) into the slot.
   [[nodiscard]] absl::Status FillDeviceSlot(const ReceiveSlot& slot, const void* device_src);
-  // Records the filled slot; the last contribution of a step reduces and (without
-  // clipping) runs the optimizer before returning (hybrid: sums the replica's partial).
+  // Records the filled slot (kPending while other parts of it are to come); the last
+  // contribution of a step reduces and (without clipping) runs the optimizer before
+  // returning (hybrid: sums the replica's partial). Aborted when a load (Restore) dropped
+  // the contribution since BeginScatter.
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitScatter(const ReceiveSlot& slot);
 
   // Hybrid jobs (the exchange in the header comment). Chunk `replica` of this shard:
@@ -287,12 +310,29 @@ class Group {
  private:
   enum class SlotState { kEmpty, kReceiving, kReady };
 
+  // One worker's contribution to the current step (async: to the step it names).
+  struct Contribution {
+    SlotState state = SlotState::kEmpty;
+    DType dtype = DType::kFloat32;
+    void* data = nullptr;  // the worker's staging_ or device_staging_
+    // kReceiving: the step and the number of parts it comes in; bit k of `in_flight`
+    // (`arrived`): part k is being received (has landed).
+    int64_t step = 0;
+    int parts = 1;
+    uint64_t in_flight = 0;
+    uint64_t arrived = 0;
+
+    bool complete() const { return arrived == (parts == 64 ? ~uint64_t{0} : (uint64_t{1} << parts) - 1); }
+  };
+
   Group(std::string job, std::string name, FlatLayout layout, Placement placement, JobSettings job_settings,
         std::unique_ptr<ShardCompute> compute, ShardBuffer params, ShardBuffer grad,
         ShardOptimizer optimizer);
 
   absl::Status CheckContribution(int64_t step, int worker_rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The contribution `slot` reserved a part of, if that part is still in flight there.
+  Contribution* Reserved(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDeviceTier(absl::string_view what) const;
   absl::Status ReduceContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hybrid: this replica's contributions, summed in worker-rank order into its partial.
@@ -353,15 +393,12 @@ class Group {
   ShardBuffer grad_ ABSL_GUARDED_BY(mu_);    // reduced gradient of the step; empty if frozen
   ShardOptimizer optimizer_ ABSL_GUARDED_BY(mu_);
   const bool frozen_;
-  std::vector<SlotState> slot_states_ ABSL_GUARDED_BY(mu_);
-  std::vector<DType> slot_dtypes_ ABSL_GUARDED_BY(mu_);
-  // One staging buffer per worker; a slot in kReceiving is written without the lock by
-  // the one connection that reserved it. A ready slot may trade places with grad_ under
-  // the lock (ReduceContributions).
+  std::vector<Contribution> contributions_ ABSL_GUARDED_BY(mu_);  // per worker
+  // One staging buffer per worker; a part in flight is written without the lock by the
+  // one connection that reserved it. A ready slot may trade places with grad_ under the
+  // lock (ReduceContributions).
   std::vector<ShardBuffer> staging_;
   std::vector<ShardBuffer> device_staging_;  // CUDA IPC contributions (device groups)
-  // Where each worker's reserved or ready contribution is (staging_ or device_staging_).
-  std::vector<const void*> slot_data_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<SnapshotPool> snapshot_pool_;
   int ready_count_ ABSL_GUARDED_BY(mu_) = 0;
   // Hybrid exchange, indexed by replica group q (a slot in kReceiving is written without

@@ -76,7 +76,8 @@ class StepDriver {
   // otherwise).
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(Group& group, int64_t step, int worker_rank,
                                                          DType dtype,
-                                                         SlotMemory memory = SlotMemory::kHost);
+                                                         SlotMemory memory = SlotMemory::kHost,
+                                                         SlotPart part = {});
 
   // Continues after `group` committed something for `step` with `outcome` (kShare,
   // kBroadcast: the caller holds the claim, as a commit or ClaimPending handed it over).

@@ -32,7 +32,8 @@ absl::Time Request::Deadline() const {
 }
 
 absl::Status SendRequest(Connection& conn, RequestHeader header, absl::string_view job,
-                         absl::string_view group, absl::Span<const std::byte> payload) {
+                         absl::string_view group, absl::Span<const std::byte> payload,
+                         absl::Span<const std::byte> payload_tail) {
   if (job.size() > kMaxNameBytes || group.size() > kMaxNameBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("job and group names are limited to ", kMaxNameBytes, " bytes"));
@@ -40,8 +41,19 @@ absl::Status SendRequest(Connection& conn, RequestHeader header, absl::string_vi
   header.magic = kRequestMagic;
   header.job_bytes = static_cast<uint16_t>(job.size());
   header.group_bytes = static_cast<uint16_t>(group.size());
-  header.payload_bytes = static_cast<int64_t>(payload.size());
-  return conn.Send({BytesOf(header), BytesOf(job), BytesOf(group), payload});
+  header.payload_bytes = static_cast<int64_t>(payload.size() + payload_tail.size());
+  return conn.Send({BytesOf(header), BytesOf(job), BytesOf(group), payload, payload_tail});
+}
+
+std::vector<ByteRange> SplitRanges(uint64_t bytes, int count) {
+  count = std::clamp(count, 1, kMaxSplitParts);
+  const uint64_t share = (bytes + count - 1) / count;  // rounded up: never more than count
+  const uint64_t step = std::max<uint64_t>((share + 63) / 64 * 64, 64);
+  std::vector<ByteRange> ranges;
+  for (uint64_t offset = 0; offset < bytes; offset += step) {
+    ranges.push_back({offset, std::min(step, bytes - offset)});
+  }
+  return ranges;
 }
 
 absl::StatusOr<Request> RecvRequest(Connection& conn) {

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -56,8 +57,13 @@ enum class DataOp : uint8_t {
   // Server to server, hybrid sharding: the sender's chunk of the shard, reduced over
   // every replica group. Fields as for kReplicaPartial.
   kReplicaReduced = 11,
+  // Part of a scatter, so that one large gradient slice can go over several connections
+  // at once: the payload is a ScatterPart followed by that part's bytes. The server
+  // takes the contribution once every part has arrived; each part is answered like a
+  // scatter (a part that completes it: after the step it triggers).
+  kScatterPart = 12,  // version = step
 };
-inline constexpr DataOp kLastDataOp = DataOp::kReplicaReduced;
+inline constexpr DataOp kLastDataOp = DataOp::kScatterPart;
 
 inline constexpr uint32_t kRequestMagic = 0x31445346;   // "FSD1"
 inline constexpr uint32_t kResponseMagic = 0x31525346;  // "FSR1"
@@ -105,11 +111,24 @@ struct NcclTarget {
 };
 // The payload of kGatherRange: `bytes` bytes from byte `offset` of the shard in the
 // request's dtype; both multiples of the dtype's size, bytes > 0.
-struct GatherRange {
+struct ByteRange {
   uint64_t offset = 0;
   uint64_t bytes = 0;
+
+  friend bool operator==(const ByteRange& a, const ByteRange& b) {
+    return a.offset == b.offset && a.bytes == b.bytes;
+  }
 };
-static_assert(sizeof(GatherRange) == 16);
+// The head of kScatterPart's payload: the part is range `index` of
+// SplitRanges(the whole slice's bytes, `count`), which must yield exactly `count`.
+struct ScatterPart {
+  uint32_t index = 0;
+  uint32_t count = 0;
+};
+// The most parts one transfer may be split into.
+inline constexpr int kMaxSplitParts = 64;
+static_assert(sizeof(ByteRange) == 16);
+static_assert(sizeof(ScatterPart) == 8);
 static_assert(sizeof(RequestHeader) == 40);
 static_assert(sizeof(NcclTarget) == 16);
 static_assert(sizeof(IpcTarget) == 80);
@@ -131,10 +150,19 @@ struct Request {
   absl::Time Deadline() const;
 };
 
-// Sends header + names + payload (header.payload_bytes is set from `payload`).
+// Sends header + names + payload, where the payload is `payload` followed by
+// `payload_tail` (header.payload_bytes is set from both).
 [[nodiscard]] absl::Status SendRequest(Connection& conn, RequestHeader header,
                                        absl::string_view job, absl::string_view group,
-                                       absl::Span<const std::byte> payload);
+                                       absl::Span<const std::byte> payload,
+                                       absl::Span<const std::byte> payload_tail = {});
+
+// How a transfer of `bytes` is split into parts (kGatherRange, kScatterPart): at most
+// `count` (clamped to [1, kMaxSplitParts]) consecutive, non-empty ranges covering
+// [0, bytes), each a multiple of 64 bytes (whole elements of every dtype) but the last.
+// Fewer than `count` when `bytes` is too small for that many. Both ends of a split
+// derive the ranges from this function.
+std::vector<ByteRange> SplitRanges(uint64_t bytes, int count);
 
 // Reads and validates a request header and its names. InvalidArgument for a bad magic,
 // op, dtype or length (the caller should then close the connection: the stream can no

@@ -210,16 +210,18 @@ class Client:
 
     ``max_in_flight``: transfers at once per server (1-64): how many gathers can be
     prefetched while others run. ``gather_split_bytes``: a gather's part from one server
-    of at least this size comes in up to ``max_in_flight`` ranges at once (0: never).
+    of at least this size comes in up to ``max_in_flight`` ranges at once (0: never);
+    ``scatter_split_bytes`` likewise for a scatter's part to one server.
     """
 
     def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,
                  job="default", device_plane="auto", tls_ca_file=None, max_in_flight=2,
-                 gather_split_bytes=16 << 20):
+                 gather_split_bytes=16 << 20, scatter_split_bytes=16 << 20):
         self._native = _native.Client(list(servers), int(worker_rank), int(num_workers),
                                       token or "", float(timeout), job, device_plane,
                                       os.fspath(tls_ca_file) if tls_ca_file else "",
-                                      int(max_in_flight), int(gather_split_bytes))
+                                      int(max_in_flight), int(gather_split_bytes),
+                                      int(scatter_split_bytes))
         self.servers = list(servers)
         self._token = token
         self._timeout = timeout

@@ -203,8 +203,8 @@ TEST_F(FaultsTest, BadGatherRangesAreRefusedAndTheConnectionServesOn) {
   auto conn = RawConnection();
   const uint64_t shard_bytes = layout_->shard_numel() * 4;
   // A request on `conn`; its payload is `payload` bytes of `range` (16: all of it).
-  auto request = [&](transport::DataOp op, transport::GatherRange range, DType dtype,
-                     size_t payload = sizeof(transport::GatherRange)) -> absl::StatusOr<std::vector<std::byte>> {
+  auto request = [&](transport::DataOp op, transport::ByteRange range, DType dtype,
+                     size_t payload = sizeof(transport::ByteRange)) -> absl::StatusOr<std::vector<std::byte>> {
     transport::RequestHeader header;
     header.op = static_cast<uint8_t>(op);
     header.dtype = static_cast<uint8_t>(dtype);
@@ -224,14 +224,57 @@ TEST_F(FaultsTest, BadGatherRangesAreRefusedAndTheConnectionServesOn) {
     ASSERT_TRUE(middle.ok()) << middle.status();
     EXPECT_TRUE(std::equal(middle->begin(), middle->end(), whole->begin() + element)) << DTypeName(dtype);
   }
-  const transport::GatherRange bad[] = {{0, 0}, {2, 4}, {0, 6}, {shard_bytes, 4}, {4, shard_bytes}};
-  for (const transport::GatherRange& range : bad) {
+  const transport::ByteRange bad[] = {{0, 0}, {2, 4}, {0, 6}, {shard_bytes, 4}, {4, shard_bytes}};
+  for (const transport::ByteRange& range : bad) {
     auto refused = request(transport::DataOp::kGatherRange, range, DType::kFloat32);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << range.offset << "+" << range.bytes;
     EXPECT_THAT(std::string(refused.status().message()), HasSubstr("is not a non-empty range of whole float32"));
   }
   auto short_payload = request(transport::DataOp::kGatherRange, {0, 4}, DType::kFloat32, 10);
   EXPECT_THAT(std::string(short_payload.status().message()), HasSubstr("16-byte target; this one 10 bytes"));
+  ExpectGatherServed(*conn);
+}
+
+TEST_F(FaultsTest, BadScatterPartsAreRefusedAndTheConnectionServesOn) {
+  auto layout = (*client_)->RegisterGroup("big", {{"w", {3000}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const uint64_t shard_bytes = (*layout)->shard_numel() * 4;  // 4000 on 3 servers
+  const std::vector<transport::ByteRange> ranges = transport::SplitRanges(shard_bytes, 2);
+  ASSERT_EQ(ranges.size(), 2u);
+  auto conn = RawConnection();
+  // Part `head` of worker 0's step-0 gradient, `bytes` after the first `head_bytes` of it.
+  auto part = [&](transport::ScatterPart head, uint64_t bytes,
+                  size_t head_bytes = sizeof(transport::ScatterPart)) -> absl::Status {
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(transport::DataOp::kScatterPart);
+    header.timeout_ms = 1000;
+    const std::vector<std::byte> payload(bytes);
+    FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(
+        *conn, header, "test", "big", absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&head), head_bytes),
+        payload));
+    FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(*conn, {}));
+    return response.status;
+  };
+  const std::pair<absl::Status, std::string> refused[] = {
+      {part({0, 2}, 0, 4), "a scatter part starts with its 8-byte head; this one carries 4 bytes"},
+      {part({2, 2}, ranges[0].bytes), "scatter part 2 of 2 to group 'big'"},
+      {part({0, 0}, ranges[0].bytes), "splits into 1 to 64 parts"},
+      {part({0, 4000}, 64), "splits into 1 to 64 parts"},
+      {part({0, 64}, 64), "a 4000-byte float32 slice splits into 63 parts when asked for 64"},
+      {part({1, 2}, ranges[1].bytes + 4),
+       absl::StrCat("carries ", ranges[1].bytes + 4, " bytes; expected ", ranges[1].bytes,
+                    " (part 1 of 2 of 1000 float32 elements)")},
+  };
+  for (const auto& [status, message] : refused) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(message));
+  }
+  // The connection is in sync: both parts land and make the contribution whole.
+  ASSERT_TRUE(part({1, 2}, ranges[1].bytes).ok());
+  ASSERT_TRUE(part({0, 2}, ranges[0].bytes).ok());
+  const absl::Status whole_again = RawScatter(*conn, "big", 0, 0, static_cast<int64_t>(shard_bytes));
+  EXPECT_EQ(whole_again.code(), absl::StatusCode::kAlreadyExists) << whole_again;
+  EXPECT_THAT(std::string(whole_again.message()), HasSubstr("duplicate contribution"));
   ExpectGatherServed(*conn);
 }
 
@@ -368,6 +411,7 @@ TEST_F(FaultsTest, ConnectRefusesOptionsOutOfRangeBeforeCallingAnyServer) {
       {[](ClientOptions& o) { o.max_in_flight = 65; }, "max_in_flight 65 outside [1, 64]"},
       {[](ClientOptions& o) { o.timeout = absl::ZeroDuration(); }, "timeout 0 is not positive"},
       {[](ClientOptions& o) { o.gather_split_bytes = -1; }, "gather_split_bytes -1 is negative"},
+      {[](ClientOptions& o) { o.scatter_split_bytes = -2; }, "scatter_split_bytes -2 is negative"},
   };
   for (const auto& [corrupt, message] : cases) {
     ClientOptions options = good;

@@ -185,9 +185,10 @@ class ClientTest(unittest.TestCase):
             self.client(device_plane="gpu")
         self.assertEqual(self.client(device_plane="tcp").data_planes(), ["tcp"] * 3)
 
-    def test_transfer_options_split_a_gather_into_the_same_values(self):
+    def test_transfer_options_split_a_gather_and_a_scatter_into_the_same_values(self):
         whole = self.client(job="split")
-        split = self.client(job="split", max_in_flight=4, gather_split_bytes=256)
+        split = self.client(job="split", max_in_flight=4, gather_split_bytes=256,
+                            scatter_split_bytes=256)
         for c in (whole, split):
             c.configure_job()
             c.register_group("big", [("w", (3001,), "float32")], flatshard.SGD(lr=0.1))
@@ -196,8 +197,13 @@ class ClientTest(unittest.TestCase):
         np.testing.assert_array_equal(split.gather("big")["w"], expected)
         np.testing.assert_array_equal(split.gather("big", dtype="float16")["w"],
                                       expected.astype(np.float16).astype(np.float32))
+        # A gradient in parts steps the group as SGD does with it whole (one worker).
+        grad = np.linspace(-1.0, 1.0, 3001, dtype=np.float32)
+        split.scatter("big", {"w": grad}, step=0)
+        np.testing.assert_array_equal(whole.gather("big", min_version=1)["w"],
+                                      expected - np.float32(0.1) * grad)
         for bad in ({"max_in_flight": 0}, {"max_in_flight": 65}, {"gather_split_bytes": -1},
-                    {"timeout": 0}):
+                    {"scatter_split_bytes": -1}, {"timeout": 0}):
             with self.assertRaises(flatshard.InvalidArgumentError):
                 self.client(job="split", **bad)
 

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -93,6 +94,59 @@ TEST(DataProtocolTest, RequestRoundTripsWithItsPayloadLeftOnTheConnection) {
   EXPECT_EQ(conn.unread(), 0u);
 }
 
+TEST(DataProtocolTest, APayloadTailFollowsThePayloadAndCountsInItsSize) {
+  LoopbackConnection conn;
+  ASSERT_TRUE(SendRequest(conn, GatherHeader(), "j", "g", Bytes("head"), Bytes("and tail")).ok());
+  auto request = RecvRequest(conn);
+  ASSERT_TRUE(request.ok()) << request.status();
+  ASSERT_EQ(request->payload_bytes, 12);
+  std::string payload(12, '\0');
+  ASSERT_TRUE(conn.Recv(Bytes(payload)).ok());
+  EXPECT_EQ(payload, "headand tail");
+  EXPECT_EQ(conn.unread(), 0u);
+}
+
+// Every split, checked against its definition: consecutive non-empty ranges that cover
+// [0, bytes), at most `count` (clamped to [1, kMaxSplitParts]), every boundary a multiple
+// of 64 bytes, all ranges of one size but a shorter last one.
+TEST(DataProtocolTest, SplitRangesTileTheBytesInAtMostCountPiecesOn64ByteBoundaries) {
+  std::mt19937_64 rng(7);
+  std::vector<std::pair<uint64_t, int>> cases = {
+      {0, 2}, {1, 1}, {64, 4}, {130, 3}, {193, 3}, {194, 3}, {192 * 1000 + 2, 3},
+      {uint64_t{64} << 20, 2}, {(uint64_t{64} << 20) + 4, 64}, {1000, 0}, {1000, -5}, {100000, 1000}};
+  for (int i = 0; i < 2000; ++i) {
+    cases.push_back({rng() % (uint64_t{1} << (rng() % 34)), static_cast<int>(rng() % 70)});
+  }
+  for (const auto& [bytes, count] : cases) {
+    SCOPED_TRACE(absl::StrCat(bytes, " bytes in ", count));
+    const std::vector<ByteRange> ranges = SplitRanges(bytes, count);
+    const size_t most = static_cast<size_t>(std::clamp(count, 1, kMaxSplitParts));
+    ASSERT_LE(ranges.size(), most);
+    if (bytes == 0) {
+      EXPECT_TRUE(ranges.empty());
+      continue;
+    }
+    ASSERT_FALSE(ranges.empty());
+    uint64_t next = 0;
+    for (size_t k = 0; k < ranges.size(); ++k) {
+      EXPECT_EQ(ranges[k].offset, next);
+      EXPECT_EQ(ranges[k].offset % 64, 0u);
+      EXPECT_GT(ranges[k].bytes, 0u);
+      if (k + 1 < ranges.size()) {
+        EXPECT_EQ(ranges[k].bytes, ranges[0].bytes);
+      } else {
+        EXPECT_LE(ranges[k].bytes, ranges[0].bytes);
+      }
+      next = ranges[k].offset + ranges[k].bytes;
+    }
+    EXPECT_EQ(next, bytes);
+    // As many as asked once rounding shares up to 64 bytes cannot use up the bytes early.
+    if (bytes >= 64 * most * most) {
+      EXPECT_EQ(ranges.size(), most);
+    }
+  }
+}
+
 TEST(DataProtocolTest, SendRequestRefusesOverlongNamesBeforeSendingAnything) {
   LoopbackConnection conn;
   const std::string long_name(kMaxNameBytes + 1, 'x');
@@ -117,7 +171,7 @@ TEST(DataProtocolTest, RecvRequestRefusesEachKindOfBadHeader) {
   const BadHeader cases[] = {
       {"magic", [](RequestHeader& h) { h.magic = 0x50545448; }, "magic"},
       {"op zero", [](RequestHeader& h) { h.op = 0; }, "unknown op 0"},
-      {"op past the last", [](RequestHeader& h) { h.op = static_cast<uint8_t>(kLastDataOp) + 1; }, "unknown op 12"},
+      {"op past the last", [](RequestHeader& h) { h.op = static_cast<uint8_t>(kLastDataOp) + 1; }, "unknown op 13"},
       {"dtype", [](RequestHeader& h) { h.dtype = 3; }, "dtype 3"},
       {"job name", [](RequestHeader& h) { h.job_bytes = kMaxNameBytes + 1; }, "too long"},
       {"group name", [](RequestHeader& h) { h.group_bytes = 60000; }, "too long"},

@@ -60,6 +60,9 @@ struct ClientOptions {
   // comes in up to max_in_flight ranges over that server's connections at once (each at
   // least half this size): one TCP stream is CPU-bound on each side. 0: never split.
   int64_t gather_split_bytes = 16 << 20;
+  // Likewise for a scatter from host memory: its part for one server goes in up to
+  // max_in_flight pieces at once, which that server takes together. 0: never split.
+  int64_t scatter_split_bytes = 16 << 20;
   // PEM CA bundle the servers' certificates are checked against: the control plane then
   // speaks TLS (servers started with --tls_cert_file). Empty: plaintext gRPC.
   std::string tls_ca_file = {};

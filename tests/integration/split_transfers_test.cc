@@ -1,13 +1,17 @@
-// Gathers split into ranges over several connections (ClientOptions::gather_split_bytes):
-// bitwise the same as whole gathers in every dtype, counted once by the servers, and
-// never a mix of two versions when the group steps during the gather.
+// Transfers split over several connections. Gathers in ranges
+// (ClientOptions::gather_split_bytes): bitwise the same as whole gathers in every dtype,
+// counted once by the servers, and never a mix of two versions when the group steps
+// during the gather. Scatters in parts (ClientOptions::scatter_split_bytes): training
+// reaches the same bits as with whole scatters, each contribution counted once.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "client/cluster_status.h"
+#include "kernels/cpu/cast.h"
 #include "tests/integration/test_cluster.h"
 
 namespace flatshard {
@@ -141,6 +145,62 @@ TEST(SplitGatherTest, DestroyingTheClientWaitsForItsGathersInFlight) {
     ASSERT_TRUE(version.ok()) << version.status();
     EXPECT_EQ(*version, 1);
     EXPECT_EQ(std::memcmp(outs[i].data(), expected.data(), numel * sizeof(float)), 0) << i;
+  }
+}
+
+// Two jobs of two workers train on the same gradients, one scattering in parts (3 per
+// server), one whole, in float32 and bfloat16 steps; their parameters stay bitwise equal.
+TEST(SplitScatterTest, PartsTrainToTheSameBitsAsWholeScattersAndCountOnce) {
+  TestCluster cluster(2, "split-token", ::testing::TempDir());
+  const std::vector<TensorSpec> tensors = {{"w", {10037}, DType::kFloat32}};
+  std::unique_ptr<Client> workers[2][2];  // [split?][rank]
+  size_t numel = 0;
+  for (int split = 0; split < 2; ++split) {
+    for (int rank = 0; rank < 2; ++rank) {
+      auto client = cluster.Connect({.worker_rank = rank,
+                                     .num_workers = 2,
+                                     .job = split ? "split" : "whole",
+                                     .timeout = absl::Seconds(20),
+                                     .max_in_flight = 3,
+                                     .scatter_split_bytes = split ? 4096 : 0});
+      ASSERT_TRUE(client.ok()) << client.status();
+      workers[split][rank] = *std::move(client);
+      if (rank == 0) {
+        ASSERT_TRUE(workers[split][0]->ConfigureJob({}).ok());
+      }
+      auto layout = workers[split][rank]->RegisterGroup("g", tensors, 0, SgdOptions{.lr = 0.1, .momentum = 0.9});
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      numel = (*layout)->padded_numel();
+    }
+    ASSERT_TRUE(workers[split][0]->InitGroupFromSeed("g", 3).ok());
+  }
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  constexpr int kSteps = 4;
+  for (int step = 0; step < kSteps; ++step) {
+    const DType dtype = step % 2 == 0 ? DType::kFloat32 : DType::kBFloat16;
+    std::vector<std::future<absl::Status>> scatters;
+    std::vector<std::vector<std::byte>> grads(2);
+    for (int rank = 0; rank < 2; ++rank) {
+      std::vector<float> grad(numel);
+      for (float& value : grad) value = normal(rng);
+      grads[rank].resize(numel * DTypeSize(dtype));
+      ASSERT_TRUE(kernels::cpu::Cast(DType::kFloat32, grad.data(), dtype, grads[rank].data(),
+                                     static_cast<int64_t>(numel)).ok());
+      for (int split = 0; split < 2; ++split) {
+        scatters.push_back(workers[split][rank]->Scatter("g", step, dtype, absl::MakeSpan(grads[rank])));
+      }
+    }
+    for (auto& scatter : scatters) ASSERT_TRUE(scatter.get().ok()) << "step " << step;
+    std::vector<float> split_params(numel), whole_params(numel);
+    ASSERT_EQ(workers[1][0]->Gather("g", step + 1, DType::kFloat32, AsBytes(split_params)).get().value_or(-1), step + 1);
+    ASSERT_EQ(workers[0][0]->Gather("g", step + 1, DType::kFloat32, AsBytes(whole_params)).get().value_or(-1), step + 1);
+    ASSERT_EQ(std::memcmp(split_params.data(), whole_params.data(), numel * sizeof(float)), 0) << "step " << step;
+  }
+  // 2 jobs x 2 workers x 4 steps, however many parts each came in.
+  for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(status->scatters(), 2 * 2 * kSteps);
   }
 }
 
