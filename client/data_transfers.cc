@@ -124,12 +124,12 @@ DataTransfers::Plane DataTransfers::PlaneFor(int server, int device, bool export
 // The ranges a transfer of `bytes` with one server comes in: all of it below
 // `split_bytes` (0: never split), else up to max_in_flight of at least half that size.
 std::vector<transport::ByteRange> DataTransfers::SplitFor(size_t bytes, int64_t split_bytes) const {
-  int count = 1;
-  if (split_bytes > 0 && options_.max_in_flight > 1 && static_cast<int64_t>(bytes) >= split_bytes) {
-    count = static_cast<int>(std::clamp<int64_t>(
-        static_cast<int64_t>(bytes) / std::max<int64_t>(1, split_bytes / 2), 1, options_.max_in_flight));
+  if (split_bytes <= 0 || options_.max_in_flight < 2 || static_cast<int64_t>(bytes) < split_bytes) {
+    return {{0, bytes}};  // one request, even for no bytes at all
   }
-  return transport::SplitRanges(bytes, count);
+  const int64_t count = std::clamp<int64_t>(
+      static_cast<int64_t>(bytes) / std::max<int64_t>(1, split_bytes / 2), 1, options_.max_in_flight);
+  return transport::SplitRanges(bytes, static_cast<int>(count));
 }
 
 absl::Status DataTransfers::AtServer(int server, const absl::Status& status) const {
