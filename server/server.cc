@@ -68,9 +68,16 @@ Server::Server(ServerOptions options)
       driver_(static_cast<int>(options_.cluster.size()), clip_,
                 [this](int peer) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
                   FLATSHARD_ASSIGN_OR_RETURN(const PeerClient::Session session, peers_.OpenSession(peer));
-                  // The peer may wait up to peer_timeout before it answers.
-                  return transport::OpenDataConnection(session.data_address, session.token,
-                                                       options_.peer_timeout + absl::Seconds(10));
+                  // A live peer answers the hello at once; a peer that stopped since
+                  // OpenSession is given up on after peer_timeout.
+                  FLATSHARD_ASSIGN_OR_RETURN(
+                      std::unique_ptr<transport::Connection> conn,
+                      transport::OpenDataConnection(session.data_address, session.token,
+                                                    options_.peer_timeout));
+                  // A request may wait up to peer_timeout (the peer reaching the step)
+                  // before it is answered.
+                  FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(options_.peer_timeout + absl::Seconds(10)));
+                  return conn;
                 },
                 options_.peer_timeout, stats_),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
