@@ -219,6 +219,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
     }
     if (!conn.Recv(BytesOf(head)).ok()) return false;
     request.payload_bytes -= static_cast<int64_t>(sizeof(head));
+    // Clamped into int range; values past the limit stay out of it, and PartRange refuses them.
     part = {static_cast<int>(std::min<uint32_t>(head.index, transport::kMaxSplitParts)),
             static_cast<int>(std::min<uint32_t>(head.count, transport::kMaxSplitParts + 1))};
   }
