@@ -322,7 +322,7 @@ class Group {
     uint64_t in_flight = 0;
     uint64_t arrived = 0;
 
-    bool complete() const { return arrived == (parts == 64 ? ~uint64_t{0} : (uint64_t{1} << parts) - 1); }
+    bool complete() const { return arrived == ~uint64_t{0} >> (64 - parts); }  // parts in [1, 64]
   };
 
   Group(std::string job, std::string name, FlatLayout layout, Placement placement, JobSettings job_settings,

@@ -114,10 +114,6 @@ struct NcclTarget {
 struct ByteRange {
   uint64_t offset = 0;
   uint64_t bytes = 0;
-
-  friend bool operator==(const ByteRange& a, const ByteRange& b) {
-    return a.offset == b.offset && a.bytes == b.bytes;
-  }
 };
 // The head of kScatterPart's payload: the part is range `index` of
 // SplitRanges(the whole slice's bytes, `count`), which must yield exactly `count`.
