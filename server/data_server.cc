@@ -295,7 +295,7 @@ absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request
     case DataOp::kScatter:
     case DataOp::kScatterPart:
       return driver_.BeginScatter(group, request.version, request.worker_rank, request.dtype,
-                                  SlotMemory::kHost, part);
+                                  request.Deadline(), SlotMemory::kHost, part);
     case DataOp::kReplicaPartial:
     case DataOp::kReplicaReduced: {
       if (request.dtype != DType::kFloat32) {

@@ -84,7 +84,7 @@ absl::StatusOr<int64_t> IpcPlane::Scatter(const transport::Request& request,
     FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request, target));
     FLATSHARD_ASSIGN_OR_RETURN(
         ReceiveSlot slot, driver_.BeginScatter(*r.group, request.version, request.worker_rank, r.dtype,
-                                               SlotMemory::kDevice));
+                                               request.Deadline(), SlotMemory::kDevice));
     if (absl::Status filled = r.group->FillDeviceSlot(slot, r.buffer.data); !filled.ok()) {
       r.group->AbortScatter(slot);
       return filled;

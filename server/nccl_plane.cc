@@ -230,7 +230,7 @@ absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, int64_t>> NcclPla
   }
   FLATSHARD_ASSIGN_OR_RETURN(ReceiveSlot slot,
                              driver_.BeginScatter(transfer->group(), request.version, request.worker_rank,
-                                                  request.dtype, SlotMemory::kDevice));
+                                                  request.dtype, request.Deadline(), SlotMemory::kDevice));
   transfer->slot() = slot;
   return std::make_pair(std::move(transfer), request.version);
 #else

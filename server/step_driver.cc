@@ -37,13 +37,14 @@ void StepDriver::Stop() {
 }
 
 absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step, int worker_rank,
-                                                     DType dtype, SlotMemory memory,
+                                                     DType dtype, absl::Time deadline, SlotMemory memory,
                                                      SlotPart part) {
   absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(step, worker_rank, dtype, memory, part);
   if (absl::IsFailedPrecondition(slot.status())) {
     // The worker may have heard that the step before was accepted before the exchange
-    // with the peers finished it here. Wait for it, as long as for a peer.
-    FLATSHARD_ASSIGN_OR_RETURN(const bool again, group.AwaitEarlyStep(step, absl::Now() + timeout_));
+    // with the peers finished it here. Wait for it, as long as for a peer at most.
+    FLATSHARD_ASSIGN_OR_RETURN(const bool again,
+                               group.AwaitEarlyStep(step, std::min(deadline, absl::Now() + timeout_)));
     if (again) slot = group.BeginScatter(step, worker_rank, dtype, memory, part);
   }
   if (!absl::IsAlreadyExists(slot.status())) return slot;

@@ -30,7 +30,7 @@
 // Thread-safe.
 //
 //   StepDriver driver(num_servers, clip, connect_to_peer, absl::Seconds(30), stats);
-//   FLATSHARD_ASSIGN_OR_RETURN(ReceiveSlot slot, driver.BeginScatter(*group, step, worker, dtype));
+//   FLATSHARD_ASSIGN_OR_RETURN(ReceiveSlot slot, driver.BeginScatter(*group, step, worker, dtype, deadline));
 //   ...  // the bytes land in slot.buffer
 //   FLATSHARD_RETURN_IF_ERROR(driver.Continue(*group, step, *group->CommitScatter(slot)));
 #ifndef FLATSHARD_SERVER_STEP_DRIVER_H_
@@ -70,12 +70,12 @@ class StepDriver {
   void Stop();
 
   // Group::BeginScatter; a contribution to the next step while this server finishes the
-  // current one waits for it, up to `timeout` (Group::AwaitEarlyStep). When the
-  // contribution is already held (a resend), first sends again what the step still waits
-  // for from this server, and returns that failure if it fails again (AlreadyExists
-  // otherwise).
+  // current one waits for it (Group::AwaitEarlyStep) until `deadline`, the request's (how
+  // long its worker waits for the answer), and at most `timeout`. When the contribution
+  // is already held (a resend), first sends again what the step still waits for from
+  // this server, and returns that failure if it fails again (AlreadyExists otherwise).
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(Group& group, int64_t step, int worker_rank,
-                                                         DType dtype,
+                                                         DType dtype, absl::Time deadline,
                                                          SlotMemory memory = SlotMemory::kHost,
                                                          SlotPart part = {});
 

@@ -423,7 +423,8 @@ TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
   ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
   ServerStats stats;
   StepDriver driver(4, clip, [](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(20), stats);
-  const absl::Status early = driver.BeginScatter(first, 1, 0, DType::kFloat32).status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  const absl::Status early = driver.BeginScatter(first, 1, 0, DType::kFloat32, deadline).status();
   EXPECT_TRUE(absl::IsFailedPrecondition(early)) << early;  // step 0 has nothing yet: refused
   ReduceChunks(r);
   ASSERT_FALSE(HasFatalFailure());
@@ -433,12 +434,31 @@ TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
     EXPECT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
     EXPECT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
   });
-  const absl::StatusOr<ReceiveSlot> next = driver.BeginScatter(first, 1, 0, DType::kFloat32);
+  const absl::StatusOr<ReceiveSlot> next = driver.BeginScatter(first, 1, 0, DType::kFloat32, deadline);
   finish.join();
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->step, 1);
   EXPECT_EQ(first.version(), 1);
   first.AbortScatter(*next);
+}
+
+// The same early contribution waits no longer than its request's deadline, however long
+// the server would wait for a peer: its worker has given up by then.
+TEST(HybridTest, AnEarlyContributionWaitsUntilItsRequestsDeadlineAtMost) {
+  Replicas r = MakeReplicas(2);
+  Group& first = *r.group[0];
+  Registry registry(/*rank=*/1, /*num_servers=*/4);
+  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
+  ServerStats stats;
+  StepDriver driver(4, clip, [](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(60), stats);
+  ReduceChunks(r);
+  ASSERT_FALSE(HasFatalFailure());
+  const absl::Time start = absl::Now();
+  const absl::Status early =
+      driver.BeginScatter(first, 1, 0, DType::kFloat32, absl::Now() + absl::Milliseconds(200)).status();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(early)) << early;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));  // not the peer timeout
+  EXPECT_EQ(first.version(), 0);
 }
 
 // A replica group that finished step 0 sends its partial of step 1 while this one
