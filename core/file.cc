@@ -18,7 +18,7 @@ absl::Status ErrnoError(absl::string_view what, const std::string& path, int err
   const std::string message = absl::StrCat(what, " '", path, "': ", std::strerror(err));
   if (err == ENOENT) return absl::NotFoundError(message);
   if (err == EEXIST) return absl::AlreadyExistsError(message);
-  if (err == ENOSPC || err == EDQUOT) return absl::ResourceExhaustedError(message);
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) return absl::ResourceExhaustedError(message);
   if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
   return absl::InternalError(message);
 }

@@ -16,11 +16,18 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/direct_io.h"
 #include "server/file_extents.h"
 
 namespace flatshard::server {
+
+// Checkpoint names, and the names of their files: one path component of 1-128
+// characters of [A-Za-z0-9._-], not starting with '.'. InvalidArgument naming `what`
+// otherwise.
+[[nodiscard]] absl::Status ValidateCheckpointName(const std::string& name,
+                                                  absl::string_view what = "checkpoint name");
 
 class CheckpointSink {
  public:
@@ -34,8 +41,9 @@ class CheckpointSink {
   [[nodiscard]] virtual absl::Status Close(const std::string& file) = 0;
 };
 
-// Files directly under `dir` (a name with '/' or a leading '.' is InvalidArgument),
-// written through DirectFileWriter (O_DIRECT for whole pages, the page cache for the
+// Files directly under `dir` (a name ValidateCheckpointName refuses is InvalidArgument;
+// so are a size no file can have, a write past the file's size or to a file not open: the
+// bytes may come from a peer, WriteCheckpointPart), written through DirectFileWriter (O_DIRECT for whole pages, the page cache for the
 // partial pages other servers share) and fsync'd on Close. Every write is hashed as it is
 // written: extents() are this writer's (offset, length, XXH3) per file, for the manifest,
 // so that no one re-reads the files to checksum them.
@@ -50,7 +58,11 @@ class DirectorySink final : public CheckpointSink {
 
  private:
   const std::string dir_;
-  std::map<std::string, DirectFileWriter> open_;
+  struct OpenFile {
+    DirectFileWriter writer;
+    uint64_t size = 0;
+  };
+  std::map<std::string, OpenFile> open_;
   std::map<std::string, std::vector<FileExtent>> extents_;
 };
 

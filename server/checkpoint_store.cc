@@ -33,20 +33,6 @@ namespace fs = std::filesystem;
 constexpr char kFormat[] = "flatshard-checkpoint/2";  // /2: extent checksums
 constexpr char kManifest[] = "manifest.json";
 
-// Checkpoint names, and the names of their files: one path component.
-absl::Status ValidateName(const std::string& name, absl::string_view what = "checkpoint name") {
-  const bool ok = !name.empty() && name.size() <= 128 && name[0] != '.' &&
-                  std::all_of(name.begin(), name.end(), [](char c) {
-                    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
-                  });
-  if (!ok) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " '", name, "': use 1-128 characters of [A-Za-z0-9._-], not starting with "
-        "'.' (names are confined to the server's --checkpoint_root)"));
-  }
-  return absl::OkStatus();
-}
-
 bool IsSymlink(const std::string& path) {
   struct stat st {};
   return lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
@@ -76,7 +62,7 @@ absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& na
   if (root_.empty()) {
     return absl::FailedPreconditionError("this server has no --checkpoint_root; checkpoints are disabled");
   }
-  FLATSHARD_RETURN_IF_ERROR(ValidateName(name));
+  FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
   return root_ + "/" + name;
 }
 
@@ -132,7 +118,7 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
                                    const std::string& job,
                                    const std::map<std::string, int64_t>& versions,
                                    absl::Time deadline, const SaveOptions& options) {
-  FLATSHARD_RETURN_IF_ERROR(ValidateName(name));
+  FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
   FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   if (placement.replica != 0) {
     // Every replica group holds the same shards; the first one writes them (its ranks
@@ -265,7 +251,7 @@ absl::Status CheckpointStore::ReadFile(const std::string& name, const std::strin
                                        uint64_t length,
                                        const std::function<absl::Status(absl::Span<const std::byte>)>& emit) const {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string dir, CheckpointDir(name));
-  FLATSHARD_RETURN_IF_ERROR(ValidateName(file, "checkpoint file"));
+  FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(file, "checkpoint file"));
   const std::string path = dir + "/" + file;
   if (IsSymlink(dir) || IsSymlink(path)) {
     return absl::FailedPreconditionError(absl::StrCat("'", path, "' is reached through a symlink; refusing"));
@@ -457,7 +443,7 @@ absl::Status CheckpointStore::Delete(const std::string& name) {
 
 absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::string& job,
                                           const std::string& home_root_id) {
-  FLATSHARD_RETURN_IF_ERROR(ValidateName(name));
+  FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
   // From this root, unless it lacks the checkpoint and server 0's root is another.
   bool from_server_zero = false;
   if (root_.empty() || !fs::exists(absl::StrCat(root_, "/", name, "/", kManifest))) {
