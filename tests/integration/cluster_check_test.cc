@@ -11,11 +11,14 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Polls `address`'s status until its cluster check leaves "checking" (10 s at most).
-std::string ClusterCheck(const std::string& address) {
-  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+// Polls the status of `cluster`'s server `rank` until its cluster check leaves
+// "checking" (10 s at most).
+std::string ClusterCheck(const testing::TestCluster& cluster, int rank) {
+  auto stub = v1::Flatshard::NewStub(
+      grpc::CreateChannel(cluster.addresses()[rank], grpc::InsecureChannelCredentials()));
   for (int attempt = 0; attempt < 100; ++attempt) {
     grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + cluster.token());
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
     v1::ServerStatus status;
     if (stub->GetStatus(&ctx, v1::GetStatusRequest(), &status).ok() &&
@@ -28,34 +31,20 @@ std::string ClusterCheck(const std::string& address) {
 }
 
 TEST(ClusterCheckTest, AgreeingServersSayAgreed) {
-  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(4);
-  const std::string a = absl::StrCat("127.0.0.1:", ports[0]);
-  const std::string b = absl::StrCat("127.0.0.1:", ports[2]);
-  const pid_t pa = testing::SpawnServer({"--listen=" + a, "--rank=0", "--cluster=" + a + "," + b,
-                                         absl::StrCat("--data_listen=127.0.0.1:", ports[1])});
-  const pid_t pb = testing::SpawnServer({"--listen=" + b, "--rank=1", "--cluster=" + a + "," + b,
-                                         absl::StrCat("--data_listen=127.0.0.1:", ports[3])});
-  EXPECT_EQ(ClusterCheck(a), "agreed");
-  EXPECT_EQ(ClusterCheck(b), "agreed");
-  testing::StopServer(pa);
-  testing::StopServer(pb);
+  const testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  EXPECT_EQ(ClusterCheck(cluster, 0), "agreed");
+  EXPECT_EQ(ClusterCheck(cluster, 1), "agreed");
 }
 
 TEST(ClusterCheckTest, DisagreementIsReportedWithTheDifference) {
-  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(5);
-  const std::string a = absl::StrCat("127.0.0.1:", ports[0]);
-  const std::string b = absl::StrCat("127.0.0.1:", ports[2]);
-  const std::string c = absl::StrCat("127.0.0.1:", ports[4]);  // nobody listens there
-  const pid_t pa = testing::SpawnServer({"--listen=" + a, "--rank=0", "--cluster=" + a + "," + b,
-                                         absl::StrCat("--data_listen=127.0.0.1:", ports[1])});
-  const pid_t pb = testing::SpawnServer({"--listen=" + b, "--rank=1",
-                                         "--cluster=" + a + "," + b + "," + c,
-                                         absl::StrCat("--data_listen=127.0.0.1:", ports[3])});
-  const std::string check = ClusterCheck(a);
-  EXPECT_THAT(check, HasSubstr("mismatch: server " + b + " is rank 1 of [" + a + "," + b + "," + c + "]"));
-  EXPECT_THAT(ClusterCheck(b), HasSubstr("mismatch"));
-  testing::StopServer(pa);
-  testing::StopServer(pb);
+  // Server 1 believes in a third server, on a port nobody listens on.
+  const std::string third = "127.0.0.1:1";
+  const testing::TestCluster cluster(2, "tok", ::testing::TempDir(), "",
+                                     {{}, {"--cluster={cluster}," + third}});
+  const std::string a = cluster.addresses()[0], b = cluster.addresses()[1];
+  EXPECT_THAT(ClusterCheck(cluster, 0),
+              HasSubstr("mismatch: server " + b + " is rank 1 of [" + a + "," + b + "," + third + "]"));
+  EXPECT_THAT(ClusterCheck(cluster, 1), HasSubstr("mismatch"));
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "core/status_macros.h"
 #include "flatshard/client.h"
@@ -116,8 +117,10 @@ inline bool RefusesToStart(const std::vector<std::string>& flags) {
 class TestCluster {
  public:
   // `checkpoint_root` empty: checkpoints disabled on these servers. `extra_args[i]`
-  // (when present) go to server i, e.g. {"--memory=device"}. Returns once every server
-  // listens on its ports (or after 30 s).
+  // (when present) go to server i, e.g. {"--memory=device"}, after the flags above (a
+  // flag given again overrides); "{cluster}" in them stands for the servers' control
+  // addresses, comma-separated. Returns once every server listens on its ports (or
+  // after 30 s).
   TestCluster(int servers, std::string token, const std::string& scratch_dir,
               const std::string& checkpoint_root = "",
               const std::vector<std::vector<std::string>>& extra_args = {})
@@ -238,7 +241,9 @@ class TestCluster {
                                        "--auth_token_file=" + token_file_};
       if (!checkpoint_root.empty()) args.push_back("--checkpoint_root=" + checkpoint_root);
       if (static_cast<size_t>(i) < extra_args.size()) {
-        args.insert(args.end(), extra_args[i].begin(), extra_args[i].end());
+        for (const std::string& arg : extra_args[i]) {
+          args.push_back(absl::StrReplaceAll(arg, {{"{cluster}", absl::StrJoin(addresses_, ",")}}));
+        }
       }
       pids_.push_back(SpawnServer(args));
       args_.push_back(std::move(args));
