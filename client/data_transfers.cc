@@ -281,7 +281,9 @@ void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& comple
   }
 }
 
-// The TCP data plane for device buffers: through host copies of the slices of `servers`.
+// The TCP data plane for device buffers: through host copies of the slices of `servers`,
+// which then go as host buffers do (HostGather, HostScatter: in parts when large). A
+// gather returns the lowest version it got, a scatter 0.
 absl::StatusOr<int64_t> DataTransfers::StagedTransfer(
     transport::DataOp op, const std::string& group, int64_t version, DType dtype,
     const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers) {
@@ -293,25 +295,20 @@ absl::StatusOr<int64_t> DataTransfers::StagedTransfer(
       if (buffer.data() != nullptr) staging_pool_.Give(std::move(buffer));
     }
   };
-  std::vector<absl::Span<const std::byte>> sends(num_servers());
-  std::vector<absl::Span<std::byte>> receives(num_servers());
+  std::vector<absl::Span<std::byte>> staged(num_servers());
   for (int i : servers) {
     FLATSHARD_ASSIGN_OR_RETURN(staging[i], staging_pool_.Take(parts[i].size()));
-    receives[i] = staging[i].bytes().subspan(0, parts[i].size());
-    sends[i] = receives[i];
-    if (!gather)
-      FLATSHARD_RETURN_IF_ERROR(CopyToHost(receives[i].data(), parts[i].data(), parts[i].size()));
+    staged[i] = staging[i].bytes().subspan(0, parts[i].size());
+    if (!gather) FLATSHARD_RETURN_IF_ERROR(CopyToHost(staged[i].data(), parts[i].data(), parts[i].size()));
   }
-  FLATSHARD_ASSIGN_OR_RETURN(
-      int64_t min_version,
-      Transfer<absl::StatusOr<int64_t>>(
-          op, group, version, dtype, gather ? std::vector<absl::Span<const std::byte>>{} : sends,
-          gather ? receives : std::vector<absl::Span<std::byte>>{}, servers)
-          .get());
-  if (gather) {
-    for (int i : servers) {
-      FLATSHARD_RETURN_IF_ERROR(CopyToDevice(parts[i].data(), receives[i].data(), parts[i].size()));
-    }
+  if (!gather) {
+    FLATSHARD_RETURN_IF_ERROR(HostScatter(group, version, dtype, staged, servers).get());
+    return 0;
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(const int64_t min_version,
+                             HostGather(group, version, dtype, staged, servers).get());
+  for (int i : servers) {
+    FLATSHARD_RETURN_IF_ERROR(CopyToDevice(parts[i].data(), staged[i].data(), parts[i].size()));
   }
   return min_version;
 }
