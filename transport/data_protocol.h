@@ -45,7 +45,7 @@ enum class DataOp : uint8_t {
   kNcclGather = 7,   // version = min_version; the server sends the shard in `dtype`
   kNcclScatter = 8,  // version = step; the server receives the gradient slice in `dtype`
   // Part of a gather, so that one large shard can come over several connections at once:
-  // the payload is a GatherRange; the response payload is those bytes of the shard in
+  // the payload is a ByteRange; the response payload is those bytes of the shard in
   // `dtype` at a version >= min_version (the ranges of one gather may see different
   // versions when the group steps meanwhile; the client checks).
   kGatherRange = 9,  // version = min_version
