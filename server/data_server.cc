@@ -266,7 +266,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
     ++stats_.errors;
     return false;
   }
-  (exchange.has_value() ? stats_.exchange_bytes_received : stats_.bytes_received) += request.payload_bytes;
+  if (!exchange.has_value()) stats_.bytes_received += request.payload_bytes;
   absl::Status committed;
   std::optional<CommitOutcome> aside;  // continued once the peer has its answer
   if (request.op == DataOp::kPushInit) {
@@ -276,6 +276,8 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
                                                 ? (*group)->CommitExchange(*exchange, *slot)
                                                 : (*group)->CommitScatter(*slot);
     committed = outcome.status();
+    // What a peer delivered counts once it is taken, as the peer counts it (StepDriver).
+    if (outcome.ok() && exchange.has_value()) stats_.exchange_bytes_received += request.payload_bytes;
     if (outcome.ok() && *outcome == CommitOutcome::kBroadcast && exchange.has_value()) {
       aside = *outcome;  // sending to peers before answering this one could deadlock
     } else if (outcome.ok()) {

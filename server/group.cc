@@ -94,6 +94,8 @@ Group::Group(std::string job, std::string name, FlatLayout layout, Placement pla
       partial_states_(job_settings.hybrid() ? job_settings.replicas : 0, SlotState::kEmpty),
       reduced_states_(job_settings.hybrid() ? job_settings.replicas : 0, SlotState::kEmpty),
       partial_chunks_(job_settings.hybrid() ? job_settings.replicas : 0),
+      share_delivered_(job_settings.hybrid() ? job_settings.replicas : 0, false),
+      broadcast_delivered_(job_settings.hybrid() ? job_settings.replicas : 0, false),
       last_async_step_(job_settings.num_workers, -1) {}
 
 std::string Group::optimizer_name() const {
@@ -440,6 +442,18 @@ void Group::ReleasePending(int64_t step, CommitOutcome what) {
   (what == CommitOutcome::kShare ? share_claimed_ : broadcast_claimed_) = false;
 }
 
+void Group::MarkDelivered(int64_t step, CommitOutcome what, int replica) {
+  absl::MutexLock lock(&mu_);
+  std::vector<bool>& delivered = what == CommitOutcome::kShare ? share_delivered_ : broadcast_delivered_;
+  if (version_ == step && replica >= 0 && replica < static_cast<int>(delivered.size())) delivered[replica] = true;
+}
+
+bool Group::Delivered(int64_t step, CommitOutcome what, int replica) const {
+  absl::MutexLock lock(&mu_);
+  const std::vector<bool>& delivered = what == CommitOutcome::kShare ? share_delivered_ : broadcast_delivered_;
+  return version_ == step && replica >= 0 && replica < static_cast<int>(delivered.size()) && delivered[replica];
+}
+
 std::optional<CommitOutcome> Group::ClaimPending(int64_t step) {
   absl::MutexLock lock(&mu_);
   if (!job_settings_.hybrid() || version_ != step) return std::nullopt;
@@ -754,6 +768,8 @@ void Group::ResetExchange() {
   std::fill(reduced_states_.begin(), reduced_states_.end(), SlotState::kEmpty);
   share_claimed_ = false;
   broadcast_claimed_ = false;
+  std::fill(share_delivered_.begin(), share_delivered_.end(), false);
+  std::fill(broadcast_delivered_.begin(), broadcast_delivered_.end(), false);
 }
 
 void Group::PublishNewValues() {

@@ -244,6 +244,12 @@ class Group {
   // release) take it up again.
   void ReleasePending(int64_t step, CommitOutcome what);
   std::optional<CommitOutcome> ClaimPending(int64_t step);
+  // Which replica groups' servers hold `what` (kShare: their chunk of this replica's
+  // partial; kBroadcast: this server's reduced chunk) for `step`, as the sender recorded
+  // with MarkDelivered: a send after a failure goes to the others only. Cleared when the
+  // step moves on or a load resets the exchange. Replicas outside [0, R) are ignored.
+  void MarkDelivered(int64_t step, CommitOutcome what, int replica);
+  bool Delivered(int64_t step, CommitOutcome what, int replica) const;
   // What another replica group's server sends (slot.worker_rank = its replica group,
   // fp32, its chunk's size). AlreadyExists for one already held or applied;
   // FailedPrecondition for a future step, one being received or a frozen group;
@@ -416,6 +422,9 @@ class Group {
   ShardBuffer reduced_staging_;
   bool share_claimed_ ABSL_GUARDED_BY(mu_) = false;      // own_partial_ is being shared
   bool broadcast_claimed_ ABSL_GUARDED_BY(mu_) = false;  // this chunk is being broadcast
+  // By replica group: it holds this replica's share (this server's broadcast).
+  std::vector<bool> share_delivered_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> broadcast_delivered_ ABSL_GUARDED_BY(mu_);
   int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_

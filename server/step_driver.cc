@@ -110,25 +110,28 @@ absl::StatusOr<CommitOutcome> StepDriver::Deliver(Group& group, int64_t step, Co
   if (!bytes.ok()) return bytes.status();
   // kShare: chunk q of the partial to replica group q's server; kBroadcast: this
   // server's reduced chunk to every other replica group.
+  // Peers that took it on an earlier attempt are not sent it again.
   std::vector<Send> sends;
   for (int replica = 0; replica < placement.replicas; ++replica) {
-    if (replica == placement.replica) continue;
+    if (replica == placement.replica || group.Delivered(step, what, replica)) continue;
     absl::Span<const std::byte> part = *bytes;
     if (share) {
       const auto [offset, numel] = group.ReplicaChunk(replica);
       part = part.subspan(offset * sizeof(float), numel * sizeof(float));
     }
-    sends.push_back({placement.PeerRank(replica), part});
+    sends.push_back({replica, placement.PeerRank(replica), part});
   }
   const transport::DataOp op =
       share ? transport::DataOp::kReplicaPartial : transport::DataOp::kReplicaReduced;
   // Every peer at once (each has its own link); this thread sends to the first.
   std::vector<absl::Status> sent(sends.size());
+  auto send = [&](size_t i) {
+    sent[i] = SendTo(sends[i], op, group, step);
+    if (sent[i].ok()) group.MarkDelivered(step, what, sends[i].replica);
+  };
   std::vector<std::thread> senders;
-  for (size_t i = 1; i < sends.size(); ++i) {
-    senders.emplace_back([&, i] { sent[i] = SendTo(sends[i], op, group, step); });
-  }
-  sent[0] = SendTo(sends[0], op, group, step);
+  for (size_t i = 1; i < sends.size(); ++i) senders.emplace_back(send, i);
+  if (!sends.empty()) send(0);
   for (std::thread& sender : senders) sender.join();
   for (size_t i = 0; i < sends.size(); ++i) {
     if (sent[i].ok()) continue;
@@ -164,9 +167,12 @@ absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Gr
       link.active = nullptr;
     }
     if (transported.ok()) {
-      if (verdict.ok()) stats_.exchange_bytes_sent += static_cast<int64_t>(send.bytes.size());
-      // Held or applied already (a resend after a lost answer): delivered.
-      return absl::IsAlreadyExists(verdict) ? absl::OkStatus() : verdict;
+      // Held or applied already: its answer to an earlier send was lost (peers that
+      // answered are not sent it again), so it is counted now, as the receiver counted
+      // it when it took it.
+      const bool delivered = verdict.ok() || absl::IsAlreadyExists(verdict);
+      if (delivered) stats_.exchange_bytes_sent += static_cast<int64_t>(send.bytes.size());
+      return delivered ? absl::OkStatus() : verdict;
     }
     // The connection is unusable; an idle one may just have gone stale: one more try.
     link.conn.reset();

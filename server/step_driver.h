@@ -19,14 +19,17 @@
 // with Unavailable naming the peer, and the step waits. A worker that sends that
 // contribution again finds it held (AlreadyExists): BeginScatter then retries what the
 // step still waits for from this server (the partial, the reduced chunk, the norm
-// share), so a step survives a peer that was briefly unreachable. A broadcast that runs
-// aside has no worker waiting for it: it retries by itself until it is delivered.
+// share) to the peers that did not take it, so a step survives a peer that was briefly
+// unreachable. A broadcast that runs aside has no worker waiting for it: it retries by
+// itself until it is delivered.
 //
 // The exchange travels on the TCP data plane, one connection per peer opened with a
 // session from its OpenSession (the cluster token authenticates it), used by one send at
 // a time; the R - 1 sends of a phase go at once.
 // A send that fails on a connection that went stale is retried once on a new one; a
-// peer that already holds or applied the chunk (AlreadyExists) counts as delivered.
+// peer that already holds or applied the chunk (AlreadyExists: its answer to an earlier
+// send was lost) counts as delivered. exchange_bytes_sent counts each chunk once per
+// peer that took it, as the peer's exchange_bytes_received does.
 // Thread-safe.
 //
 //   StepDriver driver(num_servers, clip, connect_to_peer, absl::Seconds(30), stats);
@@ -94,12 +97,14 @@ class StepDriver {
     // `conn` while a send is on it, for Stop to cut short.
     transport::Connection* active ABSL_GUARDED_BY(active_mu) = nullptr;
   };
-  // One message of the exchange: `bytes` to server `peer`.
+  // One message of the exchange: `bytes` to server `peer`, of replica group `replica`.
   struct Send {
+    int replica = 0;
     int peer = 0;
     absl::Span<const std::byte> bytes;
   };
-  // kShare and kBroadcast: sends, then commits; on failure releases the claim
+  // kShare and kBroadcast: sends to the peers that do not hold it yet (recording each
+  // that takes it: Group::MarkDelivered), then commits; on failure releases the claim
   // (Group::ReleasePending) and returns Unavailable naming the peer.
   absl::StatusOr<CommitOutcome> Deliver(Group& group, int64_t step, CommitOutcome what);
   absl::Status SendTo(const Send& send, transport::DataOp op, const Group& group, int64_t step);

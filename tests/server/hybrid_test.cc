@@ -379,6 +379,32 @@ TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
   EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
 }
 
+// A peer that already took a chunk (its answer to the first send was lost) answers a
+// resend with AlreadyExists: delivered, and counted in exchange_bytes_sent then, once, as
+// the peer counted it when it took it.
+TEST(HybridTest, AChunkThePeerAlreadyTookCountsAsDeliveredOnce) {
+  Replicas r = MakeReplicas(2);
+  Group& first = *r.group[0];
+  Group& second = *r.group[1];
+  ReduceChunks(r);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);  // the lost answer's send
+  ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
+
+  ExchangePeer peer(second);
+  Registry registry(/*rank=*/1, /*num_servers=*/4);
+  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
+  ServerStats stats;
+  StepDriver driver(4, clip, [&](int) { return transport::ConnectTcp("127.0.0.1", peer.port(), absl::Seconds(10)); },
+                    absl::Seconds(10), stats);
+  const absl::Status resent = driver.Continue(first, 0, CommitOutcome::kBroadcast);
+  EXPECT_TRUE(resent.ok()) << resent;
+  EXPECT_EQ(first.version(), 1);
+  EXPECT_EQ(stats.exchange_bytes_sent, 4 * sizeof(float));  // chunk 0: elements 0 to 3
+  EXPECT_EQ(Params(first), Params(second));
+}
+
 // A server that stops while a broadcast waits on a hung peer (it takes the connection
 // but never answers) does not wait for the send's timeout.
 TEST(HybridTest, StoppingTheDriverCutsASendToAHungPeerShort) {
