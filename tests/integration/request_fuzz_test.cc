@@ -14,6 +14,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include <google/protobuf/message.h>
 
 #include "absl/strings/escaping.h"
+#include "absl/synchronization/mutex.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/scratch_dir.h"
@@ -210,6 +212,24 @@ class RequestFuzzTest : public ::testing::Test {
     }
   }
 
+  // Answers by op and code, counted from several threads.
+  class Tally {
+   public:
+    void Count(const std::string& what) {
+      absl::MutexLock lock(&mu_);
+      ++counts_[what];
+    }
+    void Print() {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [what, n] : counts_) std::cerr << what << ": " << n << "\n";
+    }
+
+   private:
+    absl::Mutex mu_;
+    std::map<std::string, int> counts_ ABSL_GUARDED_BY(mu_);
+  };
+  void FuzzDataPlane(uint64_t seed, int requests, Tally& answers);
+
   // Every server still answers, and a fresh job of two workers takes a step of SGD to
   // the exact values.
   void ExpectServersTrain() {
@@ -330,12 +350,14 @@ absl::StatusOr<Answer> ReadAnswer(transport::Connection& conn) {
   return answer;
 }
 
-// Well-formed frames (valid op, dtype and lengths) with random fields: every op, job and
-// group names that exist or not, worker ranks, steps and timeouts on their boundaries,
-// payloads of the sizes the groups take, of others, and random targets, ranges and part
-// heads. Scatters of the right size are taken, so the fuzzed groups step on the way.
-TEST_F(RequestFuzzTest, RandomDataRequestsAreEachAnsweredOnAConnectionThatServesOn) {
-  Fuzzer fuzz(Seed(1123));
+// `requests` well-formed frames (valid op, dtype and lengths) with random fields from
+// `seed`, over a connection of its own to each server: every op, job and group names that
+// exist or not, worker ranks, steps and timeouts on their boundaries, payloads of the
+// sizes the groups take, of others, and random targets, ranges and part heads. Each gets
+// exactly one answer; then each connection still serves a plain gather. Counts the
+// answers by op and code into `answers`.
+void RequestFuzzTest::FuzzDataPlane(uint64_t seed, int requests, Tally& answers) {
+  Fuzzer fuzz(seed);
   std::vector<std::unique_ptr<transport::Connection>> conns;
   for (int rank = 0; rank < 3; ++rank) {
     auto conn = cluster_.RawDataConnection(rank);
@@ -347,8 +369,7 @@ TEST_F(RequestFuzzTest, RandomDataRequestsAreEachAnsweredOnAConnectionThatServes
     for (uint64_t size : {bytes, bytes / 2, bytes + 4}) sizes.push_back(size);
   }
   auto size = [&] { return sizes[fuzz.Below(sizes.size())]; };
-  std::map<std::string, int> answers;
-  for (int i = 0; i < 3000; ++i) {
+  for (int i = 0; i < requests; ++i) {
     transport::RequestHeader header;
     header.op = static_cast<uint8_t>(1 + fuzz.Below(static_cast<int>(transport::kLastDataOp)));
     header.dtype = static_cast<uint8_t>(fuzz.Below(3));
@@ -407,7 +428,7 @@ TEST_F(RequestFuzzTest, RandomDataRequestsAreEachAnsweredOnAConnectionThatServes
     const std::string payload = head + body;
     const int rank = static_cast<int>(fuzz.Below(conns.size()));
     const std::string context =
-        absl::StrCat("request ", i, " to server ", rank, ": op ", header.op, " dtype ", header.dtype, " worker ",
+        absl::StrCat("seed ", seed, " request ", i, " to server ", rank, ": op ", header.op, " dtype ", header.dtype, " worker ",
                      header.worker_rank, " version ", header.version, " timeout ", header.timeout_ms, " ms, job '",
                      job, "' group '", group, "', payload ", absl::BytesToHexString(head), " + ", body.size(), " bytes");
     ASSERT_TRUE(transport::SendRequest(*conns[rank], header, job, group,
@@ -418,7 +439,7 @@ TEST_F(RequestFuzzTest, RandomDataRequestsAreEachAnsweredOnAConnectionThatServes
     absl::StatusOr<Answer> answer = ReadAnswer(*conns[rank]);
     ASSERT_TRUE(answer.ok()) << context << ": " << answer.status();
     const auto code = static_cast<absl::StatusCode>(answer->header.code);
-    ++answers[absl::StrCat("op ", header.op, " ", absl::StatusCodeToString(code))];
+    answers.Count(absl::StrCat("op ", header.op, " ", absl::StatusCodeToString(code)));
     EXPECT_NE(code, absl::StatusCode::kUnknown) << context;
     EXPECT_NE(code, absl::StatusCode::kInternal) << context;
     if (code != absl::StatusCode::kOk) {
@@ -426,7 +447,6 @@ TEST_F(RequestFuzzTest, RandomDataRequestsAreEachAnsweredOnAConnectionThatServes
       EXPECT_EQ(answer->header.payload_bytes, 0) << context;
     }
   }
-  for (const auto& [what, n] : answers) std::cerr << what << ": " << n << "\n";
   // Each connection is in step and serves a plain gather.
   for (int rank = 0; rank < 3; ++rank) {
     transport::RequestHeader gather;
@@ -438,6 +458,17 @@ TEST_F(RequestFuzzTest, RandomDataRequestsAreEachAnsweredOnAConnectionThatServes
     EXPECT_EQ(answer->header.code, 0) << answer->message;
     EXPECT_EQ(static_cast<uint64_t>(answer->header.payload_bytes), shard_bytes_.at({"test", "f"}));
   }
+}
+
+// Three such streams at once: requests race for the same slots, steps and exchanges.
+TEST_F(RequestFuzzTest, RandomDataRequestsAreEachAnsweredOnAConnectionThatServesOn) {
+  Tally answers;
+  std::vector<std::thread> streams;
+  for (uint64_t k = 0; k < 3; ++k) {
+    streams.emplace_back([&, k] { FuzzDataPlane(Seed(1123) + k, 1500, answers); });
+  }
+  for (std::thread& stream : streams) stream.join();
+  answers.Print();
   ExpectServersTrain();
 }
 
