@@ -49,7 +49,8 @@
 // partials and gather snapshots are host-addressable memory the tier's kernels reach
 // directly.
 //
-// Thread-safe: every public method may be called from any thread.
+// Thread-safe: every public method may be called from any thread. The exchange's methods
+// are defined in group_exchange.cc, the rest in group.cc.
 //
 //   auto slot = group.BeginScatter(step, worker, DType::kBFloat16);
 //   conn.Recv(slot->buffer);  group.CommitScatter(*slot);
