@@ -36,6 +36,18 @@ std::vector<float> Params(Group& group) {
   return values;
 }
 
+// What a StepDriver of server 1 of 4 needs around it (jobs here do not clip), and its
+// counters. Outlives the drivers it makes.
+struct DriverSetting {
+  Registry registry{/*rank=*/1, /*num_servers=*/4};
+  ClipCoordinator clip{registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); }};
+  ServerStats stats;
+
+  std::unique_ptr<StepDriver> Driver(StepDriver::Connect connect, absl::Duration timeout) {
+    return std::make_unique<StepDriver>(4, clip, std::move(connect), timeout, stats);
+  }
+};
+
 absl::StatusOr<CommitOutcome> Contribute(Group& group, int64_t step, int worker,
                                          const std::vector<float>& grad) {
   absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(step, worker, DType::kFloat32);
@@ -356,17 +368,15 @@ TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
   ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kPending);  // first's chunk is missing
 
   ExchangePeer peer(second);  // server 3, replica group 1's holder of shard 1
-  Registry registry(/*rank=*/1, /*num_servers=*/4);
-  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
+  DriverSetting setting;
   std::atomic<int> connects = 0;
-  ServerStats stats;
   {
-    StepDriver driver(4, clip, [&](int rank) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
+    const std::unique_ptr<StepDriver> driver = setting.Driver([&](int rank) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
       EXPECT_EQ(rank, 3);
       if (++connects <= 2) return absl::UnavailableError("not yet");
       return transport::ConnectTcp("127.0.0.1", peer.port(), absl::Seconds(10));
-    }, absl::Seconds(10), stats);
-    driver.ContinueAside(r.group[0], 0, CommitOutcome::kBroadcast);
+    }, absl::Seconds(10));
+    driver->ContinueAside(r.group[0], 0, CommitOutcome::kBroadcast);
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
     for (Group* group : {&second, &first}) {
       const absl::StatusOr<int64_t> reached = group->WaitVersion(1, deadline);
@@ -374,7 +384,7 @@ TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
     }
   }
   EXPECT_EQ(connects, 3);
-  EXPECT_EQ(stats.exchange_bytes_sent, 4 * sizeof(float));  // chunk 0: elements 0 to 3
+  EXPECT_EQ(setting.stats.exchange_bytes_sent, 4 * sizeof(float));  // chunk 0: elements 0 to 3
   EXPECT_EQ(Params(first), Params(second));
   EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
 }
@@ -393,15 +403,14 @@ TEST(HybridTest, AChunkThePeerAlreadyTookCountsAsDeliveredOnce) {
   ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
 
   ExchangePeer peer(second);
-  Registry registry(/*rank=*/1, /*num_servers=*/4);
-  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
-  ServerStats stats;
-  StepDriver driver(4, clip, [&](int) { return transport::ConnectTcp("127.0.0.1", peer.port(), absl::Seconds(10)); },
-                    absl::Seconds(10), stats);
-  const absl::Status resent = driver.Continue(first, 0, CommitOutcome::kBroadcast);
+  DriverSetting setting;
+  const std::unique_ptr<StepDriver> driver =
+      setting.Driver([&](int) { return transport::ConnectTcp("127.0.0.1", peer.port(), absl::Seconds(10)); },
+                     absl::Seconds(10));
+  const absl::Status resent = driver->Continue(first, 0, CommitOutcome::kBroadcast);
   EXPECT_TRUE(resent.ok()) << resent;
   EXPECT_EQ(first.version(), 1);
-  EXPECT_EQ(stats.exchange_bytes_sent, 4 * sizeof(float));  // chunk 0: elements 0 to 3
+  EXPECT_EQ(setting.stats.exchange_bytes_sent, 4 * sizeof(float));  // chunk 0: elements 0 to 3
   EXPECT_EQ(Params(first), Params(second));
 }
 
@@ -415,14 +424,12 @@ TEST(HybridTest, StoppingTheDriverCutsASendToAHungPeerShort) {
   absl::StatusOr<std::unique_ptr<transport::Listener>> hung = transport::ListenTcp("127.0.0.1", 0);
   ASSERT_TRUE(hung.ok()) << hung.status();
   const int port = (*hung)->port();
-  Registry registry(/*rank=*/1, /*num_servers=*/4);
-  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
+  DriverSetting setting;
   std::atomic<int> connects = 0;
-  ServerStats stats;
-  auto driver = std::make_unique<StepDriver>(4, clip, [&](int) {
+  auto driver = setting.Driver([&](int) {
     ++connects;
     return transport::ConnectTcp("127.0.0.1", port, absl::Seconds(60));
-  }, absl::Seconds(60), stats);
+  }, absl::Seconds(60));
   driver->ContinueAside(r.group[0], 0, CommitOutcome::kBroadcast);
   while (connects == 0) absl::SleepFor(absl::Milliseconds(10));
   absl::SleepFor(absl::Milliseconds(100));  // the request is sent; the answer never comes
@@ -435,7 +442,7 @@ TEST(HybridTest, StoppingTheDriverCutsASendToAHungPeerShort) {
   hung->reset();  // closing the backlog resets the connection, should the test have failed
   stopper.join();
   EXPECT_EQ(r.group[0]->version(), 0);  // nothing was delivered
-  EXPECT_EQ(stats.exchange_bytes_sent, 0);
+  EXPECT_EQ(setting.stats.exchange_bytes_sent, 0);
 }
 
 // Every worker's contribution to step 0 is answered before the exchange has finished
@@ -445,12 +452,11 @@ TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
   Replicas r = MakeReplicas(2);
   Group& first = *r.group[0];
   Group& second = *r.group[1];
-  Registry registry(/*rank=*/1, /*num_servers=*/4);
-  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
-  ServerStats stats;
-  StepDriver driver(4, clip, [](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(20), stats);
+  DriverSetting setting;
+  const std::unique_ptr<StepDriver> driver =
+      setting.Driver([](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(20));
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  const absl::Status early = driver.BeginScatter(first, 1, 0, DType::kFloat32, deadline).status();
+  const absl::Status early = driver->BeginScatter(first, 1, 0, DType::kFloat32, deadline).status();
   EXPECT_TRUE(absl::IsFailedPrecondition(early)) << early;  // step 0 has nothing yet: refused
   ReduceChunks(r);
   ASSERT_FALSE(HasFatalFailure());
@@ -460,7 +466,7 @@ TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
     EXPECT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
     EXPECT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
   });
-  const absl::StatusOr<ReceiveSlot> next = driver.BeginScatter(first, 1, 0, DType::kFloat32, deadline);
+  const absl::StatusOr<ReceiveSlot> next = driver->BeginScatter(first, 1, 0, DType::kFloat32, deadline);
   finish.join();
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->step, 1);
@@ -473,15 +479,14 @@ TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
 TEST(HybridTest, AnEarlyContributionWaitsUntilItsRequestsDeadlineAtMost) {
   Replicas r = MakeReplicas(2);
   Group& first = *r.group[0];
-  Registry registry(/*rank=*/1, /*num_servers=*/4);
-  ClipCoordinator clip(registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); });
-  ServerStats stats;
-  StepDriver driver(4, clip, [](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(60), stats);
+  DriverSetting setting;
+  const std::unique_ptr<StepDriver> driver =
+      setting.Driver([](int) { return absl::UnavailableError("no peers here"); }, absl::Seconds(60));
   ReduceChunks(r);
   ASSERT_FALSE(HasFatalFailure());
   const absl::Time start = absl::Now();
   const absl::Status early =
-      driver.BeginScatter(first, 1, 0, DType::kFloat32, absl::Now() + absl::Milliseconds(200)).status();
+      driver->BeginScatter(first, 1, 0, DType::kFloat32, absl::Now() + absl::Milliseconds(200)).status();
   EXPECT_TRUE(absl::IsDeadlineExceeded(early)) << early;
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));  // not the peer timeout
   EXPECT_EQ(first.version(), 0);
