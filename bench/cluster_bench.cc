@@ -6,7 +6,7 @@
 // Servers run in this process (the same code as flatshard-server), workers are threads
 // with their own Client, all on 127.0.0.1.
 //
-//   build/bin/cluster_bench [--quick]
+//   build/bin/cluster_bench [--quick] [--sections=data --shapes=1x1,4x1]
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -51,6 +51,9 @@ ABSL_FLAG(int64_t, gather_split_bytes, flatshard::ClientOptions().gather_split_b
           "the workers' ClientOptions::gather_split_bytes (0: every gather one request per server)");
 ABSL_FLAG(int64_t, scatter_split_bytes, flatshard::ClientOptions().scatter_split_bytes,
           "the workers' ClientOptions::scatter_split_bytes (0: every scatter one request per server)");
+ABSL_FLAG(std::vector<std::string>, shapes, {},
+          "data section: only these configurations, as servers x workers (e.g. 1x1,4x1; "
+          "hybrid: 2x2/R2); empty: all");
 ABSL_FLAG(std::vector<std::string>, sections, std::vector<std::string>({"data", "optimizer", "latency", "checkpoints"}),
           "which tables to print: data, optimizer, latency, checkpoints");
 
@@ -491,8 +494,9 @@ void Checkpoints(int64_t bytes) {
 }
 
 // Gather and scatter throughput per (servers, workers, group size), vs iperf3 over
-// loopback with as many streams.
-void DataPlane(bool quick, double seconds) {
+// loopback with as many streams; `shapes` (servers x workers, "/R<replicas>" for hybrid
+// rows) limits the configurations when not empty.
+void DataPlane(bool quick, double seconds, const std::vector<std::string>& shapes) {
   struct Config {
     int servers, workers;
     int64_t bytes;
@@ -512,6 +516,13 @@ void DataPlane(bool quick, double seconds) {
     configs.push_back({4, 4, int64_t{64} << 20, 2});
     configs.push_back({3, 3, int64_t{64} << 20});
     configs.push_back({3, 3, int64_t{64} << 20, 3});
+  }
+  if (!shapes.empty()) {
+    std::erase_if(configs, [&](const Config& c) {
+      const std::string shape =
+          absl::StrCat(c.servers, "x", c.workers, c.replicas > 1 ? absl::StrCat("/R", c.replicas) : "");
+      return std::find(shapes.begin(), shapes.end(), shape) == shapes.end();
+    });
   }
   std::printf("%-8s %7s %7s %8s %10s %14s %8s\n", "op", "servers", "workers", "group", "GB/s",
               "iperf3 GB/s", "ratio");
@@ -545,14 +556,15 @@ void DataPlane(bool quick, double seconds) {
 int main(int argc, char** argv) {
   using namespace flatshard::bench;
   absl::SetProgramUsageMessage(
-      "cluster_bench [--quick] [--sections=data,optimizer,latency,checkpoints]: ratios against anchors measured in the same run");
+      "cluster_bench [--quick] [--sections=data,optimizer,latency,checkpoints] [--shapes=1x1,2x2/R2]: ratios "
+      "against anchors measured in the same run");
   flatshard::ParseCommandLineOrExit(argc, argv, "cluster_bench");
   const bool quick = absl::GetFlag(FLAGS_quick);
   const double seconds = quick ? 0.4 : absl::GetFlag(FLAGS_seconds);
 
   const std::vector<std::string> sections = absl::GetFlag(FLAGS_sections);
   auto wanted = [&](const char* section) { return std::find(sections.begin(), sections.end(), section) != sections.end(); };
-  if (wanted("data")) DataPlane(quick, seconds);
+  if (wanted("data")) DataPlane(quick, seconds, absl::GetFlag(FLAGS_shapes));
   if (wanted("optimizer")) {
     std::vector<int> thread_counts = {1};
     if (const int all = flatshard::server::ComputePool(0).threads(); all > 1) thread_counts.push_back(all);
