@@ -67,7 +67,7 @@ void DataServer::AcceptLoop() {
     absl::StatusOr<std::unique_ptr<Connection>> conn = listener_->Accept();
     if (!conn.ok()) {
       if (absl::IsCancelled(conn.status())) return;
-      continue;  // transient accept failure (e.g. out of fds): keep serving
+      continue;  // transient (e.g. out of fds, after Accept's pause): keep serving
     }
     absl::MutexLock lock(&mu_);
     if (stopping_) return;

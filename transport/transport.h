@@ -52,10 +52,15 @@ class Connection {
   virtual std::string peer() const = 0;
 };
 
+// How long Listener::Accept waits before it reports running out of descriptors or memory.
+inline constexpr absl::Duration kOutOfResourcesPause = absl::Milliseconds(100);
+
 class Listener {
  public:
   virtual ~Listener() = default;
-  // Blocks until a peer connects. Returns Cancelled after Shutdown().
+  // Blocks until a peer connects. Returns Cancelled after Shutdown(); ResourceExhausted,
+  // after a pause (kOutOfResourcesPause), when the process is out of descriptors or
+  // memory for the connection, which then waits in the backlog for the next call.
   [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<Connection>> Accept() = 0;
   // Stops accepting; unblocks Accept(). Thread-safe.
   virtual void Shutdown() = 0;

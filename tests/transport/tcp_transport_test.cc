@@ -3,6 +3,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <random>
 #include <set>
@@ -207,6 +211,37 @@ TEST(TcpTransportTest, ListenerShutdownUnblocksAccept) {
   (*listener)->Shutdown();
   acceptor.join();
   EXPECT_TRUE(absl::IsCancelled(status)) << status;
+}
+
+// Out of descriptors, accept fails while the peer stays in the backlog and the socket
+// readable: Accept pauses before it says so, so that a server's accept loop does not
+// spin, and takes the peer once a descriptor is free.
+TEST(TcpTransportTest, AcceptOutOfDescriptorsPausesAndThePeerWaitsInTheBacklog) {
+  auto listener = ListenTcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  auto client = ConnectTcp("127.0.0.1", (*listener)->port(), absl::Seconds(5));
+  ASSERT_TRUE(client.ok()) << client.status();
+  rlimit limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &limit), 0);
+  const int lowest_free = open("/dev/null", O_RDONLY);  // the descriptor accept would get
+  ASSERT_GE(lowest_free, 0);
+  close(lowest_free);
+  rlimit lowered = limit;
+  lowered.rlim_cur = static_cast<rlim_t>(lowest_free);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  const absl::Time start = absl::Now();
+  auto refused = (*listener)->Accept();
+  const absl::Duration waited = absl::Now() - start;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &limit), 0);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("accept: Too many open files"));
+  EXPECT_GE(waited, kOutOfResourcesPause);
+  auto accepted = (*listener)->Accept();
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_TRUE((*client)->Send({Bytes(std::vector<uint8_t>{1, 2, 3})}).ok());
+  std::vector<uint8_t> got(3);
+  ASSERT_TRUE((*accepted)->Recv(Bytes(got)).ok());
+  EXPECT_EQ(got, (std::vector<uint8_t>{1, 2, 3}));
 }
 
 TEST(TcpTransportTest, ConnectingToAPortNobodyListensOnIsUnavailable) {

@@ -18,6 +18,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/status_macros.h"
 
 namespace flatshard::transport {
@@ -171,8 +172,15 @@ class TcpListener final : public Listener {
       if (ready <= 0) continue;
       const int conn = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
       if (conn < 0) {
-        if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
-        return ErrnoStatus("accept", errno);
+        const int err = errno;
+        if (err == EINTR || err == EAGAIN || err == ECONNABORTED) continue;
+        if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+          // The peer stays in the backlog and the socket readable: a caller that tried
+          // again at once would spin until descriptors or memory come free.
+          absl::SleepFor(kOutOfResourcesPause);
+          return absl::ResourceExhaustedError(absl::StrCat("accept: ", std::strerror(err)));
+        }
+        return ErrnoStatus("accept", err);
       }
       TuneSocket(conn);
       return std::make_unique<TcpConnection>(conn);
