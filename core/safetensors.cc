@@ -1,8 +1,10 @@
 #include "core/safetensors.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cstring>
-#include <nlohmann/json.hpp>
+#include <limits>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -136,8 +138,9 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view byt
     t.begin = entry["data_offsets"][0].get<uint64_t>();
     t.end = entry["data_offsets"][1].get<uint64_t>();
     absl::StatusOr<int64_t> numel = ShapeNumel(t.shape, t.name);
-    if (!numel.ok() || t.end < t.begin ||
-        t.end - t.begin != static_cast<uint64_t>(*numel) * DTypeSize(t.dtype)) {
+    // The byte count must not wrap around: 2^61 float64 elements are not 0 bytes.
+    if (!numel.ok() || static_cast<uint64_t>(*numel) > std::numeric_limits<uint64_t>::max() / DTypeSize(t.dtype) ||
+        t.end < t.begin || t.end - t.begin != static_cast<uint64_t>(*numel) * DTypeSize(t.dtype)) {
       return bad(absl::StrCat("tensor '", t.name, "': data_offsets [", t.begin, ", ", t.end,
                               "] do not match its shape and dtype"));
     }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <random>
 
 #include "core/file.h"
 
@@ -95,6 +96,9 @@ TEST(SafetensorsTest, DamagedFilesAreRefusedNamingTheProblem) {
       {FileWithHeader(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "hole"},
       {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2]}})", 8), "needs dtype, shape and data_offsets"},
       {std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + "{}", "does not fit"},
+      // 2^61 float64 elements are 2^64 bytes: 0 once wrapped around.
+      {FileWithHeader(R"({"a":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})", 0),
+       "do not match"},
   };
   for (size_t i = 0; i < std::size(cases); ++i) {
     const std::string path = Path(absl::StrCat(i, ".safetensors"));
@@ -105,6 +109,49 @@ TEST(SafetensorsTest, DamagedFilesAreRefusedNamingTheProblem) {
     EXPECT_THAT(std::string(read.status().message()), HasSubstr(cases[i].message)) << i;
     EXPECT_THAT(std::string(read.status().message()), HasSubstr(path)) << i;
   }
+}
+
+// Random damage to a valid header: every outcome is DataLoss naming the file, or a header
+// whose tensors tile the data exactly, match their shapes and fit the file; never a
+// crash, an exception or an offset out of range. The sanitizer build runs it under
+// AddressSanitizer.
+TEST(SafetensorsTest, RandomlyDamagedHeadersAreRefusedOrConsistent) {
+  auto built = SafetensorsHeader::Build({{"w", DType::kFloat32, {3, 5}}, {"b", DType::kBFloat16, {7}},
+                                         {"s", DType::kFloat16, {}}, {"e", DType::kInt64, {0, 4}}},
+                                        {{"format", "pt"}});
+  ASSERT_TRUE(built.ok()) << built.status();
+  const std::string valid(reinterpret_cast<const char*>(built->bytes().data()), built->bytes().size());
+  const std::string alphabet = "{}[]\":,0123456789-+eE.FBIU_ \\a\xff";
+  std::mt19937 rng(20261123);
+  int accepted = 0;
+  for (int i = 0; i < 20000; ++i) {
+    std::string bytes = valid;
+    for (int flips = 1 + static_cast<int>(rng() % 4); flips > 0; --flips) {
+      const size_t at = 8 + rng() % (bytes.size() - 8);  // the JSON text: the length stays right
+      bytes[at] = rng() % 4 == 0 ? static_cast<char>(rng()) : alphabet[rng() % alphabet.size()];
+    }
+    const uint64_t file_size = built->file_size() + (rng() % 8 == 0 ? rng() % 64 - 32 : 0);
+    auto header = SafetensorsHeader::Parse(bytes, file_size, "fuzz.safetensors");
+    if (!header.ok()) {
+      EXPECT_EQ(header.status().code(), absl::StatusCode::kDataLoss) << header.status();
+      EXPECT_THAT(std::string(header.status().message()), HasSubstr("fuzz.safetensors"));
+      continue;
+    }
+    ++accepted;
+    EXPECT_EQ(header->file_size(), file_size);
+    uint64_t covered = 0;
+    for (const SafetensorsTensor& t : header->tensors()) {
+      uint64_t numel = 1;
+      for (int64_t dim : t.shape) numel *= static_cast<uint64_t>(dim);
+      EXPECT_LE(t.begin, t.end) << bytes;
+      EXPECT_LE(header->data_start() + t.end, file_size) << bytes;
+      EXPECT_EQ(t.end - t.begin, numel * DTypeSize(t.dtype)) << bytes;
+      covered += t.end - t.begin;
+    }
+    EXPECT_EQ(header->data_start() + covered, file_size) << bytes;
+  }
+  // Damage to names, metadata and spaces still parses.
+  EXPECT_GT(accepted, 0);
 }
 
 TEST(SafetensorsTest, BuildRefusesBadNames) {
