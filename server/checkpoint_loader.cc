@@ -36,7 +36,11 @@ absl::StatusOr<std::map<std::string, ManifestFile>> ManifestFiles(const Json& ma
 absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointReader& reader, const Registry& registry,
                                              const std::string& name, const std::string& job, int rank,
                                              int num_servers, ProgressCounter* progress) {
-  FLATSHARD_ASSIGN_OR_RETURN(const CheckpointKind kind, ParseCheckpointKind(manifest.value("kind", "")));
+  const absl::StatusOr<CheckpointKind> kind_or = ParseCheckpointKind(manifest.value("kind", ""));
+  if (!kind_or.ok()) {
+    return absl::DataLossError(absl::StrCat("checkpoint '", name, "' manifest: ", kind_or.status().message()));
+  }
+  const CheckpointKind kind = *kind_or;
   const bool optimizer = manifest.value("optimizer", false);
   if (kind == CheckpointKind::kLocal && manifest.value("servers", 0) != num_servers) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -107,7 +111,7 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
 
   std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>> staged;
   std::set<std::string> in_checkpoint;
-  for (const Json& spec : manifest["groups"]) {
+  for (const Json& spec : manifest.at("groups")) {
     const std::string group_name = spec.value("name", "");
     in_checkpoint.insert(group_name);
     absl::StatusOr<std::shared_ptr<Group>> group_or = registry.FindGroup(job, group_name);
@@ -117,15 +121,15 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
     }
     const std::shared_ptr<Group>& group = *group_or;
     const FlatLayout& layout = group->layout();
-    if (spec["tensors"] != TensorsJson(layout) || spec.value("align", int64_t{-1}) != layout.align()) {
+    if (spec.at("tensors") != TensorsJson(layout) || spec.value("align", int64_t{-1}) != layout.align()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint '", name, "' group '", group_name, "' does not match the registered group: checkpoint ",
-          spec["tensors"].dump(), " align ", spec.value("align", int64_t{-1}), "; registered ",
+          spec.at("tensors").dump(), " align ", spec.value("align", int64_t{-1}), "; registered ",
           TensorsJson(layout).dump(), " align ", layout.align()));
     }
     std::vector<std::string> state_names;
     if (optimizer) {
-      for (const auto& s : spec["state"]) state_names.push_back(s.get<std::string>());
+      for (const auto& s : spec.at("state")) state_names.push_back(s.get<std::string>());
       if (state_names != group->optimizer_state_names()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "checkpoint '", name, "' group '", group_name, "' has ", spec.value("optimizer", ""),

@@ -201,8 +201,9 @@ int CheckpointStore::PartsExpected(const std::string& dir) const {
   // A hybrid-sharded job's checkpoint has one part per server of a replica group; every
   // part says how many (this server's is there when it asks).
   absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
-  const int servers = own.ok() ? own->value("servers", num_servers_) : num_servers_;
-  return servers >= 1 && servers <= num_servers_ ? servers : num_servers_;
+  const bool said = own.ok() && own->is_object() && own->contains("servers") && own->at("servers").is_number_integer();
+  const int64_t servers = said ? own->at("servers").get<int64_t>() : num_servers_;
+  return servers >= 1 && servers <= num_servers_ ? static_cast<int>(servers) : num_servers_;
 }
 
 absl::Status CheckpointStore::CommitIfComplete(const std::string& name) {
@@ -238,6 +239,13 @@ absl::Status CheckpointStore::FinishPart(const std::string& name, int rank, cons
   if (!part.is_object() || !part.contains("files") || !part["files"].is_array()) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint '", name, "': server ", rank,
                                                    "'s part description is not a JSON object with its files"));
+  }
+  for (const Json& file : part["files"]) {
+    if (!file.is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint '", name, "': server ", rank,
+                                                     "'s part lists a file that is not a name: ", file.dump()));
+    }
+    FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(file.get<std::string>(), "checkpoint file"));
   }
   Json extents = Json::object();
   for (const auto& [file, file_extents] : sink.extents()) extents[file] = ExtentsToJson(file_extents);
@@ -331,6 +339,17 @@ absl::Status AddPartExtents(const Json& part, const std::string& what,
 }  // namespace
 
 absl::Status CheckpointStore::Commit(const std::string& name) {
+  // The parts' descriptions are read from disk: one of the wrong shape makes nlohmann
+  // throw, which is damage like any other.
+  try {
+    return CommitParts(name);
+  } catch (const Json::exception& error) {
+    return absl::DataLossError(absl::StrCat("checkpoint '", name, "': a part's description is malformed: ",
+                                            error.what()));
+  }
+}
+
+absl::Status CheckpointStore::CommitParts(const std::string& name) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
   const std::string dir = PartialDir(name);
   if (!fs::exists(dir) && fs::exists(final_dir + "/" + kManifest)) {
@@ -415,12 +434,19 @@ absl::StatusOr<std::vector<CheckpointInfo>> CheckpointStore::List() const {
     if (!manifest.ok()) continue;
     info.name = base;
     info.complete = true;
-    info.kind = manifest->value("kind", "");
-    info.job = manifest->value("job", "");
-    info.servers = manifest->value("servers", 0);
-    info.optimizer = manifest->value("optimizer", false);
-    for (const auto& file : (*manifest)["files"]) info.bytes += file.value("bytes", int64_t{0});
-    for (const auto& group : (*manifest)["groups"]) info.versions[group.value("name", "")] = group.value("version", int64_t{0});
+    // A manifest of the wrong shape (nlohmann throws) is no checkpoint; loading it says why.
+    try {
+      info.kind = manifest->value("kind", "");
+      info.job = manifest->value("job", "");
+      info.servers = manifest->value("servers", 0);
+      info.optimizer = manifest->value("optimizer", false);
+      for (const auto& file : manifest->at("files")) info.bytes += file.value("bytes", int64_t{0});
+      for (const auto& group : manifest->at("groups")) {
+        info.versions[group.value("name", "")] = group.value("version", int64_t{0});
+      }
+    } catch (const Json::exception&) {
+      continue;
+    }
     result.push_back(info);
   }
   if (error) return absl::InternalError(absl::StrCat("cannot list '", root_, "': ", error.message()));
@@ -471,8 +497,26 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
     return absl::NotFoundError(absl::StrCat("no complete checkpoint named '", name, "'"));
   }
   FLATSHARD_RETURN_IF_ERROR(manifest_or.status());
-  const Json& manifest = *manifest_or;
-  if (manifest.value("format", "") != kFormat) {
+  // A hybrid-sharded job loads shard r % S of S into server r of every replica group.
+  FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
+  absl::StatusOr<StagedGroups> staged;
+  // What follows reads the manifest's fields; one of another type, or an array where an
+  // object belongs, makes nlohmann throw: damage like any other.
+  try {
+    staged = StageFromManifest(*manifest_or, dir, from_server_zero, name, job, placement);
+  } catch (const Json::exception& error) {
+    return absl::DataLossError(absl::StrCat("'", dir, "/", kManifest, "' is malformed: ", error.what()));
+  }
+  FLATSHARD_RETURN_IF_ERROR(staged.status());
+  absl::MutexLock lock(&mu_);
+  staged_[name] = *std::move(staged);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StagedGroups> CheckpointStore::StageFromManifest(const Json& manifest, const std::string& dir,
+                                                                bool from_server_zero, const std::string& name,
+                                                                const std::string& job, const Placement& placement) {
+  if (!manifest.is_object() || manifest.value("format", "") != kFormat) {
     return absl::DataLossError(absl::StrCat("'", dir, "/manifest.json' is not a ", kFormat, " manifest"));
   }
   using Files = std::map<std::string, ManifestFile>;
@@ -484,16 +528,8 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
                                return peers_->ReadCheckpointFile(0, name, file, offset, length, out);
                              })
           : CheckpointReader(dir, std::move(files), read_buffers_);
-
-  // A hybrid-sharded job loads shard r % S of S into server r of every replica group.
-  FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   const std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "load");
-  FLATSHARD_ASSIGN_OR_RETURN(StagedGroups staged,
-                             StageCheckpoint(manifest, reader, registry_, name, job, placement.shard,
-                                             placement.shards, progress.get()));
-  absl::MutexLock lock(&mu_);
-  staged_[name] = std::move(staged);
-  return absl::OkStatus();
+  return StageCheckpoint(manifest, reader, registry_, name, job, placement.shard, placement.shards, progress.get());
 }
 
 absl::Status CheckpointStore::CommitLoad(const std::string& name) {

@@ -119,7 +119,8 @@ class CheckpointStore {
   // Completes a checkpoint once every server saved its part; OK if a server sharing the
   // root already did. With a root per server (other parts absent), a LOCAL checkpoint is
   // committed per server: its manifest lists this server's files only. FailedPrecondition
-  // naming the missing or disagreeing part otherwise.
+  // naming the missing or disagreeing part otherwise; DataLoss for a part description of
+  // the wrong shape.
   [[nodiscard]] absl::Status Commit(const std::string& name);
 
   // Server 0's side of a part that a server with another root streams here: OpenPart
@@ -156,11 +157,20 @@ class CheckpointStore {
  private:
   absl::StatusOr<std::string> CheckpointDir(const std::string& name) const;
   std::string PartialDir(const std::string& name) const { return root_ + "/." + name + ".partial"; }
+  // Commit's work; may throw nlohmann::json::exception for a part description of the
+  // wrong shape (Commit catches it).
+  absl::Status CommitParts(const std::string& name);
   // Commits `name` if every part is in its partial directory and no one else has begun to.
   absl::Status CommitIfComplete(const std::string& name);
   // How many parts the checkpoint in partial directory `dir` has: its parts' "servers"
   // (the servers of one replica group, for a hybrid-sharded job), else the cluster's.
   int PartsExpected(const std::string& dir) const;
+  // PrepareLoad's work once the manifest is read: checks it, reads and verifies what this
+  // server loads (from server 0 when `from_server_zero`) and stages it. May throw
+  // nlohmann::json::exception for a manifest of the wrong shape (PrepareLoad catches it).
+  absl::StatusOr<StagedGroups> StageFromManifest(const nlohmann::json& manifest, const std::string& dir,
+                                                 bool from_server_zero, const std::string& name,
+                                                 const std::string& job, const Placement& placement);
   // Whether a FULL or SHARDED checkpoint is kept in server 0's root rather than this one.
   absl::StatusOr<bool> KeptByServerZero(const std::string& home_root_id);
   Registry& registry_;

@@ -10,7 +10,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "core/file.h"
 #include "core/float_bits.h"
 #include "core/safetensors.h"
@@ -273,6 +275,86 @@ TEST(CheckpointStoreTest, DamagedCheckpointsAreRefusedAndStateIsUntouched) {
   EXPECT_THAT(std::string(truncated.message()), HasSubstr("shard-0.safetensors"));
   ExpectBitwiseEqual(target.Collect(1), before);
   EXPECT_EQ(target.Load("missing").code(), absl::StatusCode::kNotFound);
+}
+
+// A manifest that is valid JSON of the wrong shape (a field of another type or missing,
+// an array for an object) is refused like any damage, naming the manifest, and leaves
+// the groups untouched; listing the root skips it rather than failing.
+TEST(CheckpointStoreTest, ManifestsOfTheWrongShapeAreRefusedAndListingSkipsThem) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(1, root);
+  cluster.Step(0);
+  ASSERT_TRUE(cluster.Save("good", CheckpointKind::kSharded, true, 1).ok());
+  std::ifstream in(root + "/good/manifest.json");
+  const nlohmann::json good = nlohmann::json::parse(in);
+  const std::vector<std::pair<std::string, nlohmann::json>> damage = {
+      {"", nlohmann::json::array()},        {"/kind", 5},
+      {"/optimizer", "yes"},                {"/groups", nlohmann::json::object({{"a", 1}})},
+      {"/groups", 3},                       {"/groups/0", 7},
+      {"/groups/0/name", 2},                {"/groups/0/state", {1, 2}},
+      {"/groups/0/version", "x"},           {"/groups/0/align", nullptr},
+      {"/files", "x"},                      {"/files/0", "x"},
+      {"/files/0/path", 9},                 {"/files/0/bytes", -1},
+      {"/files/0/extents", {{1}}},          {"/format", 1},
+      {"/root", 0},
+  };
+  std::vector<std::string> removed = {"/groups", "/files", "/groups/0/tensors", "/groups/0/name", "/kind"};
+  const Values before = cluster.Collect(1);
+  int index = 0;
+  auto expect_refused = [&](const nlohmann::json& manifest, const std::string& what) {
+    const std::string name = absl::StrCat("bad-", index++);
+    std::filesystem::copy(root + "/good", root + "/" + name, std::filesystem::copy_options::recursive);
+    std::ofstream(root + "/" + name + "/manifest.json", std::ios::trunc) << manifest.dump();
+    const absl::Status loaded = cluster.Load(name);
+    EXPECT_TRUE(absl::IsDataLoss(loaded) || absl::IsFailedPrecondition(loaded)) << what << ": " << loaded;
+    EXPECT_THAT(std::string(loaded.message()), HasSubstr(name)) << what;
+  };
+  for (const auto& [pointer, value] : damage) {
+    nlohmann::json manifest = good;
+    manifest[nlohmann::json::json_pointer(pointer)] = value;
+    expect_refused(manifest, absl::StrCat(pointer, " = ", value.dump()));
+  }
+  for (const std::string& pointer : removed) {
+    nlohmann::json manifest = good;
+    const nlohmann::json::json_pointer path(pointer);
+    manifest[path.parent_pointer()].erase(path.back());
+    expect_refused(manifest, absl::StrCat("without ", pointer));
+  }
+  ExpectBitwiseEqual(cluster.Collect(1), before);
+  auto list = cluster.store(0).List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_TRUE(std::any_of(list->begin(), list->end(), [](const CheckpointInfo& info) {
+    return info.name == "good" && info.complete;
+  }));
+  ASSERT_TRUE(cluster.Load("good").ok());
+}
+
+// A peer's part (WriteCheckpointPart) must list plain file names; a part description on
+// disk of the wrong shape makes the commit DataLoss, not an exception.
+TEST(CheckpointStoreTest, PartDescriptionsOfTheWrongShapeAreRefused) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(2, root);
+  auto sink = cluster.store(0).OpenPart("peer");
+  ASSERT_TRUE(sink.ok()) << sink.status();
+  for (const auto& [part, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"files": [5]})", "lists a file that is not a name: 5"},
+           {R"({"files": ["../x"]})", "checkpoint file '../x'"},
+           {R"({"files": "x"})", "not a JSON object with its files"}}) {
+    const absl::Status finished = cluster.store(0).FinishPart("peer", 1, **sink, part, /*async=*/true);
+    EXPECT_EQ(finished.code(), absl::StatusCode::kInvalidArgument) << part << ": " << finished;
+    EXPECT_THAT(std::string(finished.message()), HasSubstr(message));
+  }
+  std::map<std::string, int64_t> versions = {{"emb", 0}, {"tiny", 0}, {"half", 0}};
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(cluster.store(rank).Save("torn", CheckpointKind::kSharded, false, "job", versions,
+                                         absl::InfiniteFuture()).ok());
+  }
+  for (const char* part : {R"([1, 2])", R"({"files": [5], "extents": {}})", R"({"files": [], "kind": 7})"}) {
+    std::ofstream(root + "/.torn.partial/part-1.json", std::ios::trunc) << part;
+    const absl::Status committed = cluster.store(0).Commit("torn");
+    EXPECT_TRUE(absl::IsDataLoss(committed) || absl::IsFailedPrecondition(committed)) << part << ": " << committed;
+    EXPECT_THAT(std::string(committed.message()), HasSubstr("torn"));
+  }
 }
 
 TEST(CheckpointStoreTest, MismatchedLayoutIsRefusedNamingTheGroup) {
