@@ -33,6 +33,13 @@ namespace fs = std::filesystem;
 constexpr char kFormat[] = "flatshard-checkpoint/2";  // /2: extent checksums
 constexpr char kManifest[] = "manifest.json";
 
+// Whether `path` exists; false also when it cannot be told (a symlink loop, a directory
+// that cannot be searched), where fs::exists would throw.
+bool Exists(const std::string& path) {
+  std::error_code error;
+  return fs::exists(path, error);
+}
+
 bool IsSymlink(const std::string& path) {
   struct stat st {};
   return lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
@@ -82,7 +89,7 @@ absl::StatusOr<std::string> CheckpointStore::RootId() {
   absl::MutexLock lock(&mu_);
   if (!root_id_.empty()) return root_id_;
   const std::string path = root_ + "/.flatshard-root-id";
-  if (!fs::exists(path)) {
+  if (!Exists(path)) {
     // Written aside and linked into place: link() fails if another server won the race,
     // and nobody ever reads a half-written id.
     std::random_device random;
@@ -134,7 +141,7 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   std::string dir;
   if (!to_server_zero) {
     FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
-    if (fs::exists(final_dir) || IsSymlink(final_dir)) {
+    if (Exists(final_dir) || IsSymlink(final_dir)) {
       return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
     }
     dir = PartialDir(name);
@@ -210,7 +217,7 @@ absl::Status CheckpointStore::CommitIfComplete(const std::string& name) {
   const std::string dir = PartialDir(name);
   const int parts = PartsExpected(dir);
   for (int rank = 0; rank < parts; ++rank) {
-    if (!fs::exists(absl::StrCat(dir, "/part-", rank, ".json"))) return absl::OkStatus();  // not yet
+    if (!Exists(absl::StrCat(dir, "/part-", rank, ".json"))) return absl::OkStatus();  // not yet
   }
   // A lock file picks exactly one committer.
   if (!File::Open(dir + "/commit.lock", File::Mode::kCreateNew).ok()) return absl::OkStatus();
@@ -219,7 +226,7 @@ absl::Status CheckpointStore::CommitIfComplete(const std::string& name) {
 
 absl::StatusOr<std::unique_ptr<DirectorySink>> CheckpointStore::OpenPart(const std::string& name) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
-  if (fs::exists(final_dir) || IsSymlink(final_dir)) {
+  if (Exists(final_dir) || IsSymlink(final_dir)) {
     return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
   }
   const std::string dir = PartialDir(name);
@@ -264,7 +271,7 @@ absl::Status CheckpointStore::ReadFile(const std::string& name, const std::strin
   if (IsSymlink(dir) || IsSymlink(path)) {
     return absl::FailedPreconditionError(absl::StrCat("'", path, "' is reached through a symlink; refusing"));
   }
-  if (!fs::exists(absl::StrCat(dir, "/", kManifest))) {
+  if (!Exists(absl::StrCat(dir, "/", kManifest))) {
     return absl::NotFoundError(absl::StrCat("no complete checkpoint named '", name, "'"));
   }
   FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(path, File::Mode::kRead));
@@ -352,13 +359,13 @@ absl::Status CheckpointStore::Commit(const std::string& name) {
 absl::Status CheckpointStore::CommitParts(const std::string& name) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
   const std::string dir = PartialDir(name);
-  if (!fs::exists(dir) && fs::exists(final_dir + "/" + kManifest)) {
+  if (!Exists(dir) && Exists(final_dir + "/" + kManifest)) {
     return absl::OkStatus();  // a server sharing this root committed it
   }
   const int parts = PartsExpected(dir);
   bool all_parts = true;
   for (int rank = 0; rank < parts; ++rank) {
-    all_parts &= fs::exists(absl::StrCat(dir, "/part-", rank, ".json"));
+    all_parts &= Exists(absl::StrCat(dir, "/part-", rank, ".json"));
   }
   if (!all_parts) {
     // Each server has a root of its own: a LOCAL checkpoint is committed per server.
@@ -422,7 +429,8 @@ absl::StatusOr<std::vector<CheckpointInfo>> CheckpointStore::List() const {
   std::vector<CheckpointInfo> result;
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(root_, error)) {
-    if (!entry.is_directory() || entry.is_symlink()) continue;
+    std::error_code unreadable;  // a symlink loop, say: not a checkpoint
+    if (!entry.is_directory(unreadable) || unreadable || entry.is_symlink(unreadable) || unreadable) continue;
     const std::string base = entry.path().filename().string();
     CheckpointInfo info;
     if (absl::StartsWith(base, ".") && absl::EndsWith(base, ".partial")) {
@@ -472,7 +480,7 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
   FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
   // From this root, unless it lacks the checkpoint and server 0's root is another.
   bool from_server_zero = false;
-  if (root_.empty() || !fs::exists(absl::StrCat(root_, "/", name, "/", kManifest))) {
+  if (root_.empty() || !Exists(absl::StrCat(root_, "/", name, "/", kManifest))) {
     FLATSHARD_ASSIGN_OR_RETURN(from_server_zero, KeptByServerZero(home_root_id));
   }
   std::string dir;

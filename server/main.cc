@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   if (!options.checkpoint_root.empty()) {
     std::error_code error;
     const auto root = std::filesystem::canonical(options.checkpoint_root, error);
-    if (error || !std::filesystem::is_directory(root)) {
+    if (error || !std::filesystem::is_directory(root, error)) {
       return Fail("--checkpoint_root=" + options.checkpoint_root + " is not an existing directory");
     }
     options.checkpoint_root = root.string();

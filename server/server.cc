@@ -48,7 +48,8 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   if (!options.data_listen.empty()) {
     FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
   }
-  if (!options.checkpoint_root.empty() && !std::filesystem::is_directory(options.checkpoint_root)) {
+  std::error_code unreadable;  // a symlink loop, say: not a directory either
+  if (!options.checkpoint_root.empty() && !std::filesystem::is_directory(options.checkpoint_root, unreadable)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--checkpoint_root=", options.checkpoint_root, " is not a directory"));
   }

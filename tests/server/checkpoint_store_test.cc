@@ -384,6 +384,13 @@ TEST(CheckpointStoreTest, NamesAreConfinedAndPartialCheckpointsAreNotComplete) {
   }
   std::filesystem::create_directory_symlink("/tmp", root + "/link");
   EXPECT_EQ(cluster.Load("link").code(), absl::StatusCode::kFailedPrecondition);
+  // A link to itself: stat() fails with ELOOP, which std::filesystem throws unless asked not to.
+  std::filesystem::create_directory_symlink(root + "/loop", root + "/loop");
+  const absl::Status loop = cluster.Load("loop");
+  EXPECT_TRUE(absl::IsFailedPrecondition(loop) || absl::IsNotFound(loop)) << loop;
+  EXPECT_EQ(cluster.store(0).Save("loop", CheckpointKind::kFull, false, "job", {}, absl::InfiniteFuture()).code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(cluster.store(0).List().ok());
 
   // Only server 0 saved: the commit refuses, the checkpoint is listed as incomplete.
   std::map<std::string, int64_t> versions = {{"emb", 0}, {"tiny", 0}, {"half", 0}};
