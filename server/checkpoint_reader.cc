@@ -231,11 +231,13 @@ absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer)
 
 absl::Status CheckpointReader::Add(const std::string& file, uint64_t offset, DType dtype, int64_t count, float* out) {
   FLATSHARD_ASSIGN_OR_RETURN(OpenedFile * opened, Open(file));
-  const uint64_t end = offset + static_cast<uint64_t>(count) * DTypeSize(dtype);
-  if (count < 0 || end > opened->manifest->bytes) {
-    return absl::DataLossError(absl::StrCat("'", opened->path, "': bytes [", offset, ", ", end,
-                                            ") lie past its end (", opened->manifest->bytes, " bytes)"));
+  const uint64_t bytes = opened->manifest->bytes;
+  // Checked without wrapping around: `offset` and `count` come from the checkpoint's files.
+  if (count < 0 || offset > bytes || static_cast<uint64_t>(count) > (bytes - offset) / DTypeSize(dtype)) {
+    return absl::DataLossError(absl::StrCat("'", opened->path, "': ", count, " ", DTypeName(dtype),
+                                            " elements at byte ", offset, " lie past its end (", bytes, " bytes)"));
   }
+  const uint64_t end = offset + static_cast<uint64_t>(count) * DTypeSize(dtype);
   if (count > 0) requests_.push_back({opened, offset, end, dtype, out});
   return absl::OkStatus();
 }

@@ -180,7 +180,13 @@ TEST(CheckpointReaderTest, ReadsPastTheEndAreRefused) {
   std::vector<float> out(101);
   absl::Status status = reader.Add("f", 24, DType::kFloat32, 101, out.data());
   EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(std::string(status.message()), HasSubstr("lie past its end"));
+  EXPECT_THAT(std::string(status.message()), HasSubstr("101 float32 elements at byte 24 lie past its end"));
+  // An offset and a count whose byte range wraps around 2^64 do not slip past the check.
+  for (const auto& [offset, count] : std::vector<std::pair<uint64_t, int64_t>>{
+           {~uint64_t{0} - 3, 2}, {8, int64_t{1} << 62}, {425, 0}}) {
+    EXPECT_EQ(reader.Add("f", offset, DType::kFloat32, count, out.data()).code(), absl::StatusCode::kDataLoss)
+        << offset << " + " << count;
+  }
 }
 
 // Another server's root, stood in for by the local file: whole tasks are fetched, every
