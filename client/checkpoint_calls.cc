@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <optional>
+#include <random>
 #include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "core/file.h"
@@ -90,6 +93,23 @@ std::vector<std::string> RootIds(const std::vector<v1::ServerStatus>& statuses) 
   return ids;
 }
 
+// The first server still writing its part of a save of `name`, if any.
+std::optional<size_t> SavingServer(const std::string& name, const std::vector<v1::ServerStatus>& statuses) {
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    for (const v1::CheckpointProgress& row : statuses[i].checkpoints_in_progress()) {
+      if (row.name() == name && row.operation() == "save") return i;
+    }
+  }
+  return std::nullopt;
+}
+
+// A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
+std::string NewSaveId() {
+  std::random_device device;
+  const uint64_t id = (static_cast<uint64_t>(device()) << 32) | device();
+  return absl::StrFormat("%016x", id);
+}
+
 }  // namespace
 
 absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind, bool optimizer,
@@ -100,7 +120,14 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   request.set_kind(ToProto(kind));
   request.set_optimizer(optimizer);
   request.set_job(job_);
+  request.set_save_id(NewSaveId());
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+  // A server that is done with an earlier save of the name would take this one while
+  // another still writes into the same directory (each server refuses only its own).
+  if (const std::optional<size_t> saving = SavingServer(name, statuses)) {
+    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' is being saved (server ", *saving,
+                                                 " is still writing its part); wait until it completes"));
+  }
   const std::vector<bool> writers = Writers(job_, statuses);
   std::vector<std::string> root_ids = RootIds(statuses);
   root_ids.resize(std::count(writers.begin(), writers.end(), true));  // replica group 0 leads
@@ -126,6 +153,7 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   // server, each server commits its own LOCAL part.
   v1::CheckpointRequest commit;
   commit.set_name(name);
+  commit.set_save_id(request.save_id());
   for (int i = 0; i < (request.root_per_server() ? static_cast<int>(root_ids.size()) : 1); ++i) {
     v1::CheckpointResponse response;
     FLATSHARD_RETURN_IF_ERROR(
@@ -174,8 +202,15 @@ absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List() const {
 }
 
 // From every server's root: server 0's answer decides NotFound (with a shared root the
-// others find nothing left).
+// others find nothing left). Refused while any server still writes a save of it: with a
+// shared root, a server that is done would delete the directory under the others.
 absl::Status CheckpointCalls::Delete(const std::string& name) const {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+  if (const std::optional<size_t> saving = SavingServer(name, statuses)) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' is being saved (server ", *saving,
+                                                      " is still writing its part); delete it once the save "
+                                                      "completes"));
+  }
   v1::CheckpointRequest request;
   request.set_name(name);
   for (int i = 0; i < control_.size(); ++i) {

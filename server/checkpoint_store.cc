@@ -126,6 +126,7 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
                                    const std::map<std::string, int64_t>& versions,
                                    absl::Time deadline, const SaveOptions& options) {
   FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
+  if (!options.save_id.empty()) FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(options.save_id, "save id"));
   FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   if (placement.replica != 0) {
     // Every replica group holds the same shards; the first one writes them (its ranks
@@ -138,6 +139,9 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   if (kind != CheckpointKind::kLocal) {
     FLATSHARD_ASSIGN_OR_RETURN(to_server_zero, KeptByServerZero(options.home_root_id));
   }
+  // Held until this server's part is written (and, async, committed if it is the last):
+  // a second save of the name would write into the same partial directory.
+  FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<const std::string> claim, ClaimName(name));
   std::string dir;
   if (!to_server_zero) {
     FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
@@ -157,10 +161,15 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   FLATSHARD_ASSIGN_OR_RETURN(std::vector<SavedShard> shards,
                              TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/!options.async));
   // What the part says besides its extents (which the writing sink records).
-  auto describe = [job, kind, optimizer, servers = placement.shards](const std::vector<std::string>& files,
-                                                                    Json specs) {
-    return Json{{"job", job},           {"kind", CheckpointKindName(kind)}, {"servers", servers},
-                {"optimizer", optimizer}, {"groups", std::move(specs)},    {"files", files}};
+  auto describe = [job, kind, optimizer, servers = placement.shards, save_id = options.save_id](
+                      const std::vector<std::string>& files, Json specs) {
+    return Json{{"job", job},
+                {"kind", CheckpointKindName(kind)},
+                {"servers", servers},
+                {"optimizer", optimizer},
+                {"groups", std::move(specs)},
+                {"files", files},
+                {"save_id", save_id}};
   };
   const bool async = options.async;
   std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "save");
@@ -188,20 +197,54 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   // to finish its part commits (server 0, for parts streamed to it); with a root per
   // server, each server commits its own LOCAL part.
   absl::MutexLock lock(&mu_);
-  background_.emplace_back([this, name, to_server_zero, root_per_server = options.root_per_server,
-                            write = std::move(write)]() {
+  ReapFinishedSaves();
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  std::thread thread([this, name, to_server_zero, root_per_server = options.root_per_server,
+                      save_id = options.save_id, write = std::move(write), progress = std::move(progress),
+                      claim = std::move(claim), finished]() mutable {
     absl::Status status = write();
     if (status.ok() && root_per_server) {
-      status = Commit(name);
+      status = Commit(name, save_id);
     } else if (status.ok() && !to_server_zero) {
-      status = CommitIfComplete(name);
+      status = CommitIfComplete(name, save_id);
     }
     if (!status.ok()) {
       std::cerr << "flatshard-server rank " << rank_ << ": async save of checkpoint '" << name
                 << "' failed: " << status << std::endl;
     }
+    { auto release = std::move(write); }  // the snapshot
+    progress.reset();
+    claim.reset();  // the name is free: a listing shows the outcome
+    finished->store(true);
   });
+  background_.push_back({std::move(thread), std::move(finished)});
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const std::string>> CheckpointStore::ClaimName(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  if (!saving_.insert(name).second) {
+    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' is being saved (server ", rank_,
+                                                 " is still writing its part); wait until it completes"));
+  }
+  return std::shared_ptr<const std::string>(new std::string(name), [this](const std::string* claimed) {
+    {
+      absl::MutexLock lock(&mu_);
+      saving_.erase(*claimed);
+    }
+    delete claimed;
+  });
+}
+
+void CheckpointStore::ReapFinishedSaves() {
+  for (auto it = background_.begin(); it != background_.end();) {
+    if (it->finished->load()) {
+      it->thread.join();  // done but for returning: it takes no lock any more
+      it = background_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 int CheckpointStore::PartsExpected(const std::string& dir) const {
@@ -213,15 +256,19 @@ int CheckpointStore::PartsExpected(const std::string& dir) const {
   return servers >= 1 && servers <= num_servers_ ? static_cast<int>(servers) : num_servers_;
 }
 
-absl::Status CheckpointStore::CommitIfComplete(const std::string& name) {
+absl::Status CheckpointStore::CommitIfComplete(const std::string& name, const std::string& save_id) {
   const std::string dir = PartialDir(name);
   const int parts = PartsExpected(dir);
   for (int rank = 0; rank < parts; ++rank) {
-    if (!Exists(absl::StrCat(dir, "/part-", rank, ".json"))) return absl::OkStatus();  // not yet
+    // Not yet: a part missing, or one an earlier save left (its server is still writing).
+    absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
+    if (!part.ok() || !part->is_object() || part->value("save_id", Json()) != save_id) return absl::OkStatus();
   }
-  // A lock file picks exactly one committer.
-  if (!File::Open(dir + "/commit.lock", File::Mode::kCreateNew).ok()) return absl::OkStatus();
-  return Commit(name);
+  // A lock file picks exactly one committer of this save.
+  if (!File::Open(absl::StrCat(dir, "/commit-", save_id, ".lock"), File::Mode::kCreateNew).ok()) {
+    return absl::OkStatus();
+  }
+  return Commit(name, save_id);
 }
 
 absl::StatusOr<std::unique_ptr<DirectorySink>> CheckpointStore::OpenPart(const std::string& name) {
@@ -254,12 +301,18 @@ absl::Status CheckpointStore::FinishPart(const std::string& name, int rank, cons
     }
     FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(file.get<std::string>(), "checkpoint file"));
   }
+  const Json save_id = part.value("save_id", Json(""));
+  if (!save_id.is_string() || (!save_id.get<std::string>().empty() &&
+                               !ValidateCheckpointName(save_id.get<std::string>(), "save id").ok())) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint '", name, "': server ", rank,
+                                                   "'s part has a malformed save id: ", save_id.dump()));
+  }
   Json extents = Json::object();
   for (const auto& [file, file_extents] : sink.extents()) extents[file] = ExtentsToJson(file_extents);
   part["rank"] = rank;
   part["extents"] = extents;
   FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(PartialDir(name), "/part-", rank, ".json"), part.dump(1)));
-  return async ? CommitIfComplete(name) : absl::OkStatus();
+  return async ? CommitIfComplete(name, save_id.get<std::string>()) : absl::OkStatus();
 }
 
 absl::Status CheckpointStore::ReadFile(const std::string& name, const std::string& file, uint64_t offset,
@@ -291,15 +344,41 @@ absl::Status CheckpointStore::ReadFile(const std::string& name, const std::strin
 }
 
 CheckpointStore::~CheckpointStore() {
-  std::vector<std::thread> background;
+  std::vector<AsyncSave> background;
   {
     absl::MutexLock lock(&mu_);
     background.swap(background_);
   }
-  for (std::thread& thread : background) thread.join();
+  for (AsyncSave& save : background) save.thread.join();
 }
 
 namespace {
+
+// OK if `part` (of server `rank`) belongs to save `save_id` or `save_id` is empty.
+absl::Status CheckSaveId(const Json& part, const std::string& name, int rank, const std::string& save_id) {
+  if (save_id.empty() || part.value("save_id", Json()) == save_id) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "': server ", rank,
+                                                    "'s part is from another save of it (one that did not "
+                                                    "complete), not from save ",
+                                                    save_id, "; save it again"));
+}
+
+// Removes what `dir` holds besides the files of `files` and the parts' and the commit's
+// own: files an earlier save of the name left there that this one does not list.
+absl::Status RemoveUnlistedFiles(const std::string& dir, const std::map<std::string, std::vector<FileExtent>>& files) {
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const std::string file = entry.path().filename().string();
+    const bool own = (absl::StartsWith(file, "part-") && absl::EndsWith(file, ".json")) ||
+                     (absl::StartsWith(file, "commit") && absl::EndsWith(file, ".lock"));
+    if (own || files.count(file) != 0) continue;
+    std::error_code removed;
+    fs::remove_all(entry.path(), removed);
+    if (removed) return absl::InternalError(absl::StrCat("cannot remove '", entry.path().string(), "': ", removed.message()));
+  }
+  if (error) return absl::InternalError(absl::StrCat("cannot list '", dir, "': ", error.message()));
+  return absl::OkStatus();
+}
 
 // Writes `manifest` (with the files' sizes and extents: the writers' checksums, which
 // must tile each file exactly) into the partial directory last, fsync'd, and commits by
@@ -307,6 +386,7 @@ namespace {
 absl::Status WriteManifest(const std::string& root, const std::string& dir, const std::string& final_dir,
                            const std::string& name, Json manifest,
                            std::map<std::string, std::vector<FileExtent>> files) {
+  FLATSHARD_RETURN_IF_ERROR(RemoveUnlistedFiles(dir, files));
   Json file_list = Json::array();
   for (auto& [file, extents] : files) {
     FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(dir + "/" + file, File::Mode::kRead));
@@ -345,18 +425,18 @@ absl::Status AddPartExtents(const Json& part, const std::string& what,
 
 }  // namespace
 
-absl::Status CheckpointStore::Commit(const std::string& name) {
+absl::Status CheckpointStore::Commit(const std::string& name, const std::string& save_id) {
   // The parts' descriptions are read from disk: one of the wrong shape makes nlohmann
   // throw, which is damage like any other.
   try {
-    return CommitParts(name);
+    return CommitParts(name, save_id);
   } catch (const Json::exception& error) {
     return absl::DataLossError(absl::StrCat("checkpoint '", name, "': a part's description is malformed: ",
                                             error.what()));
   }
 }
 
-absl::Status CheckpointStore::CommitParts(const std::string& name) {
+absl::Status CheckpointStore::CommitParts(const std::string& name, const std::string& save_id) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
   const std::string dir = PartialDir(name);
   if (!Exists(dir) && Exists(final_dir + "/" + kManifest)) {
@@ -371,6 +451,7 @@ absl::Status CheckpointStore::CommitParts(const std::string& name) {
     // Each server has a root of its own: a LOCAL checkpoint is committed per server.
     absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
     if (own.ok() && own->value("kind", "") == "local") {
+      FLATSHARD_RETURN_IF_ERROR(CheckSaveId(*own, name, rank_, save_id));
       std::map<std::string, std::vector<FileExtent>> files;
       FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*own, absl::StrCat("checkpoint '", name, "' part ", rank_), files));
       own->erase("files");
@@ -388,6 +469,7 @@ absl::Status CheckpointStore::CommitParts(const std::string& name) {
           "checkpoint '", name, "': server ", rank, " has not saved its part in this server's root (",
           part.status().message(), ")"));
     }
+    FLATSHARD_RETURN_IF_ERROR(CheckSaveId(*part, name, rank, save_id));
     FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*part, absl::StrCat("checkpoint '", name, "' part ", rank), files));
     part->erase("rank");
     part->erase("files");
@@ -464,6 +546,13 @@ absl::StatusOr<std::vector<CheckpointInfo>> CheckpointStore::List() const {
 
 absl::Status CheckpointStore::Delete(const std::string& name) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string dir, CheckpointDir(name));
+  // Held while removing, so that no save of the name begins meanwhile.
+  absl::MutexLock lock(&mu_);
+  if (saving_.count(name) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' is being saved (server ", rank_,
+                                                      " is still writing its part); delete it once the save "
+                                                      "completes"));
+  }
   std::error_code error;
   uintmax_t removed = 0;
   for (const std::string& path : {dir, PartialDir(name)}) {

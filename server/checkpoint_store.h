@@ -37,14 +37,24 @@
 // the commit is the same), and reads what it loads from there (ReadFile on server 0,
 // verified against the extents as local reads are). LOCAL checkpoints with a root per
 // server are committed per server. Names are one path component ([A-Za-z0-9._-], not
-// starting with '.'), so nothing escapes the root; symlinks are refused. Thread-safe.
+// starting with '.'), so nothing escapes the root; symlinks are refused.
+//
+// One save at a time per name: while this server writes its part of `name` (an async
+// save until it is written and, if last, committed), Save refuses `name`
+// (AlreadyExists) and Delete refuses it (FailedPrecondition), so no writer ever meets
+// another's files or a directory deleted under it. Every part records its save's id
+// (SaveOptions::save_id) and a commit takes the parts of one save only: a part that an
+// earlier, failed save of the same name left in the partial directory is never mixed in.
+// Thread-safe.
 #ifndef FLATSHARD_SERVER_CHECKPOINT_STORE_H_
 #define FLATSHARD_SERVER_CHECKPOINT_STORE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -71,6 +81,9 @@ struct SaveOptions {
   // FULL and SHARDED: the id of server 0's root, where the checkpoint is kept; a server
   // whose root has another id streams its part there. Empty: this server's root.
   std::string home_root_id;
+  // Names this save on every server ([A-Za-z0-9._-]; the client draws a random one per
+  // save). Each part records it, and commits take parts of one save only.
+  std::string save_id;
 };
 
 struct CheckpointInfo {
@@ -95,7 +108,8 @@ class CheckpointStore {
   ~CheckpointStore();  // waits for asynchronous saves in progress
 
   // Writes this server's part of checkpoint `name` of `job` at `versions` (every group
-  // of the job, each waited for until `deadline`). AlreadyExists if `name` is taken.
+  // of the job, each waited for until `deadline`). AlreadyExists if `name` is committed
+  // or this server is still saving it.
   // Blocking: the groups are pinned at `versions` and written from their live shards (no
   // copy); their next optimizer step waits until the save returns.
   // Async: returns once the shards are snapshotted (training may go on); the bytes are
@@ -119,9 +133,11 @@ class CheckpointStore {
   // Completes a checkpoint once every server saved its part; OK if a server sharing the
   // root already did. With a root per server (other parts absent), a LOCAL checkpoint is
   // committed per server: its manifest lists this server's files only. FailedPrecondition
-  // naming the missing or disagreeing part otherwise; DataLoss for a part description of
-  // the wrong shape.
-  [[nodiscard]] absl::Status Commit(const std::string& name);
+  // naming the missing or disagreeing part otherwise, or a part of another save than
+  // `save_id` (empty: parts are not told apart by save); DataLoss for a part description
+  // of the wrong shape. Files in the partial directory that no part lists (left by an
+  // earlier save of the name) are removed.
+  [[nodiscard]] absl::Status Commit(const std::string& name, const std::string& save_id = "");
 
   // Server 0's side of a part that a server with another root streams here: OpenPart
   // gives the sink for its files (in this root's partial directory of `name`;
@@ -141,6 +157,8 @@ class CheckpointStore {
   [[nodiscard]] absl::StatusOr<std::vector<CheckpointInfo>> List() const;
   // Saves (their tensor bytes written) and loads (bytes read) running on this server.
   std::vector<ProgressRow> Progress() { return progress_.Rows(); }
+  // Removes checkpoint `name`, complete or not. NotFound if there is none;
+  // FailedPrecondition while this server is saving it.
   [[nodiscard]] absl::Status Delete(const std::string& name);
 
   // Reads and checks what this server needs of checkpoint `name` into memory: from this
@@ -159,9 +177,15 @@ class CheckpointStore {
   std::string PartialDir(const std::string& name) const { return root_ + "/." + name + ".partial"; }
   // Commit's work; may throw nlohmann::json::exception for a part description of the
   // wrong shape (Commit catches it).
-  absl::Status CommitParts(const std::string& name);
-  // Commits `name` if every part is in its partial directory and no one else has begun to.
-  absl::Status CommitIfComplete(const std::string& name);
+  absl::Status CommitParts(const std::string& name, const std::string& save_id);
+  // Commits `name` if every part of save `save_id` is in its partial directory and no
+  // one else has begun to.
+  absl::Status CommitIfComplete(const std::string& name, const std::string& save_id);
+  // Marks `name` as being saved by this server until the returned handle is released;
+  // AlreadyExists if it already is.
+  absl::StatusOr<std::shared_ptr<const std::string>> ClaimName(const std::string& name);
+  // Joins the asynchronous saves that have finished.
+  void ReapFinishedSaves() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // How many parts the checkpoint in partial directory `dir` has: its parts' "servers"
   // (the servers of one replica group, for a hybrid-sharded job), else the cluster's.
   int PartsExpected(const std::string& dir) const;
@@ -182,7 +206,12 @@ class CheckpointStore {
   absl::Mutex mu_;
   std::map<std::string, StagedGroups> staged_
       ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> background_ ABSL_GUARDED_BY(mu_);  // asynchronous saves
+  struct AsyncSave {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> finished;  // set as the thread's last act
+  };
+  std::vector<AsyncSave> background_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> saving_ ABSL_GUARDED_BY(mu_);  // names this server is saving
   ReadBufferPool read_buffers_;  // loads' read buffers, kept between loads
   CheckpointProgress progress_;
   std::string root_id_ ABSL_GUARDED_BY(mu_);

@@ -230,7 +230,8 @@ grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
   const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
   const SaveOptions options{.async = request->async(),
                             .root_per_server = request->root_per_server(),
-                            .home_root_id = request->home_root_id()};
+                            .home_root_id = request->home_root_id(),
+                            .save_id = request->save_id()};
   return ToGrpc(checkpoints_.Save(request->name(), *kind, request->optimizer(), request->job(), versions,
                                   DeadlineOf(ctx), options));
 }
@@ -238,7 +239,7 @@ grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
                                                 v1::CheckpointResponse*) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  return ToGrpc(checkpoints_.Commit(request->name()));
+  return ToGrpc(checkpoints_.Commit(request->name(), request->save_id()));
 }
 
 grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,

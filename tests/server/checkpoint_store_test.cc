@@ -10,9 +10,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/file.h"
 #include "core/float_bits.h"
 #include "core/safetensors.h"
@@ -409,6 +411,105 @@ TEST(CheckpointStoreTest, NamesAreConfinedAndPartialCheckpointsAreNotComplete) {
   ASSERT_TRUE(cluster.store(0).Delete("done").ok());
   ASSERT_TRUE(cluster.store(0).Delete("half-done").ok());
   EXPECT_EQ(cluster.store(0).Delete("done").code(), absl::StatusCode::kNotFound);
+}
+
+// Waits until `store` runs no save or load (an async save is done and committed, or
+// failed).
+void WaitIdle(CheckpointStore& store) {
+  for (int i = 0; i < 500 && !store.Progress().empty(); ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(store.Progress().empty()) << "a save ran on for 5 s";
+}
+
+std::map<std::string, bool> Listing(CheckpointStore& store) {
+  std::map<std::string, bool> complete;
+  auto list = store.List();
+  EXPECT_TRUE(list.ok()) << list.status();
+  if (list.ok()) {
+    for (const CheckpointInfo& info : *list) complete[info.name] = info.complete;
+  }
+  return complete;
+}
+
+SaveOptions Options(bool async, const std::string& save_id) {
+  SaveOptions options;
+  options.async = async;
+  options.save_id = save_id;
+  return options;
+}
+
+// A save that failed half-way leaves server 1's FULL part in the partial directory.
+// A later async SHARDED save of the same name must neither commit with that part nor
+// wedge behind it: server 0 waits for server 1's part of its own save, which commits.
+TEST(CheckpointStoreTest, AnEarlierSavesLeftoversNeverJoinALaterSave) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(2, root);
+  const std::map<std::string, int64_t> versions = {{"emb", 0}, {"tiny", 0}, {"half", 0}};
+  const Values saved = cluster.Collect(0);
+  ASSERT_TRUE(cluster.store(1).Save("x", CheckpointKind::kFull, true, "job", versions, absl::InfiniteFuture(),
+                                    Options(false, "old")).ok());
+  ASSERT_TRUE(std::filesystem::exists(root + "/.x.partial/model.safetensors"));
+  // Committing the old save's parts as the new one is refused, naming why.
+  const absl::Status mixed = cluster.store(1).Commit("x", "new");
+  EXPECT_THAT(std::string(mixed.message()), HasSubstr("not saved its part"));
+
+  ASSERT_TRUE(cluster.store(0).Save("x", CheckpointKind::kSharded, false, "job", versions, absl::InfiniteFuture(),
+                                    Options(true, "new")).ok());
+  WaitIdle(cluster.store(0));
+  EXPECT_EQ(Listing(cluster.store(0)).at("x"), false);  // server 1's part of "new" is not in
+  const absl::Status stale = cluster.store(0).Commit("x", "new");
+  EXPECT_TRUE(absl::IsFailedPrecondition(stale)) << stale;
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("server 1's part is from another save"));
+
+  ASSERT_TRUE(cluster.store(1).Save("x", CheckpointKind::kSharded, false, "job", versions, absl::InfiniteFuture(),
+                                    Options(true, "new")).ok());
+  WaitIdle(cluster.store(1));
+  EXPECT_EQ(Listing(cluster.store(0)).at("x"), true);
+  // What only the old save wrote is not part of the new checkpoint.
+  EXPECT_FALSE(std::filesystem::exists(root + "/x/model.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(root + "/x/optimizer.safetensors"));
+  cluster.Step(0);  // the groups move on; the load takes them back to version 0
+  ASSERT_NE(cluster.Collect(1), saved);
+  ASSERT_TRUE(cluster.Load("x").ok());
+  const Values loaded = cluster.Collect(0);
+  for (const GroupSpec& spec : Specs()) {
+    for (const TensorSpec& tensor : spec.tensors) {
+      EXPECT_EQ(loaded.at(tensor.fqn), saved.at(tensor.fqn)) << tensor.fqn;
+    }
+  }
+}
+
+// While a save of a name runs on a server (here: waiting for the version it cuts at),
+// that server refuses a second save of the name and a delete of it; once it is done,
+// both are accepted again.
+TEST(CheckpointStoreTest, ASaveInProgressHoldsItsName) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(1, root);
+  CheckpointStore& store = cluster.store(0);
+  const std::map<std::string, int64_t> at_one = {{"emb", 1}, {"tiny", 1}, {"half", 1}};
+  std::thread waiting([&] {
+    EXPECT_TRUE(store.Save("x", CheckpointKind::kFull, false, "job", at_one, absl::Now() + absl::Seconds(30)).ok());
+  });
+  // A probe that gets the name first gives up at once (its deadline has passed).
+  absl::Status second;
+  for (int i = 0; i < 500; ++i) {
+    second = store.Save("x", CheckpointKind::kFull, false, "job", at_one, absl::InfinitePast());
+    if (absl::IsAlreadyExists(second)) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_THAT(std::string(second.message()), HasSubstr("'x' is being saved"));
+  const absl::Status deleted = store.Delete("x");
+  EXPECT_TRUE(absl::IsFailedPrecondition(deleted)) << deleted;
+  EXPECT_THAT(std::string(deleted.message()), HasSubstr("delete it once the save completes"));
+  cluster.Step(0);  // version 1: the waiting save writes its part
+  waiting.join();
+  ASSERT_TRUE(store.Commit("x").ok());
+  EXPECT_TRUE(store.Delete("x").ok());
+  // A save that failed frees the name too.
+  EXPECT_TRUE(absl::IsDeadlineExceeded(
+      store.Save("y", CheckpointKind::kFull, false, "job", {{"emb", 5}, {"tiny", 5}, {"half", 5}},
+                 absl::Now() + absl::Milliseconds(10))));
+  EXPECT_TRUE(store.Delete("y").ok());
+  EXPECT_TRUE(cluster.Save("y", CheckpointKind::kFull, false, 1).ok());
 }
 
 }  // namespace
