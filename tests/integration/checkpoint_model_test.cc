@@ -1,17 +1,25 @@
 // Random sequences of training steps and checkpoint operations (save of every kind, with
 // and without optimizer state, blocking and async; load, delete, list, export) against
 // real servers, checked at every operation against a model of what the checkpoint
-// directory should hold: the exact status (OK, AlreadyExists, NotFound), the listing,
-// and after each load the exact parameters and version that were saved. The seed is
-// fixed (FLATSHARD_CHECKPOINT_SEED explores others); a failure names the operation.
+// directory should hold. RandomOperationsMatchAModelOfTheCheckpoints waits for every
+// async save to commit and checks exact statuses (OK, AlreadyExists, NotFound), the
+// listing, and after each load the exact parameters and version that were saved.
+// OverlappingAsyncSavesKeepTheirCuts lets async saves run on under the operations that
+// follow them (their outcome then depends on timing) and checks invariants instead: a
+// save in progress holds its name, a checkpoint appears only once complete and only if
+// saved, and every save that was accepted commits exactly the cut it was asked for. The
+// seed is fixed (FLATSHARD_CHECKPOINT_SEED explores others); a failure names the
+// operation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/integration/test_cluster.h"
@@ -26,17 +34,22 @@ struct Saved {
   std::map<std::string, std::vector<float>> params;  // by group
 };
 
+using GroupSpec = std::tuple<std::string, std::vector<TensorSpec>, OptimizerOptions>;
+
 class CheckpointModelTest : public ::testing::Test {
  protected:
+  // The groups of the job; a subclass may add some.
+  virtual std::vector<GroupSpec> Groups() const {
+    return {{"g", {{"w", {1000}, DType::kFloat32}}, SgdOptions{.lr = 0.1, .momentum = 0.9}},
+            {"h", {{"a", {37, 3}, DType::kFloat32}, {"b", {5}, DType::kFloat32}}, AdamOptions{.lr = 0.01}}};
+  }
+
   void SetUp() override {
     auto client = cluster_.Connect(0, 1, "m");
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
     ASSERT_TRUE(client_->ConfigureJob({}).ok());
-    const std::vector<std::tuple<std::string, std::vector<TensorSpec>, OptimizerOptions>> groups = {
-        {"g", {{"w", {1000}, DType::kFloat32}}, SgdOptions{.lr = 0.1, .momentum = 0.9}},
-        {"h", {{"a", {37, 3}, DType::kFloat32}, {"b", {5}, DType::kFloat32}}, AdamOptions{.lr = 0.01}}};
-    for (const auto& [name, tensors, optimizer] : groups) {
+    for (const auto& [name, tensors, optimizer] : Groups()) {
       auto layout = client_->RegisterGroup(name, tensors, 0, optimizer);
       ASSERT_TRUE(layout.ok()) << layout.status();
       layouts_[name] = *layout;
@@ -73,6 +86,18 @@ class CheckpointModelTest : public ::testing::Test {
     }
   }
 
+  // Every group's parameters equal `saved`'s (the first difference, if not: the groups
+  // may be large).
+  void ExpectParams(const Saved& saved) {
+    for (const auto& [group, values] : Params()) {
+      const std::vector<float>& expected = saved.params.at(group);
+      ASSERT_EQ(values.size(), expected.size()) << "group " << group;
+      const auto [differs, _] = std::mismatch(values.begin(), values.end(), expected.begin());
+      EXPECT_TRUE(differs == values.end()) << "group " << group << " element " << (differs - values.begin()) << " is "
+                                           << *differs << ", saved " << expected[differs - values.begin()];
+    }
+  }
+
   // The names of the complete checkpoints, once no save is still being written (an
   // async save lists as incomplete until every server has committed its part).
   std::set<std::string> CompleteCheckpoints() {
@@ -99,6 +124,7 @@ class CheckpointModelTest : public ::testing::Test {
   std::unique_ptr<Client> client_;
   std::map<std::string, const FlatLayout*> layouts_;
   int64_t version_ = 0;
+  static constexpr CheckpointKind kKinds[] = {CheckpointKind::kFull, CheckpointKind::kSharded, CheckpointKind::kLocal};
 };
 
 TEST_F(CheckpointModelTest, RandomOperationsMatchAModelOfTheCheckpoints) {
@@ -108,21 +134,20 @@ TEST_F(CheckpointModelTest, RandomOperationsMatchAModelOfTheCheckpoints) {
   auto below = [&](uint32_t n) { return rng() % n; };
   std::map<std::string, Saved> model;  // the complete checkpoints
   const std::string names[] = {"a", "b", "c"};
-  const CheckpointKind kinds[] = {CheckpointKind::kFull, CheckpointKind::kSharded, CheckpointKind::kLocal};
   int loads = 0, saves = 0;
   for (int op = 0; op < 150; ++op) {
     const std::string name = names[below(3)];
     const uint32_t choice = below(20);
-    SCOPED_TRACE(absl::StrCat("seed ", seed, ", operation ", op, " (", choice, ") on '", name, "' at version ",
-                              version_));
+    SCOPED_TRACE(
+        absl::StrCat("seed ", seed, ", operation ", op, " (", choice, ") on '", name, "' at version ", version_));
     if (choice < 7) {
       Step(rng);
       ASSERT_FALSE(HasFatalFailure());
     } else if (choice < 12) {
-      const CheckpointKind kind = kinds[below(3)];
+      const CheckpointKind kind = kKinds[below(3)];
       const bool optimizer = below(2) == 0, async = below(2) == 0;
-      SCOPED_TRACE(absl::StrCat("save ", CheckpointKindName(kind), optimizer ? " with" : " without",
-                                " optimizer state", async ? ", async" : ""));
+      SCOPED_TRACE(absl::StrCat("save ", CheckpointKindName(kind), optimizer ? " with" : " without", " optimizer state",
+                                async ? ", async" : ""));
       const absl::Status saved = client_->SaveCheckpoint(name, kind, optimizer, async);
       if (model.count(name) != 0) {
         EXPECT_TRUE(absl::IsAlreadyExists(saved)) << saved;
@@ -143,9 +168,7 @@ TEST_F(CheckpointModelTest, RandomOperationsMatchAModelOfTheCheckpoints) {
       ASSERT_TRUE(loaded.ok()) << loaded;
       ++loads;
       version_ = it->second.version;
-      for (const auto& [group, values] : Params()) {
-        EXPECT_EQ(values, it->second.params.at(group)) << "group " << group;
-      }
+      ExpectParams(it->second);
     } else if (choice < 17) {
       SCOPED_TRACE("delete");
       const absl::Status deleted = client_->DeleteCheckpoint(name);
@@ -172,6 +195,135 @@ TEST_F(CheckpointModelTest, RandomOperationsMatchAModelOfTheCheckpoints) {
     EXPECT_GT(saves, 0);
     EXPECT_GT(loads, 0);
   }
+}
+
+// A group large enough (8 MiB of parameters, 24 MiB with Adam's state per save)
+// that an async save is still being written while the next operations run.
+class CheckpointOverlapTest : public CheckpointModelTest {
+ protected:
+  std::vector<GroupSpec> Groups() const override {
+    std::vector<GroupSpec> groups = CheckpointModelTest::Groups();
+    groups.push_back({"big", {{"e", {1024, 2048}, DType::kFloat32}}, AdamOptions{.lr = 0.001}});
+    return groups;
+  }
+};
+
+TEST_F(CheckpointOverlapTest, OverlappingAsyncSavesKeepTheirCuts) {
+  const char* seed_text = std::getenv("FLATSHARD_CHECKPOINT_SEED");
+  const uint32_t seed = seed_text != nullptr ? static_cast<uint32_t>(std::strtoul(seed_text, nullptr, 10)) : 20261124;
+  std::mt19937 rng(seed);
+  auto below = [&](uint32_t n) { return rng() % n; };
+  std::map<std::string, Saved> complete;  // known to be committed
+  std::map<std::string, Saved> pending;   // accepted async saves, perhaps still being written
+  // A listing: every committed checkpoint is there and complete; a complete one is
+  // committed or pending (which it then no longer is); an incomplete one is pending.
+  auto check_listing = [&](std::vector<CheckpointEntry> entries) {
+    // A commit renaming the directory while the server lists the root may show a save
+    // both ways: the incomplete entry is then taken first.
+    std::stable_partition(entries.begin(), entries.end(), [](const CheckpointEntry& e) { return !e.complete; });
+    std::set<std::string> listed;
+    for (const CheckpointEntry& entry : entries) {
+      if (entry.complete) listed.insert(entry.name);
+      if (complete.count(entry.name) != 0) {
+        EXPECT_TRUE(entry.complete) << "'" << entry.name << "' was committed; it is listed incomplete";
+      } else if (const auto it = pending.find(entry.name); it == pending.end()) {
+        ADD_FAILURE() << "'" << entry.name << "' is listed (" << (entry.complete ? "" : "in")
+                      << "complete) but no save of it is outstanding";
+      } else if (entry.complete) {
+        EXPECT_EQ(entry.versions.at("big"), it->second.version) << "'" << entry.name << "'";
+        complete.insert(pending.extract(it));
+      }
+    }
+    for (const auto& [name, saved] : complete) EXPECT_EQ(listed.count(name), 1u) << "'" << name << "' is not listed";
+  };
+  int overlapped = 0;  // operations that met a save still being written
+  for (int op = 0; op < 120; ++op) {
+    const std::string name = std::string(1, static_cast<char>('a' + below(3)));
+    const uint32_t choice = below(20);
+    SCOPED_TRACE(
+        absl::StrCat("seed ", seed, ", operation ", op, " (", choice, ") on '", name, "' at version ", version_));
+    if (choice < 6) {
+      Step(rng);
+      ASSERT_FALSE(HasFatalFailure());
+    } else if (choice < 11) {
+      const CheckpointKind kind = kKinds[below(3)];
+      const bool optimizer = below(2) == 0, async = below(4) != 0;
+      SCOPED_TRACE(absl::StrCat("save ", CheckpointKindName(kind), optimizer ? " with" : " without", " optimizer state",
+                                async ? ", async" : ""));
+      const absl::Status saved = client_->SaveCheckpoint(name, kind, optimizer, async);
+      if (complete.count(name) != 0 || pending.count(name) != 0) {
+        EXPECT_TRUE(absl::IsAlreadyExists(saved)) << saved;
+        overlapped += pending.count(name);
+        continue;
+      }
+      ASSERT_TRUE(saved.ok()) << saved;
+      (async ? pending : complete)[name] = {version_, Params()};
+    } else if (choice < 14) {
+      SCOPED_TRACE("load");
+      const absl::Status loaded = client_->LoadCheckpoint(name);
+      const bool committed = complete.count(name) != 0;
+      if (pending.count(name) != 0 && absl::IsNotFound(loaded)) {
+        ++overlapped;
+        continue;
+      }
+      if (!committed && pending.count(name) == 0) {
+        EXPECT_TRUE(absl::IsNotFound(loaded)) << loaded;
+        continue;
+      }
+      ASSERT_TRUE(loaded.ok()) << loaded;
+      if (!committed) complete.insert(pending.extract(name));
+      version_ = complete.at(name).version;
+      ExpectParams(complete.at(name));
+    } else if (choice < 16) {
+      SCOPED_TRACE("delete");
+      const absl::Status deleted = client_->DeleteCheckpoint(name);
+      if (pending.count(name) != 0) {
+        // Refused while any server still writes it; once committed, it goes.
+        if (absl::IsFailedPrecondition(deleted)) {
+          ++overlapped;
+          continue;
+        }
+        EXPECT_TRUE(deleted.ok()) << deleted;
+        pending.erase(name);
+      } else {
+        EXPECT_EQ(deleted.code(), complete.erase(name) != 0 ? absl::StatusCode::kOk : absl::StatusCode::kNotFound)
+            << deleted;
+      }
+    } else if (choice < 18) {
+      SCOPED_TRACE("list");
+      auto entries = client_->ListCheckpoints();
+      ASSERT_TRUE(entries.ok()) << entries.status();
+      check_listing(*entries);
+    } else if (choice < 19) {
+      SCOPED_TRACE("wait for every save");
+      std::set<std::string> expected;
+      for (const auto* saves : {&complete, &pending}) {
+        for (const auto& [saved_name, saved] : *saves) expected.insert(saved_name);
+      }
+      EXPECT_EQ(CompleteCheckpoints(), expected);
+      complete.merge(pending);
+    } else {
+      SCOPED_TRACE("export");
+      const std::string dir = absl::StrCat(exports_.path(), "/", op);
+      const absl::Status exported = client_->ExportStateDict(dir, CheckpointKind::kFull, below(2) == 0);
+      ASSERT_TRUE(exported.ok()) << exported;
+    }
+  }
+  // Every accepted save commits, holding the cut it was asked for.
+  SCOPED_TRACE(absl::StrCat("seed ", seed, ", at the end"));
+  (void)CompleteCheckpoints();
+  auto entries = client_->ListCheckpoints();
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  check_listing(*entries);
+  EXPECT_TRUE(pending.empty()) << pending.size() << " accepted saves never committed";
+  for (const auto& [name, saved] : complete) {
+    SCOPED_TRACE(absl::StrCat("load '", name, "'"));
+    const absl::Status loaded = client_->LoadCheckpoint(name);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    version_ = saved.version;
+    ExpectParams(saved);
+  }
+  RecordProperty("overlapped", overlapped);
 }
 
 }  // namespace
