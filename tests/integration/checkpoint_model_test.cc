@@ -34,6 +34,12 @@ struct Saved {
   std::map<std::string, std::vector<float>> params;  // by group
 };
 
+// FLATSHARD_CHECKPOINT_SEED if set, else `fixed`.
+uint32_t Seed(uint32_t fixed) {
+  const char* text = std::getenv("FLATSHARD_CHECKPOINT_SEED");
+  return text != nullptr ? static_cast<uint32_t>(std::strtoul(text, nullptr, 10)) : fixed;
+}
+
 using GroupSpec = std::tuple<std::string, std::vector<TensorSpec>, OptimizerOptions>;
 
 class CheckpointModelTest : public ::testing::Test {
@@ -129,7 +135,7 @@ class CheckpointModelTest : public ::testing::Test {
 
 TEST_F(CheckpointModelTest, RandomOperationsMatchAModelOfTheCheckpoints) {
   const char* seed_text = std::getenv("FLATSHARD_CHECKPOINT_SEED");
-  const uint32_t seed = seed_text != nullptr ? static_cast<uint32_t>(std::strtoul(seed_text, nullptr, 10)) : 20261123;
+  const uint32_t seed = Seed(20261123);
   std::mt19937 rng(seed);
   auto below = [&](uint32_t n) { return rng() % n; };
   std::map<std::string, Saved> model;  // the complete checkpoints
@@ -209,8 +215,7 @@ class CheckpointOverlapTest : public CheckpointModelTest {
 };
 
 TEST_F(CheckpointOverlapTest, OverlappingAsyncSavesKeepTheirCuts) {
-  const char* seed_text = std::getenv("FLATSHARD_CHECKPOINT_SEED");
-  const uint32_t seed = seed_text != nullptr ? static_cast<uint32_t>(std::strtoul(seed_text, nullptr, 10)) : 20261124;
+  const uint32_t seed = Seed(20261124);
   std::mt19937 rng(seed);
   auto below = [&](uint32_t n) { return rng() % n; };
   std::map<std::string, Saved> complete;  // known to be committed
