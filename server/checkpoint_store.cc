@@ -374,7 +374,9 @@ absl::Status RemoveUnlistedFiles(const std::string& dir, const std::map<std::str
     if (own || files.count(file) != 0) continue;
     std::error_code removed;
     fs::remove_all(entry.path(), removed);
-    if (removed) return absl::InternalError(absl::StrCat("cannot remove '", entry.path().string(), "': ", removed.message()));
+    if (removed) {
+      return absl::InternalError(absl::StrCat("cannot remove '", entry.path().string(), "': ", removed.message()));
+    }
   }
   if (error) return absl::InternalError(absl::StrCat("cannot list '", dir, "': ", error.message()));
   return absl::OkStatus();
