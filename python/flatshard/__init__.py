@@ -351,6 +351,8 @@ class Client:
         return self._native.list_checkpoints()
 
     def delete_checkpoint(self, name):
+        """Removes a checkpoint, complete or not; refused while a save of it is still
+        being written (a save of a name in progress also refuses a second save)."""
         self._native.delete_checkpoint(name)
 
     def export_state_dict(self, path, kind="full", optimizer=False, progress=None):

@@ -210,7 +210,8 @@ class Client {
   // `async`: returns once every server has snapshotted its shards (training may
   // continue); the checkpoint lists as complete when the servers have written and
   // committed it. `progress` (optional; blocking saves): the servers' tensor bytes
-  // written, polled from their status a few times a second.
+  // written, polled from their status a few times a second. AlreadyExists if `name` is
+  // complete or a save of it is still being written (one save per name at a time).
   [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind,
                                                     bool optimizer, bool async = false,
                                                     Progress progress = nullptr) = 0;
@@ -219,6 +220,8 @@ class Client {
   // `progress` (optional): the servers' tensor bytes read, as for saves.
   [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name, Progress progress = nullptr) = 0;
   [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints() = 0;
+  // Removes checkpoint `name`, complete or not (an interrupted save). NotFound if there
+  // is none; FailedPrecondition while a save of it is still being written.
   [[nodiscard]] virtual absl::Status DeleteCheckpoint(const std::string& name) = 0;
   // Streams a FULL (model.safetensors [+ optimizer.safetensors]) or SHARDED
   // (shard-<rank>.safetensors) state dict of the job from every server at once into the
