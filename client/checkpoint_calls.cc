@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
-#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -93,14 +92,17 @@ std::vector<std::string> RootIds(const std::vector<v1::ServerStatus>& statuses) 
   return ids;
 }
 
-// The first server still writing its part of a save of `name`, if any.
-std::optional<size_t> SavingServer(const std::string& name, const std::vector<v1::ServerStatus>& statuses) {
+// Why a save or delete of `name` is refused: a server still writing its part of a save
+// of it, if any (empty otherwise).
+std::string BeingSaved(const std::string& name, const std::vector<v1::ServerStatus>& statuses) {
   for (size_t i = 0; i < statuses.size(); ++i) {
     for (const v1::CheckpointProgress& row : statuses[i].checkpoints_in_progress()) {
-      if (row.name() == name && row.operation() == "save") return i;
+      if (row.name() == name && row.operation() == "save") {
+        return absl::StrCat("checkpoint '", name, "' is being saved (server ", i, " is still writing its part)");
+      }
     }
   }
-  return std::nullopt;
+  return "";
 }
 
 // A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
@@ -124,9 +126,8 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
   // A server that is done with an earlier save of the name would take this one while
   // another still writes into the same directory (each server refuses only its own).
-  if (const std::optional<size_t> saving = SavingServer(name, statuses)) {
-    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' is being saved (server ", *saving,
-                                                 " is still writing its part); wait until it completes"));
+  if (const std::string saving = BeingSaved(name, statuses); !saving.empty()) {
+    return absl::AlreadyExistsError(absl::StrCat(saving, "; wait until it completes"));
   }
   const std::vector<bool> writers = Writers(job_, statuses);
   std::vector<std::string> root_ids = RootIds(statuses);
@@ -206,10 +207,8 @@ absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List() const {
 // shared root, a server that is done would delete the directory under the others.
 absl::Status CheckpointCalls::Delete(const std::string& name) const {
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
-  if (const std::optional<size_t> saving = SavingServer(name, statuses)) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' is being saved (server ", *saving,
-                                                      " is still writing its part); delete it once the save "
-                                                      "completes"));
+  if (const std::string saving = BeingSaved(name, statuses); !saving.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(saving, "; delete it once the save completes"));
   }
   v1::CheckpointRequest request;
   request.set_name(name);

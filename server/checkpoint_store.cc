@@ -45,6 +45,11 @@ bool IsSymlink(const std::string& path) {
   return lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
 }
 
+// Why a save or delete of `name` is refused while server `rank` writes a save of it.
+std::string BeingSaved(const std::string& name, int rank) {
+  return absl::StrCat("checkpoint '", name, "' is being saved (server ", rank, " is still writing its part)");
+}
+
 absl::StatusOr<Json> ReadJson(const std::string& path) {
   FLATSHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   try {
@@ -224,8 +229,7 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
 absl::StatusOr<std::shared_ptr<const std::string>> CheckpointStore::ClaimName(const std::string& name) {
   absl::MutexLock lock(&mu_);
   if (!saving_.insert(name).second) {
-    return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' is being saved (server ", rank_,
-                                                 " is still writing its part); wait until it completes"));
+    return absl::AlreadyExistsError(absl::StrCat(BeingSaved(name, rank_), "; wait until it completes"));
   }
   return std::shared_ptr<const std::string>(new std::string(name), [this](const std::string* claimed) {
     {
@@ -551,9 +555,7 @@ absl::Status CheckpointStore::Delete(const std::string& name) {
   // Held while removing, so that no save of the name begins meanwhile.
   absl::MutexLock lock(&mu_);
   if (saving_.count(name) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' is being saved (server ", rank_,
-                                                      " is still writing its part); delete it once the save "
-                                                      "completes"));
+    return absl::FailedPreconditionError(absl::StrCat(BeingSaved(name, rank_), "; delete it once the save completes"));
   }
   std::error_code error;
   uintmax_t removed = 0;
