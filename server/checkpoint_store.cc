@@ -59,6 +59,12 @@ absl::StatusOr<Json> ReadJson(const std::string& path) {
   }
 }
 
+// Why save `save_id` of `name` cannot commit: another save of the name did meanwhile.
+absl::Status CommittedByAnotherSave(const std::string& name, const std::string& save_id) {
+  return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' was committed by another save while save '",
+                                               save_id, "' was written; delete it first, or save under another name"));
+}
+
 }  // namespace
 
 CheckpointStore::CheckpointStore(Registry& registry, int rank, int num_servers, std::string root,
@@ -144,21 +150,11 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   if (kind != CheckpointKind::kLocal) {
     FLATSHARD_ASSIGN_OR_RETURN(to_server_zero, KeptByServerZero(options.home_root_id));
   }
-  // Held until this server's part is written (and, async, committed if it is the last):
-  // a second save of the name would write into the same partial directory.
+  // Held until this server's part is written (and, async, committed if it is the last).
   FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<const std::string> claim, ClaimName(name));
   std::string dir;
   if (!to_server_zero) {
-    FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
-    if (Exists(final_dir) || IsSymlink(final_dir)) {
-      return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
-    }
-    dir = PartialDir(name);
-    std::error_code error;
-    fs::create_directories(dir, error);
-    if (error || IsSymlink(dir)) {
-      return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
-    }
+    FLATSHARD_ASSIGN_OR_RETURN(dir, CreateSaveDir(name, options.save_id));
   }
   // Asynchronous: snapshots, so that training goes on while the bytes are written.
   // Blocking: the live groups, pinned at the cut's version, as an export has them: no
@@ -179,23 +175,30 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   const bool async = options.async;
   std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "save");
   progress->total = PartBytes(kind, optimizer, shards);
-  auto write = [this, name, kind, optimizer, dir, to_server_zero, async, describe, progress,
-                deadline = async ? absl::InfiniteFuture() : deadline,
+  auto write = [this, name, save_id = options.save_id, kind, optimizer, dir, to_server_zero, async, describe,
+                progress, deadline = async ? absl::InfiniteFuture() : deadline,
                 shards = std::move(shards)]() -> absl::Status {
     Json group_specs;
     if (to_server_zero) {
       FLATSHARD_ASSIGN_OR_RETURN(const std::unique_ptr<PeerPartWriter> sink,
-                                 peers_->WritePart(0, name, async, deadline));
+                                 peers_->WritePart(0, name, save_id, async, deadline));
       FLATSHARD_ASSIGN_OR_RETURN(
           std::vector<std::string> files,
           WriteShards(*sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get()));
       return sink->Finish(describe(files, std::move(group_specs)).dump());
     }
     DirectorySink sink(dir);
-    FLATSHARD_ASSIGN_OR_RETURN(
-        std::vector<std::string> files,
-        WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get()));
-    return FinishPart(name, rank_, sink, describe(files, std::move(group_specs)).dump(), /*async=*/false);
+    absl::StatusOr<std::vector<std::string>> files =
+        WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get());
+    absl::Status finished = files.status();
+    if (files.ok()) {
+      finished = FinishPart(name, save_id, rank_, sink, describe(*files, std::move(group_specs)).dump(), false);
+    }
+    // Another save of the name committed meanwhile, and took this one's directory away.
+    if (!finished.ok() && Exists(absl::StrCat(root_, "/", name, "/", kManifest))) {
+      return CommittedByAnotherSave(name, save_id);
+    }
+    return finished;
   };
   if (!async) return write();
   // The snapshot is taken; training goes on while the bytes are written. The last server
@@ -261,34 +264,40 @@ int CheckpointStore::PartsExpected(const std::string& dir) const {
 }
 
 absl::Status CheckpointStore::CommitIfComplete(const std::string& name, const std::string& save_id) {
-  const std::string dir = PartialDir(name);
+  const std::string dir = SaveDir(name, save_id);
   const int parts = PartsExpected(dir);
   for (int rank = 0; rank < parts; ++rank) {
-    // Not yet: a part missing, or one an earlier save left (its server is still writing).
-    absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
-    if (!part.ok() || !part->is_object() || part->value("save_id", Json()) != save_id) return absl::OkStatus();
+    if (!Exists(absl::StrCat(dir, "/part-", rank, ".json"))) return absl::OkStatus();  // not yet
   }
   // A lock file picks exactly one committer of this save.
-  if (!File::Open(absl::StrCat(dir, "/commit-", save_id, ".lock"), File::Mode::kCreateNew).ok()) {
-    return absl::OkStatus();
-  }
+  if (!File::Open(dir + "/commit.lock", File::Mode::kCreateNew).ok()) return absl::OkStatus();
   return Commit(name, save_id);
 }
 
-absl::StatusOr<std::unique_ptr<DirectorySink>> CheckpointStore::OpenPart(const std::string& name) {
+absl::StatusOr<std::string> CheckpointStore::CreateSaveDir(const std::string& name, const std::string& save_id) const {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
+  if (!save_id.empty()) FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(save_id, "save id"));
   if (Exists(final_dir) || IsSymlink(final_dir)) {
     return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' already exists; delete it first"));
   }
-  const std::string dir = PartialDir(name);
+  const std::string dir = SaveDir(name, save_id);
+  if (IsSymlink(PartialDir(name))) {
+    return absl::FailedPreconditionError(absl::StrCat("'", PartialDir(name), "' is a symlink; refusing"));
+  }
   std::error_code error;
   fs::create_directories(dir, error);
   if (error || IsSymlink(dir)) return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", error.message()));
+  return dir;
+}
+
+absl::StatusOr<std::unique_ptr<DirectorySink>> CheckpointStore::OpenPart(const std::string& name,
+                                                                         const std::string& save_id) {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string dir, CreateSaveDir(name, save_id));
   return std::make_unique<DirectorySink>(dir);
 }
 
-absl::Status CheckpointStore::FinishPart(const std::string& name, int rank, const DirectorySink& sink,
-                                         const std::string& part_json, bool async) {
+absl::Status CheckpointStore::FinishPart(const std::string& name, const std::string& save_id, int rank,
+                                         const DirectorySink& sink, const std::string& part_json, bool async) {
   if (rank < 0 || rank >= num_servers_) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint part of rank ", rank, "; the cluster has ",
                                                    num_servers_, " servers"));
@@ -305,18 +314,18 @@ absl::Status CheckpointStore::FinishPart(const std::string& name, int rank, cons
     }
     FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(file.get<std::string>(), "checkpoint file"));
   }
-  const Json save_id = part.value("save_id", Json(""));
-  if (!save_id.is_string() || (!save_id.get<std::string>().empty() &&
-                               !ValidateCheckpointName(save_id.get<std::string>(), "save id").ok())) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint '", name, "': server ", rank,
-                                                   "'s part has a malformed save id: ", save_id.dump()));
+  if (part.value("save_id", Json("")) != save_id) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint '", name, "': server ", rank, "'s part names save ",
+                                                   part.value("save_id", Json("")).dump(), ", not save '", save_id,
+                                                   "' that it was sent for"));
   }
   Json extents = Json::object();
   for (const auto& [file, file_extents] : sink.extents()) extents[file] = ExtentsToJson(file_extents);
   part["rank"] = rank;
   part["extents"] = extents;
-  FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(PartialDir(name), "/part-", rank, ".json"), part.dump(1)));
-  return async ? CommitIfComplete(name, save_id.get<std::string>()) : absl::OkStatus();
+  FLATSHARD_RETURN_IF_ERROR(
+      WriteFileAtomically(absl::StrCat(SaveDir(name, save_id), "/part-", rank, ".json"), part.dump(1)));
+  return async ? CommitIfComplete(name, save_id) : absl::OkStatus();
 }
 
 absl::Status CheckpointStore::ReadFile(const std::string& name, const std::string& file, uint64_t offset,
@@ -358,41 +367,13 @@ CheckpointStore::~CheckpointStore() {
 
 namespace {
 
-// OK if `part` (of server `rank`) belongs to save `save_id` or `save_id` is empty.
-absl::Status CheckSaveId(const Json& part, const std::string& name, int rank, const std::string& save_id) {
-  if (save_id.empty() || part.value("save_id", Json()) == save_id) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "': server ", rank,
-                                                    "'s part is from another save of it (one that did not "
-                                                    "complete), not from save ",
-                                                    save_id, "; save it again"));
-}
-
-// Removes what `dir` holds besides the files of `files` and the parts' and the commit's
-// own: files an earlier save of the name left there that this one does not list.
-absl::Status RemoveUnlistedFiles(const std::string& dir, const std::map<std::string, std::vector<FileExtent>>& files) {
-  std::error_code error;
-  for (const auto& entry : fs::directory_iterator(dir, error)) {
-    const std::string file = entry.path().filename().string();
-    const bool own = (absl::StartsWith(file, "part-") && absl::EndsWith(file, ".json")) ||
-                     (absl::StartsWith(file, "commit") && absl::EndsWith(file, ".lock"));
-    if (own || files.count(file) != 0) continue;
-    std::error_code removed;
-    fs::remove_all(entry.path(), removed);
-    if (removed) {
-      return absl::InternalError(absl::StrCat("cannot remove '", entry.path().string(), "': ", removed.message()));
-    }
-  }
-  if (error) return absl::InternalError(absl::StrCat("cannot list '", dir, "': ", error.message()));
-  return absl::OkStatus();
-}
-
 // Writes `manifest` (with the files' sizes and extents: the writers' checksums, which
-// must tile each file exactly) into the partial directory last, fsync'd, and commits by
-// renaming it to `final_dir`.
+// must tile each file exactly) into save directory `dir` last, fsync'd, and commits by
+// renaming it to `final_dir`. The name's other saves' directories go with their parent:
+// those saves can no longer commit (their writers, if any, fail).
 absl::Status WriteManifest(const std::string& root, const std::string& dir, const std::string& final_dir,
                            const std::string& name, Json manifest,
                            std::map<std::string, std::vector<FileExtent>> files) {
-  FLATSHARD_RETURN_IF_ERROR(RemoveUnlistedFiles(dir, files));
   Json file_list = Json::array();
   for (auto& [file, extents] : files) {
     FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(dir + "/" + file, File::Mode::kRead));
@@ -406,8 +387,12 @@ absl::Status WriteManifest(const std::string& root, const std::string& dir, cons
   manifest["files"] = file_list;
   FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(dir, "/", kManifest), manifest.dump(1)));
   if (std::rename(dir.c_str(), final_dir.c_str()) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat("cannot commit checkpoint '", name, "': ", std::strerror(errno)));
+    const int err = errno;
+    if (err == EEXIST || err == ENOTEMPTY) return CommittedByAnotherSave(name, manifest.value("save_id", ""));
+    return absl::InternalError(absl::StrCat("cannot commit checkpoint '", name, "': ", std::strerror(err)));
   }
+  std::error_code ignored;  // a leftover is listed as incomplete beside the checkpoint; never loaded
+  fs::remove_all(fs::path(dir).parent_path(), ignored);
   return SyncDirectory(root);
 }
 
@@ -444,9 +429,17 @@ absl::Status CheckpointStore::Commit(const std::string& name, const std::string&
 
 absl::Status CheckpointStore::CommitParts(const std::string& name, const std::string& save_id) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
-  const std::string dir = PartialDir(name);
-  if (!Exists(dir) && Exists(final_dir + "/" + kManifest)) {
-    return absl::OkStatus();  // a server sharing this root committed it
+  const std::string dir = SaveDir(name, save_id);
+  if (Exists(final_dir)) {
+    // Committed: by this save (a server sharing this root, or a retried commit), or by
+    // another one, which leaves this save nothing to do but clear its files.
+    absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(final_dir, "/", kManifest));
+    if (manifest.ok() && manifest->is_object() && manifest->value("save_id", Json("")) == save_id) {
+      return absl::OkStatus();
+    }
+    std::error_code ignored;
+    fs::remove_all(dir, ignored);
+    return CommittedByAnotherSave(name, save_id);
   }
   const int parts = PartsExpected(dir);
   bool all_parts = true;
@@ -457,7 +450,6 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
     // Each server has a root of its own: a LOCAL checkpoint is committed per server.
     absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
     if (own.ok() && own->value("kind", "") == "local") {
-      FLATSHARD_RETURN_IF_ERROR(CheckSaveId(*own, name, rank_, save_id));
       std::map<std::string, std::vector<FileExtent>> files;
       FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*own, absl::StrCat("checkpoint '", name, "' part ", rank_), files));
       own->erase("files");
@@ -475,7 +467,6 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
           "checkpoint '", name, "': server ", rank, " has not saved its part in this server's root (",
           part.status().message(), ")"));
     }
-    FLATSHARD_RETURN_IF_ERROR(CheckSaveId(*part, name, rank, save_id));
     FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*part, absl::StrCat("checkpoint '", name, "' part ", rank), files));
     part->erase("rank");
     part->erase("files");
@@ -522,8 +513,9 @@ absl::StatusOr<std::vector<CheckpointInfo>> CheckpointStore::List() const {
     const std::string base = entry.path().filename().string();
     CheckpointInfo info;
     if (absl::StartsWith(base, ".") && absl::EndsWith(base, ".partial")) {
+      // Saves of a name still being written (or that failed), unless one has committed.
       info.name = base.substr(1, base.size() - 9);
-      result.push_back(info);
+      if (!Exists(absl::StrCat(root_, "/", info.name, "/", kManifest))) result.push_back(info);
       continue;
     }
     absl::StatusOr<Json> manifest = ReadJson(entry.path().string() + "/" + kManifest);

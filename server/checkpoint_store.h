@@ -20,12 +20,13 @@
 // The files are written by server/checkpoint_writer.h and read back by
 // server/checkpoint_loader.h; this class owns directories, commits and the roots.
 //
-// Atomicity: a checkpoint is written into "<root>/.<name>.partial/"; every server leaves a
-// part-<rank>.json there with the extents it wrote (offset, length, XXH3 of each write;
-// server/file_extents.h); Commit (on one server, after all have saved) checks the parts
-// and that the extents tile every file, writes manifest.json last (fsync + rename) and
-// renames the directory to "<root>/<name>". A crash at any point leaves earlier
-// checkpoints intact and the partial one listed as incomplete. Loads read through a
+// Atomicity: each save of a checkpoint is written into a directory of its own,
+// "<root>/.<name>.partial/<save id>/"; every server leaves a part-<rank>.json there with
+// the extents it wrote (offset, length, XXH3 of each write; server/file_extents.h);
+// Commit (on one server, after all have saved) checks the parts and that the extents tile
+// every file, writes manifest.json last (fsync + rename) and renames the directory to
+// "<root>/<name>". A crash at any point leaves earlier checkpoints intact and the partial
+// one listed as incomplete. Loads read through a
 // CheckpointReader, which verifies every extent it reads; they check layouts and state
 // names, stage everything in memory (PrepareLoad) and only then install (CommitLoad), so a
 // bad checkpoint leaves the group untouched.
@@ -39,12 +40,13 @@
 // server are committed per server. Names are one path component ([A-Za-z0-9._-], not
 // starting with '.'), so nothing escapes the root; symlinks are refused.
 //
-// One save at a time per name: while this server writes its part of `name` (an async
-// save until it is written and, if last, committed), Save refuses `name`
-// (AlreadyExists) and Delete refuses it (FailedPrecondition), so no writer ever meets
-// another's files or a directory deleted under it. Every part records its save's id
-// (SaveOptions::save_id) and a commit takes the parts of one save only: a part that an
-// earlier, failed save of the same name left in the partial directory is never mixed in.
+// Saves of one name: while this server writes its part of `name` (an async save until it
+// is written and, if last, committed), Save refuses `name` (AlreadyExists) and Delete
+// refuses it (FailedPrecondition), so no directory is deleted under a writer. Other
+// saves of the name (a failed one, one another server began after this server finished
+// its part) write into their own directories, so a commit only ever sees its own save's
+// parts and files. The first save to commit takes the name; the others' commits are
+// refused (AlreadyExists) and their directories removed.
 // Thread-safe.
 #ifndef FLATSHARD_SERVER_CHECKPOINT_STORE_H_
 #define FLATSHARD_SERVER_CHECKPOINT_STORE_H_
@@ -82,7 +84,7 @@ struct SaveOptions {
   // whose root has another id streams its part there. Empty: this server's root.
   std::string home_root_id;
   // Names this save on every server ([A-Za-z0-9._-]; the client draws a random one per
-  // save). Each part records it, and commits take parts of one save only.
+  // save): its directory, which no other save of the name shares (empty: "unnamed").
   std::string save_id;
 };
 
@@ -130,23 +132,23 @@ class CheckpointStore {
   [[nodiscard]] absl::Status Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
                                     const std::string& job, const std::map<std::string, int64_t>& versions,
                                     absl::Time deadline) const;
-  // Completes a checkpoint once every server saved its part; OK if a server sharing the
-  // root already did. With a root per server (other parts absent), a LOCAL checkpoint is
-  // committed per server: its manifest lists this server's files only. FailedPrecondition
-  // naming the missing or disagreeing part otherwise, or a part of another save than
-  // `save_id` (empty: parts are not told apart by save); DataLoss for a part description
-  // of the wrong shape. Files in the partial directory that no part lists (left by an
-  // earlier save of the name) are removed.
+  // Completes save `save_id` of a checkpoint once every server saved its part; OK if this
+  // save is committed already (by a server sharing the root). With a root per server
+  // (other parts absent), a LOCAL checkpoint is committed per server: its manifest lists
+  // this server's files only. FailedPrecondition naming the missing or disagreeing part
+  // otherwise; DataLoss for a part description of the wrong shape; AlreadyExists if
+  // another save of the name committed first (this save's files are removed).
   [[nodiscard]] absl::Status Commit(const std::string& name, const std::string& save_id = "");
 
   // Server 0's side of a part that a server with another root streams here: OpenPart
-  // gives the sink for its files (in this root's partial directory of `name`;
+  // gives the sink for its files (in this root's directory of save `save_id` of `name`;
   // AlreadyExists if `name` is committed), FinishPart records the part (`part`: the
-  // sender's description; the extents are the ones the sink wrote) and, for an async
-  // save, commits once every part is in.
-  [[nodiscard]] absl::StatusOr<std::unique_ptr<DirectorySink>> OpenPart(const std::string& name);
-  [[nodiscard]] absl::Status FinishPart(const std::string& name, int rank, const DirectorySink& sink,
-                                        const std::string& part, bool async);
+  // sender's description, which must name the same save; the extents are the ones the
+  // sink wrote) and, for an async save, commits once every part is in.
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<DirectorySink>> OpenPart(const std::string& name,
+                                                                        const std::string& save_id);
+  [[nodiscard]] absl::Status FinishPart(const std::string& name, const std::string& save_id, int rank,
+                                        const DirectorySink& sink, const std::string& part, bool async);
   // `length` bytes (0: to the end) at `offset` of `file` of committed checkpoint `name`,
   // handed to `emit` in pieces of at most 4 MiB, for a server loading it from this root.
   // NotFound, or DataLoss if the file ends first; `emit`'s error stops the read.
@@ -174,12 +176,18 @@ class CheckpointStore {
 
  private:
   absl::StatusOr<std::string> CheckpointDir(const std::string& name) const;
+  // Where the saves of `name` that have not committed are, each in a directory of its own.
   std::string PartialDir(const std::string& name) const { return root_ + "/." + name + ".partial"; }
+  std::string SaveDir(const std::string& name, const std::string& save_id) const {
+    return PartialDir(name) + "/" + (save_id.empty() ? "unnamed" : save_id);
+  }
+  // Creates SaveDir(name, save_id); AlreadyExists if `name` is committed.
+  absl::StatusOr<std::string> CreateSaveDir(const std::string& name, const std::string& save_id) const;
   // Commit's work; may throw nlohmann::json::exception for a part description of the
   // wrong shape (Commit catches it).
   absl::Status CommitParts(const std::string& name, const std::string& save_id);
-  // Commits `name` if every part of save `save_id` is in its partial directory and no
-  // one else has begun to.
+  // Commits `name` if every part of save `save_id` is in its directory and no one else
+  // has begun to.
   absl::Status CommitIfComplete(const std::string& name, const std::string& save_id);
   // Marks `name` as being saved by this server until the returned handle is released;
   // AlreadyExists if it already is.

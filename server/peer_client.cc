@@ -25,7 +25,8 @@ absl::Status FromGrpc(const grpc::Status& status, const std::string& peer) {
 }  // namespace
 
 PeerPartWriter::PeerPartWriter(v1::Flatshard::Stub& stub, const std::string& token, std::string peer_address,
-                               const std::string& name, int rank, bool async, absl::Time deadline)
+                               const std::string& name, const std::string& save_id, int rank, bool async,
+                               absl::Time deadline)
     : peer_address_(std::move(peer_address)) {
   if (deadline != absl::InfiniteFuture()) ctx_.set_deadline(absl::ToChronoTime(deadline));
   if (!token.empty()) ctx_.AddMetadata("authorization", "Bearer " + token);
@@ -34,6 +35,7 @@ PeerPartWriter::PeerPartWriter(v1::Flatshard::Stub& stub, const std::string& tok
   first.set_name(name);
   first.set_rank(rank);
   first.set_async(async);
+  first.set_save_id(save_id);
   error_ = Send(first);
 }
 
@@ -181,9 +183,11 @@ absl::Status PeerClient::Reach(int peer) {
 }
 
 absl::StatusOr<std::unique_ptr<PeerPartWriter>> PeerClient::WritePart(int peer, const std::string& name,
-                                                                      bool async, absl::Time deadline) {
+                                                                      const std::string& save_id, bool async,
+                                                                      absl::Time deadline) {
   FLATSHARD_RETURN_IF_ERROR(Reach(peer));
-  return std::make_unique<PeerPartWriter>(*stubs_[peer], token_, cluster_[peer], name, rank_, async, deadline);
+  return std::make_unique<PeerPartWriter>(*stubs_[peer], token_, cluster_[peer], name, save_id, rank_, async,
+                                          deadline);
 }
 
 absl::Status PeerClient::ReadRange(int peer, const std::string& name, const std::string& file, uint64_t offset,

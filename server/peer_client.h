@@ -33,7 +33,8 @@ namespace flatshard::server {
 class PeerPartWriter final : public CheckpointSink {
  public:
   PeerPartWriter(v1::Flatshard::Stub& stub, const std::string& token, std::string peer_address,
-                 const std::string& name, int rank, bool async, absl::Time deadline);
+                 const std::string& name, const std::string& save_id, int rank, bool async,
+                 absl::Time deadline);
   ~PeerPartWriter() override;
 
   absl::Status Open(const std::string& file, uint64_t size, bool exclusive) override;
@@ -82,7 +83,8 @@ class PeerClient {
   // Starts streaming this server's part of checkpoint `name` to `peer`'s root.
   // Unavailable if `peer` cannot be reached within 10 s.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<PeerPartWriter>> WritePart(int peer, const std::string& name,
-                                                                          bool async, absl::Time deadline);
+                                                                          const std::string& save_id, bool async,
+                                                                          absl::Time deadline);
   // `length` bytes at `offset` of `file` of committed checkpoint `name` in `peer`'s root,
   // into `out` (unverified: the caller checks them against the manifest). DataLoss if the
   // file ends first; the peer's error (naming it) otherwise.

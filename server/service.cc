@@ -310,11 +310,12 @@ grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,
   const std::string name = message.name();
   const int rank = message.rank();
   const bool async = message.async();
-  absl::StatusOr<std::unique_ptr<DirectorySink>> sink = checkpoints_.OpenPart(name);
+  const std::string save_id = message.save_id();
+  absl::StatusOr<std::unique_ptr<DirectorySink>> sink = checkpoints_.OpenPart(name, save_id);
   if (!sink.ok()) return ToGrpc(sink.status());
   while (reader->Read(&message)) {
     if (!message.part().empty()) {
-      return ToGrpc(checkpoints_.FinishPart(name, rank, **sink, message.part(), async));
+      return ToGrpc(checkpoints_.FinishPart(name, save_id, rank, **sink, message.part(), async));
     }
     const v1::ExportChunk& chunk = message.chunk();
     absl::Status status;

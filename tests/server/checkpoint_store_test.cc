@@ -331,18 +331,21 @@ TEST(CheckpointStoreTest, ManifestsOfTheWrongShapeAreRefusedAndListingSkipsThem)
   ASSERT_TRUE(cluster.Load("good").ok());
 }
 
-// A peer's part (WriteCheckpointPart) must list plain file names; a part description on
-// disk of the wrong shape makes the commit DataLoss, not an exception.
+// A peer's part (WriteCheckpointPart) must list plain file names and name the save it
+// was sent for; a part description on disk of the wrong shape makes the commit DataLoss,
+// not an exception.
 TEST(CheckpointStoreTest, PartDescriptionsOfTheWrongShapeAreRefused) {
   const std::string root = FreshRoot();
   FakeCluster cluster(2, root);
-  auto sink = cluster.store(0).OpenPart("peer");
+  EXPECT_TRUE(absl::IsInvalidArgument(cluster.store(0).OpenPart("peer", "../up").status()));
+  auto sink = cluster.store(0).OpenPart("peer", "p");
   ASSERT_TRUE(sink.ok()) << sink.status();
   for (const auto& [part, message] : std::vector<std::pair<std::string, std::string>>{
            {R"({"files": [5]})", "lists a file that is not a name: 5"},
            {R"({"files": ["../x"]})", "checkpoint file '../x'"},
-           {R"({"files": "x"})", "not a JSON object with its files"}}) {
-    const absl::Status finished = cluster.store(0).FinishPart("peer", 1, **sink, part, /*async=*/true);
+           {R"({"files": "x"})", "not a JSON object with its files"},
+           {R"({"files": [], "save_id": "q"})", R"(part names save "q", not save 'p')"}}) {
+    const absl::Status finished = cluster.store(0).FinishPart("peer", "p", 1, **sink, part, /*async=*/true);
     EXPECT_EQ(finished.code(), absl::StatusCode::kInvalidArgument) << part << ": " << finished;
     EXPECT_THAT(std::string(finished.message()), HasSubstr(message));
   }
@@ -352,7 +355,7 @@ TEST(CheckpointStoreTest, PartDescriptionsOfTheWrongShapeAreRefused) {
                                          absl::InfiniteFuture()).ok());
   }
   for (const char* part : {R"([1, 2])", R"({"files": [5], "extents": {}})", R"({"files": [], "kind": 7})"}) {
-    std::ofstream(root + "/.torn.partial/part-1.json", std::ios::trunc) << part;
+    std::ofstream(root + "/.torn.partial/unnamed/part-1.json", std::ios::trunc) << part;
     const absl::Status committed = cluster.store(0).Commit("torn");
     EXPECT_TRUE(absl::IsDataLoss(committed) || absl::IsFailedPrecondition(committed)) << part << ": " << committed;
     EXPECT_THAT(std::string(committed.message()), HasSubstr("torn"));
@@ -437,9 +440,9 @@ SaveOptions Options(bool async, const std::string& save_id) {
   return options;
 }
 
-// A save that failed half-way leaves server 1's FULL part in the partial directory.
-// A later async SHARDED save of the same name must neither commit with that part nor
-// wedge behind it: server 0 waits for server 1's part of its own save, which commits.
+// A save that failed half-way leaves server 1's FULL part in its directory. A later
+// async SHARDED save of the same name must neither commit with that part nor wedge
+// behind it: server 0 waits for server 1's part of its own save, which commits.
 TEST(CheckpointStoreTest, AnEarlierSavesLeftoversNeverJoinALaterSave) {
   const std::string root = FreshRoot();
   FakeCluster cluster(2, root);
@@ -447,10 +450,10 @@ TEST(CheckpointStoreTest, AnEarlierSavesLeftoversNeverJoinALaterSave) {
   const Values saved = cluster.Collect(0);
   ASSERT_TRUE(cluster.store(1).Save("x", CheckpointKind::kFull, true, "job", versions, absl::InfiniteFuture(),
                                     Options(false, "old")).ok());
-  ASSERT_TRUE(std::filesystem::exists(root + "/.x.partial/model.safetensors"));
+  ASSERT_TRUE(std::filesystem::exists(root + "/.x.partial/old/model.safetensors"));
   // Committing the old save's parts as the new one is refused, naming why.
   const absl::Status mixed = cluster.store(1).Commit("x", "new");
-  EXPECT_THAT(std::string(mixed.message()), HasSubstr("not saved its part"));
+  EXPECT_THAT(std::string(mixed.message()), HasSubstr("server 0 has not saved its part"));
 
   ASSERT_TRUE(cluster.store(0).Save("x", CheckpointKind::kSharded, false, "job", versions, absl::InfiniteFuture(),
                                     Options(true, "new")).ok());
@@ -458,17 +461,51 @@ TEST(CheckpointStoreTest, AnEarlierSavesLeftoversNeverJoinALaterSave) {
   EXPECT_EQ(Listing(cluster.store(0)).at("x"), false);  // server 1's part of "new" is not in
   const absl::Status stale = cluster.store(0).Commit("x", "new");
   EXPECT_TRUE(absl::IsFailedPrecondition(stale)) << stale;
-  EXPECT_THAT(std::string(stale.message()), HasSubstr("server 1's part is from another save"));
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("server 1 has not saved its part"));
 
   ASSERT_TRUE(cluster.store(1).Save("x", CheckpointKind::kSharded, false, "job", versions, absl::InfiniteFuture(),
                                     Options(true, "new")).ok());
   WaitIdle(cluster.store(1));
-  EXPECT_EQ(Listing(cluster.store(0)).at("x"), true);
-  // What only the old save wrote is not part of the new checkpoint.
+  EXPECT_EQ(Listing(cluster.store(0)), (std::map<std::string, bool>{{"x", true}}));
+  // What only the old save wrote is not part of the new checkpoint, and is gone.
   EXPECT_FALSE(std::filesystem::exists(root + "/x/model.safetensors"));
   EXPECT_FALSE(std::filesystem::exists(root + "/x/optimizer.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(root + "/.x.partial"));
   cluster.Step(0);  // the groups move on; the load takes them back to version 0
   ASSERT_NE(cluster.Collect(1), saved);
+  ASSERT_TRUE(cluster.Load("x").ok());
+  const Values loaded = cluster.Collect(0);
+  for (const GroupSpec& spec : Specs()) {
+    for (const TensorSpec& tensor : spec.tensors) {
+      EXPECT_EQ(loaded.at(tensor.fqn), saved.at(tensor.fqn)) << tensor.fqn;
+    }
+  }
+}
+
+// Every part of save "a" is written and its commit has not begun when another save of
+// the name starts on server 1, from a later version (a second caller that found no
+// server writing). It must not touch save "a"'s files: "a" commits what it saved, and
+// "b" then learns that the name was taken.
+TEST(CheckpointStoreTest, ASaveStartedBeforeAnotherCommitsNeverTouchesItsFiles) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(2, root);
+  const Values saved = cluster.Collect(0);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(cluster.store(rank).Save("x", CheckpointKind::kFull, true, "job", {{"emb", 0}, {"tiny", 0}, {"half", 0}},
+                                         absl::InfiniteFuture(), Options(false, "a")).ok());
+  }
+  cluster.Step(0);
+  ASSERT_NE(cluster.Collect(1), saved);
+  ASSERT_TRUE(cluster.store(1).Save("x", CheckpointKind::kFull, true, "job", {{"emb", 1}, {"tiny", 1}, {"half", 1}},
+                                    absl::InfiniteFuture(), Options(false, "b")).ok());
+  const absl::Status committed = cluster.store(0).Commit("x", "a");
+  ASSERT_TRUE(committed.ok()) << committed;
+  const absl::Status late = cluster.store(0).Commit("x", "b");
+  EXPECT_TRUE(absl::IsAlreadyExists(late)) << late;
+  EXPECT_THAT(std::string(late.message()), HasSubstr("committed by another save"));
+  EXPECT_TRUE(cluster.store(0).Commit("x", "a").ok());  // a retried commit of "a" is done
+  EXPECT_EQ(Listing(cluster.store(1)), (std::map<std::string, bool>{{"x", true}}));
+  EXPECT_FALSE(std::filesystem::exists(root + "/.x.partial"));
   ASSERT_TRUE(cluster.Load("x").ok());
   const Values loaded = cluster.Collect(0);
   for (const GroupSpec& spec : Specs()) {
