@@ -7,7 +7,8 @@
 // OverlappingAsyncSavesKeepTheirCuts lets async saves run on under the operations that
 // follow them (their outcome then depends on timing) and checks invariants instead: a
 // save in progress holds its name, a checkpoint appears only once complete and only if
-// saved, and every save that was accepted commits exactly the cut it was asked for. The
+// saved, and every save that was accepted commits exactly the cut it was asked for.
+// ConcurrentSavesOfOneNameCommitAtMostOneCut races two callers' saves of one name. The
 // seed is fixed (FLATSHARD_CHECKPOINT_SEED explores others); a failure names the
 // operation.
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -201,6 +203,72 @@ TEST_F(CheckpointModelTest, RandomOperationsMatchAModelOfTheCheckpoints) {
     EXPECT_GT(saves, 0);
     EXPECT_GT(loads, 0);
   }
+}
+
+// Two callers save one name at once, as two workers of a job might, one of them after a
+// training step: whatever the timing, at most one save succeeds, a loser is told
+// ALREADY_EXISTS, and the checkpoint then holds the winner's cut (listed with its
+// versions, loading exactly their parameters). Both may lose (each server refuses the
+// save that reaches it second); the name is then not complete. The first caller's save
+// also fails (FAILED_PRECONDITION) where the step overtakes its cut on a server before
+// that server pins it, and its cut may be mid-step (one group before the step, the other
+// after), so each round starts from a checkpoint of its own step boundary.
+TEST_F(CheckpointModelTest, ConcurrentSavesOfOneNameCommitAtMostOneCut) {
+  const uint32_t seed = Seed(20261125);
+  std::mt19937 rng(seed);
+  auto other = cluster_.Connect(0, 1, "m");
+  ASSERT_TRUE(other.ok()) << other.status();
+  std::map<int64_t, Saved> cuts;  // what the job held at every version a save may cut at
+  int won = 0;
+  for (int round = 0; round < 16; ++round) {
+    const std::string name = absl::StrCat("r", round);
+    const CheckpointKind kind = kKinds[rng() % 3];
+    const bool step = rng() % 2 == 0;
+    SCOPED_TRACE(absl::StrCat("seed ", seed, ", round ", round, ": ", CheckpointKindName(kind),
+                              step ? ", the second caller steps first" : ""));
+    const std::string boundary = absl::StrCat("boundary-", round);
+    ASSERT_TRUE(client_->SaveCheckpoint(boundary, CheckpointKind::kLocal, /*optimizer=*/true).ok());
+    const int64_t boundary_version = version_;
+    cuts[version_] = {version_, Params()};
+    absl::Status first;
+    std::thread racing([&] { first = (*other)->SaveCheckpoint(name, kind, /*optimizer=*/true); });
+    if (step) Step(rng);
+    cuts[version_] = {version_, Params()};
+    const absl::Status second = client_->SaveCheckpoint(name, kind, /*optimizer=*/true);
+    racing.join();
+    ASSERT_FALSE(HasFatalFailure());
+    EXPECT_FALSE(first.ok() && second.ok()) << "both saves succeeded";
+    const bool overtaken =
+        step && absl::IsFailedPrecondition(first) && absl::StrContains(first.message(), "past the requested version");
+    EXPECT_TRUE(first.ok() || absl::IsAlreadyExists(first) || overtaken) << first;
+    EXPECT_TRUE(second.ok() || absl::IsAlreadyExists(second)) << second;
+    auto entries = client_->ListCheckpoints();
+    ASSERT_TRUE(entries.ok()) << entries.status();
+    const auto entry = std::find_if(entries->begin(), entries->end(),
+                                    [&](const CheckpointEntry& e) { return e.name == name && e.complete; });
+    if (!first.ok() && !second.ok()) {
+      EXPECT_TRUE(entry == entries->end()) << "neither save succeeded, yet it is complete";
+      continue;
+    }
+    ASSERT_TRUE(entry != entries->end()) << "a save succeeded; it is not listed complete";
+    ASSERT_TRUE(client_->LoadCheckpoint(name).ok());
+    for (const auto& [group, layout] : layouts_) {
+      const int64_t version = entry->versions.at(group);
+      ASSERT_EQ(cuts.count(version), 1u) << "group " << group << " is listed at version " << version;
+      if (second.ok()) {
+        EXPECT_EQ(version, version_) << "group " << group;  // the second caller cut after any step
+      }
+      std::vector<float> values(layout->padded_numel());
+      auto gathered = client_->Gather(group, 0, DType::kFloat32, AsBytes(values)).get();
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      EXPECT_EQ(*gathered, version) << "group " << group;
+      EXPECT_TRUE(values == cuts.at(version).params.at(group)) << "group " << group << " is not its cut";
+    }
+    ASSERT_TRUE(client_->LoadCheckpoint(boundary).ok());
+    version_ = boundary_version;
+    ++won;
+  }
+  RecordProperty("won", won);
 }
 
 // A group large enough (8 MiB of parameters, 24 MiB with Adam's state per save)
