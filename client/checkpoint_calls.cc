@@ -13,6 +13,7 @@
 #include "absl/synchronization/notification.h"
 #include "core/file.h"
 #include "core/status_macros.h"
+#include "client/save_streams.h"
 #include "proto/convert.h"
 
 namespace flatshard::client_internal {
@@ -105,6 +106,10 @@ std::string BeingSaved(const std::string& name, const std::vector<v1::ServerStat
   return "";
 }
 
+// How many cuts a save tries while training keeps overtaking them (each round costs a
+// status-like round trip; a server pinned at a cut holds its groups' next step).
+constexpr int kMaxPinRounds = 10;
+
 // A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
 std::string NewSaveId() {
   std::random_device device;
@@ -142,13 +147,11 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
     request.set_home_root_id(root_ids[0]);  // kept whole in server 0's root
   }
   CutVersions(job_, statuses, *request.mutable_versions());
-  FLATSHARD_RETURN_IF_ERROR(WithProgress(name, "save", async ? nullptr : progress, [&] {
-    return control_.OnAllServersInParallel([&](size_t i) {
-      if (!writers[i]) return absl::OkStatus();
-      v1::SaveCheckpointResponse response;
-      return control_.Call(i, &v1::Flatshard::Stub::SaveCheckpoint, request, &response);
-    });
-  }));
+  // Every server pins the cut before any writes (a later one where training overtook it).
+  SaveStreams streams(control_, writers);
+  FLATSHARD_RETURN_IF_ERROR(streams.Pin(request, kMaxPinRounds));
+  FLATSHARD_RETURN_IF_ERROR(
+      WithProgress(name, "save", async ? nullptr : progress, [&] { return streams.Write(); }));
   if (async) return absl::OkStatus();  // the servers commit when they are done
   // Every part is in server 0's root (shared or not), which commits; with a root per
   // server, each server commits its own LOCAL part.

@@ -132,10 +132,25 @@ absl::StatusOr<bool> CheckpointStore::KeptByServerZero(const std::string& home_r
   return true;
 }
 
+PendingSave::~PendingSave() {
+  if (writing_ || dir_.empty()) return;
+  std::error_code ignored;
+  fs::remove_all(dir_, ignored);
+  fs::remove(fs::path(dir_).parent_path(), ignored);  // unless another save of the name is there
+}
+
 absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind, bool optimizer,
                                    const std::string& job,
                                    const std::map<std::string, int64_t>& versions,
                                    absl::Time deadline, const SaveOptions& options) {
+  FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<PendingSave> save, BeginSave(name, kind, optimizer, job, options));
+  FLATSHARD_RETURN_IF_ERROR(PinSave(*save, versions, deadline));
+  return FinishSave(std::move(save), deadline);
+}
+
+absl::StatusOr<std::unique_ptr<PendingSave>> CheckpointStore::BeginSave(const std::string& name, CheckpointKind kind,
+                                                                        bool optimizer, const std::string& job,
+                                                                        const SaveOptions& options) {
   FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
   if (!options.save_id.empty()) FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(options.save_id, "save id"));
   FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
@@ -146,24 +161,71 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
         "server ", rank_, " is in replica group ", placement.replica, " of job '", job,
         "'; checkpoints are written by replica group 0 (servers 0 to ", placement.shards - 1, ")"));
   }
-  bool to_server_zero = false;
+  std::unique_ptr<PendingSave> save(new PendingSave());
+  save->name_ = name;
+  save->kind_ = kind;
+  save->optimizer_ = optimizer;
+  save->job_ = job;
+  save->options_ = options;
+  save->servers_ = placement.shards;
   if (kind != CheckpointKind::kLocal) {
-    FLATSHARD_ASSIGN_OR_RETURN(to_server_zero, KeptByServerZero(options.home_root_id));
+    FLATSHARD_ASSIGN_OR_RETURN(save->to_server_zero_, KeptByServerZero(options.home_root_id));
   }
   // Held until this server's part is written (and, async, committed if it is the last).
-  FLATSHARD_ASSIGN_OR_RETURN(std::shared_ptr<const std::string> claim, ClaimName(name));
-  std::string dir;
-  if (!to_server_zero) {
-    FLATSHARD_ASSIGN_OR_RETURN(dir, CreateSaveDir(name, options.save_id));
+  FLATSHARD_ASSIGN_OR_RETURN(save->claim_, ClaimName(name));
+  if (!save->to_server_zero_) {
+    FLATSHARD_ASSIGN_OR_RETURN(save->dir_, CreateSaveDir(name, options.save_id));
   }
-  // Asynchronous: snapshots, so that training goes on while the bytes are written.
-  // Blocking: the live groups, pinned at the cut's version, as an export has them: no
-  // copy (and no second copy of the shards in memory); their next optimizer step waits.
-  FLATSHARD_ASSIGN_OR_RETURN(std::vector<SavedShard> shards,
-                             TakeShards(registry_, rank_, job, versions, deadline, /*pin=*/!options.async));
+  return save;
+}
+
+absl::Status CheckpointStore::PinSave(PendingSave& save, const std::map<std::string, int64_t>& versions,
+                                      absl::Time deadline) {
+  save.shards_.clear();  // the pins of an earlier cut, which the groups must get past
+  // Blocking saves write from the live groups, pinned at the cut: no copy (and no second
+  // copy of the shards in memory); their next optimizer step waits. Async ones copy them
+  // once every server has pinned (FinishSave).
+  absl::StatusOr<std::vector<SavedShard>> shards = TakeShards(registry_, rank_, save.job_, versions, deadline,
+                                                              /*pin=*/true);
+  if (shards.ok()) {
+    save.shards_ = *std::move(shards);
+    save.versions_ = versions;
+    return absl::OkStatus();
+  }
+  for (const auto& [group, version] : JobVersions(save.job_)) {
+    const auto asked = versions.find(group);
+    if (asked == versions.end() || version <= asked->second) continue;
+    return absl::AbortedError(absl::StrCat("group '", group, "' is at version ", version, ", past the cut's ",
+                                           asked->second, " (training overtook the save's cut)"));
+  }
+  return shards.status();
+}
+
+std::map<std::string, int64_t> CheckpointStore::JobVersions(const std::string& job) const {
+  std::map<std::string, int64_t> versions;
+  for (const auto& group : registry_.job_groups(job)) versions[group->name()] = group->version();
+  return versions;
+}
+
+absl::Status CheckpointStore::FinishSave(std::unique_ptr<PendingSave> save, absl::Time deadline) {
+  if (save->shards_.empty()) return absl::FailedPreconditionError("the save's cut is not pinned");
+  const std::string name = save->name_;
+  const std::string save_id = save->options_.save_id;
+  const bool async = save->options_.async;
+  std::vector<SavedShard> shards;
+  if (async) {
+    // Copies, so that training goes on while the bytes are written: the groups are still
+    // pinned at the cut, so the copies are exactly it.
+    FLATSHARD_ASSIGN_OR_RETURN(shards, TakeShards(registry_, rank_, save->job_, save->versions_, deadline,
+                                                  /*pin=*/false));
+    save->shards_.clear();
+  } else {
+    shards = std::move(save->shards_);
+  }
+  save->writing_ = true;
   // What the part says besides its extents (which the writing sink records).
-  auto describe = [job, kind, optimizer, servers = placement.shards, save_id = options.save_id](
-                      const std::vector<std::string>& files, Json specs) {
+  auto describe = [job = save->job_, kind = save->kind_, optimizer = save->optimizer_, servers = save->servers_,
+                   save_id](const std::vector<std::string>& files, Json specs) {
     return Json{{"job", job},
                 {"kind", CheckpointKindName(kind)},
                 {"servers", servers},
@@ -172,11 +234,11 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
                 {"files", files},
                 {"save_id", save_id}};
   };
-  const bool async = options.async;
   std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "save");
-  progress->total = PartBytes(kind, optimizer, shards);
-  auto write = [this, name, save_id = options.save_id, kind, optimizer, dir, to_server_zero, async, describe,
-                progress, deadline = async ? absl::InfiniteFuture() : deadline,
+  progress->total = PartBytes(save->kind_, save->optimizer_, shards);
+  auto write = [this, name, save_id, kind = save->kind_, optimizer = save->optimizer_, dir = save->dir_,
+                to_server_zero = save->to_server_zero_, async, describe, progress,
+                deadline = async ? absl::InfiniteFuture() : deadline,
                 shards = std::move(shards)]() -> absl::Status {
     Json group_specs;
     if (to_server_zero) {
@@ -194,11 +256,7 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
     if (files.ok()) {
       finished = FinishPart(name, save_id, rank_, sink, describe(*files, std::move(group_specs)).dump(), false);
     }
-    // Another save of the name committed meanwhile, and took this one's directory away.
-    if (!finished.ok() && Exists(absl::StrCat(root_, "/", name, "/", kManifest))) {
-      return CommittedByAnotherSave(name, save_id);
-    }
-    return finished;
+    return UnlessCommittedMeanwhile(name, save_id, finished);
   };
   if (!async) return write();
   // The snapshot is taken; training goes on while the bytes are written. The last server
@@ -207,9 +265,9 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
   absl::MutexLock lock(&mu_);
   ReapFinishedSaves();
   auto finished = std::make_shared<std::atomic<bool>>(false);
-  std::thread thread([this, name, to_server_zero, root_per_server = options.root_per_server,
-                      save_id = options.save_id, write = std::move(write), progress = std::move(progress),
-                      claim = std::move(claim), finished]() mutable {
+  std::thread thread([this, name, to_server_zero = save->to_server_zero_,
+                      root_per_server = save->options_.root_per_server, save_id, write = std::move(write),
+                      progress = std::move(progress), claim = std::move(save->claim_), finished]() mutable {
     absl::Status status = write();
     if (status.ok() && root_per_server) {
       status = Commit(name, save_id);
@@ -419,12 +477,22 @@ absl::Status AddPartExtents(const Json& part, const std::string& what,
 absl::Status CheckpointStore::Commit(const std::string& name, const std::string& save_id) {
   // The parts' descriptions are read from disk: one of the wrong shape makes nlohmann
   // throw, which is damage like any other.
+  absl::Status committed;
   try {
-    return CommitParts(name, save_id);
+    committed = CommitParts(name, save_id);
   } catch (const Json::exception& error) {
-    return absl::DataLossError(absl::StrCat("checkpoint '", name, "': a part's description is malformed: ",
-                                            error.what()));
+    committed = absl::DataLossError(
+        absl::StrCat("checkpoint '", name, "': a part's description is malformed: ", error.what()));
   }
+  return UnlessCommittedMeanwhile(name, save_id, committed);
+}
+
+absl::Status CheckpointStore::UnlessCommittedMeanwhile(const std::string& name, const std::string& save_id,
+                                                       const absl::Status& status) const {
+  if (status.ok() || absl::IsAlreadyExists(status) || root_.empty()) return status;
+  absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(root_, "/", name, "/", kManifest));
+  if (!manifest.ok() || !manifest->is_object() || manifest->value("save_id", Json("")) == save_id) return status;
+  return CommittedByAnotherSave(name, save_id);
 }
 
 absl::Status CheckpointStore::CommitParts(const std::string& name, const std::string& save_id) {

@@ -88,6 +88,35 @@ struct SaveOptions {
   std::string save_id;
 };
 
+// One server's part of a save between CheckpointStore::BeginSave and FinishSave: the name
+// claimed, the save's directory made and, once PinSave succeeded, every group of the job
+// pinned at the cut (their next optimizer step waits). Destroying it before FinishSave
+// releases the pins and the name and removes the save's (empty) directory: the save did
+// not happen. Owned by the one caller that drives the save; not thread-safe.
+class PendingSave {
+ public:
+  PendingSave(const PendingSave&) = delete;
+  PendingSave& operator=(const PendingSave&) = delete;
+  ~PendingSave();
+
+ private:
+  friend class CheckpointStore;
+  PendingSave() = default;
+
+  std::string name_;
+  CheckpointKind kind_ = CheckpointKind::kFull;
+  bool optimizer_ = false;
+  std::string job_;
+  SaveOptions options_;
+  int servers_ = 0;              // in the checkpoint: one replica group's
+  bool to_server_zero_ = false;  // the part is streamed to server 0's root
+  std::string dir_;              // the save's directory here, unless streamed
+  std::shared_ptr<const std::string> claim_;
+  std::map<std::string, int64_t> versions_;  // the cut pinned
+  std::vector<SavedShard> shards_;           // pinned at versions_
+  bool writing_ = false;                     // FinishSave has it
+};
+
 struct CheckpointInfo {
   std::string name;
   bool complete = false;
@@ -118,10 +147,25 @@ class CheckpointStore {
   // written in the background and the last server to finish commits (with a root per
   // server, LOCAL: each server commits its own part). A failure is then logged and the
   // checkpoint stays listed as incomplete.
+  // Aborted, naming the group, if a group is past its version at `versions` (training
+  // overtook the cut). Save is BeginSave, PinSave and FinishSave in one.
   [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer,
                                   const std::string& job,
                                   const std::map<std::string, int64_t>& versions,
                                   absl::Time deadline, const SaveOptions& options = {});
+  // The same save in steps, so that the servers agree on the cut before any writes (the
+  // SaveCheckpoint stream): BeginSave checks the request and claims `name`; PinSave pins
+  // every group of the job at `versions` (waiting until `deadline` for one behind), again
+  // at a later cut if called again; Aborted if a group has moved past its version, and
+  // then nothing stays pinned. FinishSave writes the pinned cut as Save does.
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<PendingSave>> BeginSave(const std::string& name, CheckpointKind kind,
+                                                                       bool optimizer, const std::string& job,
+                                                                       const SaveOptions& options);
+  [[nodiscard]] absl::Status PinSave(PendingSave& save, const std::map<std::string, int64_t>& versions,
+                                     absl::Time deadline);
+  [[nodiscard]] absl::Status FinishSave(std::unique_ptr<PendingSave> save, absl::Time deadline);
+  // The versions of `job`'s groups on this server now.
+  std::map<std::string, int64_t> JobVersions(const std::string& job) const;
   // A random id stored in the root (created by the first server to ask): servers with
   // equal ids share the root. Empty without a root.
   [[nodiscard]] absl::StatusOr<std::string> RootId();
@@ -186,6 +230,10 @@ class CheckpointStore {
   // Commit's work; may throw nlohmann::json::exception for a part description of the
   // wrong shape (Commit catches it).
   absl::Status CommitParts(const std::string& name, const std::string& save_id);
+  // `status`, or AlreadyExists if it is an error because another save than `save_id`
+  // committed `name` meanwhile (taking this save's directory with it).
+  absl::Status UnlessCommittedMeanwhile(const std::string& name, const std::string& save_id,
+                                        const absl::Status& status) const;
   // Commits `name` if every part of save `save_id` is in its directory and no one else
   // has begun to.
   absl::Status CommitIfComplete(const std::string& name, const std::string& save_id);

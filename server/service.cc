@@ -221,19 +221,43 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
-                                              const v1::SaveCheckpointRequest* request,
-                                              v1::SaveCheckpointResponse*) {
+grpc::Status FlatshardService::SaveCheckpoint(
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::SaveCheckpointEvent, v1::SaveCheckpointStep>* stream) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  absl::StatusOr<CheckpointKind> kind = FromProto(request->kind());
+  v1::SaveCheckpointStep step;
+  if (!stream->Read(&step)) return ToGrpc(absl::InvalidArgumentError("save: empty stream"));
+  const v1::SaveCheckpointRequest request = step.request();
+  absl::StatusOr<CheckpointKind> kind = FromProto(request.kind());
   if (!kind.ok()) return ToGrpc(kind.status());
-  const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
-  const SaveOptions options{.async = request->async(),
-                            .root_per_server = request->root_per_server(),
-                            .home_root_id = request->home_root_id(),
-                            .save_id = request->save_id()};
-  return ToGrpc(checkpoints_.Save(request->name(), *kind, request->optimizer(), request->job(), versions,
-                                  DeadlineOf(ctx), options));
+  const SaveOptions options{.async = request.async(),
+                            .root_per_server = request.root_per_server(),
+                            .home_root_id = request.home_root_id(),
+                            .save_id = request.save_id()};
+  absl::StatusOr<std::unique_ptr<PendingSave>> save =
+      checkpoints_.BeginSave(request.name(), *kind, request.optimizer(), request.job(), options);
+  if (!save.ok()) return ToGrpc(save.status());
+  std::map<std::string, int64_t> versions(request.versions().begin(), request.versions().end());
+  // Rounds until every server has pinned one cut (the client decides): pinned here, or
+  // overtaken here and told this server's versions.
+  while (true) {
+    const absl::Status pinned = checkpoints_.PinSave(**save, versions, DeadlineOf(ctx));
+    if (!pinned.ok() && !absl::IsAborted(pinned)) return ToGrpc(pinned);
+    v1::SaveCheckpointEvent event;
+    event.set_pinned(pinned.ok());
+    if (!pinned.ok()) {
+      for (const auto& [group, version] : checkpoints_.JobVersions(request.job())) {
+        (*event.mutable_versions())[group] = version;
+      }
+    }
+    if (!stream->Write(event) || !stream->Read(&step)) {
+      return ToGrpc(absl::CancelledError("save: the client went away before every server had pinned the cut"));
+    }
+    if (step.write()) {
+      if (!pinned.ok()) return ToGrpc(absl::InvalidArgumentError("save: 'write' for a cut this server did not pin"));
+      return ToGrpc(checkpoints_.FinishSave(*std::move(save), DeadlineOf(ctx)));
+    }
+    versions = std::map<std::string, int64_t>(step.repin().begin(), step.repin().end());
+  }
 }
 
 grpc::Status FlatshardService::CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,

@@ -699,5 +699,63 @@ TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIn
   }
 }
 
+// The servers' side of a save's rounds (SaveCheckpoint stream), spoken directly: a
+// server answers a cut that training has passed with its versions and refuses to write
+// it; a client that goes away once a server has pinned the cut leaves nothing pinned
+// (training goes on), nothing on disk and the name free.
+TEST(CheckpointIntegrationTest, ASaveStreamPinsBeforeItWritesAndLeavesNothingBehind) {
+  const testing::ScratchDir root("ckpt-stream");
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), root.path());
+  Trainer trainer(cluster);
+  trainer.Step(0);
+  ASSERT_TRUE(trainer.client->WaitVersion("big", 1).ok());
+  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
+  auto open = [&](grpc::ClientContext& ctx, int64_t version) {
+    ctx.AddMetadata("authorization", "Bearer tok");
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto stream = stub->SaveCheckpoint(&ctx);
+    v1::SaveCheckpointStep step;
+    v1::SaveCheckpointRequest& request = *step.mutable_request();
+    request.set_name("x");
+    request.set_kind(v1::FULL);
+    request.set_job("test");
+    request.set_save_id("s1");
+    (*request.mutable_versions())["big"] = version;
+    (*request.mutable_versions())["tiny"] = version;
+    EXPECT_TRUE(stream->Write(step));
+    return stream;
+  };
+  {
+    grpc::ClientContext ctx;
+    auto stream = open(ctx, 0);
+    v1::SaveCheckpointEvent event;
+    ASSERT_TRUE(stream->Read(&event));
+    EXPECT_FALSE(event.pinned());
+    EXPECT_EQ(event.versions().at("big"), 1);
+    v1::SaveCheckpointStep write;
+    write.set_write(true);
+    EXPECT_TRUE(stream->Write(write));
+    const grpc::Status refused = stream->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(refused.error_message(), HasSubstr("a cut this server did not pin"));
+  }
+  {
+    grpc::ClientContext ctx;
+    auto stream = open(ctx, 1);
+    v1::SaveCheckpointEvent event;
+    ASSERT_TRUE(stream->Read(&event));
+    EXPECT_TRUE(event.pinned());
+    ctx.TryCancel();  // the client goes away, its cut pinned
+    EXPECT_FALSE(stream->Finish().ok());
+  }
+  trainer.Step(1);  // waits for no pin
+  auto reached = trainer.client->WaitVersion("big", 2);
+  ASSERT_TRUE(reached.ok()) << reached.status();
+  auto listed = trainer.client->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty()) << listed->front().name;  // not even an incomplete one
+  EXPECT_TRUE(trainer.client->SaveCheckpoint("x", CheckpointKind::kFull, true).ok());
+}
+
 }  // namespace
 }  // namespace flatshard

@@ -515,6 +515,29 @@ TEST(CheckpointStoreTest, ASaveStartedBeforeAnotherCommitsNeverTouchesItsFiles) 
   }
 }
 
+// Training moves past a save's cut before the server pins it: the pin is refused as
+// Aborted (naming the group) and holds nothing, so training goes on; pinned at a later
+// cut, the save writes exactly that cut.
+TEST(CheckpointStoreTest, ASaveOvertakenByTrainingPinsALaterCut) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(1, root);
+  CheckpointStore& store = cluster.store(0);
+  auto save = store.BeginSave("x", CheckpointKind::kSharded, true, "job", Options(false, "s"));
+  ASSERT_TRUE(save.ok()) << save.status();
+  cluster.Step(0);
+  const absl::Status overtaken = store.PinSave(**save, {{"emb", 0}, {"tiny", 0}, {"half", 0}}, absl::InfiniteFuture());
+  EXPECT_TRUE(absl::IsAborted(overtaken)) << overtaken;
+  EXPECT_THAT(std::string(overtaken.message()), HasSubstr("is at version 1, past the cut's 0"));
+  EXPECT_EQ(store.JobVersions("job"), (std::map<std::string, int64_t>{{"emb", 1}, {"half", 1}, {"tiny", 1}}));
+  cluster.Step(1);  // nothing is pinned: the step is not held
+  ASSERT_TRUE(store.PinSave(**save, store.JobVersions("job"), absl::InfiniteFuture()).ok());
+  const Values saved = cluster.Collect(2);
+  ASSERT_TRUE(store.FinishSave(*std::move(save), absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(store.Commit("x", "s").ok());
+  cluster.Step(2);
+  ASSERT_TRUE(cluster.Load("x").ok());
+  EXPECT_EQ(cluster.Collect(2), saved);
+}
 // While a save of a name runs on a server (here: waiting for the version it cuts at),
 // that server refuses a second save of the name and a delete of it; once it is done,
 // both are accepted again.
@@ -540,11 +563,11 @@ TEST(CheckpointStoreTest, ASaveInProgressHoldsItsName) {
   waiting.join();
   ASSERT_TRUE(store.Commit("x").ok());
   EXPECT_TRUE(store.Delete("x").ok());
-  // A save that failed frees the name too.
+  // A save that failed before writing frees the name too, and leaves nothing behind.
   EXPECT_TRUE(absl::IsDeadlineExceeded(
       store.Save("y", CheckpointKind::kFull, false, "job", {{"emb", 5}, {"tiny", 5}, {"half", 5}},
                  absl::Now() + absl::Milliseconds(10))));
-  EXPECT_TRUE(store.Delete("y").ok());
+  EXPECT_TRUE(absl::IsNotFound(store.Delete("y")));
   EXPECT_TRUE(cluster.Save("y", CheckpointKind::kFull, false, 1).ok());
 }
 

@@ -205,6 +205,10 @@ class Client {
 
   // Saves every group of the job at its current version (a consistent cut: each server
   // saves exactly that version), in parallel on all servers, then commits atomically.
+  // Every server pins the cut before any writes; where training moves past it on a
+  // server first, a later cut is pinned (Aborted after 10 tries). While workers train,
+  // the cut may fall inside a step (groups at different steps): save between steps for
+  // a step boundary.
   // With a root shared by all servers, each writes its own part there; where the roots
   // differ, FULL and SHARDED are kept in server 0's root and LOCAL in each server's own.
   // `async`: returns once every server has snapshotted its shards (training may
