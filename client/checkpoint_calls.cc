@@ -13,7 +13,7 @@
 #include "absl/synchronization/notification.h"
 #include "core/file.h"
 #include "core/status_macros.h"
-#include "client/save_streams.h"
+#include "client/cut_streams.h"
 #include "proto/convert.h"
 
 namespace flatshard::client_internal {
@@ -106,8 +106,8 @@ std::string BeingSaved(const std::string& name, const std::vector<v1::ServerStat
   return "";
 }
 
-// How many cuts a save tries while training keeps overtaking them (each round costs a
-// status-like round trip; a server pinned at a cut holds its groups' next step).
+// How many cuts a save or export tries while training keeps moving past them (a round
+// costs a round trip; a server pinned at a cut holds its groups' next step).
 constexpr int kMaxPinRounds = 10;
 
 // A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
@@ -148,8 +148,11 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   }
   CutVersions(job_, statuses, *request.mutable_versions());
   // Every server pins the cut before any writes (a later one where training overtook it).
-  SaveStreams streams(control_, writers);
-  FLATSHARD_RETURN_IF_ERROR(streams.Pin(request, kMaxPinRounds));
+  CutStreams<v1::SaveCheckpointStep, v1::CutAnswer> streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint);
+  v1::SaveCheckpointStep first;
+  *first.mutable_request() = request;
+  FLATSHARD_RETURN_IF_ERROR(streams.Pin(first, {request.versions().begin(), request.versions().end()},
+                                        absl::StrCat("checkpoint '", name, "'"), kMaxPinRounds));
   FLATSHARD_RETURN_IF_ERROR(
       WithProgress(name, "save", async ? nullptr : progress, [&] { return streams.Write(); }));
   if (async) return absl::OkStatus();  // the servers commit when they are done
@@ -252,22 +255,23 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
     for (const auto& [file, size] : sizes) total += size;
     progress(done, total);
   };
-  return control_.OnAllServersInParallel([&](size_t i) -> absl::Status {
-    if (!writers[i]) return absl::OkStatus();
-    grpc::ClientContext ctx;
-    control_.Prepare(ctx);
-    auto reader = control_.stub(i).ExportStateDict(&ctx, request);
+  // Every server pins the cut before any streams (a later one where training overtook it).
+  using Streams = CutStreams<v1::ExportStep, v1::ExportMessage>;
+  Streams streams(control_, writers, &v1::Flatshard::Stub::ExportStateDict);
+  v1::ExportStep first;
+  *first.mutable_request() = request;
+  FLATSHARD_RETURN_IF_ERROR(
+      streams.Pin(first, {request.versions().begin(), request.versions().end()}, "export", kMaxPinRounds));
+  return streams.Write([&](Streams::Server& server) {
     std::map<std::string, File> files;
-    v1::ExportChunk chunk;
+    v1::ExportMessage message;
     absl::Status written;
-    while (written.ok() && reader->Read(&chunk)) {
-      written = WriteChunk(out_dir, chunk, files);
-      report(chunk);
+    while (written.ok() && server.stream->Read(&message)) {
+      written = WriteChunk(out_dir, message.chunk(), files);
+      report(message.chunk());
     }
-    if (!written.ok()) ctx.TryCancel();
-    const grpc::Status finished = reader->Finish();
-    if (!written.ok()) return written;
-    return control_.Named(i, finished);
+    if (!written.ok()) server.ctx.TryCancel();
+    return written;
   });
 }
 

@@ -84,15 +84,20 @@ absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& na
   return root_ + "/" + name;
 }
 
-absl::Status CheckpointStore::Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
-                                     const std::string& job, const std::map<std::string, int64_t>& versions,
-                                     absl::Time deadline) const {
+absl::StatusOr<PinnedExport> CheckpointStore::PinExport(const std::string& job,
+                                                        const std::map<std::string, int64_t>& versions,
+                                                        absl::Time deadline) const {
   // Any replica group holds the same shard: the files are those of its shard index.
   FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   // Pinned, not copied: the server's memory stays bounded by the slices in flight.
   FLATSHARD_ASSIGN_OR_RETURN(std::vector<SavedShard> shards,
                              TakeShards(registry_, placement.shard, job, versions, deadline, /*pin=*/true));
-  return WriteShards(sink, placement.shard, kind, optimizer, max_file_bytes_, shards, nullptr).status();
+  return PinnedExport{placement.shard, std::move(shards)};
+}
+
+absl::Status CheckpointStore::Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
+                                     const PinnedExport& pinned) const {
+  return WriteShards(sink, pinned.shard, kind, optimizer, max_file_bytes_, pinned.shards, nullptr).status();
 }
 
 absl::StatusOr<std::string> CheckpointStore::RootId() {
@@ -185,20 +190,10 @@ absl::Status CheckpointStore::PinSave(PendingSave& save, const std::map<std::str
   // Blocking saves write from the live groups, pinned at the cut: no copy (and no second
   // copy of the shards in memory); their next optimizer step waits. Async ones copy them
   // once every server has pinned (FinishSave).
-  absl::StatusOr<std::vector<SavedShard>> shards = TakeShards(registry_, rank_, save.job_, versions, deadline,
-                                                              /*pin=*/true);
-  if (shards.ok()) {
-    save.shards_ = *std::move(shards);
-    save.versions_ = versions;
-    return absl::OkStatus();
-  }
-  for (const auto& [group, version] : JobVersions(save.job_)) {
-    const auto asked = versions.find(group);
-    if (asked == versions.end() || version <= asked->second) continue;
-    return absl::AbortedError(absl::StrCat("group '", group, "' is at version ", version, ", past the cut's ",
-                                           asked->second, " (training overtook the save's cut)"));
-  }
-  return shards.status();
+  FLATSHARD_ASSIGN_OR_RETURN(save.shards_,
+                             TakeShards(registry_, rank_, save.job_, versions, deadline, /*pin=*/true));
+  save.versions_ = versions;
+  return absl::OkStatus();
 }
 
 std::map<std::string, int64_t> CheckpointStore::JobVersions(const std::string& job) const {

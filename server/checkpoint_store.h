@@ -117,6 +117,13 @@ class PendingSave {
   bool writing_ = false;                     // FinishSave has it
 };
 
+// This server's shards of a job pinned at an export's cut (CheckpointStore::PinExport);
+// the pins go with it.
+struct PinnedExport {
+  int shard = 0;  // the shard index the files are named by (hybrid: within the replica group)
+  std::vector<SavedShard> shards;
+};
+
 struct CheckpointInfo {
   std::string name;
   bool complete = false;
@@ -169,13 +176,17 @@ class CheckpointStore {
   // A random id stored in the root (created by the first server to ask): servers with
   // equal ids share the root. Empty without a root.
   [[nodiscard]] absl::StatusOr<std::string> RootId();
-  // Streams this server's part of a FULL or SHARDED state dict (the same files a save
-  // writes, without manifest) into `sink`, in slices of at most 4 MiB of data. Nothing
-  // is copied: the groups are pinned at `versions` (Group::Pin), so their next optimizer
-  // step waits until the export is done.
+  // An export in two steps, so that every server pins one cut before any streams (the
+  // ExportStateDict stream): PinExport pins this server's shards of `job` at `versions`
+  // (Group::Pin: their next optimizer step waits until the PinnedExport is gone; Aborted
+  // if a group has moved past its version), and Export streams this server's part of a
+  // FULL or SHARDED state dict of them (the same files a save writes, without manifest)
+  // into `sink`, in slices of at most 4 MiB of data. Nothing is copied.
+  [[nodiscard]] absl::StatusOr<PinnedExport> PinExport(const std::string& job,
+                                                       const std::map<std::string, int64_t>& versions,
+                                                       absl::Time deadline) const;
   [[nodiscard]] absl::Status Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
-                                    const std::string& job, const std::map<std::string, int64_t>& versions,
-                                    absl::Time deadline) const;
+                                    const PinnedExport& pinned) const;
   // Completes save `save_id` of a checkpoint once every server saved its part; OK if this
   // save is committed already (by a server sharing the root). With a root per server
   // (other parts absent), a LOCAL checkpoint is committed per server: its manifest lists

@@ -275,10 +275,15 @@ absl::StatusOr<std::vector<SavedShard>> TakeShards(const Registry& registry, int
     if (version == versions.end()) {
       return absl::InvalidArgumentError(absl::StrCat("no version given for group '", group->name(), "'"));
     }
-    FLATSHARD_ASSIGN_OR_RETURN(ShardSnapshot snapshot, pin ? group->Pin(version->second, deadline)
-                                                           : group->Snapshot(version->second, deadline));
+    absl::StatusOr<ShardSnapshot> snapshot =
+        pin ? group->Pin(version->second, deadline) : group->Snapshot(version->second, deadline);
+    if (!snapshot.ok() && group->version() > version->second) {
+      return absl::AbortedError(absl::StrCat("group '", group->name(), "' is at version ", group->version(),
+                                             ", past the cut's ", version->second, " (training overtook the cut)"));
+    }
+    FLATSHARD_RETURN_IF_ERROR(snapshot.status());
     const FlatLayout& layout = group->layout();
-    shards.push_back({group, std::move(snapshot), layout.shard_start(rank),
+    shards.push_back({group, *std::move(snapshot), layout.shard_start(rank),
                       layout.MapRange(layout.shard_start(rank), layout.shard_end(rank)),
                       pin ? std::make_unique<PinGuard>(group) : nullptr});
   }

@@ -1,6 +1,9 @@
 #include "server/service.h"
 
 #include <cmath>
+#include <functional>
+#include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -14,47 +17,82 @@ grpc::Status ToGrpc(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
+using ExportStream = grpc::ServerReaderWriter<v1::ExportMessage, v1::ExportStep>;
+
 // Export: checkpoint files as a stream of chunks (at most chunk_bytes of data each).
 class StreamSink final : public CheckpointSink {
  public:
-  StreamSink(grpc::ServerWriter<v1::ExportChunk>* writer, size_t chunk_bytes)
-      : writer_(writer), chunk_bytes_(chunk_bytes) {}
+  StreamSink(ExportStream* stream, size_t chunk_bytes) : stream_(stream), chunk_bytes_(chunk_bytes) {}
 
   absl::Status Open(const std::string& file, uint64_t size, bool) override {
-    v1::ExportChunk chunk;
-    chunk.set_file(file);
-    chunk.set_file_size(size);
-    return Send(chunk);
+    v1::ExportMessage message;
+    message.mutable_chunk()->set_file(file);
+    message.mutable_chunk()->set_file_size(size);
+    return Send(message);
   }
 
   absl::Status Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) override {
     for (size_t done = 0; done < data.size(); done += chunk_bytes_) {
       const size_t count = std::min(chunk_bytes_, data.size() - done);
-      v1::ExportChunk chunk;
+      v1::ExportMessage message;
+      v1::ExportChunk& chunk = *message.mutable_chunk();
       chunk.set_file(file);
       chunk.set_offset(offset + done);
       chunk.set_data(reinterpret_cast<const char*>(data.data() + done), count);
-      FLATSHARD_RETURN_IF_ERROR(Send(chunk));
+      FLATSHARD_RETURN_IF_ERROR(Send(message));
     }
     return absl::OkStatus();
   }
 
   absl::Status Close(const std::string& file) override {
-    v1::ExportChunk chunk;
-    chunk.set_file(file);
-    chunk.set_close(true);
-    return Send(chunk);
+    v1::ExportMessage message;
+    message.mutable_chunk()->set_file(file);
+    message.mutable_chunk()->set_close(true);
+    return Send(message);
   }
 
  private:
-  absl::Status Send(const v1::ExportChunk& chunk) {
-    if (!writer_->Write(chunk)) return absl::CancelledError("the exporting client went away");
+  absl::Status Send(const v1::ExportMessage& message) {
+    if (!stream_->Write(message)) return absl::CancelledError("the exporting client went away");
     return absl::OkStatus();
   }
 
-  grpc::ServerWriter<v1::ExportChunk>* writer_;
+  ExportStream* stream_;
   const size_t chunk_bytes_;
 };
+
+v1::CutAnswer& CutOf(v1::CutAnswer& answer) { return answer; }
+v1::CutAnswer& CutOf(v1::ExportMessage& message) { return *message.mutable_cut(); }
+
+// The rounds in which the servers of a save or export (`what`) agree on its cut
+// (SaveCheckpointStep): `pin` pins this server's groups at the versions asked, and this
+// server answers pinned, or overtaken (Aborted) with its versions now, `current()`; the
+// client then asks for a later cut or says write. OK once it says write with the cut
+// pinned here; `pin`'s other errors as they are.
+template <typename Answer, typename Step>
+absl::Status AgreeOnCut(grpc::ServerReaderWriter<Answer, Step>* stream, const std::string& what,
+                        std::map<std::string, int64_t> versions,
+                        const std::function<absl::Status(const std::map<std::string, int64_t>&)>& pin,
+                        const std::function<std::map<std::string, int64_t>()>& current) {
+  while (true) {
+    const absl::Status pinned = pin(versions);
+    if (!pinned.ok() && !absl::IsAborted(pinned)) return pinned;
+    Answer answer;
+    CutOf(answer).set_pinned(pinned.ok());
+    if (!pinned.ok()) {
+      for (const auto& [group, version] : current()) (*CutOf(answer).mutable_versions())[group] = version;
+    }
+    Step step;
+    if (!stream->Write(answer) || !stream->Read(&step)) {
+      return absl::CancelledError(absl::StrCat(what, ": the client went away before every server had pinned the cut"));
+    }
+    if (step.write()) {
+      if (pinned.ok()) return absl::OkStatus();
+      return absl::InvalidArgumentError(absl::StrCat(what, ": 'write' for a cut this server did not pin"));
+    }
+    versions = std::map<std::string, int64_t>(step.repin().begin(), step.repin().end());
+  }
+}
 
 absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
   const auto deadline = ctx->deadline();
@@ -222,7 +260,7 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
 }
 
 grpc::Status FlatshardService::SaveCheckpoint(
-    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::SaveCheckpointEvent, v1::SaveCheckpointStep>* stream) {
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::CutAnswer, v1::SaveCheckpointStep>* stream) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   v1::SaveCheckpointStep step;
   if (!stream->Read(&step)) return ToGrpc(absl::InvalidArgumentError("save: empty stream"));
@@ -236,28 +274,14 @@ grpc::Status FlatshardService::SaveCheckpoint(
   absl::StatusOr<std::unique_ptr<PendingSave>> save =
       checkpoints_.BeginSave(request.name(), *kind, request.optimizer(), request.job(), options);
   if (!save.ok()) return ToGrpc(save.status());
-  std::map<std::string, int64_t> versions(request.versions().begin(), request.versions().end());
-  // Rounds until every server has pinned one cut (the client decides): pinned here, or
-  // overtaken here and told this server's versions.
-  while (true) {
-    const absl::Status pinned = checkpoints_.PinSave(**save, versions, DeadlineOf(ctx));
-    if (!pinned.ok() && !absl::IsAborted(pinned)) return ToGrpc(pinned);
-    v1::SaveCheckpointEvent event;
-    event.set_pinned(pinned.ok());
-    if (!pinned.ok()) {
-      for (const auto& [group, version] : checkpoints_.JobVersions(request.job())) {
-        (*event.mutable_versions())[group] = version;
-      }
-    }
-    if (!stream->Write(event) || !stream->Read(&step)) {
-      return ToGrpc(absl::CancelledError("save: the client went away before every server had pinned the cut"));
-    }
-    if (step.write()) {
-      if (!pinned.ok()) return ToGrpc(absl::InvalidArgumentError("save: 'write' for a cut this server did not pin"));
-      return ToGrpc(checkpoints_.FinishSave(*std::move(save), DeadlineOf(ctx)));
-    }
-    versions = std::map<std::string, int64_t>(step.repin().begin(), step.repin().end());
-  }
+  const absl::Status agreed = AgreeOnCut(
+      stream, "save", {request.versions().begin(), request.versions().end()},
+      [&](const std::map<std::string, int64_t>& versions) {
+        return checkpoints_.PinSave(**save, versions, DeadlineOf(ctx));
+      },
+      [&] { return checkpoints_.JobVersions(request.job()); });
+  if (!agreed.ok()) return ToGrpc(agreed);
+  return ToGrpc(checkpoints_.FinishSave(*std::move(save), DeadlineOf(ctx)));
 }
 
 grpc::Status FlatshardService::CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
@@ -309,20 +333,33 @@ grpc::Status FlatshardService::DeleteCheckpoint(grpc::ServerContext* ctx, const 
   return ToGrpc(checkpoints_.Delete(request->name()));
 }
 
-grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, const v1::ExportRequest* request,
-                                               grpc::ServerWriter<v1::ExportChunk>* writer) {
+grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, ExportStream* stream) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  absl::StatusOr<CheckpointKind> kind = FromProto(request->kind());
+  v1::ExportStep step;
+  if (!stream->Read(&step)) return ToGrpc(absl::InvalidArgumentError("export: empty stream"));
+  const v1::ExportRequest request = step.request();
+  absl::StatusOr<CheckpointKind> kind = FromProto(request.kind());
   if (!kind.ok()) return ToGrpc(kind.status());
   if (*kind == CheckpointKind::kLocal) {
     return ToGrpc(absl::InvalidArgumentError("export: kind must be full or sharded"));
   }
-  const std::map<std::string, int64_t> versions(request->versions().begin(), request->versions().end());
-  if (request->chunk_bytes() > (64u << 20)) {
+  if (request.chunk_bytes() > (64u << 20)) {
     return ToGrpc(absl::InvalidArgumentError("export: chunk_bytes is at most 64 MiB"));
   }
-  StreamSink sink(writer, request->chunk_bytes() == 0 ? size_t{4} << 20 : request->chunk_bytes());
-  return ToGrpc(checkpoints_.Export(sink, *kind, request->optimizer(), request->job(), versions, DeadlineOf(ctx)));
+  std::optional<PinnedExport> pinned;
+  const absl::Status agreed = AgreeOnCut(
+      stream, "export", {request.versions().begin(), request.versions().end()},
+      [&](const std::map<std::string, int64_t>& versions) {
+        pinned.reset();  // the pins of an earlier cut, which the groups must get past
+        absl::StatusOr<PinnedExport> pins = checkpoints_.PinExport(request.job(), versions, DeadlineOf(ctx));
+        if (!pins.ok()) return pins.status();
+        pinned = *std::move(pins);
+        return absl::OkStatus();
+      },
+      [&] { return checkpoints_.JobVersions(request.job()); });
+  if (!agreed.ok()) return ToGrpc(agreed);
+  StreamSink sink(stream, request.chunk_bytes() == 0 ? size_t{4} << 20 : request.chunk_bytes());
+  return ToGrpc(checkpoints_.Export(sink, *kind, request.optimizer(), *pinned));
 }
 
 grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,

@@ -58,7 +58,7 @@ class FlatshardService final : public v1::Flatshard::Service {
                          v1::ServerStatus* response) override;
   grpc::Status SaveCheckpoint(
       grpc::ServerContext* ctx,
-      grpc::ServerReaderWriter<v1::SaveCheckpointEvent, v1::SaveCheckpointStep>* stream) override;
+      grpc::ServerReaderWriter<v1::CutAnswer, v1::SaveCheckpointStep>* stream) override;
   grpc::Status CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
                                 v1::CheckpointResponse* response) override;
   grpc::Status LoadCheckpoint(grpc::ServerContext* ctx, const v1::LoadCheckpointRequest* request,
@@ -67,8 +67,8 @@ class FlatshardService final : public v1::Flatshard::Service {
                                v1::ListCheckpointsResponse* response) override;
   grpc::Status DeleteCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
                                 v1::CheckpointResponse* response) override;
-  grpc::Status ExportStateDict(grpc::ServerContext* ctx, const v1::ExportRequest* request,
-                               grpc::ServerWriter<v1::ExportChunk>* writer) override;
+  grpc::Status ExportStateDict(grpc::ServerContext* ctx,
+                               grpc::ServerReaderWriter<v1::ExportMessage, v1::ExportStep>* stream) override;
   grpc::Status WriteCheckpointPart(grpc::ServerContext* ctx, grpc::ServerReader<v1::CheckpointPartMessage>* reader,
                                    v1::WriteCheckpointPartResponse* response) override;
   grpc::Status ReadCheckpointFile(grpc::ServerContext* ctx, const v1::ReadCheckpointFileRequest* request,

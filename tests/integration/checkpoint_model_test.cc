@@ -8,8 +8,8 @@
 // follow them (their outcome then depends on timing) and checks invariants instead: a
 // save in progress holds its name, a checkpoint appears only once complete and only if
 // saved, and every save that was accepted commits exactly the cut it was asked for.
-// ConcurrentSavesOfOneNameCommitAtMostOneCut races two callers' saves of one name. The
-// seed is fixed (FLATSHARD_CHECKPOINT_SEED explores others); a failure names the
+// ConcurrentSavesOfOneNameCommitAtMostOneCut races two callers' saves of one name, and
+// AnExportWhileTrainingStreamsOneCut an export with a training step. The seed is fixed (FLATSHARD_CHECKPOINT_SEED explores others); a failure names the
 // operation.
 #include <gtest/gtest.h>
 
@@ -24,6 +24,8 @@
 #include <tuple>
 #include <vector>
 
+#include "core/file.h"
+#include "core/safetensors.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/scratch_dir.h"
 
@@ -268,6 +270,47 @@ TEST_F(CheckpointModelTest, ConcurrentSavesOfOneNameCommitAtMostOneCut) {
     ++won;
   }
   RecordProperty("won", won);
+}
+
+// An export started as a training step runs (the step can move groups past the export's
+// cut on some servers before they pin it) streams one cut all the same: each group's
+// tensors in the exported file are that group's parameters from before the step or from
+// after it.
+TEST_F(CheckpointModelTest, AnExportWhileTrainingStreamsOneCut) {
+  const uint32_t seed = Seed(20261126);
+  std::mt19937 rng(seed);
+  auto other = cluster_.Connect(0, 1, "m");
+  ASSERT_TRUE(other.ok()) << other.status();
+  for (int round = 0; round < 12; ++round) {
+    SCOPED_TRACE(absl::StrCat("seed ", seed, ", round ", round));
+    const std::map<std::string, std::vector<float>> before = Params();
+    const std::string dir = absl::StrCat(exports_.path(), "/race-", round);
+    absl::Status exported;
+    std::thread racing([&] { exported = (*other)->ExportStateDict(dir, CheckpointKind::kFull, false); });
+    Step(rng);
+    const std::map<std::string, std::vector<float>> after = Params();
+    racing.join();
+    ASSERT_FALSE(HasFatalFailure());
+    ASSERT_TRUE(exported.ok()) << exported;
+    auto header = SafetensorsHeader::Read(dir + "/model.safetensors");
+    ASSERT_TRUE(header.ok()) << header.status();
+    auto file = File::Open(dir + "/model.safetensors", File::Mode::kRead);
+    ASSERT_TRUE(file.ok()) << file.status();
+    for (const auto& [group, layout] : layouts_) {
+      bool is_before = true, is_after = true;
+      for (int t = 0; t < layout->num_tensors(); ++t) {
+        const SafetensorsTensor* tensor = header->Find(layout->tensor(t).fqn);
+        ASSERT_NE(tensor, nullptr) << layout->tensor(t).fqn;
+        std::vector<float> values(static_cast<size_t>(layout->tensor_numel(t)));
+        ASSERT_EQ(tensor->end - tensor->begin, values.size() * sizeof(float));
+        ASSERT_TRUE(file->ReadAt(header->data_start() + tensor->begin, AsBytes(values)).ok());
+        const auto at = [&](const std::vector<float>& flat) { return flat.begin() + layout->tensor_offset(t); };
+        is_before = is_before && std::equal(values.begin(), values.end(), at(before.at(group)));
+        is_after = is_after && std::equal(values.begin(), values.end(), at(after.at(group)));
+      }
+      EXPECT_TRUE(is_before || is_after) << "group " << group << " is neither before nor after the step";
+    }
+  }
 }
 
 // A group large enough (8 MiB of parameters, 24 MiB with Adam's state per save)

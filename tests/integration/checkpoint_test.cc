@@ -728,7 +728,7 @@ TEST(CheckpointIntegrationTest, ASaveStreamPinsBeforeItWritesAndLeavesNothingBeh
   {
     grpc::ClientContext ctx;
     auto stream = open(ctx, 0);
-    v1::SaveCheckpointEvent event;
+    v1::CutAnswer event;
     ASSERT_TRUE(stream->Read(&event));
     EXPECT_FALSE(event.pinned());
     EXPECT_EQ(event.versions().at("big"), 1);
@@ -742,7 +742,7 @@ TEST(CheckpointIntegrationTest, ASaveStreamPinsBeforeItWritesAndLeavesNothingBeh
   {
     grpc::ClientContext ctx;
     auto stream = open(ctx, 1);
-    v1::SaveCheckpointEvent event;
+    v1::CutAnswer event;
     ASSERT_TRUE(stream->Read(&event));
     EXPECT_TRUE(event.pinned());
     ctx.TryCancel();  // the client goes away, its cut pinned

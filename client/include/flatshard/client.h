@@ -231,6 +231,7 @@ class Client {
   // (shard-<rank>.safetensors) state dict of the job from every server at once into the
   // directory `out_dir` on this machine (created if missing). Memory stays bounded by a
   // few chunks (ClientOptions::export_chunk_bytes) per server, whatever the model size.
+  // The cut is chosen as for SaveCheckpoint (pinned on every server before any streams).
   // `progress` (optional): the bytes written here so far and the total announced so far.
   [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind,
                                                      bool optimizer, Progress progress = nullptr) = 0;

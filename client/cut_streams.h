@@ -1,0 +1,136 @@
+// CutStreams: the streams of one save or export, one per server that writes a part
+// (SaveCheckpoint or ExportStateDict; proto/flatshard.proto, SaveCheckpointStep). Every
+// server first pins one cut, in as many rounds as it takes (training may move past a cut
+// on a server before that server pins it: the next round pins a later one), and only
+// then do they write, so no server writes a part that another could not cut. Internal to
+// the client library. Not thread-safe: one caller drives the rounds; each round reaches
+// the servers in parallel. Destroying it before Write cancels the streams: the servers
+// drop their pins and write nothing.
+//
+//   CutStreams<v1::SaveCheckpointStep, v1::CutAnswer> streams(control, writers, &Stub::SaveCheckpoint);
+//   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first_step, cut, "checkpoint 'x'", 10));
+//   FLATSHARD_RETURN_IF_ERROR(streams.Write());
+#ifndef FLATSHARD_CLIENT_CUT_STREAMS_H_
+#define FLATSHARD_CLIENT_CUT_STREAMS_H_
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/control_plane.h"
+#include "core/status_macros.h"
+
+namespace flatshard::client_internal {
+
+inline const v1::CutAnswer& CutOf(const v1::CutAnswer& answer) { return answer; }
+inline const v1::CutAnswer& CutOf(const v1::ExportMessage& message) { return message.cut(); }
+
+template <typename Step, typename Answer>
+class CutStreams {
+ public:
+  using Stream = grpc::ClientReaderWriter<Step, Answer>;
+  using Method = std::unique_ptr<Stream> (v1::Flatshard::Stub::*)(grpc::ClientContext*);
+
+  // One server's stream.
+  struct Server {
+    size_t index = 0;
+    grpc::ClientContext ctx;
+    std::unique_ptr<Stream> stream;
+    Answer answer;  // the last one read
+    bool finished = false;
+  };
+
+  // Streams of `method` to the servers `writers[i]` says write a part. `control` must
+  // outlive this.
+  CutStreams(const ControlPlane& control, std::vector<bool> writers, Method method)
+      : control_(control), writers_(std::move(writers)), method_(method), servers_(writers_.size()) {}
+  ~CutStreams() {
+    for (const std::unique_ptr<Server>& server : servers_) {
+      if (server == nullptr || server->finished) continue;
+      server->ctx.TryCancel();  // the server drops its pins and writes nothing
+      (void)server->stream->Finish();
+    }
+  }
+  CutStreams(const CutStreams&) = delete;
+  CutStreams& operator=(const CutStreams&) = delete;
+
+  // Sends `first` (with the request) and has every server pin `cut`, then, while some
+  // server answers that training moved past it, a cut later by what that server reports,
+  // for at most `max_rounds` rounds; Aborted after that, naming `what`. A server's error
+  // as it is.
+  [[nodiscard]] absl::Status Pin(const Step& first, std::map<std::string, int64_t> cut, const std::string& what,
+                                 int max_rounds) {
+    for (size_t i = 0; i < writers_.size(); ++i) {
+      if (!writers_[i]) continue;
+      servers_[i] = std::make_unique<Server>();
+      servers_[i]->index = i;
+      control_.Prepare(servers_[i]->ctx);
+      servers_[i]->stream = (control_.stub(i).*method_)(&servers_[i]->ctx);
+    }
+    Step step = first;
+    for (int round = 1;; ++round) {
+      FLATSHARD_RETURN_IF_ERROR(OnEveryServer([&](Server& server) -> absl::Status {
+        if (server.stream->Write(step) && server.stream->Read(&server.answer)) return absl::OkStatus();
+        server.finished = true;
+        FLATSHARD_RETURN_IF_ERROR(control_.Named(server.index, server.stream->Finish()));
+        return absl::InternalError(
+            absl::StrCat("server ", control_.address(server.index), " ended the stream before it was asked to write"));
+      }));
+      bool pinned = true;
+      for (const std::unique_ptr<Server>& server : servers_) {
+        if (server == nullptr || CutOf(server->answer).pinned()) continue;
+        pinned = false;
+        for (const auto& [group, version] : CutOf(server->answer).versions()) {
+          cut[group] = std::max(cut[group], version);
+        }
+      }
+      if (pinned) return absl::OkStatus();
+      if (round == max_rounds) {
+        return absl::AbortedError(absl::StrCat(what, ": training moved past the cut ", max_rounds,
+                                               " times before every server had pinned it; try again"));
+      }
+      step.Clear();
+      step.mutable_repin()->insert(cut.begin(), cut.end());
+    }
+  }
+
+  // Has every server write (after Pin), runs `then` (if any) on each server's stream
+  // while it does, and returns the first error in rank order: `then`'s, else the
+  // server's outcome. Call once.
+  [[nodiscard]] absl::Status Write(const std::function<absl::Status(Server&)>& then = nullptr) {
+    Step step;
+    step.set_write(true);
+    return OnEveryServer([&](Server& server) {
+      server.finished = true;
+      absl::Status status;
+      if (server.stream->Write(step)) {
+        server.stream->WritesDone();
+        if (then != nullptr) status = then(server);
+      }
+      const absl::Status finished = control_.Named(server.index, server.stream->Finish());
+      return status.ok() ? finished : status;
+    });
+  }
+
+ private:
+  absl::Status OnEveryServer(const std::function<absl::Status(Server&)>& call) {
+    return control_.OnAllServersInParallel([&](size_t i) {
+      if (i >= servers_.size() || servers_[i] == nullptr) return absl::OkStatus();
+      return call(*servers_[i]);
+    });
+  }
+
+  const ControlPlane& control_;
+  const std::vector<bool> writers_;
+  const Method method_;
+  std::vector<std::unique_ptr<Server>> servers_;  // by rank; null where none writes
+};
+
+}  // namespace flatshard::client_internal
+
+#endif  // FLATSHARD_CLIENT_CUT_STREAMS_H_
