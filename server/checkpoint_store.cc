@@ -444,7 +444,7 @@ absl::Status WriteManifest(const std::string& root, const std::string& dir, cons
     if (err == EEXIST || err == ENOTEMPTY) return CommittedByAnotherSave(name, manifest.value("save_id", ""));
     return absl::InternalError(absl::StrCat("cannot commit checkpoint '", name, "': ", std::strerror(err)));
   }
-  std::error_code ignored;  // a leftover is listed as incomplete beside the checkpoint; never loaded
+  std::error_code ignored;  // what a failing writer leaves is not listed beside the checkpoint
   fs::remove_all(fs::path(dir).parent_path(), ignored);
   return SyncDirectory(root);
 }
