@@ -11,9 +11,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "client/cut_streams.h"
 #include "core/file.h"
 #include "core/status_macros.h"
-#include "client/cut_streams.h"
 #include "proto/convert.h"
 
 namespace flatshard::client_internal {
@@ -153,8 +153,7 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   *first.mutable_request() = request;
   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first, {request.versions().begin(), request.versions().end()},
                                         absl::StrCat("checkpoint '", name, "'"), kMaxPinRounds));
-  FLATSHARD_RETURN_IF_ERROR(
-      WithProgress(name, "save", async ? nullptr : progress, [&] { return streams.Write(); }));
+  FLATSHARD_RETURN_IF_ERROR(WithProgress(name, "save", async ? nullptr : progress, [&] { return streams.Write(); }));
   if (async) return absl::OkStatus();  // the servers commit when they are done
   // Every part is in server 0's root (shared or not), which commits; with a root per
   // server, each server commits its own LOCAL part.

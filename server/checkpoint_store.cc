@@ -190,8 +190,7 @@ absl::Status CheckpointStore::PinSave(PendingSave& save, const std::map<std::str
   // Blocking saves write from the live groups, pinned at the cut: no copy (and no second
   // copy of the shards in memory); their next optimizer step waits. Async ones copy them
   // once every server has pinned (FinishSave).
-  FLATSHARD_ASSIGN_OR_RETURN(save.shards_,
-                             TakeShards(registry_, rank_, save.job_, versions, deadline, /*pin=*/true));
+  FLATSHARD_ASSIGN_OR_RETURN(save.shards_, TakeShards(registry_, rank_, save.job_, versions, deadline, /*pin=*/true));
   save.versions_ = versions;
   return absl::OkStatus();
 }
@@ -233,8 +232,7 @@ absl::Status CheckpointStore::FinishSave(std::unique_ptr<PendingSave> save, absl
   progress->total = PartBytes(save->kind_, save->optimizer_, shards);
   auto write = [this, name, save_id, kind = save->kind_, optimizer = save->optimizer_, dir = save->dir_,
                 to_server_zero = save->to_server_zero_, async, describe, progress,
-                deadline = async ? absl::InfiniteFuture() : deadline,
-                shards = std::move(shards)]() -> absl::Status {
+                deadline = async ? absl::InfiniteFuture() : deadline, shards = std::move(shards)]() -> absl::Status {
     Json group_specs;
     if (to_server_zero) {
       FLATSHARD_ASSIGN_OR_RETURN(const std::unique_ptr<PeerPartWriter> sink,
@@ -476,8 +474,8 @@ absl::Status CheckpointStore::Commit(const std::string& name, const std::string&
   try {
     committed = CommitParts(name, save_id);
   } catch (const Json::exception& error) {
-    committed = absl::DataLossError(
-        absl::StrCat("checkpoint '", name, "': a part's description is malformed: ", error.what()));
+    committed =
+        absl::DataLossError(absl::StrCat("checkpoint '", name, "': a part's description is malformed: ", error.what()));
   }
   return UnlessCommittedMeanwhile(name, save_id, committed);
 }

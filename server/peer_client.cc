@@ -186,8 +186,7 @@ absl::StatusOr<std::unique_ptr<PeerPartWriter>> PeerClient::WritePart(int peer, 
                                                                       const std::string& save_id, bool async,
                                                                       absl::Time deadline) {
   FLATSHARD_RETURN_IF_ERROR(Reach(peer));
-  return std::make_unique<PeerPartWriter>(*stubs_[peer], token_, cluster_[peer], name, save_id, rank_, async,
-                                          deadline);
+  return std::make_unique<PeerPartWriter>(*stubs_[peer], token_, cluster_[peer], name, save_id, rank_, async, deadline);
 }
 
 absl::Status PeerClient::ReadRange(int peer, const std::string& name, const std::string& file, uint64_t offset,

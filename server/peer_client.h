@@ -32,9 +32,8 @@ namespace flatshard::server {
 // One writer; not thread-safe.
 class PeerPartWriter final : public CheckpointSink {
  public:
-  PeerPartWriter(v1::Flatshard::Stub& stub, const std::string& token, std::string peer_address,
-                 const std::string& name, const std::string& save_id, int rank, bool async,
-                 absl::Time deadline);
+  PeerPartWriter(v1::Flatshard::Stub& stub, const std::string& token, std::string peer_address, const std::string& name,
+                 const std::string& save_id, int rank, bool async, absl::Time deadline);
   ~PeerPartWriter() override;
 
   absl::Status Open(const std::string& file, uint64_t size, bool exclusive) override;

@@ -259,8 +259,8 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status FlatshardService::SaveCheckpoint(
-    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::CutAnswer, v1::SaveCheckpointStep>* stream) {
+grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
+                                              grpc::ServerReaderWriter<v1::CutAnswer, v1::SaveCheckpointStep>* stream) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   v1::SaveCheckpointStep step;
   if (!stream->Read(&step)) return ToGrpc(absl::InvalidArgumentError("save: empty stream"));

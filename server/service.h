@@ -56,9 +56,8 @@ class FlatshardService final : public v1::Flatshard::Service {
                            v1::WaitVersionResponse* response) override;
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* request,
                          v1::ServerStatus* response) override;
-  grpc::Status SaveCheckpoint(
-      grpc::ServerContext* ctx,
-      grpc::ServerReaderWriter<v1::CutAnswer, v1::SaveCheckpointStep>* stream) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext* ctx,
+                              grpc::ServerReaderWriter<v1::CutAnswer, v1::SaveCheckpointStep>* stream) override;
   grpc::Status CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
                                 v1::CheckpointResponse* response) override;
   grpc::Status LoadCheckpoint(grpc::ServerContext* ctx, const v1::LoadCheckpointRequest* request,

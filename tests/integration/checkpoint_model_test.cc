@@ -9,8 +9,8 @@
 // save in progress holds its name, a checkpoint appears only once complete and only if
 // saved, and every save that was accepted commits exactly the cut it was asked for.
 // ConcurrentSavesOfOneNameCommitAtMostOneCut races two callers' saves of one name, and
-// AnExportWhileTrainingStreamsOneCut an export with a training step. The seed is fixed (FLATSHARD_CHECKPOINT_SEED explores others); a failure names the
-// operation.
+// AnExportWhileTrainingStreamsOneCut an export with a training step. The seed is fixed
+// (FLATSHARD_CHECKPOINT_SEED explores others); a failure names the operation.
 #include <gtest/gtest.h>
 
 #include <algorithm>

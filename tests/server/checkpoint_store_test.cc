@@ -491,13 +491,17 @@ TEST(CheckpointStoreTest, ASaveStartedBeforeAnotherCommitsNeverTouchesItsFiles) 
   FakeCluster cluster(2, root);
   const Values saved = cluster.Collect(0);
   for (int rank = 0; rank < 2; ++rank) {
-    ASSERT_TRUE(cluster.store(rank).Save("x", CheckpointKind::kFull, true, "job", {{"emb", 0}, {"tiny", 0}, {"half", 0}},
-                                         absl::InfiniteFuture(), Options(false, "a")).ok());
+    ASSERT_TRUE(cluster.store(rank)
+                    .Save("x", CheckpointKind::kFull, true, "job", {{"emb", 0}, {"tiny", 0}, {"half", 0}},
+                          absl::InfiniteFuture(), Options(false, "a"))
+                    .ok());
   }
   cluster.Step(0);
   ASSERT_NE(cluster.Collect(1), saved);
-  ASSERT_TRUE(cluster.store(1).Save("x", CheckpointKind::kFull, true, "job", {{"emb", 1}, {"tiny", 1}, {"half", 1}},
-                                    absl::InfiniteFuture(), Options(false, "b")).ok());
+  ASSERT_TRUE(cluster.store(1)
+                  .Save("x", CheckpointKind::kFull, true, "job", {{"emb", 1}, {"tiny", 1}, {"half", 1}},
+                        absl::InfiniteFuture(), Options(false, "b"))
+                  .ok());
   const absl::Status committed = cluster.store(0).Commit("x", "a");
   ASSERT_TRUE(committed.ok()) << committed;
   const absl::Status late = cluster.store(0).Commit("x", "b");
