@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <iostream>
+#include <map>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -564,42 +566,58 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
   return WriteManifest(root_, dir, final_dir, name, std::move(manifest), files);
 }
 
+namespace {
+
+// Checkpoint `name` in `root` as its manifest describes it; nullopt without a manifest of
+// the right shape (loading it says what is wrong).
+std::optional<CheckpointInfo> CompleteCheckpoint(const std::string& root, const std::string& name) {
+  absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(root, "/", name, "/", kManifest));
+  if (!manifest.ok()) return std::nullopt;
+  CheckpointInfo info;
+  info.name = name;
+  info.complete = true;
+  try {  // nlohmann throws for a manifest of the wrong shape
+    info.kind = manifest->value("kind", "");
+    info.job = manifest->value("job", "");
+    info.servers = manifest->value("servers", 0);
+    info.optimizer = manifest->value("optimizer", false);
+    for (const auto& file : manifest->at("files")) info.bytes += file.value("bytes", int64_t{0});
+    for (const auto& group : manifest->at("groups")) {
+      info.versions[group.value("name", "")] = group.value("version", int64_t{0});
+    }
+  } catch (const Json::exception&) {
+    return std::nullopt;
+  }
+  return info;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<CheckpointInfo>> CheckpointStore::List() const {
   if (root_.empty()) return absl::FailedPreconditionError("this server has no --checkpoint_root");
-  std::vector<CheckpointInfo> result;
+  std::map<std::string, CheckpointInfo> found;  // by name: a name is listed once
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(root_, error)) {
     std::error_code unreadable;  // a symlink loop, say: not a checkpoint
     if (!entry.is_directory(unreadable) || unreadable || entry.is_symlink(unreadable) || unreadable) continue;
     const std::string base = entry.path().filename().string();
-    CheckpointInfo info;
     if (absl::StartsWith(base, ".") && absl::EndsWith(base, ".partial")) {
-      // Saves of a name still being written (or that failed), unless one has committed.
-      info.name = base.substr(1, base.size() - 9);
-      if (!Exists(absl::StrCat(root_, "/", info.name, "/", kManifest))) result.push_back(info);
+      // Saves of a name being written (or that failed), unless one has committed since
+      // the directory was read: then the checkpoint itself may not be among what was read.
+      const std::string name = base.substr(1, base.size() - 9);
+      std::optional<CheckpointInfo> complete = CompleteCheckpoint(root_, name);
+      CheckpointInfo incomplete;
+      incomplete.name = name;
+      found.emplace(name, complete.value_or(incomplete));
       continue;
     }
-    absl::StatusOr<Json> manifest = ReadJson(entry.path().string() + "/" + kManifest);
-    if (!manifest.ok()) continue;
-    info.name = base;
-    info.complete = true;
-    // A manifest of the wrong shape (nlohmann throws) is no checkpoint; loading it says why.
-    try {
-      info.kind = manifest->value("kind", "");
-      info.job = manifest->value("job", "");
-      info.servers = manifest->value("servers", 0);
-      info.optimizer = manifest->value("optimizer", false);
-      for (const auto& file : manifest->at("files")) info.bytes += file.value("bytes", int64_t{0});
-      for (const auto& group : manifest->at("groups")) {
-        info.versions[group.value("name", "")] = group.value("version", int64_t{0});
-      }
-    } catch (const Json::exception&) {
-      continue;
+    if (std::optional<CheckpointInfo> complete = CompleteCheckpoint(root_, base)) {
+      found.insert_or_assign(base, *std::move(complete));
     }
-    result.push_back(info);
   }
   if (error) return absl::InternalError(absl::StrCat("cannot list '", root_, "': ", error.message()));
-  std::sort(result.begin(), result.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  std::vector<CheckpointInfo> result;
+  for (auto& [name, info] : found) result.push_back(std::move(info));
   return result;
 }
 
