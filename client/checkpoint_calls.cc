@@ -148,7 +148,8 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   }
   CutVersions(job_, statuses, *request.mutable_versions());
   // Every server pins the cut before any writes (a later one where training overtook it).
-  CutStreams<v1::SaveCheckpointStep, v1::CutAnswer> streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint);
+  CutStreams<v1::SaveCheckpointStep, v1::CutAnswer> streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint,
+                                                            /*server_zero_first=*/true);
   v1::SaveCheckpointStep first;
   *first.mutable_request() = request;
   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first, {request.versions().begin(), request.versions().end()},
@@ -256,7 +257,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   };
   // Every server pins the cut before any streams (a later one where training overtook it).
   using Streams = CutStreams<v1::ExportStep, v1::ExportMessage>;
-  Streams streams(control_, writers, &v1::Flatshard::Stub::ExportStateDict);
+  Streams streams(control_, writers, &v1::Flatshard::Stub::ExportStateDict, /*server_zero_first=*/false);
   v1::ExportStep first;
   *first.mutable_request() = request;
   FLATSHARD_RETURN_IF_ERROR(

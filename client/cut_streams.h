@@ -2,12 +2,14 @@
 // (SaveCheckpoint or ExportStateDict; proto/flatshard.proto, SaveCheckpointStep). Every
 // server first pins one cut, in as many rounds as it takes (training may move past a cut
 // on a server before that server pins it: the next round pins a later one), and only
-// then do they write, so no server writes a part that another could not cut. Internal to
-// the client library. Not thread-safe: one caller drives the rounds; each round reaches
-// the servers in parallel. Destroying it before Write cancels the streams: the servers
-// drop their pins and write nothing.
+// then do they write, so no server writes a part that another could not cut. A save asks
+// server 0 first: each server refuses a second save of a name while it holds one, so of
+// two saves started at once, the one server 0 takes is the one every server takes, and
+// one of them wins. Internal to the client library. Not thread-safe: one caller drives
+// the rounds; each round reaches the servers in parallel. Destroying it before Write
+// cancels the streams: the servers drop their pins and write nothing.
 //
-//   CutStreams<v1::SaveCheckpointStep, v1::CutAnswer> streams(control, writers, &Stub::SaveCheckpoint);
+//   CutStreams<v1::SaveCheckpointStep, v1::CutAnswer> streams(control, writers, &Stub::SaveCheckpoint, true);
 //   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first_step, cut, "checkpoint 'x'", 10));
 //   FLATSHARD_RETURN_IF_ERROR(streams.Write());
 #ifndef FLATSHARD_CLIENT_CUT_STREAMS_H_
@@ -45,10 +47,15 @@ class CutStreams {
     bool finished = false;
   };
 
-  // Streams of `method` to the servers `writers[i]` says write a part. `control` must
-  // outlive this.
-  CutStreams(const ControlPlane& control, std::vector<bool> writers, Method method)
-      : control_(control), writers_(std::move(writers)), method_(method), servers_(writers_.size()) {}
+  // Streams of `method` to the servers `writers[i]` says write a part; with
+  // `server_zero_first`, the first round reaches server 0 before the others. `control`
+  // must outlive this.
+  CutStreams(const ControlPlane& control, std::vector<bool> writers, Method method, bool server_zero_first)
+      : control_(control),
+        writers_(std::move(writers)),
+        method_(method),
+        server_zero_first_(server_zero_first),
+        servers_(writers_.size()) {}
   ~CutStreams() {
     for (const std::unique_ptr<Server>& server : servers_) {
       if (server == nullptr || server->finished) continue;
@@ -65,21 +72,25 @@ class CutStreams {
   // as it is.
   [[nodiscard]] absl::Status Pin(const Step& first, std::map<std::string, int64_t> cut, const std::string& what,
                                  int max_rounds) {
-    for (size_t i = 0; i < writers_.size(); ++i) {
-      if (!writers_[i]) continue;
-      servers_[i] = std::make_unique<Server>();
-      servers_[i]->index = i;
-      control_.Prepare(servers_[i]->ctx);
-      servers_[i]->stream = (control_.stub(i).*method_)(&servers_[i]->ctx);
-    }
     Step step = first;
+    auto exchange = [&](Server& server) -> absl::Status {
+      if (server.stream->Write(step) && server.stream->Read(&server.answer)) return absl::OkStatus();
+      server.finished = true;
+      FLATSHARD_RETURN_IF_ERROR(control_.Named(server.index, server.stream->Finish()));
+      return absl::InternalError(
+          absl::StrCat("server ", control_.address(server.index), " ended the stream before it was asked to write"));
+    };
+    if (server_zero_first_ && !writers_.empty() && writers_[0]) {
+      Open(0);
+      FLATSHARD_RETURN_IF_ERROR(exchange(*servers_[0]));
+    }
+    for (size_t i = 0; i < writers_.size(); ++i) {
+      if (writers_[i] && servers_[i] == nullptr) Open(i);
+    }
     for (int round = 1;; ++round) {
-      FLATSHARD_RETURN_IF_ERROR(OnEveryServer([&](Server& server) -> absl::Status {
-        if (server.stream->Write(step) && server.stream->Read(&server.answer)) return absl::OkStatus();
-        server.finished = true;
-        FLATSHARD_RETURN_IF_ERROR(control_.Named(server.index, server.stream->Finish()));
-        return absl::InternalError(
-            absl::StrCat("server ", control_.address(server.index), " ended the stream before it was asked to write"));
+      FLATSHARD_RETURN_IF_ERROR(OnEveryServer([&](Server& server) {
+        // Server 0 has answered the first round already.
+        return round == 1 && server_zero_first_ && server.index == 0 ? absl::OkStatus() : exchange(server);
       }));
       bool pinned = true;
       for (const std::unique_ptr<Server>& server : servers_) {
@@ -118,6 +129,13 @@ class CutStreams {
   }
 
  private:
+  void Open(size_t i) {
+    servers_[i] = std::make_unique<Server>();
+    servers_[i]->index = i;
+    control_.Prepare(servers_[i]->ctx);
+    servers_[i]->stream = (control_.stub(i).*method_)(&servers_[i]->ctx);
+  }
+
   absl::Status OnEveryServer(const std::function<absl::Status(Server&)>& call) {
     return control_.OnAllServersInParallel([&](size_t i) {
       if (i >= servers_.size() || servers_[i] == nullptr) return absl::OkStatus();
@@ -128,6 +146,7 @@ class CutStreams {
   const ControlPlane& control_;
   const std::vector<bool> writers_;
   const Method method_;
+  const bool server_zero_first_;
   std::vector<std::unique_ptr<Server>> servers_;  // by rank; null where none writes
 };
 

@@ -8,7 +8,7 @@
 // follow them (their outcome then depends on timing) and checks invariants instead: a
 // save in progress holds its name, a checkpoint appears only once complete and only if
 // saved, and every save that was accepted commits exactly the cut it was asked for.
-// ConcurrentSavesOfOneNameCommitAtMostOneCut races two callers' saves of one name, and
+// ConcurrentSavesOfOneNameCommitOneOfThem races two callers' saves of one name, and
 // AnExportWhileTrainingStreamsOneCut an export with a training step. The seed is fixed
 // (FLATSHARD_CHECKPOINT_SEED explores others); a failure names the operation.
 #include <gtest/gtest.h>
@@ -208,20 +208,18 @@ TEST_F(CheckpointModelTest, RandomOperationsMatchAModelOfTheCheckpoints) {
 }
 
 // Two callers save one name at once, as two workers of a job might, one of them after a
-// training step: whatever the timing, at most one save succeeds, a loser is told
-// ALREADY_EXISTS, and the checkpoint then holds the winner's cut (listed with its
-// versions, loading exactly their parameters). Both may lose (each server refuses the
-// save that reaches it second); the name is then not complete. The step may overtake the
+// training step: whatever the timing, exactly one save succeeds, the loser is told
+// ALREADY_EXISTS, and the checkpoint holds the winner's cut (listed with its versions,
+// loading exactly their parameters). The step may overtake the
 // first caller's cut on a server before that server pins it (the save then pins a later
 // cut), and that cut may be mid-step (one group before the step, the other after), so
 // each round starts from a checkpoint of its own step boundary.
-TEST_F(CheckpointModelTest, ConcurrentSavesOfOneNameCommitAtMostOneCut) {
+TEST_F(CheckpointModelTest, ConcurrentSavesOfOneNameCommitOneOfThem) {
   const uint32_t seed = Seed(20261125);
   std::mt19937 rng(seed);
   auto other = cluster_.Connect(0, 1, "m");
   ASSERT_TRUE(other.ok()) << other.status();
   std::map<int64_t, Saved> cuts;  // what the job held at every version a save may cut at
-  int won = 0;
   for (int round = 0; round < 16; ++round) {
     const std::string name = absl::StrCat("r", round);
     const CheckpointKind kind = kKinds[rng() % 3];
@@ -239,7 +237,7 @@ TEST_F(CheckpointModelTest, ConcurrentSavesOfOneNameCommitAtMostOneCut) {
     const absl::Status second = client_->SaveCheckpoint(name, kind, /*optimizer=*/true);
     racing.join();
     ASSERT_FALSE(HasFatalFailure());
-    EXPECT_FALSE(first.ok() && second.ok()) << "both saves succeeded";
+    EXPECT_NE(first.ok(), second.ok()) << "not exactly one save succeeded: " << first << "; " << second;
     for (const absl::Status& saved : {first, second}) {
       EXPECT_TRUE(saved.ok() || absl::IsAlreadyExists(saved)) << saved;
     }
@@ -267,9 +265,7 @@ TEST_F(CheckpointModelTest, ConcurrentSavesOfOneNameCommitAtMostOneCut) {
     }
     ASSERT_TRUE(client_->LoadCheckpoint(boundary).ok());
     version_ = boundary_version;
-    ++won;
   }
-  RecordProperty("won", won);
 }
 
 // An export started as a training step runs (the step can move groups past the export's
