@@ -148,25 +148,28 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   }
   CutVersions(job_, statuses, *request.mutable_versions());
   // Every server pins the cut before any writes (a later one where training overtook it).
-  CutStreams<v1::SaveCheckpointStep, v1::CutAnswer> streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint,
-                                                            /*server_zero_first=*/true);
+  using Streams = CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer>;
+  Streams streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint, /*server_zero_first=*/true);
   v1::SaveCheckpointStep first;
   *first.mutable_request() = request;
   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first, {request.versions().begin(), request.versions().end()},
                                         absl::StrCat("checkpoint '", name, "'"), kMaxPinRounds));
-  FLATSHARD_RETURN_IF_ERROR(WithProgress(name, "save", async ? nullptr : progress, [&] { return streams.Write(); }));
-  if (async) return absl::OkStatus();  // the servers commit when they are done
+  if (async) return streams.Write();  // the servers commit when they are done
+  // Each server answers once its part is written, and holds the name until the commit, so
+  // that no other save of it begins meanwhile (one would be told OK, then lose).
+  FLATSHARD_RETURN_IF_ERROR(WithProgress(name, "save", progress, [&] {
+    return streams.Write([](Streams::Server& server) {
+      server.open = server.stream->Read(&server.answer) && server.answer.written();
+      return absl::OkStatus();  // otherwise the stream's outcome says why
+    });
+  }));
   // Every part is in server 0's root (shared or not), which commits; with a root per
   // server, each server commits its own LOCAL part.
-  v1::CheckpointRequest commit;
-  commit.set_name(name);
-  commit.set_save_id(request.save_id());
-  for (int i = 0; i < (request.root_per_server() ? static_cast<int>(root_ids.size()) : 1); ++i) {
-    v1::CheckpointResponse response;
-    FLATSHARD_RETURN_IF_ERROR(
-        control_.Call(i, &v1::Flatshard::Stub::CommitCheckpoint, commit, &response));
-  }
-  return absl::OkStatus();
+  std::vector<bool> committers(writers.size(), request.root_per_server());
+  committers[0] = true;
+  v1::SaveCheckpointStep commit;
+  commit.set_commit(true);
+  return streams.Close(commit, committers);
 }
 
 absl::Status CheckpointCalls::Load(const std::string& name,

@@ -5,13 +5,16 @@
 // then do they write, so no server writes a part that another could not cut. A save asks
 // server 0 first: each server refuses a second save of a name while it holds one, so of
 // two saves started at once, the one server 0 takes is the one every server takes, and
-// one of them wins. Internal to the client library. Not thread-safe: one caller drives
-// the rounds; each round reaches the servers in parallel. Destroying it before Write
-// cancels the streams: the servers drop their pins and write nothing.
+// one of them wins. A stream may stay open after Write for one last step (a blocking
+// save's commit: Close). Internal to the client library. Not thread-safe: one caller
+// drives the rounds; each round reaches the servers in parallel. Destroying it cancels
+// the streams not yet finished: before Write, the servers drop their pins and write
+// nothing; after it, a save is not committed.
 //
-//   CutStreams<v1::SaveCheckpointStep, v1::CutAnswer> streams(control, writers, &Stub::SaveCheckpoint, true);
+//   CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer> streams(control, writers, &Stub::SaveCheckpoint, true);
 //   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first_step, cut, "checkpoint 'x'", 10));
-//   FLATSHARD_RETURN_IF_ERROR(streams.Write());
+//   FLATSHARD_RETURN_IF_ERROR(streams.Write(read_written));
+//   FLATSHARD_RETURN_IF_ERROR(streams.Close(commit_step, {true, false}));
 #ifndef FLATSHARD_CLIENT_CUT_STREAMS_H_
 #define FLATSHARD_CLIENT_CUT_STREAMS_H_
 
@@ -29,7 +32,7 @@
 
 namespace flatshard::client_internal {
 
-inline const v1::CutAnswer& CutOf(const v1::CutAnswer& answer) { return answer; }
+inline const v1::CutAnswer& CutOf(const v1::SaveAnswer& answer) { return answer.cut(); }
 inline const v1::CutAnswer& CutOf(const v1::ExportMessage& message) { return message.cut(); }
 
 template <typename Step, typename Answer>
@@ -45,6 +48,7 @@ class CutStreams {
     std::unique_ptr<Stream> stream;
     Answer answer;  // the last one read
     bool finished = false;
+    bool open = false;  // kept open after Write for Close
   };
 
   // Streams of `method` to the servers `writers[i]` says write a part; with
@@ -110,21 +114,32 @@ class CutStreams {
     }
   }
 
-  // Has every server write (after Pin), runs `then` (if any) on each server's stream
-  // while it does, and returns the first error in rank order: `then`'s, else the
-  // server's outcome. Call once.
+  // Has every server write (after Pin) and runs `then` (if any) on each server's stream
+  // while it does. A stream that `then` marks `open` stays open for Close; the others end
+  // here. Returns the first error in rank order: `then`'s, else the server's outcome.
+  // Call once.
   [[nodiscard]] absl::Status Write(const std::function<absl::Status(Server&)>& then = nullptr) {
     Step step;
     step.set_write(true);
     return OnEveryServer([&](Server& server) {
-      server.finished = true;
       absl::Status status;
-      if (server.stream->Write(step)) {
-        server.stream->WritesDone();
-        if (then != nullptr) status = then(server);
+      if (server.stream->Write(step) && then != nullptr) status = then(server);
+      if (!status.ok()) server.open = false;
+      return server.open ? absl::OkStatus() : End(server, status);
+    });
+  }
+
+  // Sends `last` to the servers `to[i]` says, and ends every stream (each must have been
+  // left open by Write); the first error in rank order. Call once, after Write succeeded.
+  [[nodiscard]] absl::Status Close(const Step& last, const std::vector<bool>& to) {
+    return OnEveryServer([&](Server& server) {
+      if (!server.open) {
+        return absl::InternalError(
+            absl::StrCat("server ", control_.address(server.index), " ended the stream before its last step"));
       }
-      const absl::Status finished = control_.Named(server.index, server.stream->Finish());
-      return status.ok() ? finished : status;
+      server.open = false;
+      if (server.index < to.size() && to[server.index]) (void)server.stream->Write(last);
+      return End(server, absl::OkStatus());
     });
   }
 
@@ -134,6 +149,14 @@ class CutStreams {
     servers_[i]->index = i;
     control_.Prepare(servers_[i]->ctx);
     servers_[i]->stream = (control_.stub(i).*method_)(&servers_[i]->ctx);
+  }
+
+  // Closes `server`'s side and waits for its outcome: `status` if that is an error.
+  absl::Status End(Server& server, const absl::Status& status) {
+    server.finished = true;
+    server.stream->WritesDone();
+    const absl::Status outcome = control_.Named(server.index, server.stream->Finish());
+    return status.ok() ? outcome : status;
   }
 
   absl::Status OnEveryServer(const std::function<absl::Status(Server&)>& call) {

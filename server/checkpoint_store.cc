@@ -152,7 +152,7 @@ absl::Status CheckpointStore::Save(const std::string& name, CheckpointKind kind,
                                    absl::Time deadline, const SaveOptions& options) {
   FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<PendingSave> save, BeginSave(name, kind, optimizer, job, options));
   FLATSHARD_RETURN_IF_ERROR(PinSave(*save, versions, deadline));
-  return FinishSave(std::move(save), deadline);
+  return FinishSave(*save, deadline);
 }
 
 absl::StatusOr<std::unique_ptr<PendingSave>> CheckpointStore::BeginSave(const std::string& name, CheckpointKind kind,
@@ -178,7 +178,8 @@ absl::StatusOr<std::unique_ptr<PendingSave>> CheckpointStore::BeginSave(const st
   if (kind != CheckpointKind::kLocal) {
     FLATSHARD_ASSIGN_OR_RETURN(save->to_server_zero_, KeptByServerZero(options.home_root_id));
   }
-  // Held until this server's part is written (and, async, committed if it is the last).
+  // Held while `save` lives (async: until this server's part is written and, if it is the
+  // last, committed).
   FLATSHARD_ASSIGN_OR_RETURN(save->claim_, ClaimName(name));
   if (!save->to_server_zero_) {
     FLATSHARD_ASSIGN_OR_RETURN(save->dir_, CreateSaveDir(name, options.save_id));
@@ -203,25 +204,26 @@ std::map<std::string, int64_t> CheckpointStore::JobVersions(const std::string& j
   return versions;
 }
 
-absl::Status CheckpointStore::FinishSave(std::unique_ptr<PendingSave> save, absl::Time deadline) {
-  if (save->shards_.empty()) return absl::FailedPreconditionError("the save's cut is not pinned");
-  const std::string name = save->name_;
-  const std::string save_id = save->options_.save_id;
-  const bool async = save->options_.async;
+absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline) {
+  if (save.shards_.empty()) return absl::FailedPreconditionError("the save's cut is not pinned");
+  const std::string name = save.name_;
+  const std::string save_id = save.options_.save_id;
+  const bool async = save.options_.async;
   std::vector<SavedShard> shards;
   if (async) {
     // Copies, so that training goes on while the bytes are written: the groups are still
     // pinned at the cut, so the copies are exactly it.
-    FLATSHARD_ASSIGN_OR_RETURN(shards, TakeShards(registry_, rank_, save->job_, save->versions_, deadline,
+    FLATSHARD_ASSIGN_OR_RETURN(shards, TakeShards(registry_, rank_, save.job_, save.versions_, deadline,
                                                   /*pin=*/false));
-    save->shards_.clear();
+    save.shards_.clear();
   } else {
-    shards = std::move(save->shards_);
+    shards = std::move(save.shards_);  // released once written; the claim stays with `save`
+    save.shards_.clear();
   }
-  save->writing_ = true;
+  save.writing_ = true;
   // What the part says besides its extents (which the writing sink records).
-  auto describe = [job = save->job_, kind = save->kind_, optimizer = save->optimizer_, servers = save->servers_,
-                   save_id](const std::vector<std::string>& files, Json specs) {
+  auto describe = [job = save.job_, kind = save.kind_, optimizer = save.optimizer_, servers = save.servers_, save_id](
+                      const std::vector<std::string>& files, Json specs) {
     return Json{{"job", job},
                 {"kind", CheckpointKindName(kind)},
                 {"servers", servers},
@@ -231,9 +233,9 @@ absl::Status CheckpointStore::FinishSave(std::unique_ptr<PendingSave> save, absl
                 {"save_id", save_id}};
   };
   std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "save");
-  progress->total = PartBytes(save->kind_, save->optimizer_, shards);
-  auto write = [this, name, save_id, kind = save->kind_, optimizer = save->optimizer_, dir = save->dir_,
-                to_server_zero = save->to_server_zero_, async, describe, progress,
+  progress->total = PartBytes(save.kind_, save.optimizer_, shards);
+  auto write = [this, name, save_id, kind = save.kind_, optimizer = save.optimizer_, dir = save.dir_,
+                to_server_zero = save.to_server_zero_, async, describe, progress,
                 deadline = async ? absl::InfiniteFuture() : deadline, shards = std::move(shards)]() -> absl::Status {
     Json group_specs;
     if (to_server_zero) {
@@ -260,9 +262,9 @@ absl::Status CheckpointStore::FinishSave(std::unique_ptr<PendingSave> save, absl
   absl::MutexLock lock(&mu_);
   ReapFinishedSaves();
   auto finished = std::make_shared<std::atomic<bool>>(false);
-  std::thread thread([this, name, to_server_zero = save->to_server_zero_,
-                      root_per_server = save->options_.root_per_server, save_id, write = std::move(write),
-                      progress = std::move(progress), claim = std::move(save->claim_), finished]() mutable {
+  std::thread thread([this, name, to_server_zero = save.to_server_zero_,
+                      root_per_server = save.options_.root_per_server, save_id, write = std::move(write),
+                      progress = std::move(progress), claim = std::move(save.claim_), finished]() mutable {
     absl::Status status = write();
     if (status.ok() && root_per_server) {
       status = Commit(name, save_id);

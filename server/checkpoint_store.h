@@ -40,9 +40,10 @@
 // server are committed per server. Names are one path component ([A-Za-z0-9._-], not
 // starting with '.'), so nothing escapes the root; symlinks are refused.
 //
-// Saves of one name: while this server writes its part of `name` (an async save until it
-// is written and, if last, committed), Save refuses `name` (AlreadyExists) and Delete
-// refuses it (FailedPrecondition), so no directory is deleted under a writer. Other
+// Saves of one name: while this server saves `name` (from BeginSave while its PendingSave
+// lives, which the SaveCheckpoint stream keeps through a blocking save's commit; an async
+// save until it is written and, if last, committed), Save refuses `name` (AlreadyExists)
+// and Delete refuses it (FailedPrecondition), so no directory is deleted under a writer. Other
 // saves of the name (a failed one, one another server began after this server finished
 // its part) write into their own directories, so a commit only ever sees its own save's
 // parts and files. The first save to commit takes the name; the others' commits are
@@ -88,11 +89,13 @@ struct SaveOptions {
   std::string save_id;
 };
 
-// One server's part of a save between CheckpointStore::BeginSave and FinishSave: the name
-// claimed, the save's directory made and, once PinSave succeeded, every group of the job
-// pinned at the cut (their next optimizer step waits). Destroying it before FinishSave
-// releases the pins and the name and removes the save's (empty) directory: the save did
-// not happen. Owned by the one caller that drives the save; not thread-safe.
+// One server's part of a save from CheckpointStore::BeginSave until it is destroyed: the
+// name claimed, the save's directory made and, once PinSave succeeded, every group of the
+// job pinned at the cut (their next optimizer step waits). FinishSave releases the pins
+// (a blocking save once its part is written; an async one once the cut is copied, and
+// the claim then goes with the background write). Destroying it releases the claim and,
+// before FinishSave, removes the save's (empty) directory: the save did not happen. Owned
+// by the one caller that drives the save; not thread-safe.
 class PendingSave {
  public:
   PendingSave(const PendingSave&) = delete;
@@ -114,7 +117,7 @@ class PendingSave {
   std::shared_ptr<const std::string> claim_;
   std::map<std::string, int64_t> versions_;  // the cut pinned
   std::vector<SavedShard> shards_;           // pinned at versions_
-  bool writing_ = false;                     // FinishSave has it
+  bool writing_ = false;                     // FinishSave has begun
 };
 
 // This server's shards of a job pinned at an export's cut (CheckpointStore::PinExport);
@@ -164,13 +167,15 @@ class CheckpointStore {
   // SaveCheckpoint stream): BeginSave checks the request and claims `name`; PinSave pins
   // every group of the job at `versions` (waiting until `deadline` for one behind), again
   // at a later cut if called again; Aborted if a group has moved past its version, and
-  // then nothing stays pinned. FinishSave writes the pinned cut as Save does.
+  // then nothing stays pinned. FinishSave writes the pinned cut as Save does; a blocking
+  // save keeps `name` claimed until `save` is destroyed, so that the caller can commit
+  // before another save of the name begins here.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<PendingSave>> BeginSave(const std::string& name, CheckpointKind kind,
                                                                        bool optimizer, const std::string& job,
                                                                        const SaveOptions& options);
   [[nodiscard]] absl::Status PinSave(PendingSave& save, const std::map<std::string, int64_t>& versions,
                                      absl::Time deadline);
-  [[nodiscard]] absl::Status FinishSave(std::unique_ptr<PendingSave> save, absl::Time deadline);
+  [[nodiscard]] absl::Status FinishSave(PendingSave& save, absl::Time deadline);
   // The versions of `job`'s groups on this server now.
   std::map<std::string, int64_t> JobVersions(const std::string& job) const;
   // A random id stored in the root (created by the first server to ask): servers with

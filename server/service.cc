@@ -61,7 +61,7 @@ class StreamSink final : public CheckpointSink {
   const size_t chunk_bytes_;
 };
 
-v1::CutAnswer& CutOf(v1::CutAnswer& answer) { return answer; }
+v1::CutAnswer& CutOf(v1::SaveAnswer& answer) { return *answer.mutable_cut(); }
 v1::CutAnswer& CutOf(v1::ExportMessage& message) { return *message.mutable_cut(); }
 
 // The rounds in which the servers of a save or export (`what`) agree on its cut
@@ -259,8 +259,8 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
-                                              grpc::ServerReaderWriter<v1::CutAnswer, v1::SaveCheckpointStep>* stream) {
+grpc::Status FlatshardService::SaveCheckpoint(
+    grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::SaveAnswer, v1::SaveCheckpointStep>* stream) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   v1::SaveCheckpointStep step;
   if (!stream->Read(&step)) return ToGrpc(absl::InvalidArgumentError("save: empty stream"));
@@ -281,13 +281,15 @@ grpc::Status FlatshardService::SaveCheckpoint(grpc::ServerContext* ctx,
       },
       [&] { return checkpoints_.JobVersions(request.job()); });
   if (!agreed.ok()) return ToGrpc(agreed);
-  return ToGrpc(checkpoints_.FinishSave(*std::move(save), DeadlineOf(ctx)));
-}
-
-grpc::Status FlatshardService::CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
-                                                v1::CheckpointResponse*) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  return ToGrpc(checkpoints_.Commit(request->name(), request->save_id()));
+  const absl::Status written = checkpoints_.FinishSave(**save, DeadlineOf(ctx));
+  if (!written.ok() || request.async()) return ToGrpc(written);
+  // The name stays claimed here (`save` lives) until the client, once every server has
+  // written its part, has one commit, or closes the stream.
+  v1::SaveAnswer answer;
+  answer.set_written(true);
+  if (!stream->Write(answer) || !stream->Read(&step)) return grpc::Status::OK;
+  if (!step.commit()) return ToGrpc(absl::InvalidArgumentError("save: after 'written', only 'commit' is expected"));
+  return ToGrpc(checkpoints_.Commit(request.name(), request.save_id()));
 }
 
 grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,

@@ -57,9 +57,7 @@ class FlatshardService final : public v1::Flatshard::Service {
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* request,
                          v1::ServerStatus* response) override;
   grpc::Status SaveCheckpoint(grpc::ServerContext* ctx,
-                              grpc::ServerReaderWriter<v1::CutAnswer, v1::SaveCheckpointStep>* stream) override;
-  grpc::Status CommitCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
-                                v1::CheckpointResponse* response) override;
+                              grpc::ServerReaderWriter<v1::SaveAnswer, v1::SaveCheckpointStep>* stream) override;
   grpc::Status LoadCheckpoint(grpc::ServerContext* ctx, const v1::LoadCheckpointRequest* request,
                               v1::CheckpointResponse* response) override;
   grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* request,

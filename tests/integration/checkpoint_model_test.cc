@@ -208,8 +208,8 @@ TEST_F(CheckpointModelTest, RandomOperationsMatchAModelOfTheCheckpoints) {
 }
 
 // Two callers save one name at once, as two workers of a job might, one of them after a
-// training step: whatever the timing, exactly one save succeeds, the loser is told
-// ALREADY_EXISTS, and the checkpoint holds the winner's cut (listed with its versions,
+// training step and perhaps async: whatever the timing, exactly one save succeeds, the
+// loser is told ALREADY_EXISTS, and the checkpoint holds the winner's cut (listed with its versions,
 // loading exactly their parameters). The step may overtake the
 // first caller's cut on a server before that server pins it (the save then pins a later
 // cut), and that cut may be mid-step (one group before the step, the other after), so
@@ -223,9 +223,9 @@ TEST_F(CheckpointModelTest, ConcurrentSavesOfOneNameCommitOneOfThem) {
   for (int round = 0; round < 16; ++round) {
     const std::string name = absl::StrCat("r", round);
     const CheckpointKind kind = kKinds[rng() % 3];
-    const bool step = rng() % 2 == 0;
+    const bool step = rng() % 2 == 0, async = rng() % 2 == 0;
     SCOPED_TRACE(absl::StrCat("seed ", seed, ", round ", round, ": ", CheckpointKindName(kind),
-                              step ? ", the second caller steps first" : ""));
+                              step ? ", the second caller steps first" : "", async ? ", async" : ""));
     const std::string boundary = absl::StrCat("boundary-", round);
     ASSERT_TRUE(client_->SaveCheckpoint(boundary, CheckpointKind::kLocal, /*optimizer=*/true).ok());
     const int64_t boundary_version = version_;
@@ -234,13 +234,14 @@ TEST_F(CheckpointModelTest, ConcurrentSavesOfOneNameCommitOneOfThem) {
     std::thread racing([&] { first = (*other)->SaveCheckpoint(name, kind, /*optimizer=*/true); });
     if (step) Step(rng);
     cuts[version_] = {version_, Params()};
-    const absl::Status second = client_->SaveCheckpoint(name, kind, /*optimizer=*/true);
+    const absl::Status second = client_->SaveCheckpoint(name, kind, /*optimizer=*/true, async);
     racing.join();
     ASSERT_FALSE(HasFatalFailure());
     EXPECT_NE(first.ok(), second.ok()) << "not exactly one save succeeded: " << first << "; " << second;
     for (const absl::Status& saved : {first, second}) {
       EXPECT_TRUE(saved.ok() || absl::IsAlreadyExists(saved)) << saved;
     }
+    CompleteCheckpoints();  // an async save commits by itself
     auto entries = client_->ListCheckpoints();
     ASSERT_TRUE(entries.ok()) << entries.status();
     const auto entry = std::find_if(entries->begin(), entries->end(),

@@ -699,6 +699,33 @@ TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIn
   }
 }
 
+using SaveStream = grpc::ClientReaderWriter<v1::SaveCheckpointStep, v1::SaveAnswer>;
+
+// A SaveCheckpoint stream to `stub` (token "tok") whose first step asks for a blocking
+// FULL save "x" of job "test" (groups "big" and "tiny") at `version`.
+std::unique_ptr<SaveStream> OpenSave(v1::Flatshard::Stub& stub, grpc::ClientContext& ctx, const std::string& save_id,
+                                     int64_t version) {
+  ctx.AddMetadata("authorization", "Bearer tok");
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto stream = stub.SaveCheckpoint(&ctx);
+  v1::SaveCheckpointStep step;
+  v1::SaveCheckpointRequest& request = *step.mutable_request();
+  request.set_name("x");
+  request.set_kind(v1::FULL);
+  request.set_job("test");
+  request.set_save_id(save_id);
+  (*request.mutable_versions())["big"] = version;
+  (*request.mutable_versions())["tiny"] = version;
+  EXPECT_TRUE(stream->Write(step));
+  return stream;
+}
+
+v1::SaveCheckpointStep WriteStep() {
+  v1::SaveCheckpointStep write;
+  write.set_write(true);
+  return write;
+}
+
 // The servers' side of a save's rounds (SaveCheckpoint stream), spoken directly: a
 // server answers a cut that training has passed with its versions and refuses to write
 // it; a client that goes away once a server has pinned the cut leaves nothing pinned
@@ -710,41 +737,24 @@ TEST(CheckpointIntegrationTest, ASaveStreamPinsBeforeItWritesAndLeavesNothingBeh
   trainer.Step(0);
   ASSERT_TRUE(trainer.client->WaitVersion("big", 1).ok());
   auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
-  auto open = [&](grpc::ClientContext& ctx, int64_t version) {
-    ctx.AddMetadata("authorization", "Bearer tok");
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    auto stream = stub->SaveCheckpoint(&ctx);
-    v1::SaveCheckpointStep step;
-    v1::SaveCheckpointRequest& request = *step.mutable_request();
-    request.set_name("x");
-    request.set_kind(v1::FULL);
-    request.set_job("test");
-    request.set_save_id("s1");
-    (*request.mutable_versions())["big"] = version;
-    (*request.mutable_versions())["tiny"] = version;
-    EXPECT_TRUE(stream->Write(step));
-    return stream;
-  };
   {
     grpc::ClientContext ctx;
-    auto stream = open(ctx, 0);
-    v1::CutAnswer event;
-    ASSERT_TRUE(stream->Read(&event));
-    EXPECT_FALSE(event.pinned());
-    EXPECT_EQ(event.versions().at("big"), 1);
-    v1::SaveCheckpointStep write;
-    write.set_write(true);
-    EXPECT_TRUE(stream->Write(write));
+    auto stream = OpenSave(*stub, ctx, "s1", 0);
+    v1::SaveAnswer answer;
+    ASSERT_TRUE(stream->Read(&answer));
+    EXPECT_FALSE(answer.cut().pinned());
+    EXPECT_EQ(answer.cut().versions().at("big"), 1);
+    EXPECT_TRUE(stream->Write(WriteStep()));
     const grpc::Status refused = stream->Finish();
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(refused.error_message(), HasSubstr("a cut this server did not pin"));
   }
   {
     grpc::ClientContext ctx;
-    auto stream = open(ctx, 1);
-    v1::CutAnswer event;
-    ASSERT_TRUE(stream->Read(&event));
-    EXPECT_TRUE(event.pinned());
+    auto stream = OpenSave(*stub, ctx, "s1", 1);
+    v1::SaveAnswer answer;
+    ASSERT_TRUE(stream->Read(&answer));
+    EXPECT_TRUE(answer.cut().pinned());
     ctx.TryCancel();  // the client goes away, its cut pinned
     EXPECT_FALSE(stream->Finish().ok());
   }
@@ -755,6 +765,56 @@ TEST(CheckpointIntegrationTest, ASaveStreamPinsBeforeItWritesAndLeavesNothingBeh
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_TRUE(listed->empty()) << listed->front().name;  // not even an incomplete one
   EXPECT_TRUE(trainer.client->SaveCheckpoint("x", CheckpointKind::kFull, true).ok());
+}
+
+// A blocking save's part is written, and the server holds the name until the client says
+// commit: another caller's save of it is refused meanwhile (an async one would be told
+// OK, then lose to the commit), while training goes on. A client that goes away before
+// it commits leaves the checkpoint incomplete and the name free.
+TEST(CheckpointIntegrationTest, ABlockingSaveHoldsItsNameUntilItsClientCommits) {
+  const testing::ScratchDir root("ckpt-commit");
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), root.path());
+  Trainer trainer(cluster);
+  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
+  auto write = [&](SaveStream& stream) {
+    v1::SaveAnswer answer;
+    EXPECT_TRUE(stream.Read(&answer) && answer.cut().pinned());
+    EXPECT_TRUE(stream.Write(WriteStep()));
+    EXPECT_TRUE(stream.Read(&answer) && answer.written());
+  };
+  {
+    grpc::ClientContext ctx;
+    auto stream = OpenSave(*stub, ctx, "gone", 0);
+    write(*stream);
+    ctx.TryCancel();  // the client goes away before it commits
+    (void)stream->Finish();
+  }
+  auto listed = trainer.client->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_FALSE(listed->front().complete);
+  grpc::ClientContext ctx;
+  auto stream = OpenSave(*stub, ctx, "kept", 0);
+  write(*stream);
+  trainer.Step(0);  // the save holds no pins
+  ASSERT_TRUE(trainer.client->WaitVersion("big", 1).ok());
+  for (const bool async : {true, false}) {
+    const absl::Status second = trainer.client->SaveCheckpoint("x", CheckpointKind::kSharded, true, async);
+    EXPECT_TRUE(absl::IsAlreadyExists(second)) << second;
+    EXPECT_THAT(std::string(second.message()), HasSubstr("'x' is being saved"));
+  }
+  EXPECT_TRUE(absl::IsFailedPrecondition(trainer.client->DeleteCheckpoint("x")));
+  v1::SaveCheckpointStep commit;
+  commit.set_commit(true);
+  EXPECT_TRUE(stream->Write(commit));
+  const grpc::Status committed = stream->Finish();
+  ASSERT_TRUE(committed.ok()) << committed.error_message();
+  listed = trainer.client->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_TRUE(listed->front().complete);
+  EXPECT_EQ(listed->front().kind, "full");
+  EXPECT_EQ(listed->front().versions.at("big"), 0);
 }
 
 }  // namespace

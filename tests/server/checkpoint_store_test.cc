@@ -24,6 +24,7 @@ namespace flatshard::server {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct GroupSpec {
   std::string name;
@@ -536,11 +537,35 @@ TEST(CheckpointStoreTest, ASaveOvertakenByTrainingPinsALaterCut) {
   cluster.Step(1);  // nothing is pinned: the step is not held
   ASSERT_TRUE(store.PinSave(**save, store.JobVersions("job"), absl::InfiniteFuture()).ok());
   const Values saved = cluster.Collect(2);
-  ASSERT_TRUE(store.FinishSave(*std::move(save), absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(store.FinishSave(**save, absl::InfiniteFuture()).ok());
   ASSERT_TRUE(store.Commit("x", "s").ok());
   cluster.Step(2);
   ASSERT_TRUE(cluster.Load("x").ok());
   EXPECT_EQ(cluster.Collect(2), saved);
+}
+
+// A blocking save's part is written, but not yet committed: the server still holds the
+// name (a second save of it, which would be told OK and then lose to the commit, is
+// refused; so is a delete) until the save is gone, and training is not held meanwhile.
+TEST(CheckpointStoreTest, AWrittenSaveHoldsItsNameUntilItIsReleased) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(1, root);
+  CheckpointStore& store = cluster.store(0);
+  auto save = store.BeginSave("x", CheckpointKind::kFull, true, "job", Options(false, "a"));
+  ASSERT_TRUE(save.ok()) << save.status();
+  ASSERT_TRUE(store.PinSave(**save, store.JobVersions("job"), absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(store.FinishSave(**save, absl::InfiniteFuture()).ok());
+  cluster.Step(0);  // the pins went with the write
+  const absl::Status second = store.BeginSave("x", CheckpointKind::kFull, true, "job", Options(true, "b")).status();
+  EXPECT_TRUE(absl::IsAlreadyExists(second)) << second;
+  EXPECT_THAT(std::string(second.message()), HasSubstr("'x' is being saved"));
+  EXPECT_TRUE(absl::IsFailedPrecondition(store.Delete("x")));
+  ASSERT_TRUE(store.Commit("x", "a").ok());
+  save->reset();
+  const absl::Status after = store.BeginSave("x", CheckpointKind::kFull, true, "job", Options(true, "b")).status();
+  EXPECT_TRUE(absl::IsAlreadyExists(after)) << after;
+  EXPECT_THAT(std::string(after.message()), Not(HasSubstr("is being saved")));  // committed
+  EXPECT_TRUE(store.Delete("x").ok());
 }
 // While a save of a name runs on a server (here: waiting for the version it cuts at),
 // that server refuses a second save of the name and a delete of it; once it is done,

@@ -215,8 +215,9 @@ class Client {
   // continue); the checkpoint lists as complete when the servers have written and
   // committed it. `progress` (optional; blocking saves): the servers' tensor bytes
   // written, polled from their status a few times a second. AlreadyExists if `name` is
-  // complete or a save of it is still being written (one save per name at a time; of
-  // several callers saving one name at once, one succeeds).
+  // complete or a save of it is still in progress (a blocking one until it is committed;
+  // one save per name at a time: of several callers saving one name at once, exactly one
+  // succeeds).
   [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind,
                                                     bool optimizer, bool async = false,
                                                     Progress progress = nullptr) = 0;
