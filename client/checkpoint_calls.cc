@@ -61,15 +61,29 @@ absl::Status CheckRootPerServer(const std::vector<std::string>& ids) {
 
 // The consistent cut of a save or export: every group of `job` at the highest version
 // any server has (servers of a synchronous job are at most one step apart; each waits
-// until it gets there).
+// until it gets there), and after step k where the caller sent step k last and no server
+// has applied it yet (`sent`: SentSteps::AtBoundary).
 void CutVersions(const std::string& job, const std::vector<v1::ServerStatus>& statuses,
-                 google::protobuf::Map<std::string, int64_t>& versions) {
+                 const std::map<std::string, int64_t>& sent, google::protobuf::Map<std::string, int64_t>& versions) {
   for (const v1::ServerStatus& status : statuses) {
     for (const v1::GroupStatus& group : status.groups()) {
       if (group.job() != job) continue;
       versions[group.group()] = std::max(versions[group.group()], group.version());
     }
   }
+  for (const auto& [group, step] : sent) {
+    auto it = versions.find(group);
+    if (it != versions.end() && it->second == step) it->second = step + 1;
+  }
+}
+
+// `pinned`, the outcome of a cut's rounds, with why the cut waited where it waited for
+// steps that the caller sent (`sent`) and that the other workers have not completed.
+absl::Status ExplainWait(const absl::Status& pinned, const std::map<std::string, int64_t>& sent) {
+  if (!absl::IsDeadlineExceeded(pinned) || sent.empty()) return pinned;
+  return absl::Status(pinned.code(), absl::StrCat(pinned.message(),
+                                                  " (the cut is after the step this worker sent last, which "
+                                                  "needs every worker's gradient; is a worker behind or gone?)"));
 }
 
 // Whether each server writes its part of a save or export of `job`: all of them, but
@@ -119,8 +133,8 @@ std::string NewSaveId() {
 
 }  // namespace
 
-absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind, bool optimizer,
-                                   bool async, const Client::Progress& progress) const {
+absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
+                                   const std::map<std::string, int64_t>& sent, const Client::Progress& progress) const {
   v1::SaveCheckpointRequest request;
   request.set_async(async);
   request.set_name(name);
@@ -146,14 +160,15 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   } else if (!shared) {
     request.set_home_root_id(root_ids[0]);  // kept whole in server 0's root
   }
-  CutVersions(job_, statuses, *request.mutable_versions());
+  CutVersions(job_, statuses, sent, *request.mutable_versions());
   // Every server pins the cut before any writes (a later one where training overtook it).
   using Streams = CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer>;
   Streams streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint, /*server_zero_first=*/true);
   v1::SaveCheckpointStep first;
   *first.mutable_request() = request;
-  FLATSHARD_RETURN_IF_ERROR(streams.Pin(first, {request.versions().begin(), request.versions().end()},
-                                        absl::StrCat("checkpoint '", name, "'"), kMaxPinRounds));
+  FLATSHARD_RETURN_IF_ERROR(ExplainWait(streams.Pin(first, {request.versions().begin(), request.versions().end()},
+                                                    absl::StrCat("checkpoint '", name, "'"), kMaxPinRounds),
+                                        sent));
   if (async) return streams.Write();  // the servers commit when they are done
   // Each server answers once its part is written, and holds the name until the commit, so
   // that no other save of it begins meanwhile (one would be told OK, then lose).
@@ -230,8 +245,9 @@ absl::Status CheckpointCalls::Delete(const std::string& name) const {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind kind,
-                                     bool optimizer, const Client::Progress& progress) const {
+absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
+                                     const std::map<std::string, int64_t>& sent,
+                                     const Client::Progress& progress) const {
   if (kind == CheckpointKind::kLocal)
     return absl::InvalidArgumentError("export: kind must be FULL or SHARDED");
   v1::ExportRequest request;
@@ -240,7 +256,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   request.set_optimizer(optimizer);
   request.set_chunk_bytes(export_chunk_bytes_);
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
-  CutVersions(job_, statuses, *request.mutable_versions());
+  CutVersions(job_, statuses, sent, *request.mutable_versions());
   const std::vector<bool> writers = Writers(job_, statuses);
   std::error_code error;
   std::filesystem::create_directories(out_dir, error);
@@ -263,8 +279,8 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   Streams streams(control_, writers, &v1::Flatshard::Stub::ExportStateDict, /*server_zero_first=*/false);
   v1::ExportStep first;
   *first.mutable_request() = request;
-  FLATSHARD_RETURN_IF_ERROR(
-      streams.Pin(first, {request.versions().begin(), request.versions().end()}, "export", kMaxPinRounds));
+  FLATSHARD_RETURN_IF_ERROR(ExplainWait(
+      streams.Pin(first, {request.versions().begin(), request.versions().end()}, "export", kMaxPinRounds), sent));
   return streams.Write([&](Streams::Server& server) {
     std::map<std::string, File> files;
     v1::ExportMessage message;

@@ -5,13 +5,13 @@
 // the same names document each call. Thread-safe; every call blocks until done.
 //
 //   CheckpointCalls checkpoints(*control, "default", 4 << 20);
-//   FLATSHARD_RETURN_IF_ERROR(checkpoints.Save("step-100", CheckpointKind::kFull, true, false,
-//   {}));
+//   FLATSHARD_RETURN_IF_ERROR(checkpoints.Save("step-100", CheckpointKind::kFull, true, false, {}, {}));
 #ifndef FLATSHARD_CLIENT_CHECKPOINT_CALLS_H_
 #define FLATSHARD_CLIENT_CHECKPOINT_CALLS_H_
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -28,13 +28,14 @@ class CheckpointCalls {
   CheckpointCalls(const ControlPlane& control, std::string job, uint32_t export_chunk_bytes)
       : control_(control), job_(std::move(job)), export_chunk_bytes_(export_chunk_bytes) {}
 
-  [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer,
-                                  bool async, const Client::Progress& progress) const;
+  // `sent`: the caller's SentSteps::AtBoundary, for the cut (Export likewise).
+  [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
+                                  const std::map<std::string, int64_t>& sent, const Client::Progress& progress) const;
   [[nodiscard]] absl::Status Load(const std::string& name, const Client::Progress& progress) const;
   [[nodiscard]] absl::StatusOr<std::vector<CheckpointEntry>> List() const;
   [[nodiscard]] absl::Status Delete(const std::string& name) const;
   [[nodiscard]] absl::Status Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
-                                    const Client::Progress& progress) const;
+                                    const std::map<std::string, int64_t>& sent, const Client::Progress& progress) const;
 
  private:
   absl::StatusOr<std::vector<v1::ServerStatus>> Statuses() const;

@@ -2,6 +2,7 @@
 
 #include <map>
 #include <memory>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -11,6 +12,7 @@
 #include "client/control_channel.h"
 #include "client/control_plane.h"
 #include "client/data_transfers.h"
+#include "client/sent_steps.h"
 #include "core/status_macros.h"
 #include "proto/convert.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -116,6 +118,7 @@ class ClientImpl final : public Client {
                                               response.shard_numel(), " elements; this client computed ",
                                               layout.shard_numel()));
     }
+    if (!std::holds_alternative<FrozenOptions>(optimizer)) sent_.Register(group);
     absl::MutexLock lock(&mu_);
     replicas_ = replicas;
     auto& slot = layouts_[group];
@@ -166,6 +169,7 @@ class ClientImpl final : public Client {
     absl::StatusOr<std::vector<absl::Span<std::byte>>> parts =
         Split(group, dtype, absl::MakeSpan(const_cast<std::byte*>(grad.data()), grad.size()));
     if (!parts.ok()) return ReadyFuture<absl::Status>(parts.status());
+    sent_.Record(group, step);
     return transfers_->Scatter(group, step, dtype, *std::move(parts), ReplicaServers());
   }
 
@@ -198,11 +202,13 @@ class ClientImpl final : public Client {
 
   absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer,
                               bool async, Progress progress) override {
-    return checkpoints_->Save(name, kind, optimizer, async, progress);
+    return checkpoints_->Save(name, kind, optimizer, async, sent_.AtBoundary(), progress);
   }
 
   absl::Status LoadCheckpoint(const std::string& name, Progress progress) override {
-    return checkpoints_->Load(name, progress);
+    const absl::Status loaded = checkpoints_->Load(name, progress);
+    if (loaded.ok()) sent_.Forget();
+    return loaded;
   }
 
   absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints() override {
@@ -215,7 +221,7 @@ class ClientImpl final : public Client {
 
   absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,
                                Progress progress) override {
-    return checkpoints_->Export(out_dir, kind, optimizer, progress);
+    return checkpoints_->Export(out_dir, kind, optimizer, sent_.AtBoundary(), progress);
   }
 
   absl::Status SetHyperparams(const std::string& group,
@@ -348,6 +354,7 @@ class ClientImpl final : public Client {
   const ClientOptions options_;
   std::unique_ptr<client_internal::ControlPlane> control_;
   std::unique_ptr<client_internal::CheckpointCalls> checkpoints_;
+  client_internal::SentSteps sent_;  // this client's gradients, for the cut of its saves
   std::unique_ptr<client_internal::DataTransfers> transfers_;
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<FlatLayout>> layouts_ ABSL_GUARDED_BY(mu_);

@@ -339,8 +339,10 @@ class Client:
         self._optimizers[name] = updated
 
     def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True, progress=None):
-        """Saves the job's groups at their current versions; `progress(done, total)` (bytes,
-        optional, blocking saves) is called a few times a second while the servers write."""
+        """Saves the job's groups: after the step this worker sent last when it is between
+        steps (waiting for the other workers' part of that step), at their current versions
+        otherwise; `progress(done, total)` (bytes, optional, blocking saves) is called a few
+        times a second while the servers write."""
         self._native.save_checkpoint(name, kind, bool(optimizer), not blocking, progress)
 
     def load_checkpoint(self, name, progress=None):

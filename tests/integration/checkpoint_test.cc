@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -41,9 +42,10 @@ struct Trainer {
   int worker = 0;
 
   explicit Trainer(const testing::TestCluster& cluster, int worker_rank = 0, int num_workers = 1,
-                   const JobOptions& job = {})
+                   const JobOptions& job = {}, absl::Duration timeout = absl::Seconds(20))
       : worker(worker_rank) {
-    auto connected = cluster.Connect(worker_rank, num_workers);
+    auto connected =
+        cluster.Connect({.worker_rank = worker_rank, .num_workers = num_workers, .job = "test", .timeout = timeout});
     EXPECT_TRUE(connected.ok()) << connected.status();
     client = std::move(*connected);
     EXPECT_TRUE(client->ConfigureJob(job).ok());
@@ -52,16 +54,21 @@ struct Trainer {
   }
 
   void Step(int64_t step) {
-    for (auto [name, layout] : {std::pair{"big", big}, std::pair{"tiny", tiny}}) {
-      std::vector<float> grad(layout->padded_numel(), 0.0f);
-      for (const TensorPiece& piece : layout->MapRange(0, layout->padded_numel())) {
-        for (int64_t k = 0; k < piece.numel; ++k) {
-          grad[piece.flat_offset + k] =
-              std::cos(0.3f * static_cast<float>(piece.flat_offset + k) + static_cast<float>(step + 7 * worker));
-        }
+    Send("big", step);
+    Send("tiny", step);
+  }
+
+  // This worker's gradient of group `name` ("big" or "tiny") for `step`.
+  void Send(const std::string& name, int64_t step) {
+    const FlatLayout* layout = name == "big" ? big : tiny;
+    std::vector<float> grad(layout->padded_numel(), 0.0f);
+    for (const TensorPiece& piece : layout->MapRange(0, layout->padded_numel())) {
+      for (int64_t k = 0; k < piece.numel; ++k) {
+        grad[piece.flat_offset + k] =
+            std::cos(0.3f * static_cast<float>(piece.flat_offset + k) + static_cast<float>(step + 7 * worker));
       }
-      ASSERT_TRUE(client->Scatter(name, step, DType::kFloat32, AsBytes(grad)).get().ok());
     }
+    ASSERT_TRUE(client->Scatter(name, step, DType::kFloat32, AsBytes(grad)).get().ok());
   }
 
   std::vector<float> Params(const std::string& name, const FlatLayout* layout, int64_t version) {
@@ -697,6 +704,72 @@ TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIn
       EXPECT_EQ(entry.complete, interrupted.ok());
     }
   }
+}
+
+// A worker saves right after its step while the other worker is still inside that step
+// ("big" has taken it, "tiny" not yet): the save waits for "tiny" and holds the state
+// after the step, not a cut inside it.
+TEST(CheckpointIntegrationTest, ASaveRightAfterAStepCutsAfterIt) {
+  const testing::ScratchDir root("ckpt-after-step");
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
+  Trainer first(cluster, 0, 2), second(cluster, 1, 2);
+  ASSERT_TRUE(first.client->InitGroupFromSeed("big", 3).ok());
+  ASSERT_TRUE(first.client->InitGroupFromSeed("tiny", 3).ok());
+  first.Step(0);
+  second.Send("big", 0);
+  ASSERT_TRUE(first.client->WaitVersion("big", 1).ok());
+  std::atomic<bool> done = false;
+  absl::Status saved;
+  std::thread saver([&] {
+    saved = first.client->SaveCheckpoint("after-0", CheckpointKind::kSharded, true);
+    done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(done) << "the save did not wait for 'tiny' to take step 0: " << saved;
+  second.Send("tiny", 0);
+  saver.join();
+  ASSERT_TRUE(saved.ok()) << saved;
+  const std::vector<float> big = first.Params("big", first.big, 1), tiny = first.Params("tiny", first.tiny, 1);
+  auto listed = first.client->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ(listed->front().versions, (std::map<std::string, int64_t>{{"big", 1}, {"tiny", 1}}));
+  first.Step(1);
+  second.Step(1);
+  ASSERT_TRUE(first.client->WaitVersion("tiny", 2).ok());
+  ASSERT_TRUE(second.client->LoadCheckpoint("after-0").ok());
+  EXPECT_EQ(first.Params("big", first.big, 1), big);
+  EXPECT_EQ(first.Params("tiny", first.tiny, 1), tiny);
+}
+
+// A worker saves inside its own step (it sent "big", not yet "tiny") in a job that clips:
+// no group can step before its gradient of "tiny" arrives, so the save must not wait for
+// the step. It saves the versions as they are, and training then goes on. A save after
+// a step that another worker never completes fails at the deadline, saying why.
+TEST(CheckpointIntegrationTest, ASaveInsideTheSaversOwnStepDoesNotWaitForIt) {
+  const testing::ScratchDir root("ckpt-inside-step");
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
+  const JobOptions clipped{.max_grad_norm = 1.0};
+  Trainer first(cluster, 0, 2, clipped, absl::Seconds(3)), second(cluster, 1, 2, clipped);
+  first.Send("big", 0);
+  second.Step(0);
+  const absl::Status saved = first.client->SaveCheckpoint("inside-0", CheckpointKind::kLocal, true);
+  ASSERT_TRUE(saved.ok()) << saved;
+  auto listed = first.client->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ(listed->front().versions, (std::map<std::string, int64_t>{{"big", 0}, {"tiny", 0}}));
+  first.Send("tiny", 0);
+  auto stepped = first.client->WaitVersion("big", 1);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  first.Step(1);  // the other worker never sends step 1
+  const absl::Status stuck = first.client->SaveCheckpoint("after-1", CheckpointKind::kLocal, true);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(stuck)) << stuck;
+  EXPECT_THAT(std::string(stuck.message()), HasSubstr("is a worker behind or gone?"));
+  second.Step(1);
+  stepped = first.client->WaitVersion("tiny", 2);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_TRUE(first.client->SaveCheckpoint("after-1", CheckpointKind::kLocal, true).ok());
 }
 
 using SaveStream = grpc::ClientReaderWriter<v1::SaveCheckpointStep, v1::SaveAnswer>;

@@ -206,9 +206,12 @@ class Client {
   // Saves every group of the job at its current version (a consistent cut: each server
   // saves exactly that version), in parallel on all servers, then commits atomically.
   // Every server pins the cut before any writes; where training moves past it on a
-  // server first, a later cut is pinned (Aborted after 10 tries). While workers train,
-  // the cut may fall inside a step (groups at different steps): save between steps for
-  // a step boundary.
+  // server first, a later cut is pinned (Aborted after 10 tries). From a worker between
+  // steps (it has sent as many steps of every group it trains), each group is cut after
+  // the step this worker sent last, waiting where the other workers have not completed
+  // it: a save right after a step holds the state after that step (DeadlineExceeded if
+  // a worker never sends its part). From any other client, or inside a step, the cut is
+  // at the versions now, which while workers train may fall inside a step.
   // With a root shared by all servers, each writes its own part there; where the roots
   // differ, FULL and SHARDED are kept in server 0's root and LOCAL in each server's own.
   // `async`: returns once every server has snapshotted its shards (training may
