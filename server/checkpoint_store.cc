@@ -47,9 +47,10 @@ bool IsSymlink(const std::string& path) {
   return lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
 }
 
-// Why a save or delete of `name` is refused while server `rank` writes a save of it.
+// Why a save or delete of `name` is refused while server `rank` saves it.
 std::string BeingSaved(const std::string& name, int rank) {
-  return absl::StrCat("checkpoint '", name, "' is being saved (server ", rank, " is still writing its part)");
+  return absl::StrCat("checkpoint '", name, "' is being saved (server ", rank,
+                      " is still writing or committing its part)");
 }
 
 absl::StatusOr<Json> ReadJson(const std::string& path) {
