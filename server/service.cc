@@ -1,5 +1,6 @@
 #include "server/service.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -98,6 +99,16 @@ absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
   const auto deadline = ctx->deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
   return absl::FromChrono(deadline);
+}
+
+// How long a call waits for something the client asked for (a version, a norm, a save's
+// cut): until shortly before the call's deadline (a tenth of the time left, at most 1 s),
+// so that the client gets this server's reason rather than a bare "Deadline Exceeded",
+// and a save has let go of its name and pins before its client gives up.
+absl::Time WaitDeadline(const grpc::ServerContext* ctx) {
+  const absl::Time deadline = DeadlineOf(ctx);
+  if (deadline == absl::InfiniteFuture()) return deadline;
+  return deadline - std::clamp((deadline - absl::Now()) / 10, absl::ZeroDuration(), absl::Seconds(1));
 }
 
 }  // namespace
@@ -253,7 +264,7 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
   if (!group.ok()) return ToGrpc(group.status());
-  absl::StatusOr<int64_t> version = (*group)->WaitVersion(request->min_version(), DeadlineOf(ctx));
+  absl::StatusOr<int64_t> version = (*group)->WaitVersion(request->min_version(), WaitDeadline(ctx));
   if (!version.ok()) return ToGrpc(version.status());
   response->set_version(*version);
   return grpc::Status::OK;
@@ -277,7 +288,7 @@ grpc::Status FlatshardService::SaveCheckpoint(
   const absl::Status agreed = AgreeOnCut(
       stream, "save", {request.versions().begin(), request.versions().end()},
       [&](const std::map<std::string, int64_t>& versions) {
-        return checkpoints_.PinSave(**save, versions, DeadlineOf(ctx));
+        return checkpoints_.PinSave(**save, versions, WaitDeadline(ctx));
       },
       [&] { return checkpoints_.JobVersions(request.job()); });
   if (!agreed.ok()) return ToGrpc(agreed);
@@ -353,7 +364,7 @@ grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, ExportS
       stream, "export", {request.versions().begin(), request.versions().end()},
       [&](const std::map<std::string, int64_t>& versions) {
         pinned.reset();  // the pins of an earlier cut, which the groups must get past
-        absl::StatusOr<PinnedExport> pins = checkpoints_.PinExport(request.job(), versions, DeadlineOf(ctx));
+        absl::StatusOr<PinnedExport> pins = checkpoints_.PinExport(request.job(), versions, WaitDeadline(ctx));
         if (!pins.ok()) return pins.status();
         pinned = *std::move(pins);
         return absl::OkStatus();
@@ -420,7 +431,7 @@ grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,
                                            v1::GetGradNormResponse* response) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  absl::StatusOr<double> norm = clip_.TotalNorm(request->job(), request->step(), DeadlineOf(ctx));
+  absl::StatusOr<double> norm = clip_.TotalNorm(request->job(), request->step(), WaitDeadline(ctx));
   if (!norm.ok()) return ToGrpc(norm.status());
   response->set_norm(*norm);
   return grpc::Status::OK;

@@ -382,6 +382,19 @@ TEST_F(FaultsTest, GatherOfAFutureVersionTimesOut) {
   EXPECT_THAT(std::string(version.status().message()), HasSubstr("timed out waiting for version 5"));
 }
 
+// The servers stop waiting shortly before the call's deadline, so the client gets their
+// reason, not a bare "Deadline Exceeded".
+TEST_F(FaultsTest, WaitingForAFutureVersionTimesOutSayingWhy) {
+  ClientOptions options{
+      .servers = cluster_.addresses(), .token = cluster_.token(), .job = "test", .timeout = absl::Milliseconds(300)};
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  auto version = (*client)->WaitVersion("g", 5);
+  EXPECT_EQ(version.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(version.status().message()), HasSubstr("timed out waiting for version 5"));
+}
+
 // Linux overcommits, so without the server's own check the registration would succeed
 // and zeroing the shards would bring the OOM killer (server/host_memory.h).
 TEST_F(FaultsTest, AGroupLargerThanTheServersMemoryIsResourceExhausted) {
