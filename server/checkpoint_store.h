@@ -40,14 +40,15 @@
 // server are committed per server. Names are one path component ([A-Za-z0-9._-], not
 // starting with '.'), so nothing escapes the root; symlinks are refused.
 //
-// Saves of one name: while this server saves `name` (from BeginSave while its PendingSave
-// lives, which the SaveCheckpoint stream keeps through a blocking save's commit; an async
-// save until it is written and, if last, committed), Save refuses `name` (AlreadyExists)
-// and Delete refuses it (FailedPrecondition), so no directory is deleted under a writer. Other
-// saves of the name (a failed one, one another server began after this server finished
-// its part) write into their own directories, so a commit only ever sees its own save's
-// parts and files. The first save to commit takes the name; the others' commits are
-// refused (AlreadyExists) and their directories removed.
+// Saves of one name: while this server saves `name` (from BeginSave while its
+// PendingSave lives, which the SaveCheckpoint stream keeps through a blocking save's
+// commit; an async save until it is written and, if last, committed), Save refuses
+// `name` (AlreadyExists) and Delete refuses it (FailedPrecondition), so no directory is
+// deleted under a writer. Other saves of the name (a failed one, one another server
+// began after this server finished its part) write into their own directories, so a
+// commit only ever sees its own save's parts and files. The first save to commit takes
+// the name; the others' commits are refused (AlreadyExists) and their directories
+// removed.
 // Thread-safe.
 #ifndef FLATSHARD_SERVER_CHECKPOINT_STORE_H_
 #define FLATSHARD_SERVER_CHECKPOINT_STORE_H_
