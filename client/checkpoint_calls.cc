@@ -107,13 +107,14 @@ std::vector<std::string> RootIds(const std::vector<v1::ServerStatus>& statuses) 
   return ids;
 }
 
-// Why a save or delete of `name` is refused: a server still writing its part of a save
-// of it, if any (empty otherwise).
+// Why a save or delete of `name` is refused: a server still writing (or, blocking,
+// committing) its part of a save of it, if any (empty otherwise).
 std::string BeingSaved(const std::string& name, const std::vector<v1::ServerStatus>& statuses) {
   for (size_t i = 0; i < statuses.size(); ++i) {
     for (const v1::CheckpointProgress& row : statuses[i].checkpoints_in_progress()) {
       if (row.name() == name && row.operation() == "save") {
-        return absl::StrCat("checkpoint '", name, "' is being saved (server ", i, " is still writing its part)");
+        return absl::StrCat("checkpoint '", name, "' is being saved (server ", i,
+                            " is still writing or committing its part)");
       }
     }
   }

@@ -235,6 +235,7 @@ absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline)
   };
   std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "save");
   progress->total = PartBytes(save.kind_, save.optimizer_, shards);
+  if (!async) save.progress_ = progress;
   auto write = [this, name, save_id, kind = save.kind_, optimizer = save.optimizer_, dir = save.dir_,
                 to_server_zero = save.to_server_zero_, async, describe, progress,
                 deadline = async ? absl::InfiniteFuture() : deadline, shards = std::move(shards)]() -> absl::Status {

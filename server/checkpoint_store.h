@@ -119,6 +119,8 @@ class PendingSave {
   std::map<std::string, int64_t> versions_;  // the cut pinned
   std::vector<SavedShard> shards_;           // pinned at versions_
   bool writing_ = false;                     // FinishSave has begun
+  // Its row in the server's status, kept through a blocking save's commit (as the name is).
+  std::shared_ptr<ProgressCounter> progress_;
 };
 
 // This server's shards of a job pinned at an export's cut (CheckpointStore::PinExport);
@@ -218,7 +220,8 @@ class CheckpointStore {
                                       const std::function<absl::Status(absl::Span<const std::byte>)>& emit) const;
 
   [[nodiscard]] absl::StatusOr<std::vector<CheckpointInfo>> List() const;
-  // Saves (their tensor bytes written) and loads (bytes read) running on this server.
+  // Saves (their tensor bytes written; a blocking one until it commits) and loads (bytes
+  // read) running on this server.
   std::vector<ProgressRow> Progress() { return progress_.Rows(); }
   // Removes checkpoint `name`, complete or not. NotFound if there is none;
   // FailedPrecondition while this server is saving it.

@@ -872,6 +872,20 @@ TEST(CheckpointIntegrationTest, ABlockingSaveHoldsItsNameUntilItsClientCommits) 
   grpc::ClientContext ctx;
   auto stream = OpenSave(*stub, ctx, "kept", 0);
   write(*stream);
+  // The server's status lists the save, written, until it commits.
+  auto in_progress = [&] {
+    grpc::ClientContext status_ctx;
+    status_ctx.AddMetadata("authorization", "Bearer tok");
+    v1::ServerStatus status;
+    EXPECT_TRUE(stub->GetStatus(&status_ctx, v1::GetStatusRequest(), &status).ok());
+    return status.checkpoints_in_progress();
+  };
+  const auto rows = in_progress();
+  ASSERT_EQ(rows.size(), 1);
+  EXPECT_EQ(rows[0].name(), "x");
+  EXPECT_EQ(rows[0].operation(), "save");
+  EXPECT_GT(rows[0].total(), 0u);
+  EXPECT_EQ(rows[0].done(), rows[0].total());
   trainer.Step(0);  // the save holds no pins
   ASSERT_TRUE(trainer.client->WaitVersion("big", 1).ok());
   for (const bool async : {true, false}) {
@@ -885,6 +899,7 @@ TEST(CheckpointIntegrationTest, ABlockingSaveHoldsItsNameUntilItsClientCommits) 
   EXPECT_TRUE(stream->Write(commit));
   const grpc::Status committed = stream->Finish();
   ASSERT_TRUE(committed.ok()) << committed.error_message();
+  EXPECT_TRUE(in_progress().empty());
   listed = trainer.client->ListCheckpoints();
   ASSERT_TRUE(listed.ok()) << listed.status();
   ASSERT_EQ(listed->size(), 1u);
