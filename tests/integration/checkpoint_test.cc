@@ -1,21 +1,19 @@
 // Checkpoints through the client against real server processes: save with 3 servers,
 // load into a fresh cluster of 2, bitwise equal, and training continues identically.
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-
-#include <sys/resource.h>
-
-#include <chrono>
+#include <functional>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "client/cluster_status.h"
 #include "core/file.h"
@@ -706,37 +704,50 @@ TEST(CheckpointIntegrationTest, ServerKilledMidSaveLeavesThePreviousCheckpointIn
   }
 }
 
-// A worker saves right after its step while the other worker is still inside that step
-// ("big" has taken it, "tiny" not yet): the save waits for "tiny" and holds the state
-// after the step, not a cut inside it.
-TEST(CheckpointIntegrationTest, ASaveRightAfterAStepCutsAfterIt) {
+// A worker saves (then exports) right after its step while the other worker is still
+// inside that step ("big" has taken it, "tiny" not yet): the save waits for "tiny" and
+// holds the state after the step, not a cut inside it; so does the export.
+TEST(CheckpointIntegrationTest, ASaveOrExportRightAfterAStepCutsAfterIt) {
   const testing::ScratchDir root("ckpt-after-step");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
   Trainer first(cluster, 0, 2), second(cluster, 1, 2);
   ASSERT_TRUE(first.client->InitGroupFromSeed("big", 3).ok());
   ASSERT_TRUE(first.client->InitGroupFromSeed("tiny", 3).ok());
-  first.Step(0);
-  second.Send("big", 0);
-  ASSERT_TRUE(first.client->WaitVersion("big", 1).ok());
-  std::atomic<bool> done = false;
-  absl::Status saved;
-  std::thread saver([&] {
-    saved = first.client->SaveCheckpoint("after-0", CheckpointKind::kSharded, true);
-    done = true;
-  });
-  absl::SleepFor(absl::Milliseconds(300));
-  EXPECT_FALSE(done) << "the save did not wait for 'tiny' to take step 0: " << saved;
-  second.Send("tiny", 0);
-  saver.join();
+  // Runs `operation` from the first worker once it has sent `step` and the second worker
+  // has sent only "big"; the operation must still be running when "tiny" follows.
+  auto after_step = [&](int64_t step, const std::function<absl::Status()>& operation) {
+    first.Step(step);
+    second.Send("big", step);
+    EXPECT_TRUE(first.client->WaitVersion("big", step + 1).ok());
+    std::atomic<bool> done = false;
+    absl::Status status;
+    std::thread running([&] {
+      status = operation();
+      done = true;
+    });
+    absl::SleepFor(absl::Milliseconds(300));
+    EXPECT_FALSE(done) << "it did not wait for 'tiny' to take step " << step << ": " << status;
+    second.Send("tiny", step);
+    running.join();
+    return status;
+  };
+  const absl::Status saved =
+      after_step(0, [&] { return first.client->SaveCheckpoint("after-0", CheckpointKind::kSharded, true); });
   ASSERT_TRUE(saved.ok()) << saved;
   const std::vector<float> big = first.Params("big", first.big, 1), tiny = first.Params("tiny", first.tiny, 1);
   auto listed = first.client->ListCheckpoints();
   ASSERT_TRUE(listed.ok()) << listed.status();
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ(listed->front().versions, (std::map<std::string, int64_t>{{"big", 1}, {"tiny", 1}}));
-  first.Step(1);
-  second.Step(1);
-  ASSERT_TRUE(first.client->WaitVersion("tiny", 2).ok());
+
+  const testing::ScratchDir exported("export-after-step");
+  const absl::Status streamed =
+      after_step(1, [&] { return first.client->ExportStateDict(exported.path(), CheckpointKind::kFull, false); });
+  ASSERT_TRUE(streamed.ok()) << streamed;
+  ASSERT_TRUE(first.client->SaveCheckpoint("after-1", CheckpointKind::kFull, false).ok());  // at {2, 2}: no wait
+  EXPECT_EQ(ReadWholeFile(exported.path() + "/model.safetensors"),
+            ReadWholeFile(root.path() + "/after-1/model.safetensors"));
+
   ASSERT_TRUE(second.client->LoadCheckpoint("after-0").ok());
   EXPECT_EQ(first.Params("big", first.big, 1), big);
   EXPECT_EQ(first.Params("tiny", first.tiny, 1), tiny);
