@@ -1,19 +1,22 @@
 // Checkpoints through the client against real server processes: save with 3 servers,
 // load into a fresh cluster of 2, bitwise equal, and training continues identically.
 #include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+
+#include <sys/resource.h>
+
+#include <chrono>
 #include <thread>
+
+#include <grpcpp/grpcpp.h>
 
 #include "client/cluster_status.h"
 #include "core/file.h"
