@@ -242,6 +242,21 @@ absl::Status WriteOwnFile(CheckpointSink& sink, int rank, CheckpointKind kind,
   return absl::OkStatus();
 }
 
+// Holds a group at one version (Group::HoldAt) while it lives.
+class HoldGuard {
+ public:
+  HoldGuard(std::shared_ptr<Group> group, int64_t version) : group_(std::move(group)), version_(version) {
+    group_->HoldAt(version_);
+  }
+  HoldGuard(const HoldGuard&) = delete;
+  HoldGuard& operator=(const HoldGuard&) = delete;
+  ~HoldGuard() { group_->ReleaseHold(version_); }
+
+ private:
+  std::shared_ptr<Group> group_;
+  const int64_t version_;
+};
+
 }  // namespace
 
 nlohmann::json TensorsJson(const FlatLayout& layout) {
@@ -269,12 +284,20 @@ absl::StatusOr<std::vector<SavedShard>> TakeShards(const Registry& registry, int
                                               absl::Time deadline, bool pin) {
   const std::vector<std::shared_ptr<Group>> groups = registry.job_groups(job);
   if (groups.empty()) return absl::FailedPreconditionError(absl::StrCat("job '", job, "' has no groups"));
+  for (const auto& group : groups) {
+    if (!versions.contains(group->name())) {
+      return absl::InvalidArgumentError(absl::StrCat("no version given for group '", group->name(), "'"));
+    }
+  }
+  // Every group is held at the cut before any is pinned: while a pin waits for one group
+  // to reach the cut, the others reach it and must not step past it.
+  std::vector<std::unique_ptr<HoldGuard>> holds;
+  if (pin) {
+    for (const auto& group : groups) holds.push_back(std::make_unique<HoldGuard>(group, versions.at(group->name())));
+  }
   std::vector<SavedShard> shards;
   for (const auto& group : groups) {
     const auto version = versions.find(group->name());
-    if (version == versions.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("no version given for group '", group->name(), "'"));
-    }
     absl::StatusOr<ShardSnapshot> snapshot =
         pin ? group->Pin(version->second, deadline) : group->Snapshot(version->second, deadline);
     if (!snapshot.ok() && group->version() > version->second) {

@@ -432,7 +432,7 @@ absl::Status Group::SkipStep(int64_t step) {
     return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' has no reduced gradient for step ",
                                                       step, " (at version ", version_, ")"));
   }
-  AwaitUnpinned();  // an export is reading this version
+  AwaitStepAllowed();  // a save or export is reading this version, or about to
   reduced_ = false;
   AdvanceVersion();
   return absl::OkStatus();
@@ -483,6 +483,21 @@ void Group::AwaitUnpinned() const {
   mu_.Await(absl::Condition(&unpinned));
 }
 
+void Group::AwaitStepAllowed() const {
+  auto allowed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pins_ == 0 && !holds_.contains(version_); };
+  mu_.Await(absl::Condition(&allowed));
+}
+
+void Group::HoldAt(int64_t version) {
+  absl::MutexLock lock(&mu_);
+  holds_.insert(version);
+}
+
+void Group::ReleaseHold(int64_t version) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = holds_.find(version); it != holds_.end()) holds_.erase(it);
+}
+
 absl::StatusOr<ShardSnapshot> Group::Pin(int64_t version, absl::Time deadline) {
   FLATSHARD_RETURN_IF_ERROR(WaitVersion(version, deadline).status());
   absl::MutexLock lock(&mu_);
@@ -513,7 +528,7 @@ absl::Status Group::ReadPinned(absl::string_view state, int64_t offset, int64_t 
 
 absl::Status Group::StepOptimizer() {
   const int64_t generation = generation_;
-  AwaitUnpinned();  // an export is reading this version
+  AwaitStepAllowed();  // a save or export is reading this version, or about to
   if (generation_ != generation) {
     return absl::AbortedError(absl::StrCat("group '", name_, "' was loaded or re-initialized during the step"));
   }

@@ -60,15 +60,16 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "core/huge_pages.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/huge_pages.h"
 #include "core/layout.h"
 #include "server/job.h"
 #include "server/optimizer.h"
@@ -297,6 +298,13 @@ class Group {
   // DeadlineExceeded. Every successful Pin must be matched by one Unpin.
   [[nodiscard]] absl::StatusOr<ShardSnapshot> Pin(int64_t version, absl::Time deadline);
   void Unpin();
+  // Until ReleaseHold(version), the optimizer step that would leave `version` waits (a
+  // step that would reach it does not): a save or export that pins several groups holds
+  // them all at its cut first, so that none steps past the cut while it waits for another
+  // to reach it. Loads and re-initialization do not wait for holds. Every HoldAt must be
+  // matched by one ReleaseHold of the same version.
+  void HoldAt(int64_t version);
+  void ReleaseHold(int64_t version);
   // `count` fp32 elements of the parameters (`state` empty) or of optimizer state `state`,
   // from element `offset` of this server's shard, into `out`. Precondition: pinned.
   [[nodiscard]] absl::Status ReadPinned(absl::string_view state, int64_t offset, int64_t count,
@@ -383,6 +391,9 @@ class Group {
   absl::Status WriteTensorElements(const std::vector<float>& host_shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks (releasing mu_) while an export holds the group pinned.
   void AwaitUnpinned() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks (releasing mu_) while the group is pinned or held at its version (HoldAt):
+  // before a step leaves it.
+  void AwaitStepAllowed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string job_;
   const std::string name_;
@@ -427,6 +438,7 @@ class Group {
   std::vector<bool> share_delivered_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> broadcast_delivered_ ABSL_GUARDED_BY(mu_);
   int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
+  std::multiset<int64_t> holds_ ABSL_GUARDED_BY(mu_);  // HoldAt's versions
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_
   std::vector<int64_t> last_async_step_ ABSL_GUARDED_BY(mu_);  // per worker, -1: none

@@ -243,6 +243,33 @@ TEST(GroupTest, APinHoldsTheVersionUntilUnpinnedWithoutACopy) {
   EXPECT_EQ(group.Pin(0, absl::InfiniteFuture()).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A save's cut holds each group before pinning it: the step that would leave the held
+// version waits (the one that reaches it does not), so a pin that comes later still
+// finds the group there.
+TEST(GroupTest, AHoldKeepsTheGroupAtItsVersionForALaterPin) {
+  std::shared_ptr<Group> group_owner = MakeGroup(1, /*mean=*/false);
+  Group& group = *group_owner;
+  group.HoldAt(1);
+  ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
+  EXPECT_EQ(group.version(), 1);
+  std::thread step([&] { EXPECT_TRUE(Contribute(group, 1, 0, {1, 1, 1}).ok()); });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(group.version(), 1);  // the step leaving version 1 waits for the hold
+  absl::StatusOr<ShardSnapshot> pinned = group.Pin(1, absl::InfiniteFuture());
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  group.ReleaseHold(1);
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(group.version(), 1);  // now the pin holds it
+  group.Unpin();
+  step.join();
+  EXPECT_EQ(group.version(), 2);
+
+  group.HoldAt(5);  // a hold at another version holds nothing now
+  ASSERT_TRUE(Contribute(group, 2, 0, {1, 1, 1}).ok());
+  EXPECT_EQ(group.version(), 3);
+  group.ReleaseHold(5);
+}
+
 // A checkpoint load installs host buffers; the host tier adopts them. The group serves
 // the loaded values at the loaded version and steps on from them; a wrong size is refused
 // and changes nothing.
