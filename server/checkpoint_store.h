@@ -115,12 +115,14 @@ class PendingSave {
   int servers_ = 0;              // in the checkpoint: one replica group's
   bool to_server_zero_ = false;  // the part is streamed to server 0's root
   std::string dir_;              // the save's directory here, unless streamed
+  // Its row in the server's status, kept through a blocking save's commit (as the name
+  // is). Declared before claim_, so that it goes after it: a save whose row is gone no
+  // longer holds the name.
+  std::shared_ptr<ProgressCounter> progress_;
   std::shared_ptr<const std::string> claim_;
   std::map<std::string, int64_t> versions_;  // the cut pinned
   std::vector<SavedShard> shards_;           // pinned at versions_
   bool writing_ = false;                     // FinishSave has begun
-  // Its row in the server's status, kept through a blocking save's commit (as the name is).
-  std::shared_ptr<ProgressCounter> progress_;
 };
 
 // This server's shards of a job pinned at an export's cut (CheckpointStore::PinExport);

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -24,62 +23,16 @@
 #include "core/safetensors.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
+#include "tests/integration/trainer.h"
 #include "tests/scratch_dir.h"
 
 namespace flatshard {
 namespace {
 
 using ::testing::HasSubstr;
-
-const std::vector<TensorSpec> kTensors = {{"fc.weight", {7, 5}, DType::kFloat32}, {"fc.bias", {7}, DType::kFloat32}};
-const std::vector<TensorSpec> kTiny = {{"gain", {1}, DType::kFloat32}};
-const AdamOptions kAdam{.lr = 0.01, .weight_decay = 0.05, .decoupled_weight_decay = true};
-
-struct Trainer {
-  std::unique_ptr<Client> client;
-  const FlatLayout* big = nullptr;
-  const FlatLayout* tiny = nullptr;
-
-  int worker = 0;
-
-  explicit Trainer(const testing::TestCluster& cluster, int worker_rank = 0, int num_workers = 1,
-                   const JobOptions& job = {}, absl::Duration timeout = absl::Seconds(20))
-      : worker(worker_rank) {
-    auto connected =
-        cluster.Connect({.worker_rank = worker_rank, .num_workers = num_workers, .job = "test", .timeout = timeout});
-    EXPECT_TRUE(connected.ok()) << connected.status();
-    client = std::move(*connected);
-    EXPECT_TRUE(client->ConfigureJob(job).ok());
-    big = *client->RegisterGroup("big", kTensors, 4, kAdam);
-    tiny = *client->RegisterGroup("tiny", kTiny, 0, SgdOptions{.lr = 0.1, .momentum = 0.9});
-  }
-
-  void Step(int64_t step) {
-    Send("big", step);
-    Send("tiny", step);
-  }
-
-  // This worker's gradient of group `name` ("big" or "tiny") for `step`.
-  void Send(const std::string& name, int64_t step) {
-    const FlatLayout* layout = name == "big" ? big : tiny;
-    std::vector<float> grad(layout->padded_numel(), 0.0f);
-    for (const TensorPiece& piece : layout->MapRange(0, layout->padded_numel())) {
-      for (int64_t k = 0; k < piece.numel; ++k) {
-        grad[piece.flat_offset + k] =
-            std::cos(0.3f * static_cast<float>(piece.flat_offset + k) + static_cast<float>(step + 7 * worker));
-      }
-    }
-    ASSERT_TRUE(client->Scatter(name, step, DType::kFloat32, AsBytes(grad)).get().ok());
-  }
-
-  std::vector<float> Params(const std::string& name, const FlatLayout* layout, int64_t version) {
-    std::vector<float> values(layout->padded_numel());
-    auto got = client->Gather(name, version, DType::kFloat32, AsBytes(values)).get();
-    EXPECT_TRUE(got.ok()) << got.status();
-    values.resize(layout->unpadded_numel());
-    return values;
-  }
-};
+using testing::kAdam;
+using testing::kTensors;
+using testing::Trainer;
 
 // An empty directory of its own for a test (emptied if a crashed run left it).
 TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
@@ -872,20 +825,6 @@ TEST(CheckpointIntegrationTest, ABlockingSaveHoldsItsNameUntilItsClientCommits) 
     EXPECT_TRUE(stream.Write(WriteStep()));
     EXPECT_TRUE(stream.Read(&answer) && answer.written());
   };
-  {
-    grpc::ClientContext ctx;
-    auto stream = OpenSave(*stub, ctx, "gone", 0);
-    write(*stream);
-    ctx.TryCancel();  // the client goes away before it commits
-    (void)stream->Finish();
-  }
-  auto listed = trainer.client->ListCheckpoints();
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  ASSERT_EQ(listed->size(), 1u);
-  EXPECT_FALSE(listed->front().complete);
-  grpc::ClientContext ctx;
-  auto stream = OpenSave(*stub, ctx, "kept", 0);
-  write(*stream);
   // The server's status lists the save, written, until it commits.
   auto in_progress = [&] {
     grpc::ClientContext status_ctx;
@@ -894,6 +833,25 @@ TEST(CheckpointIntegrationTest, ABlockingSaveHoldsItsNameUntilItsClientCommits) 
     EXPECT_TRUE(stub->GetStatus(&status_ctx, v1::GetStatusRequest(), &status).ok());
     return status.checkpoints_in_progress();
   };
+  {
+    grpc::ClientContext ctx;
+    auto stream = OpenSave(*stub, ctx, "gone", 0);
+    write(*stream);
+    ctx.TryCancel();  // the client goes away before it commits
+    (void)stream->Finish();
+  }
+  // The server lets go of the save once it sees the cancellation, which the client's
+  // Finish does not wait for.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!in_progress().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(in_progress().empty());
+  auto listed = trainer.client->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_FALSE(listed->front().complete);
+  grpc::ClientContext ctx;
+  auto stream = OpenSave(*stub, ctx, "kept", 0);
+  write(*stream);
   const auto rows = in_progress();
   ASSERT_EQ(rows.size(), 1);
   EXPECT_EQ(rows[0].name(), "x");

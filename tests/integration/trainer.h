@@ -1,0 +1,74 @@
+// Trainer: a training worker of job "test" for the checkpoint integration tests, with
+// two groups that step in sync mode: "big" (two fp32 tensors, AdamW) and "tiny" (one
+// element, SGD with momentum). Its gradients are a fixed function of the step and the
+// worker's rank, so that runs can be repeated and compared bit for bit. Failures are
+// gtest failures. Not thread-safe.
+#ifndef FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
+#define FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flatshard/client.h"
+#include "tests/integration/test_cluster.h"
+
+namespace flatshard::testing {
+
+inline const std::vector<TensorSpec> kTensors = {{"fc.weight", {7, 5}, DType::kFloat32},
+                                                 {"fc.bias", {7}, DType::kFloat32}};
+inline const std::vector<TensorSpec> kTiny = {{"gain", {1}, DType::kFloat32}};
+inline const AdamOptions kAdam{.lr = 0.01, .weight_decay = 0.05, .decoupled_weight_decay = true};
+
+struct Trainer {
+  std::unique_ptr<Client> client;
+  const FlatLayout* big = nullptr;
+  const FlatLayout* tiny = nullptr;
+
+  int worker = 0;
+
+  explicit Trainer(const TestCluster& cluster, int worker_rank = 0, int num_workers = 1, const JobOptions& job = {},
+                   absl::Duration timeout = absl::Seconds(20))
+      : worker(worker_rank) {
+    auto connected =
+        cluster.Connect({.worker_rank = worker_rank, .num_workers = num_workers, .job = "test", .timeout = timeout});
+    EXPECT_TRUE(connected.ok()) << connected.status();
+    client = std::move(*connected);
+    EXPECT_TRUE(client->ConfigureJob(job).ok());
+    big = *client->RegisterGroup("big", kTensors, 4, kAdam);
+    tiny = *client->RegisterGroup("tiny", kTiny, 0, SgdOptions{.lr = 0.1, .momentum = 0.9});
+  }
+
+  void Step(int64_t step) {
+    Send("big", step);
+    Send("tiny", step);
+  }
+
+  // This worker's gradient of group `name` ("big" or "tiny") for `step`.
+  void Send(const std::string& name, int64_t step) {
+    const FlatLayout* layout = name == "big" ? big : tiny;
+    std::vector<float> grad(layout->padded_numel(), 0.0f);
+    for (const TensorPiece& piece : layout->MapRange(0, layout->padded_numel())) {
+      for (int64_t k = 0; k < piece.numel; ++k) {
+        grad[piece.flat_offset + k] =
+            std::cos(0.3f * static_cast<float>(piece.flat_offset + k) + static_cast<float>(step + 7 * worker));
+      }
+    }
+    ASSERT_TRUE(client->Scatter(name, step, DType::kFloat32, AsBytes(grad)).get().ok());
+  }
+
+  std::vector<float> Params(const std::string& name, const FlatLayout* layout, int64_t version) {
+    std::vector<float> values(layout->padded_numel());
+    auto got = client->Gather(name, version, DType::kFloat32, AsBytes(values)).get();
+    EXPECT_TRUE(got.ok()) << got.status();
+    values.resize(layout->unpadded_numel());
+    return values;
+  }
+};
+
+}  // namespace flatshard::testing
+
+#endif  // FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
