@@ -59,31 +59,100 @@ absl::Status CheckRootPerServer(const std::vector<std::string>& ids) {
   return absl::OkStatus();
 }
 
-// The consistent cut of a save or export: every group of `job` at the highest version
-// any server has (servers of a synchronous job are at most one step apart; each waits
-// until it gets there), and after step k where the caller sent step k last and no server
-// has applied it yet (`sent`: SentSteps::AtBoundary).
-void CutVersions(const std::string& job, const std::vector<v1::ServerStatus>& statuses,
-                 const std::map<std::string, int64_t>& sent, google::protobuf::Map<std::string, int64_t>& versions) {
-  for (const v1::ServerStatus& status : statuses) {
-    for (const v1::GroupStatus& group : status.groups()) {
-      if (group.job() != job) continue;
-      versions[group.group()] = std::max(versions[group.group()], group.version());
-    }
+// The versions of `job`'s groups on the server of `status`.
+std::map<std::string, int64_t> ServerVersions(const std::string& job, const v1::ServerStatus& status) {
+  std::map<std::string, int64_t> versions;
+  for (const v1::GroupStatus& group : status.groups()) {
+    if (group.job() == job) versions[group.group()] = group.version();
   }
-  for (const auto& [group, step] : sent) {
-    auto it = versions.find(group);
-    if (it != versions.end() && it->second == step) it->second = step + 1;
-  }
+  return versions;
 }
 
-// `pinned`, the outcome of a cut's rounds, with why the cut waited where it waited for
-// steps that the caller sent (`sent`) and that the other workers have not completed.
-absl::Status ExplainWait(const absl::Status& pinned, const std::map<std::string, int64_t>& sent) {
-  if (!absl::IsDeadlineExceeded(pinned) || sent.empty()) return pinned;
-  return absl::Status(pinned.code(), absl::StrCat(pinned.message(),
-                                                  " (the cut is after the step this worker sent last, which "
-                                                  "needs every worker's gradient; is a worker behind or gone?)"));
+// The consistent cut of a save or export of `job` (Client::SaveCheckpoint, CutAt): by
+// default every group at the highest version any server has (servers of a synchronous
+// job are at most one step apart; each waits until it gets there), and after step k
+// where the caller sent step k last and no server has applied it yet. `at` moves the
+// trained groups to a step boundary or a version.
+absl::StatusOr<std::map<std::string, int64_t>> ChooseCut(const std::string& job,
+                                                         const std::vector<v1::ServerStatus>& statuses,
+                                                         const SentSteps& sent, const CutAt& at) {
+  std::map<std::string, int64_t> cut;
+  std::map<std::string, int64_t> trained;  // group -> the highest version it reached
+  bool async = false;
+  for (const v1::ServerStatus& status : statuses) {
+    for (const auto& [group, version] : ServerVersions(job, status)) cut[group] = std::max(cut[group], version);
+    for (const v1::GroupStatus& group : status.groups()) {
+      if (group.job() == job && group.optimizer() != "frozen") trained[group.group()] = cut[group.group()];
+    }
+    for (const v1::JobStatus& settings : status.jobs()) async |= settings.job() == job && settings.mode() == "async";
+  }
+  const auto [lowest, highest] = std::minmax_element(trained.begin(), trained.end(),
+                                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+  switch (at.kind()) {
+    case CutAt::Kind::kVersion:
+      if (at.version() < 0) return absl::InvalidArgumentError(absl::StrCat("cut at version ", at.version()));
+      if (highest != trained.end() && highest->second > at.version()) {
+        return absl::FailedPreconditionError(absl::StrCat("group '", highest->first, "' of job '", job,
+                                                          "' is at version ", highest->second,
+                                                          ", past the cut at version ", at.version()));
+      }
+      for (const auto& [group, version] : trained) cut[group] = at.version();
+      return cut;
+    case CutAt::Kind::kStepBoundary:
+      if (async) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "job '", job, "' is asynchronous: each gradient steps on its own, so its groups share no step boundary"));
+      }
+      if (sent.InsideStep()) {
+        return absl::FailedPreconditionError(
+            "this client is inside a step (it has sent some of the step's gradients, not all), whose end "
+            "would wait for the rest; cut at the step boundary between steps");
+      }
+      if (highest != trained.end() && highest->second - lowest->second > 1) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("job '", job, "' has no step boundary: its groups are at versions ", lowest->second, " ('",
+                         lowest->first, "') to ", highest->second, " ('", highest->first,
+                         "'), more than a step apart, so they do not step together; cut at a version instead"));
+      }
+      break;
+    case CutAt::Kind::kDefault:
+      break;
+  }
+  for (const auto& [group, step] : sent.AtBoundary()) {
+    auto it = cut.find(group);
+    if (it != cut.end() && it->second == step) it->second = step + 1;
+  }
+  if (at.kind() == CutAt::Kind::kStepBoundary) {
+    int64_t boundary = 0;
+    for (const auto& [group, version] : trained) boundary = std::max(boundary, cut[group]);
+    for (const auto& [group, version] : trained) cut[group] = boundary;
+  }
+  return cut;
+}
+
+// `pinned`, the outcome of a cut's rounds, with why the cut waited for training where
+// it did: after the step that the caller sent last (`sent`), at a step boundary or a
+// version (`at`).
+absl::Status ExplainWait(const absl::Status& pinned, const SentSteps& sent, const CutAt& at) {
+  if (!absl::IsDeadlineExceeded(pinned)) return pinned;
+  std::string why;
+  switch (at.kind()) {
+    case CutAt::Kind::kVersion:
+      why = absl::StrCat("the cut is at version ", at.version(), "; is the job training towards it?");
+      break;
+    case CutAt::Kind::kStepBoundary:
+      why =
+          "the cut is at the end of the step in progress, which needs every worker's gradient; is a worker "
+          "behind or gone?";
+      break;
+    case CutAt::Kind::kDefault:
+      if (sent.AtBoundary().empty()) return pinned;
+      why =
+          "the cut is after the step this worker sent last, which needs every worker's gradient; is a worker "
+          "behind or gone?";
+      break;
+  }
+  return absl::Status(pinned.code(), absl::StrCat(pinned.message(), " (", why, ")"));
 }
 
 // Whether each server writes its part of a save or export of `job`: all of them, but
@@ -122,8 +191,9 @@ std::string BeingSaved(const std::string& name, const std::vector<v1::ServerStat
 }
 
 // How many cuts a save or export tries while training keeps moving past them (a round
-// costs a round trip; a server pinned at a cut holds its groups' next step).
-constexpr int kMaxPinRounds = 10;
+// costs a round trip; a server pinned at a cut holds its groups' next step). A cut that
+// `at` names is tried once: a later one would not be it.
+int PinRounds(const CutAt& at) { return at.kind() == CutAt::Kind::kDefault ? 10 : 1; }
 
 // A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
 std::string NewSaveId() {
@@ -135,7 +205,7 @@ std::string NewSaveId() {
 }  // namespace
 
 absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
-                                   const std::map<std::string, int64_t>& sent, const Client::Progress& progress) const {
+                                   const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const {
   v1::SaveCheckpointRequest request;
   request.set_async(async);
   request.set_name(name);
@@ -161,15 +231,16 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   } else if (!shared) {
     request.set_home_root_id(root_ids[0]);  // kept whole in server 0's root
   }
-  CutVersions(job_, statuses, sent, *request.mutable_versions());
-  // Every server pins the cut before any writes (a later one where training overtook it).
+  FLATSHARD_ASSIGN_OR_RETURN(const auto cut, ChooseCut(job_, statuses, sent, at));
+  // Every server pins the cut before any writes (a later one where training overtook a
+  // cut of the default kind); server 0 first, which decides between saves of one name.
   using Streams = CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer>;
-  Streams streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint, /*server_zero_first=*/true);
+  Streams streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint);
   v1::SaveCheckpointStep first;
   *first.mutable_request() = request;
-  FLATSHARD_RETURN_IF_ERROR(ExplainWait(streams.Pin(first, {request.versions().begin(), request.versions().end()},
-                                                    absl::StrCat("checkpoint '", name, "'"), kMaxPinRounds),
-                                        sent));
+  const auto server_zero_now = ServerVersions(job_, statuses[0]);
+  FLATSHARD_RETURN_IF_ERROR(ExplainWait(
+      streams.Pin(first, cut, absl::StrCat("checkpoint '", name, "'"), PinRounds(at), &server_zero_now), sent, at));
   if (async) return streams.Write();  // the servers commit when they are done
   // Each server answers once its part is written, and holds the name until the commit, so
   // that no other save of it begins meanwhile (one would be told OK, then lose).
@@ -247,8 +318,7 @@ absl::Status CheckpointCalls::Delete(const std::string& name) const {
 }
 
 absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
-                                     const std::map<std::string, int64_t>& sent,
-                                     const Client::Progress& progress) const {
+                                     const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const {
   if (kind == CheckpointKind::kLocal)
     return absl::InvalidArgumentError("export: kind must be FULL or SHARDED");
   v1::ExportRequest request;
@@ -257,7 +327,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   request.set_optimizer(optimizer);
   request.set_chunk_bytes(export_chunk_bytes_);
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
-  CutVersions(job_, statuses, sent, *request.mutable_versions());
+  FLATSHARD_ASSIGN_OR_RETURN(const auto cut, ChooseCut(job_, statuses, sent, at));
   const std::vector<bool> writers = Writers(job_, statuses);
   std::error_code error;
   std::filesystem::create_directories(out_dir, error);
@@ -275,13 +345,13 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
     for (const auto& [file, size] : sizes) total += size;
     progress(done, total);
   };
-  // Every server pins the cut before any streams (a later one where training overtook it).
+  // Every server pins the cut before any streams (a later one where training overtook a
+  // cut of the default kind).
   using Streams = CutStreams<v1::ExportStep, v1::ExportMessage>;
-  Streams streams(control_, writers, &v1::Flatshard::Stub::ExportStateDict, /*server_zero_first=*/false);
+  Streams streams(control_, writers, &v1::Flatshard::Stub::ExportStateDict);
   v1::ExportStep first;
   *first.mutable_request() = request;
-  FLATSHARD_RETURN_IF_ERROR(ExplainWait(
-      streams.Pin(first, {request.versions().begin(), request.versions().end()}, "export", kMaxPinRounds), sent));
+  FLATSHARD_RETURN_IF_ERROR(ExplainWait(streams.Pin(first, cut, "export", PinRounds(at)), sent, at));
   return streams.Write([&](Streams::Server& server) {
     std::map<std::string, File> files;
     v1::ExportMessage message;

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/control_plane.h"
+#include "client/sent_steps.h"
 #include "flatshard/client.h"
 
 namespace flatshard::client_internal {
@@ -28,14 +29,15 @@ class CheckpointCalls {
   CheckpointCalls(const ControlPlane& control, std::string job, uint32_t export_chunk_bytes)
       : control_(control), job_(std::move(job)), export_chunk_bytes_(export_chunk_bytes) {}
 
-  // `sent`: the caller's SentSteps::AtBoundary, for the cut (Export likewise).
+  // `sent`: the steps the calling Client sent, for the cut, which `at` chooses (Export
+  // likewise).
   [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
-                                  const std::map<std::string, int64_t>& sent, const Client::Progress& progress) const;
+                                  const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
   [[nodiscard]] absl::Status Load(const std::string& name, const Client::Progress& progress) const;
   [[nodiscard]] absl::StatusOr<std::vector<CheckpointEntry>> List() const;
   [[nodiscard]] absl::Status Delete(const std::string& name) const;
   [[nodiscard]] absl::Status Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
-                                    const std::map<std::string, int64_t>& sent, const Client::Progress& progress) const;
+                                    const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
 
  private:
   absl::StatusOr<std::vector<v1::ServerStatus>> Statuses() const;

@@ -200,9 +200,9 @@ class ClientImpl final : public Client {
     return response.norm();
   }
 
-  absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer,
-                              bool async, Progress progress) override {
-    return checkpoints_->Save(name, kind, optimizer, async, sent_.AtBoundary(), progress);
+  absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
+                              Progress progress, CutAt at) override {
+    return checkpoints_->Save(name, kind, optimizer, async, sent_, at, progress);
   }
 
   absl::Status LoadCheckpoint(const std::string& name, Progress progress) override {
@@ -219,9 +219,9 @@ class ClientImpl final : public Client {
     return checkpoints_->Delete(name);
   }
 
-  absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,
-                               Progress progress) override {
-    return checkpoints_->Export(out_dir, kind, optimizer, sent_.AtBoundary(), progress);
+  absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer, Progress progress,
+                               CutAt at) override {
+    return checkpoints_->Export(out_dir, kind, optimizer, sent_, at, progress);
   }
 
   absl::Status SetHyperparams(const std::string& group,

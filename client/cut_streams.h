@@ -11,8 +11,8 @@
 // the streams not yet finished: before Write, the servers drop their pins and write
 // nothing; after it, a save is not committed.
 //
-//   CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer> streams(control, writers, &Stub::SaveCheckpoint, true);
-//   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first_step, cut, "checkpoint 'x'", 10));
+//   CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer> streams(control, writers, &Stub::SaveCheckpoint);
+//   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first_step, cut, "checkpoint 'x'", 10, &server_zero_now));
 //   FLATSHARD_RETURN_IF_ERROR(streams.Write(read_written));
 //   FLATSHARD_RETURN_IF_ERROR(streams.Close(commit_step, {true, false}));
 #ifndef FLATSHARD_CLIENT_CUT_STREAMS_H_
@@ -51,15 +51,10 @@ class CutStreams {
     bool open = false;  // kept open after Write for Close
   };
 
-  // Streams of `method` to the servers `writers[i]` says write a part; with
-  // `server_zero_first`, the first round reaches server 0 before the others. `control`
-  // must outlive this.
-  CutStreams(const ControlPlane& control, std::vector<bool> writers, Method method, bool server_zero_first)
-      : control_(control),
-        writers_(std::move(writers)),
-        method_(method),
-        server_zero_first_(server_zero_first),
-        servers_(writers_.size()) {}
+  // Streams of `method` to the servers `writers[i]` says write a part. `control` must
+  // outlive this.
+  CutStreams(const ControlPlane& control, std::vector<bool> writers, Method method)
+      : control_(control), writers_(std::move(writers)), method_(method), servers_(writers_.size()) {}
   ~CutStreams() {
     for (const std::unique_ptr<Server>& server : servers_) {
       if (server == nullptr || server->finished) continue;
@@ -70,47 +65,78 @@ class CutStreams {
   CutStreams(const CutStreams&) = delete;
   CutStreams& operator=(const CutStreams&) = delete;
 
-  // Sends `first` (with the request) and has every server pin `cut`, then, while some
-  // server answers that training moved past it, a cut later by what that server reports,
-  // for at most `max_rounds` rounds; Aborted after that, naming `what`. A server's error
-  // as it is.
+  // Sends `first` (its request's versions set here) and has every server pin `cut`,
+  // then, while some server answers that training moved past it, a cut later by what
+  // that server reports, for at most `max_rounds` rounds; after that Aborted, naming
+  // `what` and a group past the cut (FailedPrecondition with one round: a cut the caller
+  // chose). With `server_zero_first` (a save: of two saves of a name, the one server 0
+  // takes is the one every server takes), server 0 takes `first` alone, with the cut
+  // `*server_zero_first` (its versions now, so that it answers at once rather than hold a
+  // future cut that the others, not yet asked, could let training pass), then pins `cut`
+  // with the others. A server's error as it is.
   [[nodiscard]] absl::Status Pin(const Step& first, std::map<std::string, int64_t> cut, const std::string& what,
-                                 int max_rounds) {
-    Step step = first;
-    auto exchange = [&](Server& server) -> absl::Status {
+                                 int max_rounds, const std::map<std::string, int64_t>* server_zero_first = nullptr) {
+    auto exchange = [&](Server& server, const Step& step) -> absl::Status {
       if (server.stream->Write(step) && server.stream->Read(&server.answer)) return absl::OkStatus();
       server.finished = true;
       FLATSHARD_RETURN_IF_ERROR(control_.Named(server.index, server.stream->Finish()));
       return absl::InternalError(
           absl::StrCat("server ", control_.address(server.index), " ended the stream before it was asked to write"));
     };
-    if (server_zero_first_ && !writers_.empty() && writers_[0]) {
+    auto with_cut = [&](const std::map<std::string, int64_t>& versions) {
+      Step step = first;
+      auto& request_versions = *step.mutable_request()->mutable_versions();
+      request_versions.clear();
+      request_versions.insert(versions.begin(), versions.end());
+      return step;
+    };
+    Step repin;
+    auto set_repin = [&] {
+      repin.Clear();
+      repin.mutable_repin()->insert(cut.begin(), cut.end());
+    };
+    set_repin();
+    const bool zero_first = server_zero_first != nullptr && !writers_.empty() && writers_[0];
+    if (zero_first) {
       Open(0);
-      FLATSHARD_RETURN_IF_ERROR(exchange(*servers_[0]));
+      FLATSHARD_RETURN_IF_ERROR(exchange(*servers_[0], with_cut(*server_zero_first)));
     }
     for (size_t i = 0; i < writers_.size(); ++i) {
       if (writers_[i] && servers_[i] == nullptr) Open(i);
     }
+    const Step opening = with_cut(cut);
     for (int round = 1;; ++round) {
       FLATSHARD_RETURN_IF_ERROR(OnEveryServer([&](Server& server) {
-        // Server 0 has answered the first round already.
-        return round == 1 && server_zero_first_ && server.index == 0 ? absl::OkStatus() : exchange(server);
+        if (round > 1) return exchange(server, repin);
+        if (!zero_first || server.index != 0) return exchange(server, opening);
+        // Server 0 has answered for its own cut; it may be this one.
+        return *server_zero_first == cut ? absl::OkStatus() : exchange(server, repin);
       }));
       bool pinned = true;
+      std::string overtaken;  // a group some server has past the cut
+      std::map<std::string, int64_t> later = cut;
       for (const std::unique_ptr<Server>& server : servers_) {
         if (server == nullptr || CutOf(server->answer).pinned()) continue;
         pinned = false;
         for (const auto& [group, version] : CutOf(server->answer).versions()) {
-          cut[group] = std::max(cut[group], version);
+          const int64_t asked = cut.contains(group) ? cut.at(group) : 0;
+          if (version > asked && overtaken.empty()) {
+            overtaken = absl::StrCat("group '", group, "' is at version ", version, " on server ",
+                                     control_.address(server->index), ", past the cut's ", asked);
+          }
+          later[group] = std::max(later[group], version);
         }
       }
       if (pinned) return absl::OkStatus();
+      if (overtaken.empty()) overtaken = "training moved past it";
+      if (max_rounds == 1) return absl::FailedPreconditionError(absl::StrCat(what, ": ", overtaken));
       if (round == max_rounds) {
         return absl::AbortedError(absl::StrCat(what, ": training moved past the cut ", max_rounds,
-                                               " times before every server had pinned it; try again"));
+                                               " times before every server had pinned it (", overtaken,
+                                               "); try again"));
       }
-      step.Clear();
-      step.mutable_repin()->insert(cut.begin(), cut.end());
+      cut = std::move(later);
+      set_repin();
     }
   }
 
@@ -169,7 +195,6 @@ class CutStreams {
   const ControlPlane& control_;
   const std::vector<bool> writers_;
   const Method method_;
-  const bool server_zero_first_;
   std::vector<std::unique_ptr<Server>> servers_;  // by rank; null where none writes
 };
 

@@ -13,6 +13,7 @@
 //   sent.Register("mlp");                        // on RegisterGroup, unless frozen
 //   sent.Record("mlp", 7);                       // on every Scatter
 //   std::map<std::string, int64_t> after = sent.AtBoundary();  // {"mlp": 7}
+//   bool inside = sent.InsideStep();             // false
 #ifndef FLATSHARD_CLIENT_SENT_STEPS_H_
 #define FLATSHARD_CLIENT_SENT_STEPS_H_
 
@@ -49,6 +50,19 @@ class SentSteps {
   void Forget() {
     absl::MutexLock lock(&mu_);
     for (auto& [group, sent] : sent_) sent = Sent();
+  }
+
+  // Whether this client has sent a step of some group it trains and not yet as many of
+  // every other (it is inside a step).
+  bool InsideStep() const {
+    absl::MutexLock lock(&mu_);
+    bool sent_any = false;
+    bool uneven = false;
+    for (const auto& [group, sent] : sent_) {
+      sent_any |= sent.steps > 0;
+      uneven |= sent.steps != sent_.begin()->second.steps;
+    }
+    return sent_any && uneven;
   }
 
   // Group -> the latest step sent, if this client has sent as many steps (at least one)

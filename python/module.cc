@@ -45,6 +45,20 @@ DType ToDType(const std::string& name) { return Check(ParseDType(name)); }
 
 CheckpointKind ToKind(const std::string& kind) { return Check(ParseCheckpointKind(kind)); }
 
+// None or "now", "boundary", or a version (an int) -> where a save or export cuts (CutAt).
+CutAt ToCut(const py::object& cut) {
+  if (cut.is_none()) return CutAt();
+  if (py::isinstance<py::str>(cut)) {
+    const std::string name = cut.cast<std::string>();
+    if (name == "now") return CutAt();
+    if (name == "boundary") return CutAt::StepBoundary();
+  } else if (py::isinstance<py::int_>(cut) && !py::isinstance<py::bool_>(cut)) {
+    return CutAt::Version(cut.cast<int64_t>());
+  }
+  Raise(absl::InvalidArgumentError(
+      absl::StrCat("cut must be None, 'now', 'boundary' or a version (an int), not ", std::string(py::repr(cut)))));
+}
+
 // A contiguous buffer of `bytes` bytes from any object with the buffer protocol.
 py::buffer_info Buffer(const py::buffer& buffer, bool writable) {
   py::buffer_info info = buffer.request(writable);
@@ -299,9 +313,11 @@ class PyClient {
   }
 
   void SaveCheckpoint(const std::string& name, const std::string& kind, bool optimizer, bool async,
-                      const py::object& progress) {
+                      const py::object& progress, const py::object& cut) {
     const CheckpointKind k = ToKind(kind);
-    WithProgress(progress, [&](const Client::Progress& p) { return client_->SaveCheckpoint(name, k, optimizer, async, p); });
+    const CutAt at = ToCut(cut);
+    WithProgress(progress,
+                 [&](const Client::Progress& p) { return client_->SaveCheckpoint(name, k, optimizer, async, p, at); });
   }
   void LoadCheckpoint(const std::string& name, const py::object& progress) {
     WithProgress(progress, [&](const Client::Progress& p) { return client_->LoadCheckpoint(name, p); });
@@ -323,9 +339,12 @@ class PyClient {
     }
     return out;
   }
-  void ExportStateDict(const std::string& path, const std::string& kind, bool optimizer, const py::object& progress) {
+  void ExportStateDict(const std::string& path, const std::string& kind, bool optimizer, const py::object& progress,
+                       const py::object& cut) {
     const CheckpointKind k = ToKind(kind);
-    WithProgress(progress, [&](const Client::Progress& p) { return client_->ExportStateDict(path, k, optimizer, p); });
+    const CutAt at = ToCut(cut);
+    WithProgress(progress,
+                 [&](const Client::Progress& p) { return client_->ExportStateDict(path, k, optimizer, p, at); });
   }
 
   // As `flatshard status --json`.

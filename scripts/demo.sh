@@ -42,7 +42,7 @@ echo "== flatshard status =="
 
 echo
 echo "== state-dict export: a FULL checkpoint (safetensors) with optimizer state =="
-"$bin/flatshard" save --cluster="$cluster" --job=mlp-demo --name=mlp-final --kind=full --optimizer
+"$bin/flatshard" save --cluster="$cluster" --job=mlp-demo --name=mlp-final --kind=full --optimizer --cut=boundary
 "$bin/flatshard" checkpoints --cluster="$cluster"
 ls -l "$checkpoints/mlp-final"
 echo

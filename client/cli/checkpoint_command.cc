@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <ostream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/cli/human_bytes.h"
@@ -49,6 +50,15 @@ Client::Progress ProgressPrinter(std::ostream& out, const std::string& command) 
   };
 }
 
+// --cut: "now", "boundary" or a version; InvalidArgument otherwise.
+absl::StatusOr<CutAt> ParseCut(const std::string& cut) {
+  if (cut == "now") return CutAt();
+  if (cut == "boundary") return CutAt::StepBoundary();
+  int64_t version = 0;
+  if (absl::SimpleAtoi(cut, &version) && version >= 0) return CutAt::Version(version);
+  return absl::InvalidArgumentError("--cut must be now, boundary or a version (an integer >= 0)");
+}
+
 }  // namespace
 
 int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& out, std::ostream& err) {
@@ -68,6 +78,11 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   const absl::StatusOr<CheckpointKind> kind = ParseCheckpointKind(options.kind);
   if (!kind.ok()) {
     err << "flatshard " << command << ": --kind must be full, sharded or local\n";
+    return 2;
+  }
+  const absl::StatusOr<CutAt> cut = ParseCut(options.cut);
+  if (!cut.ok()) {
+    err << "flatshard " << command << ": " << cut.status().message() << "\n";
     return 2;
   }
   ClientOptions client_options;
@@ -96,11 +111,11 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
       printer(done, total);
     };
     if (command == "save") {
-      status = (*client)->SaveCheckpoint(options.name, *kind, options.optimizer, options.async, progress);
+      status = (*client)->SaveCheckpoint(options.name, *kind, options.optimizer, options.async, progress, *cut);
     } else if (command == "load") {
       status = (*client)->LoadCheckpoint(options.name, progress);
     } else {
-      status = (*client)->ExportStateDict(options.out, *kind, options.optimizer, progress);
+      status = (*client)->ExportStateDict(options.out, *kind, options.optimizer, progress, *cut);
     }
     if (*drawn && isatty(STDOUT_FILENO)) out << "\n";
   } else if (command == "delete") {

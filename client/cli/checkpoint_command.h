@@ -19,6 +19,9 @@ struct CheckpointCommandOptions {
   std::string kind = "sharded";
   bool optimizer = false;
   bool async = false;  // save: return after the snapshot
+  // save, export: where the job's trained groups are cut (CutAt): "now" (the versions as
+  // they are), "boundary" (the end of the step in progress) or a version.
+  std::string cut = "now";
   bool json = false;
   std::string out;  // export: the local directory to write into
   int chunk_mib = 4;  // export: MiB per streamed chunk

@@ -40,6 +40,9 @@ ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
 ABSL_FLAG(std::string, out, "", "export: local directory for the state dict's files");
 ABSL_FLAG(int, chunk_mib, 4, "export: MiB per streamed chunk (1-64); bounds the memory per server stream");
 ABSL_FLAG(bool, async, false, "save: return once the servers have snapshotted; they write in the background");
+ABSL_FLAG(std::string, cut, "now",
+          "save, export: where the job's trained groups are cut: now (their versions as they are), boundary (the "
+          "end of the step in progress, for groups that step together) or a version (waits for it)");
 
 namespace {
 
@@ -55,10 +58,12 @@ constexpr char kUsage[] =
     "  local-cluster --servers=N [--base_port=P] [--checkpoint_root=DIR]\n"
     "                                  start N servers on 127.0.0.1 and wait; Ctrl-C stops them\n"
     "  save --cluster=... --name=N --kind=full|sharded|local [--optimizer] [--async] [--job=J]\n"
+    "       [--cut=now|boundary|VERSION]\n"
     "  load --cluster=... --name=N [--job=J]\n"
     "  checkpoints --cluster=... [--json]   list checkpoints (complete or not)\n"
     "  delete --cluster=... --name=N\n"
     "  export --cluster=... --out=DIR --kind=full|sharded [--optimizer] [--chunk_mib=4] [--job=J]\n"
+    "       [--cut=now|boundary|VERSION]\n"
     "                                  stream a state dict to this machine's disk\n";
 
 int Layout(const std::vector<std::string>& args) {
@@ -126,6 +131,7 @@ int Checkpoint(const std::string& command) {
   options.json = absl::GetFlag(FLAGS_json);
   options.out = absl::GetFlag(FLAGS_out);
   options.async = absl::GetFlag(FLAGS_async);
+  options.cut = absl::GetFlag(FLAGS_cut);
   options.chunk_mib = absl::GetFlag(FLAGS_chunk_mib);
   if (!ReadToken(options.token)) return 2;
   options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);

@@ -338,12 +338,17 @@ class Client:
         self._native.set_hyperparams(name, updated._spec())
         self._optimizers[name] = updated
 
-    def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True, progress=None):
+    def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True, progress=None, cut=None):
         """Saves the job's groups: after the step this worker sent last when it is between
         steps (waiting for the other workers' part of that step), at their current versions
         otherwise; `progress(done, total)` (bytes, optional, blocking saves) is called a few
-        times a second while the servers write."""
-        self._native.save_checkpoint(name, kind, bool(optimizer), not blocking, progress)
+        times a second while the servers write.
+
+        `cut` moves the trained groups' cut (C++ `CutAt`): "boundary" to the end of the step
+        in progress (for a client that sends no gradients while workers train; the groups
+        must step together), or a version, waiting for training to get there. None (or
+        "now") is the default above."""
+        self._native.save_checkpoint(name, kind, bool(optimizer), not blocking, progress, cut)
 
     def load_checkpoint(self, name, progress=None):
         """Loads a checkpoint into the job's registered groups; `progress` as for saves."""
@@ -357,10 +362,11 @@ class Client:
         being written (a save of a name in progress also refuses a second save)."""
         self._native.delete_checkpoint(name)
 
-    def export_state_dict(self, path, kind="full", optimizer=False, progress=None):
+    def export_state_dict(self, path, kind="full", optimizer=False, progress=None, cut=None):
         """Streams the job's state dict into directory `path` on this machine;
-        `progress(done, total)` (bytes, optional) is called as chunks arrive."""
-        self._native.export_state_dict(str(path), kind, bool(optimizer), progress)
+        `progress(done, total)` (bytes, optional) is called as chunks arrive; `cut` as for
+        save_checkpoint."""
+        self._native.export_state_dict(str(path), kind, bool(optimizer), progress, cut)
 
     def status(self):
         """Every server's status, as `flatshard status --json`."""

@@ -29,10 +29,13 @@ TEST(SentStepsTest, AGroupRegisteredButNotYetSentIsInsideTheFirstStep) {
   sent.Register("a");
   sent.Register("b");
   EXPECT_EQ(sent.AtBoundary(), Steps{});
+  EXPECT_FALSE(sent.InsideStep());  // nothing sent: not training (yet)
   sent.Record("a", 0);
   EXPECT_EQ(sent.AtBoundary(), Steps{});
+  EXPECT_TRUE(sent.InsideStep());
   sent.Record("b", 0);
   EXPECT_EQ(sent.AtBoundary(), (Steps{{"a", 0}, {"b", 0}}));
+  EXPECT_FALSE(sent.InsideStep());
   sent.Register("a");  // registering again changes nothing
   EXPECT_EQ(sent.AtBoundary(), (Steps{{"a", 0}, {"b", 0}}));
 }
@@ -47,8 +50,10 @@ TEST(SentStepsTest, AStepBackIsANewStepAndForgetStartsOver) {
   EXPECT_EQ(sent.AtBoundary(), (Steps{{"a", 3}, {"b", 3}}));
   sent.Forget();
   EXPECT_EQ(sent.AtBoundary(), Steps{});
+  EXPECT_FALSE(sent.InsideStep());
   sent.Record("b", 4);
   EXPECT_EQ(sent.AtBoundary(), Steps{});  // "a" is still trained
+  EXPECT_TRUE(sent.InsideStep());
   sent.Record("a", 4);
   EXPECT_EQ(sent.AtBoundary(), (Steps{{"a", 4}, {"b", 4}}));
 }

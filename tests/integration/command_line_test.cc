@@ -40,7 +40,7 @@ TEST(CommandLineTest, CliHelpListsCommandsAndFlags) {
   EXPECT_EQ(code, 0) << output;
   EXPECT_THAT(output, HasSubstr("local-cluster --servers=N"));
   EXPECT_THAT(output, HasSubstr("Flags from client/cli/main.cc"));
-  for (const char* flag : {"--cluster", "--name", "--kind", "--chunk_mib", "--tls_ca_file"}) {
+  for (const char* flag : {"--cluster", "--name", "--kind", "--chunk_mib", "--tls_ca_file", "--cut"}) {
     EXPECT_THAT(output, HasSubstr(std::string(flag) + " ("));
   }
 }

@@ -156,6 +156,34 @@ class ClientTest(unittest.TestCase):
         for name in before:
             np.testing.assert_array_equal(after[name], before[name])
 
+    def test_an_operators_save_at_the_step_boundary_waits_for_the_step_in_progress(self):
+        workers = [self.client(r, 2, job="cut") for r in range(2)]
+        gain = [("gain", (1,), "float32")]
+        for w in workers:
+            w.configure_job()
+            w.register_group("a", TENSORS, flatshard.SGD(lr=0.1))
+            w.register_group("b", gain, flatshard.SGD(lr=0.1))
+        b_grad = {"gain": np.ones(1, np.float32)}
+        for w in workers:
+            w.scatter("a", values(5), 0)
+        workers[0].scatter("b", b_grad, 0)  # step 0 is in progress: "b" waits for worker 1
+        operator = self.client(job="cut")
+        outcome = []
+        saving = threading.Thread(
+            target=lambda: outcome.append(operator.save_checkpoint("py-cut", kind="sharded", cut="boundary")))
+        saving.start()
+        saving.join(0.3)
+        self.assertTrue(saving.is_alive(), "the save did not wait for the step in progress")
+        workers[1].scatter("b", b_grad, 0)
+        saving.join()
+        self.assertEqual(outcome, [None])
+        saved = {e["name"]: e["versions"] for e in operator.list_checkpoints()}
+        self.assertEqual(saved["py-cut"], {"a": 1, "b": 1})
+        with self.assertRaises(flatshard.FailedPreconditionError):
+            operator.save_checkpoint("py-cut-0", cut=0)  # both groups are past version 0
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            operator.export_state_dict(self.root.name + "/unused", cut="soon")
+
     def test_full_export_is_a_safetensors_file_torch_loads(self):
         c = self.client(job="export")
         c.configure_job()

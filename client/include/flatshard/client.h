@@ -127,6 +127,36 @@ struct CheckpointEntry {
   std::map<std::string, int64_t> versions;  // group -> version saved
 };
 
+// Where a save or export cuts the groups that the job trains (SaveCheckpoint,
+// ExportStateDict). Frozen groups are cut at their version, which does not move.
+class CutAt {
+ public:
+  enum class Kind { kDefault, kStepBoundary, kVersion };
+
+  // The default, which SaveCheckpoint describes.
+  CutAt() = default;
+  // Every trained group at the highest version any of them has reached, the others
+  // waited for: the end of the step in progress (now, between steps). For a client that
+  // sends no gradients (an operator's save, a remote export) while workers train, where
+  // the job's trained groups step together (registered together and trained every step,
+  // as ShardedModule's are). FailedPrecondition where their versions are more than one
+  // apart (they do not step together), for an async job (each gradient steps on its
+  // own), and from a worker inside a step (the cut would wait for its own gradients).
+  static CutAt StepBoundary() { return CutAt(Kind::kStepBoundary, 0); }
+  // Every trained group at `version` (the state after that many steps), waiting for
+  // training to get there; FailedPrecondition naming a group already past it.
+  static CutAt Version(int64_t version) { return CutAt(Kind::kVersion, version); }
+
+  Kind kind() const { return kind_; }
+  int64_t version() const { return version_; }  // kVersion's
+
+ private:
+  CutAt(Kind kind, int64_t version) : kind_(kind), version_(version) {}
+
+  Kind kind_ = Kind::kDefault;
+  int64_t version_ = 0;
+};
+
 class Client {
  public:
   // Connects to every server, checks that each one believes in the same cluster (same
@@ -211,7 +241,8 @@ class Client {
   // the step this worker sent last, waiting where the other workers have not completed
   // it: a save right after a step holds the state after that step (DeadlineExceeded if
   // a worker never sends its part). From any other client, or inside a step, the cut is
-  // at the versions now, which while workers train may fall inside a step.
+  // at the versions now, which while workers train may fall inside a step: `at` chooses
+  // another cut (CutAt), such as the end of the step in progress.
   // With a root shared by all servers, each writes its own part there; where the roots
   // differ, FULL and SHARDED are kept in server 0's root and LOCAL in each server's own.
   // `async`: returns once every server has snapshotted its shards (training may
@@ -221,9 +252,8 @@ class Client {
   // complete or a save of it is still in progress (a blocking one until it is committed;
   // one save per name at a time: of several callers saving one name at once, exactly one
   // succeeds).
-  [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind,
-                                                    bool optimizer, bool async = false,
-                                                    Progress progress = nullptr) = 0;
+  [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer,
+                                                    bool async = false, Progress progress = nullptr, CutAt at = {}) = 0;
   // Loads a checkpoint into the job's registered groups on every server: all servers
   // verify and stage it first; if any refuses (damage, mismatch), none changes.
   // `progress` (optional): the servers' tensor bytes read, as for saves.
@@ -236,10 +266,11 @@ class Client {
   // (shard-<rank>.safetensors) state dict of the job from every server at once into the
   // directory `out_dir` on this machine (created if missing). Memory stays bounded by a
   // few chunks (ClientOptions::export_chunk_bytes) per server, whatever the model size.
-  // The cut is chosen as for SaveCheckpoint (pinned on every server before any streams).
-  // `progress` (optional): the bytes written here so far and the total announced so far.
-  [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind,
-                                                     bool optimizer, Progress progress = nullptr) = 0;
+  // The cut is chosen as for SaveCheckpoint, `at` included (pinned on every server
+  // before any streams). `progress` (optional): the bytes written here so far and the
+  // total announced so far.
+  [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,
+                                                     Progress progress = nullptr, CutAt at = {}) = 0;
 };
 
 // Views a typed buffer as bytes, for Gather and Scatter.
