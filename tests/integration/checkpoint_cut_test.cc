@@ -4,12 +4,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <functional>
 #include <map>
 #include <sstream>
 #include <string>
-#include <thread>
 
 #include "client/cli/checkpoint_command.h"
 #include "core/file.h"
@@ -21,6 +19,7 @@ namespace flatshard {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::MustWaitFor;
 using testing::Trainer;
 
 // A client of job "test" that sends no gradients: an operator's `flatshard save`.
@@ -28,23 +27,6 @@ std::unique_ptr<Client> Operator(const testing::TestCluster& cluster, absl::Dura
   auto connected = cluster.Connect({.job = "test", .timeout = timeout});
   EXPECT_TRUE(connected.ok()) << connected.status();
   return connected.ok() ? *std::move(connected) : nullptr;
-}
-
-// Runs `operation` on a thread and checks that it is still running after 300 ms; then
-// runs `unblock` and returns the operation's outcome.
-absl::Status MustWaitFor(const std::function<absl::Status()>& operation, const std::function<void()>& unblock,
-                         const std::string& what) {
-  std::atomic<bool> done = false;
-  absl::Status status;
-  std::thread running([&] {
-    status = operation();
-    done = true;
-  });
-  absl::SleepFor(absl::Milliseconds(300));
-  EXPECT_FALSE(done) << "it did not wait for " << what << ": " << status;
-  unblock();
-  running.join();
-  return status;
 }
 
 std::map<std::string, std::map<std::string, int64_t>> ListedVersions(Client& client) {

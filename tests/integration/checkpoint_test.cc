@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -675,17 +674,8 @@ TEST(CheckpointIntegrationTest, ASaveOrExportRightAfterAStepCutsAfterIt) {
     first.Step(step);
     second.Send("big", step);
     EXPECT_TRUE(first.client->WaitVersion("big", step + 1).ok());
-    std::atomic<bool> done = false;
-    absl::Status status;
-    std::thread running([&] {
-      status = operation();
-      done = true;
-    });
-    absl::SleepFor(absl::Milliseconds(300));
-    EXPECT_FALSE(done) << "it did not wait for 'tiny' to take step " << step << ": " << status;
-    second.Send("tiny", step);
-    running.join();
-    return status;
+    return testing::MustWaitFor(
+        operation, [&] { second.Send("tiny", step); }, absl::StrCat("'tiny' to take step ", step));
   };
   const absl::Status saved =
       after_step(0, [&] { return first.client->SaveCheckpoint("after-0", CheckpointKind::kSharded, true); });

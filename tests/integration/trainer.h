@@ -2,15 +2,19 @@
 // two groups that step in sync mode: "big" (two fp32 tensors, AdamW) and "tiny" (one
 // element, SGD with momentum). Its gradients are a fixed function of the step and the
 // worker's rank, so that runs can be repeated and compared bit for bit. Failures are
-// gtest failures. Not thread-safe.
+// gtest failures. Not thread-safe. MustWaitFor checks that an operation waits (for a
+// step another worker has yet to complete, say).
 #ifndef FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
 #define FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "flatshard/client.h"
@@ -68,6 +72,23 @@ struct Trainer {
     return values;
   }
 };
+
+// Runs `operation` on a thread and checks that it is still running after 300 ms (it
+// waits for something, `what`), then runs `unblock` and returns the operation's outcome.
+inline absl::Status MustWaitFor(const std::function<absl::Status()>& operation, const std::function<void()>& unblock,
+                                const std::string& what) {
+  std::atomic<bool> done = false;
+  absl::Status status;
+  std::thread running([&] {
+    status = operation();
+    done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(done) << "it did not wait for " << what << ": " << status;
+  unblock();
+  running.join();
+  return status;
+}
 
 }  // namespace flatshard::testing
 
