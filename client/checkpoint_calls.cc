@@ -109,10 +109,11 @@ absl::StatusOr<std::map<std::string, int64_t>> ChooseCut(const std::string& job,
             "would wait for the rest; cut at the step boundary between steps");
       }
       if (highest != trained.end() && highest->second - lowest->second > 1) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("job '", job, "' has no step boundary: its groups are at versions ", lowest->second, " ('",
-                         lowest->first, "') to ", highest->second, " ('", highest->first,
-                         "'), more than a step apart, so they do not step together; cut at a version instead"));
+        return absl::FailedPreconditionError(absl::StrCat(
+            "job '", job, "' has no step boundary: its groups are at versions ", lowest->second, " ('", lowest->first,
+            "') to ", highest->second, " ('", highest->first,
+            "'), more than a step apart, so they do not step together or do not count their steps alike; cut now "
+            "instead"));
       }
       break;
     case CutAt::Kind::kDefault:
