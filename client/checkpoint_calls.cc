@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "client/checkpoint_cut.h"
 #include "client/cut_streams.h"
 #include "core/file.h"
 #include "core/status_macros.h"
@@ -59,103 +60,6 @@ absl::Status CheckRootPerServer(const std::vector<std::string>& ids) {
   return absl::OkStatus();
 }
 
-// The versions of `job`'s groups on the server of `status`.
-std::map<std::string, int64_t> ServerVersions(const std::string& job, const v1::ServerStatus& status) {
-  std::map<std::string, int64_t> versions;
-  for (const v1::GroupStatus& group : status.groups()) {
-    if (group.job() == job) versions[group.group()] = group.version();
-  }
-  return versions;
-}
-
-// The consistent cut of a save or export of `job` (Client::SaveCheckpoint, CutAt): by
-// default every group at the highest version any server has (servers of a synchronous
-// job are at most one step apart; each waits until it gets there), and after step k
-// where the caller sent step k last and no server has applied it yet. `at` moves the
-// trained groups to a step boundary or a version.
-absl::StatusOr<std::map<std::string, int64_t>> ChooseCut(const std::string& job,
-                                                         const std::vector<v1::ServerStatus>& statuses,
-                                                         const SentSteps& sent, const CutAt& at) {
-  std::map<std::string, int64_t> cut;
-  std::map<std::string, int64_t> trained;  // group -> the highest version it reached
-  bool async = false;
-  for (const v1::ServerStatus& status : statuses) {
-    for (const auto& [group, version] : ServerVersions(job, status)) cut[group] = std::max(cut[group], version);
-    for (const v1::GroupStatus& group : status.groups()) {
-      if (group.job() == job && group.optimizer() != "frozen") trained[group.group()] = cut[group.group()];
-    }
-    for (const v1::JobStatus& settings : status.jobs()) async |= settings.job() == job && settings.mode() == "async";
-  }
-  const auto [lowest, highest] = std::minmax_element(trained.begin(), trained.end(),
-                                                     [](const auto& a, const auto& b) { return a.second < b.second; });
-  switch (at.kind()) {
-    case CutAt::Kind::kVersion:
-      if (at.version() < 0) return absl::InvalidArgumentError(absl::StrCat("cut at version ", at.version()));
-      if (highest != trained.end() && highest->second > at.version()) {
-        return absl::FailedPreconditionError(absl::StrCat("group '", highest->first, "' of job '", job,
-                                                          "' is at version ", highest->second,
-                                                          ", past the cut at version ", at.version()));
-      }
-      for (const auto& [group, version] : trained) cut[group] = at.version();
-      return cut;
-    case CutAt::Kind::kStepBoundary:
-      if (async) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "job '", job, "' is asynchronous: each gradient steps on its own, so its groups share no step boundary"));
-      }
-      if (sent.InsideStep()) {
-        return absl::FailedPreconditionError(
-            "this client is inside a step (it has sent some of the step's gradients, not all), whose end "
-            "would wait for the rest; cut at the step boundary between steps");
-      }
-      if (highest != trained.end() && highest->second - lowest->second > 1) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "job '", job, "' has no step boundary: its groups are at versions ", lowest->second, " ('", lowest->first,
-            "') to ", highest->second, " ('", highest->first,
-            "'), more than a step apart, so they do not step together or do not count their steps alike; cut now "
-            "instead"));
-      }
-      break;
-    case CutAt::Kind::kDefault:
-      break;
-  }
-  for (const auto& [group, step] : sent.AtBoundary()) {
-    auto it = cut.find(group);
-    if (it != cut.end() && it->second == step) it->second = step + 1;
-  }
-  if (at.kind() == CutAt::Kind::kStepBoundary) {
-    int64_t boundary = 0;
-    for (const auto& [group, version] : trained) boundary = std::max(boundary, cut[group]);
-    for (const auto& [group, version] : trained) cut[group] = boundary;
-  }
-  return cut;
-}
-
-// `pinned`, the outcome of a cut's rounds, with why the cut waited for training where
-// it did: after the step that the caller sent last (`sent`), at a step boundary or a
-// version (`at`).
-absl::Status ExplainWait(const absl::Status& pinned, const SentSteps& sent, const CutAt& at) {
-  if (!absl::IsDeadlineExceeded(pinned)) return pinned;
-  std::string why;
-  switch (at.kind()) {
-    case CutAt::Kind::kVersion:
-      why = absl::StrCat("the cut is at version ", at.version(), "; is the job training towards it?");
-      break;
-    case CutAt::Kind::kStepBoundary:
-      why =
-          "the cut is at the end of the step in progress, which needs every worker's gradient; is a worker "
-          "behind or gone?";
-      break;
-    case CutAt::Kind::kDefault:
-      if (sent.AtBoundary().empty()) return pinned;
-      why =
-          "the cut is after the step this worker sent last, which needs every worker's gradient; is a worker "
-          "behind or gone?";
-      break;
-  }
-  return absl::Status(pinned.code(), absl::StrCat(pinned.message(), " (", why, ")"));
-}
-
 // Whether each server writes its part of a save or export of `job`: all of them, but
 // for a hybrid-sharded job only replica group 0, since the others hold the same shards.
 std::vector<bool> Writers(const std::string& job, const std::vector<v1::ServerStatus>& statuses) {
@@ -190,11 +94,6 @@ std::string BeingSaved(const std::string& name, const std::vector<v1::ServerStat
   }
   return "";
 }
-
-// How many cuts a save or export tries while training keeps moving past them (a round
-// costs a round trip; a server pinned at a cut holds its groups' next step). A cut that
-// `at` names is tried once: a later one would not be it.
-int PinRounds(const CutAt& at) { return at.kind() == CutAt::Kind::kDefault ? 10 : 1; }
 
 // A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
 std::string NewSaveId() {

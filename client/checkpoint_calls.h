@@ -1,11 +1,12 @@
 // CheckpointCalls: the client side of checkpoints and state-dict export for one job
-// (DESIGN.md "Checkpoints"): the consistent cut, the save/commit and prepare/commit
-// protocols over every server, progress from the servers' status, and writing an
-// exported stream into local files. Internal to the client library; Client's methods of
-// the same names document each call. Thread-safe; every call blocks until done.
+// (DESIGN.md "Checkpoints"): the consistent cut (client/checkpoint_cut.h) pinned on every
+// server, the save/commit and prepare/commit protocols over every server, progress from
+// the servers' status, and writing an exported stream into local files. Internal to the
+// client library; Client's methods of the same names document each call. Thread-safe;
+// every call blocks until done.
 //
 //   CheckpointCalls checkpoints(*control, "default", 4 << 20);
-//   FLATSHARD_RETURN_IF_ERROR(checkpoints.Save("step-100", CheckpointKind::kFull, true, false, {}, {}));
+//   FLATSHARD_RETURN_IF_ERROR(checkpoints.Save("step-100", CheckpointKind::kFull, true, false, sent, {}, {}));
 #ifndef FLATSHARD_CLIENT_CHECKPOINT_CALLS_H_
 #define FLATSHARD_CLIENT_CHECKPOINT_CALLS_H_
 
