@@ -3,11 +3,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <ostream>
+#include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/cli/human_bytes.h"
@@ -48,6 +52,24 @@ Client::Progress ProgressPrinter(std::ostream& out, const std::string& command) 
       out << command << ": " << line << "\n";
     }
   };
+}
+
+// "big@3 tiny@3": the version of each group of a checkpoint.
+std::string VersionsText(const std::map<std::string, int64_t>& versions) {
+  std::string text;
+  for (const auto& [group, version] : versions) absl::StrAppend(&text, text.empty() ? "" : " ", group, "@", version);
+  return text;
+}
+
+// The versions that checkpoint `name` holds, as VersionsText, once it is complete; empty
+// otherwise (an async save still being written) or where the list cannot be had.
+std::string SavedVersions(Client& client, const std::string& name) {
+  const absl::StatusOr<std::vector<CheckpointEntry>> list = client.ListCheckpoints();
+  if (!list.ok()) return "";
+  for (const CheckpointEntry& e : *list) {
+    if (e.name == name && e.complete) return VersionsText(e.versions);
+  }
+  return "";
 }
 
 // --cut: "now", "boundary" or a version; InvalidArgument otherwise.
@@ -135,11 +157,9 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
       out << absl::StrFormat("%-24s %-10s %-8s %-10s %7s %9s %10s  %s\n", "name", "state", "kind", "job",
                              "servers", "optimizer", "size", "versions");
       for (const CheckpointEntry& e : *list) {
-        std::string versions;
-        for (const auto& [group, version] : e.versions) absl::StrAppend(&versions, group, "@", version, " ");
         out << absl::StrFormat("%-24s %-10s %-8s %-10s %7d %9s %10s  %s\n", e.name,
                                e.complete ? "complete" : "INCOMPLETE", e.kind, e.job, e.servers,
-                               e.optimizer ? "yes" : "no", HumanBytes(e.bytes), versions);
+                               e.optimizer ? "yes" : "no", HumanBytes(e.bytes), VersionsText(e.versions));
       }
     }
   }
@@ -148,8 +168,10 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     return 1;
   }
   if (command != "checkpoints") {
-    out << absl::StrFormat("%s '%s': done in %.2f s\n", command, command == "export" ? options.out : options.name,
-                           absl::ToDoubleSeconds(absl::Now() - start));
+    // The versions a save holds (a blocking one's: an async one is still being written).
+    const std::string saved = command == "save" ? SavedVersions(**client, options.name) : "";
+    out << absl::StrFormat("%s '%s': done in %.2f s%s\n", command, command == "export" ? options.out : options.name,
+                           absl::ToDoubleSeconds(absl::Now() - start), saved.empty() ? "" : ", groups at " + saved);
   }
   return 0;
 }

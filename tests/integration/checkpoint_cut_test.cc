@@ -149,6 +149,8 @@ TEST(CheckpointCutTest, ACutAtAVersionWaitsForItAndRefusesOnePassed) {
   std::ostringstream out, err;
   command.cut = "3";
   EXPECT_EQ(cli::RunCheckpointCommand(command, out, err), 0) << err.str();
+  EXPECT_THAT(out.str(), HasSubstr("save 'cli': done in"));
+  EXPECT_THAT(out.str(), HasSubstr(", groups at big@3 embed@0 tiny@3\n"));
   command.cut = "soon";
   EXPECT_EQ(cli::RunCheckpointCommand(command, out, err), 2);
   EXPECT_THAT(err.str(), HasSubstr("--cut must be now, boundary or a version"));
