@@ -289,11 +289,18 @@ absl::StatusOr<std::vector<SavedShard>> TakeShards(const Registry& registry, int
       return absl::InvalidArgumentError(absl::StrCat("no version given for group '", group->name(), "'"));
     }
   }
-  // Every group is held at the cut before any is pinned: while a pin waits for one group
-  // to reach the cut, the others reach it and must not step past it.
+  // The groups cut at the cut's highest version are held there before any is pinned:
+  // while a pin waits for one of them to reach it, the others reach it and must not step
+  // past it. A group cut lower (a cut inside a step of groups that step apart) is not:
+  // its step may be what the others wait for (the worker's connection that carries it,
+  // a clipped job's steps, which run group after group), and a later cut follows instead.
   std::vector<std::unique_ptr<HoldGuard>> holds;
   if (pin) {
-    for (const auto& group : groups) holds.push_back(std::make_unique<HoldGuard>(group, versions.at(group->name())));
+    int64_t highest = 0;
+    for (const auto& group : groups) highest = std::max(highest, versions.at(group->name()));
+    for (const auto& group : groups) {
+      if (versions.at(group->name()) == highest) holds.push_back(std::make_unique<HoldGuard>(group, highest));
+    }
   }
   std::vector<SavedShard> shards;
   for (const auto& group : groups) {

@@ -61,10 +61,12 @@ struct SavedShard {
 };
 
 // This server's shard of every group of `job` at `versions`: snapshots, or with `pin`
-// the live groups held at those versions (released when the SavedShards are destroyed).
-// FailedPrecondition for a job without groups, InvalidArgument for a group without a
-// version, DeadlineExceeded if a version is not reached by `deadline`, Aborted (naming
-// the group) if one has moved past its version (training overtook the cut).
+// the live groups held at those versions (released when the SavedShards are destroyed;
+// while it waits for one group to reach its version, the groups cut at the highest
+// version stay there once they reach it: Group::HoldAt). FailedPrecondition for a job
+// without groups, InvalidArgument for a group without a version, DeadlineExceeded if a
+// version is not reached by `deadline`, Aborted (naming the group) if one has moved
+// past its version (training overtook the cut).
 [[nodiscard]] absl::StatusOr<std::vector<SavedShard>> TakeShards(const Registry& registry, int rank,
                                                                  const std::string& job,
                                                                  const std::map<std::string, int64_t>& versions,
