@@ -20,12 +20,17 @@ absl::StatusOr<std::map<std::string, int64_t>> ChooseCut(const std::string& job,
   std::map<std::string, int64_t> cut;
   std::map<std::string, int64_t> trained;  // group -> the highest version it reached
   bool async = false;
+  bool steps_together = false;  // every step waits for the job's global norm
   for (const v1::ServerStatus& status : statuses) {
     for (const auto& [group, version] : ServerVersions(job, status)) cut[group] = std::max(cut[group], version);
     for (const v1::GroupStatus& group : status.groups()) {
       if (group.job() == job && group.optimizer() != "frozen") trained[group.group()] = cut[group.group()];
     }
-    for (const v1::JobStatus& settings : status.jobs()) async |= settings.job() == job && settings.mode() == "async";
+    for (const v1::JobStatus& settings : status.jobs()) {
+      if (settings.job() != job) continue;
+      async |= settings.mode() == "async";
+      steps_together |= settings.mode() == "sync" && (settings.max_grad_norm() > 0 || settings.skip_nonfinite());
+    }
   }
   const auto [lowest, highest] = std::minmax_element(trained.begin(), trained.end(),
                                                      [](const auto& a, const auto& b) { return a.second < b.second; });
@@ -64,7 +69,11 @@ absl::StatusOr<std::map<std::string, int64_t>> ChooseCut(const std::string& job,
     auto it = cut.find(group);
     if (it != cut.end() && it->second == step) it->second = step + 1;
   }
-  if (at.kind() == CutAt::Kind::kStepBoundary) {
+  // A job whose groups take each step together (once its global norm is known) is cut
+  // at its step boundary by default too: groups seen behind the others are in the middle
+  // of that step's last phase, which needs nothing more from the workers.
+  const bool one_step_apart = highest == trained.end() || highest->second - lowest->second <= 1;
+  if (at.kind() == CutAt::Kind::kStepBoundary || (steps_together && one_step_apart)) {
     int64_t boundary = 0;
     for (const auto& [group, version] : trained) boundary = std::max(boundary, cut[group]);
     for (const auto& [group, version] : trained) cut[group] = boundary;

@@ -16,9 +16,9 @@ using ::testing::HasSubstr;
 using Cut = std::map<std::string, int64_t>;
 
 // A server's status listing `groups` ({job, group, version, optimizer}) and job "j" in
-// `mode`.
+// `mode`, clipping at `max_grad_norm` (0: none).
 v1::ServerStatus Server(const std::vector<std::tuple<std::string, std::string, int64_t, std::string>>& groups,
-                        const std::string& mode = "sync") {
+                        const std::string& mode = "sync", double max_grad_norm = 0) {
   v1::ServerStatus status;
   for (const auto& [job, name, version, optimizer] : groups) {
     v1::GroupStatus& group = *status.add_groups();
@@ -30,6 +30,7 @@ v1::ServerStatus Server(const std::vector<std::tuple<std::string, std::string, i
   v1::JobStatus& job = *status.add_jobs();
   job.set_job("j");
   job.set_mode(mode);
+  job.set_max_grad_norm(max_grad_norm);
   return status;
 }
 
@@ -45,6 +46,22 @@ TEST(ChooseCutTest, ByDefaultEachGroupIsAtTheHighestVersionAnyServerHas) {
       Server({{"j", "a", 2, "adamw"}, {"j", "b", 3, "sgd"}})};
   EXPECT_EQ(ServerVersions("j", statuses[0]), (Cut{{"a", 3}, {"b", 2}}));
   EXPECT_EQ(Chosen(statuses, SentSteps(), CutAt()), (Cut{{"a", 3}, {"b", 3}}));
+}
+
+// A clipped job's groups step together, once the global norm is known: groups seen
+// behind the others are finishing that step, and the default cut waits for them rather
+// than cut inside it (which would also leave a group pinned before the step that the
+// others' pins wait for, on a server that steps the groups one after another).
+TEST(ChooseCutTest, AClippedJobsGroupsAreCutTogether) {
+  const std::vector<v1::ServerStatus> unclipped = {
+      Server({{"j", "a", 5, "adamw"}, {"j", "b", 4, "sgd"}, {"j", "e", 0, "frozen"}})};
+  EXPECT_EQ(Chosen(unclipped, SentSteps(), CutAt()), (Cut{{"a", 5}, {"b", 4}, {"e", 0}}));
+  const std::vector<v1::ServerStatus> clipped = {
+      Server({{"j", "a", 5, "adamw"}, {"j", "b", 4, "sgd"}, {"j", "e", 0, "frozen"}}, "sync", 1.0)};
+  EXPECT_EQ(Chosen(clipped, SentSteps(), CutAt()), (Cut{{"a", 5}, {"b", 5}, {"e", 0}}));
+  v1::ServerStatus skipping = unclipped[0];
+  skipping.mutable_jobs(0)->set_skip_nonfinite(true);
+  EXPECT_EQ(Chosen({skipping}, SentSteps(), CutAt()), (Cut{{"a", 5}, {"b", 5}, {"e", 0}}));
 }
 
 TEST(ChooseCutTest, AWorkerBetweenStepsCutsAfterTheStepItSentLast) {

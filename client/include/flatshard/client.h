@@ -241,8 +241,10 @@ class Client {
   // the step this worker sent last, waiting where the other workers have not completed
   // it: a save right after a step holds the state after that step (DeadlineExceeded if
   // a worker never sends its part). From any other client, or inside a step, the cut is
-  // at the versions now, which while workers train may fall inside a step: `at` chooses
-  // another cut (CutAt), such as the end of the step in progress.
+  // at the versions now, which while workers train may fall inside a step (not in a job
+  // that clips or skips non-finite steps, whose groups step together: the cut waits for
+  // those finishing the step): `at` chooses another cut (CutAt), such as the end of the
+  // step in progress.
   // With a root shared by all servers, each writes its own part there; where the roots
   // differ, FULL and SHARDED are kept in server 0's root and LOCAL in each server's own.
   // `async`: returns once every server has snapshotted its shards (training may
