@@ -118,16 +118,30 @@ int64_t Group::version() const {
   return version_;
 }
 
+absl::StatusOr<bool> Group::AwaitVersion(int64_t min_version, absl::Time deadline) const {
+  const int64_t loads = loads_;
+  auto reached_or_loaded = [this, min_version, loads]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return version_ >= min_version || loads_ != loads;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&reached_or_loaded), deadline)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("group '", name_, "' is at version ", version_, "; timed out waiting for version ", min_version));
+  }
+  return version_ >= min_version;
+}
+
+absl::Status Group::AwaitGatherVersion(int64_t min_version, absl::Time deadline) const {
+  FLATSHARD_ASSIGN_OR_RETURN(const bool reached, AwaitVersion(min_version, deadline));
+  if (reached) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat(
+      "group '", name_, "' was loaded from a checkpoint at version ", version_, " while waiting for version ",
+      min_version, "; the load dropped the gradients sent for its step in progress: gather version ", version_,
+      " and train on from there"));
+}
+
 absl::StatusOr<int64_t> Group::WaitVersion(int64_t min_version, absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
-  auto reached = [this, min_version]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return version_ >= min_version;
-  };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline)) {
-    return absl::DeadlineExceededError(absl::StrCat("group '", name_, "' is at version ", version_,
-                                                    "; timed out waiting for version ",
-                                                    min_version));
-  }
+  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline));
   return version_;
 }
 
@@ -137,8 +151,8 @@ absl::StatusOr<GatherSnapshot> Group::Gather(int64_t min_version, DType dtype,
     return absl::InvalidArgumentError(absl::StrCat("gather dtype ", DTypeName(dtype),
                                                    " is not float32, bfloat16 or float16"));
   }
-  FLATSHARD_RETURN_IF_ERROR(WaitVersion(min_version, deadline).status());
   absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline));
   auto& snapshot = snapshots_[DTypeIndex(dtype)];
   if (snapshot == nullptr) {
     const int64_t numel = shard_numel();
@@ -227,8 +241,8 @@ absl::StatusOr<int64_t> Group::GatherInto(int64_t min_version, DType dtype, void
     return absl::InvalidArgumentError(absl::StrCat("gather dtype ", DTypeName(dtype),
                                                    " is not float32, bfloat16 or float16"));
   }
-  FLATSHARD_RETURN_IF_ERROR(WaitVersion(min_version, deadline).status());
   absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline));
   FLATSHARD_RETURN_IF_ERROR(compute_->Cast(DType::kFloat32, params_.data(), dtype, device_dst, shard_numel()));
   FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
   return version_;
@@ -488,6 +502,14 @@ void Group::AwaitStepAllowed() const {
   mu_.Await(absl::Condition(&allowed));
 }
 
+absl::Status Group::AwaitCut(int64_t version, absl::Time deadline) const {
+  FLATSHARD_ASSIGN_OR_RETURN(const bool reached, AwaitVersion(version, deadline));
+  if (reached) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' was loaded from a checkpoint at version ",
+                                                    version_, " while waiting for the cut's version ", version,
+                                                    ", which was cut from the state the load replaced"));
+}
+
 void Group::HoldAt(int64_t version) {
   absl::MutexLock lock(&mu_);
   holds_.insert(version);
@@ -499,8 +521,8 @@ void Group::ReleaseHold(int64_t version) {
 }
 
 absl::StatusOr<ShardSnapshot> Group::Pin(int64_t version, absl::Time deadline) {
-  FLATSHARD_RETURN_IF_ERROR(WaitVersion(version, deadline).status());
   absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(AwaitCut(version, deadline));
   if (version_ != version) {
     return absl::FailedPreconditionError(absl::StrCat("group '", name_, "' is at version ", version_,
                                                       ", past the requested version ", version));
@@ -635,8 +657,8 @@ absl::Status Group::SetOptimizer(const OptimizerConfig& optimizer) {
 }
 
 absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadline) const {
-  FLATSHARD_RETURN_IF_ERROR(WaitVersion(version, deadline).status());
   absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(AwaitCut(version, deadline));
   // A clipped step that is reduced but waits for the global norm has not touched the
   // parameters or the optimizer state yet: they are still exactly `version`.
   if (version_ != version) {
@@ -669,6 +691,7 @@ absl::Status Group::Restore(LoadedShard loaded) {
     FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(loaded.params.floats(), params_.floats(), shard_numel()));
   }
   version_ = loaded.version;
+  ++loads_;
   ready_count_ = 0;
   reduced_ = false;
   std::fill(contributions_.begin(), contributions_.end(), Contribution{});

@@ -175,7 +175,9 @@ class Group {
 
   int64_t version() const;
   // Blocks until version() >= min_version or `deadline`; returns the version, or
-  // DeadlineExceeded naming both versions.
+  // DeadlineExceeded naming both versions. Aborted, at once, when a load (Restore) moves
+  // the group below min_version while it waits: the load dropped the contributions to
+  // the step in progress, so that version comes only once workers send them again.
   [[nodiscard]] absl::StatusOr<int64_t> WaitVersion(int64_t min_version, absl::Time deadline) const;
 
   // Waits like WaitVersion, then returns the shard at the current version in `dtype`.
@@ -289,13 +291,14 @@ class Group {
   [[nodiscard]] absl::Status InitFromSeed(uint64_t seed);
 
   // Waits until version() == version (up to `deadline`) and copies the shard.
-  // FailedPrecondition if the group is already past `version`; DeadlineExceeded.
+  // FailedPrecondition if the group is already past `version`, or a load moves it below
+  // `version` while it waits; DeadlineExceeded.
   [[nodiscard]] absl::StatusOr<ShardSnapshot> Snapshot(int64_t version, absl::Time deadline) const;
   // Holds the group at `version` without copying it (exports): the metadata of a
   // Snapshot with empty value vectors (state names kept), after which the optimizer step
   // that would leave `version`, loads and re-initialization wait until Unpin(). Values
-  // are read with ReadPinned. FailedPrecondition if the group is already past `version`;
-  // DeadlineExceeded. Every successful Pin must be matched by one Unpin.
+  // are read with ReadPinned. FailedPrecondition and DeadlineExceeded as for Snapshot.
+  // Every successful Pin must be matched by one Unpin.
   [[nodiscard]] absl::StatusOr<ShardSnapshot> Pin(int64_t version, absl::Time deadline);
   void Unpin();
   // Until ReleaseHold(version), the optimizer step that would leave `version` waits (a
@@ -344,6 +347,13 @@ class Group {
         std::unique_ptr<ShardCompute> compute, ShardBuffer params, ShardBuffer grad,
         ShardOptimizer optimizer);
 
+  // Blocks (releasing mu_) until version_ >= min_version (true), a load (Restore) moves
+  // the group below it (false), or `deadline` (DeadlineExceeded naming both versions).
+  absl::StatusOr<bool> AwaitVersion(int64_t min_version, absl::Time deadline) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AwaitVersion for gathers (Aborted when loaded below min_version) and for the cut of a
+  // save or export (FailedPrecondition: the load replaced the state it was cut from).
+  absl::Status AwaitGatherVersion(int64_t min_version, absl::Time deadline) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AwaitCut(int64_t version, absl::Time deadline) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckContribution(int64_t step, int worker_rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The contribution `slot` reserved a part of, if that part is still in flight there.
@@ -440,6 +450,7 @@ class Group {
   int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
   std::multiset<int64_t> holds_ ABSL_GUARDED_BY(mu_);  // HoldAt's versions
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
+  int64_t loads_ ABSL_GUARDED_BY(mu_) = 0;       // Restore calls that installed a shard
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_
   std::vector<int64_t> last_async_step_ ABSL_GUARDED_BY(mu_);  // per worker, -1: none
   bool init_receiving_ ABSL_GUARDED_BY(mu_) = false;

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import _native
-from ._errors import (AlreadyExistsError, DataLossError, DeadlineExceededError, Error,
+from ._errors import (AbortedError, AlreadyExistsError, DataLossError, DeadlineExceededError, Error,
                       FailedPreconditionError, InternalError, InvalidArgumentError,
                       NotFoundError, ResourceExhaustedError, UnauthenticatedError,
                       UnavailableError)
@@ -33,7 +33,7 @@ from .local_cluster import LocalCluster
 __all__ = [
     "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Frozen", "Error", "InvalidArgumentError",
     "DeadlineExceededError", "NotFoundError", "AlreadyExistsError", "ResourceExhaustedError",
-    "FailedPreconditionError", "UnavailableError", "InternalError", "DataLossError",
+    "FailedPreconditionError", "AbortedError", "UnavailableError", "InternalError", "DataLossError",
     "UnauthenticatedError",
 ]
 
@@ -318,6 +318,9 @@ class Client:
         return self._native.wait_version(name, 0)
 
     def wait_version(self, name, min_version):
+        """Waits until every server's shard of group `name` reaches min_version; returns the
+        version. Raises an ABORTED error at once when a checkpoint load sets the group below
+        min_version meanwhile (the load dropped the gradients sent for the step in progress)."""
         return self._native.wait_version(name, int(min_version))
 
     def grad_norm(self, step):

@@ -52,6 +52,12 @@ class FailedPreconditionError(Error):
     code = 9
 
 
+class AbortedError(Error):
+    """What the call waited for was taken away (a checkpoint load while it waited)."""
+
+    code = 10
+
+
 class UnavailableError(Error, ConnectionError):
     code = 14
 
@@ -70,7 +76,7 @@ class UnauthenticatedError(Error, PermissionError):
 
 _BY_CODE = {cls.code: cls for cls in (
     InvalidArgumentError, DeadlineExceededError, NotFoundError, AlreadyExistsError,
-    ResourceExhaustedError, FailedPreconditionError, UnavailableError, InternalError,
+    ResourceExhaustedError, FailedPreconditionError, AbortedError, UnavailableError, InternalError,
     DataLossError, UnauthenticatedError)}
 
 

@@ -184,6 +184,36 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(flatshard.InvalidArgumentError):
             operator.export_state_dict(self.root.name + "/unused", cut="soon")
 
+    def test_a_load_ends_a_wait_for_a_version_it_took_away(self):
+        workers = [self.client(r, 2, job="reload") for r in range(2)]
+        for w in workers:
+            w.configure_job()
+            w.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        workers[0].save_checkpoint("py-reload", kind="sharded")
+        workers[0].scatter("g", values(5), 0)  # worker 1's gradient is still to come
+        outcome = []
+
+        def wait():
+            try:
+                outcome.append(workers[0].wait_version("g", 1))
+            except flatshard.Error as e:
+                outcome.append(e)
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        operator = self.client(job="reload")
+        for _ in range(30):  # a load before the wait reaches the servers does not end it
+            waiting.join(0.1)
+            if not waiting.is_alive():
+                break
+            operator.load_checkpoint("py-reload")
+        waiting.join()
+        self.assertIsInstance(outcome[0], flatshard.AbortedError)
+        self.assertIn("loaded from a checkpoint at version 0 while waiting for version 1", outcome[0].message)
+        for r, w in enumerate(workers):  # the load dropped worker 0's gradient: both send it
+            w.scatter("g", values(5 + r), 0)
+        self.assertEqual(workers[1].wait_version("g", 1), 1)
+
     def test_full_export_is_a_safetensors_file_torch_loads(self):
         c = self.client(job="export")
         c.configure_job()

@@ -5,8 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -297,6 +299,57 @@ TEST(GroupTest, RestoreInstallsALoadedShard) {
   EXPECT_EQ(Params(group), (std::vector<float>{4, 5, 6}));
   ASSERT_TRUE(Contribute(group, 7, 0, {1, 1, 1}).ok());  // SGD lr 1
   EXPECT_EQ(Params(group), (std::vector<float>{3, 4, 5}));
+}
+
+// A load that moves the group below the version a gather or a cut waits for ends the
+// wait at once: it dropped the gradients sent for the step in progress, so that version
+// comes only once they are sent again. A load at or past the version meets it.
+TEST(GroupTest, ALoadBelowTheAwaitedVersionEndsTheWaitAtOnce) {
+  std::shared_ptr<Group> group_owner = MakeGroup(2, /*mean=*/false);
+  Group& group = *group_owner;
+  auto load = [&](int64_t version) {
+    LoadedShard loaded;
+    loaded.version = version;
+    absl::StatusOr<ShardBuffer> params = AllocateHostUnwritten(3 * sizeof(float), "test");
+    ASSERT_TRUE(params.ok()) << params.status();
+    std::fill_n(params->floats(), 3, 4.0f);
+    loaded.params = *std::move(params);
+    ASSERT_TRUE(group.Restore(std::move(loaded)).ok());
+  };
+  ASSERT_TRUE(Contribute(group, 0, 0, {1, 2, 3}).ok());  // worker 1's is still to come
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  absl::StatusOr<int64_t> waited;
+  absl::StatusOr<GatherSnapshot> gathered;
+  absl::StatusOr<ShardSnapshot> cut;
+  std::atomic<int> done = 0;
+  std::vector<std::thread> waiters;
+  waiters.emplace_back([&] { waited = group.WaitVersion(1, deadline), ++done; });
+  waiters.emplace_back([&] { gathered = group.Gather(1, DType::kFloat32, deadline), ++done; });
+  waiters.emplace_back([&] { cut = group.Snapshot(1, deadline), ++done; });
+  // A load before a waiter waits does not end its wait; the next one does.
+  for (int loads = 0; loads < 100 && done < 3; ++loads) {
+    absl::SleepFor(absl::Milliseconds(20));
+    load(0);
+  }
+  for (std::thread& waiter : waiters) waiter.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kAborted) << waited.status();
+  EXPECT_THAT(waited.status().message(),
+              HasSubstr("group 'g' was loaded from a checkpoint at version 0 while waiting for version 1"));
+  EXPECT_EQ(gathered.status().code(), absl::StatusCode::kAborted) << gathered.status();
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kFailedPrecondition) << cut.status();
+  EXPECT_THAT(cut.status().message(), HasSubstr("while waiting for the cut's version 1"));
+
+  EXPECT_EQ(group.stats().pending_contributions, 0);  // worker 0's gradient went with the load
+  ASSERT_TRUE(Contribute(group, 0, 1, {1, 1, 1}).ok());
+  EXPECT_EQ(group.version(), 0);
+  ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
+  EXPECT_EQ(Params(group), (std::vector<float>{2, 2, 2}));  // SGD lr 1, sum, from 4
+
+  std::thread past([&] { waited = group.WaitVersion(3, deadline); });
+  absl::SleepFor(absl::Milliseconds(20));
+  load(5);
+  past.join();
+  EXPECT_EQ(waited.value_or(-1), 5);
 }
 
 std::shared_ptr<Group> MakeAsyncGroup(int workers, int64_t max_staleness) {

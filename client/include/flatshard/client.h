@@ -214,7 +214,9 @@ class Client {
   virtual std::vector<std::string> DataPlanes() const = 0;
 
   // Waits until every server's shard of `group` (of this worker's replica group) reaches
-  // min_version.
+  // min_version. Here and in Gather: Aborted, at once, when a checkpoint load sets the
+  // group below min_version while the call waits (the load dropped the gradients sent
+  // for the step in progress); the message names the version loaded.
   [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group,
                                                             int64_t min_version) = 0;
 

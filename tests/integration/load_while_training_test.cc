@@ -1,0 +1,100 @@
+// A checkpoint load while workers train, through the client against real server
+// processes: whoever waits for a version that the load took away is told so at once,
+// instead of at the end of the call's deadline.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/integration/test_cluster.h"
+#include "tests/integration/trainer.h"
+#include "tests/scratch_dir.h"
+
+namespace flatshard {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Trainer;
+
+std::unique_ptr<Client> Operator(const testing::TestCluster& cluster) {
+  auto connected = cluster.Connect({.job = "test", .timeout = absl::Seconds(20)});
+  EXPECT_TRUE(connected.ok()) << connected.status();
+  return connected.ok() ? *std::move(connected) : nullptr;
+}
+
+// Runs `wait` on a thread and has `loader` load checkpoint `name` until `wait` returns:
+// a load before the wait reaches the servers does not end it, the next one does. At most
+// 30 loads, then the wait runs to its deadline. Returns the outcome of `wait`.
+absl::Status LoadUntilItEnds(const std::function<absl::Status()>& wait, Client& loader, const std::string& name) {
+  std::atomic<bool> done = false;
+  absl::Status status;
+  std::thread waiting([&] {
+    status = wait();
+    done = true;
+  });
+  for (int loads = 0; loads < 30 && !done; ++loads) {
+    absl::SleepFor(absl::Milliseconds(100));
+    const absl::Status loaded = loader.LoadCheckpoint(name);
+    EXPECT_TRUE(loaded.ok()) << loaded;
+  }
+  waiting.join();
+  return status;
+}
+
+// Two workers at version 1 of job "test"; worker 0 has sent its gradients for step 1,
+// worker 1 not yet. An operator loads the checkpoint of version 1, which drops worker 0's
+// gradients: version 2 now needs them again. Worker 0's wait for version 2 (WaitVersion
+// on the control plane, a gather on the data plane) ends with ABORTED naming the loaded
+// version, and so does a save whose cut waits for version 2 (FAILED_PRECONDITION). Once
+// both workers send step 1, training goes on from the loaded state.
+TEST(LoadWhileTrainingTest, AWaitForAVersionTheLoadTookAwayEndsAtOnce) {
+  const testing::ScratchDir root("load-while-training");
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
+  Trainer first(cluster, 0, 2), second(cluster, 1, 2);
+  ASSERT_TRUE(first.client->InitGroupFromSeed("big", 3).ok());
+  ASSERT_TRUE(first.client->InitGroupFromSeed("tiny", 3).ok());
+  std::unique_ptr<Client> loader = Operator(cluster), saver = Operator(cluster);
+  ASSERT_NE(loader, nullptr);
+  ASSERT_NE(saver, nullptr);
+  first.Step(0);
+  second.Step(0);
+  ASSERT_TRUE(first.client->WaitVersion("tiny", 1).ok());
+  ASSERT_TRUE(loader->SaveCheckpoint("at-1", CheckpointKind::kSharded, true).ok());
+  const std::vector<float> big_at_1 = first.Params("big", first.big, 1);
+  first.Step(1);
+
+  const absl::Status waited =
+      LoadUntilItEnds([&] { return first.client->WaitVersion("big", 2).status(); }, *loader, "at-1");
+  EXPECT_EQ(waited.code(), absl::StatusCode::kAborted) << waited;
+  EXPECT_THAT(waited.message(),
+              HasSubstr("group 'big' was loaded from a checkpoint at version 1 while waiting for version 2"));
+
+  first.Step(1);  // sent again: the load dropped it, so it is no duplicate
+  std::vector<float> gathered(first.big->padded_numel());
+  const absl::Status gather =
+      LoadUntilItEnds([&] { return first.client->Gather("big", 2, DType::kFloat32, AsBytes(gathered)).get().status(); },
+                      *loader, "at-1");
+  EXPECT_EQ(gather.code(), absl::StatusCode::kAborted) << gather;
+  EXPECT_THAT(gather.message(), HasSubstr("gather version 1 and train on from there"));
+
+  const absl::Status saved = LoadUntilItEnds(
+      [&] { return saver->SaveCheckpoint("at-2", CheckpointKind::kSharded, true, false, nullptr, CutAt::Version(2)); },
+      *loader, "at-1");
+  EXPECT_EQ(saved.code(), absl::StatusCode::kFailedPrecondition) << saved;
+  EXPECT_THAT(saved.message(), HasSubstr("while waiting for the cut's version 2"));
+
+  EXPECT_EQ(first.Params("big", first.big, 1), big_at_1);
+  first.Step(1);
+  second.Step(1);
+  EXPECT_TRUE(first.client->WaitVersion("big", 2).ok());
+  EXPECT_TRUE(first.client->WaitVersion("tiny", 2).ok());
+  ASSERT_TRUE(saver->SaveCheckpoint("at-2", CheckpointKind::kSharded, true).ok());
+}
+
+}  // namespace
+}  // namespace flatshard
