@@ -199,10 +199,12 @@ absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
                      ": step ", step, " was already applied; expected step ", version_));
   }
   if (step > version_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("future contribution to group '", name_, "' from worker ", worker_rank,
-                     ": step ", step, " before step ", version_, " is complete; expected step ",
-                     version_));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "future contribution to group '", name_, "' from worker ", worker_rank, ": step ", step, " before step ",
+        version_, " is complete; expected step ", version_,
+        loads_ > 0 ? absl::StrCat(" (a checkpoint load sets the group's version: if one set it back, gather version ",
+                                  version_, " and train on from there)")
+                   : ""));
   }
   switch (contributions_[worker_rank].state) {
     case SlotState::kReady:

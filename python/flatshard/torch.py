@@ -206,7 +206,7 @@ class ShardedModule(torch.nn.Module):
         start = barrier.version("barrier")
         barrier.scatter("barrier", {"x": np.zeros(1, np.float32)}, step=start)
         barrier.wait_version("barrier", start + 1)
-        self._step = c.version(self._groups[0].name) if self._groups else 0
+        self._step = self._servers_version()
         self._gather_frozen()
 
     def _gather_frozen(self):
@@ -313,7 +313,28 @@ class ShardedModule(torch.nn.Module):
         until every group reaches the next version, and clears the gradients. If it
         raises (a transfer failed, a deadline passed), calling it again sends only the
         gradients that did not arrive (or whose answer was lost: the servers say they
-        hold them) and waits again."""
+        hold them) and waits again. If a checkpoint load replaced the servers' state
+        during the step, it raises AbortedError with this step's gradients dropped and
+        the module at the loaded version (``version``): the next forward trains on from
+        there."""
+        try:
+            self._send_and_wait()
+        except flatshard.AbortedError:
+            self._resume_after_load()
+            raise
+        for group in self._groups:
+            group.sent = False
+            group.seen.clear()
+            group.accumulated.clear()
+            group.eager = not group.fired
+            group.fired = False
+        self._step += 1
+        self._grad_scale = 1.0
+        self._clear_grads()
+
+    def _send_and_wait(self):
+        """Sends the step's gradients and waits for the next version. Of several
+        transfers' errors it raises an ABORTED one (a load voided the step) first."""
         for group in self._groups:
             if group.pending_scatter is None and not group.sent:
                 for fqn, _ in group.params:
@@ -332,20 +353,34 @@ class ShardedModule(torch.nn.Module):
             except flatshard.AlreadyExistsError:  # a resend: every server has it already
                 group.sent = True
             except BaseException as e:  # noqa: BLE001 (raised below)
-                error = error or e
+                if error is None or isinstance(e, flatshard.AbortedError):
+                    error = e
         if error is not None:
             raise error
         for group in self._groups:
             self._client.wait_version(group.name, self._step + 1)
             self._wait_gather(group)  # a prefetch nobody waited for: its buffer is ours again
-        for group in self._groups:
+
+    def _resume_after_load(self):
+        """A checkpoint load replaced the servers' state mid-step (the servers answered
+        ABORTED): what this step gathered and accumulated is void. Resumes at the loaded
+        version, so that the next forward gathers it."""
+        self._settle_gathers()
+        for group in self._groups:  # step() has settled every scatter
             group.sent = False
             group.seen.clear()
             group.accumulated.clear()
-            group.eager = not group.fired
             group.fired = False
-        self._step += 1
+            group.gathered_step = None
+        self._step = self._servers_version()
         self._grad_scale = 1.0
+        self._clear_grads()
+        self._gather_frozen()  # the load may have changed them too
+
+    def _servers_version(self):
+        return self._client.version(self._groups[0].name) if self._groups else 0
+
+    def _clear_grads(self):
         for _, param in self.named_parameters():
             param.grad = None
 

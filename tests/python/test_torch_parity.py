@@ -14,6 +14,7 @@ import math
 import multiprocessing
 import os
 import tempfile
+import threading
 import unittest
 
 import numpy as np
@@ -337,6 +338,72 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             self.assertEqual(model.version, 1)
             state = model.state_dict()
         self.assert_matches_sgd(state, steps=1)
+
+    def test_a_load_during_a_step_moves_the_module_to_the_loaded_version(self):
+        import flatshard.torch
+        with tempfile.TemporaryDirectory() as root, \
+                flatshard.LocalCluster(servers=2, checkpoint_root=root) as cluster:
+            clients = [flatshard.Client(cluster.addresses, worker_rank=r, num_workers=2, token=cluster.token,
+                                        job="reload") for r in range(2)]
+            clients[0].configure_job()
+            modules, models = [make_model("mlp") for _ in clients], [None, None]
+
+            def wrap(rank):  # both at once: the constructor waits for every worker
+                models[rank] = flatshard.torch.ShardedModule(modules[rank], clients[rank], flatshard.SGD(lr=0.1),
+                                                             auto_wrap_min_params=200)
+
+            in_parallel([lambda r=r: wrap(r) for r in range(2)])
+            clients[0].save_checkpoint("start", kind="sharded")  # the initial values, version 0
+            x, y = make_data("mlp")
+            outcome = []
+
+            def step_alone():  # worker 1 sends nothing: the step waits
+                F.mse_loss(models[0](x), y).backward()
+                try:
+                    models[0].step()
+                except flatshard.Error as e:
+                    outcome.append(e)
+
+            stepping = threading.Thread(target=step_alone)
+            stepping.start()
+            operator = flatshard.Client(cluster.addresses, token=cluster.token, job="reload")
+            for _ in range(50):  # a load before the step waits does not end it; the next one does
+                stepping.join(0.1)
+                if not stepping.is_alive():
+                    break
+                operator.load_checkpoint("start")
+            stepping.join()
+            self.assertEqual(len(outcome), 1)
+            self.assertIsInstance(outcome[0], flatshard.AbortedError)
+            self.assertEqual(models[0].version, 0)
+
+            def train(rank):
+                F.mse_loss(models[rank](x), y).backward()
+                models[rank].step()
+
+            in_parallel([lambda r=r: train(r) for r in range(2)])
+            self.assertEqual(models[0].version, 1)
+            state = models[0].state_dict()
+        self.assert_matches_sgd(state, steps=1)
+
+
+def in_parallel(calls):
+    """Runs every call on a thread of its own; raises the first failure."""
+    errors = []
+
+    def run(call):
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 (raised below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 class ScriptedNorms:

@@ -340,6 +340,9 @@ TEST(GroupTest, ALoadBelowTheAwaitedVersionEndsTheWaitAtOnce) {
   EXPECT_THAT(cut.status().message(), HasSubstr("while waiting for the cut's version 1"));
 
   EXPECT_EQ(group.stats().pending_contributions, 0);  // worker 0's gradient went with the load
+  const absl::Status ahead = Contribute(group, 1, 1, {1, 1, 1});  // a worker that missed the load
+  EXPECT_EQ(ahead.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(ahead.message(), HasSubstr("if one set it back, gather version 0 and train on from there"));
   ASSERT_TRUE(Contribute(group, 0, 1, {1, 1, 1}).ok());
   EXPECT_EQ(group.version(), 0);
   ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
