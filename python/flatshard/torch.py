@@ -32,6 +32,10 @@ moment its last gradient arrives, while backward continues with the other groups
 
 Loss scaling for float16 (``GradScaler`` below) needs a job with ``skip_nonfinite``.
 
+A checkpoint load while the workers train (an operator rolling the job back or forward)
+voids the step in progress: ``step()`` or the next forward raises ``AbortedError``, and
+the module resumes at the loaded version, so the loop goes on with its next batch.
+
 ``param_dtype`` / ``reduce_dtype`` follow FSDP's ``MixedPrecision``: parameters are
 gathered in param_dtype (the servers keep the fp32 master and cast), gradients are sent
 in reduce_dtype (default: param_dtype) and accumulated in it under ``no_sync()``. One
@@ -216,24 +220,36 @@ class ShardedModule(torch.nn.Module):
                                       out=self._frozen.flat).wait()
 
     def _gather_all(self):
+        # Every group is at self._step when a forward starts (step() waited for it), so a
+        # gather asks for no version: one that comes at another means that a checkpoint
+        # load moved the servers, which _wait_gather reports (rather than wait for a
+        # version that a load back would never bring).
         for group in self._groups:
             if group.pending_gather is None and group.gathered_step != self._step:
                 group.gathered_step = self._step  # later forwards of the step reuse it
                 group.pending_gather = self._client.gather_async(
-                    group.name, self._step, _NAMES[self._param_dtype], out=group.flat)
+                    group.name, 0, _NAMES[self._param_dtype], out=group.flat)
         for group in self._groups:
             if group.eager:
                 self._wait_gather(group)
 
-    @staticmethod
-    def _wait_gather(group):
+    def _wait_gather(self, group):
         if group.pending_gather is not None:
             pending, group.pending_gather = group.pending_gather, None
             try:
-                pending.wait()
+                _, version = pending.wait()
             except BaseException:
                 group.gathered_step = None  # the next forward gathers again
                 raise
+            if group.gathered_step is not None and version != group.gathered_step:
+                step, group.gathered_step = group.gathered_step, None
+                raise self._moved(version, step)
+
+    @staticmethod
+    def _moved(version, step):
+        return flatshard.AbortedError(
+            f"the servers are at version {version} during step {step}: a checkpoint load moved "
+            "them; the step is void and the module resumes at their version")
 
     def _before_forward(self, index):
         group = self._groups[index]
@@ -293,6 +309,9 @@ class ShardedModule(torch.nn.Module):
         try:
             self._gather_all()
             return self.module(*args, **kwargs)
+        except flatshard.AbortedError:
+            self._resume_after_load()
+            raise
         except BaseException:
             self._settle_gathers()
             raise
@@ -313,15 +332,23 @@ class ShardedModule(torch.nn.Module):
         until every group reaches the next version, and clears the gradients. If it
         raises (a transfer failed, a deadline passed), calling it again sends only the
         gradients that did not arrive (or whose answer was lost: the servers say they
-        hold them) and waits again. If a checkpoint load replaced the servers' state
-        during the step, it raises AbortedError with this step's gradients dropped and
-        the module at the loaded version (``version``): the next forward trains on from
+        hold them) and waits again.
+
+        If a checkpoint load moved the servers to another version during the step (here
+        or in forward), it raises AbortedError with the step's gradients dropped and the
+        module at the loaded version (``version``): the next forward trains on from
         there."""
         try:
             self._send_and_wait()
         except flatshard.AbortedError:
             self._resume_after_load()
             raise
+        except flatshard.FailedPreconditionError as refused:  # a future step after a load back?
+            version, step = self._servers_version(), self._step
+            if version == step:
+                raise
+            self._resume_after_load()
+            raise self._moved(version, step) from refused
         for group in self._groups:
             group.sent = False
             group.seen.clear()
@@ -358,7 +385,11 @@ class ShardedModule(torch.nn.Module):
         if error is not None:
             raise error
         for group in self._groups:
-            self._client.wait_version(group.name, self._step + 1)
+            # Past the next version only if a load moved the group: this worker's next
+            # gradient makes the one after.
+            reached = self._client.wait_version(group.name, self._step + 1)
+            if reached != self._step + 1:
+                raise self._moved(reached, self._step)
             self._wait_gather(group)  # a prefetch nobody waited for: its buffer is ours again
 
     def _resume_after_load(self):

@@ -339,7 +339,11 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             state = model.state_dict()
         self.assert_matches_sgd(state, steps=1)
 
-    def test_a_load_during_a_step_moves_the_module_to_the_loaded_version(self):
+    # An operator loads checkpoints while two workers train: back to version 0 while worker
+    # 0's step waits for worker 1, back to 0 between steps, and forward to 3 in the middle
+    # of a step. Each time the module raises AbortedError from step() or forward, at the
+    # loaded version, and training from there matches torch.
+    def test_a_load_during_training_moves_the_module_to_the_loaded_version(self):
         import flatshard.torch
         with tempfile.TemporaryDirectory() as root, \
                 flatshard.LocalCluster(servers=2, checkpoint_root=root) as cluster:
@@ -353,38 +357,61 @@ class MisuseAndRecoveryTest(unittest.TestCase):
                                                              auto_wrap_min_params=200)
 
             in_parallel([lambda r=r: wrap(r) for r in range(2)])
-            clients[0].save_checkpoint("start", kind="sharded")  # the initial values, version 0
-            x, y = make_data("mlp")
-            outcome = []
-
-            def step_alone():  # worker 1 sends nothing: the step waits
-                F.mse_loss(models[0](x), y).backward()
-                try:
-                    models[0].step()
-                except flatshard.Error as e:
-                    outcome.append(e)
-
-            stepping = threading.Thread(target=step_alone)
-            stepping.start()
             operator = flatshard.Client(cluster.addresses, token=cluster.token, job="reload")
-            for _ in range(50):  # a load before the step waits does not end it; the next one does
+            operator.save_checkpoint("start", kind="sharded")  # the initial values, version 0
+            x, y = make_data("mlp")
+            aborted = []
+
+            def train(rank, retry=True):
+                try:
+                    F.mse_loss(models[rank](x), y).backward()
+                    models[rank].step()
+                except flatshard.AbortedError as e:
+                    aborted.append(e.message)
+                    if retry:
+                        train(rank)  # the next batch, from the loaded version
+
+            def train_both(steps=1):
+                for _ in range(steps):
+                    in_parallel([lambda r=r: train(r) for r in range(2)])
+
+            # Worker 1 sends nothing: worker 0's step waits. A load before the step waits
+            # does not end it; the next one does.
+            stepping = threading.Thread(target=train, args=(0, False))
+            stepping.start()
+            for _ in range(50):
                 stepping.join(0.1)
                 if not stepping.is_alive():
                     break
                 operator.load_checkpoint("start")
             stepping.join()
-            self.assertEqual(len(outcome), 1)
-            self.assertIsInstance(outcome[0], flatshard.AbortedError)
+            self.assertEqual(len(aborted), 1)
+            self.assertIn("while waiting for version 1", aborted[0])
             self.assertEqual(models[0].version, 0)
+            train_both(steps=3)
+            self.assertEqual([m.version for m in models], [3, 3])
+            self.assertEqual(len(aborted), 1)
+            operator.save_checkpoint("three", kind="sharded")
 
-            def train(rank):
-                F.mse_loss(models[rank](x), y).backward()
-                models[rank].step()
+            operator.load_checkpoint("start")  # between steps: each worker's next forward sees it
+            train_both()
+            self.assertEqual(aborted[1:], ["the servers are at version 0 during step 3: a checkpoint load moved "
+                                           "them; the step is void and the module resumes at their version"] * 2)
+            self.assertEqual([m.version for m in models], [1, 1])
+            state_after_one = models[0].state_dict()
 
-            in_parallel([lambda r=r: train(r) for r in range(2)])
-            self.assertEqual(models[0].version, 1)
+            F.mse_loss(models[0](x), y).backward()  # worker 0 sends step 1; worker 1 has yet to
+            operator.load_checkpoint("three")
+            with self.assertRaises(flatshard.AbortedError):
+                models[0].step()
+            self.assertEqual(models[0].version, 3)
+            train_both()  # worker 1's forward finds version 3 first
+            self.assertEqual(len(aborted), 4)
+            self.assertIn("the servers are at version 3 during step 1", aborted[3])
+            self.assertEqual([m.version for m in models], [4, 4])
             state = models[0].state_dict()
-        self.assert_matches_sgd(state, steps=1)
+        self.assert_matches_sgd(state_after_one, steps=1)
+        self.assert_matches_sgd(state, steps=4)
 
 
 def in_parallel(calls):
