@@ -193,18 +193,21 @@ absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
     }
     return absl::OkStatus();
   }
+  // After a load, a worker that missed it sends steps of the history the load replaced.
+  auto after_load = [&](absl::string_view moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return loads_ == 0 ? std::string()
+                       : absl::StrCat(" (a checkpoint load sets the group's version: if one moved it ", moved,
+                                      ", gather version ", version_, " and train on from there)");
+  };
   if (step < version_) {  // applied, with every worker's contribution: this one's too
-    return absl::AlreadyExistsError(
-        absl::StrCat("stale contribution to group '", name_, "' from worker ", worker_rank,
-                     ": step ", step, " was already applied; expected step ", version_));
+    return absl::AlreadyExistsError(absl::StrCat("stale contribution to group '", name_, "' from worker ", worker_rank,
+                                                 ": step ", step, " was already applied; expected step ", version_,
+                                                 after_load("past this step")));
   }
   if (step > version_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "future contribution to group '", name_, "' from worker ", worker_rank, ": step ", step, " before step ",
-        version_, " is complete; expected step ", version_,
-        loads_ > 0 ? absl::StrCat(" (a checkpoint load sets the group's version: if one set it back, gather version ",
-                                  version_, " and train on from there)")
-                   : ""));
+    return absl::FailedPreconditionError(absl::StrCat("future contribution to group '", name_, "' from worker ",
+                                                      worker_rank, ": step ", step, " before step ", version_,
+                                                      " is complete; expected step ", version_, after_load("back")));
   }
   switch (contributions_[worker_rank].state) {
     case SlotState::kReady:

@@ -342,7 +342,7 @@ TEST(GroupTest, ALoadBelowTheAwaitedVersionEndsTheWaitAtOnce) {
   EXPECT_EQ(group.stats().pending_contributions, 0);  // worker 0's gradient went with the load
   const absl::Status ahead = Contribute(group, 1, 1, {1, 1, 1});  // a worker that missed the load
   EXPECT_EQ(ahead.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(ahead.message(), HasSubstr("if one set it back, gather version 0 and train on from there"));
+  EXPECT_THAT(ahead.message(), HasSubstr("if one moved it back, gather version 0 and train on from there"));
   ASSERT_TRUE(Contribute(group, 0, 1, {1, 1, 1}).ok());
   EXPECT_EQ(group.version(), 0);
   ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok());
@@ -353,6 +353,9 @@ TEST(GroupTest, ALoadBelowTheAwaitedVersionEndsTheWaitAtOnce) {
   load(5);
   past.join();
   EXPECT_EQ(waited.value_or(-1), 5);
+  const absl::Status behind = Contribute(group, 1, 0, {1, 1, 1});  // a worker that missed the load
+  EXPECT_EQ(behind.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(behind.message(), HasSubstr("if one moved it past this step, gather version 5"));
 }
 
 std::shared_ptr<Group> MakeAsyncGroup(int workers, int64_t max_staleness) {
