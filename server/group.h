@@ -42,7 +42,8 @@
 //    parts that arrived stay until the contribution is complete, or until, with none in
 //    flight, a BeginScatter for another step, dtype or split starts it afresh.
 //  - A load (Restore) drops the contributions being received: their commits are refused
-//    with Aborted.
+//    with Aborted. Waits for a version it moved the group below end at once (Aborted for
+//    gathers, FailedPrecondition for the pins of saves and exports).
 //
 // Memory: parameters, the reduced gradient and optimizer state live in the group's
 // memory tier (server/shard_compute.h: host, pinned or device); staging slots, replica
