@@ -2,9 +2,30 @@
 
 #include <algorithm>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 
 namespace flatshard::client_internal {
+
+namespace {
+
+// Whether a server holds `worker`'s gradient of `job`'s `group` for `step`, which it has
+// not applied yet. The worker sent it; a load since may have dropped it, and then the
+// step waits for this worker to send it again.
+bool HoldsGradient(const std::string& job, const std::string& group, int64_t step, int worker,
+                   const std::vector<v1::ServerStatus>& statuses) {
+  for (const v1::ServerStatus& status : statuses) {
+    for (const v1::GroupStatus& held : status.groups()) {
+      if (held.job() == job && held.group() == group && held.version() == step &&
+          absl::c_linear_search(held.step_contributors(), worker)) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace
 
 std::map<std::string, int64_t> ServerVersions(const std::string& job, const v1::ServerStatus& status) {
   std::map<std::string, int64_t> versions;
@@ -67,7 +88,9 @@ absl::StatusOr<std::map<std::string, int64_t>> ChooseCut(const std::string& job,
   }
   for (const auto& [group, step] : sent.AtBoundary()) {
     auto it = cut.find(group);
-    if (it != cut.end() && it->second == step) it->second = step + 1;
+    if (it != cut.end() && it->second == step && HoldsGradient(job, group, step, sent.worker_rank(), statuses)) {
+      it->second = step + 1;
+    }
   }
   // A job whose groups take each step together (once its global norm is known) is cut
   // at its step boundary by default too: groups seen behind the others are in the middle

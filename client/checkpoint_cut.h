@@ -28,7 +28,8 @@ std::map<std::string, int64_t> ServerVersions(const std::string& job, const v1::
 // The consistent cut of a save or export of `job`, from every server's status (rank
 // order): by default every group at the highest version any server has (servers of a
 // synchronous job are at most one step apart; each waits until it gets there), and after
-// step k where the caller sent step k last and no server has applied it yet; in a job
+// step k where the caller sent step k last and a server holds its gradient for step k
+// (GroupStatus.step_contributors: not applied yet, and not dropped by a load); in a job
 // that clips or skips non-finite steps (its groups step together) every trained group
 // at the highest of those, where they are at most a step apart. `at` moves the trained
 // (not frozen) groups to a step boundary or a version; FailedPrecondition or

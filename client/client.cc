@@ -56,7 +56,7 @@ constexpr int kMaxInFlight = 64;
 // CheckpointCalls and bytes to DataTransfers.
 class ClientImpl final : public Client {
  public:
-  explicit ClientImpl(ClientOptions options) : options_(std::move(options)) {}
+  explicit ClientImpl(ClientOptions options) : options_(std::move(options)), sent_(options_.worker_rank) {}
 
   absl::Status Init() {
     FLATSHARD_RETURN_IF_ERROR(CheckOptions(options_));

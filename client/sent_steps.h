@@ -4,12 +4,14 @@
 // worker that has sent step k may still find its groups at k, some of them already at
 // k + 1: the current versions alone would cut inside the step. A client that has sent
 // as many steps of every group it trains (it is between steps, not inside one) instead
-// has the cut wait for each group to reach its latest step + 1; the other workers send
-// their gradients without waiting for this one, so those versions come. Inside a step
-// (or for a client that sends no gradients) nothing is waited for: a clipped job's group
-// cannot step before the rest of this client's gradients arrive. Thread-safe.
+// has the cut wait for each group to reach its latest step + 1, where a server holds
+// its gradient for that step (a checkpoint load drops them: ChooseCut checks); the
+// other workers send their gradients without waiting for this one, so those versions
+// come. Inside a step (or for a client that sends no gradients) nothing is waited for: a
+// clipped job's group cannot step before the rest of this client's gradients arrive.
+// Thread-safe.
 //
-//   SentSteps sent;
+//   SentSteps sent(/*worker_rank=*/1);
 //   sent.Register("mlp");                        // on RegisterGroup, unless frozen
 //   sent.Record("mlp", 7);                       // on every Scatter
 //   std::map<std::string, int64_t> after = sent.AtBoundary();  // {"mlp": 7}
@@ -27,6 +29,11 @@ namespace flatshard::client_internal {
 
 class SentSteps {
  public:
+  explicit SentSteps(int worker_rank = 0) : worker_rank_(worker_rank) {}
+
+  // This client's rank in its job.
+  int worker_rank() const { return worker_rank_; }
+
   // This client trains `group`: until it has sent a step of it, it is inside its first
   // step if it has sent one of another group.
   void Register(const std::string& group) {
@@ -83,6 +90,7 @@ class SentSteps {
     int64_t steps = 0;   // how many steps were sent since registration or Forget
   };
 
+  const int worker_rank_;
   mutable absl::Mutex mu_;
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
 };

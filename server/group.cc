@@ -718,7 +718,13 @@ GroupStats Group::stats() const {
   for (const auto& staging : device_staging_) bytes += static_cast<int64_t>(staging.size());
   for (const auto& chunk : partial_chunks_) bytes += static_cast<int64_t>(chunk.size());
   bytes += static_cast<int64_t>(own_partial_.size() + reduced_staging_.size());
-  return GroupStats{version_, bytes, ready_count_};
+  std::vector<int32_t> contributors;
+  if (!job_settings_.async) {
+    for (size_t worker = 0; worker < contributions_.size(); ++worker) {
+      if (contributions_[worker].state != SlotState::kEmpty) contributors.push_back(static_cast<int32_t>(worker));
+    }
+  }
+  return GroupStats{version_, bytes, ready_count_, std::move(contributors)};
 }
 
 }  // namespace flatshard::server

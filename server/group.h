@@ -145,6 +145,9 @@ struct GroupStats {
   int64_t version = 0;
   int64_t bytes = 0;
   int pending_contributions = 0;
+  // Sync jobs: the workers whose gradient for step `version` this server holds or is
+  // receiving, in rank order.
+  std::vector<int32_t> step_contributors;
 };
 
 class Group {

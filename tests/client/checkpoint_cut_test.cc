@@ -34,6 +34,15 @@ v1::ServerStatus Server(const std::vector<std::tuple<std::string, std::string, i
   return status;
 }
 
+// `status` with `workers` listed as holding their gradient for group `name`'s step in
+// progress (GroupStatus.step_contributors).
+v1::ServerStatus Holding(v1::ServerStatus status, const std::string& name, const std::vector<int>& workers) {
+  for (v1::GroupStatus& group : *status.mutable_groups()) {
+    if (group.group() == name) group.mutable_step_contributors()->Add(workers.begin(), workers.end());
+  }
+  return status;
+}
+
 Cut Chosen(const std::vector<v1::ServerStatus>& statuses, const SentSteps& sent, const CutAt& at) {
   absl::StatusOr<Cut> cut = ChooseCut("j", statuses, sent, at);
   EXPECT_TRUE(cut.ok()) << cut.status();
@@ -64,15 +73,20 @@ TEST(ChooseCutTest, AClippedJobsGroupsAreCutTogether) {
   EXPECT_EQ(Chosen({skipping}, SentSteps(), CutAt()), (Cut{{"a", 5}, {"b", 5}, {"e", 0}}));
 }
 
+// Worker 1 sent step 3 of both groups; "b" has taken it, "a" waits for other workers.
+// The cut waits for "a" to take it where a server holds worker 1's gradient for it, and
+// not where none does (a load dropped it: the step would wait for worker 1 itself).
 TEST(ChooseCutTest, AWorkerBetweenStepsCutsAfterTheStepItSentLast) {
-  const std::vector<v1::ServerStatus> statuses = {Server({{"j", "a", 3, "adamw"}, {"j", "b", 4, "sgd"}})};
-  SentSteps sent;
+  const v1::ServerStatus server = Server({{"j", "a", 3, "adamw"}, {"j", "b", 4, "sgd"}});
+  SentSteps sent(/*worker_rank=*/1);
   sent.Register("a");
   sent.Register("b");
   sent.Record("a", 3);
-  EXPECT_EQ(Chosen(statuses, sent, CutAt()), (Cut{{"a", 3}, {"b", 4}}));  // inside its step: as they are
+  EXPECT_EQ(Chosen({Holding(server, "a", {1})}, sent, CutAt()), (Cut{{"a", 3}, {"b", 4}}));  // inside its step
   sent.Record("b", 3);
-  EXPECT_EQ(Chosen(statuses, sent, CutAt()), (Cut{{"a", 4}, {"b", 4}}));  // "a" has not taken step 3 yet
+  EXPECT_EQ(Chosen({server, Holding(server, "a", {0, 1})}, sent, CutAt()), (Cut{{"a", 4}, {"b", 4}}));
+  EXPECT_EQ(Chosen({Holding(server, "a", {0})}, sent, CutAt()), (Cut{{"a", 3}, {"b", 4}}));
+  EXPECT_EQ(Chosen({server}, sent, CutAt()), (Cut{{"a", 3}, {"b", 4}}));
 }
 
 TEST(ChooseCutTest, AStepBoundaryMovesEveryTrainedGroupToTheHighestAndLeavesFrozenOnes) {
@@ -85,8 +99,10 @@ TEST(ChooseCutTest, AStepBoundaryMovesEveryTrainedGroupToTheHighestAndLeavesFroz
   sent.Register("b");
   sent.Record("a", 5);
   sent.Record("b", 5);
-  EXPECT_EQ(Chosen({Server({{"j", "a", 5, "adamw"}, {"j", "b", 5, "sgd"}})}, sent, CutAt::StepBoundary()),
+  const v1::ServerStatus at_5 = Server({{"j", "a", 5, "adamw"}, {"j", "b", 5, "sgd"}});
+  EXPECT_EQ(Chosen({Holding(Holding(at_5, "a", {0}), "b", {0})}, sent, CutAt::StepBoundary()),
             (Cut{{"a", 6}, {"b", 6}}));
+  EXPECT_EQ(Chosen({at_5}, sent, CutAt::StepBoundary()), (Cut{{"a", 5}, {"b", 5}}));  // its gradients were dropped
 }
 
 TEST(ChooseCutTest, AStepBoundaryIsRefusedWhereThereIsNone) {

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -50,8 +51,9 @@ absl::Status LoadUntilItEnds(const std::function<absl::Status()>& wait, Client& 
 // worker 1 not yet. An operator loads the checkpoint of version 1, which drops worker 0's
 // gradients: version 2 now needs them again. Worker 0's wait for version 2 (WaitVersion
 // on the control plane, a gather on the data plane) ends with ABORTED naming the loaded
-// version, and so does a save whose cut waits for version 2 (FAILED_PRECONDITION). Once
-// both workers send step 1, training goes on from the loaded state.
+// version, and so does a save whose cut waits for version 2 (FAILED_PRECONDITION). Worker
+// 0's own save does not wait for the step its dropped gradient was for. Once both workers
+// send step 1, training goes on from the loaded state.
 TEST(LoadWhileTrainingTest, AWaitForAVersionTheLoadTookAwayEndsAtOnce) {
   const testing::ScratchDir root("load-while-training");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
@@ -87,6 +89,18 @@ TEST(LoadWhileTrainingTest, AWaitForAVersionTheLoadTookAwayEndsAtOnce) {
       *loader, "at-1");
   EXPECT_EQ(saved.code(), absl::StatusCode::kFailedPrecondition) << saved;
   EXPECT_THAT(saved.message(), HasSubstr("while waiting for the cut's version 2"));
+
+  // Worker 0 sent step 1 last, between steps, but the load dropped it: its save does not
+  // wait for step 1 to complete (only worker 0 itself would send what it needs) and holds
+  // the loaded state.
+  ASSERT_TRUE(first.client->SaveCheckpoint("reloaded", CheckpointKind::kSharded, true).ok());
+  absl::StatusOr<std::vector<CheckpointEntry>> listed = loader->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  std::map<std::string, int64_t> reloaded;
+  for (const CheckpointEntry& entry : *listed) {
+    if (entry.name == "reloaded") reloaded = entry.versions;
+  }
+  EXPECT_EQ(reloaded, (std::map<std::string, int64_t>{{"big", 1}, {"tiny", 1}}));
 
   EXPECT_EQ(first.Params("big", first.big, 1), big_at_1);
   first.Step(1);

@@ -48,8 +48,10 @@ TEST(GroupTest, StepAppliesOnceAllWorkersContributed) {
   ASSERT_TRUE(Contribute(group, 0, 0, {10, 20, 30}).ok());
   EXPECT_EQ(group.version(), 0);
   EXPECT_EQ(group.stats().pending_contributions, 2);
+  EXPECT_EQ(group.stats().step_contributors, (std::vector<int32_t>{0, 2}));
   ASSERT_TRUE(Contribute(group, 0, 1, {100, 200, 300}).ok());
   EXPECT_EQ(group.version(), 1);
+  EXPECT_EQ(group.stats().step_contributors, std::vector<int32_t>());
   EXPECT_EQ(Params(group), (std::vector<float>{-111, -222, -333}));  // SGD lr 1, sum
 }
 
@@ -339,7 +341,7 @@ TEST(GroupTest, ALoadBelowTheAwaitedVersionEndsTheWaitAtOnce) {
   EXPECT_EQ(cut.status().code(), absl::StatusCode::kFailedPrecondition) << cut.status();
   EXPECT_THAT(cut.status().message(), HasSubstr("while waiting for the cut's version 1"));
 
-  EXPECT_EQ(group.stats().pending_contributions, 0);  // worker 0's gradient went with the load
+  EXPECT_EQ(group.stats().step_contributors, std::vector<int32_t>());  // worker 0's gradient went with the load
   const absl::Status ahead = Contribute(group, 1, 1, {1, 1, 1});  // a worker that missed the load
   EXPECT_EQ(ahead.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(ahead.message(), HasSubstr("if one moved it back, gather version 0 and train on from there"));
