@@ -243,16 +243,20 @@ class Client {
   // the step this worker sent last, waiting where the other workers have not completed
   // it: a save right after a step (its Scatter futures ready) holds the state after that
   // step (DeadlineExceeded if a worker never sends its part). Where no server holds the
-  // gradient this worker sent (a checkpoint load dropped it), nothing is waited for. From any other client, or inside a
-  // step, the cut is at the versions now, which while workers train may fall inside a step (not in a job that clips or
-  // skips non-finite steps, whose groups step together: the cut waits for those finishing the step): `at` chooses
-  // another cut (CutAt), such as the end of the step in progress. With a root shared by all servers, each writes its
-  // own part there; where the roots differ, FULL and SHARDED are kept in server 0's root and LOCAL in each server's
-  // own. `async`: returns once every server has snapshotted its shards (training may continue); the checkpoint lists as
-  // complete when the servers have written and committed it. `progress` (optional; blocking saves): the servers' tensor
-  // bytes written, polled from their status a few times a second. AlreadyExists if `name` is complete or a save of it
-  // is still in progress (a blocking one until it is committed; one save per name at a time: of several callers saving
-  // one name at once, exactly one succeeds).
+  // gradient this worker sent (a checkpoint load dropped it), nothing is waited for.
+  // From any other client, or inside a step, the cut is at the versions now, which while
+  // workers train may fall inside a step (not in a job that clips or skips non-finite
+  // steps, whose groups step together: the cut waits for those finishing the step):
+  // `at` chooses another cut (CutAt), such as the end of the step in progress.
+  // With a root shared by all servers, each writes its own part there; where the roots
+  // differ, FULL and SHARDED are kept in server 0's root and LOCAL in each server's own.
+  // `async`: returns once every server has snapshotted its shards (training may
+  // continue); the checkpoint lists as complete when the servers have written and
+  // committed it. `progress` (optional; blocking saves): the servers' tensor bytes
+  // written, polled from their status a few times a second. AlreadyExists if `name` is
+  // complete or a save of it is still in progress (a blocking one until it is committed;
+  // one save per name at a time: of several callers saving one name at once, exactly one
+  // succeeds).
   [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer,
                                                     bool async = false, Progress progress = nullptr, CutAt at = {}) = 0;
   // Loads a checkpoint into the job's registered groups on every server: all servers
