@@ -95,12 +95,14 @@ std::string BeingSaved(const std::string& name, const std::vector<v1::ServerStat
   return "";
 }
 
-// A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
-std::string NewSaveId() {
+// 64 random bits.
+uint64_t RandomId() {
   std::random_device device;
-  const uint64_t id = (static_cast<uint64_t>(device()) << 32) | device();
-  return absl::StrFormat("%016x", id);
+  return (static_cast<uint64_t>(device()) << 32) | device();
 }
+
+// A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
+std::string NewSaveId() { return absl::StrFormat("%016x", RandomId()); }
 
 }  // namespace
 
@@ -182,6 +184,9 @@ absl::Status CheckpointCalls::Load(const std::string& name,
     (void)phase(v1::LoadCheckpointRequest::ABORT);
     return prepared;
   }
+  uint64_t load_id = 0;
+  while (load_id == 0) load_id = RandomId();
+  request.set_load_id(load_id);  // the same on every server
   return phase(v1::LoadCheckpointRequest::COMMIT);
 }
 

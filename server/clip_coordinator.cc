@@ -22,8 +22,10 @@ absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t ste
   FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
   FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
   double partial = 0.0;
+  uint64_t epoch = 0;  // of the state the share is computed from
   {
     absl::MutexLock lock(&mu_);
+    epoch = epochs_[job];
     StepState& state = State(job, step, placement);
     if (state.shared) return absl::OkStatus();
     bool any = false;
@@ -42,10 +44,11 @@ absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t ste
   for (int shard = 0; shard < placement.shards; ++shard) {
     const int peer = placement.replica * placement.shards + shard;
     if (peer == rank_) continue;
-    if (absl::Status sent = send_(peer, job, step, partial); !sent.ok()) {
+    if (absl::Status sent = send_(peer, job, step, partial, epoch); !sent.ok()) {
       {
-        absl::MutexLock lock(&mu_);  // a later OnGroupReduced sends it again
-        if (auto it = steps_.find({job, step}); it != steps_.end()) it->second.shared = false;
+        absl::MutexLock lock(&mu_);  // a later OnGroupReduced sends it again (unless a load came)
+        auto it = steps_.find({job, step});
+        if (it != steps_.end() && epochs_[job] == epoch) it->second.shared = false;
       }
       return absl::UnavailableError(absl::StrCat(
           "contribution recorded, but this server's gradient-norm share for job '", job,
@@ -53,11 +56,11 @@ absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t ste
           "; send the contribution again to retry"));
     }
   }
-  return RecordPartial(job, step, rank_, partial);
+  return RecordPartial(job, step, rank_, partial, epoch);
 }
 
-absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step, int rank,
-                                            double partial) {
+absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step, int rank, double partial,
+                                            uint64_t epoch) {
   if (rank < 0 || rank >= num_servers_) {
     return absl::InvalidArgumentError(
         absl::StrCat("norm share from rank ", rank, " outside the cluster of ", num_servers_));
@@ -74,6 +77,12 @@ absl::Status ClipCoordinator::RecordPartial(const std::string& job, int64_t step
         " for job '", job, "'; this server combines replica group ", placement.replica, "'s"));
   }
   absl::MutexLock lock(&mu_);
+  if (epoch != epochs_[job]) {
+    if (left_epochs_[job].contains(epoch)) return absl::OkStatus();  // from the state a load replaced
+    return absl::UnavailableError(
+        absl::StrCat("job '", job, "': the norm share of step ", step, " from server ", rank,
+                     " follows a checkpoint load that this server has not committed yet; send it again"));
+  }
   StepState& state = State(job, step, placement);
   const int shard = rank % placement.shards;
   if (state.partials[shard].has_value()) return absl::OkStatus();
@@ -116,9 +125,13 @@ ClipCoordinator::JobNorms ClipCoordinator::Norms(const std::string& job) {
   return result;
 }
 
-void ClipCoordinator::ForgetNorms(const std::string& job) {
+void ClipCoordinator::OnLoad(const std::string& job, uint64_t load_id) {
   absl::MutexLock lock(&mu_);
   norms_.erase(job);
+  std::erase_if(steps_, [&job](const auto& entry) { return entry.first.first == job; });
+  uint64_t& epoch = epochs_[job];
+  left_epochs_[job].insert(epoch);
+  epoch = load_id;
 }
 
 absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_t step,
@@ -130,7 +143,7 @@ absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_
         "skip_nonfinite"));
   }
   absl::MutexLock lock(&mu_);
-  // Looked up afresh each time: ForgetNorms may drop the job's map while this waits.
+  // Looked up afresh each time: OnLoad may drop the job's map while this waits.
   auto kept = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> const double* {
     const auto it = norms_.find(job);
     if (it == norms_.end()) return nullptr;

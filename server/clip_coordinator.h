@@ -15,6 +15,14 @@
 // replica group holds the same reduced gradient, so "every peer" and "all N servers" are
 // the S servers of this server's replica group, combined in shard order.
 //
+// A checkpoint load (OnLoad) rewinds a job's versions, so the shares of the steps in
+// progress, computed from the state it replaced, must not count for the steps taken again
+// from the loaded one. Every share carries the epoch of its sender's job: the id of the
+// load its state follows, the same on every server (the client picks it), 0 before any.
+// A share of an epoch this server has left is ignored; one of an epoch it has not reached
+// yet (its sender committed the load first) is refused with Unavailable, which the sender
+// retries until this server commits the load too.
+//
 // Thread-safe. Lock order: this coordinator, then a Group; never the reverse.
 //
 //   ClipCoordinator clip(registry, rank, num_servers, send_to_peer);
@@ -26,6 +34,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,9 +47,10 @@ namespace flatshard::server {
 
 class ClipCoordinator {
  public:
-  // Delivers this server's share to peer `rank`; blocks until delivered or given up.
-  using SendPartial = std::function<absl::Status(int rank, const std::string& job, int64_t step,
-                                                 double partial)>;
+  // Delivers this server's share, of the job's `epoch`, to peer `rank`; blocks until
+  // delivered or given up.
+  using SendPartial =
+      std::function<absl::Status(int rank, const std::string& job, int64_t step, double partial, uint64_t epoch)>;
 
   ClipCoordinator(Registry& registry, int rank, int num_servers, SendPartial send);
 
@@ -50,11 +60,13 @@ class ClipCoordinator {
   // again then sends the share again (peers ignore a share they already hold).
   [[nodiscard]] absl::Status OnGroupReduced(const std::string& job, int64_t step);
 
-  // A server's share for (job, step); the last one finishes the step here. A second
-  // share from the same rank is ignored. InvalidArgument for a rank outside the cluster
-  // or this server's replica group, or a job that computes no norm.
-  [[nodiscard]] absl::Status RecordPartial(const std::string& job, int64_t step, int rank,
-                                           double partial);
+  // A server's share for (job, step), of the job's `epoch` there; the last one finishes
+  // the step here. A second share from the same rank is ignored, and so is one of an
+  // epoch this server has left; Unavailable for one of an epoch it has not reached yet.
+  // InvalidArgument for a rank outside the cluster or this server's replica group, or a
+  // job that computes no norm.
+  [[nodiscard]] absl::Status RecordPartial(const std::string& job, int64_t step, int rank, double partial,
+                                           uint64_t epoch);
 
   // The total gradient norm of `job` at `step`, before clipping (what
   // torch.nn.utils.clip_grad_norm_ returns), once this server has combined it; waits
@@ -64,8 +76,10 @@ class ClipCoordinator {
   static constexpr size_t kKeptNorms = 1024;
   [[nodiscard]] absl::StatusOr<double> TotalNorm(const std::string& job, int64_t step,
                                                  absl::Time deadline);
-  // Drops the kept norms of `job` (a checkpoint load rewinds its versions).
-  void ForgetNorms(const std::string& job);
+  // Checkpoint load `load_id` (non-zero, the same on every server) rewound the versions
+  // of `job`: its kept norms and the shares of its steps in progress are dropped, and its
+  // epoch becomes `load_id`.
+  void OnLoad(const std::string& job, uint64_t load_id);
 
   // For status: the last step whose norm this server combined, that norm, and how many
   // steps it skipped as non-finite (since it started).
@@ -94,6 +108,8 @@ class ClipCoordinator {
   std::map<std::pair<std::string, int64_t>, StepState> steps_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<int64_t, double>> norms_ ABSL_GUARDED_BY(mu_);  // job -> step -> norm
   std::map<std::string, int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);  // job -> count
+  std::map<std::string, uint64_t> epochs_ ABSL_GUARDED_BY(mu_);        // job -> its load id (0: none)
+  std::map<std::string, std::set<uint64_t>> left_epochs_ ABSL_GUARDED_BY(mu_);  // job -> epochs before
 };
 
 }  // namespace flatshard::server

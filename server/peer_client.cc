@@ -133,13 +133,14 @@ absl::Status PeerClient::Retried(int peer, Call call) {
   }
 }
 
-absl::Status PeerClient::SendNormPartial(int peer, const std::string& job, int64_t step,
-                                         double partial) {
+absl::Status PeerClient::SendNormPartial(int peer, const std::string& job, int64_t step, double partial,
+                                         uint64_t epoch) {
   v1::PushNormPartialRequest request;
   request.set_job(job);
   request.set_step(step);
   request.set_rank(rank_);
   request.set_partial(partial);
+  request.set_epoch(epoch);
   v1::PushNormPartialResponse response;
   return Retried(peer, [&](grpc::ClientContext& ctx) {
     return stubs_[peer]->PushNormPartial(&ctx, request, &response);

@@ -61,11 +61,12 @@ class PeerClient {
              std::shared_ptr<grpc::ChannelCredentials> credentials,
              absl::Duration give_up_after = absl::Seconds(30));
 
-  // Delivers this server's norm share to `peer`, retrying while it is unreachable (a
-  // peer still starting or restarting) for up to give_up_after; then Unavailable.
-  // Other errors are returned at once.
-  [[nodiscard]] absl::Status SendNormPartial(int peer, const std::string& job, int64_t step,
-                                             double partial);
+  // Delivers this server's norm share (of the job's `epoch`: server/clip_coordinator.h)
+  // to `peer`, retrying while it is unreachable or answers Unavailable (a peer still
+  // starting or restarting, or not yet at `epoch`) for up to give_up_after; then
+  // Unavailable. Other errors are returned at once.
+  [[nodiscard]] absl::Status SendNormPartial(int peer, const std::string& job, int64_t step, double partial,
+                                             uint64_t epoch);
 
   // A data-plane session on `peer` (OpenSession), retried as SendNormPartial is.
   struct Session {

@@ -63,26 +63,26 @@ Server::Server(ServerOptions options)
       peers_(options_.cluster, options_.rank, options_.auth_token, PeerCredentials(options_.tls),
              options_.peer_timeout),
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
-            [this](int peer, const std::string& job, int64_t step, double partial) {
-              return peers_.SendNormPartial(peer, job, step, partial);
+            [this](int peer, const std::string& job, int64_t step, double partial, uint64_t epoch) {
+              return peers_.SendNormPartial(peer, job, step, partial, epoch);
             }),
-      driver_(static_cast<int>(options_.cluster.size()), clip_,
-                [this](int peer) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
-                  FLATSHARD_ASSIGN_OR_RETURN(const PeerClient::Session session, peers_.OpenSession(peer));
-                  // A live peer answers the hello at once; a peer that stopped since
-                  // OpenSession is given up on after peer_timeout.
-                  FLATSHARD_ASSIGN_OR_RETURN(
-                      std::unique_ptr<transport::Connection> conn,
-                      transport::OpenDataConnection(session.data_address, session.token,
-                                                    options_.peer_timeout));
-                  // A request may wait up to peer_timeout (the peer reaching the step)
-                  // before it is answered.
-                  FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(options_.peer_timeout + absl::Seconds(10)));
-                  return conn;
-                },
-                options_.peer_timeout, stats_),
-      checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
-                   options_.checkpoint_root, options_.max_file_bytes, &peers_),
+      driver_(
+          static_cast<int>(options_.cluster.size()), clip_,
+          [this](int peer) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
+            FLATSHARD_ASSIGN_OR_RETURN(const PeerClient::Session session, peers_.OpenSession(peer));
+            // A live peer answers the hello at once; a peer that stopped since
+            // OpenSession is given up on after peer_timeout.
+            FLATSHARD_ASSIGN_OR_RETURN(
+                std::unique_ptr<transport::Connection> conn,
+                transport::OpenDataConnection(session.data_address, session.token, options_.peer_timeout));
+            // A request may wait up to peer_timeout (the peer reaching the step)
+            // before it is answered.
+            FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(options_.peer_timeout + absl::Seconds(10)));
+            return conn;
+          },
+          options_.peer_timeout, stats_),
+      checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()), options_.checkpoint_root,
+                   options_.max_file_bytes, &peers_),
       ipc_(registry_, driver_, stats_),
       nccl_(registry_, driver_, stats_, options_.nccl_timeout) {}
 

@@ -311,8 +311,12 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
     case v1::LoadCheckpointRequest::PREPARE:
       return ToGrpc(checkpoints_.PrepareLoad(request->name(), request->job(), request->home_root_id()));
     case v1::LoadCheckpointRequest::COMMIT: {
+      if (request->load_id() == 0) {
+        return ToGrpc(absl::InvalidArgumentError("a load's commit must carry its (non-zero) load_id"));
+      }
       const absl::Status loaded = checkpoints_.CommitLoad(request->name());
-      clip_.ForgetNorms(request->job());  // its steps are taken again from the loaded versions
+      // Its steps are taken again from the loaded versions.
+      if (loaded.ok()) clip_.OnLoad(request->job(), request->load_id());
       return ToGrpc(loaded);
     }
     default:
@@ -424,8 +428,8 @@ grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,
                                                const v1::PushNormPartialRequest* request,
                                                v1::PushNormPartialResponse*) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
-  return ToGrpc(clip_.RecordPartial(request->job(), request->step(), request->rank(),
-                                    request->partial()));
+  return ToGrpc(
+      clip_.RecordPartial(request->job(), request->step(), request->rank(), request->partial(), request->epoch()));
 }
 
 grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,

@@ -27,9 +27,9 @@ class ClipCoordinatorTest : public ::testing::Test {
       servers_[rank].registry = std::make_unique<Registry>(rank, kServers);
       servers_[rank].clip = std::make_unique<ClipCoordinator>(
           *servers_[rank].registry, rank, kServers,
-          [this](int peer, const std::string& job, int64_t step, double partial) {
+          [this](int peer, const std::string& job, int64_t step, double partial, uint64_t epoch) {
             if (unreachable_) return absl::UnavailableError("peer unreachable");
-            return servers_[peer].clip->RecordPartial(job, step, sender_, partial);
+            return servers_[peer].clip->RecordPartial(job, step, sender_, partial, epoch);
           });
       ASSERT_TRUE(servers_[rank].registry
                       ->ConfigureJob("job", {.num_workers = 1, .max_grad_norm = max_norm,
@@ -121,10 +121,51 @@ TEST_F(ClipCoordinatorTest, TheTotalNormOfAStepIsKeptForLogging) {
     ASSERT_TRUE(norm.ok()) << norm.status();
     EXPECT_NEAR(*norm, std::sqrt(35.0), 1e-12) << rank;  // 9 + 16 + 1 + 4 + 4 + 1
   }
-  servers_[0].clip->ForgetNorms("job");
+  servers_[0].clip->OnLoad("job", 42);
   EXPECT_TRUE(absl::IsNotFound(servers_[0].clip->TotalNorm("job", 0, absl::InfiniteFuture()).status()));
   ASSERT_TRUE(servers_[0].registry->ConfigureJob("plain", {.num_workers = 1}).ok());
   EXPECT_TRUE(absl::IsInvalidArgument(servers_[0].clip->TotalNorm("plain", 0, absl::InfiniteFuture()).status()));
+}
+
+// A load while a step is in progress: server 0 has shared its norm share of step 0
+// (server 1 holds it), server 1 has not reduced yet. Both load version 0 again. The shares
+// of the replaced state count for nothing: the one server 1 holds is dropped, one still in
+// flight from before the load is ignored, and one that comes from a server that
+// committed the load first is refused until this one commits it too. The step taken
+// again is clipped by its own gradients' norm, on both servers.
+TEST_F(ClipCoordinatorTest, ALoadDropsTheNormSharesOfTheStateItReplaced) {
+  Start(/*max_norm=*/1.0, /*norm_type=*/2.0);
+  ASSERT_TRUE(Contribute(0, "a", {30, 0}).ok());
+  ASSERT_TRUE(Contribute(0, "b", {0, 40}).ok());  // shared with server 1: 2500 of the old norm
+  auto load = [&](int rank) {
+    for (const char* name : {"a", "b"}) {
+      absl::StatusOr<ShardBuffer> zeros = AllocateHostUnwritten(2 * sizeof(float), "test");
+      ASSERT_TRUE(zeros.ok()) << zeros.status();
+      std::fill_n(zeros->floats(), 2, 0.0f);
+      LoadedShard loaded;
+      loaded.params = *std::move(zeros);
+      ASSERT_TRUE((*servers_[rank].registry->FindGroup("job", name))->Restore(std::move(loaded)).ok());
+    }
+    servers_[rank].clip->OnLoad("job", 42);
+  };
+  load(0);
+  const absl::Status early = servers_[1].clip->RecordPartial("job", 0, 0, 2500.0, 42);
+  EXPECT_TRUE(absl::IsUnavailable(early)) << early;
+  EXPECT_THAT(early.message(), ::testing::HasSubstr("has not committed yet"));
+  load(1);
+  EXPECT_TRUE(servers_[1].clip->RecordPartial("job", 0, 0, 2500.0, 0).ok());  // in flight before the load
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(Contribute(rank, "a", kGrads[rank][0]).ok());
+    ASSERT_TRUE(Contribute(rank, "b", kGrads[rank][1]).ok());
+  }
+  const double coef = 1.0 / (std::sqrt(35.0) + 1e-6);
+  for (int rank = 0; rank < kServers; ++rank) {
+    EXPECT_NEAR(*servers_[rank].clip->TotalNorm("job", 0, absl::InfiniteFuture()), std::sqrt(35.0), 1e-12);
+    for (int g = 0; g < 2; ++g) {
+      const std::vector<float> params = Params(rank, g == 0 ? "a" : "b");
+      for (int i = 0; i < 2; ++i) EXPECT_NEAR(params[i], -kGrads[rank][g][i] * coef, 1e-6) << rank << g << i;
+    }
+  }
 }
 
 // skip_nonfinite without clipping: a step with an inf (or NaN) anywhere is skipped on
@@ -182,10 +223,10 @@ TEST_F(ClipCoordinatorTest, FrozenGroupsNeitherWaitNorCount) {
 
 TEST_F(ClipCoordinatorTest, RejectsSharesForUnknownRanksAndUnclippedJobs) {
   Start(1.0, 2.0);
-  EXPECT_EQ(servers_[0].clip->RecordPartial("job", 0, 7, 1.0).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(servers_[0].clip->RecordPartial("nojob", 0, 1, 1.0).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(servers_[0].clip->RecordPartial("job", 0, 7, 1.0, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(servers_[0].clip->RecordPartial("nojob", 0, 1, 1.0, 0).code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(servers_[0].registry->ConfigureJob("plain", {.num_workers = 1}).ok());
-  EXPECT_EQ(servers_[0].clip->RecordPartial("plain", 0, 1, 1.0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(servers_[0].clip->RecordPartial("plain", 0, 1, 1.0, 0).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // A share that could not reach a peer is sent again when asked again (a worker's resend

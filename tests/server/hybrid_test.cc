@@ -40,7 +40,8 @@ std::vector<float> Params(Group& group) {
 // counters. Outlives the drivers it makes.
 struct DriverSetting {
   Registry registry{/*rank=*/1, /*num_servers=*/4};
-  ClipCoordinator clip{registry, 1, 4, [](int, const std::string&, int64_t, double) { return absl::OkStatus(); }};
+  ClipCoordinator clip{registry, 1, 4,
+                       [](int, const std::string&, int64_t, double, uint64_t) { return absl::OkStatus(); }};
   ServerStats stats;
 
   std::unique_ptr<StepDriver> Driver(StepDriver::Connect connect, absl::Duration timeout) {
