@@ -140,6 +140,7 @@ class ShardedModule(torch.nn.Module):
         self._step = 0
         self._accumulating = False  # inside no_sync()
         self._grad_scale = 1.0  # GradScaler.scale(): gradients are divided by it before sending
+        self._voided = False  # a load voided the step: step() waits for the next forward
         self._param_dtype = param_dtype or torch.float32
         self._reduce_dtype = reduce_dtype or self._param_dtype
         for dtype in (self._param_dtype, self._reduce_dtype):
@@ -306,6 +307,7 @@ class ShardedModule(torch.nn.Module):
             cast = lambda x: x.to(self._param_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
+        self._voided = False
         try:
             self._gather_all()
             return self.module(*args, **kwargs)
@@ -337,7 +339,11 @@ class ShardedModule(torch.nn.Module):
         If a checkpoint load moved the servers to another version during the step (here
         or in forward), it raises AbortedError with the step's gradients dropped and the
         module at the loaded version (``version``): the next forward trains on from
-        there."""
+        there (a step() before it is refused: it would send zeros for the voided step)."""
+        if self._voided:
+            raise flatshard.FailedPreconditionError(
+                f"a checkpoint load voided the last step; the module is at version {self._step}: "
+                "run forward and backward on the next batch before step()")
         try:
             self._send_and_wait()
         except flatshard.AbortedError:
@@ -407,6 +413,7 @@ class ShardedModule(torch.nn.Module):
         self._grad_scale = 1.0
         self._clear_grads()
         self._gather_frozen()  # the load may have changed them too
+        self._voided = True
 
     def _servers_version(self):
         return self._client.version(self._groups[0].name) if self._groups else 0

@@ -388,6 +388,9 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             self.assertEqual(len(aborted), 1)
             self.assertIn("while waiting for version 1", aborted[0])
             self.assertEqual(models[0].version, 0)
+            with self.assertRaises(flatshard.FailedPreconditionError) as refused:
+                models[0].step()  # it would send zeros for the voided step
+            self.assertIn("run forward and backward on the next batch", refused.exception.message)
             train_both(steps=3)
             self.assertEqual([m.version for m in models], [3, 3])
             self.assertEqual(len(aborted), 1)
