@@ -126,14 +126,16 @@ TEST(CheckpointCutTest, ACutAtAVersionWaitsForItAndRefusesOnePassed) {
                                                                  nullptr, CutAt::Version(-1));
   EXPECT_TRUE(absl::IsInvalidArgument(negative)) << negative;
 
-  std::unique_ptr<Client> impatient = Operator(cluster, absl::Seconds(2));
+  std::unique_ptr<Client> impatient = Operator(cluster, absl::Seconds(4));
   ASSERT_NE(impatient, nullptr);
   const absl::Status never =
       impatient->SaveCheckpoint("at-9", CheckpointKind::kLocal, false, false, nullptr, CutAt::Version(9));
   EXPECT_TRUE(absl::IsDeadlineExceeded(never)) << never;
   EXPECT_THAT(std::string(never.message()), HasSubstr("the cut is at version 9; is the job training towards it?"));
   worker.Step(4);
-  ASSERT_TRUE(operator_client->SaveCheckpoint("at-9", CheckpointKind::kLocal, false).ok());
+  ASSERT_TRUE(testing::AwaitNoCheckpointInProgress(cluster));
+  const absl::Status at_9 = operator_client->SaveCheckpoint("at-9", CheckpointKind::kLocal, false);
+  ASSERT_TRUE(at_9.ok()) << at_9;
 
   ASSERT_TRUE(operator_client->LoadCheckpoint("at-3").ok());
   EXPECT_EQ(worker.Params("big", worker.big, 3), big);

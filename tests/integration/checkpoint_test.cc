@@ -707,7 +707,7 @@ TEST(CheckpointIntegrationTest, ASaveInsideTheSaversOwnStepDoesNotWaitForIt) {
   const testing::ScratchDir root("ckpt-inside-step");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
   const JobOptions clipped{.max_grad_norm = 1.0};
-  Trainer first(cluster, 0, 2, clipped, absl::Seconds(3)), second(cluster, 1, 2, clipped);
+  Trainer first(cluster, 0, 2, clipped, absl::Seconds(5)), second(cluster, 1, 2, clipped);
   first.Send("big", 0);
   second.Step(0);
   const absl::Status saved = first.client->SaveCheckpoint("inside-0", CheckpointKind::kLocal, true);
@@ -725,6 +725,7 @@ TEST(CheckpointIntegrationTest, ASaveInsideTheSaversOwnStepDoesNotWaitForIt) {
   // The servers gave up first, said why, and let go of the name before the client did.
   EXPECT_THAT(std::string(stuck.message()), HasSubstr("timed out waiting for version 2"));
   EXPECT_THAT(std::string(stuck.message()), HasSubstr("is a worker behind or gone?"));
+  ASSERT_TRUE(testing::AwaitNoCheckpointInProgress(cluster));
   second.Step(1);
   stepped = first.client->WaitVersion("tiny", 2);
   ASSERT_TRUE(stepped.ok()) << stepped.status();

@@ -3,7 +3,8 @@
 // element, SGD with momentum). Its gradients are a fixed function of the step and the
 // worker's rank, so that runs can be repeated and compared bit for bit. Failures are
 // gtest failures. Not thread-safe. MustWaitFor checks that an operation waits (for a
-// step another worker has yet to complete, say).
+// step another worker has yet to complete, say); AwaitNoCheckpointInProgress, that the
+// servers have let go of a save that timed out.
 #ifndef FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
 #define FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
 
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/cluster_status.h"
 #include "flatshard/client.h"
 #include "tests/integration/test_cluster.h"
 
@@ -88,6 +90,22 @@ inline absl::Status MustWaitFor(const std::function<absl::Status()>& operation, 
   unblock();
   running.join();
   return status;
+}
+
+// Waits (up to 10 s) until no server of `cluster` lists a save or load in progress: a
+// server lets go of a save whose wait ran out shortly before its client's deadline, which
+// on a loaded machine can be just after. True once none does.
+inline bool AwaitNoCheckpointInProgress(const TestCluster& cluster) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (true) {
+    bool busy = false;
+    for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
+      busy |= !status.ok() || status->checkpoints_in_progress_size() > 0;
+    }
+    if (!busy) return true;
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
 }
 
 }  // namespace flatshard::testing
