@@ -20,14 +20,8 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::MustWaitFor;
+using testing::Operator;
 using testing::Trainer;
-
-// A client of job "test" that sends no gradients: an operator's `flatshard save`.
-std::unique_ptr<Client> Operator(const testing::TestCluster& cluster, absl::Duration timeout = absl::Seconds(20)) {
-  auto connected = cluster.Connect({.job = "test", .timeout = timeout});
-  EXPECT_TRUE(connected.ok()) << connected.status();
-  return connected.ok() ? *std::move(connected) : nullptr;
-}
 
 std::map<std::string, std::map<std::string, int64_t>> ListedVersions(Client& client) {
   std::map<std::string, std::map<std::string, int64_t>> versions;

@@ -20,13 +20,8 @@ namespace flatshard {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::Operator;
 using testing::Trainer;
-
-std::unique_ptr<Client> Operator(const testing::TestCluster& cluster) {
-  auto connected = cluster.Connect({.job = "test", .timeout = absl::Seconds(20)});
-  EXPECT_TRUE(connected.ok()) << connected.status();
-  return connected.ok() ? *std::move(connected) : nullptr;
-}
 
 // Runs `wait` on a thread and has `loader` load checkpoint `name` until `wait` returns:
 // a load before the wait reaches the servers does not end it, the next one does. At most

@@ -2,9 +2,10 @@
 // two groups that step in sync mode: "big" (two fp32 tensors, AdamW) and "tiny" (one
 // element, SGD with momentum). Its gradients are a fixed function of the step and the
 // worker's rank, so that runs can be repeated and compared bit for bit. Failures are
-// gtest failures. Not thread-safe. MustWaitFor checks that an operation waits (for a
-// step another worker has yet to complete, say); AwaitNoCheckpointInProgress, that the
-// servers have let go of a save that timed out.
+// gtest failures. Not thread-safe. Operator connects a client that sends no gradients;
+// MustWaitFor checks that an operation waits (for a step another worker has yet to
+// complete, say); AwaitNoCheckpointInProgress, that the servers have let go of a save
+// that timed out.
 #ifndef FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
 #define FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
 
@@ -74,6 +75,13 @@ struct Trainer {
     return values;
   }
 };
+
+// A client of job "test" that sends no gradients: an operator's `flatshard save`, say.
+inline std::unique_ptr<Client> Operator(const TestCluster& cluster, absl::Duration timeout = absl::Seconds(20)) {
+  auto connected = cluster.Connect({.job = "test", .timeout = timeout});
+  EXPECT_TRUE(connected.ok()) << connected.status();
+  return connected.ok() ? *std::move(connected) : nullptr;
+}
 
 // Runs `operation` on a thread and checks that it is still running after 300 ms (it
 // waits for something, `what`), then runs `unblock` and returns the operation's outcome.
