@@ -21,7 +21,9 @@
 // load its state follows, the same on every server (the client picks it), 0 before any.
 // A share of an epoch this server has left is ignored; one of an epoch it has not reached
 // yet (its sender committed the load first) is refused with Unavailable, which the sender
-// retries until this server commits the load too.
+// retries until this server commits the load too. (A server restarted since the last load
+// is at epoch 0 until the next one; its job needs that load anyway: its groups start
+// afresh.)
 //
 // Thread-safe. Lock order: this coordinator, then a Group; never the reverse.
 //
