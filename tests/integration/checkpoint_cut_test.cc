@@ -19,19 +19,10 @@ namespace flatshard {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::ListedVersions;
 using testing::MustWaitFor;
 using testing::Operator;
 using testing::Trainer;
-
-std::map<std::string, std::map<std::string, int64_t>> ListedVersions(Client& client) {
-  std::map<std::string, std::map<std::string, int64_t>> versions;
-  auto listed = client.ListCheckpoints();
-  EXPECT_TRUE(listed.ok()) << listed.status();
-  if (listed.ok()) {
-    for (const CheckpointEntry& entry : *listed) versions[entry.name] = entry.versions;
-  }
-  return versions;
-}
 
 // Two workers in an unclipped job, the second one late with "tiny": "big" has taken the
 // step, "tiny" has not. The operator's default cut mixes the two; its cut at the step

@@ -89,13 +89,7 @@ TEST(LoadWhileTrainingTest, AWaitForAVersionTheLoadTookAwayEndsAtOnce) {
   // wait for step 1 to complete (only worker 0 itself would send what it needs) and holds
   // the loaded state.
   ASSERT_TRUE(first.client->SaveCheckpoint("reloaded", CheckpointKind::kSharded, true).ok());
-  absl::StatusOr<std::vector<CheckpointEntry>> listed = loader->ListCheckpoints();
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  std::map<std::string, int64_t> reloaded;
-  for (const CheckpointEntry& entry : *listed) {
-    if (entry.name == "reloaded") reloaded = entry.versions;
-  }
-  EXPECT_EQ(reloaded, (std::map<std::string, int64_t>{{"big", 1}, {"tiny", 1}}));
+  EXPECT_EQ(testing::ListedVersions(*loader)["reloaded"], (std::map<std::string, int64_t>{{"big", 1}, {"tiny", 1}}));
 
   EXPECT_EQ(first.Params("big", first.big, 1), big_at_1);
   first.Step(1);

@@ -2,10 +2,10 @@
 // two groups that step in sync mode: "big" (two fp32 tensors, AdamW) and "tiny" (one
 // element, SGD with momentum). Its gradients are a fixed function of the step and the
 // worker's rank, so that runs can be repeated and compared bit for bit. Failures are
-// gtest failures. Not thread-safe. Operator connects a client that sends no gradients;
-// MustWaitFor checks that an operation waits (for a step another worker has yet to
-// complete, say); AwaitNoCheckpointInProgress, that the servers have let go of a save
-// that timed out.
+// gtest failures. Not thread-safe. Helpers beside it: Operator connects a client that
+// sends no gradients; ListedVersions lists the checkpoints' versions; MustWaitFor checks
+// that an operation waits (for a step another worker has yet to complete, say);
+// AwaitNoCheckpointInProgress, that the servers have let go of a save that timed out.
 #ifndef FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
 #define FLATSHARD_TESTS_INTEGRATION_TRAINER_H_
 
@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -81,6 +82,17 @@ inline std::unique_ptr<Client> Operator(const TestCluster& cluster, absl::Durati
   auto connected = cluster.Connect({.job = "test", .timeout = timeout});
   EXPECT_TRUE(connected.ok()) << connected.status();
   return connected.ok() ? *std::move(connected) : nullptr;
+}
+
+// Checkpoint name -> its versions (group -> version), as `client` lists them.
+inline std::map<std::string, std::map<std::string, int64_t>> ListedVersions(Client& client) {
+  std::map<std::string, std::map<std::string, int64_t>> versions;
+  auto listed = client.ListCheckpoints();
+  EXPECT_TRUE(listed.ok()) << listed.status();
+  if (listed.ok()) {
+    for (const CheckpointEntry& entry : *listed) versions[entry.name] = entry.versions;
+  }
+  return versions;
 }
 
 // Runs `operation` on a thread and checks that it is still running after 300 ms (it
