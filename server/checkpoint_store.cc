@@ -708,7 +708,7 @@ absl::StatusOr<StagedGroups> CheckpointStore::StageFromManifest(const Json& mani
   return StageCheckpoint(manifest, reader, registry_, name, job, placement.shard, placement.shards, progress.get());
 }
 
-absl::Status CheckpointStore::CommitLoad(const std::string& name) {
+absl::Status CheckpointStore::CommitLoad(const std::string& name, uint64_t load_id) {
   StagedGroups staged;
   {
     absl::MutexLock lock(&mu_);
@@ -719,7 +719,7 @@ absl::Status CheckpointStore::CommitLoad(const std::string& name) {
     staged = std::move(it->second);
     staged_.erase(it);
   }
-  for (auto& [group, loaded] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(std::move(loaded)));
+  for (auto& [group, loaded] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(std::move(loaded), load_id));
   return absl::OkStatus();
 }
 

@@ -236,8 +236,9 @@ class CheckpointStore {
   // is installed.
   [[nodiscard]] absl::Status PrepareLoad(const std::string& name, const std::string& job,
                                          const std::string& home_root_id = "");
-  // Installs what PrepareLoad staged. FailedPrecondition if nothing is staged.
-  [[nodiscard]] absl::Status CommitLoad(const std::string& name);
+  // Installs what PrepareLoad staged, as load `load_id` (Group::Restore).
+  // FailedPrecondition if nothing is staged.
+  [[nodiscard]] absl::Status CommitLoad(const std::string& name, uint64_t load_id);
   void AbortLoad(const std::string& name);
 
  private:

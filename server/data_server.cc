@@ -206,32 +206,31 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
 }
 
 bool DataServer::ServeReceive(Connection& conn, const Request& received) {
-  // A part of a scatter: its head first; `request` then counts the bytes after it.
+  // A part of a scatter or a message of the exchange: its head first; `request` then
+  // counts the bytes after it.
   Request request = received;
-  SlotPart part;
-  if (request.op == DataOp::kScatterPart) {
-    transport::ScatterPart head;
-    if (request.payload_bytes < static_cast<int64_t>(sizeof(head))) {
-      return Refuse(conn, request,
-                    absl::InvalidArgumentError(absl::StrCat(
-                        "a scatter part starts with its ", sizeof(head), "-byte head; this one carries ",
-                        request.payload_bytes, " bytes")));
-    }
-    if (!conn.Recv(BytesOf(head)).ok()) return false;
-    request.payload_bytes -= static_cast<int64_t>(sizeof(head));
-    // Clamped into int range; values past the limit stay out of it, and PartRange refuses them.
-    part = {static_cast<int>(std::min<uint32_t>(head.index, transport::kMaxSplitParts)),
-            static_cast<int>(std::min<uint32_t>(head.count, transport::kMaxSplitParts + 1))};
-  }
-  const bool scatter = request.op == DataOp::kScatter || request.op == DataOp::kScatterPart;
-  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
-  if (!group.ok()) return Refuse(conn, request, group.status());
   const std::optional<Exchange> exchange = ExchangeOf(request.op);
   const char* what = request.op == DataOp::kScatter          ? "scatter"
                      : request.op == DataOp::kScatterPart    ? "scatter part"
                      : request.op == DataOp::kReplicaPartial ? "replica partial"
                      : request.op == DataOp::kReplicaReduced ? "reduced chunk"
                                                              : "init";
+  SlotPart part;
+  uint64_t load_epoch = 0;
+  if (request.op == DataOp::kScatterPart) {
+    transport::ScatterPart head;
+    if (std::optional<bool> done = RecvHead(conn, request, BytesOf(head), what)) return *done;
+    // Clamped into int range; values past the limit stay out of it, and PartRange refuses them.
+    part = {static_cast<int>(std::min<uint32_t>(head.index, transport::kMaxSplitParts)),
+            static_cast<int>(std::min<uint32_t>(head.count, transport::kMaxSplitParts + 1))};
+  } else if (exchange.has_value()) {
+    transport::ExchangeHead head;
+    if (std::optional<bool> done = RecvHead(conn, request, BytesOf(head), what)) return *done;
+    load_epoch = head.load_epoch;
+  }
+  const bool scatter = request.op == DataOp::kScatter || request.op == DataOp::kScatterPart;
+  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
+  if (!group.ok()) return Refuse(conn, request, group.status());
   // An exchange message carries one chunk of the shard (a sender outside the job's
   // replica groups is refused by BeginExchange below).
   int64_t numel = (*group)->shard_numel();
@@ -258,7 +257,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
                                          exchange.has_value() ? " elements of a chunk of this server's shard)"
                                                               : " elements of this server's shard)"))));
   }
-  absl::StatusOr<ReceiveSlot> slot = BeginReceive(**group, request, part);
+  absl::StatusOr<ReceiveSlot> slot = BeginReceive(**group, request, part, load_epoch);
   if (!slot.ok()) return Refuse(conn, request, slot.status());
   if (!conn.Recv(slot->buffer).ok()) {
     // The peer died or stalled mid-transfer: nothing partial is kept.
@@ -291,8 +290,8 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
   return answered;
 }
 
-absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request,
-                                                     SlotPart part) {
+absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request, SlotPart part,
+                                                     uint64_t load_epoch) {
   switch (request.op) {
     case DataOp::kScatter:
     case DataOp::kScatterPart:
@@ -304,12 +303,8 @@ absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request
         return absl::InvalidArgumentError(absl::StrCat("the exchange between replica groups is float32, not ",
                                                        DTypeName(request.dtype)));
       }
-      const Exchange what = *ExchangeOf(request.op);
-      absl::StatusOr<ReceiveSlot> slot = group.BeginExchange(what, request.version, request.worker_rank);
-      if (!absl::IsFailedPrecondition(slot.status())) return slot;
-      // A peer replica group may be ahead by a step: wait until this one gets there.
-      FLATSHARD_ASSIGN_OR_RETURN(const bool again, group.AwaitEarlyStep(request.version, request.Deadline()));
-      return again ? group.BeginExchange(what, request.version, request.worker_rank) : slot;
+      return driver_.BeginExchange(group, *ExchangeOf(request.op), {request.version, load_epoch}, request.worker_rank,
+                                   request.Deadline());
     }
     default:
       return group.BeginPushInit(request.dtype);
@@ -327,6 +322,19 @@ void DataServer::AbortReceive(Group& group, const Request& request, const Receiv
     default:
       return group.AbortPushInit(slot);
   }
+}
+
+std::optional<bool> DataServer::RecvHead(Connection& conn, Request& request, absl::Span<std::byte> head,
+                                         absl::string_view request_name) {
+  if (request.payload_bytes < static_cast<int64_t>(head.size())) {
+    return Refuse(
+        conn, request,
+        absl::InvalidArgumentError(absl::StrCat("a ", request_name, " starts with its ", head.size(),
+                                                "-byte head; this one carries ", request.payload_bytes, " bytes")));
+  }
+  if (!conn.Recv(head).ok()) return false;
+  request.payload_bytes -= static_cast<int64_t>(head.size());
+  return std::nullopt;
 }
 
 std::optional<bool> DataServer::RecvTarget(Connection& conn, const Request& request,

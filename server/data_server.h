@@ -71,9 +71,14 @@ class DataServer {
   bool ServeReceive(transport::Connection& conn, const transport::Request& request);
   // The staging slot for a scatter, a message of the exchange between replica groups or
   // initial values, and its release.
-  absl::StatusOr<ReceiveSlot> BeginReceive(Group& group, const transport::Request& request,
-                                           SlotPart part);
+  // `load_epoch`: an exchange message's (transport::ExchangeHead).
+  absl::StatusOr<ReceiveSlot> BeginReceive(Group& group, const transport::Request& request, SlotPart part,
+                                           uint64_t load_epoch);
   static void AbortReceive(Group& group, const transport::Request& request, const ReceiveSlot& slot);
+  // Receives the fixed-size head that starts `request`'s payload (`request_name`: "scatter
+  // part") into `head` and takes it off request.payload_bytes; otherwise as RecvTarget.
+  std::optional<bool> RecvHead(transport::Connection& conn, transport::Request& request, absl::Span<std::byte> head,
+                               absl::string_view request_name);
   // Receives the fixed-size payload of a GPU-plane request (`request_name`: "a CUDA IPC
   // request") into `target`. Refuses a payload of another size; then, or when the
   // connection fails, returns what ServeRequest should return; nullopt when `target`

@@ -680,7 +680,7 @@ absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadli
   return snapshot;
 }
 
-absl::Status Group::Restore(LoadedShard loaded) {
+absl::Status Group::Restore(LoadedShard loaded, uint64_t load_id) {
   absl::MutexLock lock(&mu_);
   if (loaded.params.numel() != shard_numel()) {
     return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': loaded shard of ", loaded.params.numel(),
@@ -697,6 +697,10 @@ absl::Status Group::Restore(LoadedShard loaded) {
   }
   version_ = loaded.version;
   ++loads_;
+  if (load_id != load_epoch_) {
+    left_load_epochs_.insert(load_epoch_);
+    load_epoch_ = load_id;
+  }
   ready_count_ = 0;
   reduced_ = false;
   std::fill(contributions_.begin(), contributions_.end(), Contribution{});

@@ -24,6 +24,10 @@
 //     3. The other chunks arrive reduced from their owners (Exchange::kReduced). With all
 //        R chunks in, the step goes on as after the last contribution.
 //    Every replica group ends with the same bits; each server sends 2(R-1)/R of a shard.
+//    A message and the sender's records of it belong to one round (ExchangeRound): the
+//    step and the load the group's state comes from. A load's Restore starts a new
+//    round even at the same version, so a chunk of the replaced state that is still in
+//    flight is refused (Aborted) rather than taken for the step taken again.
 //  - With gradient clipping (or skip_nonfinite), the reduced gradient waits (kReduced)
 //    until the job's global norm is known (server/clip_coordinator.h), which then calls
 //    FinishClippedStep with the clip coefficient (or SkipStep for a non-finite norm).
@@ -103,6 +107,7 @@ struct ReceiveSlot {
   DType dtype = DType::kFloat32;
   absl::Span<std::byte> buffer;  // host memory, or device memory for SlotMemory::kDevice
   SlotPart part;                 // scatters: the part `buffer` holds
+  uint64_t load_epoch = 0;       // exchanges: the round's load (ExchangeRound)
 };
 
 // Where a scatter's staging slot lives: host-addressable (the TCP data plane writes it)
@@ -121,6 +126,21 @@ enum class CommitOutcome {
 enum class Exchange {
   kPartial,  // its partial of the receiver's chunk
   kReduced,  // its own chunk, reduced
+};
+
+// One round of a hybrid job's exchange: `step` of the group state that checkpoint load
+// `load_epoch` installed (the load's id, the same on every server; 0 before any load).
+struct ExchangeRound {
+  int64_t step = 0;
+  uint64_t load_epoch = 0;
+  bool operator==(const ExchangeRound&) const = default;
+};
+
+// What kShare or kBroadcast hands over to be sent: fp32 bytes in host memory, valid
+// while the group is in `round`, and the round they belong to.
+struct OutgoingChunk {
+  ExchangeRound round;
+  absl::Span<const std::byte> bytes;
 };
 
 // This server's shard of a group at one version: parameters (fp32 master, shard_numel
@@ -236,37 +256,41 @@ class Group {
   std::pair<int64_t, int64_t> ExchangeChunk(Exchange what, int replica) const {
     return ReplicaChunk(what == Exchange::kPartial ? placement_.replica : replica);
   }
-  // After kShare: this replica's partial for `step` (fp32, the whole shard, host
-  // memory), valid until the step is applied; FailedPrecondition when it is not summed
-  // yet or already delivered. CommitOwnPartial then counts it once every chunk reached
-  // its owner.
-  [[nodiscard]] absl::StatusOr<absl::Span<const std::byte>> SharedPartial(int64_t step) const;
-  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitOwnPartial(int64_t step);
-  // After kBroadcast: this server's reduced chunk for `step` (fp32, host memory), valid
-  // until the step is applied. CommitBroadcast then counts it once every other replica
-  // group holds it.
-  [[nodiscard]] absl::StatusOr<absl::Span<const std::byte>> BroadcastChunk(int64_t step) const;
-  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitBroadcast(int64_t step);
+  // After kShare: this replica's partial for `step` (the whole shard);
+  // FailedPrecondition when it is not summed yet or already delivered. CommitOwnPartial
+  // then counts it once every chunk reached its owner.
+  [[nodiscard]] absl::StatusOr<OutgoingChunk> SharedPartial(int64_t step) const;
+  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitOwnPartial(const ExchangeRound& round);
+  // After kBroadcast: this server's reduced chunk for `step`. CommitBroadcast then
+  // counts it once every other replica group holds it.
+  [[nodiscard]] absl::StatusOr<OutgoingChunk> BroadcastChunk(int64_t step) const;
+  [[nodiscard]] absl::StatusOr<CommitOutcome> CommitBroadcast(const ExchangeRound& round);
   // kShare and kBroadcast hand what is to be sent to one caller. If sending fails,
   // ReleasePending lets a later ClaimPending (which returns each at most once per
-  // release) take it up again.
-  void ReleasePending(int64_t step, CommitOutcome what);
+  // release) take it up again. A release of a round the group has left is ignored.
+  void ReleasePending(const ExchangeRound& round, CommitOutcome what);
   std::optional<CommitOutcome> ClaimPending(int64_t step);
   // Which replica groups' servers hold `what` (kShare: their chunk of this replica's
-  // partial; kBroadcast: this server's reduced chunk) for `step`, as the sender recorded
+  // partial; kBroadcast: this server's reduced chunk) in `round`, as the sender recorded
   // with MarkDelivered: a send after a failure goes to the others only. Cleared when the
-  // step moves on or a load resets the exchange. Replicas outside [0, R) are ignored.
-  void MarkDelivered(int64_t step, CommitOutcome what, int replica);
-  bool Delivered(int64_t step, CommitOutcome what, int replica) const;
-  // What another replica group's server sends (slot.worker_rank = its replica group,
-  // fp32, its chunk's size). AlreadyExists for one already held or applied;
+  // step moves on or a load resets the exchange; marks of another round are ignored, as
+  // are replicas outside [0, R).
+  void MarkDelivered(const ExchangeRound& round, CommitOutcome what, int replica);
+  bool Delivered(const ExchangeRound& round, CommitOutcome what, int replica) const;
+  // What another replica group's server sends in `round` (slot.worker_rank = its replica
+  // group, fp32, its chunk's size). AlreadyExists for one already held or applied;
   // FailedPrecondition for a future step, one being received or a frozen group;
-  // InvalidArgument for a replica group outside [0, R) or this one's. Committing the last
-  // kPartial returns
-  // kBroadcast, the last kReduced what the last contribution would.
-  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginExchange(Exchange what, int64_t step, int replica);
+  // InvalidArgument for a replica group outside [0, R) or this one's; Aborted for a
+  // round of a state a load replaced here; Unavailable for one of a load this server has
+  // not committed yet (AwaitLoad). Committing the last kPartial returns kBroadcast, the
+  // last kReduced what the last contribution would; a commit after a load since
+  // BeginExchange is Aborted.
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginExchange(Exchange what, const ExchangeRound& round, int replica);
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitExchange(Exchange what, const ReceiveSlot& slot);
   void AbortExchange(Exchange what, const ReceiveSlot& slot);
+  // After BeginExchange refused a round with Unavailable: true once this group has
+  // committed load `load_epoch` (now or by `deadline`), false when the wait ran out.
+  bool AwaitLoad(uint64_t load_epoch, absl::Time deadline) const;
 
   // Clipped jobs. True when the contributions for `step` are reduced and wait for the
   // norm. NormPartial: this shard's sum of squares (norm_type 2) or max |g| (inf) of the
@@ -317,11 +341,13 @@ class Group {
   [[nodiscard]] absl::Status ReadPinned(absl::string_view state, int64_t offset, int64_t count,
                                         float* out) const;
 
-  // Installs a loaded shard (checkpoint load): parameters, optimizer state and version;
-  // contributions in flight for the old version are dropped. On the host tier the
-  // buffers are adopted (no copy; the old ones are freed), on the others copied.
-  // InvalidArgument (nothing changed) if sizes or state names do not match this group.
-  [[nodiscard]] absl::Status Restore(LoadedShard loaded);
+  // Installs a loaded shard (checkpoint load `load_id`: non-zero, the same on every
+  // server, a new one per load): parameters, optimizer state and version; contributions
+  // in flight for the old version are dropped, and the exchange starts a round of
+  // `load_id`. On the host tier the buffers are adopted (no copy; the old ones are
+  // freed), on the others copied. InvalidArgument (nothing changed) if sizes or state
+  // names do not match this group.
+  [[nodiscard]] absl::Status Restore(LoadedShard loaded, uint64_t load_id);
   std::vector<std::string> optimizer_state_names() const;
 
   // New hyper-parameters from the next step on (same optimizer kind).
@@ -373,9 +399,9 @@ class Group {
   // them into grad_ and goes on with the step (clipping or optimizer).
   absl::StatusOr<CommitOutcome> ReducedArrived(int replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static bool AllReady(const std::vector<SlotState>& states);
-  // Hybrid: OK when this server's own `what` for `step` waits to be sent (kReceiving);
+  // Hybrid: OK when this server's own `what` for `round` waits to be sent (kReceiving);
   // FailedPrecondition naming it otherwise.
-  absl::Status CheckOutgoing(Exchange what, int64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckOutgoing(Exchange what, const ExchangeRound& round) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hybrid: where the exchange assembles the reduced gradient (host-addressable, the whole
   // shard): grad_ itself on the host and pinned tiers, reduced_staging_ (copied into
   // grad_ once complete) on the device tier. EnsureReducedGradient allocates the staging.
@@ -394,6 +420,10 @@ class Group {
   void AdvanceVersion() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hybrid: the exchange's states back to empty, nothing claimed.
   void ResetExchange() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The exchange is in `round`: at its step, with the state of its load.
+  bool InRound(const ExchangeRound& round) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return version_ == round.step && load_epoch_ == round.load_epoch;
+  }
   absl::StatusOr<CommitOutcome> CommitAsync(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishNewValues() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A buffer of at least `bytes` (host-addressable, or in the tier for `memory` kDevice),
@@ -455,6 +485,8 @@ class Group {
   std::multiset<int64_t> holds_ ABSL_GUARDED_BY(mu_);  // HoldAt's versions
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
   int64_t loads_ ABSL_GUARDED_BY(mu_) = 0;       // Restore calls that installed a shard
+  uint64_t load_epoch_ ABSL_GUARDED_BY(mu_) = 0;              // the last Restore's load id (0: none)
+  std::set<uint64_t> left_load_epochs_ ABSL_GUARDED_BY(mu_);  // those before it
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_
   std::vector<int64_t> last_async_step_ ABSL_GUARDED_BY(mu_);  // per worker, -1: none
   bool init_receiving_ ABSL_GUARDED_BY(mu_) = false;

@@ -1,16 +1,26 @@
 // Group's side of a hybrid-sharded job's exchange between replica groups (group.h, "the
 // exchange"): the chunks, this replica's partial and reduced chunk to send, what peers
 // send here, and the sums once every replica group's part is in.
-#include "server/group.h"
-
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
+#include "server/group.h"
 
 namespace flatshard::server {
+
+namespace {
+
+// The group state a round's load installed, for messages.
+std::string LoadedState(uint64_t load_epoch) {
+  return load_epoch == 0 ? std::string("the state from before any checkpoint load")
+                         : absl::StrCat("the state of checkpoint load ", absl::Hex(load_epoch));
+}
+
+}  // namespace
 
 std::pair<int64_t, int64_t> Group::ReplicaChunk(int replica) const {
   const int64_t numel = shard_numel(), replicas = std::max(1, job_settings_.replicas);
@@ -20,62 +30,64 @@ std::pair<int64_t, int64_t> Group::ReplicaChunk(int replica) const {
   return {boundary(replica), boundary(replica + 1) - boundary(replica)};
 }
 
-absl::Status Group::CheckOutgoing(Exchange what, int64_t step) const {
+absl::Status Group::CheckOutgoing(Exchange what, const ExchangeRound& round) const {
   const std::vector<SlotState>& states = what == Exchange::kPartial ? partial_states_ : reduced_states_;
-  if (job_settings_.hybrid() && version_ == step && states[placement_.replica] == SlotState::kReceiving) {
+  if (job_settings_.hybrid() && InRound(round) && states[placement_.replica] == SlotState::kReceiving) {
     return absl::OkStatus();
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "group '", name_, "' has no ", what == Exchange::kPartial ? "partial" : "reduced chunk",
-      " of replica group ", placement_.replica, " waiting to be sent for step ", step,
-      " (at version ", version_, ")"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("group '", name_, "' has no ", what == Exchange::kPartial ? "partial" : "reduced chunk",
+                   " of replica group ", placement_.replica, " waiting to be sent for step ", round.step, " of ",
+                   LoadedState(round.load_epoch), " (at version ", version_, " of ", LoadedState(load_epoch_), ")"));
 }
 
-absl::StatusOr<absl::Span<const std::byte>> Group::SharedPartial(int64_t step) const {
+absl::StatusOr<OutgoingChunk> Group::SharedPartial(int64_t step) const {
   absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kPartial, step));
-  return own_partial_.bytes().subspan(0, static_cast<size_t>(shard_numel()) * sizeof(float));
+  const ExchangeRound round{step, load_epoch_};
+  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kPartial, round));
+  return OutgoingChunk{round, own_partial_.bytes().subspan(0, static_cast<size_t>(shard_numel()) * sizeof(float))};
 }
 
-absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(int64_t step) {
+absl::StatusOr<CommitOutcome> Group::CommitOwnPartial(const ExchangeRound& round) {
   absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kPartial, step));
+  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kPartial, round));
   partial_states_[placement_.replica] = SlotState::kReady;
   share_claimed_ = false;
   return PartialArrived(placement_.replica);
 }
 
-absl::StatusOr<absl::Span<const std::byte>> Group::BroadcastChunk(int64_t step) const {
+absl::StatusOr<OutgoingChunk> Group::BroadcastChunk(int64_t step) const {
   absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kReduced, step));
+  const ExchangeRound round{step, load_epoch_};
+  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kReduced, round));
   const auto [offset, numel] = ReplicaChunk(placement_.replica);
-  return ReducedGradient().subspan(offset * sizeof(float), numel * sizeof(float));
+  return OutgoingChunk{round, ReducedGradient().subspan(offset * sizeof(float), numel * sizeof(float))};
 }
 
-absl::StatusOr<CommitOutcome> Group::CommitBroadcast(int64_t step) {
+absl::StatusOr<CommitOutcome> Group::CommitBroadcast(const ExchangeRound& round) {
   absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kReduced, step));
+  FLATSHARD_RETURN_IF_ERROR(CheckOutgoing(Exchange::kReduced, round));
   reduced_states_[placement_.replica] = SlotState::kReady;
   broadcast_claimed_ = false;
   return ReducedArrived(placement_.replica);
 }
 
-void Group::ReleasePending(int64_t step, CommitOutcome what) {
+void Group::ReleasePending(const ExchangeRound& round, CommitOutcome what) {
   absl::MutexLock lock(&mu_);
-  if (version_ != step) return;
+  if (!InRound(round)) return;
   (what == CommitOutcome::kShare ? share_claimed_ : broadcast_claimed_) = false;
 }
 
-void Group::MarkDelivered(int64_t step, CommitOutcome what, int replica) {
+void Group::MarkDelivered(const ExchangeRound& round, CommitOutcome what, int replica) {
   absl::MutexLock lock(&mu_);
   std::vector<bool>& delivered = what == CommitOutcome::kShare ? share_delivered_ : broadcast_delivered_;
-  if (version_ == step && replica >= 0 && replica < static_cast<int>(delivered.size())) delivered[replica] = true;
+  if (InRound(round) && replica >= 0 && replica < static_cast<int>(delivered.size())) delivered[replica] = true;
 }
 
-bool Group::Delivered(int64_t step, CommitOutcome what, int replica) const {
+bool Group::Delivered(const ExchangeRound& round, CommitOutcome what, int replica) const {
   absl::MutexLock lock(&mu_);
   const std::vector<bool>& delivered = what == CommitOutcome::kShare ? share_delivered_ : broadcast_delivered_;
-  return version_ == step && replica >= 0 && replica < static_cast<int>(delivered.size()) && delivered[replica];
+  return InRound(round) && replica >= 0 && replica < static_cast<int>(delivered.size()) && delivered[replica];
 }
 
 std::optional<CommitOutcome> Group::ClaimPending(int64_t step) {
@@ -92,7 +104,7 @@ std::optional<CommitOutcome> Group::ClaimPending(int64_t step) {
   return std::nullopt;
 }
 
-absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, int replica) {
+absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, const ExchangeRound& round, int replica) {
   const char* noun = what == Exchange::kPartial ? "partial" : "reduced chunk";
   if (!job_settings_.hybrid() || replica < 0 || replica >= job_settings_.replicas ||
       replica == placement_.replica) {
@@ -106,6 +118,19 @@ absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, in
         "group '", name_, "' of job '", job_, "' is frozen: it takes no ", noun, "s"));
   }
   absl::MutexLock lock(&mu_);
+  const int64_t step = round.step;
+  if (round.load_epoch != load_epoch_) {
+    if (left_load_epochs_.contains(round.load_epoch)) {
+      return absl::AbortedError(absl::StrCat(
+          noun, " of replica group ", replica, " for group '", name_, "' step ", step, " is of ",
+          LoadedState(round.load_epoch), ", which a checkpoint load replaced here (this server holds ",
+          LoadedState(load_epoch_), " at version ", version_, "); the step is taken again from the loaded state"));
+    }
+    return absl::UnavailableError(absl::StrCat(noun, " of replica group ", replica, " for group '", name_, "' step ",
+                                               step, " is of ", LoadedState(round.load_epoch),
+                                               ", which this server has not committed yet (it holds ",
+                                               LoadedState(load_epoch_), " at version ", version_, ")"));
+  }
   if (step < version_) {
     return absl::AlreadyExistsError(absl::StrCat(
         noun, " of replica group ", replica, " for group '", name_, "': step ", step,
@@ -142,13 +167,13 @@ absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, int64_t step, in
     buffer = ReducedGradient().subspan(offset * sizeof(float), bytes);
   }
   states[replica] = SlotState::kReceiving;
-  return ReceiveSlot{step, replica, DType::kFloat32, buffer, {}};
+  return ReceiveSlot{step, replica, DType::kFloat32, buffer, {}, load_epoch_};
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitExchange(Exchange what, const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
   std::vector<SlotState>& states = ExchangeStates(what);
-  if (version_ != slot.step || states[slot.worker_rank] != SlotState::kReceiving) {
+  if (!InRound({slot.step, slot.load_epoch}) || states[slot.worker_rank] != SlotState::kReceiving) {
     return absl::AbortedError(absl::StrCat(
         "group '", name_, "' was loaded or re-initialized while the ",
         what == Exchange::kPartial ? "partial" : "reduced chunk", " of replica group ",
@@ -161,9 +186,17 @@ absl::StatusOr<CommitOutcome> Group::CommitExchange(Exchange what, const Receive
 void Group::AbortExchange(Exchange what, const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
   std::vector<SlotState>& states = ExchangeStates(what);
-  if (version_ == slot.step && states[slot.worker_rank] == SlotState::kReceiving) {
+  if (InRound({slot.step, slot.load_epoch}) && states[slot.worker_rank] == SlotState::kReceiving) {
     states[slot.worker_rank] = SlotState::kEmpty;
   }
+}
+
+bool Group::AwaitLoad(uint64_t load_epoch, absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto committed = [this, load_epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return load_epoch_ == load_epoch || left_load_epochs_.contains(load_epoch);
+  };
+  return mu_.AwaitWithDeadline(absl::Condition(&committed), deadline);
 }
 
 absl::Status Group::EnsureReducedGradient() {

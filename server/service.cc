@@ -314,7 +314,7 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
       if (request->load_id() == 0) {
         return ToGrpc(absl::InvalidArgumentError("a load's commit must carry its (non-zero) load_id"));
       }
-      const absl::Status loaded = checkpoints_.CommitLoad(request->name());
+      const absl::Status loaded = checkpoints_.CommitLoad(request->name(), request->load_id());
       // Its steps are taken again from the loaded versions.
       if (loaded.ok()) clip_.OnLoad(request->job(), request->load_id());
       return ToGrpc(loaded);

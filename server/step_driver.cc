@@ -53,6 +53,19 @@ absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step,
   return slot;
 }
 
+absl::StatusOr<ReceiveSlot> StepDriver::BeginExchange(Group& group, Exchange what, const ExchangeRound& round,
+                                                      int replica, absl::Time deadline) {
+  absl::StatusOr<ReceiveSlot> slot = group.BeginExchange(what, round, replica);
+  // The peer committed a checkpoint load that this server is committing too.
+  if (absl::IsUnavailable(slot.status()) && group.AwaitLoad(round.load_epoch, deadline)) {
+    slot = group.BeginExchange(what, round, replica);
+  }
+  if (!absl::IsFailedPrecondition(slot.status())) return slot;
+  // A peer replica group may be ahead by a step: wait until this one gets there.
+  FLATSHARD_ASSIGN_OR_RETURN(const bool again, group.AwaitEarlyStep(round.step, deadline));
+  return again ? group.BeginExchange(what, round, replica) : slot;
+}
+
 absl::StatusOr<bool> StepDriver::Resume(Group& group, int64_t step) {
   if (std::optional<CommitOutcome> pending = group.ClaimPending(step)) {
     FLATSHARD_RETURN_IF_ERROR(Continue(group, step, *pending));
@@ -105,16 +118,16 @@ void StepDriver::RunAside(std::shared_ptr<Group> group, int64_t step, CommitOutc
 absl::StatusOr<CommitOutcome> StepDriver::Deliver(Group& group, int64_t step, CommitOutcome what) {
   const bool share = what == CommitOutcome::kShare;
   const Placement& placement = group.placement();
-  absl::StatusOr<absl::Span<const std::byte>> bytes =
-      share ? group.SharedPartial(step) : group.BroadcastChunk(step);
-  if (!bytes.ok()) return bytes.status();
+  FLATSHARD_ASSIGN_OR_RETURN(const OutgoingChunk outgoing,
+                             share ? group.SharedPartial(step) : group.BroadcastChunk(step));
+  const ExchangeRound& round = outgoing.round;
   // kShare: chunk q of the partial to replica group q's server; kBroadcast: this
   // server's reduced chunk to every other replica group.
   // Peers that took it on an earlier attempt are not sent it again.
   std::vector<Send> sends;
   for (int replica = 0; replica < placement.replicas; ++replica) {
-    if (replica == placement.replica || group.Delivered(step, what, replica)) continue;
-    absl::Span<const std::byte> part = *bytes;
+    if (replica == placement.replica || group.Delivered(round, what, replica)) continue;
+    absl::Span<const std::byte> part = outgoing.bytes;
     if (share) {
       const auto [offset, numel] = group.ReplicaChunk(replica);
       part = part.subspan(offset * sizeof(float), numel * sizeof(float));
@@ -126,8 +139,8 @@ absl::StatusOr<CommitOutcome> StepDriver::Deliver(Group& group, int64_t step, Co
   // Every peer at once (each has its own link); this thread sends to the first.
   std::vector<absl::Status> sent(sends.size());
   auto send = [&](size_t i) {
-    sent[i] = SendTo(sends[i], op, group, step);
-    if (sent[i].ok()) group.MarkDelivered(step, what, sends[i].replica);
+    sent[i] = SendTo(sends[i], op, group, round);
+    if (sent[i].ok()) group.MarkDelivered(round, what, sends[i].replica);
   };
   std::vector<std::thread> senders;
   for (size_t i = 1; i < sends.size(); ++i) senders.emplace_back(send, i);
@@ -135,18 +148,25 @@ absl::StatusOr<CommitOutcome> StepDriver::Deliver(Group& group, int64_t step, Co
   for (std::thread& sender : senders) sender.join();
   for (size_t i = 0; i < sends.size(); ++i) {
     if (sent[i].ok()) continue;
-    group.ReleasePending(step, what);
-    return absl::UnavailableError(absl::StrCat(
-        "contribution recorded, but the ", share ? "partial gradient" : "reduced gradient chunk",
-        " of replica group ", placement.replica, " for group '", group.name(), "' step ", step,
-        " could not reach server ", sends[i].peer, ": ", sent[i].message(),
-        "; send the contribution again to retry"));
+    group.ReleasePending(round, what);
+    const std::string sent_what =
+        absl::StrCat(share ? "partial gradient" : "reduced gradient chunk", " of replica group ", placement.replica,
+                     " for group '", group.name(), "' step ", step);
+    if (absl::IsAborted(sent[i])) {
+      // The peer committed a checkpoint load that replaced this state; so will this
+      // server, which drops the step then.
+      return absl::AbortedError(
+          absl::StrCat("server ", sends[i].peer, " refused the ", sent_what, ": ", sent[i].message()));
+    }
+    return absl::UnavailableError(absl::StrCat("contribution recorded, but the ", sent_what, " could not reach server ",
+                                               sends[i].peer, ": ", sent[i].message(),
+                                               "; send the contribution again to retry"));
   }
-  return share ? group.CommitOwnPartial(step) : group.CommitBroadcast(step);
+  return share ? group.CommitOwnPartial(round) : group.CommitBroadcast(round);
 }
 
 absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Group& group,
-                                int64_t step) {
+                                const ExchangeRound& round) {
   Link& link = *links_[send.peer];
   absl::MutexLock lock(&link.mu);
   for (int attempt = 0;; ++attempt) {
@@ -161,7 +181,7 @@ absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Gr
       link.active = link.conn.get();
     }
     absl::Status verdict;
-    const absl::Status transported = SendOn(*link.conn, op, group, step, send.bytes, verdict);
+    const absl::Status transported = SendOn(*link.conn, op, group, round, send.bytes, verdict);
     {
       absl::MutexLock active_lock(&link.active_mu);
       link.active = nullptr;
@@ -181,15 +201,18 @@ absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Gr
 }
 
 absl::Status StepDriver::SendOn(transport::Connection& conn, transport::DataOp op, const Group& group,
-                                int64_t step, absl::Span<const std::byte> bytes,
+                                const ExchangeRound& round, absl::Span<const std::byte> bytes,
                                 absl::Status& verdict) const {
   transport::RequestHeader header;
   header.op = static_cast<uint8_t>(op);
   header.dtype = static_cast<uint8_t>(DType::kFloat32);
   header.worker_rank = group.placement().replica;
-  header.version = step;
+  header.version = round.step;
   header.timeout_ms = absl::ToInt64Milliseconds(timeout_);
-  FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(conn, header, group.job(), group.name(), bytes));
+  const transport::ExchangeHead head{.load_epoch = round.load_epoch};
+  FLATSHARD_RETURN_IF_ERROR(
+      transport::SendRequest(conn, header, group.job(), group.name(),
+                             absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&head), sizeof(head)), bytes));
   FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(conn, {}));
   verdict = response.status;
   return absl::OkStatus();

@@ -15,6 +15,11 @@
 // answer: a handler that sent to peers before answering could deadlock with a peer
 // doing the same.
 //
+// Every message carries its round (Group, ExchangeRound), the load its state comes from
+// included. A peer that has committed a load since that state answers Aborted, which the
+// contribution that triggered the send gets (this server's own commit of the load drops
+// the step); a peer that has not committed the message's load yet waits for its commit
+// (BeginExchange).
 // When a peer cannot be reached, the contribution that triggered the send is answered
 // with Unavailable naming the peer, and the step waits. A worker that sends that
 // contribution again finds it held (AlreadyExists): BeginScatter then retries what the
@@ -82,6 +87,12 @@ class StepDriver {
                                                          SlotMemory memory = SlotMemory::kHost,
                                                          SlotPart part = {});
 
+  // Group::BeginExchange for a peer's message; one of a load this server has not
+  // committed yet waits for that commit, and one of the next step while this server
+  // finishes the current one waits for it (Group::AwaitEarlyStep), until `deadline`.
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginExchange(Group& group, Exchange what, const ExchangeRound& round,
+                                                          int replica, absl::Time deadline);
+
   // Continues after `group` committed something for `step` with `outcome` (kShare,
   // kBroadcast: the caller holds the claim, as a commit or ClaimPending handed it over).
   [[nodiscard]] absl::Status Continue(Group& group, int64_t step, CommitOutcome outcome);
@@ -105,13 +116,14 @@ class StepDriver {
   };
   // kShare and kBroadcast: sends to the peers that do not hold it yet (recording each
   // that takes it: Group::MarkDelivered), then commits; on failure releases the claim
-  // (Group::ReleasePending) and returns Unavailable naming the peer.
+  // (Group::ReleasePending) and returns Unavailable naming the peer (Aborted when the
+  // peer refused it as of a state a load replaced).
   absl::StatusOr<CommitOutcome> Deliver(Group& group, int64_t step, CommitOutcome what);
-  absl::Status SendTo(const Send& send, transport::DataOp op, const Group& group, int64_t step);
+  absl::Status SendTo(const Send& send, transport::DataOp op, const Group& group, const ExchangeRound& round);
   // Sends and sets `verdict` to the peer's answer; returns the transport's error (the
   // connection is then unusable).
-  absl::Status SendOn(transport::Connection& conn, transport::DataOp op, const Group& group,
-                      int64_t step, absl::Span<const std::byte> bytes, absl::Status& verdict) const;
+  absl::Status SendOn(transport::Connection& conn, transport::DataOp op, const Group& group, const ExchangeRound& round,
+                      absl::Span<const std::byte> bytes, absl::Status& verdict) const;
   // Sends again what `step` still waits for from this server after a failure: a claim
   // that a failed send released (Group::ClaimPending), or the norm share. False when
   // nothing is left.

@@ -51,8 +51,9 @@ enum class DataOp : uint8_t {
   kGatherRange = 9,  // version = min_version
   // Server to server, hybrid sharding (server/group.h, "the exchange"): a replica
   // group's partial sum of the gradient for the chunk of the shard that the receiver
-  // reduces. version = step, worker_rank = the sender's replica group; payload: the
-  // chunk in float32. The receiver waits (timeout_ms) until it reaches that step.
+  // reduces. version = step, worker_rank = the sender's replica group; payload: an
+  // ExchangeHead, then the chunk in float32. The receiver waits (timeout_ms) until it
+  // reaches that step, or commits the load the head names.
   kReplicaPartial = 10,
   // Server to server, hybrid sharding: the sender's chunk of the shard, reduced over
   // every replica group. Fields as for kReplicaPartial.
@@ -121,10 +122,17 @@ struct ScatterPart {
   uint32_t index = 0;
   uint32_t count = 0;
 };
+// The head of kReplicaPartial's and kReplicaReduced's payload: the checkpoint load the
+// sender's group state comes from (its load id; 0: never loaded), so that a chunk of the
+// state a load replaced is never taken for the step taken again from the loaded one.
+struct ExchangeHead {
+  uint64_t load_epoch = 0;
+};
 // The most parts one transfer may be split into.
 inline constexpr int kMaxSplitParts = 64;
 static_assert(sizeof(ByteRange) == 16);
 static_assert(sizeof(ScatterPart) == 8);
+static_assert(sizeof(ExchangeHead) == 8);
 static_assert(sizeof(RequestHeader) == 40);
 static_assert(sizeof(NcclTarget) == 16);
 static_assert(sizeof(IpcTarget) == 80);

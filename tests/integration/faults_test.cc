@@ -170,14 +170,19 @@ TEST_F(FaultsTest, GpuPlaneRequestsToAHostServerAreRefused) {
 // trains on.
 TEST_F(FaultsTest, MisdirectedReplicaExchangesAreRefusedAndTheServerServesOn) {
   auto conn = RawConnection();
-  auto send = [&](transport::DataOp op, int replica, DType dtype, int64_t bytes) {
+  // A message of `bytes` after its head (the head alone is cut to `head_bytes`).
+  auto send = [&](transport::DataOp op, int replica, DType dtype, int64_t bytes,
+                  size_t head_bytes = sizeof(transport::ExchangeHead)) {
+    const transport::ExchangeHead head;
     std::vector<std::byte> payload(bytes);
     transport::RequestHeader header;
     header.op = static_cast<uint8_t>(op);
     header.dtype = static_cast<uint8_t>(dtype);
     header.worker_rank = replica;
     header.timeout_ms = 1000;
-    absl::Status sent = transport::SendRequest(*conn, header, "test", "g", payload);
+    absl::Status sent =
+        transport::SendRequest(*conn, header, "test", "g",
+                               absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&head), head_bytes), payload);
     if (!sent.ok()) return sent;
     auto response = transport::RecvResponse(*conn, {});
     return response.ok() ? response->status : response.status();
@@ -193,6 +198,9 @@ TEST_F(FaultsTest, MisdirectedReplicaExchangesAreRefusedAndTheServerServesOn) {
                 HasSubstr("the exchange between replica groups is float32, not bfloat16"));
     const absl::Status short_one = send(op, 1, DType::kFloat32, shard_bytes - 4);
     EXPECT_THAT(std::string(short_one.message()), HasSubstr(absl::StrCat(noun, " to group 'g' carries")));
+    const absl::Status headless = send(op, 1, DType::kFloat32, 0, 4);
+    EXPECT_THAT(std::string(headless.message()),
+                HasSubstr(absl::StrCat("a ", noun, " starts with its 8-byte head; this one carries 4 bytes")));
   }
   ExpectGatherServed(*conn);
   ExpectStepCompletes(0);

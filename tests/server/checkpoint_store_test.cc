@@ -134,13 +134,15 @@ class FakeCluster {
         return prepared;
       }
     }
-    for (int rank = 0; rank < size(); ++rank) FLATSHARD_RETURN_IF_ERROR(stores_[rank]->CommitLoad(name));
+    const uint64_t load_id = ++loads_;  // the same on every server
+    for (int rank = 0; rank < size(); ++rank) FLATSHARD_RETURN_IF_ERROR(stores_[rank]->CommitLoad(name, load_id));
     return absl::OkStatus();
   }
 
  private:
   std::vector<std::unique_ptr<Registry>> registries_;
   std::vector<std::unique_ptr<CheckpointStore>> stores_;
+  uint64_t loads_ = 0;
 };
 
 std::string FreshRoot() {

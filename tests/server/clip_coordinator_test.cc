@@ -144,7 +144,7 @@ TEST_F(ClipCoordinatorTest, ALoadDropsTheNormSharesOfTheStateItReplaced) {
       std::fill_n(zeros->floats(), 2, 0.0f);
       LoadedShard loaded;
       loaded.params = *std::move(zeros);
-      ASSERT_TRUE((*servers_[rank].registry->FindGroup("job", name))->Restore(std::move(loaded)).ok());
+      ASSERT_TRUE((*servers_[rank].registry->FindGroup("job", name))->Restore(std::move(loaded), 42).ok());
     }
     servers_[rank].clip->OnLoad("job", 42);
   };

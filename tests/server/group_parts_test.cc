@@ -172,7 +172,7 @@ TEST(GroupPartsTest, ALoadDropsThePartsInFlight) {
   LoadedShard loaded;
   loaded.version = 0;
   loaded.params = *std::move(params);
-  ASSERT_TRUE(group->Restore(std::move(loaded)).ok());
+  ASSERT_TRUE(group->Restore(std::move(loaded), /*load_id=*/1).ok());
   const absl::Status dropped = group->CommitScatter(*one).status();
   EXPECT_EQ(dropped.code(), absl::StatusCode::kAborted);
   EXPECT_THAT(std::string(dropped.message()), HasSubstr("was dropped while it arrived (the group was loaded)"));

@@ -290,13 +290,13 @@ TEST(GroupTest, RestoreInstallsALoadedShard) {
   LoadedShard wrong;
   wrong.version = 9;
   wrong.params = buffer({1, 2});
-  EXPECT_EQ(group.Restore(std::move(wrong)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(group.Restore(std::move(wrong), 1).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(group.version(), 0);
 
   LoadedShard loaded;
   loaded.version = 7;
   loaded.params = buffer({4, 5, 6});
-  ASSERT_TRUE(group.Restore(std::move(loaded)).ok());
+  ASSERT_TRUE(group.Restore(std::move(loaded), 1).ok());
   EXPECT_EQ(group.version(), 7);
   EXPECT_EQ(Params(group), (std::vector<float>{4, 5, 6}));
   ASSERT_TRUE(Contribute(group, 7, 0, {1, 1, 1}).ok());  // SGD lr 1
@@ -309,6 +309,7 @@ TEST(GroupTest, RestoreInstallsALoadedShard) {
 TEST(GroupTest, ALoadBelowTheAwaitedVersionEndsTheWaitAtOnce) {
   std::shared_ptr<Group> group_owner = MakeGroup(2, /*mean=*/false);
   Group& group = *group_owner;
+  uint64_t loads = 0;
   auto load = [&](int64_t version) {
     LoadedShard loaded;
     loaded.version = version;
@@ -316,7 +317,7 @@ TEST(GroupTest, ALoadBelowTheAwaitedVersionEndsTheWaitAtOnce) {
     ASSERT_TRUE(params.ok()) << params.status();
     std::fill_n(params->floats(), 3, 4.0f);
     loaded.params = *std::move(params);
-    ASSERT_TRUE(group.Restore(std::move(loaded)).ok());
+    ASSERT_TRUE(group.Restore(std::move(loaded), ++loads).ok());
   };
   ASSERT_TRUE(Contribute(group, 0, 0, {1, 2, 3}).ok());  // worker 1's is still to come
   const absl::Time deadline = absl::Now() + absl::Seconds(60);

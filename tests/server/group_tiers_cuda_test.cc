@@ -193,7 +193,7 @@ TEST_P(GroupTiersTest, RestoreMovesALoadedShardIntoTheTier) {
   loaded.optimizer_steps = host.snapshot.optimizer_steps;
   loaded.momentum_initialized = host.snapshot.momentum_initialized;
   for (const auto& [name, values] : host.snapshot.state) loaded.state.emplace_back(name, LoadBuffer(values));
-  ASSERT_TRUE((*group)->Restore(std::move(loaded)).ok());
+  ASSERT_TRUE((*group)->Restore(std::move(loaded), /*load_id=*/1).ok());
   absl::StatusOr<ShardSnapshot> back = (*group)->Snapshot(host.snapshot.version, absl::InfiniteFuture());
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->params, host.snapshot.params);

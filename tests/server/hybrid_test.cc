@@ -29,6 +29,8 @@ using ::testing::HasSubstr;
 using testing::DeliverPartial;
 using testing::DeliverReduced;
 
+constexpr ExchangeRound kStep0{.step = 0};  // step 0 of a group never loaded
+
 std::vector<float> Params(Group& group) {
   absl::StatusOr<GatherSnapshot> snapshot = group.Gather(0, DType::kFloat32, absl::InfiniteFuture());
   std::vector<float> values(group.shard_numel());
@@ -106,12 +108,12 @@ TEST(HybridTest, EveryReplicaAddsThePartialsInReplicaOrderToTheSameBits) {
   EXPECT_EQ(*Contribute(second, 0, 3, grads[3]), CommitOutcome::kShare);
   EXPECT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);  // its own not shared yet
   // Each owner now holds both partials of its chunk: reduced, to be broadcast.
-  EXPECT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
-  EXPECT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  EXPECT_EQ(*first.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
+  EXPECT_EQ(*second.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
   EXPECT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);  // its own not broadcast
   EXPECT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-  EXPECT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
-  EXPECT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
+  EXPECT_EQ(*first.CommitBroadcast(kStep0), CommitOutcome::kApplied);
+  EXPECT_EQ(*second.CommitBroadcast(kStep0), CommitOutcome::kApplied);
   EXPECT_EQ(first.version(), 1);
   EXPECT_EQ(second.version(), 1);
 
@@ -169,21 +171,21 @@ TEST(HybridTest, RefusesOtherReplicasWorkersAndMisdirectedExchanges) {
   EXPECT_TRUE(absl::IsInvalidArgument(wrong.status())) << wrong.status();
   EXPECT_THAT(wrong.status().message(), HasSubstr("belongs to replica group 1"));
   for (Exchange what : {Exchange::kPartial, Exchange::kReduced}) {
-    EXPECT_TRUE(absl::IsInvalidArgument(first.BeginExchange(what, 0, 0).status()));  // its own
-    EXPECT_TRUE(absl::IsInvalidArgument(first.BeginExchange(what, 0, 2).status()));  // no such
-    EXPECT_TRUE(absl::IsFailedPrecondition(first.BeginExchange(what, 1, 1).status()));  // future
+    EXPECT_TRUE(absl::IsInvalidArgument(first.BeginExchange(what, kStep0, 0).status()));          // its own
+    EXPECT_TRUE(absl::IsInvalidArgument(first.BeginExchange(what, kStep0, 2).status()));          // no such
+    EXPECT_TRUE(absl::IsFailedPrecondition(first.BeginExchange(what, {.step = 1}, 1).status()));  // future
   }
   EXPECT_TRUE(absl::IsFailedPrecondition(first.SharedPartial(0).status()));  // not summed
-  EXPECT_TRUE(absl::IsFailedPrecondition(first.CommitOwnPartial(0).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(first.CommitOwnPartial(kStep0).status()));
   EXPECT_TRUE(absl::IsFailedPrecondition(first.BroadcastChunk(0).status()));  // not reduced
-  EXPECT_TRUE(absl::IsFailedPrecondition(first.CommitBroadcast(0).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(first.CommitBroadcast(kStep0).status()));
 
   // A chunk being received is not taken twice; one held or applied is AlreadyExists (a
   // sender whose answer was lost sends it again).
-  absl::StatusOr<ReceiveSlot> receiving = second.BeginExchange(Exchange::kPartial, 0, 0);
+  absl::StatusOr<ReceiveSlot> receiving = second.BeginExchange(Exchange::kPartial, kStep0, 0);
   ASSERT_TRUE(receiving.ok()) << receiving.status();
   EXPECT_EQ(receiving->buffer.size(), 6 * sizeof(float));  // chunk 1
-  EXPECT_TRUE(absl::IsFailedPrecondition(second.BeginExchange(Exchange::kPartial, 0, 0).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(second.BeginExchange(Exchange::kPartial, kStep0, 0).status()));
   second.AbortExchange(Exchange::kPartial, *receiving);
   ASSERT_TRUE(Contribute(first, 0, 0, grad).ok());
   ASSERT_EQ(*Contribute(first, 0, 2, grad), CommitOutcome::kShare);
@@ -193,15 +195,15 @@ TEST(HybridTest, RefusesOtherReplicasWorkersAndMisdirectedExchanges) {
   ASSERT_TRUE(Contribute(second, 0, 1, grad).ok());
   ASSERT_EQ(*Contribute(second, 0, 3, grad), CommitOutcome::kShare);
   ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
-  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*first.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
   ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
   EXPECT_TRUE(absl::IsAlreadyExists(DeliverReduced(first, second, 0).status()));
   ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
-  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
-  EXPECT_TRUE(absl::IsAlreadyExists(second.BeginExchange(Exchange::kPartial, 0, 0).status()));  // applied
-  EXPECT_TRUE(absl::IsAlreadyExists(second.BeginExchange(Exchange::kReduced, 0, 0).status()));
+  ASSERT_EQ(*first.CommitBroadcast(kStep0), CommitOutcome::kApplied);
+  ASSERT_EQ(*second.CommitBroadcast(kStep0), CommitOutcome::kApplied);
+  EXPECT_TRUE(absl::IsAlreadyExists(second.BeginExchange(Exchange::kPartial, kStep0, 0).status()));  // applied
+  EXPECT_TRUE(absl::IsAlreadyExists(second.BeginExchange(Exchange::kReduced, kStep0, 0).status()));
   EXPECT_EQ(Params(first), (std::vector<float>{-1, -1, -1, -1, -1, -1, -1, -1, -1, 0}));
 
   // A frozen group holds no gradient to receive into.
@@ -209,7 +211,7 @@ TEST(HybridTest, RefusesOtherReplicasWorkersAndMisdirectedExchanges) {
                               Frozen{});
   ASSERT_TRUE(frozen.ok()) << frozen.status();
   for (Exchange what : {Exchange::kPartial, Exchange::kReduced}) {
-    const absl::Status refused = (*frozen)->BeginExchange(what, 0, 1).status();
+    const absl::Status refused = (*frozen)->BeginExchange(what, kStep0, 1).status();
     EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
     EXPECT_THAT(refused.message(), HasSubstr("is frozen"));
   }
@@ -224,22 +226,22 @@ TEST(HybridTest, ASendThatFailedIsClaimedAgainOnce) {
   EXPECT_FALSE(first.ClaimPending(0).has_value());  // nothing summed yet
   ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
   EXPECT_FALSE(first.ClaimPending(0).has_value());  // the commit's caller holds it
-  first.ReleasePending(0, CommitOutcome::kShare);
+  first.ReleasePending(kStep0, CommitOutcome::kShare);
   EXPECT_EQ(first.ClaimPending(0), CommitOutcome::kShare);
   EXPECT_FALSE(first.ClaimPending(0).has_value());
   ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
   ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
   ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*first.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
   EXPECT_FALSE(first.ClaimPending(0).has_value());
-  first.ReleasePending(0, CommitOutcome::kBroadcast);
+  first.ReleasePending(kStep0, CommitOutcome::kBroadcast);
   EXPECT_FALSE(first.ClaimPending(1).has_value());  // another step
   EXPECT_EQ(first.ClaimPending(0), CommitOutcome::kBroadcast);
-  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
   ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
   ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
-  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
+  ASSERT_EQ(*first.CommitBroadcast(kStep0), CommitOutcome::kApplied);
+  ASSERT_EQ(*second.CommitBroadcast(kStep0), CommitOutcome::kApplied);
   EXPECT_FALSE(first.ClaimPending(1).has_value());
   EXPECT_EQ(Params(first), Params(second));
   EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
@@ -256,7 +258,7 @@ TEST(HybridTest, AChunkSentAgainWhileTheNormIsPendingIsADuplicate) {
   ASSERT_TRUE(outcomes.ok()) << outcomes.status();
   EXPECT_EQ(*outcomes, std::vector<CommitOutcome>(2, CommitOutcome::kReduced));
   for (Exchange what : {Exchange::kPartial, Exchange::kReduced}) {
-    const absl::Status again = groups[1]->BeginExchange(what, 0, 0).status();
+    const absl::Status again = groups[1]->BeginExchange(what, kStep0, 0).status();
     EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
   }
   ASSERT_TRUE(groups[0]->FinishClippedStep(0, 1.0f).ok());
@@ -266,28 +268,64 @@ TEST(HybridTest, AChunkSentAgainWhileTheNormIsPendingIsADuplicate) {
   ASSERT_EQ(*DeliverPartial(*groups[0], *groups[1], 1), CommitOutcome::kPending);
 }
 
-TEST(HybridTest, ALoadDropsTheExchangeInFlight) {
+// Installs zeros at version 0 on `group` as checkpoint load `load_id`.
+void LoadZeros(Group& group, uint64_t load_id) {
+  LoadedShard loaded;
+  loaded.version = 0;
+  absl::StatusOr<ShardBuffer> params = AllocateHostUnwritten(10 * sizeof(float), "test");
+  ASSERT_TRUE(params.ok()) << params.status();
+  std::fill_n(params->floats(), 10, 0.0f);
+  loaded.params = *std::move(params);
+  ASSERT_TRUE(group.Restore(std::move(loaded), load_id).ok());
+}
+
+// A load drops the exchange in flight and starts a new round, even at the same version:
+// what belongs to the state it replaced (a partial still on its way, the sender's marks
+// and commits) counts for nothing, and the step taken again sums its own gradients only.
+TEST(HybridTest, ALoadStartsANewRoundOfTheExchange) {
   Replicas r = MakeReplicas(2);
   Group& first = *r.group[0];
   Group& second = *r.group[1];
   ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 8.0f)), CommitOutcome::kShare);
   ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
-  LoadedShard loaded;
-  loaded.version = 0;
-  loaded.params = *AllocateHostUnwritten(10 * sizeof(float), "test");
-  std::fill_n(loaded.params.floats(), 10, 0.0f);
-  ASSERT_TRUE(second.Restore(std::move(loaded)).ok());
-  // The partial received before the load is gone: it is taken again.
-  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
+  constexpr uint64_t kLoad = 0x5eed;
+  LoadZeros(second, kLoad);
+  ASSERT_FALSE(HasFatalFailure());
+  // Sent again by first, which has not committed the load yet: of the replaced state.
+  const absl::Status stale = DeliverPartial(first, second, 0).status();
+  EXPECT_TRUE(absl::IsAborted(stale)) << stale;
+  EXPECT_THAT(stale.message(), HasSubstr("is of the state from before any checkpoint load, which a checkpoint "
+                                         "load replaced here (this server holds the state of checkpoint load 5eed"));
+  // From a load second has not committed.
+  const absl::Status ahead = second.BeginExchange(Exchange::kPartial, {.step = 0, .load_epoch = 9}, 0).status();
+  EXPECT_TRUE(absl::IsUnavailable(ahead)) << ahead;
+  EXPECT_THAT(ahead.message(), HasSubstr("is of the state of checkpoint load 9, which this server has not committed"));
+  EXPECT_FALSE(second.AwaitLoad(9, absl::Now() + absl::Milliseconds(50)));
+  EXPECT_TRUE(second.AwaitLoad(kLoad, absl::Now()));
+  EXPECT_TRUE(second.AwaitLoad(0, absl::Now()));  // left since
+
+  LoadZeros(first, kLoad);
+  ASSERT_FALSE(HasFatalFailure());
+  const ExchangeRound redo{.step = 0, .load_epoch = kLoad};
+  ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 6.0f)), CommitOutcome::kShare);
+  // The old round's sender finishing late: its marks, release and commit are ignored.
+  first.MarkDelivered(kStep0, CommitOutcome::kShare, 1);
+  EXPECT_FALSE(first.Delivered(redo, CommitOutcome::kShare, 1));
+  first.ReleasePending(kStep0, CommitOutcome::kShare);
+  EXPECT_FALSE(first.ClaimPending(0).has_value());  // still the new commit's caller's
+  EXPECT_TRUE(absl::IsFailedPrecondition(first.CommitOwnPartial(kStep0).status()));
+  EXPECT_EQ(first.SharedPartial(0)->round, redo);
+
   ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
   ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
-  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*first.CommitOwnPartial(redo), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(redo), CommitOutcome::kBroadcast);
   ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
   ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
-  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
-  EXPECT_EQ(Params(second), (std::vector<float>{-5, -5, -5, -5, -5, -5, -5, -5, -5, 0}));  // (8 + 2) / 2
+  ASSERT_EQ(*first.CommitBroadcast(redo), CommitOutcome::kApplied);
+  ASSERT_EQ(*second.CommitBroadcast(redo), CommitOutcome::kApplied);
+  EXPECT_EQ(Params(second), (std::vector<float>{-4, -4, -4, -4, -4, -4, -4, -4, -4, 0}));  // (6 + 2) / 2
   EXPECT_EQ(Params(first), Params(second));
 }
 
@@ -314,16 +352,20 @@ void ReduceChunks(Replicas& r) {
   ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
   ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
   ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitOwnPartial(0), CommitOutcome::kBroadcast);
-  ASSERT_EQ(*second.CommitOwnPartial(0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*first.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
 }
 
 // A peer for StepDriver: serves the exchange for `group` on 127.0.0.1, one connection
-// at a time, as DataServer does (no hello).
+// at a time, as DataServer does (no hello), with a StepDriver of its own.
 class ExchangePeer {
  public:
   explicit ExchangePeer(Group& group)
-      : group_(group), listener_(*transport::ListenTcp("127.0.0.1", 0)), thread_([this] { Serve(); }) {}
+      : group_(group),
+        driver_(
+            setting_.Driver([](int) { return absl::UnavailableError("the peer sends nothing"); }, absl::Seconds(10))),
+        listener_(*transport::ListenTcp("127.0.0.1", 0)),
+        thread_([this] { Serve(); }) {}
   ~ExchangePeer() {
     listener_->Shutdown();
     thread_.join();
@@ -337,10 +379,13 @@ class ExchangePeer {
            request = transport::RecvRequest(**conn)) {
         const Exchange what = request->op == transport::DataOp::kReplicaPartial ? Exchange::kPartial
                                                                                : Exchange::kReduced;
-        absl::StatusOr<ReceiveSlot> slot = group_.BeginExchange(what, request->version, request->worker_rank);
+        transport::ExchangeHead head;
+        if (!(*conn)->Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(&head), sizeof(head))).ok()) break;
+        absl::StatusOr<ReceiveSlot> slot = driver_->BeginExchange(group_, what, {request->version, head.load_epoch},
+                                                                  request->worker_rank, request->Deadline());
         absl::Status verdict = slot.status();
         if (!slot.ok()) {
-          if (!transport::DrainPayload(**conn, request->payload_bytes).ok()) break;
+          if (!transport::DrainPayload(**conn, request->payload_bytes - static_cast<int64_t>(sizeof(head))).ok()) break;
         } else if ((*conn)->Recv(slot->buffer).ok()) {
           verdict = group_.CommitExchange(what, *slot).status();
         } else {
@@ -352,6 +397,8 @@ class ExchangePeer {
   }
 
   Group& group_;
+  DriverSetting setting_;
+  const std::unique_ptr<StepDriver> driver_;
   const std::unique_ptr<transport::Listener> listener_;
   std::thread thread_;
 };
@@ -366,7 +413,7 @@ TEST(HybridTest, ABroadcastRunningAsideRetriesUntilThePeerTakesIt) {
   ReduceChunks(r);
   ASSERT_FALSE(HasFatalFailure());
   ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kPending);  // first's chunk is missing
+  ASSERT_EQ(*second.CommitBroadcast(kStep0), CommitOutcome::kPending);  // first's chunk is missing
 
   ExchangePeer peer(second);  // server 3, replica group 1's holder of shard 1
   DriverSetting setting;
@@ -401,7 +448,7 @@ TEST(HybridTest, AChunkThePeerAlreadyTookCountsAsDeliveredOnce) {
   ASSERT_FALSE(HasFatalFailure());
   ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);  // the lost answer's send
   ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);
+  ASSERT_EQ(*second.CommitBroadcast(kStep0), CommitOutcome::kApplied);
 
   ExchangePeer peer(second);
   DriverSetting setting;
@@ -413,6 +460,54 @@ TEST(HybridTest, AChunkThePeerAlreadyTookCountsAsDeliveredOnce) {
   EXPECT_EQ(first.version(), 1);
   EXPECT_EQ(setting.stats.exchange_bytes_sent, 4 * sizeof(float));  // chunk 0: elements 0 to 3
   EXPECT_EQ(Params(first), Params(second));
+}
+
+// The exchange over TCP across a checkpoint load that both servers commit, first one,
+// then the other. A partial of the loaded state reaches a peer that has not committed
+// the load yet: the peer waits for its own commit and takes it then. A partial of the
+// replaced state reaches a peer that has committed it: the peer refuses it, and the
+// worker whose contribution sent it hears Aborted.
+TEST(HybridTest, TheExchangeCarriesTheLoadItsStateComesFrom) {
+  constexpr uint64_t kLoad = 77;
+  for (const bool sender_loads_first : {true, false}) {
+    SCOPED_TRACE(sender_loads_first ? "the sender committed first" : "the peer committed first");
+    Replicas r = MakeReplicas(2);
+    Group& first = *r.group[0];
+    Group& second = *r.group[1];
+    ExchangePeer peer(second);
+    DriverSetting setting;
+    const std::unique_ptr<StepDriver> driver = setting.Driver(
+        [&](int) { return transport::ConnectTcp("127.0.0.1", peer.port(), absl::Seconds(10)); }, absl::Seconds(10));
+    LoadZeros(sender_loads_first ? first : second, kLoad);
+    ASSERT_FALSE(HasFatalFailure());
+    ASSERT_EQ(*Contribute(first, 0, 0, std::vector<float>(10, 6.0f)), CommitOutcome::kShare);
+    absl::Status sent;
+    std::thread sender([&] { sent = driver->Continue(first, 0, CommitOutcome::kShare); });
+    absl::SleepFor(absl::Milliseconds(200));  // the message waits at the peer, or was refused
+    LoadZeros(sender_loads_first ? second : first, kLoad);
+    sender.join();
+    ASSERT_FALSE(HasFatalFailure());
+    if (!sender_loads_first) {
+      EXPECT_TRUE(absl::IsAborted(sent)) << sent;
+      EXPECT_THAT(sent.message(), HasSubstr("server 3 refused the partial gradient of replica group 0 for group "
+                                            "'g' step 0: "));
+      EXPECT_EQ(setting.stats.exchange_bytes_sent, 0);
+      continue;
+    }
+    ASSERT_TRUE(sent.ok()) << sent;
+    EXPECT_EQ(setting.stats.exchange_bytes_sent, 6 * sizeof(float));  // chunk 1: elements 4 to 9
+    // The rest of the step, by hand: second holds first's partial of its chunk.
+    const ExchangeRound redo{.step = 0, .load_epoch = kLoad};
+    ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
+    ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kBroadcast);
+    ASSERT_EQ(*second.CommitOwnPartial(redo), CommitOutcome::kBroadcast);
+    ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
+    ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
+    ASSERT_EQ(*first.CommitBroadcast(redo), CommitOutcome::kApplied);
+    ASSERT_EQ(*second.CommitBroadcast(redo), CommitOutcome::kApplied);
+    EXPECT_EQ(Params(first), (std::vector<float>{-4, -4, -4, -4, -4, -4, -4, -4, -4, 0}));  // (6 + 2) / 2
+    EXPECT_EQ(Params(first), Params(second));
+  }
 }
 
 // A server that stops while a broadcast waits on a hung peer (it takes the connection
@@ -465,7 +560,7 @@ TEST(HybridTest, AContributionToTheNextStepWaitsForTheExchangeToFinish) {
   std::thread finish([&] {
     absl::SleepFor(absl::Milliseconds(100));
     EXPECT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-    EXPECT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
+    EXPECT_EQ(*first.CommitBroadcast(kStep0), CommitOutcome::kApplied);
   });
   const absl::StatusOr<ReceiveSlot> next = driver->BeginScatter(first, 1, 0, DType::kFloat32, deadline);
   finish.join();
@@ -505,7 +600,7 @@ TEST(HybridTest, APartialFromAReplicaGroupAStepAheadWaitsUntilThisOneCatchesUp) 
   ASSERT_FALSE(HasFatalFailure());
   ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
   ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*second.CommitBroadcast(0), CommitOutcome::kApplied);  // first's own is in flight
+  ASSERT_EQ(*second.CommitBroadcast(kStep0), CommitOutcome::kApplied);  // first's own is in flight
   ASSERT_EQ(*Contribute(second, 1, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
   EXPECT_FALSE(*first.AwaitEarlyStep(2, absl::InfiniteFuture()));
 
@@ -516,7 +611,7 @@ TEST(HybridTest, APartialFromAReplicaGroupAStepAheadWaitsUntilThisOneCatchesUp) 
   EXPECT_THAT(timed_out.message(), HasSubstr("step 1 came early"));
 
   // Step 0 finishes between the refusal and the wait: the partial is taken at once.
-  ASSERT_EQ(*first.CommitBroadcast(0), CommitOutcome::kApplied);
+  ASSERT_EQ(*first.CommitBroadcast(kStep0), CommitOutcome::kApplied);
   EXPECT_TRUE(*first.AwaitEarlyStep(1, absl::InfinitePast()));
   EXPECT_EQ(*DeliverPartial(second, first, 1), CommitOutcome::kPending);
 }
