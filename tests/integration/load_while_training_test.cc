@@ -99,5 +99,38 @@ TEST(LoadWhileTrainingTest, AWaitForAVersionTheLoadTookAwayEndsAtOnce) {
   ASSERT_TRUE(saver->SaveCheckpoint("at-2", CheckpointKind::kSharded, true).ok());
 }
 
+// A hybrid-sharded job (2 replica groups of 2 servers, a worker each) loaded back to the
+// version of the step in progress, twice: once after worker 0's step went through its
+// replica group's exchange (its partial is held by the other replica group's servers),
+// once right after. Every server commits each load with the same id, so the step taken
+// again is a new round of the exchange on all four, and lands on the bits of the run
+// without the loads.
+TEST(LoadWhileTrainingTest, AHybridJobTakesTheStepAgainAfterALoadToItsVersion) {
+  const testing::ScratchDir root("load-while-training-hybrid");
+  testing::TestCluster cluster(4, "tok", ::testing::TempDir(), root.path());
+  const JobOptions hybrid{.replicas = 2};
+  Trainer first(cluster, 0, 2, hybrid), second(cluster, 1, 2, hybrid);
+  ASSERT_TRUE(first.client->InitGroupFromSeed("big", 5).ok());
+  ASSERT_TRUE(first.client->InitGroupFromSeed("tiny", 5).ok());
+  std::unique_ptr<Client> loader = Operator(cluster);
+  ASSERT_NE(loader, nullptr);
+  first.Step(0);
+  second.Step(0);
+  ASSERT_TRUE(first.client->WaitVersion("tiny", 1).ok());
+  ASSERT_TRUE(loader->SaveCheckpoint("at-1", CheckpointKind::kSharded, true).ok());
+  first.Step(1);
+  second.Step(1);
+  const std::vector<float> big_at_2 = first.Params("big", first.big, 2);
+  const std::vector<float> tiny_at_2 = first.Params("tiny", first.tiny, 2);
+
+  ASSERT_TRUE(loader->LoadCheckpoint("at-1").ok());
+  first.Step(1);
+  ASSERT_TRUE(loader->LoadCheckpoint("at-1").ok());
+  first.Step(1);
+  second.Step(1);
+  EXPECT_EQ(first.Params("big", first.big, 2), big_at_2);
+  EXPECT_EQ(second.Params("tiny", second.tiny, 2), tiny_at_2);
+}
+
 }  // namespace
 }  // namespace flatshard
