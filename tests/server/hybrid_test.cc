@@ -59,6 +59,15 @@ absl::StatusOr<CommitOutcome> Contribute(Group& group, int64_t step, int worker,
   return group.CommitScatter(*slot);
 }
 
+// The broadcast phase of `round` between two replica groups whose chunks are reduced:
+// each reduced chunk to the other, then both commit it, which applies the step.
+void BroadcastAndApply(Group& first, Group& second, const ExchangeRound& round) {
+  ASSERT_EQ(*DeliverReduced(first, second, round.step), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverReduced(second, first, round.step), CommitOutcome::kPending);
+  ASSERT_EQ(*first.CommitBroadcast(round), CommitOutcome::kApplied);
+  ASSERT_EQ(*second.CommitBroadcast(round), CommitOutcome::kApplied);
+}
+
 struct Replicas {
   std::shared_ptr<Group> group[3];  // the same shard in each replica group
 };
@@ -238,10 +247,7 @@ TEST(HybridTest, ASendThatFailedIsClaimedAgainOnce) {
   EXPECT_FALSE(first.ClaimPending(1).has_value());  // another step
   EXPECT_EQ(first.ClaimPending(0), CommitOutcome::kBroadcast);
   ASSERT_EQ(*second.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
-  ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitBroadcast(kStep0), CommitOutcome::kApplied);
-  ASSERT_EQ(*second.CommitBroadcast(kStep0), CommitOutcome::kApplied);
+  ASSERT_NO_FATAL_FAILURE(BroadcastAndApply(first, second, kStep0));
   EXPECT_FALSE(first.ClaimPending(1).has_value());
   EXPECT_EQ(Params(first), Params(second));
   EXPECT_EQ(Params(first)[0], -3.0f);  // (2 + 4) / 2
@@ -321,10 +327,7 @@ TEST(HybridTest, ALoadStartsANewRoundOfTheExchange) {
   ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
   ASSERT_EQ(*first.CommitOwnPartial(redo), CommitOutcome::kBroadcast);
   ASSERT_EQ(*second.CommitOwnPartial(redo), CommitOutcome::kBroadcast);
-  ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-  ASSERT_EQ(*first.CommitBroadcast(redo), CommitOutcome::kApplied);
-  ASSERT_EQ(*second.CommitBroadcast(redo), CommitOutcome::kApplied);
+  ASSERT_NO_FATAL_FAILURE(BroadcastAndApply(first, second, redo));
   EXPECT_EQ(Params(second), (std::vector<float>{-4, -4, -4, -4, -4, -4, -4, -4, -4, 0}));  // (6 + 2) / 2
   EXPECT_EQ(Params(first), Params(second));
 }
@@ -501,10 +504,7 @@ TEST(HybridTest, TheExchangeCarriesTheLoadItsStateComesFrom) {
     ASSERT_EQ(*Contribute(second, 0, 1, std::vector<float>(10, 2.0f)), CommitOutcome::kShare);
     ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kBroadcast);
     ASSERT_EQ(*second.CommitOwnPartial(redo), CommitOutcome::kBroadcast);
-    ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
-    ASSERT_EQ(*DeliverReduced(second, first, 0), CommitOutcome::kPending);
-    ASSERT_EQ(*first.CommitBroadcast(redo), CommitOutcome::kApplied);
-    ASSERT_EQ(*second.CommitBroadcast(redo), CommitOutcome::kApplied);
+    ASSERT_NO_FATAL_FAILURE(BroadcastAndApply(first, second, redo));
     EXPECT_EQ(Params(first), (std::vector<float>{-4, -4, -4, -4, -4, -4, -4, -4, -4, 0}));  // (6 + 2) / 2
     EXPECT_EQ(Params(first), Params(second));
   }
