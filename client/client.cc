@@ -5,7 +5,6 @@
 #include <variant>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/checkpoint_calls.h"
 #include "client/completion.h"
@@ -14,6 +13,7 @@
 #include "client/data_transfers.h"
 #include "client/sent_steps.h"
 #include "core/status_macros.h"
+#include "proto/cluster_info.h"
 #include "proto/convert.h"
 #include "proto/flatshard.grpc.pb.h"
 
@@ -270,13 +270,7 @@ class ClientImpl final : public Client {
     FLATSHARD_RETURN_IF_ERROR(client_internal::WithTlsHint(
         control_->Call(i, &v1::Flatshard::Stub::GetClusterInfo, v1::GetClusterInfoRequest(), &info),
         options_.tls_ca_file));
-    const std::vector<std::string> cluster(info.cluster().begin(), info.cluster().end());
-    if (cluster != options_.servers || info.rank() != i) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("server ", address, " is rank ", info.rank(), " of cluster [",
-                       absl::StrJoin(cluster, ","), "]; this client expects rank ", i, " of [",
-                       absl::StrJoin(options_.servers, ","), "]"));
-    }
+    FLATSHARD_RETURN_IF_ERROR(CheckClusterInfo(info, options_.servers, i, "this client"));
     FLATSHARD_ASSIGN_OR_RETURN(client_internal::DataSession session, OpenSession(i));
     return client_internal::ServerEndpoint{
         .address = address,

@@ -5,9 +5,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "core/status_macros.h"
+#include "proto/cluster_info.h"
 
 namespace flatshard::server {
 namespace {
@@ -164,14 +164,7 @@ absl::Status PeerClient::CheckAgreement(int peer, absl::Duration timeout) {
   v1::ClusterInfo info;
   const grpc::Status status = stubs_[peer]->GetClusterInfo(&ctx, v1::GetClusterInfoRequest(), &info);
   if (!status.ok()) return FromGrpc(status, cluster_[peer]);
-  const std::vector<std::string> theirs(info.cluster().begin(), info.cluster().end());
-  if (theirs != cluster_ || info.rank() != peer) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "server ", cluster_[peer], " is rank ", info.rank(), " of [", absl::StrJoin(theirs, ","),
-        "]; this server (rank ", rank_, ") expects rank ", peer, " of [",
-        absl::StrJoin(cluster_, ","), "]"));
-  }
-  return absl::OkStatus();
+  return CheckClusterInfo(info, cluster_, peer, absl::StrCat("this server (rank ", rank_, ")"));
 }
 
 absl::Status PeerClient::Reach(int peer) {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "proto/cluster_info.h"
 #include "proto/convert.h"
 
 namespace flatshard::server {
@@ -180,7 +181,8 @@ grpc::Status FlatshardService::GetClusterInfo(grpc::ServerContext* ctx,
   response->set_memory(identity_.memory);
   response->set_gpu_uuid(identity_.gpu_uuid);
   response->set_nccl_version(nccl_.version());
-  response->set_version("0.1.0");
+  response->set_version(std::string(FlatshardVersion()));
+  response->set_protocol(kProtocolRevision);
   return grpc::Status::OK;
 }
 

@@ -43,7 +43,7 @@ TEST(ClusterCheckTest, DisagreementIsReportedWithTheDifference) {
                                      {{}, {"--cluster={cluster}," + third}});
   const std::string a = cluster.addresses()[0], b = cluster.addresses()[1];
   EXPECT_THAT(ClusterCheck(cluster, 0),
-              HasSubstr("mismatch: server " + b + " is rank 1 of [" + a + "," + b + "," + third + "]"));
+              HasSubstr("mismatch: server " + b + " is rank 1 of cluster [" + a + "," + b + "," + third + "]"));
   EXPECT_THAT(ClusterCheck(cluster, 1), HasSubstr("mismatch"));
 }
 
