@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/checkpoint_cut.h"
@@ -187,7 +188,31 @@ absl::Status CheckpointCalls::Load(const std::string& name,
   uint64_t load_id = 0;
   while (load_id == 0) load_id = RandomId();
   request.set_load_id(load_id);  // the same on every server
-  return phase(v1::LoadCheckpointRequest::COMMIT);
+  request.set_phase(v1::LoadCheckpointRequest::COMMIT);
+  std::vector<absl::Status> committed(control_.size());
+  (void)control_.OnAllServersInParallel([&](size_t i) {
+    v1::CheckpointResponse response;
+    committed[i] = control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response);
+    return committed[i];
+  });
+  return LoadCommitOutcome(name, committed);
+}
+
+absl::Status LoadCommitOutcome(const std::string& name, const std::vector<absl::Status>& committed) {
+  std::vector<size_t> installed, kept;
+  absl::Status first_failure;
+  for (size_t rank = 0; rank < committed.size(); ++rank) {
+    (committed[rank].ok() ? installed : kept).push_back(rank);
+    first_failure.Update(committed[rank]);
+  }
+  if (installed.empty() || kept.empty()) return first_failure;
+  // A server that did not answer may have committed all the same.
+  return absl::Status(first_failure.code(),
+                      absl::StrCat("checkpoint '", name, "' was installed on server", installed.size() > 1 ? "s " : " ",
+                                   absl::StrJoin(installed, ","), ", but server", kept.size() > 1 ? "s " : " ",
+                                   absl::StrJoin(kept, ","), " did not confirm it (", first_failure.message(),
+                                   "): the job's groups may now hold different states on different servers (`flatshard "
+                                   "status` shows each group's load); load the checkpoint again"));
 }
 
 absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List() const {

@@ -51,6 +51,13 @@ class CheckpointCalls {
   const uint32_t export_chunk_bytes_;
 };
 
+// What a load's COMMIT came to, from every server's answer (by rank): OK when all
+// committed; the first failure as it is when none did. When some committed and others
+// did not, the job's groups hold the checkpoint on some servers and their old state on
+// the others: the first failure's code, with a message naming which servers did what and
+// that the load must be done again.
+[[nodiscard]] absl::Status LoadCommitOutcome(const std::string& name, const std::vector<absl::Status>& committed);
+
 }  // namespace flatshard::client_internal
 
 #endif  // FLATSHARD_CLIENT_CHECKPOINT_CALLS_H_
