@@ -728,7 +728,7 @@ GroupStats Group::stats() const {
       if (contributions_[worker].state != SlotState::kEmpty) contributors.push_back(static_cast<int32_t>(worker));
     }
   }
-  return GroupStats{version_, bytes, ready_count_, std::move(contributors)};
+  return GroupStats{version_, bytes, ready_count_, std::move(contributors), load_epoch_};
 }
 
 }  // namespace flatshard::server

@@ -168,6 +168,7 @@ struct GroupStats {
   // Sync jobs: the workers whose gradient for step `version` this server holds or is
   // receiving, in rank order.
   std::vector<int32_t> step_contributors;
+  uint64_t load_id = 0;  // the load its state comes from (Restore; 0: none)
 };
 
 class Group {

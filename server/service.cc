@@ -479,6 +479,7 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
     proto->set_optimizer(group->optimizer_name());
     proto->set_pending_contributions(stats.pending_contributions);
     proto->mutable_step_contributors()->Add(stats.step_contributors.begin(), stats.step_contributors.end());
+    proto->set_load_id(stats.load_id);
     proto->set_shard(group->placement().shard);
     proto->set_replica(group->placement().replica);
   }

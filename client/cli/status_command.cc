@@ -1,14 +1,48 @@
 #include "client/cli/status_command.h"
 
+#include <map>
 #include <ostream>
+#include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/cli/human_bytes.h"
 #include "client/cluster_status.h"
 #include "client/device_memory.h"
 #include "client/nccl_link.h"
 
 namespace flatshard::cli {
+
+namespace {
+
+// A group's load id as the table shows it: hex, "-" for a group never loaded.
+std::string LoadName(uint64_t load_id) { return load_id == 0 ? "-" : absl::StrCat(absl::Hex(load_id)); }
+
+// One line per group whose servers hold the states of different checkpoint loads: a load
+// that committed on some servers only (its client said which).
+void ReportSplitLoads(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses, std::ostream& out) {
+  std::map<std::string, std::map<uint64_t, std::vector<int>>> ranks;  // job/group -> load id -> ranks
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    for (const v1::GroupStatus& g : status->groups())
+      ranks[g.job() + "/" + g.group()][g.load_id()].push_back(status->rank());
+  }
+  for (const auto& [group, by_load] : ranks) {
+    if (by_load.size() < 2) continue;
+    std::vector<std::string> parts;
+    for (const auto& [load_id, holders] : by_load) {
+      parts.push_back(
+          absl::StrCat(LoadName(load_id), " on rank", holders.size() > 1 ? "s " : " ", absl::StrJoin(holders, ",")));
+    }
+    out << "\n"
+        << group << ": its servers hold the states of different checkpoint loads (" << absl::StrJoin(parts, "; ")
+        << "): a load did not commit on every server; load the checkpoint again\n";
+  }
+}
+
+}  // namespace
 
 int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std::ostream& err) {
   const auto statuses = FetchClusterStatus(
@@ -68,17 +102,18 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
   }
   // shard: the shard of the group's layout this server holds; replica: its replica group
   // (hybrid sharding; 0 otherwise).
-  out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s %5s %7s\n", "rank", "job/group", "version",
-                         "shard_numel", "memory", "optimizer", "pending", "shard", "replica");
+  // load: the checkpoint load its state comes from ("-": none).
+  out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s %5s %7s %16s\n", "rank", "job/group", "version",
+                         "shard_numel", "memory", "optimizer", "pending", "shard", "replica", "load");
   for (const auto& status : statuses) {
     if (!status.ok()) continue;
     for (const v1::GroupStatus& g : status->groups()) {
-      out << absl::StrFormat("%-4d %-28s %8d %12d %10s %10s %8d %5d %7d\n", status->rank(),
-                             g.job() + "/" + g.group(), g.version(), g.shard_numel(),
-                             HumanBytes(g.bytes()), g.optimizer(), g.pending_contributions(),
-                             g.shard(), g.replica());
+      out << absl::StrFormat("%-4d %-28s %8d %12d %10s %10s %8d %5d %7d %16s\n", status->rank(),
+                             g.job() + "/" + g.group(), g.version(), g.shard_numel(), HumanBytes(g.bytes()),
+                             g.optimizer(), g.pending_contributions(), g.shard(), g.replica(), LoadName(g.load_id()));
     }
   }
+  ReportSplitLoads(statuses, out);
   // Checkpoint saves and loads under way (each server's tensor bytes).
   for (const auto& status : statuses) {
     if (!status.ok()) continue;

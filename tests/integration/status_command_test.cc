@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_split.h"
 #include "tests/integration/test_cluster.h"
+#include "tests/scratch_dir.h"
 
 namespace flatshard {
 namespace {
@@ -72,15 +73,16 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
               (std::vector<std::string>{"3.9", "KiB", "3.9", "KiB"}))
         << table.str();
     // rank, job/group, version, shard_numel (500 of 1000 elements), memory (2 words),
-    // optimizer, pending, shard, replica
+    // optimizer, pending, shard, replica, load
     const std::vector<std::string> group = Row(table.str(), r, "status/g");
-    ASSERT_EQ(group.size(), 10u) << table.str();
+    ASSERT_EQ(group.size(), 11u) << table.str();
     EXPECT_EQ(group[2], "0");
     EXPECT_EQ(group[3], "500");
     EXPECT_EQ(group[8], r);
     EXPECT_EQ(group[9], "0");
+    EXPECT_EQ(group[10], "-");  // never loaded
     const std::vector<std::string> replicated = Row(table.str(), r, "hybrid/h");
-    ASSERT_EQ(replicated.size(), 10u) << table.str();
+    ASSERT_EQ(replicated.size(), 11u) << table.str();
     EXPECT_EQ(replicated[3], "1000");
     EXPECT_EQ(replicated[8], "0");
     EXPECT_EQ(replicated[9], r);
@@ -108,6 +110,54 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   EXPECT_EQ(Row(partial.str(), "0", cluster.addresses()[0]).at(2), "host") << partial.str();
   EXPECT_NE(partial.str().find("unreachable"), std::string::npos) << partial.str();
   EXPECT_NE(partial_err.str().find("some servers did not answer"), std::string::npos);
+}
+
+// A load whose COMMIT reached server 0 only (sent here by hand) leaves the group in
+// different states on the two servers: the table's load column shows it and a line says
+// so. A load through the client then commits on both under one id.
+TEST(StatusCommandTest, AGroupLoadedOnSomeServersOnlyIsReported) {
+  const testing::ScratchDir root("status-split-load");
+  testing::TestCluster cluster(2, "status-token", ::testing::TempDir(), root.path());
+  auto client = cluster.Connect(0, 1, "status");
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 1).ok());
+  ASSERT_TRUE((*client)->SaveCheckpoint("s", CheckpointKind::kSharded, false).ok());
+  v1::LoadCheckpointRequest request;
+  request.set_name("s");
+  request.set_job("status");
+  request.set_load_id(0x5eed);
+  for (int rank = 0; rank < 2; ++rank) {
+    auto stub =
+        v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[rank], grpc::InsecureChannelCredentials()));
+    for (const auto phase : {v1::LoadCheckpointRequest::PREPARE,
+                             rank == 0 ? v1::LoadCheckpointRequest::COMMIT : v1::LoadCheckpointRequest::ABORT}) {
+      grpc::ClientContext ctx;
+      ctx.AddMetadata("authorization", "Bearer " + cluster.token());
+      request.set_phase(phase);
+      v1::CheckpointResponse response;
+      ASSERT_TRUE(stub->LoadCheckpoint(&ctx, request, &response).ok()) << rank << " " << phase;
+    }
+  }
+  const cli::StatusCommandOptions options{.servers = cluster.addresses(), .token = cluster.token()};
+  std::ostringstream split, err;
+  ASSERT_EQ(cli::RunStatusCommand(options, split, err), 0) << err.str();
+  EXPECT_EQ(Row(split.str(), "0", "status/g").back(), "5eed") << split.str();
+  EXPECT_EQ(Row(split.str(), "1", "status/g").back(), "-") << split.str();
+  EXPECT_NE(split.str().find("status/g: its servers hold the states of different checkpoint loads (- on rank 1; 5eed "
+                             "on rank 0): a load did not commit on every server; load the checkpoint again"),
+            std::string::npos)
+      << split.str();
+
+  ASSERT_TRUE((*client)->LoadCheckpoint("s").ok());
+  std::ostringstream whole;
+  ASSERT_EQ(cli::RunStatusCommand(options, whole, err), 0) << err.str();
+  const std::string load = Row(whole.str(), "0", "status/g").back();
+  EXPECT_NE(load, "-");
+  EXPECT_NE(load, "5eed");
+  EXPECT_EQ(Row(whole.str(), "1", "status/g").back(), load) << whole.str();
+  EXPECT_EQ(whole.str().find("different checkpoint loads"), std::string::npos) << whole.str();
 }
 
 }  // namespace
