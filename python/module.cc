@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/cluster_status.h"
 #include "flatshard/client.h"
+#include "proto/cluster_info.h"
 
 namespace py = pybind11;
 
@@ -402,6 +403,8 @@ class PyClient {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "flatshard's C++ client (use the flatshard package, not this module)";
+  m.attr("version") = std::string(flatshard::FlatshardVersion());
+  m.attr("protocol_revision") = flatshard::kProtocolRevision;
   py::class_<Pending>(m, "Pending")
       .def("wait", &Pending::Wait, "Waits for the transfer; returns the version (gather) or 0.")
       .def("done", &Pending::Done);

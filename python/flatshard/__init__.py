@@ -30,6 +30,10 @@ from ._errors import (AbortedError, AlreadyExistsError, DataLossError, DeadlineE
                       UnavailableError)
 from .local_cluster import LocalCluster
 
+__version__ = _native.version
+# The wire protocol's revision: servers of another one refuse this client on connecting.
+PROTOCOL_REVISION = _native.protocol_revision
+
 __all__ = [
     "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Frozen", "Error", "InvalidArgumentError",
     "DeadlineExceededError", "NotFoundError", "AlreadyExistsError", "ResourceExhaustedError",

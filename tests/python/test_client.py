@@ -213,6 +213,11 @@ class ClientTest(unittest.TestCase):
         for r, w in enumerate(workers):  # the load dropped worker 0's gradient: both send it
             w.scatter("g", values(5 + r), 0)
         self.assertEqual(workers[1].wait_version("g", 1), 1)
+        # Every server holds the state of the last load, under one id.
+        loads = {g["load_id"] for s in operator.status()["servers"] for g in s["groups"]
+                 if g["job"] == "reload"}
+        self.assertEqual(len(loads), 1, loads)
+        self.assertNotEqual(loads, {"0"})
 
     def test_full_export_is_a_safetensors_file_torch_loads(self):
         c = self.client(job="export")
@@ -264,6 +269,14 @@ class ClientTest(unittest.TestCase):
                     {"scatter_split_bytes": -1}, {"timeout": 0}):
             with self.assertRaises(flatshard.InvalidArgumentError):
                 self.client(job="split", **bad)
+
+    def test_the_version_is_the_builds(self):
+        root = os.path.join(os.path.dirname(__file__), "..", "..", "CMakeLists.txt")
+        with open(root) as cmake:
+            project = next(line for line in cmake if line.startswith("project(flatshard VERSION "))
+        self.assertEqual(flatshard.__version__, project.split()[2])
+        self.assertIsInstance(flatshard.PROTOCOL_REVISION, int)
+        self.assertGreater(flatshard.PROTOCOL_REVISION, 0)
 
     def test_status_reports_every_server(self):
         c = self.client(job="status")
