@@ -1,8 +1,10 @@
 // Servers check at start-up that they agree on the cluster and report it in their status.
-#include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "flatshard/client.h"
+#include "proto/cluster_info.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
 
@@ -45,6 +47,43 @@ TEST(ClusterCheckTest, DisagreementIsReportedWithTheDifference) {
   EXPECT_THAT(ClusterCheck(cluster, 0),
               HasSubstr("mismatch: server " + b + " is rank 1 of cluster [" + a + "," + b + "," + third + "]"));
   EXPECT_THAT(ClusterCheck(cluster, 1), HasSubstr("mismatch"));
+}
+
+// A server of another release, as far as a client's first call goes: it answers
+// GetClusterInfo with another protocol revision (and no other call).
+class OtherReleaseServer final : public v1::Flatshard::Service {
+ public:
+  OtherReleaseServer() {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~OtherReleaseServer() override { server_->Shutdown(); }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+  grpc::Status GetClusterInfo(grpc::ServerContext*, const v1::GetClusterInfoRequest*, v1::ClusterInfo* info) override {
+    info->set_rank(0);
+    info->add_cluster(address());
+    info->set_protocol(kProtocolRevision + 1);
+    info->set_version("99.0.0");
+    return grpc::Status::OK;
+  }
+
+ private:
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+TEST(ClusterCheckTest, AClientRefusesAServerOfAnotherProtocolRevision) {
+  OtherReleaseServer server;
+  auto client = Client::Connect({.servers = {server.address()}, .timeout = absl::Seconds(10)});
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kFailedPrecondition) << client.status();
+  EXPECT_THAT(
+      client.status().message(),
+      HasSubstr(absl::StrCat("server ", server.address(), " speaks flatshard protocol revision ", kProtocolRevision + 1,
+                             " (flatshard 99.0.0); this client speaks revision ", kProtocolRevision)));
 }
 
 }  // namespace
