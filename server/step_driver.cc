@@ -55,6 +55,8 @@ absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step,
 
 absl::StatusOr<ReceiveSlot> StepDriver::BeginExchange(Group& group, Exchange what, const ExchangeRound& round,
                                                       int replica, absl::Time deadline) {
+  // As long as the sender waits for the answer, and as long as for a peer at most.
+  deadline = std::min(deadline, absl::Now() + timeout_);
   absl::StatusOr<ReceiveSlot> slot = group.BeginExchange(what, round, replica);
   // The peer committed a checkpoint load that this server is committing too.
   if (absl::IsUnavailable(slot.status()) && group.AwaitLoad(round.load_epoch, deadline)) {

@@ -89,7 +89,8 @@ class StepDriver {
 
   // Group::BeginExchange for a peer's message; one of a load this server has not
   // committed yet waits for that commit, and one of the next step while this server
-  // finishes the current one waits for it (Group::AwaitEarlyStep), until `deadline`.
+  // finishes the current one waits for it (Group::AwaitEarlyStep), until `deadline` (the
+  // request's) and at most `timeout`.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginExchange(Group& group, Exchange what, const ExchangeRound& round,
                                                           int replica, absl::Time deadline);
 
