@@ -341,7 +341,11 @@ absl::StatusOr<bool> Group::AwaitEarlyStep(int64_t step, absl::Time deadline) co
   absl::MutexLock lock(&mu_);
   if (version_ >= step) return true;  // reached between the refusal and this call
   if (job_settings_.async || step != version_ + 1 || ready_count_ < replica_workers_) return false;
-  auto reached = [this, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= step; };
+  // A load ends the wait too: the step in progress is gone, and what comes of trying
+  // again (a refusal of the replaced state, a future step) is the answer.
+  const int64_t loads = loads_;
+  auto reached = [this, step, loads]()
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= step || loads_ != loads; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "group '", name_, "' is at version ", version_, ": step ", step,

@@ -237,8 +237,9 @@ class Group {
   // reached `step` since (try again) or reaches it by `deadline`, having waited because
   // the contribution was early, not wrong: sync mode, `step` is the next step and this
   // server holds every contribution to the current one, so only peers (the exchange
-  // between replica groups, the norm) keep it from finishing. False when the refusal
-  // stands; DeadlineExceeded when the wait ran out.
+  // between replica groups, the norm) keep it from finishing; also true when a load
+  // (Restore) ends the wait. False when the refusal stands; DeadlineExceeded when the
+  // wait ran out.
   [[nodiscard]] absl::StatusOr<bool> AwaitEarlyStep(int64_t step, absl::Time deadline) const;
   // Device slots: copies slot.buffer.size() bytes from `device_src` (device memory of
   // any process mapped here) into the slot.

@@ -616,6 +616,33 @@ TEST(HybridTest, APartialFromAReplicaGroupAStepAheadWaitsUntilThisOneCatchesUp) 
   EXPECT_EQ(*DeliverPartial(second, first, 1), CommitOutcome::kPending);
 }
 
+// The wait for this replica group to catch up with an early partial ends when a load
+// replaces the state: trying again then refuses the partial, of the state the load
+// replaced, instead of holding its sender until the peer timeout.
+TEST(HybridTest, ALoadEndsTheWaitForAnEarlyPartial) {
+  Replicas r = MakeReplicas(2);
+  Group& first = *r.group[0];
+  Group& second = *r.group[1];
+  ReduceChunks(r);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_EQ(*DeliverReduced(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*second.CommitBroadcast(kStep0), CommitOutcome::kApplied);  // first lacks second's chunk
+  ASSERT_EQ(*Contribute(second, 1, 1, std::vector<float>(10, 4.0f)), CommitOutcome::kShare);
+  ASSERT_TRUE(absl::IsFailedPrecondition(DeliverPartial(second, first, 1).status()));
+  absl::StatusOr<bool> again;
+  const absl::Time start = absl::Now();
+  std::thread waiting([&] { again = first.AwaitEarlyStep(1, start + absl::Seconds(20)); });
+  absl::SleepFor(absl::Milliseconds(100));
+  LoadZeros(first, 0x10ad);
+  waiting.join();
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(*again);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  const absl::Status replaced = DeliverPartial(second, first, 1).status();
+  EXPECT_TRUE(absl::IsAborted(replaced)) << replaced;
+}
+
 TEST(HybridTest, RegistryLaysGroupsOutOverOneReplicaGroup) {
   Registry registry(/*rank=*/5, /*num_servers=*/6);
   ASSERT_TRUE(registry.ConfigureJob("hybrid", {.num_workers = 4, .replicas = 3}).ok());
