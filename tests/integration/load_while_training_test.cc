@@ -1,13 +1,17 @@
 // A checkpoint load while workers train, through the client against real server
 // processes: whoever waits for a version that the load took away is told so at once,
-// instead of at the end of the call's deadline.
+// instead of at the end of the call's deadline, and a hybrid-sharded job trains on
+// through loads at any moment to the bits of a run without them.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,6 +134,114 @@ TEST(LoadWhileTrainingTest, AHybridJobTakesTheStepAgainAfterALoadToItsVersion) {
   second.Step(1);
   EXPECT_EQ(first.Params("big", first.big, 2), big_at_2);
   EXPECT_EQ(second.Params("tiny", second.tiny, 2), tiny_at_2);
+}
+
+// Trains `trainer` up to version `target` of both its groups, following the servers
+// through loads, until `stop` is set with both groups at `target`: each round sends its
+// gradient of every group at the lowest version among them (a group a step ahead has it
+// already) and waits for that step to complete. What a load voids (a refused or aborted
+// transfer, a wait it ended or that ran out while the step waited for a gradient the
+// load dropped) just starts the next round at the servers' versions; a gradient the
+// servers hold already is ALREADY_EXISTS. Any other error ends it, and so does a minute
+// without reaching the end.
+absl::Status FollowTheServers(Trainer& trainer, int64_t target, const std::atomic<bool>& stop) {
+  Client& client = *trainer.client;
+  const absl::Time give_up = absl::Now() + absl::Minutes(1);
+  while (absl::Now() < give_up) {
+    std::map<std::string, int64_t> versions;
+    for (const std::string name : {"big", "tiny"}) {
+      absl::StatusOr<int64_t> version = client.WaitVersion(name, 0);
+      if (!version.ok()) return version.status();
+      versions[name] = *version;
+    }
+    const int64_t step = std::min(versions["big"], versions["tiny"]);
+    if (step >= target) {
+      if (stop) return absl::OkStatus();
+      absl::SleepFor(absl::Milliseconds(5));  // until a load takes the job back
+      continue;
+    }
+    absl::SleepFor(absl::Milliseconds(10));  // steps of 10 ms or more, for the loads to land in
+    auto voided = [](const absl::Status& status) {
+      return status.ok() || absl::IsAlreadyExists(status) || absl::IsAborted(status) ||
+             absl::IsFailedPrecondition(status) || absl::IsDeadlineExceeded(status);
+    };
+    bool went_on = true;
+    for (const auto& [name, version] : versions) {
+      if (version != step) continue;
+      const std::vector<float> grad = trainer.Gradient(name, step);
+      const absl::Status sent = client.Scatter(name, step, DType::kFloat32, AsBytes(grad)).get();
+      if (!voided(sent)) return sent;
+      went_on &= sent.ok() || absl::IsAlreadyExists(sent);
+    }
+    for (const auto& [name, version] : versions) {
+      if (!went_on) break;
+      const absl::Status waited = client.WaitVersion(name, step + 1).status();
+      if (!voided(waited)) return waited;
+      went_on = waited.ok();
+    }
+  }
+  return absl::DeadlineExceededError(absl::StrCat("worker ", trainer.worker, " did not reach version ", target));
+}
+
+// A hybrid-sharded job (2 replica groups of 2 servers, a worker each) trains towards
+// version 30 while an operator saves it and loads one of its checkpoints (optimizer state
+// included) at random moments, eight times; once it is done the workers train on to
+// version 30. The gradients depend on the step only, so version 30 must hold the bits of
+// the run without loads, whatever the loads interrupted: a scatter, a wait, the exchange
+// between replica groups. Seeded by FLATSHARD_CHECKPOINT_SEED.
+TEST(LoadWhileTrainingTest, AHybridJobTrainsThroughLoadsAtRandomMoments) {
+  constexpr int64_t kTarget = 30;
+  const char* seed_text = std::getenv("FLATSHARD_CHECKPOINT_SEED");
+  const uint64_t seed = seed_text != nullptr ? std::strtoull(seed_text, nullptr, 10) : 7;
+  SCOPED_TRACE(absl::StrCat("FLATSHARD_CHECKPOINT_SEED=", seed));
+  std::mt19937_64 random(seed);
+  const testing::ScratchDir root("load-while-training-random");
+  testing::TestCluster cluster(4, "tok", ::testing::TempDir(), root.path());
+  const JobOptions hybrid{.replicas = 2};
+  // Short deadlines: a wait that a load left without its end runs out soon.
+  Trainer first(cluster, 0, 2, hybrid, absl::Seconds(2)), second(cluster, 1, 2, hybrid, absl::Seconds(2));
+  ASSERT_TRUE(first.client->InitGroupFromSeed("big", 9).ok());
+  ASSERT_TRUE(first.client->InitGroupFromSeed("tiny", 9).ok());
+  std::unique_ptr<Client> loader = Operator(cluster);
+  ASSERT_NE(loader, nullptr);
+  ASSERT_TRUE(loader->SaveCheckpoint("start", CheckpointKind::kSharded, true).ok());
+  for (int64_t step = 0; step < kTarget; ++step) {
+    first.Step(step);
+    second.Step(step);
+  }
+  ASSERT_TRUE(first.client->WaitVersion("big", kTarget).ok());
+  ASSERT_TRUE(first.client->WaitVersion("tiny", kTarget).ok());
+  const std::vector<float> big = first.Params("big", first.big, kTarget);
+  const std::vector<float> tiny = first.Params("tiny", first.tiny, kTarget);
+
+  ASSERT_TRUE(loader->LoadCheckpoint("start").ok());
+  absl::Status followed[2];
+  std::thread workers[2];
+  Trainer* trainers[2] = {&first, &second};
+  std::atomic<bool> stop = false;
+  for (int w = 0; w < 2; ++w) {
+    workers[w] = std::thread([&, w] { followed[w] = FollowTheServers(*trainers[w], kTarget, stop); });
+  }
+  std::vector<std::string> saved = {"start"};
+  for (int load = 0; load < 8; ++load) {
+    absl::SleepFor(absl::Milliseconds(std::uniform_int_distribution<int>(0, 150)(random)));
+    // Cut where the groups are: one may be a step ahead of the other.
+    const std::string name = absl::StrCat("random-", load);
+    const absl::Status save = loader->SaveCheckpoint(name, CheckpointKind::kSharded, true);
+    EXPECT_TRUE(save.ok()) << save;
+    if (save.ok()) saved.push_back(name);
+    absl::SleepFor(absl::Milliseconds(std::uniform_int_distribution<int>(0, 150)(random)));
+    const std::string& back = saved[std::uniform_int_distribution<size_t>(0, saved.size() - 1)(random)];
+    const absl::Status loaded = loader->LoadCheckpoint(back);
+    EXPECT_TRUE(loaded.ok()) << back << ": " << loaded;
+  }
+  stop = true;
+  for (int w = 0; w < 2; ++w) {
+    workers[w].join();
+    EXPECT_TRUE(followed[w].ok()) << "worker " << w << ": " << followed[w];
+  }
+  EXPECT_EQ(first.Params("big", first.big, kTarget), big);
+  EXPECT_EQ(second.Params("tiny", second.tiny, kTarget), tiny);
 }
 
 }  // namespace

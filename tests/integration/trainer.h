@@ -55,8 +55,15 @@ struct Trainer {
     Send("tiny", step);
   }
 
-  // This worker's gradient of group `name` ("big" or "tiny") for `step`.
+  // Sends this worker's gradient of group `name` ("big" or "tiny") for `step`.
   void Send(const std::string& name, int64_t step) {
+    const std::vector<float> grad = Gradient(name, step);
+    ASSERT_TRUE(client->Scatter(name, step, DType::kFloat32, AsBytes(grad)).get().ok());
+  }
+
+  // This worker's gradient of group `name` for `step` (padded_numel elements): a function
+  // of the step and the worker only.
+  std::vector<float> Gradient(const std::string& name, int64_t step) const {
     const FlatLayout* layout = name == "big" ? big : tiny;
     std::vector<float> grad(layout->padded_numel(), 0.0f);
     for (const TensorPiece& piece : layout->MapRange(0, layout->padded_numel())) {
@@ -65,7 +72,7 @@ struct Trainer {
             std::cos(0.3f * static_cast<float>(piece.flat_offset + k) + static_cast<float>(step + 7 * worker));
       }
     }
-    ASSERT_TRUE(client->Scatter(name, step, DType::kFloat32, AsBytes(grad)).get().ok());
+    return grad;
   }
 
   std::vector<float> Params(const std::string& name, const FlatLayout* layout, int64_t version) {
