@@ -183,13 +183,16 @@ absl::Status FollowTheServers(Trainer& trainer, int64_t target, const std::atomi
   return absl::DeadlineExceededError(absl::StrCat("worker ", trainer.worker, " did not reach version ", target));
 }
 
-// A hybrid-sharded job (2 replica groups of 2 servers, a worker each) trains towards
-// version 30 while an operator saves it and loads one of its checkpoints (optimizer state
-// included) at random moments, eight times; once it is done the workers train on to
-// version 30. The gradients depend on the step only, so version 30 must hold the bits of
-// the run without loads, whatever the loads interrupted: a scatter, a wait, the exchange
-// between replica groups. Seeded by FLATSHARD_CHECKPOINT_SEED.
-TEST(LoadWhileTrainingTest, AHybridJobTrainsThroughLoadsAtRandomMoments) {
+// A job of two workers on four servers trains towards version 30 while an operator saves
+// it and loads one of its checkpoints (optimizer state included) at random moments, eight
+// times; once it is done the workers train on to version 30. The gradients depend on the
+// step only, so version 30 must hold the bits of the run without loads, whatever the
+// loads interrupted: a scatter, a wait, the exchange between replica groups (hybrid
+// sharding: 2 replica groups of 2 servers, a worker each), the servers' shares of the
+// global gradient norm (clipping). Seeded by FLATSHARD_CHECKPOINT_SEED.
+class LoadsAtRandomMomentsTest : public ::testing::TestWithParam<JobOptions> {};
+
+TEST_P(LoadsAtRandomMomentsTest, TrainingEndsOnTheBitsOfARunWithoutLoads) {
   constexpr int64_t kTarget = 30;
   const char* seed_text = std::getenv("FLATSHARD_CHECKPOINT_SEED");
   const uint64_t seed = seed_text != nullptr ? std::strtoull(seed_text, nullptr, 10) : 7;
@@ -197,9 +200,8 @@ TEST(LoadWhileTrainingTest, AHybridJobTrainsThroughLoadsAtRandomMoments) {
   std::mt19937_64 random(seed);
   const testing::ScratchDir root("load-while-training-random");
   testing::TestCluster cluster(4, "tok", ::testing::TempDir(), root.path());
-  const JobOptions hybrid{.replicas = 2};
   // Short deadlines: a wait that a load left without its end runs out soon.
-  Trainer first(cluster, 0, 2, hybrid, absl::Seconds(2)), second(cluster, 1, 2, hybrid, absl::Seconds(2));
+  Trainer first(cluster, 0, 2, GetParam(), absl::Seconds(2)), second(cluster, 1, 2, GetParam(), absl::Seconds(2));
   ASSERT_TRUE(first.client->InitGroupFromSeed("big", 9).ok());
   ASSERT_TRUE(first.client->InitGroupFromSeed("tiny", 9).ok());
   std::unique_ptr<Client> loader = Operator(cluster);
@@ -243,6 +245,14 @@ TEST(LoadWhileTrainingTest, AHybridJobTrainsThroughLoadsAtRandomMoments) {
   EXPECT_EQ(first.Params("big", first.big, kTarget), big);
   EXPECT_EQ(second.Params("tiny", second.tiny, kTarget), tiny);
 }
+
+INSTANTIATE_TEST_SUITE_P(Jobs, LoadsAtRandomMomentsTest,
+                         ::testing::Values(JobOptions{.replicas = 2}, JobOptions{.max_grad_norm = 0.5, .replicas = 2},
+                                           JobOptions{.max_grad_norm = 0.5}),
+                         [](const ::testing::TestParamInfo<JobOptions>& info) {
+                           return absl::StrCat(info.param.replicas > 1 ? "Hybrid" : "Plain",
+                                               info.param.max_grad_norm > 0 ? "Clipped" : "");
+                         });
 
 }  // namespace
 }  // namespace flatshard
