@@ -1,6 +1,8 @@
 // Group's side of a hybrid-sharded job's exchange between replica groups (group.h, "the
 // exchange"): the chunks, this replica's partial and reduced chunk to send, what peers
 // send here, and the sums once every replica group's part is in.
+#include "server/group.h"
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -8,7 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
-#include "server/group.h"
 
 namespace flatshard::server {
 
