@@ -172,11 +172,13 @@ absl::Status CheckpointCalls::Load(const std::string& name,
   // Servers whose roots lack the checkpoint read it from server 0's.
   if (std::set<std::string>(root_ids.begin(), root_ids.end()).size() > 1)
     request.set_home_root_id(root_ids[0]);
+  std::vector<absl::Status> answers(control_.size());  // by rank, of the last phase
   auto phase = [&](v1::LoadCheckpointRequest::Phase p) {
     request.set_phase(p);
     return control_.OnAllServersInParallel([&](size_t i) {
       v1::CheckpointResponse response;
-      return control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response);
+      answers[i] = control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response);
+      return answers[i];
     });
   };
   const absl::Status prepared = WithProgress(
@@ -188,14 +190,8 @@ absl::Status CheckpointCalls::Load(const std::string& name,
   uint64_t load_id = 0;
   while (load_id == 0) load_id = RandomId();
   request.set_load_id(load_id);  // the same on every server
-  request.set_phase(v1::LoadCheckpointRequest::COMMIT);
-  std::vector<absl::Status> committed(control_.size());
-  (void)control_.OnAllServersInParallel([&](size_t i) {
-    v1::CheckpointResponse response;
-    committed[i] = control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response);
-    return committed[i];
-  });
-  return LoadCommitOutcome(name, committed);
+  (void)phase(v1::LoadCheckpointRequest::COMMIT);
+  return LoadCommitOutcome(name, answers);
 }
 
 absl::Status LoadCommitOutcome(const std::string& name, const std::vector<absl::Status>& committed) {

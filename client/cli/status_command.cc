@@ -21,7 +21,8 @@ namespace {
 std::string LoadName(uint64_t load_id) { return load_id == 0 ? "-" : absl::StrCat(absl::Hex(load_id)); }
 
 // One line per group whose servers hold the states of different checkpoint loads: a load
-// that committed on some servers only (its client said which).
+// that committed on some servers only (its client said which), or a server restarted
+// since the last load.
 void ReportSplitLoads(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses, std::ostream& out) {
   std::map<std::string, std::map<uint64_t, std::vector<int>>> ranks;  // job/group -> load id -> ranks
   for (const auto& status : statuses) {
@@ -38,7 +39,8 @@ void ReportSplitLoads(const std::vector<absl::StatusOr<v1::ServerStatus>>& statu
     }
     out << "\n"
         << group << ": its servers hold the states of different checkpoint loads (" << absl::StrJoin(parts, "; ")
-        << "): a load did not commit on every server; load the checkpoint again\n";
+        << "): a load did not commit on every server, or a server restarted since; load the checkpoint "
+           "again\n";
   }
 }
 
