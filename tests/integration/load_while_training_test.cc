@@ -161,7 +161,8 @@ absl::Status FollowTheServers(Trainer& trainer, int64_t target, const std::atomi
       continue;
     }
     absl::SleepFor(absl::Milliseconds(10));  // steps of 10 ms or more, for the loads to land in
-    auto voided = [](const absl::Status& status) {
+    // Success, or what a load may make of a transfer or a wait.
+    auto expected = [](const absl::Status& status) {
       return status.ok() || absl::IsAlreadyExists(status) || absl::IsAborted(status) ||
              absl::IsFailedPrecondition(status) || absl::IsDeadlineExceeded(status);
     };
@@ -170,13 +171,13 @@ absl::Status FollowTheServers(Trainer& trainer, int64_t target, const std::atomi
       if (version != step) continue;
       const std::vector<float> grad = trainer.Gradient(name, step);
       const absl::Status sent = client.Scatter(name, step, DType::kFloat32, AsBytes(grad)).get();
-      if (!voided(sent)) return sent;
+      if (!expected(sent)) return sent;
       went_on &= sent.ok() || absl::IsAlreadyExists(sent);
     }
     for (const auto& [name, version] : versions) {
       if (!went_on) break;
       const absl::Status waited = client.WaitVersion(name, step + 1).status();
-      if (!voided(waited)) return waited;
+      if (!expected(waited)) return waited;
       went_on = waited.ok();
     }
   }
