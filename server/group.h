@@ -47,7 +47,8 @@
 //    flight, a BeginScatter for another step, dtype or split starts it afresh.
 //  - A load (Restore) drops the contributions being received: their commits are refused
 //    with Aborted. Waits for a version it moved the group below end at once (Aborted for
-//    gathers, FailedPrecondition for the pins of saves and exports).
+//    gathers, FailedPrecondition for the pins of saves and exports), and so do waits
+//    for an early step (AwaitEarlyStep). The exchange starts a new round (ExchangeRound).
 //
 // Memory: parameters, the reduced gradient and optimizer state live in the group's
 // memory tier (server/shard_compute.h: host, pinned or device); staging slots, replica
