@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -38,30 +39,35 @@ DataTransfers::~DataTransfers() {
 }
 
 template <typename Work>
-auto DataTransfers::RunAside(Work work) -> std::future<decltype(work())> {
+void DataTransfers::RunAside(Work work) {
   {
     absl::MutexLock lock(&aside_mu_);
     ++aside_running_;
   }
-  return std::async(std::launch::async, [this, work = std::move(work)]() mutable {
-    // Counted down once `work` is done with this object; the future is set after.
-    absl::Cleanup done = [this] {
-      absl::MutexLock lock(&aside_mu_);
-      --aside_running_;
-    };
-    return work();
-  });
+  std::thread([this, work = std::move(work)]() mutable {
+    {
+      Work done = std::move(work);
+      done();
+    }  // what `work` held is released before the destructor may go on
+    absl::MutexLock lock(&aside_mu_);
+    --aside_running_;
+  }).detach();
 }
 
 std::future<absl::StatusOr<int64_t>> DataTransfers::Gather(
     const std::string& group, int64_t min_version, DType dtype,
     std::vector<absl::Span<std::byte>> parts, std::vector<int> servers) {
+  auto done = std::make_shared<Completion<absl::StatusOr<int64_t>>>(
+      static_cast<int>(servers.size()), /*same_version=*/false,
+      [this, group](uint64_t load_id) { RecordGathered(group, load_id); });
+  std::future<absl::StatusOr<int64_t>> gathered = done->future();
   const int device = DeviceOf(parts[servers.front()].data());
   if (device >= 0) {
-    return DeviceTransfer<absl::StatusOr<int64_t>>(transport::DataOp::kGather, group, min_version,
-                                                   dtype, std::move(parts), servers, device);
+    DeviceTransfer(transport::DataOp::kGather, group, min_version, dtype, std::move(parts), servers, device, done);
+  } else {
+    HostGather(group, min_version, dtype, std::move(parts), std::move(servers), done);
   }
-  return HostGather(group, min_version, dtype, std::move(parts), std::move(servers));
+  return gathered;
 }
 
 std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64_t step,
@@ -69,11 +75,11 @@ std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64
                                                  std::vector<absl::Span<std::byte>> parts,
                                                  std::vector<int> servers) {
   const int device = DeviceOf(parts[servers.front()].data());
-  if (device >= 0) {
-    return DeviceTransfer<absl::Status>(transport::DataOp::kScatter, group, step, dtype,
-                                        std::move(parts), servers, device);
-  }
-  return HostScatter(group, step, dtype, parts, servers);
+  if (device < 0) return HostScatter(group, step, dtype, parts, servers);
+  auto done = std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()));
+  std::future<absl::Status> scattered = done->future();
+  DeviceTransfer(transport::DataOp::kScatter, group, step, dtype, std::move(parts), servers, device, done);
+  return scattered;
 }
 
 absl::Status DataTransfers::PushInit(const std::string& group,
@@ -132,6 +138,30 @@ std::vector<transport::ByteRange> DataTransfers::SplitFor(size_t bytes, int64_t 
   return transport::SplitRanges(bytes, static_cast<int>(count));
 }
 
+transport::RequestHeader DataTransfers::HeaderFor(transport::DataOp op, const std::string& group, int64_t version,
+                                                  DType dtype) const {
+  transport::RequestHeader header;
+  header.op = static_cast<uint8_t>(op);
+  header.dtype = static_cast<uint8_t>(dtype);
+  header.worker_rank = options_.worker_rank;
+  header.version = version;
+  header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+  using transport::DataOp;
+  if (op == DataOp::kScatter || op == DataOp::kScatterPart || op == DataOp::kIpcScatter || op == DataOp::kNcclScatter) {
+    absl::MutexLock lock(&loads_mu_);
+    if (auto it = gathered_loads_.find(group); it != gathered_loads_.end()) {
+      header.flags = transport::kRequestLoadKnown;
+      header.load_id = it->second;
+    }
+  }
+  return header;
+}
+
+void DataTransfers::RecordGathered(const std::string& group, uint64_t load_id) {
+  absl::MutexLock lock(&loads_mu_);
+  gathered_loads_[group] = load_id;
+}
+
 absl::Status DataTransfers::AtServer(int server, const absl::Status& status) const {
   return absl::Status(status.code(),
                       absl::StrCat("server ", servers_[server].address, ": ", status.message()));
@@ -155,12 +185,7 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
                               DType dtype, absl::Span<const std::byte> send,
                               absl::Span<const std::byte> send_tail, absl::Span<std::byte> receive,
                               std::shared_ptr<const void> keep_alive) {
-  transport::RequestHeader header;
-  header.op = static_cast<uint8_t>(op);
-  header.dtype = static_cast<uint8_t>(dtype);
-  header.worker_rank = options_.worker_rank;
-  header.version = version;
-  header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+  const transport::RequestHeader header = HeaderFor(op, group, version, dtype);
   channels_[i]->Submit([=, this, hold = keep_alive](absl::StatusOr<transport::Connection*> conn) {
     (void)hold;
     auto fail = [&](const absl::Status& status) { completion->Finish(AtServer(i, status), 0); };
@@ -181,7 +206,7 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
     if (!response->status.ok()) {
       fail(response->status);
     } else {
-      completion->Finish(absl::OkStatus(), response->version);
+      completion->Finish(absl::OkStatus(), response->version, response->load_id);
     }
     return true;
   });
@@ -222,22 +247,17 @@ std::future<Result> DataTransfers::Transfer(transport::DataOp op, const std::str
 // One NCCL transfer with server i on its data connection `conn`: the request, the
 // server's ready answer, the bytes, its done answer. Returns the done answer (or why
 // there is none) and whether `conn` is still usable.
-std::pair<absl::StatusOr<int64_t>, bool> DataTransfers::NcclTransfer(
-    int server, transport::Connection& conn, transport::DataOp op, const std::string& group,
-    int64_t version, DType dtype, absl::Span<std::byte> part, int device) {
+std::pair<absl::StatusOr<transport::Response>, bool> DataTransfers::NcclTransfer(
+    int server, transport::Connection& conn, transport::DataOp op, const std::string& group, int64_t version,
+    DType dtype, absl::Span<std::byte> part, int device) {
   const bool gather = op == transport::DataOp::kGather;
   for (int attempt = 0;; ++attempt) {
     // This transfer's own link: others with this server run beside it on theirs.
     absl::StatusOr<NcclLinks::Lease> lease = nccl_links_[server]->Acquire(device);
     if (!lease.ok()) return {lease.status(), true};
     NcclLink& link = **lease;
-    transport::RequestHeader header;
-    header.op = static_cast<uint8_t>(gather ? transport::DataOp::kNcclGather
-                                            : transport::DataOp::kNcclScatter);
-    header.dtype = static_cast<uint8_t>(dtype);
-    header.worker_rank = options_.worker_rank;
-    header.version = version;
-    header.timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+    const transport::RequestHeader header =
+        HeaderFor(gather ? transport::DataOp::kNcclGather : transport::DataOp::kNcclScatter, group, version, dtype);
     const transport::NcclTarget target{link.channel(), part.size()};
     absl::Status sent = transport::SendRequest(
         conn, header, options_.job, group,
@@ -256,7 +276,7 @@ std::pair<absl::StatusOr<int64_t>, bool> DataTransfers::NcclTransfer(
     absl::StatusOr<transport::Response> done = transport::RecvResponse(conn, {});
     if (!done.ok()) return {done.status(), false};
     if (!done->status.ok()) return {done->status, true};
-    return {done->version, true};
+    return {*done, true};
   }
 }
 
@@ -274,8 +294,8 @@ void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& comple
         return true;
       }
       auto [result, usable] = NcclTransfer(i, **conn, op, group, version, dtype, part, device);
-      completion->Finish(result.ok() ? absl::OkStatus() : AtServer(i, result.status()),
-                         result.value_or(0));
+      const transport::Response answer = result.value_or(transport::Response{});
+      completion->Finish(result.ok() ? absl::OkStatus() : AtServer(i, result.status()), answer.version, answer.load_id);
       return usable;
     });
   }
@@ -283,10 +303,10 @@ void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& comple
 
 // The TCP data plane for device buffers: through host copies of the slices of `servers`,
 // which then go as host buffers do (HostGather, HostScatter: in parts when large). A
-// gather returns the lowest version it got, a scatter 0.
-absl::StatusOr<int64_t> DataTransfers::StagedTransfer(
-    transport::DataOp op, const std::string& group, int64_t version, DType dtype,
-    const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers) {
+// gather answers the lowest version it got and the load its parts came from.
+transport::Response DataTransfers::StagedTransfer(transport::DataOp op, const std::string& group, int64_t version,
+                                                  DType dtype, const std::vector<absl::Span<std::byte>>& parts,
+                                                  const std::vector<int>& servers) {
   const bool gather = op == transport::DataOp::kGather;
   std::vector<StagingBuffer> staging(num_servers());
   // Every request has finished on every return path below: the buffers go back then.
@@ -295,33 +315,40 @@ absl::StatusOr<int64_t> DataTransfers::StagedTransfer(
       if (buffer.data() != nullptr) staging_pool_.Give(std::move(buffer));
     }
   };
+  auto failed = [](const absl::Status& status) { return transport::Response{status}; };
   std::vector<absl::Span<std::byte>> staged(num_servers());
   for (int i : servers) {
-    FLATSHARD_ASSIGN_OR_RETURN(staging[i], staging_pool_.Take(parts[i].size()));
+    absl::StatusOr<StagingBuffer> taken = staging_pool_.Take(parts[i].size());
+    if (!taken.ok()) return failed(taken.status());
+    staging[i] = *std::move(taken);
     staged[i] = staging[i].bytes().subspan(0, parts[i].size());
-    if (!gather) FLATSHARD_RETURN_IF_ERROR(CopyToHost(staged[i].data(), parts[i].data(), parts[i].size()));
+    if (!gather) {
+      if (absl::Status copied = CopyToHost(staged[i].data(), parts[i].data(), parts[i].size()); !copied.ok()) {
+        return failed(copied);
+      }
+    }
   }
-  if (!gather) {
-    FLATSHARD_RETURN_IF_ERROR(HostScatter(group, version, dtype, staged, servers).get());
-    return 0;
-  }
-  FLATSHARD_ASSIGN_OR_RETURN(const int64_t min_version,
-                             HostGather(group, version, dtype, staged, servers).get());
+  if (!gather) return failed(HostScatter(group, version, dtype, staged, servers).get());
+  auto gathered = std::make_shared<Completion<absl::StatusOr<int64_t>>>(static_cast<int>(servers.size()));
+  std::future<absl::StatusOr<int64_t>> min_version = gathered->future();
+  HostGather(group, version, dtype, staged, servers, gathered);
+  absl::StatusOr<int64_t> result = min_version.get();
+  if (!result.ok()) return failed(result.status());
   for (int i : servers) {
-    FLATSHARD_RETURN_IF_ERROR(CopyToDevice(parts[i].data(), staged[i].data(), parts[i].size()));
+    if (absl::Status copied = CopyToDevice(parts[i].data(), staged[i].data(), parts[i].size()); !copied.ok()) {
+      return failed(copied);
+    }
   }
-  return min_version;
+  return transport::Response{absl::OkStatus(), *result, gathered->load_id()};
 }
 
 // Gather into / scatter from a device buffer (`parts` are its per-server slices), each
-// server over the plane PlaneFor picks: CUDA IPC and NCCL move the bytes GPU to GPU,
-// TCP through host copies. Without TCP servers the requests go straight to the data
-// channels (no thread of its own, no copies).
+// server over the plane PlaneFor picks: CUDA IPC and NCCL move the bytes GPU to GPU
+// straight from the data channels, TCP through host copies on a thread of its own.
 template <typename Result>
-std::future<Result> DataTransfers::DeviceTransfer(transport::DataOp op, const std::string& group,
-                                                  int64_t version, DType dtype,
-                                                  std::vector<absl::Span<std::byte>> parts,
-                                                  const std::vector<int>& servers, int device) {
+void DataTransfers::DeviceTransfer(transport::DataOp op, const std::string& group, int64_t version, DType dtype,
+                                   std::vector<absl::Span<std::byte>> parts, const std::vector<int>& servers,
+                                   int device, const std::shared_ptr<Completion<Result>>& done) {
   const std::byte* base = parts[servers.front()].data();
   absl::StatusOr<IpcExport> exported = ExportForIpc(base);
   std::vector<int> ipc_servers, nccl_servers, tcp_servers;
@@ -352,98 +379,62 @@ std::future<Result> DataTransfers::DeviceTransfer(transport::DataOp op, const st
   const transport::DataOp ipc_op = op == transport::DataOp::kGather
                                        ? transport::DataOp::kIpcGather
                                        : transport::DataOp::kIpcScatter;
-  // The GPU-to-GPU planes' requests, under one completion.
-  auto submit_gpu = [=, this](auto completion) {
-    // The IPC targets must outlive the requests, which the completion ends.
-    Submit(completion, ipc_op, group, version, dtype, target_bytes, {}, ipc_servers, targets);
-    SubmitNccl(completion, op, group, version, dtype, parts, nccl_servers, device);
-  };
-  const size_t gpu_servers = ipc_servers.size() + nccl_servers.size();
-  if (tcp_servers.empty()) {
-    auto completion = std::make_shared<Completion<Result>>(static_cast<int>(gpu_servers));
-    submit_gpu(completion);
-    return completion->future();
-  }
-  return RunAside([=, this, parts = std::move(parts)]() -> Result {
-    std::future<absl::StatusOr<int64_t>> gpu;
-    if (gpu_servers > 0) {
-      auto completion =
-          std::make_shared<Completion<absl::StatusOr<int64_t>>>(static_cast<int>(gpu_servers));
-      gpu = completion->future();
-      submit_gpu(completion);
-    }
-    absl::StatusOr<int64_t> result = StagedTransfer(op, group, version, dtype, parts, tcp_servers);
-    if (gpu.valid()) {
-      absl::StatusOr<int64_t> gpu_result = gpu.get();
-      if (!gpu_result.ok()) {
-        result = gpu_result.status();
-      } else if (result.ok()) {
-        result = std::min(*result, *gpu_result);
-      }
-    }
-    if constexpr (std::is_same_v<Result, absl::Status>) {
-      return result.status();
-    } else {
-      return result;
-    }
+  // The IPC targets must outlive the requests, which finish `done`.
+  Submit(done, ipc_op, group, version, dtype, target_bytes, {}, ipc_servers, targets);
+  SubmitNccl(done, op, group, version, dtype, parts, nccl_servers, device);
+  if (tcp_servers.empty()) return;
+  RunAside([=, this, parts = std::move(parts)] {
+    const transport::Response staged = StagedTransfer(op, group, version, dtype, parts, tcp_servers);
+    for (size_t k = 0; k < tcp_servers.size(); ++k) done->Finish(staged.status, staged.version, staged.load_id);
   });
 }
 
 // A gather into host memory. A server's part of gather_split_bytes or more comes in
-// ranges over several of its connections at once; if the group stepped between them
-// (that server's ranges saw different versions), that part is gathered again whole.
-// As for any gather, different servers' parts may hold different versions (async jobs);
-// the result is the lowest.
-std::future<absl::StatusOr<int64_t>> DataTransfers::HostGather(
-    const std::string& group, int64_t min_version, DType dtype,
-    std::vector<absl::Span<std::byte>> parts, std::vector<int> servers) {
+// ranges over several of its connections at once; if the group stepped or was loaded
+// between them (that server's ranges saw different versions or loads), that part is
+// gathered again whole. As for any gather, different servers' parts may hold different
+// versions (async jobs); `done` completes with the lowest.
+void DataTransfers::HostGather(const std::string& group, int64_t min_version, DType dtype,
+                               std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
+                               const std::shared_ptr<Completion<absl::StatusOr<int64_t>>>& done) {
   using Result = absl::StatusOr<int64_t>;
-  const bool split = std::any_of(servers.begin(), servers.end(), [&](int i) {
-    return SplitFor(parts[i].size(), options_.gather_split_bytes).size() > 1;
-  });
-  if (!split) {
-    return Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts,
-                            std::move(servers));
-  }
-  std::vector<std::future<Result>> per_server;
+  struct SplitPart {
+    int server = 0;
+    std::shared_ptr<Completion<Result>> ranges;
+    std::future<Result> gathered;
+  };
+  std::vector<SplitPart> split;
   for (int i : servers) {
     auto ranges = std::make_shared<const std::vector<transport::ByteRange>>(
         SplitFor(parts[i].size(), options_.gather_split_bytes));
     const int count = static_cast<int>(ranges->size());
-    auto completion = std::make_shared<Completion<Result>>(count, /*same_version=*/count > 1);
-    per_server.push_back(completion->future());
     if (count == 1) {
-      SubmitOne(completion, i, transport::DataOp::kGather, group, min_version, dtype, {}, {},
-                parts[i], nullptr);
+      SubmitOne(done, i, transport::DataOp::kGather, group, min_version, dtype, {}, {}, parts[i], nullptr);
       continue;
     }
+    auto completion = std::make_shared<Completion<Result>>(count, /*same_version=*/true);
+    split.push_back({i, completion, completion->future()});
     for (const transport::ByteRange& range : *ranges) {
       SubmitOne(completion, i, transport::DataOp::kGatherRange, group, min_version, dtype,
                 absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&range), sizeof(range)), {},
                 parts[i].subspan(range.offset, range.bytes), ranges);
     }
   }
-  return RunAside([this, group, min_version, dtype, parts = std::move(parts),
-                   servers = std::move(servers),
-                   per_server = std::move(per_server)]() mutable -> Result {
-    Result combined = std::numeric_limits<int64_t>::max();
-    // Every part is waited for, even after an error: its requests write into
-    // `parts`.
-    for (size_t k = 0; k < servers.size(); ++k) {
-      const int i = servers[k];
-      Result part = per_server[k].get();
-      if (!part.ok() && part.status().message() == kTornGather) {
-        part =
-            Transfer<Result>(transport::DataOp::kGather, group, min_version, dtype, {}, parts, {i})
-                .get();
+  if (split.empty()) return;
+  RunAside([this, group, min_version, dtype, parts = std::move(parts), split = std::move(split), done]() mutable {
+    // Every part is waited for, even after an error: its requests write into `parts`.
+    for (SplitPart& part : split) {
+      Result gathered = part.gathered.get();
+      std::shared_ptr<Completion<Result>> answered = part.ranges;
+      if (!gathered.ok() && gathered.status().message() == kTornGather) {
+        answered = std::make_shared<Completion<Result>>(1);
+        std::future<Result> whole = answered->future();
+        SubmitOne(answered, part.server, transport::DataOp::kGather, group, min_version, dtype, {}, {},
+                  parts[part.server], nullptr);
+        gathered = whole.get();
       }
-      if (!part.ok()) {
-        if (combined.ok()) combined = part.status();
-      } else if (combined.ok()) {
-        combined = std::min(*combined, *part);
-      }
+      done->Finish(gathered.status(), gathered.value_or(0), answered->load_id());
     }
-    return combined;
   });
 }
 

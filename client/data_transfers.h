@@ -7,6 +7,12 @@
 // ClientOptions::device_plane says. Internal to the client library; Client::Gather and
 // Client::Scatter document the caller's side. Thread-safe.
 //
+// Per group it keeps the checkpoint load its last gather's state came from
+// (transport/data_protocol.h), and its scatters name that load: a server that holds
+// another load's state refuses the gradient (Aborted) instead of taking a gradient of
+// the replaced state for the loaded one. A gather whose parts come from different loads
+// fails with Aborted (Completion).
+//
 //   DataTransfers transfers(options, endpoints, {open_nccl_channel, open_session});
 //   auto version = transfers.Gather("mlp", 0, DType::kFloat32, per_server_slices).get();
 #ifndef FLATSHARD_CLIENT_DATA_TRANSFERS_H_
@@ -20,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -85,36 +92,37 @@ class DataTransfers {
   using NcclLinks = LinkPool<NcclLink>;
 
   int num_servers() const { return static_cast<int>(servers_.size()); }
-  // std::async of `work`, counted so that the destructor can wait for it.
+  // Runs `work` on a thread of its own, counted so that the destructor can wait for it.
   template <typename Work>
-  auto RunAside(Work work) -> std::future<decltype(work())>;
+  void RunAside(Work work);
+  // The header of a request to `group`; a scatter's names the load of the group's last
+  // gather, when there was one.
+  transport::RequestHeader HeaderFor(transport::DataOp op, const std::string& group, int64_t version,
+                                     DType dtype) const;
+  void RecordGathered(const std::string& group, uint64_t load_id);
   bool IpcReachable(int server, int device) const;
   Plane PlaneFor(int server, int device, bool exportable) const;
   absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device);
   std::vector<transport::ByteRange> SplitFor(size_t bytes, int64_t split_bytes) const;
   absl::Status AtServer(int server, const absl::Status& status) const;
 
-  std::future<absl::StatusOr<int64_t>> HostGather(const std::string& group, int64_t min_version,
-                                                  DType dtype,
-                                                  std::vector<absl::Span<std::byte>> parts,
-                                                  std::vector<int> servers);
+  // The transfers below finish `done` once per server in `servers`.
+  void HostGather(const std::string& group, int64_t min_version, DType dtype, std::vector<absl::Span<std::byte>> parts,
+                  std::vector<int> servers, const std::shared_ptr<Completion<absl::StatusOr<int64_t>>>& done);
   std::future<absl::Status> HostScatter(const std::string& group, int64_t step, DType dtype,
                                         const std::vector<absl::Span<std::byte>>& parts,
                                         const std::vector<int>& servers);
   template <typename Result>
-  std::future<Result> DeviceTransfer(transport::DataOp op, const std::string& group,
-                                     int64_t version, DType dtype,
-                                     std::vector<absl::Span<std::byte>> parts,
-                                     const std::vector<int>& servers, int device);
-  absl::StatusOr<int64_t> StagedTransfer(transport::DataOp op, const std::string& group,
-                                         int64_t version, DType dtype,
-                                         const std::vector<absl::Span<std::byte>>& parts,
-                                         const std::vector<int>& servers);
-  std::pair<absl::StatusOr<int64_t>, bool> NcclTransfer(int server, transport::Connection& conn,
-                                                        transport::DataOp op,
-                                                        const std::string& group, int64_t version,
-                                                        DType dtype, absl::Span<std::byte> part,
-                                                        int device);
+  void DeviceTransfer(transport::DataOp op, const std::string& group, int64_t version, DType dtype,
+                      std::vector<absl::Span<std::byte>> parts, const std::vector<int>& servers, int device,
+                      const std::shared_ptr<Completion<Result>>& done);
+  // Returns the outcome for all of `servers` (a gather's lowest version and its load).
+  transport::Response StagedTransfer(transport::DataOp op, const std::string& group, int64_t version, DType dtype,
+                                     const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers);
+  std::pair<absl::StatusOr<transport::Response>, bool> NcclTransfer(int server, transport::Connection& conn,
+                                                                    transport::DataOp op, const std::string& group,
+                                                                    int64_t version, DType dtype,
+                                                                    absl::Span<std::byte> part, int device);
   template <typename Result>
   void SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
                   const std::string& group, int64_t version, DType dtype,
@@ -145,6 +153,9 @@ class DataTransfers {
   StagingPool staging_pool_;
   absl::Mutex aside_mu_;
   int aside_running_ ABSL_GUARDED_BY(aside_mu_) = 0;  // RunAside threads not yet done
+  mutable absl::Mutex loads_mu_;
+  // By group: the load its last gather's state came from (RecordGathered).
+  absl::flat_hash_map<std::string, uint64_t> gathered_loads_ ABSL_GUARDED_BY(loads_mu_);
   // Destroyed first (declared last): their threads finish tasks that use the rest.
   std::vector<std::unique_ptr<NcclLinks>> nccl_links_;  // per server
   std::vector<std::unique_ptr<DataChannel>> channels_;  // per server

@@ -21,8 +21,9 @@ namespace flatshard {
 // must carry) and the data plane's framing. Bumped by every change that an older client
 // or server would misread; clients and servers of one revision work together, others
 // are refused on connecting. Revision 2: loads carry their id, exchange messages the
-// load their state comes from.
-inline constexpr uint32_t kProtocolRevision = 2;
+// load their state comes from. Revision 3: every data-plane header names a load
+// (transport/data_protocol.h), so gathers and scatters are checked against it too.
+inline constexpr uint32_t kProtocolRevision = 3;
 
 // This build's version (CMake's PROJECT_VERSION), "0.1.0".
 absl::string_view FlatshardVersion();

@@ -199,7 +199,7 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
   const int64_t gathers = !ranged || range.offset == 0 ? 1 : 0;
   stats_.gathers += gathers;
   stats_.bytes_sent += static_cast<int64_t>(bytes.size());
-  if (transport::SendResponse(conn, absl::OkStatus(), snapshot->version, bytes).ok()) return true;
+  if (transport::SendResponse(conn, absl::OkStatus(), snapshot->version, bytes, snapshot->load_id).ok()) return true;
   stats_.gathers -= gathers;
   stats_.bytes_sent -= static_cast<int64_t>(bytes.size());
   return false;
@@ -216,17 +216,15 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
                      : request.op == DataOp::kReplicaReduced ? "reduced chunk"
                                                              : "init";
   SlotPart part;
-  uint64_t load_epoch = 0;
   if (request.op == DataOp::kScatterPart) {
     transport::ScatterPart head;
     if (std::optional<bool> done = RecvHead(conn, request, BytesOf(head), what)) return *done;
     // Clamped into int range; values past the limit stay out of it, and PartRange refuses them.
     part = {static_cast<int>(std::min<uint32_t>(head.index, transport::kMaxSplitParts)),
             static_cast<int>(std::min<uint32_t>(head.count, transport::kMaxSplitParts + 1))};
-  } else if (exchange.has_value()) {
-    transport::ExchangeHead head;
-    if (std::optional<bool> done = RecvHead(conn, request, BytesOf(head), what)) return *done;
-    load_epoch = head.load_epoch;
+  } else if (exchange.has_value() && !request.load_id.has_value()) {
+    return Refuse(conn, request,
+                  absl::InvalidArgumentError(absl::StrCat("a ", what, " names the checkpoint load of its round")));
   }
   const bool scatter = request.op == DataOp::kScatter || request.op == DataOp::kScatterPart;
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
@@ -257,7 +255,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
                                          exchange.has_value() ? " elements of a chunk of this server's shard)"
                                                               : " elements of this server's shard)"))));
   }
-  absl::StatusOr<ReceiveSlot> slot = BeginReceive(**group, request, part, load_epoch);
+  absl::StatusOr<ReceiveSlot> slot = BeginReceive(**group, request, part);
   if (!slot.ok()) return Refuse(conn, request, slot.status());
   if (!conn.Recv(slot->buffer).ok()) {
     // The peer died or stalled mid-transfer: nothing partial is kept.
@@ -285,26 +283,26 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
     if (outcome.ok() && scatter && part.index == 0) ++stats_.scatters;  // a split one once
   }
   if (!committed.ok()) ++stats_.errors;
-  const bool answered = transport::SendResponse(conn, committed, (*group)->version(), {}).ok();
+  const StateStamp state = (*group)->state();
+  const bool answered = transport::SendResponse(conn, committed, state.version, {}, state.load_id).ok();
   if (aside.has_value()) driver_.ContinueAside(*std::move(group), request.version, *aside);
   return answered;
 }
 
-absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request, SlotPart part,
-                                                     uint64_t load_epoch) {
+absl::StatusOr<ReceiveSlot> DataServer::BeginReceive(Group& group, const Request& request, SlotPart part) {
   switch (request.op) {
     case DataOp::kScatter:
     case DataOp::kScatterPart:
-      return driver_.BeginScatter(group, request.version, request.worker_rank, request.dtype,
-                                  request.Deadline(), SlotMemory::kHost, part);
+      return driver_.BeginScatter(group, request.version, request.worker_rank, request.dtype, request.Deadline(),
+                                  SlotMemory::kHost, part, request.load_id);
     case DataOp::kReplicaPartial:
     case DataOp::kReplicaReduced: {
       if (request.dtype != DType::kFloat32) {
         return absl::InvalidArgumentError(absl::StrCat("the exchange between replica groups is float32, not ",
                                                        DTypeName(request.dtype)));
       }
-      return driver_.BeginExchange(group, *ExchangeOf(request.op), {request.version, load_epoch}, request.worker_rank,
-                                   request.Deadline());
+      return driver_.BeginExchange(group, *ExchangeOf(request.op), {request.version, *request.load_id},
+                                   request.worker_rank, request.Deadline());
     }
     default:
       return group.BeginPushInit(request.dtype);
@@ -355,11 +353,11 @@ bool DataServer::ServeIpc(Connection& conn, const Request& request) {
   if (std::optional<bool> done = RecvTarget(conn, request, BytesOf(target), "a CUDA IPC request")) {
     return *done;
   }
-  absl::StatusOr<int64_t> version = request.op == DataOp::kIpcGather
-                                        ? ipc_.Gather(request, target)
-                                        : ipc_.Scatter(request, target);
-  if (!version.ok()) ++stats_.errors;
-  return transport::SendResponse(conn, version.status(), version.value_or(0), {}).ok();
+  absl::StatusOr<StateStamp> state =
+      request.op == DataOp::kIpcGather ? ipc_.Gather(request, target) : ipc_.Scatter(request, target);
+  if (!state.ok()) ++stats_.errors;
+  const StateStamp answered = state.value_or(StateStamp{});
+  return transport::SendResponse(conn, state.status(), answered.version, {}, answered.load_id).ok();
 }
 
 bool DataServer::ServeNccl(Connection& conn, const Request& request) {
@@ -372,11 +370,12 @@ bool DataServer::ServeNccl(Connection& conn, const Request& request) {
     ++stats_.errors;
     return transport::SendResponse(conn, begun.status(), 0, {}).ok();
   }
-  auto& [transfer, ready_version] = *begun;
+  auto& [transfer, ready] = *begun;
   // Dropping `transfer` unfinished gives back what Begin took (the worker never starts).
-  if (!transport::SendResponse(conn, absl::OkStatus(), ready_version, {}).ok()) return false;
-  absl::StatusOr<int64_t> done = nccl_.Finish(transfer);
-  return transport::SendResponse(conn, done.status(), done.value_or(0), {}).ok();
+  if (!transport::SendResponse(conn, absl::OkStatus(), ready.version, {}, ready.load_id).ok()) return false;
+  absl::StatusOr<StateStamp> done = nccl_.Finish(transfer);
+  const StateStamp answered = done.value_or(StateStamp{});
+  return transport::SendResponse(conn, done.status(), answered.version, {}, answered.load_id).ok();
 }
 
 }  // namespace flatshard::server

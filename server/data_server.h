@@ -71,9 +71,7 @@ class DataServer {
   bool ServeReceive(transport::Connection& conn, const transport::Request& request);
   // The staging slot for a scatter, a message of the exchange between replica groups or
   // initial values, and its release.
-  // `load_epoch`: an exchange message's (transport::ExchangeHead).
-  absl::StatusOr<ReceiveSlot> BeginReceive(Group& group, const transport::Request& request, SlotPart part,
-                                           uint64_t load_epoch);
+  absl::StatusOr<ReceiveSlot> BeginReceive(Group& group, const transport::Request& request, SlotPart part);
   static void AbortReceive(Group& group, const transport::Request& request, const ReceiveSlot& slot);
   // Receives the fixed-size head that starts `request`'s payload (`request_name`: "scatter
   // part") into `head` and takes it off request.payload_bytes; otherwise as RecvTarget.

@@ -145,6 +145,16 @@ absl::StatusOr<int64_t> Group::WaitVersion(int64_t min_version, absl::Time deadl
   return version_;
 }
 
+StateStamp Group::state() const {
+  absl::MutexLock lock(&mu_);
+  return StateStamp{version_, load_epoch_};
+}
+
+std::string Group::LoadedState(uint64_t load_id) {
+  return load_id == 0 ? std::string("the state from before any checkpoint load")
+                      : absl::StrCat("the state of checkpoint load ", absl::Hex(load_id));
+}
+
 absl::StatusOr<GatherSnapshot> Group::Gather(int64_t min_version, DType dtype,
                                              absl::Time deadline) {
   if (!IsFloatingParamDType(dtype)) {
@@ -164,7 +174,7 @@ absl::StatusOr<GatherSnapshot> Group::Gather(int64_t min_version, DType dtype,
     FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
     snapshot = snapshot_pool_->Wrap(std::move(bytes));
   }
-  return GatherSnapshot{version_, snapshot};
+  return GatherSnapshot{version_, load_epoch_, snapshot};
 }
 
 absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {
@@ -239,8 +249,7 @@ absl::Status Group::CheckShardBytes(DType dtype, uint64_t bytes, absl::string_vi
       expected, " (", shard_numel(), " ", DTypeName(dtype), " elements)"));
 }
 
-absl::StatusOr<int64_t> Group::GatherInto(int64_t min_version, DType dtype, void* device_dst,
-                                          absl::Time deadline) {
+absl::StatusOr<StateStamp> Group::GatherInto(int64_t min_version, DType dtype, void* device_dst, absl::Time deadline) {
   FLATSHARD_RETURN_IF_ERROR(CheckDeviceTier("a CUDA IPC gather"));
   if (!IsFloatingParamDType(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("gather dtype ", DTypeName(dtype),
@@ -250,7 +259,7 @@ absl::StatusOr<int64_t> Group::GatherInto(int64_t min_version, DType dtype, void
   FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline));
   FLATSHARD_RETURN_IF_ERROR(compute_->Cast(DType::kFloat32, params_.data(), dtype, device_dst, shard_numel()));
   FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
-  return version_;
+  return StateStamp{version_, load_epoch_};
 }
 
 absl::Status Group::FillDeviceSlot(const ReceiveSlot& slot, const void* device_src) {
@@ -279,8 +288,8 @@ absl::StatusOr<std::pair<size_t, size_t>> Group::PartRange(DType dtype, SlotPart
                         static_cast<size_t>(ranges[part.index].bytes));
 }
 
-absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, DType dtype,
-                                                SlotMemory memory, SlotPart part) {
+absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, DType dtype, SlotMemory memory,
+                                                SlotPart part, std::optional<uint64_t> from_load) {
   if (worker_rank < 0 || worker_rank >= job_settings_.num_workers) {
     return absl::InvalidArgumentError(absl::StrCat("worker rank ", worker_rank, " outside [0, ",
                                                    job_settings_.num_workers, ") of job '",
@@ -307,6 +316,12 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
                      "' is frozen (registered without an optimizer): it takes no gradients"));
   }
   absl::MutexLock lock(&mu_);
+  if (from_load.has_value() && *from_load != load_epoch_) {
+    return absl::AbortedError(absl::StrCat("worker ", worker_rank, "'s gradient for step ", step, " of group '", name_,
+                                           "' was computed from ", LoadedState(*from_load), "; the group now holds ",
+                                           LoadedState(load_epoch_), " at version ", version_,
+                                           ": gather it and compute the gradient again"));
+  }
   Contribution& contribution = contributions_[worker_rank];
   const uint64_t bit = uint64_t{1} << part.index;
   const bool same = contribution.state == SlotState::kReceiving && part.count > 1 &&

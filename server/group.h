@@ -46,9 +46,12 @@
 //    parts that arrived stay until the contribution is complete, or until, with none in
 //    flight, a BeginScatter for another step, dtype or split starts it afresh.
 //  - A load (Restore) drops the contributions being received: their commits are refused
-//    with Aborted. Waits for a version it moved the group below end at once (Aborted for
-//    gathers, FailedPrecondition for the pins of saves and exports), and so do waits
-//    for an early step (AwaitEarlyStep). The exchange starts a new round (ExchangeRound).
+//    with Aborted. A contribution that names the load its parameters were gathered from
+//    (every worker's, once it has gathered) is refused with Aborted when the group holds
+//    another load's state: a gradient of the replaced state never counts for the loaded
+//    one, even at the same version. Gathers name the load their bytes come from. Waits for a version it moved the group
+//    below end at once (Aborted for gathers, FailedPrecondition for the pins of saves and exports), and so do waits for
+//    an early step (AwaitEarlyStep). The exchange starts a new round (ExchangeRound).
 //
 // Memory: parameters, the reduced gradient and optimizer state live in the group's
 // memory tier (server/shard_compute.h: host, pinned or device); staging slots, replica
@@ -89,7 +92,15 @@ namespace flatshard::server {
 // that version.
 struct GatherSnapshot {
   int64_t version = 0;
+  uint64_t load_id = 0;                      // the checkpoint load of the state it was cut from (0: none)
   std::shared_ptr<const ShardBuffer> bytes;  // host-addressable
+};
+
+// Which state a group held: its version, and the checkpoint load that state comes from
+// (Restore's load id; 0: none).
+struct StateStamp {
+  int64_t version = 0;
+  uint64_t load_id = 0;
 };
 
 // Which part of a contribution one receive carries: range `index` of
@@ -200,6 +211,8 @@ class Group {
   bool SameSpec(const FlatLayout& layout, const OptimizerConfig& optimizer) const;
 
   int64_t version() const;
+  // The version and the load of the state it holds now.
+  StateStamp state() const;
   // Blocks until version() >= min_version or `deadline`; returns the version, or
   // DeadlineExceeded naming both versions. Aborted, at once, when a load (Restore) moves
   // the group below min_version while it waits: the load dropped the contributions to
@@ -214,22 +227,22 @@ class Group {
   [[nodiscard]] absl::Status CheckShardBytes(DType dtype, uint64_t bytes,
                                              absl::string_view plane) const;
   // Device groups: waits like Gather, then writes the shard in `dtype` straight into
-  // `device_dst` (shard_numel elements) and returns the version written.
+  // `device_dst` (shard_numel elements) and returns the state written.
   // FailedPrecondition for a group that is not in device memory.
-  [[nodiscard]] absl::StatusOr<int64_t> GatherInto(int64_t min_version, DType dtype,
-                                                   void* device_dst, absl::Time deadline);
+  [[nodiscard]] absl::StatusOr<StateStamp> GatherInto(int64_t min_version, DType dtype, void* device_dst,
+                                                      absl::Time deadline);
 
-  // Reserves the slot for `worker_rank`'s gradient for `step`, or for `part` of it.
-  // AlreadyExists for a contribution already held or applied (duplicate, stale; async:
-  // not newer than the worker's last), FailedPrecondition for a future one, one (or this
-  // part of one) already being received, or one beyond the staleness bound,
-  // InvalidArgument for a worker rank outside [0, W) or of another replica group, a
-  // non-float dtype, or a part that SplitRanges does not make of this slot (parts are
+  // Reserves the slot for `worker_rank`'s gradient for `step`, or for `part` of it,
+  // computed from the parameters of checkpoint load `from_load` (nullopt: not known).
+  // Aborted when the group holds another load's state; then AlreadyExists for a contribution already held or applied
+  // (duplicate, stale; async: not newer than the worker's last), FailedPrecondition for a future one, one (or this part
+  // of one) already being received, or one beyond the staleness bound, InvalidArgument for a worker rank outside [0, W)
+  // or of another replica group, a non-float dtype, or a part that SplitRanges does not make of this slot (parts are
   // host memory only).
   // FailedPrecondition for SlotMemory::kDevice on a group that is not in device memory.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype,
-                                                         SlotMemory memory = SlotMemory::kHost,
-                                                         SlotPart part = {});
+                                                         SlotMemory memory = SlotMemory::kHost, SlotPart part = {},
+                                                         std::optional<uint64_t> from_load = std::nullopt);
   // The bytes {offset, size} of a `dtype` contribution that `part` carries;
   // InvalidArgument naming the part when SplitRanges does not make it of this slot.
   [[nodiscard]] absl::StatusOr<std::pair<size_t, size_t>> PartRange(DType dtype, SlotPart part) const;
@@ -379,6 +392,10 @@ class Group {
   Group(std::string job, std::string name, FlatLayout layout, Placement placement, JobSettings job_settings,
         std::unique_ptr<ShardCompute> compute, ShardBuffer params, ShardBuffer grad,
         ShardOptimizer optimizer);
+
+  // The group state checkpoint load `load_id` installed, for messages: "the state of
+  // checkpoint load 5f3a..." (0: "the state from before any checkpoint load").
+  static std::string LoadedState(uint64_t load_id);
 
   // Blocks (releasing mu_) until version_ >= min_version (true), a load (Restore) moves
   // the group below it (false), or `deadline` (DeadlineExceeded naming both versions).

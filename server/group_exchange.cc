@@ -13,16 +13,6 @@
 
 namespace flatshard::server {
 
-namespace {
-
-// The group state a round's load installed, for messages.
-std::string LoadedState(uint64_t load_epoch) {
-  return load_epoch == 0 ? std::string("the state from before any checkpoint load")
-                         : absl::StrCat("the state of checkpoint load ", absl::Hex(load_epoch));
-}
-
-}  // namespace
-
 std::pair<int64_t, int64_t> Group::ReplicaChunk(int replica) const {
   const int64_t numel = shard_numel(), replicas = std::max(1, job_settings_.replicas);
   // Balanced, with each boundary rounded down to 4 elements (16 bytes) for the kernels'

@@ -57,18 +57,16 @@ absl::StatusOr<Resolved> Resolve(Registry& registry, kernels::cuda::IpcMappings&
 }  // namespace
 #endif
 
-absl::StatusOr<int64_t> IpcPlane::Gather(const transport::Request& request,
-                                         const transport::IpcTarget& target) {
+absl::StatusOr<StateStamp> IpcPlane::Gather(const transport::Request& request, const transport::IpcTarget& target) {
 #if FLATSHARD_HAVE_CUDA
   if (mappings_ != nullptr) {
     FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request, target));
-    FLATSHARD_ASSIGN_OR_RETURN(
-        int64_t version,
-        r.group->GatherInto(request.version, r.dtype, r.buffer.data, request.Deadline()));
+    FLATSHARD_ASSIGN_OR_RETURN(StateStamp state,
+                               r.group->GatherInto(request.version, r.dtype, r.buffer.data, request.Deadline()));
     ++stats_.gathers;
     ++stats_.ipc_gathers;
     stats_.bytes_sent += static_cast<int64_t>(target.bytes);
-    return version;
+    return state;
   }
 #endif
   (void)request;
@@ -77,14 +75,13 @@ absl::StatusOr<int64_t> IpcPlane::Gather(const transport::Request& request,
       "this server does not keep its shards in GPU memory; use the TCP data plane");
 }
 
-absl::StatusOr<int64_t> IpcPlane::Scatter(const transport::Request& request,
-                                          const transport::IpcTarget& target) {
+absl::StatusOr<StateStamp> IpcPlane::Scatter(const transport::Request& request, const transport::IpcTarget& target) {
 #if FLATSHARD_HAVE_CUDA
   if (mappings_ != nullptr) {
     FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request, target));
-    FLATSHARD_ASSIGN_OR_RETURN(
-        ReceiveSlot slot, driver_.BeginScatter(*r.group, request.version, request.worker_rank, r.dtype,
-                                               request.Deadline(), SlotMemory::kDevice));
+    FLATSHARD_ASSIGN_OR_RETURN(ReceiveSlot slot,
+                               driver_.BeginScatter(*r.group, request.version, request.worker_rank, r.dtype,
+                                                    request.Deadline(), SlotMemory::kDevice, {}, request.load_id));
     if (absl::Status filled = r.group->FillDeviceSlot(slot, r.buffer.data); !filled.ok()) {
       r.group->AbortScatter(slot);
       return filled;
@@ -94,7 +91,7 @@ absl::StatusOr<int64_t> IpcPlane::Scatter(const transport::Request& request,
     ++stats_.ipc_scatters;
     stats_.bytes_received += static_cast<int64_t>(target.bytes);
     FLATSHARD_RETURN_IF_ERROR(driver_.Continue(*r.group, request.version, outcome));
-    return r.group->version();
+    return r.group->state();
   }
 #endif
   (void)request;

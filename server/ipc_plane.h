@@ -32,13 +32,13 @@ class IpcPlane {
   [[nodiscard]] absl::Status Start(MemoryTier tier);
 
   // `request` (kIpcGather) names the group, dtype and min_version; `target` the worker's
-  // buffer. Returns the version written.
-  [[nodiscard]] absl::StatusOr<int64_t> Gather(const transport::Request& request,
-                                               const transport::IpcTarget& target);
-  // `request` (kIpcScatter) names the group, dtype, step and worker. Returns the group's
-  // version after the contribution.
-  [[nodiscard]] absl::StatusOr<int64_t> Scatter(const transport::Request& request,
-                                                const transport::IpcTarget& target);
+  // buffer. Returns the state written.
+  [[nodiscard]] absl::StatusOr<StateStamp> Gather(const transport::Request& request,
+                                                  const transport::IpcTarget& target);
+  // `request` (kIpcScatter) names the group, dtype, step, worker and the load the gradient
+  // was computed from. Returns the group's state after the contribution.
+  [[nodiscard]] absl::StatusOr<StateStamp> Scatter(const transport::Request& request,
+                                                   const transport::IpcTarget& target);
 
  private:
   struct Mappings;  // kernels::cuda::IpcMappings, in CUDA builds

@@ -89,7 +89,7 @@ class NcclPlane::Transfer {
   const transport::Request& request() const { return request_; }
   std::optional<ReceiveSlot>& slot() { return slot_; }
   size_t bytes = 0;
-  int64_t version = 0;  // a gather's staged version
+  StateStamp staged;  // a gather's staged state
 
   // The transfer failed: the communicator is aborted and the channel closed.
   void CloseChannel() { state_.Close(channel_->id); }
@@ -188,7 +188,7 @@ absl::StatusOr<uint64_t> NcclPlane::Open(const std::string& unique_id, int worke
 #endif
 }
 
-absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, int64_t>> NcclPlane::Begin(
+absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, StateStamp>> NcclPlane::Begin(
     const transport::Request& request, const transport::NcclTarget& target) {
 #if FLATSHARD_HAVE_CUDA
   if (state_ == nullptr) return Off();
@@ -222,17 +222,17 @@ absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, int64_t>> NcclPla
       FLATSHARD_ASSIGN_OR_RETURN(channel->staging,
                                  kc::DeviceMemory::Allocate(target.bytes, "an NCCL gather's staging"));
     }
-    FLATSHARD_ASSIGN_OR_RETURN(transfer->version,
-                               transfer->group().GatherInto(request.version, request.dtype,
-                                                            channel->staging.data(), deadline));
-    const int64_t version = transfer->version;
-    return std::make_pair(std::move(transfer), version);
+    FLATSHARD_ASSIGN_OR_RETURN(transfer->staged, transfer->group().GatherInto(request.version, request.dtype,
+                                                                              channel->staging.data(), deadline));
+    const StateStamp staged = transfer->staged;
+    return std::make_pair(std::move(transfer), staged);
   }
-  FLATSHARD_ASSIGN_OR_RETURN(ReceiveSlot slot,
-                             driver_.BeginScatter(transfer->group(), request.version, request.worker_rank,
-                                                  request.dtype, request.Deadline(), SlotMemory::kDevice));
+  FLATSHARD_ASSIGN_OR_RETURN(
+      ReceiveSlot slot, driver_.BeginScatter(transfer->group(), request.version, request.worker_rank, request.dtype,
+                                             request.Deadline(), SlotMemory::kDevice, {}, request.load_id));
   transfer->slot() = slot;
-  return std::make_pair(std::move(transfer), request.version);
+  const StateStamp state = transfer->group().state();
+  return std::make_pair(std::move(transfer), state);
 #else
   (void)request;
   (void)target;
@@ -240,7 +240,7 @@ absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, int64_t>> NcclPla
 #endif
 }
 
-absl::StatusOr<int64_t> NcclPlane::Finish(const std::shared_ptr<Transfer>& transfer) {
+absl::StatusOr<StateStamp> NcclPlane::Finish(const std::shared_ptr<Transfer>& transfer) {
 #if FLATSHARD_HAVE_CUDA
   Channel& channel = transfer->channel();
   const transport::Request& request = transfer->request();
@@ -269,7 +269,7 @@ absl::StatusOr<int64_t> NcclPlane::Finish(const std::shared_ptr<Transfer>& trans
   if (gather) {
     ++stats_.gathers;
     ++stats_.nccl_gathers;
-    return transfer->version;
+    return transfer->staged;
   }
   const ReceiveSlot slot = *transfer->slot();
   transfer->slot().reset();  // committed below, no longer the transfer's to give back
@@ -277,7 +277,7 @@ absl::StatusOr<int64_t> NcclPlane::Finish(const std::shared_ptr<Transfer>& trans
   ++stats_.scatters;
   ++stats_.nccl_scatters;
   FLATSHARD_RETURN_IF_ERROR(driver_.Continue(transfer->group(), request.version, outcome));
-  return transfer->group().version();
+  return transfer->group().state();
 #else
   (void)transfer;
   return Off();

@@ -8,7 +8,7 @@
 // transfer:
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto transfer, plane.Begin(request, target));  // "ready"
-//   FLATSHARD_ASSIGN_OR_RETURN(int64_t version, plane.Finish(transfer));      // "done"
+//   FLATSHARD_ASSIGN_OR_RETURN(StateStamp state, plane.Finish(transfer));     // "done"
 //
 // A gather stages the shard in the gather dtype (the version stays whole while it is
 // sent) and sends it; a scatter receives into the worker's device staging slot and
@@ -57,11 +57,12 @@ class NcclPlane {
   class Transfer;
   // Checks `request` and `target` and readies the bytes: waits for the channel's join
   // and its previous transfer, then (gather) stages the shard at a version >=
-  // min_version or (scatter) takes the worker's slot. The version is the ready answer's.
-  [[nodiscard]] absl::StatusOr<std::pair<std::shared_ptr<Transfer>, int64_t>> Begin(
+  // min_version or (scatter) takes the worker's slot, checking the load the gradient was
+  // computed from. The state is the ready answer's (a gather's: the staged one).
+  [[nodiscard]] absl::StatusOr<std::pair<std::shared_ptr<Transfer>, StateStamp>> Begin(
       const transport::Request& request, const transport::NcclTarget& target);
-  // Moves the bytes and commits a scatter; returns the done answer's version.
-  [[nodiscard]] absl::StatusOr<int64_t> Finish(const std::shared_ptr<Transfer>& transfer);
+  // Moves the bytes and commits a scatter; returns the done answer's state.
+  [[nodiscard]] absl::StatusOr<StateStamp> Finish(const std::shared_ptr<Transfer>& transfer);
 
  private:
   struct State;  // channels, in CUDA builds

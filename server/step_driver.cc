@@ -36,16 +36,16 @@ void StepDriver::Stop() {
   }
 }
 
-absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step, int worker_rank,
-                                                     DType dtype, absl::Time deadline, SlotMemory memory,
-                                                     SlotPart part) {
-  absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(step, worker_rank, dtype, memory, part);
+absl::StatusOr<ReceiveSlot> StepDriver::BeginScatter(Group& group, int64_t step, int worker_rank, DType dtype,
+                                                     absl::Time deadline, SlotMemory memory, SlotPart part,
+                                                     std::optional<uint64_t> from_load) {
+  absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(step, worker_rank, dtype, memory, part, from_load);
   if (absl::IsFailedPrecondition(slot.status())) {
     // The worker may have heard that the step before was accepted before the exchange
     // with the peers finished it here. Wait for it, as long as for a peer at most.
     FLATSHARD_ASSIGN_OR_RETURN(const bool again,
                                group.AwaitEarlyStep(step, std::min(deadline, absl::Now() + timeout_)));
-    if (again) slot = group.BeginScatter(step, worker_rank, dtype, memory, part);
+    if (again) slot = group.BeginScatter(step, worker_rank, dtype, memory, part, from_load);
   }
   if (!absl::IsAlreadyExists(slot.status())) return slot;
   // A resend: its first answer may have been a failure to reach a peer.
@@ -211,10 +211,9 @@ absl::Status StepDriver::SendOn(transport::Connection& conn, transport::DataOp o
   header.worker_rank = group.placement().replica;
   header.version = round.step;
   header.timeout_ms = absl::ToInt64Milliseconds(timeout_);
-  const transport::ExchangeHead head{.load_epoch = round.load_epoch};
-  FLATSHARD_RETURN_IF_ERROR(
-      transport::SendRequest(conn, header, group.job(), group.name(),
-                             absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&head), sizeof(head)), bytes));
+  header.flags = transport::kRequestLoadKnown;
+  header.load_id = round.load_epoch;
+  FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(conn, header, group.job(), group.name(), bytes));
   FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(conn, {}));
   verdict = response.status;
   return absl::OkStatus();

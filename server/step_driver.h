@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -82,10 +83,10 @@ class StepDriver {
   // long its worker waits for the answer), and at most `timeout`. When the contribution
   // is already held (a resend), first sends again what the step still waits for from
   // this server, and returns that failure if it fails again (AlreadyExists otherwise).
-  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(Group& group, int64_t step, int worker_rank,
-                                                         DType dtype, absl::Time deadline,
-                                                         SlotMemory memory = SlotMemory::kHost,
-                                                         SlotPart part = {});
+  [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(Group& group, int64_t step, int worker_rank, DType dtype,
+                                                         absl::Time deadline, SlotMemory memory = SlotMemory::kHost,
+                                                         SlotPart part = {},
+                                                         std::optional<uint64_t> from_load = std::nullopt);
 
   // Group::BeginExchange for a peer's message; one of a load this server has not
   // committed yet waits for that commit, and one of the next step while this server

@@ -74,6 +74,9 @@ absl::StatusOr<Request> RecvRequest(Connection& conn) {
   if (header.job_bytes > kMaxNameBytes || header.group_bytes > kMaxNameBytes) {
     return absl::InvalidArgumentError("bad frame: job or group name too long");
   }
+  if ((header.flags & ~kRequestLoadKnown) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bad frame: unknown flags 0x", absl::Hex(header.flags)));
+  }
   if (header.payload_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("bad frame: payload of ", header.payload_bytes, " bytes"));
@@ -85,16 +88,18 @@ absl::StatusOr<Request> RecvRequest(Connection& conn) {
   request.version = header.version;
   request.payload_bytes = header.payload_bytes;
   request.timeout_ms = header.timeout_ms;
+  if ((header.flags & kRequestLoadKnown) != 0) request.load_id = header.load_id;
   FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.job_bytes, request.job));
   FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.group_bytes, request.group));
   return request;
 }
 
 absl::Status SendResponse(Connection& conn, const absl::Status& status, int64_t version,
-                          absl::Span<const std::byte> payload) {
+                          absl::Span<const std::byte> payload, uint64_t load_id) {
   ResponseHeader header;
   header.code = static_cast<int32_t>(status.code());
   header.version = version;
+  header.load_id = load_id;
   const absl::string_view message = status.message().substr(0, kMaxMessageBytes);
   header.message_bytes = static_cast<uint32_t>(message.size());
   if (!status.ok()) payload = {};
@@ -112,8 +117,7 @@ absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> pa
   std::string message;
   FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.message_bytes, message));
   if (header.code != 0) {
-    return Response{absl::Status(static_cast<absl::StatusCode>(header.code), message),
-                    header.version};
+    return Response{absl::Status(static_cast<absl::StatusCode>(header.code), message), header.version, header.load_id};
   }
   if (header.payload_bytes != 0 &&
       header.payload_bytes != static_cast<int64_t>(payload_dest.size())) {
@@ -121,7 +125,7 @@ absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> pa
                                             " bytes, expected ", payload_dest.size()));
   }
   if (header.payload_bytes != 0) FLATSHARD_RETURN_IF_ERROR(conn.Recv(payload_dest));
-  return Response{absl::OkStatus(), header.version};
+  return Response{absl::OkStatus(), header.version, header.load_id};
 }
 
 absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(absl::string_view data_address,

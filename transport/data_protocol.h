@@ -4,6 +4,15 @@
 //   worker -> server  Request:  RequestHeader | job | group | payload
 //   server -> worker  Response: ResponseHeader | message | payload
 //
+// Both headers name a checkpoint load (load_id: the id a load's COMMIT installs, the
+// same on every server; 0 before any load), so that nothing computed from the state a
+// load replaced is taken for the loaded one, even at the same version:
+//  - a gather's answer: the load its bytes come from; a gather whose parts name
+//    different loads is torn (a load was committing) and the client refuses it;
+//  - a scatter, with kRequestLoadKnown: the load of the parameters its gradient was
+//    computed from; the server refuses one of a state it no longer holds (Aborted);
+//  - an exchange message between servers: the load of the sender's round.
+//
 // The first request on a connection must be kHello with the session token (issued by
 // the authenticated OpenSession RPC) as its payload; the server closes connections that
 // do not start that way. Headers are fixed-size little-endian structs; every length is
@@ -18,6 +27,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,9 +61,9 @@ enum class DataOp : uint8_t {
   kGatherRange = 9,  // version = min_version
   // Server to server, hybrid sharding (server/group.h, "the exchange"): a replica
   // group's partial sum of the gradient for the chunk of the shard that the receiver
-  // reduces. version = step, worker_rank = the sender's replica group; payload: an
-  // ExchangeHead, then the chunk in float32. The receiver waits (timeout_ms) until it
-  // reaches that step, or commits the load the head names.
+  // reduces. version = step, worker_rank = the sender's replica group, load_id = the
+  // load of the sender's round; payload: the chunk in float32. The receiver waits
+  // (timeout_ms) until it reaches that step, or commits that load.
   kReplicaPartial = 10,
   // Server to server, hybrid sharding: the sender's chunk of the shard, reduced over
   // every replica group. Fields as for kReplicaPartial.
@@ -72,6 +82,10 @@ inline constexpr uint32_t kMaxNameBytes = 1024;
 inline constexpr uint32_t kMaxMessageBytes = 4096;
 inline constexpr uint32_t kMaxTokenBytes = 256;
 
+// RequestHeader::flags: load_id names the state the request was computed from. Without
+// it (a worker that never gathered the group) the server does not check it.
+inline constexpr uint16_t kRequestLoadKnown = 1;
+
 #pragma pack(push, 1)
 struct RequestHeader {
   uint32_t magic = kRequestMagic;
@@ -79,11 +93,12 @@ struct RequestHeader {
   uint8_t dtype = 0;  // flatshard::DType
   uint16_t job_bytes = 0;
   uint16_t group_bytes = 0;
-  uint16_t reserved = 0;
+  uint16_t flags = 0;  // kRequestLoadKnown; other bits must be 0
   int32_t worker_rank = 0;
   int64_t version = 0;
   int64_t payload_bytes = 0;
   int64_t timeout_ms = 0;  // how long the server may wait (gather's min_version)
+  uint64_t load_id = 0;    // the checkpoint load the request's state comes from (above)
 };
 struct ResponseHeader {
   uint32_t magic = kResponseMagic;
@@ -92,6 +107,7 @@ struct ResponseHeader {
   int64_t payload_bytes = 0;
   uint32_t message_bytes = 0;
   uint32_t reserved = 0;
+  uint64_t load_id = 0;  // the load of the group state answered from (gathers: the bytes')
 };
 #pragma pack(pop)
 // The payload of kIpcGather and kIpcScatter: `bytes` at `offset` of the worker's
@@ -122,21 +138,14 @@ struct ScatterPart {
   uint32_t index = 0;
   uint32_t count = 0;
 };
-// The head of kReplicaPartial's and kReplicaReduced's payload: the checkpoint load the
-// sender's group state comes from (its load id; 0: never loaded), so that a chunk of the
-// state a load replaced is never taken for the step taken again from the loaded one.
-struct ExchangeHead {
-  uint64_t load_epoch = 0;
-};
 // The most parts one transfer may be split into.
 inline constexpr int kMaxSplitParts = 64;
 static_assert(sizeof(ByteRange) == 16);
 static_assert(sizeof(ScatterPart) == 8);
-static_assert(sizeof(ExchangeHead) == 8);
-static_assert(sizeof(RequestHeader) == 40);
+static_assert(sizeof(RequestHeader) == 48);
 static_assert(sizeof(NcclTarget) == 16);
 static_assert(sizeof(IpcTarget) == 80);
-static_assert(sizeof(ResponseHeader) == 32);
+static_assert(sizeof(ResponseHeader) == 40);
 
 // A request whose header and names have been read and checked; the payload (if any) is
 // still on the connection.
@@ -147,6 +156,7 @@ struct Request {
   int64_t version = 0;
   int64_t payload_bytes = 0;
   int64_t timeout_ms = 0;
+  std::optional<uint64_t> load_id;  // with kRequestLoadKnown
   std::string job;
   std::string group;
 
@@ -169,18 +179,20 @@ struct Request {
 std::vector<ByteRange> SplitRanges(uint64_t bytes, int count);
 
 // Reads and validates a request header and its names. InvalidArgument for a bad magic,
-// op, dtype or length (the caller should then close the connection: the stream can no
+// op, dtype, flag or length (the caller should then close the connection: the stream can no
 // longer be trusted); transport errors as Connection::Recv returns them.
 [[nodiscard]] absl::StatusOr<Request> RecvRequest(Connection& conn);
 
-// Sends `status` (its code and message), `version` and, when OK, `payload`.
-[[nodiscard]] absl::Status SendResponse(Connection& conn, const absl::Status& status,
-                                        int64_t version, absl::Span<const std::byte> payload);
+// Sends `status` (its code and message), `version`, `load_id` and, when OK, `payload`.
+[[nodiscard]] absl::Status SendResponse(Connection& conn, const absl::Status& status, int64_t version,
+                                        absl::Span<const std::byte> payload, uint64_t load_id = 0);
 
-// What the server answered: its status for the request and its version.
+// What the server answered: its status for the request, and the version and load of the
+// group state it answered from.
 struct Response {
   absl::Status status;
   int64_t version = 0;
+  uint64_t load_id = 0;
 };
 
 // Reads a response. On an OK response with a payload, the payload must be exactly

@@ -1,5 +1,6 @@
 #include "client/completion.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -9,6 +10,8 @@
 
 namespace flatshard::client_internal {
 namespace {
+
+using ::testing::HasSubstr;
 
 bool Ready(std::future<absl::StatusOr<int64_t>>& future) {
   return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
@@ -85,6 +88,54 @@ TEST(CompletionTest, SameVersionRangesThatDifferEndTorn) {
   servers.Finish(absl::OkStatus(), 3);
   servers.Finish(absl::OkStatus(), 4);
   EXPECT_EQ(servers_future.get().value_or(-1), 3);
+}
+
+// A gather's parts must come from the state of one checkpoint load: parts of two (a load
+// committing while the gather read, or one that did not commit everywhere) end it with
+// Aborted naming both; ranges of one split part end it torn, to be gathered again.
+// `on_gathered` hears the load of a gather that completes, and only of one.
+TEST(CompletionTest, AGathersPartsMustComeFromOneLoad) {
+  std::vector<uint64_t> heard;
+  auto record = [&](uint64_t load_id) { heard.push_back(load_id); };
+  Completion<absl::StatusOr<int64_t>> split(3, /*same_version=*/false, record);
+  auto split_future = split.future();
+  split.Finish(absl::OkStatus(), 4, 0x5eed);
+  split.Finish(absl::OkStatus(), 4, 0x5eed);
+  split.Finish(absl::OkStatus(), 4, 0);
+  const absl::Status refused = split_future.get().status();
+  EXPECT_TRUE(absl::IsAborted(refused)) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("from the states of two checkpoint loads (load 5eed and none)"));
+
+  Completion<absl::StatusOr<int64_t>> ranges(2, /*same_version=*/true, record);
+  auto ranges_future = ranges.future();
+  ranges.Finish(absl::OkStatus(), 4, 1);
+  ranges.Finish(absl::OkStatus(), 4, 2);
+  EXPECT_EQ(ranges_future.get().status().message(), kTornGather);
+  EXPECT_TRUE(heard.empty()) << "a refused gather recorded load " << heard.front();
+
+  Completion<absl::StatusOr<int64_t>> agreed(2, /*same_version=*/false, record);
+  auto agreed_future = agreed.future();
+  agreed.Finish(absl::OkStatus(), 5, 0x5eed);
+  agreed.Finish(absl::OkStatus(), 4, 0x5eed);
+  EXPECT_EQ(agreed_future.get().value_or(-1), 4);
+  EXPECT_EQ(agreed.load_id(), 0x5eedu);
+  EXPECT_EQ(heard, std::vector<uint64_t>{0x5eed});
+
+  // A failed part ends it with its error; nothing is recorded.
+  Completion<absl::StatusOr<int64_t>> failed(2, /*same_version=*/false, record);
+  auto failed_future = failed.future();
+  failed.Finish(absl::OkStatus(), 5, 7);
+  failed.Finish(absl::UnavailableError("server b: gone"), 0, 0);
+  EXPECT_TRUE(absl::IsUnavailable(failed_future.get().status()));
+  EXPECT_EQ(heard.size(), 1u);
+
+  // Scatters' answers name the group's load as it is when each server answers: they may
+  // differ, and mean nothing for the scatter.
+  Completion<absl::Status> scatter(2);
+  auto scatter_future = scatter.future();
+  scatter.Finish(absl::OkStatus(), 5, 1);
+  scatter.Finish(absl::OkStatus(), 5, 2);
+  EXPECT_TRUE(scatter_future.get().ok());
 }
 
 TEST(CompletionTest, AnErrorIsReportedRatherThanATornGather) {

@@ -160,7 +160,10 @@ TEST(CheckpointIntegrationTest, HybridShardedJobCheckpointsAreThoseOfOneReplicaG
   for (const char* name : {"h-local", "h-sharded"}) {
     const absl::Status loaded = first.client->LoadCheckpoint(name);
     ASSERT_TRUE(loaded.ok()) << name << ": " << loaded;
+    // Each worker gathers what it trains on from the loaded state, as a worker must: a
+    // gradient computed from the state the load replaced is refused.
     EXPECT_EQ(first.Params("big", first.big, 3), big) << name;
+    EXPECT_EQ(first.Params("tiny", first.tiny, 3), tiny) << name;
     EXPECT_EQ(second.Params("big", second.big, 3), big) << name;
     EXPECT_EQ(second.Params("tiny", second.tiny, 3), tiny) << name;
   }

@@ -170,19 +170,16 @@ TEST_F(FaultsTest, GpuPlaneRequestsToAHostServerAreRefused) {
 // trains on.
 TEST_F(FaultsTest, MisdirectedReplicaExchangesAreRefusedAndTheServerServesOn) {
   auto conn = RawConnection();
-  // A message of `bytes` after its head (the head alone is cut to `head_bytes`).
-  auto send = [&](transport::DataOp op, int replica, DType dtype, int64_t bytes,
-                  size_t head_bytes = sizeof(transport::ExchangeHead)) {
-    const transport::ExchangeHead head;
+  // A message of `bytes`, naming the load of its round unless `names_load` is false.
+  auto send = [&](transport::DataOp op, int replica, DType dtype, int64_t bytes, bool names_load = true) {
     std::vector<std::byte> payload(bytes);
     transport::RequestHeader header;
     header.op = static_cast<uint8_t>(op);
     header.dtype = static_cast<uint8_t>(dtype);
     header.worker_rank = replica;
     header.timeout_ms = 1000;
-    absl::Status sent =
-        transport::SendRequest(*conn, header, "test", "g",
-                               absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&head), head_bytes), payload);
+    if (names_load) header.flags = transport::kRequestLoadKnown;
+    absl::Status sent = transport::SendRequest(*conn, header, "test", "g", payload);
     if (!sent.ok()) return sent;
     auto response = transport::RecvResponse(*conn, {});
     return response.ok() ? response->status : response.status();
@@ -198,9 +195,10 @@ TEST_F(FaultsTest, MisdirectedReplicaExchangesAreRefusedAndTheServerServesOn) {
                 HasSubstr("the exchange between replica groups is float32, not bfloat16"));
     const absl::Status short_one = send(op, 1, DType::kFloat32, shard_bytes - 4);
     EXPECT_THAT(std::string(short_one.message()), HasSubstr(absl::StrCat(noun, " to group 'g' carries")));
-    const absl::Status headless = send(op, 1, DType::kFloat32, 0, 4);
-    EXPECT_THAT(std::string(headless.message()),
-                HasSubstr(absl::StrCat("a ", noun, " starts with its 8-byte head; this one carries 4 bytes")));
+    const absl::Status no_load = send(op, 1, DType::kFloat32, shard_bytes, /*names_load=*/false);
+    EXPECT_EQ(no_load.code(), absl::StatusCode::kInvalidArgument) << no_load;
+    EXPECT_THAT(std::string(no_load.message()),
+                HasSubstr(absl::StrCat("a ", noun, " names the checkpoint load of its round")));
   }
   ExpectGatherServed(*conn);
   ExpectStepCompletes(0);
@@ -308,7 +306,9 @@ TEST_F(FaultsTest, GarbageFramesAndBadTokensAreClosedAndServersKeepServing) {
   {
     auto conn = RawConnection();
     const std::string garbage = "GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789012345678901234567890123";
-    ASSERT_TRUE(conn->Send({absl::MakeConstSpan(reinterpret_cast<const std::byte*>(garbage.data()), 40)}).ok());
+    ASSERT_TRUE(conn->Send({absl::MakeConstSpan(reinterpret_cast<const std::byte*>(garbage.data()),
+                                                sizeof(transport::RequestHeader))})
+                    .ok());
     auto response = transport::RecvResponse(*conn, {});
     ASSERT_TRUE(response.ok());
     EXPECT_EQ(response->status.code(), absl::StatusCode::kInvalidArgument);

@@ -75,7 +75,13 @@ TEST(LoadWhileTrainingTest, AWaitForAVersionTheLoadTookAwayEndsAtOnce) {
   EXPECT_THAT(waited.message(),
               HasSubstr("group 'big' was loaded from a checkpoint at version 1 while waiting for version 2"));
 
-  first.Step(1);  // sent again: the load dropped it, so it is no duplicate
+  const absl::Status replaced =
+      first.client->Scatter("big", 1, DType::kFloat32, AsBytes(first.Gradient("big", 1))).get();
+  EXPECT_EQ(replaced.code(), absl::StatusCode::kAborted) << "a gradient of the replaced state: " << replaced;
+  EXPECT_THAT(replaced.message(), HasSubstr("was computed from the state from before any checkpoint load; the group "
+                                            "now holds the state of checkpoint load"));
+  first.GatherAll(1);
+  first.Step(1);  // sent again, from the loaded state: the load dropped it, so it is no duplicate
   std::vector<float> gathered(first.big->padded_numel());
   const absl::Status gather =
       LoadUntilItEnds([&] { return first.client->Gather("big", 2, DType::kFloat32, AsBytes(gathered)).get().status(); },
@@ -96,6 +102,8 @@ TEST(LoadWhileTrainingTest, AWaitForAVersionTheLoadTookAwayEndsAtOnce) {
   EXPECT_EQ(testing::ListedVersions(*loader)["reloaded"], (std::map<std::string, int64_t>{{"big", 1}, {"tiny", 1}}));
 
   EXPECT_EQ(first.Params("big", first.big, 1), big_at_1);
+  first.GatherAll(1);
+  second.GatherAll(1);
   first.Step(1);
   second.Step(1);
   EXPECT_TRUE(first.client->WaitVersion("big", 2).ok());
@@ -128,18 +136,50 @@ TEST(LoadWhileTrainingTest, AHybridJobTakesTheStepAgainAfterALoadToItsVersion) {
   const std::vector<float> tiny_at_2 = first.Params("tiny", first.tiny, 2);
 
   ASSERT_TRUE(loader->LoadCheckpoint("at-1").ok());
+  first.GatherAll(1);
   first.Step(1);
   ASSERT_TRUE(loader->LoadCheckpoint("at-1").ok());
+  first.GatherAll(1);
+  second.GatherAll(1);
   first.Step(1);
   second.Step(1);
   EXPECT_EQ(first.Params("big", first.big, 2), big_at_2);
   EXPECT_EQ(second.Params("tiny", second.tiny, 2), tiny_at_2);
 }
 
+// A gather whose servers answer from the states of different checkpoint loads (here a
+// load committed on one server only; in training, a load committing while the gather
+// reads) is refused, so no worker computes from half of each; once the load commits
+// everywhere the worker gathers and trains on.
+TEST(LoadWhileTrainingTest, AGatherFromTheStatesOfTwoLoadsIsRefused) {
+  const testing::ScratchDir root("load-while-training-torn");
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
+  Trainer worker(cluster);
+  ASSERT_TRUE(worker.client->InitGroupFromSeed("big", 3).ok());
+  ASSERT_TRUE(worker.client->InitGroupFromSeed("tiny", 3).ok());
+  worker.Step(0);
+  ASSERT_TRUE(worker.client->SaveCheckpoint("at-1", CheckpointKind::kSharded, true).ok());
+  const std::vector<float> big_at_1 = worker.Params("big", worker.big, 1);
+
+  ASSERT_TRUE(cluster.LoadOnSome("test", "at-1", 0x5eed, {1}).ok());
+  std::vector<float> torn(worker.big->padded_numel());
+  const absl::Status refused = worker.client->Gather("big", 1, DType::kFloat32, AsBytes(torn)).get().status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("answered this gather from the states of two checkpoint loads ("));
+  EXPECT_THAT(refused.message(), HasSubstr("load 5eed"));
+  EXPECT_THAT(refused.message(), HasSubstr("did not commit on every server"));
+
+  ASSERT_TRUE(worker.client->LoadCheckpoint("at-1").ok());
+  EXPECT_EQ(worker.Params("big", worker.big, 1), big_at_1);
+  worker.GatherAll(1);
+  worker.Step(1);
+  EXPECT_TRUE(worker.client->WaitVersion("big", 2).ok());
+}
+
 // Trains `trainer` up to version `target` of both its groups, following the servers
-// through loads, until `stop` is set with both groups at `target`: each round sends its
-// gradient of every group at the lowest version among them (a group a step ahead has it
-// already) and waits for that step to complete. What a load voids (a refused or aborted
+// through loads, until `stop` is set with both groups at `target`: each round gathers
+// every group at the lowest version among them and sends its gradient (a group a step
+// ahead has it already), then waits for that step to complete. What a load voids (a refused or aborted
 // transfer, a wait it ended or that ran out while the step waited for a gradient the
 // load dropped) just starts the next round at the servers' versions; a gradient the
 // servers hold already is ALREADY_EXISTS. Any other error ends it, and so does a minute
@@ -169,6 +209,13 @@ absl::Status FollowTheServers(Trainer& trainer, int64_t target, const std::atomi
     bool went_on = true;
     for (const auto& [name, version] : versions) {
       if (version != step) continue;
+      std::vector<float> params(name == "big" ? trainer.big->padded_numel() : trainer.tiny->padded_numel());
+      const absl::StatusOr<int64_t> gathered = client.Gather(name, step, DType::kFloat32, AsBytes(params)).get();
+      if (!expected(gathered.status())) return gathered.status();
+      if (!gathered.ok() || *gathered != step) {  // a load moved the group
+        went_on = false;
+        break;
+      }
       const std::vector<float> grad = trainer.Gradient(name, step);
       const absl::Status sent = client.Scatter(name, step, DType::kFloat32, AsBytes(grad)).get();
       if (!expected(sent)) return sent;

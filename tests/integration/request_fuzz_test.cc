@@ -377,9 +377,13 @@ void RequestFuzzTest::FuzzDataPlane(uint64_t seed, int requests, Tally& answers)
     header.version = fuzz.Pick<int64_t>({0, 0, 0, 1, 1, 2, 3, -1, std::numeric_limits<int64_t>::max(),
                                          std::numeric_limits<int64_t>::min()});
     header.timeout_ms = fuzz.Pick<int64_t>({0, 1, 20, -1, std::numeric_limits<int64_t>::min()});
+    if (!fuzz.OneIn(4)) {  // the state the request comes from: none yet, or any load
+      header.flags = transport::kRequestLoadKnown;
+      header.load_id = fuzz.Pick<uint64_t>({0, 0, 1, fuzz.UInt64()});
+    }
     const std::string job = fuzz.Pick<std::string>({"test", "test", "async", "hy", "hy", "nojob", ""});
     const std::string group = fuzz.Pick<std::string>({"g", "g", "big", "f", "none"});
-    std::string head;  // the target, range, part or exchange head that leads the payload
+    std::string head;  // the target, range or part head that leads the payload
     switch (static_cast<transport::DataOp>(header.op)) {
       case transport::DataOp::kGatherRange: {
         const transport::ByteRange range{fuzz.Pick<uint64_t>({0, 4, 64, 2000, std::numeric_limits<uint64_t>::max()}),
@@ -391,12 +395,6 @@ void RequestFuzzTest::FuzzDataPlane(uint64_t seed, int requests, Tally& answers)
         const transport::ScatterPart part{fuzz.Pick<uint32_t>({0, 0, 1, 1, 2, 63, 64, std::numeric_limits<uint32_t>::max()}),
                                           fuzz.Pick<uint32_t>({0, 1, 2, 2, 3, 64, 65, std::numeric_limits<uint32_t>::max()})};
         head.assign(reinterpret_cast<const char*>(&part), sizeof(part));
-        break;
-      }
-      case transport::DataOp::kReplicaPartial:
-      case transport::DataOp::kReplicaReduced: {
-        const transport::ExchangeHead exchange{fuzz.Pick<uint64_t>({0, 0, 1, fuzz.UInt64()})};
-        head.assign(reinterpret_cast<const char*>(&exchange), sizeof(exchange));
         break;
       }
       case transport::DataOp::kNcclGather:
@@ -434,9 +432,10 @@ void RequestFuzzTest::FuzzDataPlane(uint64_t seed, int requests, Tally& answers)
     const std::string payload = head + body;
     const int rank = static_cast<int>(fuzz.Below(conns.size()));
     const std::string context =
-        absl::StrCat("seed ", seed, " request ", i, " to server ", rank, ": op ", header.op, " dtype ", header.dtype, " worker ",
-                     header.worker_rank, " version ", header.version, " timeout ", header.timeout_ms, " ms, job '",
-                     job, "' group '", group, "', payload ", absl::BytesToHexString(head), " + ", body.size(), " bytes");
+        absl::StrCat("seed ", seed, " request ", i, " to server ", rank, ": op ", header.op, " dtype ", header.dtype,
+                     " worker ", header.worker_rank, " version ", header.version, " timeout ", header.timeout_ms,
+                     " ms, load ", header.flags != 0 ? absl::StrCat(header.load_id) : "unknown", ", job '", job,
+                     "' group '", group, "', payload ", absl::BytesToHexString(head), " + ", body.size(), " bytes");
     ASSERT_TRUE(transport::SendRequest(*conns[rank], header, job, group,
                                        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(payload.data()),
                                                            payload.size()))

@@ -213,6 +213,32 @@ class TestCluster {
     return conn;
   }
 
+  // Loads checkpoint `name` of `job` as load `load_id` by hand, committing it on the
+  // servers in `commit_ranks` and aborting it on the others: a load that did not commit
+  // on every server. OK once every server answered both phases.
+  absl::Status LoadOnSome(const std::string& job, const std::string& name, uint64_t load_id,
+                          const std::vector<int>& commit_ranks) const {
+    v1::LoadCheckpointRequest request;
+    request.set_name(name);
+    request.set_job(job);
+    request.set_load_id(load_id);
+    for (int rank = 0; rank < static_cast<int>(addresses_.size()); ++rank) {
+      auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(addresses_[rank], grpc::InsecureChannelCredentials()));
+      const bool commits = std::find(commit_ranks.begin(), commit_ranks.end(), rank) != commit_ranks.end();
+      for (const auto phase : {v1::LoadCheckpointRequest::PREPARE,
+                               commits ? v1::LoadCheckpointRequest::COMMIT : v1::LoadCheckpointRequest::ABORT}) {
+        grpc::ClientContext ctx;
+        ctx.AddMetadata("authorization", "Bearer " + token_);
+        request.set_phase(phase);
+        v1::CheckpointResponse response;
+        if (grpc::Status answered = stub->LoadCheckpoint(&ctx, request, &response); !answered.ok()) {
+          return absl::InternalError(absl::StrCat("server ", rank, " phase ", phase, ": ", answered.error_message()));
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
   // Stops server `rank` (SIGSTOP) and returns once all of its threads have stopped
   // (waitpid reports the stop): kill() returns sooner, and on a busy machine a thread
   // may still answer a call before the whole process stops. False if it did not stop.

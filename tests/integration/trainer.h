@@ -82,6 +82,15 @@ struct Trainer {
     values.resize(layout->unpadded_numel());
     return values;
   }
+
+  // Gathers both groups at `version` or later, as a worker does before computing the
+  // gradients of a step: the scatters after it name the state they come from, so that
+  // after a checkpoint load the servers take them (a gradient of the replaced state is
+  // refused).
+  void GatherAll(int64_t version) {
+    Params("big", big, version);
+    Params("tiny", tiny, version);
+  }
 };
 
 // A client of job "test" that sends no gradients: an operator's `flatshard save`, say.

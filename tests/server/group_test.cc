@@ -303,6 +303,43 @@ TEST(GroupTest, RestoreInstallsALoadedShard) {
   EXPECT_EQ(Params(group), (std::vector<float>{3, 4, 5}));
 }
 
+// A gradient names the checkpoint load of the parameters it was computed from: one of
+// the state a load replaced is refused, even at the version the load installed, so that
+// it never counts for the loaded state. Gathers and state() name the load they read.
+TEST(GroupTest, AGradientOfTheStateALoadReplacedIsRefused) {
+  std::shared_ptr<Group> group_owner = MakeGroup(1, /*mean=*/false);
+  Group& group = *group_owner;
+  ASSERT_TRUE(group.InitFromSeed(3).ok());
+  const std::vector<float> params = Params(group);
+  absl::StatusOr<GatherSnapshot> before = group.Gather(0, DType::kFloat32, absl::InfiniteFuture());
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->load_id, 0u);
+  absl::StatusOr<ShardBuffer> values = AllocateHostUnwritten(params.size() * sizeof(float), "test");
+  ASSERT_TRUE(values.ok()) << values.status();
+  std::copy(params.begin(), params.end(), values->floats());
+  LoadedShard loaded;
+  loaded.params = *std::move(values);  // the same version and values, of another load
+  ASSERT_TRUE(group.Restore(std::move(loaded), 0x5eed).ok());
+  EXPECT_EQ(group.state().load_id, 0x5eedu);
+  EXPECT_EQ(group.state().version, 0);
+  absl::StatusOr<GatherSnapshot> after = group.Gather(0, DType::kBFloat16, absl::InfiniteFuture());
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->load_id, 0x5eedu);
+
+  absl::StatusOr<ReceiveSlot> replaced = group.BeginScatter(0, 0, DType::kFloat32, SlotMemory::kHost, {}, 0);
+  EXPECT_EQ(replaced.status().code(), absl::StatusCode::kAborted) << replaced.status();
+  EXPECT_THAT(replaced.status().message(),
+              HasSubstr("worker 0's gradient for step 0 of group 'g' was computed from the state from before any "
+                        "checkpoint load; the group now holds the state of checkpoint load 5eed at version 0"));
+  EXPECT_EQ(group.version(), 0);
+
+  absl::StatusOr<ReceiveSlot> slot = group.BeginScatter(0, 0, DType::kFloat32, SlotMemory::kHost, {}, 0x5eed);
+  ASSERT_TRUE(slot.ok()) << slot.status();
+  group.AbortScatter(*slot);
+  ASSERT_TRUE(Contribute(group, 0, 0, {1, 1, 1}).ok()) << "a gradient that names no load is not checked";
+  EXPECT_EQ(group.state().version, 1);
+}
+
 // A load that moves the group below the version a gather or a cut waits for ends the
 // wait at once: it dropped the gradients sent for the step in progress, so that version
 // comes only once they are sent again. A load at or past the version meets it.

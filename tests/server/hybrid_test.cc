@@ -382,13 +382,11 @@ class ExchangePeer {
            request = transport::RecvRequest(**conn)) {
         const Exchange what = request->op == transport::DataOp::kReplicaPartial ? Exchange::kPartial
                                                                                : Exchange::kReduced;
-        transport::ExchangeHead head;
-        if (!(*conn)->Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(&head), sizeof(head))).ok()) break;
-        absl::StatusOr<ReceiveSlot> slot = driver_->BeginExchange(group_, what, {request->version, head.load_epoch},
-                                                                  request->worker_rank, request->Deadline());
+        absl::StatusOr<ReceiveSlot> slot = driver_->BeginExchange(
+            group_, what, {request->version, request->load_id.value_or(0)}, request->worker_rank, request->Deadline());
         absl::Status verdict = slot.status();
         if (!slot.ok()) {
-          if (!transport::DrainPayload(**conn, request->payload_bytes - static_cast<int64_t>(sizeof(head))).ok()) break;
+          if (!transport::DrainPayload(**conn, request->payload_bytes).ok()) break;
         } else if ((*conn)->Recv(slot->buffer).ok()) {
           verdict = group_.CommitExchange(what, *slot).status();
         } else {

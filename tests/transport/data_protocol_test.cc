@@ -85,6 +85,7 @@ TEST(DataProtocolTest, RequestRoundTripsWithItsPayloadLeftOnTheConnection) {
   EXPECT_EQ(request->worker_rank, 3);
   EXPECT_EQ(request->version, 41);
   EXPECT_EQ(request->timeout_ms, 2500);
+  EXPECT_EQ(request->load_id, std::nullopt) << "no kRequestLoadKnown: the load is not known";
   EXPECT_EQ(request->job, "job-a");
   EXPECT_EQ(request->group, "mlp.0");
   ASSERT_EQ(request->payload_bytes, 8);
@@ -92,6 +93,35 @@ TEST(DataProtocolTest, RequestRoundTripsWithItsPayloadLeftOnTheConnection) {
   ASSERT_TRUE(conn.Recv(Bytes(payload)).ok());
   EXPECT_EQ(payload, "payload!");
   EXPECT_EQ(conn.unread(), 0u);
+}
+
+TEST(DataProtocolTest, ARequestAndItsAnswerNameTheLoadOfTheirState) {
+  LoopbackConnection conn;
+  RequestHeader header = GatherHeader();
+  header.op = static_cast<uint8_t>(DataOp::kScatter);
+  header.flags = kRequestLoadKnown;
+  header.load_id = 0xfeedface12345678;
+  ASSERT_TRUE(SendRequest(conn, header, "j", "g", {}).ok());
+  header.load_id = 0;  // a load that is known: none yet
+  ASSERT_TRUE(SendRequest(conn, header, "j", "g", {}).ok());
+  auto loaded = RecvRequest(conn);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->load_id, 0xfeedface12345678);
+  auto never_loaded = RecvRequest(conn);
+  ASSERT_TRUE(never_loaded.ok()) << never_loaded.status();
+  EXPECT_EQ(never_loaded->load_id, 0u);
+
+  ASSERT_TRUE(SendResponse(conn, absl::OkStatus(), 4, Bytes("ab"), 0xabc).ok());
+  ASSERT_TRUE(SendResponse(conn, absl::AbortedError("loaded"), 5, {}, 0xdef).ok());
+  std::string dest(2, '\0');
+  auto answered = RecvResponse(conn, Bytes(dest));
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  EXPECT_EQ(answered->version, 4);
+  EXPECT_EQ(answered->load_id, 0xabcu);
+  auto refused = RecvResponse(conn, {});
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_TRUE(absl::IsAborted(refused->status));
+  EXPECT_EQ(refused->load_id, 0xdefu);
 }
 
 TEST(DataProtocolTest, APayloadTailFollowsThePayloadAndCountsInItsSize) {
@@ -176,6 +206,7 @@ TEST(DataProtocolTest, RecvRequestRefusesEachKindOfBadHeader) {
       {"job name", [](RequestHeader& h) { h.job_bytes = kMaxNameBytes + 1; }, "too long"},
       {"group name", [](RequestHeader& h) { h.group_bytes = 60000; }, "too long"},
       {"payload", [](RequestHeader& h) { h.payload_bytes = -1; }, "payload of -1 bytes"},
+      {"flags", [](RequestHeader& h) { h.flags = kRequestLoadKnown | 4; }, "unknown flags 0x5"},
   };
   for (const BadHeader& bad : cases) {
     RequestHeader header = GatherHeader();
