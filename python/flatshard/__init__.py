@@ -314,7 +314,10 @@ class Client:
     def scatter(self, name, grads, step, dtype="float32"):
         """Sends this worker's gradient for `step`; returns once every server holds it.
         Sent again after a failure, it raises AlreadyExistsError when every server held
-        or applied it already (the answer was lost), any other error if one still failed."""
+        or applied it already (the answer was lost), any other error if one still failed.
+        It names the checkpoint load of this client's last gather of the group: a load
+        since then (even to the same version) makes it AbortedError; gather again. A
+        gather whose servers answer from two loads raises AbortedError too."""
         self.scatter_async(name, grads, step, dtype).wait()
 
     def version(self, name):

@@ -190,6 +190,7 @@ class ClientTest(unittest.TestCase):
             w.configure_job()
             w.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
         workers[0].save_checkpoint("py-reload", kind="sharded")
+        workers[1].gather_flat("g")  # the state worker 1 computes its gradient from
         workers[0].scatter("g", values(5), 0)  # worker 1's gradient is still to come
         outcome = []
 
@@ -210,6 +211,12 @@ class ClientTest(unittest.TestCase):
         waiting.join()
         self.assertIsInstance(outcome[0], flatshard.AbortedError)
         self.assertIn("loaded from a checkpoint at version 0 while waiting for version 1", outcome[0].message)
+        # Worker 1's gradient comes from the state the load replaced, at the same version:
+        # refused until it gathers the loaded state (worker 0 never gathered: unchecked).
+        with self.assertRaises(flatshard.AbortedError) as replaced:
+            workers[1].scatter("g", values(6), 0)
+        self.assertIn("the group now holds the state of checkpoint load", replaced.exception.message)
+        workers[1].gather_flat("g")
         for r, w in enumerate(workers):  # the load dropped worker 0's gradient: both send it
             w.scatter("g", values(5 + r), 0)
         self.assertEqual(workers[1].wait_version("g", 1), 1)

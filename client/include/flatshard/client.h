@@ -197,6 +197,9 @@ class Client {
   // the GPU work that writes `grad`, or still reads `out`, complete (synchronize its
   // stream; a pageable cudaMemcpy to the device may return before its bytes land).
   // Until the future is ready the buffer is the servers'; after, `out` holds the bytes.
+  // Aborted when the servers answered from the states of two checkpoint loads (one was
+  // committing, or did not commit everywhere): gather again. The Client remembers which
+  // load the gathered state came from, for this group's next Scatter.
   virtual std::future<absl::StatusOr<int64_t>> Gather(const std::string& group,
                                                       int64_t min_version, DType dtype,
                                                       absl::Span<std::byte> out) = 0;
@@ -205,7 +208,10 @@ class Client {
   // `step`: each server receives its slice. Ready once every server holds it; it does
   // not wait for the other workers. Sent again after a failure, it is AlreadyExists when
   // every server already held or applied it (the servers that lacked it take it), and
-  // any other error when one still failed.
+  // any other error when one still failed. The gradient names the checkpoint load of
+  // this group's last Gather: Aborted when a load replaced that state since (even at the
+  // same version): gather the loaded state and compute the gradient again. Without a
+  // Gather of the group by this Client, it is not checked.
   virtual std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                             absl::Span<const std::byte> grad) = 0;
 
