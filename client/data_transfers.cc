@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <limits>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
