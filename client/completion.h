@@ -25,6 +25,7 @@
 #include <future>
 #include <limits>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 

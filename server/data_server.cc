@@ -199,7 +199,8 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
   const int64_t gathers = !ranged || range.offset == 0 ? 1 : 0;
   stats_.gathers += gathers;
   stats_.bytes_sent += static_cast<int64_t>(bytes.size());
-  if (transport::SendResponse(conn, absl::OkStatus(), snapshot->version, bytes, snapshot->load_id).ok()) return true;
+  const StateStamp& state = snapshot->state;
+  if (transport::SendResponse(conn, absl::OkStatus(), state.version, bytes, state.load_id).ok()) return true;
   stats_.gathers -= gathers;
   stats_.bytes_sent -= static_cast<int64_t>(bytes.size());
   return false;

@@ -174,7 +174,7 @@ absl::StatusOr<GatherSnapshot> Group::Gather(int64_t min_version, DType dtype,
     FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
     snapshot = snapshot_pool_->Wrap(std::move(bytes));
   }
-  return GatherSnapshot{version_, load_epoch_, snapshot};
+  return GatherSnapshot{{version_, load_epoch_}, snapshot};
 }
 
 absl::Status Group::CheckContribution(int64_t step, int worker_rank) const {

@@ -49,9 +49,10 @@
 //    with Aborted. A contribution that names the load its parameters were gathered from
 //    (every worker's, once it has gathered) is refused with Aborted when the group holds
 //    another load's state: a gradient of the replaced state never counts for the loaded
-//    one, even at the same version. Gathers name the load their bytes come from. Waits for a version it moved the group
-//    below end at once (Aborted for gathers, FailedPrecondition for the pins of saves and exports), and so do waits for
-//    an early step (AwaitEarlyStep). The exchange starts a new round (ExchangeRound).
+//    one, even at the same version. Gathers name the load their bytes come from. Waits
+//    for a version it moved the group below end at once (Aborted for gathers,
+//    FailedPrecondition for the pins of saves and exports), and so do waits for an early
+//    step (AwaitEarlyStep). The exchange starts a new round (ExchangeRound).
 //
 // Memory: parameters, the reduced gradient and optimizer state live in the group's
 // memory tier (server/shard_compute.h: host, pinned or device); staging slots, replica
@@ -88,19 +89,18 @@
 
 namespace flatshard::server {
 
-// Immutable bytes of the shard at one version, in one dtype; shared by all gathers of
-// that version.
-struct GatherSnapshot {
-  int64_t version = 0;
-  uint64_t load_id = 0;                      // the checkpoint load of the state it was cut from (0: none)
-  std::shared_ptr<const ShardBuffer> bytes;  // host-addressable
-};
-
 // Which state a group held: its version, and the checkpoint load that state comes from
 // (Restore's load id; 0: none).
 struct StateStamp {
   int64_t version = 0;
   uint64_t load_id = 0;
+};
+
+// Immutable bytes of the shard in one state, in one dtype; shared by all gathers of that
+// state.
+struct GatherSnapshot {
+  StateStamp state;
+  std::shared_ptr<const ShardBuffer> bytes;  // host-addressable
 };
 
 // Which part of a contribution one receive carries: range `index` of
@@ -234,11 +234,12 @@ class Group {
 
   // Reserves the slot for `worker_rank`'s gradient for `step`, or for `part` of it,
   // computed from the parameters of checkpoint load `from_load` (nullopt: not known).
-  // Aborted when the group holds another load's state; then AlreadyExists for a contribution already held or applied
-  // (duplicate, stale; async: not newer than the worker's last), FailedPrecondition for a future one, one (or this part
-  // of one) already being received, or one beyond the staleness bound, InvalidArgument for a worker rank outside [0, W)
-  // or of another replica group, a non-float dtype, or a part that SplitRanges does not make of this slot (parts are
-  // host memory only).
+  // Aborted when the group holds another load's state; then AlreadyExists for a
+  // contribution already held or applied (duplicate, stale; async: not newer than the
+  // worker's last), FailedPrecondition for a future one, one (or this part of one)
+  // already being received, or one beyond the staleness bound, InvalidArgument for a
+  // worker rank outside [0, W) or of another replica group, a non-float dtype, or a part
+  // that SplitRanges does not make of this slot (parts are host memory only).
   // FailedPrecondition for SlotMemory::kDevice on a group that is not in device memory.
   [[nodiscard]] absl::StatusOr<ReceiveSlot> BeginScatter(int64_t step, int worker_rank, DType dtype,
                                                          SlotMemory memory = SlotMemory::kHost, SlotPart part = {},

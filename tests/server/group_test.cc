@@ -187,7 +187,7 @@ TEST(GroupTest, GatherWaitsForTheVersionOrTheDeadline) {
   absl::StatusOr<GatherSnapshot> snapshot = group.Gather(1, DType::kBFloat16, absl::Now() + absl::Seconds(10));
   stepper.join();
   ASSERT_TRUE(snapshot.ok());
-  EXPECT_EQ(snapshot->version, 1);
+  EXPECT_EQ(snapshot->state.version, 1);
   ASSERT_EQ(snapshot->bytes->size(), 6u);
   uint16_t first;
   std::memcpy(&first, snapshot->bytes->data(), 2);
@@ -313,7 +313,7 @@ TEST(GroupTest, AGradientOfTheStateALoadReplacedIsRefused) {
   const std::vector<float> params = Params(group);
   absl::StatusOr<GatherSnapshot> before = group.Gather(0, DType::kFloat32, absl::InfiniteFuture());
   ASSERT_TRUE(before.ok()) << before.status();
-  EXPECT_EQ(before->load_id, 0u);
+  EXPECT_EQ(before->state.load_id, 0u);
   absl::StatusOr<ShardBuffer> values = AllocateHostUnwritten(params.size() * sizeof(float), "test");
   ASSERT_TRUE(values.ok()) << values.status();
   std::copy(params.begin(), params.end(), values->floats());
@@ -324,7 +324,7 @@ TEST(GroupTest, AGradientOfTheStateALoadReplacedIsRefused) {
   EXPECT_EQ(group.state().version, 0);
   absl::StatusOr<GatherSnapshot> after = group.Gather(0, DType::kBFloat16, absl::InfiniteFuture());
   ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_EQ(after->load_id, 0x5eedu);
+  EXPECT_EQ(after->state.load_id, 0x5eedu);
 
   absl::StatusOr<ReceiveSlot> replaced = group.BeginScatter(0, 0, DType::kFloat32, SlotMemory::kHost, {}, 0);
   EXPECT_EQ(replaced.status().code(), absl::StatusCode::kAborted) << replaced.status();
