@@ -267,7 +267,7 @@ class ClientImpl final : public Client {
   absl::StatusOr<client_internal::ServerEndpoint> Handshake(int i) {
     const std::string& address = options_.servers[i];
     v1::ClusterInfo info;
-    FLATSHARD_RETURN_IF_ERROR(client_internal::WithTlsHint(
+    FLATSHARD_RETURN_IF_ERROR(client_internal::WithUnreachableHint(
         control_->Call(i, &v1::Flatshard::Stub::GetClusterInfo, v1::GetClusterInfoRequest(), &info),
         options_.tls_ca_file));
     FLATSHARD_RETURN_IF_ERROR(CheckClusterInfo(info, options_.servers, i, "this client"));

@@ -22,8 +22,14 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ControlPlaneCredential
   return grpc::SslCredentials(options);
 }
 
-absl::Status WithTlsHint(const absl::Status& status, const std::string& tls_ca_file) {
+absl::Status WithUnreachableHint(const absl::Status& status, const std::string& tls_ca_file) {
   if (!absl::IsUnavailable(status)) return status;
+  // Refused: nothing listens there, which no TLS setting changes.
+  if (absl::StrContains(status.message(), "Connection refused")) {
+    return absl::Status(status.code(), absl::StrCat(status.message(),
+                                                    " (nothing listens at that address: is flatshard-server running "
+                                                    "there, with that --listen address?)"));
+  }
   return absl::Status(
       status.code(),
       absl::StrCat(status.message(),

@@ -21,9 +21,10 @@ namespace flatshard::client_internal {
 [[nodiscard]] absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ControlPlaneCredentials(
     const std::string& tls_ca_file);
 
-// `status` from a server that could not be reached, with a hint when the cause may be a
-// TLS setting that differs between this client and the servers.
-absl::Status WithTlsHint(const absl::Status& status, const std::string& tls_ca_file);
+// `status` from a server that could not be reached, with a hint at the likely cause:
+// nothing listening at its address, or a TLS setting that differs between this client
+// and the servers.
+absl::Status WithUnreachableHint(const absl::Status& status, const std::string& tls_ca_file);
 
 }  // namespace flatshard::client_internal
 
