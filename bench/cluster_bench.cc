@@ -8,6 +8,7 @@
 //
 //   build/bin/cluster_bench [--quick] [--sections=data --shapes=1x1,4x1]
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -21,7 +22,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <grpcpp/grpcpp.h>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -33,6 +33,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -54,6 +55,8 @@ ABSL_FLAG(int64_t, scatter_split_bytes, flatshard::ClientOptions().scatter_split
 ABSL_FLAG(std::vector<std::string>, shapes, {},
           "data section: only these configurations, as servers x workers (e.g. 1x1,4x1; "
           "hybrid: 2x2/R2); empty: all");
+ABSL_FLAG(std::vector<std::string>, one_to_one_mib, std::vector<std::string>({"4", "64", "256"}),
+          "data section: the group sizes (MiB) of the 1 server x 1 worker rows");
 ABSL_FLAG(std::vector<std::string>, sections, std::vector<std::string>({"data", "optimizer", "latency", "checkpoints"}),
           "which tables to print: data, optimizer, latency, checkpoints");
 
@@ -321,7 +324,7 @@ void Latency(int samples) {
               gather_p50, Percentile(gather_us, 0.99), echo_p50, gather_p50 / echo_p50);
 }
 
-std::string Mib(int64_t bytes) { return absl::StrCat(bytes >> 20, " MiB"); }
+std::string Mib(int64_t bytes) { return absl::StrFormat("%g MiB", static_cast<double>(bytes) / (1 << 20)); }
 
 // dd's sequential write (with fdatasync) or read rate of `bytes` at `path`, bytes/s.
 // The bytes and seconds a dd command reports ({0, 0} if it reports none).
@@ -496,7 +499,8 @@ void Checkpoints(int64_t bytes) {
 // Gather and scatter throughput per (servers, workers, group size), vs iperf3 over
 // loopback with as many streams; `shapes` (servers x workers, "/R<replicas>" for hybrid
 // rows) limits the configurations when not empty.
-void DataPlane(bool quick, double seconds, const std::vector<std::string>& shapes) {
+void DataPlane(bool quick, double seconds, const std::vector<std::string>& shapes,
+               const std::vector<int64_t>& one_to_one_bytes) {
   struct Config {
     int servers, workers;
     int64_t bytes;
@@ -506,7 +510,7 @@ void DataPlane(bool quick, double seconds, const std::vector<std::string>& shape
   if (quick) {
     configs = {{1, 1, 64 << 20}, {2, 2, 64 << 20}, {2, 2, 64 << 20, 2}};
   } else {
-    for (int64_t bytes : {int64_t{4} << 20, int64_t{64} << 20, int64_t{256} << 20}) configs.push_back({1, 1, bytes});
+    for (int64_t bytes : one_to_one_bytes) configs.push_back({1, 1, bytes});
     for (int servers : {1, 2, 4}) {
       for (int workers : {1, 2, 4}) {
         if (!(servers == 1 && workers == 1)) configs.push_back({servers, workers, int64_t{64} << 20});
@@ -564,7 +568,18 @@ int main(int argc, char** argv) {
 
   const std::vector<std::string> sections = absl::GetFlag(FLAGS_sections);
   auto wanted = [&](const char* section) { return std::find(sections.begin(), sections.end(), section) != sections.end(); };
-  if (wanted("data")) DataPlane(quick, seconds, absl::GetFlag(FLAGS_shapes));
+  if (wanted("data")) {
+    std::vector<int64_t> one_to_one_bytes;
+    for (const std::string& mib : absl::GetFlag(FLAGS_one_to_one_mib)) {
+      double value = 0;
+      if (!absl::SimpleAtod(mib, &value) || value <= 0) {
+        std::fprintf(stderr, "cluster_bench: --one_to_one_mib takes positive sizes in MiB, not '%s'\n", mib.c_str());
+        return 2;
+      }
+      one_to_one_bytes.push_back(static_cast<int64_t>(value * (1 << 20)) / 4 * 4);
+    }
+    DataPlane(quick, seconds, absl::GetFlag(FLAGS_shapes), one_to_one_bytes);
+  }
   if (wanted("optimizer")) {
     std::vector<int> thread_counts = {1};
     if (const int all = flatshard::server::ComputePool(0).threads(); all > 1) thread_counts.push_back(all);
