@@ -383,6 +383,7 @@ void DataTransfers::DeviceTransfer(transport::DataOp op, const std::string& grou
   SubmitNccl(done, op, group, version, dtype, parts, nccl_servers, device);
   if (tcp_servers.empty()) return;
   RunAside([=, this, parts = std::move(parts)] {
+    UseDevice(device);  // the staging copies' device, on this new thread
     const transport::Response staged = StagedTransfer(op, group, version, dtype, parts, tcp_servers);
     for (size_t k = 0; k < tcp_servers.size(); ++k) done->Finish(staged.status, staged.version, staged.load_id);
   });

@@ -47,6 +47,10 @@ int CurrentDevice() {
   return device;
 }
 
+void UseDevice(int device) {
+  if (cudaSetDevice(device) != cudaSuccess) cudaGetLastError();  // the next call reports it
+}
+
 absl::StatusOr<std::string> DeviceUuid(int device) { return kernels::cuda::DeviceUuid(device); }
 
 absl::StatusOr<IpcExport> ExportForIpc(const void* ptr) {
@@ -77,6 +81,7 @@ absl::Status NoCuda() { return absl::FailedPreconditionError("this client was bu
 absl::StatusOr<StagingBuffer> AllocateStagingHost(size_t bytes) { return AllocateHeap(bytes); }
 int DeviceOf(const void*) { return -1; }
 int CurrentDevice() { return -1; }
+void UseDevice(int) {}
 absl::StatusOr<std::string> DeviceUuid(int) { return NoCuda(); }
 absl::StatusOr<IpcExport> ExportForIpc(const void*) { return NoCuda(); }
 absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }

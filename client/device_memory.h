@@ -16,6 +16,10 @@ namespace flatshard::client_internal {
 int DeviceOf(const void* ptr);
 // The CUDA device this thread uses (cudaGetDevice), or -1 when there is none.
 int CurrentDevice();
+// Makes `device` current on this thread, one of the client's own (it stays so): a thread
+// that never chose a device would otherwise create a context on device 0 at its first
+// CUDA call, taking memory on a GPU that may be another worker's.
+void UseDevice(int device);
 // "GPU-..." of `device`.
 [[nodiscard]] absl::StatusOr<std::string> DeviceUuid(int device);
 

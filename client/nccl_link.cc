@@ -20,6 +20,12 @@ struct NcclLink::State {
   std::unique_ptr<kc::NcclCommunicator> comm;
   cudaStream_t stream = nullptr;
   std::atomic<bool> failed{false};
+
+  // On the link's device. Also frees the stream of a link whose join failed.
+  ~State() {
+    comm.reset();  // before its stream goes
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
 };
 
 bool NcclLink::Available() { return kc::NcclVersion().ok(); }
@@ -42,8 +48,7 @@ NcclLink::NcclLink(int device, uint64_t channel, std::unique_ptr<State> state)
 
 NcclLink::~NcclLink() {
   kc::ScopedDevice on_device(device_);
-  state_->comm.reset();  // before its stream goes
-  cudaStreamDestroy(state_->stream);
+  state_.reset();
 }
 
 bool NcclLink::failed() const { return state_->failed; }

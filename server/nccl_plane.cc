@@ -149,9 +149,10 @@ absl::StatusOr<uint64_t> NcclPlane::Open(const std::string& unique_id, int worke
   {
     absl::MutexLock lock(&state_->mu);
     // Full: close the oldest channels no transfer is using (workers that went away).
+    // One still joining stays: closing it would wait for its join here.
     for (auto it = state_->channels.begin();
          state_->channels.size() >= kMaxChannels && it != state_->channels.end();) {
-      if (it->second->transfer_mu.try_lock()) {
+      if (it->second->joined.HasBeenNotified() && it->second->transfer_mu.try_lock()) {
         it->second->transfer_mu.unlock();
         evicted.push_back(std::move(it->second));
         it = state_->channels.erase(it);

@@ -1,5 +1,6 @@
 #include "kernels/cuda/device.h"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_format.h"
@@ -25,12 +26,53 @@ absl::StatusOr<std::string> DeviceDescription(int ordinal) {
                          static_cast<double>(prop.totalGlobalMem) / (1 << 30));
 }
 
+bool HasPrimaryContext(int ordinal) {
+  using GetDevice = CUresult (*)(CUdevice*, int);
+  using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
+  struct DriverCalls {
+    GetDevice get_device = nullptr;
+    GetState get_state = nullptr;
+  };
+  // Through the runtime's entry points: nothing links libcuda, which machines without a
+  // driver lack.
+  static const DriverCalls calls = [] {
+    DriverCalls found;
+    auto resolve = [](const char* symbol) -> void* {
+      void* fn = nullptr;
+      cudaDriverEntryPointQueryResult result{};
+      if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &result) != cudaSuccess ||
+          result != cudaDriverEntryPointSuccess) {
+        cudaGetLastError();
+        return nullptr;
+      }
+      return fn;
+    };
+    found.get_device = reinterpret_cast<GetDevice>(resolve("cuDeviceGet"));
+    found.get_state = reinterpret_cast<GetState>(resolve("cuDevicePrimaryCtxGetState"));
+    return found;
+  }();
+  if (calls.get_device == nullptr || calls.get_state == nullptr) return true;
+  CUdevice device = 0;
+  unsigned int flags = 0;
+  int active = 0;
+  if (calls.get_device(&device, ordinal) != CUDA_SUCCESS || calls.get_state(device, &flags, &active) != CUDA_SUCCESS) {
+    return true;
+  }
+  return active != 0;
+}
+
 ScopedDevice::ScopedDevice(int ordinal) {
   if (cudaGetDevice(&previous_) != cudaSuccess) {
     cudaGetLastError();
     previous_ = -1;
   }
-  if (previous_ != ordinal) cudaSetDevice(ordinal);
+  if (previous_ == ordinal) {
+    previous_ = -1;  // nothing to restore
+    return;
+  }
+  // A thread that never chose a device reports 0: restoring it would create its context.
+  if (previous_ >= 0 && !HasPrimaryContext(previous_)) previous_ = -1;
+  cudaSetDevice(ordinal);
 }
 
 ScopedDevice::~ScopedDevice() {
