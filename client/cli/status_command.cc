@@ -1,5 +1,6 @@
 #include "client/cli/status_command.h"
 
+#include <algorithm>
 #include <map>
 #include <ostream>
 #include <string>
@@ -101,6 +102,10 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                              j.skipped_steps());
     }
     break;
+  }
+  if (exit_code != 0 && std::none_of(statuses.begin(), statuses.end(), [](const auto& s) { return s.ok(); })) {
+    err << "flatshard status: no server answered\n";
+    return exit_code;
   }
   // shard: the shard of the group's layout this server holds; replica: its replica group
   // (hybrid sharding; 0 otherwise).

@@ -113,6 +113,14 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   EXPECT_NE(partial.str().find("nothing listens at that address"), std::string::npos) << partial.str();
   EXPECT_EQ(partial.str().find("tls_ca_file"), std::string::npos) << partial.str();
   EXPECT_NE(partial_err.str().find("some servers did not answer"), std::string::npos);
+
+  // None answers: the servers' rows say why, and no empty tables follow.
+  options.servers = {absl::StrCat("127.0.0.1:", free_port[0])};
+  std::ostringstream none, none_err;
+  EXPECT_EQ(cli::RunStatusCommand(options, none, none_err), 1);
+  EXPECT_NE(none.str().find("unreachable"), std::string::npos) << none.str();
+  EXPECT_EQ(none.str().find("job/group"), std::string::npos) << none.str();
+  EXPECT_NE(none_err.str().find("no server answered"), std::string::npos) << none_err.str();
 }
 
 // A load whose COMMIT reached server 0 only (sent here by hand) leaves the group in
