@@ -1,6 +1,7 @@
 #include "server/server.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 
 #include <filesystem>
 #include <iostream>
@@ -8,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "proto/flatshard.grpc.pb.h"
 #include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -116,6 +118,9 @@ absl::Status Server::Start() {
                            .compute_threads = compute_pool_->threads()};
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
                                                 stats_, nccl_, [this] { return cluster_check(); });
+  // grpc.health.v1.Health, without the token (probes such as Kubernetes' grpc one send
+  // none): SERVING while the control plane takes calls, NOT_SERVING once it shuts down.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   // gRPC sets SO_REUSEPORT by default: a second server on this address would start too
   // and take half of the connections. It must fail instead, as the data port does.
@@ -133,6 +138,7 @@ absl::Status Server::Start() {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen,
                                                " (address in use or not local)"));
   }
+  grpc_server_->GetHealthCheckService()->SetServingStatus(v1::Flatshard::service_full_name(), true);
   cluster_check_thread_ = std::thread([this] { CheckCluster(); });
   return absl::OkStatus();
 }
