@@ -119,7 +119,7 @@ absl::Status Server::Start() {
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
                                                 stats_, nccl_, [this] { return cluster_check(); });
   // grpc.health.v1.Health, without the token (probes such as Kubernetes' grpc one send
-  // none): SERVING while the control plane takes calls, NOT_SERVING once it shuts down.
+  // none): SERVING while the control plane takes calls.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   // gRPC sets SO_REUSEPORT by default: a second server on this address would start too
