@@ -5,7 +5,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <iostream>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -36,6 +38,17 @@ int RunLocalClusterCommand(const LocalClusterOptions& options) {
     std::cerr << "flatshard local-cluster: --base_port must leave room for " << 2 * options.servers
               << " ports in [1024, 65535]\n";
     return 2;
+  }
+  // Servers insist on an existing root (a typo or an unmounted volume must not become an
+  // empty one); for a development cluster, making it is what one wants.
+  if (!options.checkpoint_root.empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(options.checkpoint_root, error);
+    if (error) {
+      std::cerr << "flatshard local-cluster: cannot make --checkpoint_root=" << options.checkpoint_root << ": "
+                << error.message() << "\n";
+      return 1;
+    }
   }
   std::vector<std::string> addresses;
   for (int i = 0; i < options.servers; ++i) {

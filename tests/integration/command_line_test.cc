@@ -4,12 +4,17 @@
 // (--listen not in --cluster, a control address in use) exits non-zero with the reason.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/run_command.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace flatshard {
 namespace {
@@ -82,6 +87,32 @@ TEST(CommandLineTest, AControlAddressInUseIsRefused) {
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_TRUE((*client)->ConfigureJob({}).ok());  // the first serves on
+}
+
+// A development cluster makes its checkpoint root, serves, and stops on SIGTERM.
+TEST(CommandLineTest, LocalClusterMakesItsCheckpointRootAndStopsOnSigterm) {
+  const std::string root = ::testing::TempDir() + "/local-cluster-root/not/yet/there";
+  std::filesystem::remove_all(::testing::TempDir() + "/local-cluster-root");
+  const int port = transport::PickFreeLoopbackPorts(1).value().front();
+  const std::string cluster = absl::StrCat("127.0.0.1:", port);
+  const std::string script = absl::StrCat(
+      FLATSHARD_CLI_PATH, " local-cluster --servers=1 --base_port=", port, " --checkpoint_root=", root,
+      " & pid=$!; up=no; for i in $(seq 100); do if ", FLATSHARD_CLI_PATH, " status --cluster=", cluster,
+      " > /dev/null 2>&1; then up=yes; break; fi; sleep 0.1; done; echo up=$up; kill -TERM $pid; wait $pid; "
+      "echo exit=$?");
+  const auto [code, output] = testing::RunCommand("timeout 60 sh -c '" + script + "' 2>&1 < /dev/null");
+  EXPECT_EQ(code, 0) << output;
+  EXPECT_THAT(output, HasSubstr("up=yes"));
+  EXPECT_THAT(output, HasSubstr("exit=0"));
+  EXPECT_TRUE(std::filesystem::is_directory(root)) << output;
+
+  const std::string file = ::testing::TempDir() + "/local-cluster-root/a-file";
+  { std::ofstream(file) << "x"; }
+  const auto [refused, message] =
+      RunBinary(FLATSHARD_CLI_PATH, "local-cluster --servers=1 --checkpoint_root=" + file + "/root");
+  EXPECT_EQ(refused, 1) << message;
+  EXPECT_THAT(message, HasSubstr("cannot make --checkpoint_root=" + file + "/root"));
+  std::filesystem::remove_all(::testing::TempDir() + "/local-cluster-root");
 }
 
 }  // namespace
