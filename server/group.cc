@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "core/huge_pages.h"
 #include "core/status_macros.h"
@@ -620,28 +621,26 @@ absl::StatusOr<ReceiveSlot> Group::BeginPushInit(DType dtype) {
 absl::Status Group::CommitPushInit(const ReceiveSlot& slot) {
   absl::MutexLock lock(&mu_);
   init_receiving_ = false;
+  absl::Cleanup free_staging = [this] { init_staging_ = ShardBuffer(); };
   if (version_ > 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("group '", name_, "' stepped while initial values were received"));
   }
-  // Widen on the host, then keep only tensor elements: padding stays zero whatever the
-  // sender put there.
+  // Widen on the host; WriteTensorElements zeroes the padding, whatever the sender put
+  // there.
   std::vector<float> values(shard_numel());
   FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(slot.dtype, init_staging_.data(), DType::kFloat32,
                                                values.data(), shard_numel()));
-  return WriteTensorElements(values);
+  return WriteTensorElements(std::move(values));
 }
 
-absl::Status Group::WriteTensorElements(const std::vector<float>& host_shard) {
+absl::Status Group::WriteTensorElements(std::vector<float> host_shard) {
   AwaitUnpinned();
   ++generation_;
-  std::vector<float> values(host_shard.size(), 0.0f);
-  const int64_t start = layout_.shard_start(placement_.shard);
-  for (const TensorPiece& piece : layout_.MapRange(start, layout_.shard_end(placement_.shard))) {
-    std::copy_n(host_shard.begin() + (piece.flat_offset - start), piece.numel,
-                values.begin() + (piece.flat_offset - start));
+  for (const auto& [offset, count] : padding_runs_) {
+    std::fill_n(host_shard.begin() + offset, count, 0.0f);
   }
-  FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(values.data(), params_.floats(), shard_numel()));
+  FLATSHARD_RETURN_IF_ERROR(compute_->CopyFromHost(host_shard.data(), params_.floats(), shard_numel()));
   FLATSHARD_RETURN_IF_ERROR(optimizer_.Reset());
   FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
   PublishNewValues();
@@ -651,6 +650,7 @@ absl::Status Group::WriteTensorElements(const std::vector<float>& host_shard) {
 void Group::AbortPushInit(const ReceiveSlot&) {
   absl::MutexLock lock(&mu_);
   init_receiving_ = false;
+  init_staging_ = ShardBuffer();
 }
 
 absl::Status Group::InitFromSeed(uint64_t seed) {
@@ -671,7 +671,7 @@ absl::Status Group::InitFromSeed(uint64_t seed) {
       values[piece.flat_offset - start + k] = (2.0f * unit - 1.0f) * bound;
     }
   }
-  return WriteTensorElements(values);
+  return WriteTensorElements(std::move(values));
 }
 
 absl::Status Group::SetOptimizer(const OptimizerConfig& optimizer) {
@@ -740,7 +740,11 @@ GroupStats Group::stats() const {
   for (const auto& staging : staging_) bytes += static_cast<int64_t>(staging.size());
   for (const auto& staging : device_staging_) bytes += static_cast<int64_t>(staging.size());
   for (const auto& chunk : partial_chunks_) bytes += static_cast<int64_t>(chunk.size());
-  bytes += static_cast<int64_t>(own_partial_.size() + reduced_staging_.size());
+  bytes += static_cast<int64_t>(own_partial_.size() + reduced_staging_.size() + init_staging_.size());
+  // Gather snapshots: the current version's (one per dtype gathered) and the idle ones the
+  // next version's reuse; not those older versions' readers still hold.
+  for (const auto& snapshot : snapshots_) bytes += snapshot == nullptr ? 0 : static_cast<int64_t>(snapshot->size());
+  bytes += snapshot_pool_->free_bytes();
   std::vector<int32_t> contributors;
   if (!job_settings_.async) {
     for (size_t worker = 0; worker < contributions_.size(); ++worker) {

@@ -452,8 +452,8 @@ class Group {
   absl::Status EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what,
                              SlotMemory memory = SlotMemory::kHost)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Zeroes params_ and writes tensor elements only: padding stays zero.
-  absl::Status WriteTensorElements(const std::vector<float>& host_shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes `host_shard` into params_ with its padding zeroed, whatever it held there.
+  absl::Status WriteTensorElements(std::vector<float> host_shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks (releasing mu_) while an export holds the group pinned.
   void AwaitUnpinned() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks (releasing mu_) while the group is pinned or held at its version (HoldAt):
@@ -511,7 +511,8 @@ class Group {
   bool reduced_ ABSL_GUARDED_BY(mu_) = false;  // clipped: grad_ holds step version_
   std::vector<int64_t> last_async_step_ ABSL_GUARDED_BY(mu_);  // per worker, -1: none
   bool init_receiving_ ABSL_GUARDED_BY(mu_) = false;
-  // Written without the lock by the one connection that set init_receiving_.
+  // Written without the lock by the one connection that set init_receiving_; freed when
+  // the push ends (a group is initialized once, or a few times before its first step).
   ShardBuffer init_staging_;
   // Gather snapshots of the current version, per dtype (index = DType).
   std::shared_ptr<const ShardBuffer> snapshots_[3] ABSL_GUARDED_BY(mu_);

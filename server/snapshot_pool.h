@@ -8,6 +8,7 @@
 #ifndef FLATSHARD_SERVER_SNAPSHOT_POOL_H_
 #define FLATSHARD_SERVER_SNAPSHOT_POOL_H_
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -47,6 +48,14 @@ class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
           std::unique_ptr<ShardBuffer> owned(const_cast<ShardBuffer*>(released));
           if (std::shared_ptr<SnapshotPool> alive = pool.lock()) alive->Give(std::move(*owned));
         });
+  }
+
+  // What the idle buffers hold, for the group's memory in its status.
+  int64_t free_bytes() {
+    absl::MutexLock lock(&mu_);
+    int64_t bytes = 0;
+    for (const ShardBuffer& buffer : free_) bytes += static_cast<int64_t>(buffer.size());
+    return bytes;
   }
 
  private:

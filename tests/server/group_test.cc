@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <bit>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -224,6 +225,42 @@ TEST(GroupTest, SeedInitIsIndependentOfServerCountAndPaddingStaysZero) {
   ASSERT_TRUE(Contribute(stepped, 0, 0, {1, 1, 1}).ok());
   EXPECT_EQ(stepped.InitFromSeed(1).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(stepped.BeginPushInit(DType::kFloat32).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Pushed initial values: whatever the sender put at padding positions is dropped, and
+// the staging the push came through is freed once it ends (it counts in the group's
+// memory only meanwhile).
+TEST(GroupTest, PushedInitialValuesDropPaddingAndFreeTheirStaging) {
+  // a: flat [0, 3), alignment padding at 3, b: [4, 6); 2 shards of 3: shard 1 is
+  // {padding, b[0], b[1]}.
+  auto layout = FlatLayout::Create({{"a", {3}, DType::kFloat32}, {"b", {2}, DType::kFloat32}}, 4, 2);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::shared_ptr<Group> group =
+      *Group::Create("job", "g", *layout, Placement::Of(1, 2, 1), JobSettings{}, kernels::SgdHyperparams{.lr = 1.0f});
+  const int64_t held = group->stats().bytes;
+  const int64_t snapshot = 3 * 4;  // the fp32 gather snapshot Params takes
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const int64_t before = group->stats().bytes;
+    absl::StatusOr<ReceiveSlot> slot = group->BeginPushInit(dtype);
+    ASSERT_TRUE(slot.ok()) << slot.status();
+    EXPECT_EQ(group->stats().bytes, before + 3 * static_cast<int64_t>(DTypeSize(dtype)));
+    for (int k = 0; k < 3; ++k) {
+      const float value = 1.0f + static_cast<float>(k);  // padding (k = 0) too
+      if (dtype == DType::kFloat32) {
+        std::memcpy(slot->buffer.data() + 4 * k, &value, 4);
+      } else {
+        const uint16_t bits = static_cast<uint16_t>(std::bit_cast<uint32_t>(value) >> 16);  // exact
+        std::memcpy(slot->buffer.data() + 2 * k, &bits, 2);
+      }
+    }
+    ASSERT_TRUE(group->CommitPushInit(*slot).ok());
+    EXPECT_EQ(Params(*group), (std::vector<float>{0, 2, 3})) << DTypeName(dtype);
+    EXPECT_EQ(group->stats().bytes, held + snapshot) << "the push's staging stayed";
+  }
+  absl::StatusOr<ReceiveSlot> aborted = group->BeginPushInit(DType::kFloat32);
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  group->AbortPushInit(*aborted);
+  EXPECT_EQ(group->stats().bytes, held + snapshot);
 }
 
 TEST(GroupTest, APinHoldsTheVersionUntilUnpinnedWithoutACopy) {
