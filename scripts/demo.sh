@@ -51,8 +51,8 @@ echo "== the same state dict streamed to this machine (flatshard export) =="
 ls -l "$checkpoints/exported"
 
 echo
-echo "== layout of a bigger model over 3 servers (flatshard layout) =="
-"$bin/flatshard" layout <<'SPEC'
+echo "== layout of a bigger model over 3 servers, 2 workers sending bf16 gradients (flatshard layout) =="
+"$bin/flatshard" layout --workers=2 --grad_dtype=bfloat16 <<'SPEC'
 {"servers": 3, "align": 4, "tensors": [
   {"name": "fc1.weight", "shape": [1024, 512]}, {"name": "fc1.bias", "shape": [1024]},
   {"name": "fc2.weight", "shape": [10, 1024], "dtype": "bfloat16"}, {"name": "fc2.bias", "shape": [10]}]}

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/cli/human_bytes.h"
+#include "core/dtype.h"
 #include "core/layout_json.h"
 
 namespace flatshard::cli {
@@ -29,42 +30,76 @@ std::string ShardTensors(const FlatLayout& layout, int rank) {
 
 }  // namespace
 
-absl::StatusOr<OptimizerBuffers> BuffersFor(absl::string_view optimizer) {
-  const std::string kind(optimizer);
-  if (kind == "adam" || kind == "adamw") return OptimizerBuffers{.kind = kind, .grads = 1, .state = 2};
-  if (kind == "sgd") return OptimizerBuffers{.kind = kind, .grads = 1, .state = 0};
-  if (kind == "sgd-momentum") return OptimizerBuffers{.kind = kind, .grads = 1, .state = 1};
-  if (kind == "frozen") return OptimizerBuffers{.kind = kind, .grads = 0, .state = 0};
-  return absl::InvalidArgumentError(absl::StrCat("--optimizer_kind=", optimizer,
-                                                 ": expected adam, adamw, sgd, sgd-momentum or frozen"));
+absl::StatusOr<OptimizerBuffers> BuffersFor(const LayoutCommandOptions& options) {
+  const std::string& kind = options.optimizer;
+  OptimizerBuffers buffers;
+  if (kind == "adam" || kind == "adamw") {
+    buffers = OptimizerBuffers{.kind = kind, .grads = 1, .state = 2};
+  } else if (kind == "sgd") {
+    buffers = OptimizerBuffers{.kind = kind, .grads = 1, .state = 0};
+  } else if (kind == "sgd-momentum") {
+    buffers = OptimizerBuffers{.kind = kind, .grads = 1, .state = 1};
+  } else if (kind == "frozen") {
+    buffers = OptimizerBuffers{.kind = kind, .grads = 0, .state = 0};
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--optimizer_kind=", kind, ": expected adam, adamw, sgd, sgd-momentum or frozen"));
+  }
+  if (options.workers < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--workers=", options.workers, ": expected 1 or more"));
+  }
+  const struct {
+    const char* flag;
+    const std::string& name;
+    int64_t& bytes;
+  } dtypes[] = {{"grad_dtype", options.grad_dtype, buffers.staging_bytes},
+                {"gather_dtype", options.gather_dtype, buffers.snapshot_bytes}};
+  for (const auto& d : dtypes) {
+    const absl::StatusOr<DType> dtype = ParseDType(d.name);
+    if (!dtype.ok() || !IsFloatingParamDType(*dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", d.flag, "=", d.name, ": expected float32, bfloat16 or float16"));
+    }
+    d.bytes = static_cast<int64_t>(DTypeSize(*dtype));
+  }
+  buffers.staging_bytes *= buffers.grads == 0 ? 0 : options.workers;  // frozen groups take no gradients
+  return buffers;
+}
+
+int64_t PlannedBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers) {
+  return layout.shard_numel() *
+         ((1 + buffers.grads + buffers.state) * 4 + buffers.staging_bytes + buffers.snapshot_bytes);
 }
 
 std::string FormatLayoutTable(const FlatLayout& layout, const OptimizerBuffers& buffers) {
   // The server keeps an fp32 master copy and, unless frozen, an fp32 gradient and the
-  // optimizer's fp32 state (Adam: two moments) per shard element (padding included).
-  const int64_t shard_bytes = layout.shard_numel() * 4;
+  // optimizer's fp32 state (Adam: two moments) per shard element (padding included); a
+  // staging slot per worker and the current version's gather snapshot beside them.
+  const int64_t shard_numel = layout.shard_numel();
+  const int64_t shard_bytes = shard_numel * 4;
+  const int64_t staging = buffers.staging_bytes * shard_numel;
+  const int64_t snapshot = buffers.snapshot_bytes * shard_numel;
   std::string table = absl::StrFormat(
       "%d tensors, %d servers, align %d: unpadded %d elements, shard %d, padded %d\n",
       layout.num_tensors(), layout.num_shards(), layout.align(), layout.unpadded_numel(),
       layout.shard_numel(), layout.padded_numel());
-  absl::StrAppendFormat(&table, "%-6s %-27s %9s %11s %11s %11s  %s\n", "server", "range",
-                        "padding", "params", "grads", buffers.kind, "tensors");
+  absl::StrAppendFormat(&table, "%-6s %-27s %9s %11s %11s %11s %11s %11s  %s\n", "server", "range", "padding", "params",
+                        "grads", buffers.kind, "staging", "snapshot", "tensors");
   for (int rank = 0; rank < layout.num_shards(); ++rank) {
-    absl::StrAppendFormat(&table, "%-6d %-27s %9d %11s %11s %11s  %s\n", rank,
-                          absl::StrCat("[", layout.shard_start(rank), ", ",
-                                       layout.shard_end(rank), ")"),
-                          layout.shard_padding(rank), HumanBytes(shard_bytes),
-                          HumanBytes(buffers.grads * shard_bytes), HumanBytes(buffers.state * shard_bytes),
+    absl::StrAppendFormat(&table, "%-6d %-27s %9d %11s %11s %11s %11s %11s  %s\n", rank,
+                          absl::StrCat("[", layout.shard_start(rank), ", ", layout.shard_end(rank), ")"),
+                          layout.shard_padding(rank), HumanBytes(shard_bytes), HumanBytes(buffers.grads * shard_bytes),
+                          HumanBytes(buffers.state * shard_bytes), HumanBytes(staging), HumanBytes(snapshot),
                           ShardTensors(layout, rank));
   }
-  absl::StrAppendFormat(&table, "per server: %s (params + grads + %s state)\n",
-                        HumanBytes((1 + buffers.grads + buffers.state) * shard_bytes), buffers.kind);
+  absl::StrAppendFormat(&table, "per server: %s (params + grads + %s state + staging + snapshot)\n",
+                        HumanBytes(PlannedBytesPerServer(layout, buffers)), buffers.kind);
   return table;
 }
 
 int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std::ostream& out,
                      std::ostream& err) {
-  const absl::StatusOr<OptimizerBuffers> buffers = BuffersFor(options.optimizer);
+  const absl::StatusOr<OptimizerBuffers> buffers = BuffersFor(options);
   if (!buffers.ok()) {
     err << "flatshard layout: " << buffers.status().message() << "\n";
     return 2;

@@ -7,6 +7,7 @@
 #ifndef FLATSHARD_CLIENT_CLI_LAYOUT_COMMAND_H_
 #define FLATSHARD_CLIENT_CLI_LAYOUT_COMMAND_H_
 
+#include <cstdint>
 #include <iosfwd>
 #include <string>
 
@@ -21,25 +22,41 @@ struct LayoutCommandOptions {
   // The optimizer whose state the memory columns count: adam (adamw alike), sgd,
   // sgd-momentum or frozen (parameters only).
   std::string optimizer = "adam";
+  // The workers that scatter to each server (a hybrid-sharded job's: those of one
+  // replica group) and the dtypes of their gradients and gathers: each worker has a
+  // staging slot per server, and each gathered dtype a snapshot.
+  int workers = 1;
+  std::string grad_dtype = "float32";
+  std::string gather_dtype = "float32";
 };
 
-// The fp32 buffers per shard element a server keeps besides the parameters for one
-// optimizer kind (default: Adam).
+// What a server keeps per shard element besides the fp32 parameters: fp32 buffers for
+// one optimizer kind (default: Adam), and the bytes of the workers' staging slots and of
+// the gather snapshot.
 struct OptimizerBuffers {
   std::string kind = "adam";  // as LayoutCommandOptions::optimizer names it
   int grads = 1;
   int state = 2;
+  int64_t staging_bytes = 4;   // all workers' gradients (0 for frozen groups)
+  int64_t snapshot_bytes = 4;  // one element in the gather dtype
 };
-// The buffers of the kind `optimizer` names; InvalidArgument listing the accepted names.
-[[nodiscard]] absl::StatusOr<OptimizerBuffers> BuffersFor(absl::string_view optimizer);
+// The buffers of the kind `optimizer` names for `options`' workers and dtypes;
+// InvalidArgument naming the flag that is wrong.
+[[nodiscard]] absl::StatusOr<OptimizerBuffers> BuffersFor(const LayoutCommandOptions& options);
 
 // Returns the process exit code: 0 on success, 2 when the spec is malformed or invalid or
 // the optimizer unknown (one line "flatshard layout: <reason>" on `err`).
 int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std::ostream& out,
                      std::ostream& err);
 
+// The memory a server holds for one group of `layout` (each server the same: shards are
+// equal), as FormatLayoutTable's last line says. A second gather snapshot exists while
+// a slow reader still holds the previous version's.
+int64_t PlannedBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers);
+
 // The per-server table: shard range, padding, fp32 parameter / gradient /
-// optimizer-state bytes, and the tensor pieces each server holds.
+// optimizer-state bytes, staging and snapshot bytes, and the tensor pieces each server
+// holds.
 std::string FormatLayoutTable(const FlatLayout& layout, const OptimizerBuffers& buffers = {});
 
 }  // namespace flatshard::cli

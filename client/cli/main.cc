@@ -25,6 +25,11 @@ ABSL_FLAG(bool, json, false, "layout, status: print JSON instead of a table");
 ABSL_FLAG(std::string, optimizer_kind, "adam",
           "layout: the optimizer whose state the memory columns count (adam, adamw, sgd, sgd-momentum or "
           "frozen)");
+ABSL_FLAG(int, workers, 1,
+          "layout: workers scattering to each server (a hybrid-sharded job's: one replica group's); each has "
+          "a staging slot there");
+ABSL_FLAG(std::string, grad_dtype, "float32", "layout: the dtype the workers' gradients come in (their staging)");
+ABSL_FLAG(std::string, gather_dtype, "float32", "layout: the dtype gathers ask for (the snapshot)");
 ABSL_FLAG(std::string, cluster, "", "status: every server's control address, comma-separated");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (empty: none)");
 ABSL_FLAG(std::string, tls_ca_file, "",
@@ -50,7 +55,8 @@ constexpr char kUsage[] =
     "flatshard <command> [args]\n"
     "\n"
     "commands:\n"
-    "  layout [SPEC.json|-] [--json] [--optimizer_kind=adam]\n"
+    "  layout [SPEC.json|-] [--json] [--optimizer_kind=adam] [--workers=1]\n"
+    "       [--grad_dtype=float32] [--gather_dtype=float32]\n"
     "                                  read a layout spec (file or stdin) and print the\n"
     "                                  layout per server: shard ranges, memory, tensors\n"
     "  status --cluster=A0,A1,... [--json]\n"
@@ -68,7 +74,10 @@ constexpr char kUsage[] =
 
 int Layout(const std::vector<std::string>& args) {
   const flatshard::cli::LayoutCommandOptions options{.json = absl::GetFlag(FLAGS_json),
-                                                     .optimizer = absl::GetFlag(FLAGS_optimizer_kind)};
+                                                     .optimizer = absl::GetFlag(FLAGS_optimizer_kind),
+                                                     .workers = absl::GetFlag(FLAGS_workers),
+                                                     .grad_dtype = absl::GetFlag(FLAGS_grad_dtype),
+                                                     .gather_dtype = absl::GetFlag(FLAGS_gather_dtype)};
   if (args.size() > 2) {
     std::cerr << "flatshard layout: expected at most one spec file\n";
     return 2;

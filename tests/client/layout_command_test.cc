@@ -37,22 +37,26 @@ TEST(LayoutCommandTest, TableShowsRangesMemoryAndTensors) {
 }
 
 TEST(LayoutCommandTest, MemoryColumnsCountTheOptimizersState) {
-  // Shards of 6 fp32 elements: 24 B per buffer.
+  // Shards of 6 fp32 elements: 24 B per buffer; one fp32 worker's staging slot and an
+  // fp32 snapshot, 24 B each.
   const struct {
     const char* optimizer;
     const char* grads;
     const char* state;
+    const char* staging;
     const char* total;
-  } cases[] = {{"adam", "24 B", "48 B", "96 B"},
-               {"sgd", "24 B", "0 B", "48 B"},
-               {"sgd-momentum", "24 B", "24 B", "72 B"},
-               {"frozen", "0 B", "0 B", "24 B"}};
+  } cases[] = {{"adam", "24 B", "48 B", "24 B", "144 B"},
+               {"sgd", "24 B", "0 B", "24 B", "96 B"},
+               {"sgd-momentum", "24 B", "24 B", "24 B", "120 B"},
+               {"frozen", "0 B", "0 B", "0 B", "48 B"}};
   for (const auto& c : cases) {
     std::istringstream in(kSpec);
     std::ostringstream out, err;
     ASSERT_EQ(RunLayoutCommand({.optimizer = c.optimizer}, in, out, err), 0) << err.str();
     const std::string table = out.str();
-    EXPECT_THAT(table, HasSubstr(absl::StrFormat("%11s %11s %11s", "24 B", c.grads, c.state))) << c.optimizer;
+    EXPECT_THAT(table,
+                HasSubstr(absl::StrFormat("%11s %11s %11s %11s %11s", "24 B", c.grads, c.state, c.staging, "24 B")))
+        << c.optimizer;
     EXPECT_THAT(table, HasSubstr(absl::StrCat("per server: ", c.total, " (params + grads + ", c.optimizer)))
         << c.optimizer;
   }
@@ -61,6 +65,34 @@ TEST(LayoutCommandTest, MemoryColumnsCountTheOptimizersState) {
   EXPECT_EQ(RunLayoutCommand({.optimizer = "lamb"}, in, out, err), 2);
   EXPECT_EQ(err.str(), "flatshard layout: --optimizer_kind=lamb: expected adam, adamw, sgd, sgd-momentum or frozen\n");
   EXPECT_TRUE(out.str().empty());
+}
+
+TEST(LayoutCommandTest, StagingCountsEveryWorkersGradientAndTheSnapshotTheGatherDtype) {
+  // 6-element shards: 4 workers' bf16 gradients 48 B, an fp16 snapshot 12 B; with Adam's
+  // 96 B, 156 B per server.
+  std::istringstream in(kSpec);
+  std::ostringstream out, err;
+  ASSERT_EQ(RunLayoutCommand({.workers = 4, .grad_dtype = "bfloat16", .gather_dtype = "float16"}, in, out, err), 0)
+      << err.str();
+  EXPECT_THAT(out.str(),
+              HasSubstr(absl::StrFormat("%11s %11s %11s %11s %11s", "24 B", "24 B", "48 B", "48 B", "12 B")));
+  EXPECT_THAT(out.str(), HasSubstr("per server: 156 B (params + grads + adam state + staging + snapshot)"));
+
+  const struct {
+    LayoutCommandOptions options;
+    const char* error;
+  } refused[] = {
+      {{.workers = 0}, "--workers=0: expected 1 or more"},
+      {{.grad_dtype = "int8"}, "--grad_dtype=int8: expected float32, bfloat16 or float16"},
+      {{.gather_dtype = "float64"}, "--gather_dtype=float64: expected float32, bfloat16 or float16"},
+  };
+  for (const auto& r : refused) {
+    std::istringstream spec(kSpec);
+    std::ostringstream table, message;
+    EXPECT_EQ(RunLayoutCommand(r.options, spec, table, message), 2) << r.error;
+    EXPECT_EQ(message.str(), absl::StrCat("flatshard layout: ", r.error, "\n"));
+    EXPECT_TRUE(table.str().empty());
+  }
 }
 
 TEST(LayoutCommandTest, InvalidSpecExitsTwoWithOneLine) {
@@ -94,7 +126,10 @@ TEST(LayoutBinaryTest, JsonFromStdin) {
 TEST(LayoutBinaryTest, OptimizerKindFlagReachesTheTable) {
   auto [code, output] = RunBinary("--optimizer_kind=frozen", kSpec);
   ASSERT_EQ(code, 0) << output;
-  EXPECT_THAT(output, HasSubstr("per server: 24 B (params + grads + frozen state)"));
+  EXPECT_THAT(output, HasSubstr("per server: 48 B (params + grads + frozen state + staging + snapshot)"));
+  std::tie(code, output) = RunBinary("--workers=2 --grad_dtype=bfloat16", kSpec);
+  ASSERT_EQ(code, 0) << output;
+  EXPECT_THAT(output, HasSubstr("per server: 144 B (params + grads + adam state + staging + snapshot)"));
   EXPECT_EQ(RunBinary("--optimizer_kind=lamb", kSpec).first, 2);
 }
 

@@ -9,6 +9,8 @@
 #include <sstream>
 
 #include "absl/strings/str_split.h"
+#include "client/cli/layout_command.h"
+#include "client/cluster_status.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/scratch_dir.h"
 
@@ -121,6 +123,58 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   EXPECT_NE(none.str().find("unreachable"), std::string::npos) << none.str();
   EXPECT_EQ(none.str().find("job/group"), std::string::npos) << none.str();
   EXPECT_NE(none_err.str().find("no server answered"), std::string::npos) << none_err.str();
+}
+
+// What `flatshard layout` plans for a group is what the servers report holding for it
+// once workers have trained it: parameters, gradient, Adam's moments, a staging slot per
+// worker in the gradients' dtype, and the gather snapshot (a second one while a slow
+// reader holds the previous version's).
+TEST(StatusCommandTest, AGroupsMemoryIsWhatFlatshardLayoutPlans) {
+  testing::TestCluster cluster(2, "status-token", ::testing::TempDir());
+  constexpr int kWorkers = 3;
+  std::vector<std::unique_ptr<Client>> workers;
+  for (int rank = 0; rank < kWorkers; ++rank) {
+    auto client = cluster.Connect(rank, kWorkers, "planned");
+    ASSERT_TRUE(client.ok()) << client.status();
+    workers.push_back(*std::move(client));
+  }
+  ASSERT_TRUE(workers[0]->ConfigureJob({}).ok());
+  const FlatLayout* layout = nullptr;
+  for (auto& worker : workers) {
+    auto registered =
+        worker->RegisterGroup("g", {{"w", {300, 7}, DType::kFloat32}, {"b", {7}, DType::kFloat32}}, 4, AdamOptions{});
+    ASSERT_TRUE(registered.ok()) << registered.status();
+    layout = *registered;
+  }
+  ASSERT_TRUE(workers[0]->InitGroupFromSeed("g", 3).ok());
+  std::vector<uint16_t> params(layout->padded_numel()), grad(layout->padded_numel(), 0x3f80);  // bf16 1.0
+  for (int64_t step = 0; step < 3; ++step) {
+    std::vector<std::future<absl::Status>> scattered;
+    for (auto& worker : workers) {
+      ASSERT_TRUE(worker
+                      ->Gather("g", step, DType::kBFloat16,
+                               absl::MakeSpan(reinterpret_cast<std::byte*>(params.data()), params.size() * 2))
+                      .get()
+                      .ok());
+      scattered.push_back(
+          worker->Scatter("g", step, DType::kBFloat16,
+                          absl::MakeConstSpan(reinterpret_cast<const std::byte*>(grad.data()), grad.size() * 2)));
+    }
+    for (auto& s : scattered) ASSERT_TRUE(s.get().ok());
+  }
+
+  const auto planned =
+      cli::BuffersFor({.optimizer = "adam", .workers = kWorkers, .grad_dtype = "bfloat16", .gather_dtype = "bfloat16"});
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  const int64_t bytes = cli::PlannedBytesPerServer(*layout, *planned);
+  const int64_t second_snapshot = layout->shard_numel() * 2;
+  for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    ASSERT_EQ(status->groups_size(), 1);
+    const int64_t held = status->groups(0).bytes();
+    EXPECT_TRUE(held == bytes || held == bytes + second_snapshot)
+        << "server " << status->rank() << " holds " << held << " bytes; flatshard layout plans " << bytes;
+  }
 }
 
 // A load whose COMMIT reached server 0 only (sent here by hand) leaves the group in
