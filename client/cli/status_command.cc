@@ -69,10 +69,11 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
     if (*local_gpu == s.gpu_uuid()) return "cuda-ipc";
     return !s.nccl_version().empty() && client_internal::NcclLink::Available() ? "nccl" : "tcp";
   };
-  // x-sent, x-recv: a hybrid-sharded job's exchange between replica groups.
-  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-3s %7s %6s %5s %10s %10s %10s %10s %8s %8s %6s\n",
-                         "rank", "address", "memory", "plane", "tls", "threads", "groups", "conns",
-                         "sent", "received", "x-sent", "x-recv", "gathers", "scatters", "errors");
+  // held: the memory of its groups (each group's is in the table below); x-sent, x-recv:
+  // a hybrid-sharded job's exchange between replica groups.
+  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-3s %7s %6s %10s %5s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
+                         "address", "memory", "plane", "tls", "threads", "groups", "held", "conns", "sent", "received",
+                         "x-sent", "x-recv", "gathers", "scatters", "errors");
   for (size_t i = 0; i < statuses.size(); ++i) {
     if (!statuses[i].ok()) {
       out << absl::StrFormat("%-4s %-21s unreachable: %s\n", "?", options.servers[i],
@@ -81,12 +82,13 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
       continue;
     }
     const v1::ServerStatus& s = *statuses[i];
-    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-3s %7d %6d %5d %10s %10s %10s %10s %8d %8d %6d\n",
-                           s.rank(), s.control_address(), s.memory(), plane(s), s.tls() ? "yes" : "no",
-                           s.compute_threads(), s.groups_size(), s.open_data_connections(),
-                           HumanBytes(s.bytes_sent()), HumanBytes(s.bytes_received()),
-                           HumanBytes(s.exchange_bytes_sent()), HumanBytes(s.exchange_bytes_received()),
-                           s.gathers(), s.scatters(), s.errors());
+    int64_t held = 0;
+    for (const v1::GroupStatus& g : s.groups()) held += g.bytes();
+    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-3s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
+                           s.control_address(), s.memory(), plane(s), s.tls() ? "yes" : "no", s.compute_threads(),
+                           s.groups_size(), HumanBytes(held), s.open_data_connections(), HumanBytes(s.bytes_sent()),
+                           HumanBytes(s.bytes_received()), HumanBytes(s.exchange_bytes_sent()),
+                           HumanBytes(s.exchange_bytes_received()), s.gathers(), s.scatters(), s.errors());
   }
   // Jobs as the first server that answered has them (every server has the same settings,
   // and the same norms once a step is done).

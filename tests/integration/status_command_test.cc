@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "absl/strings/str_split.h"
+#include "client/cli/human_bytes.h"
 #include "client/cli/layout_command.h"
 #include "client/cluster_status.h"
 #include "tests/integration/test_cluster.h"
@@ -54,6 +55,8 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   cli::StatusCommandOptions options{.servers = cluster.addresses(), .token = cluster.token()};
   std::ostringstream table, err;
   ASSERT_EQ(cli::RunStatusCommand(options, table, err), 0) << err.str();
+  const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()});
+  for (const auto& status : statuses) ASSERT_TRUE(status.ok()) << status.status();
   // job, workers, mode, replicas, max_norm, skip_inf, last_norm, skipped
   EXPECT_EQ(Row(table.str(), "status", "1"),
             (std::vector<std::string>{"status", "1", "sync", "1", "0", "no", "-", "0"}))
@@ -69,9 +72,12 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     EXPECT_EQ(std::vector<std::string>(server.begin() + 2, server.begin() + 7),
               (std::vector<std::string>{"host", "tcp", "no", "3", "2"}))
         << table.str();
-    // ..., conns, sent (2 words), received (2), x-sent (2), x-recv (2), ...
-    ASSERT_GE(server.size(), 16u) << table.str();
-    EXPECT_EQ(std::vector<std::string>(server.begin() + 12, server.begin() + 16),
+    // ..., held (2 words), conns, sent (2), received (2), x-sent (2), x-recv (2), ...
+    ASSERT_GE(server.size(), 18u) << table.str();
+    int64_t held = 0;
+    for (const v1::GroupStatus& g : statuses[rank]->groups()) held += g.bytes();
+    EXPECT_EQ(absl::StrCat(server[7], " ", server[8]), cli::HumanBytes(held)) << table.str();
+    EXPECT_EQ(std::vector<std::string>(server.begin() + 14, server.begin() + 18),
               (std::vector<std::string>{"3.9", "KiB", "3.9", "KiB"}))
         << table.str();
     // rank, job/group, version, shard_numel (500 of 1000 elements), memory (2 words),
