@@ -134,6 +134,16 @@ void ClipCoordinator::OnLoad(const std::string& job, uint64_t load_id) {
   epoch = load_id;
 }
 
+void ClipCoordinator::ForgetJob(const std::string& job) {
+  absl::MutexLock lock(&mu_);
+  norms_.erase(job);
+  std::erase_if(steps_, [&job](const auto& entry) { return entry.first.first == job; });
+  skipped_steps_.erase(job);
+  epochs_.erase(job);
+  left_epochs_.erase(job);
+  ++deletions_[job];  // the waits' conditions see it when the lock is released
+}
+
 absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_t step,
                                                   absl::Time deadline) {
   FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
@@ -159,11 +169,22 @@ absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_
         "job '", job, "': the norm of step ", step, " is not kept here (the last ", kKeptNorms,
         " steps are, since this server started or last loaded a checkpoint)"));
   }
-  auto known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return kept() != nullptr; };
+  auto deletions = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const auto it = deletions_.find(job);
+    return it == deletions_.end() ? int64_t{0} : it->second;
+  };
+  auto was_deleted = [&] {
+    return absl::NotFoundError(absl::StrCat("job '", job, "' was deleted while waiting for the norm of step ", step));
+  };
+  const int64_t deleted = deletions();
+  // Deleted between the look-up above and `deleted` (the registry goes first).
+  if (!registry_.job_settings(job).ok()) return was_deleted();
+  auto known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return kept() != nullptr || deletions() != deleted; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&known), deadline)) {
     return absl::DeadlineExceededError(
         absl::StrCat("job '", job, "': the gradient norm of step ", step, " is not known yet"));
   }
+  if (kept() == nullptr) return was_deleted();
   return *kept();
 }
 

@@ -83,6 +83,10 @@ class ClipCoordinator {
   // epoch becomes `load_id`.
   void OnLoad(const std::string& job, uint64_t load_id);
 
+  // `job` was deleted: its norms, shares and epochs go, and waits for its norms end with
+  // NotFound. A job configured again under the name starts afresh.
+  void ForgetJob(const std::string& job);
+
   // For status: the last step whose norm this server combined, that norm, and how many
   // steps it skipped as non-finite (since it started).
   struct JobNorms {
@@ -112,6 +116,7 @@ class ClipCoordinator {
   std::map<std::string, int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);  // job -> count
   std::map<std::string, uint64_t> epochs_ ABSL_GUARDED_BY(mu_);        // job -> its load id (0: none)
   std::map<std::string, std::set<uint64_t>> left_epochs_ ABSL_GUARDED_BY(mu_);  // job -> epochs before
+  std::map<std::string, int64_t> deletions_ ABSL_GUARDED_BY(mu_);               // job -> ForgetJob calls
 };
 
 }  // namespace flatshard::server

@@ -119,15 +119,27 @@ int64_t Group::version() const {
   return version_;
 }
 
+void Group::Close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;  // the waits' conditions see it when the lock is released
+}
+
+absl::Status Group::CheckOpen() const {
+  if (!closed_) return absl::OkStatus();
+  return absl::NotFoundError(absl::StrCat("job '", job_, "' was deleted, and group '", name_, "' with it"));
+}
+
 absl::StatusOr<bool> Group::AwaitVersion(int64_t min_version, absl::Time deadline) const {
+  FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   const int64_t loads = loads_;
   auto reached_or_loaded = [this, min_version, loads]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return version_ >= min_version || loads_ != loads;
+    return version_ >= min_version || loads_ != loads || closed_;
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&reached_or_loaded), deadline)) {
     return absl::DeadlineExceededError(
         absl::StrCat("group '", name_, "' is at version ", version_, "; timed out waiting for version ", min_version));
   }
+  FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   return version_ >= min_version;
 }
 
@@ -317,6 +329,7 @@ absl::StatusOr<ReceiveSlot> Group::BeginScatter(int64_t step, int worker_rank, D
                      "' is frozen (registered without an optimizer): it takes no gradients"));
   }
   absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   if (from_load.has_value() && *from_load != load_epoch_) {
     return absl::AbortedError(absl::StrCat("worker ", worker_rank, "'s gradient for step ", step, " of group '", name_,
                                            "' was computed from ", LoadedState(*from_load), "; the group now holds ",
@@ -361,12 +374,13 @@ absl::StatusOr<bool> Group::AwaitEarlyStep(int64_t step, absl::Time deadline) co
   // again (a refusal of the replaced state, a future step) is the answer.
   const int64_t loads = loads_;
   auto reached = [this, step, loads]()
-                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= step || loads_ != loads; };
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= step || loads_ != loads || closed_; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "group '", name_, "' is at version ", version_, ": step ", step,
         " came early and this server's step ", version_, " did not finish in time"));
   }
+  FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   return true;
 }
 
@@ -701,6 +715,7 @@ absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadli
 
 absl::Status Group::Restore(LoadedShard loaded, uint64_t load_id) {
   absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   if (loaded.params.numel() != shard_numel()) {
     return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': loaded shard of ", loaded.params.numel(),
                                                    " elements for a shard of ", shard_numel()));

@@ -53,6 +53,9 @@
 //    for a version it moved the group below end at once (Aborted for gathers,
 //    FailedPrecondition for the pins of saves and exports), and so do waits for an early
 //    step (AwaitEarlyStep). The exchange starts a new round (ExchangeRound).
+//  - Deleting its job (Registry::DeleteJob) closes the group (Close): every wait ends
+//    with NotFound, and gathers and scatters that found it before are refused the same
+//    way; its memory goes when the last request holding it lets go.
 //
 // Memory: parameters, the reduced gradient and optimizer state live in the group's
 // memory tier (server/shard_compute.h: host, pinned or device); staging slots, replica
@@ -210,6 +213,11 @@ class Group {
   // True when `layout` and `optimizer` equal this group's (idempotent registration).
   bool SameSpec(const FlatLayout& layout, const OptimizerConfig& optimizer) const;
 
+  // Its job was deleted: ends every wait with NotFound, and refuses gathers, scatters,
+  // exchanges and loads (Restore) from now on. For the Registry's caller; the group stays
+  // closed.
+  void Close();
+
   int64_t version() const;
   // The version and the load of the state it holds now.
   StateStamp state() const;
@@ -306,7 +314,8 @@ class Group {
   [[nodiscard]] absl::StatusOr<CommitOutcome> CommitExchange(Exchange what, const ReceiveSlot& slot);
   void AbortExchange(Exchange what, const ReceiveSlot& slot);
   // After BeginExchange refused a round with Unavailable: true once this group has
-  // committed load `load_epoch` (now or by `deadline`), false when the wait ran out.
+  // committed load `load_epoch` (now or by `deadline`) or is closed (BeginExchange then
+  // says so), false when the wait ran out.
   bool AwaitLoad(uint64_t load_epoch, absl::Time deadline) const;
 
   // Clipped jobs. True when the contributions for `step` are reduced and wait for the
@@ -407,6 +416,8 @@ class Group {
   absl::Status AwaitCut(int64_t version, absl::Time deadline) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckContribution(int64_t step, int worker_rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NotFound once the group is closed (its job deleted).
+  absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The contribution `slot` reserved a part of, if that part is still in flight there.
   Contribution* Reserved(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDeviceTier(absl::string_view what) const;
@@ -505,6 +516,7 @@ class Group {
   int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
   std::multiset<int64_t> holds_ ABSL_GUARDED_BY(mu_);  // HoldAt's versions
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;     // Close
   int64_t loads_ ABSL_GUARDED_BY(mu_) = 0;       // Restore calls that installed a shard
   uint64_t load_epoch_ ABSL_GUARDED_BY(mu_) = 0;              // the last Restore's load id (0: none)
   std::set<uint64_t> left_load_epochs_ ABSL_GUARDED_BY(mu_);  // those before it

@@ -109,6 +109,7 @@ absl::StatusOr<ReceiveSlot> Group::BeginExchange(Exchange what, const ExchangeRo
         "group '", name_, "' of job '", job_, "' is frozen: it takes no ", noun, "s"));
   }
   absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   const int64_t step = round.step;
   if (round.load_epoch != load_epoch_) {
     if (left_load_epochs_.contains(round.load_epoch)) {
@@ -185,7 +186,7 @@ void Group::AbortExchange(Exchange what, const ReceiveSlot& slot) {
 bool Group::AwaitLoad(uint64_t load_epoch, absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
   auto committed = [this, load_epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return load_epoch_ == load_epoch || left_load_epochs_.contains(load_epoch);
+    return load_epoch_ == load_epoch || left_load_epochs_.contains(load_epoch) || closed_;
   };
   return mu_.AwaitWithDeadline(absl::Condition(&committed), deadline);
 }

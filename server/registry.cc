@@ -73,6 +73,12 @@ absl::StatusOr<Registry::Registration> Registry::RegisterGroup(const std::string
   FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
                              FlatLayout::Create(std::move(tensors), align, placement.shards));
   absl::MutexLock lock(&mu_);
+  // Read without the lock above: the job may have been deleted (and configured again)
+  // since.
+  if (const auto it = jobs_.find(job); it == jobs_.end() || !(it->second == *settings)) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job, "' was deleted while group '", name,
+                                                      "' was being registered; configure the job again"));
+  }
   auto& slot = groups_[{job, name}];
   if (slot != nullptr) {
     if (!slot->SameSpec(layout, optimizer)) {
@@ -100,6 +106,17 @@ absl::StatusOr<std::shared_ptr<Group>> Registry::FindGroup(const std::string& jo
     return absl::NotFoundError(absl::StrCat("unknown group '", name, "' in job '", job, "'"));
   }
   return it->second;
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<Group>>> Registry::DeleteJob(const std::string& job) {
+  absl::MutexLock lock(&mu_);
+  if (jobs_.erase(job) == 0) return absl::NotFoundError(absl::StrCat("job '", job, "' is not configured"));
+  std::vector<std::shared_ptr<Group>> removed;
+  for (auto it = groups_.lower_bound({job, ""}); it != groups_.end() && it->first.first == job;) {
+    removed.push_back(std::move(it->second));
+    it = groups_.erase(it);
+  }
+  return removed;
 }
 
 std::vector<std::shared_ptr<Group>> Registry::job_groups(const std::string& job) const {

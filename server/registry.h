@@ -1,5 +1,6 @@
 // Registry: the jobs and groups this server holds. Registration is idempotent: the same
-// spec returns the same group, a different spec under the same name is refused.
+// spec returns the same group, a different spec under the same name is refused. A job is
+// held until it is deleted.
 // Thread-safe. Groups are shared_ptr so requests in flight keep them alive.
 //
 //   FLATSHARD_RETURN_IF_ERROR(registry.ConfigureJob("default", {.num_workers = 2}));
@@ -46,6 +47,10 @@ class Registry {
                                                            std::vector<TensorSpec> tensors,
                                                            int64_t align,
                                                            const OptimizerConfig& optimizer);
+
+  // Removes `job` and its groups (returned, in name order: requests in flight may still
+  // hold them; the caller closes them). NotFound if the job is not configured.
+  [[nodiscard]] absl::StatusOr<std::vector<std::shared_ptr<Group>>> DeleteJob(const std::string& job);
 
   // NotFound naming the group and job.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Group>> FindGroup(const std::string& job,

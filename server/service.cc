@@ -220,6 +220,24 @@ grpc::Status FlatshardService::ConfigureJob(grpc::ServerContext* ctx,
   return ToGrpc(registry_.ConfigureJob(request->job(), settings));
 }
 
+grpc::Status FlatshardService::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* request,
+                                         v1::DeleteJobResponse* response) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (request->job().empty()) return ToGrpc(absl::InvalidArgumentError("job: empty name"));
+  absl::StatusOr<std::vector<std::shared_ptr<Group>>> removed = registry_.DeleteJob(request->job());
+  if (absl::IsNotFound(removed.status())) return grpc::Status::OK;  // deleted before, or never configured
+  if (!removed.ok()) return ToGrpc(removed.status());
+  int64_t bytes = 0;
+  for (const std::shared_ptr<Group>& group : *removed) {
+    bytes += group->stats().bytes;
+    group->Close();
+  }
+  clip_.ForgetJob(request->job());
+  response->set_deleted(true);
+  response->set_freed_bytes(bytes);
+  return grpc::Status::OK;
+}
+
 grpc::Status FlatshardService::RegisterGroup(grpc::ServerContext* ctx,
                                              const v1::RegisterGroupRequest* request,
                                              v1::RegisterGroupResponse* response) {

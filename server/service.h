@@ -46,6 +46,8 @@ class FlatshardService final : public v1::Flatshard::Service {
                                v1::OpenNcclChannelResponse* response) override;
   grpc::Status ConfigureJob(grpc::ServerContext* ctx, const v1::ConfigureJobRequest* request,
                             v1::ConfigureJobResponse* response) override;
+  grpc::Status DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* request,
+                         v1::DeleteJobResponse* response) override;
   grpc::Status RegisterGroup(grpc::ServerContext* ctx, const v1::RegisterGroupRequest* request,
                              v1::RegisterGroupResponse* response) override;
   grpc::Status InitGroup(grpc::ServerContext* ctx, const v1::InitGroupRequest* request,

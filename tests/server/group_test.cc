@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "core/float_bits.h"
 #include "kernels/kernels.h"
+#include "server/registry.h"
 
 namespace flatshard::server {
 namespace {
@@ -261,6 +262,55 @@ TEST(GroupTest, PushedInitialValuesDropPaddingAndFreeTheirStaging) {
   ASSERT_TRUE(aborted.ok()) << aborted.status();
   group->AbortPushInit(*aborted);
   EXPECT_EQ(group->stats().bytes, held + snapshot);
+}
+
+// Deleting a job removes its groups from the registry and closes them: waits that hold
+// a group end at once with NotFound, and so does what comes for it later; the name may
+// be configured again with other settings.
+TEST(GroupTest, DeletingAJobClosesItsGroupsAndEndsTheirWaits) {
+  Registry registry(/*rank=*/0, /*num_servers=*/1);
+  // Clipped: its step waits for the global norm once the contribution is in.
+  ASSERT_TRUE(registry.ConfigureJob("job", JobSettings{.num_workers = 1, .max_grad_norm = 1.0}).ok());
+  ASSERT_TRUE(registry.ConfigureJob("other", JobSettings{.num_workers = 1}).ok());
+  const std::vector<TensorSpec> tensors = {{"w", {8}, DType::kFloat32}};
+  auto registered = registry.RegisterGroup("job", "g", tensors, 0, kernels::SgdHyperparams{.lr = 1.0f});
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  ASSERT_TRUE(registry.RegisterGroup("other", "g", tensors, 0, kernels::SgdHyperparams{.lr = 1.0f}).ok());
+  std::shared_ptr<Group> group = registered->group;
+  ASSERT_TRUE(Contribute(*group, 0, 0, std::vector<float>(8, 1.0f)).ok());
+
+  // A worker waiting for version 1 and one sending step 1 early: the norm never comes.
+  absl::Status waited, early;
+  std::thread waiter([&] { waited = group->WaitVersion(1, absl::Now() + absl::Seconds(60)).status(); });
+  std::thread early_waiter([&] { early = group->AwaitEarlyStep(1, absl::Now() + absl::Seconds(60)).status(); });
+  absl::SleepFor(absl::Milliseconds(50));
+  const absl::Time deleted_at = absl::Now();
+  absl::StatusOr<std::vector<std::shared_ptr<Group>>> removed = registry.DeleteJob("job");
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  ASSERT_EQ(removed->size(), 1u);
+  EXPECT_EQ(removed->front(), group);
+  for (const auto& g : *removed) g->Close();
+  waiter.join();
+  early_waiter.join();
+  EXPECT_LT(absl::Now() - deleted_at, absl::Seconds(10)) << "the waits ran to their deadline";
+  EXPECT_EQ(waited.code(), absl::StatusCode::kNotFound) << waited;
+  EXPECT_THAT(std::string(waited.message()), HasSubstr("job 'job' was deleted, and group 'g' with it"));
+  EXPECT_EQ(early.code(), absl::StatusCode::kNotFound) << early;
+
+  // What comes later for the group held from before is refused too.
+  EXPECT_EQ(group->BeginScatter(1, 0, DType::kFloat32).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(group->Gather(0, DType::kFloat32, absl::InfiniteFuture()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.FindGroup("job", "g").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.DeleteJob("job").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(registry.job_settings("job").ok());
+  ASSERT_TRUE(registry.FindGroup("other", "g").ok()) << "another job's group went too";
+
+  // The name is free again, with other settings, and its groups start afresh.
+  ASSERT_TRUE(registry.ConfigureJob("job", JobSettings{.num_workers = 3}).ok());
+  auto again = registry.RegisterGroup("job", "g", tensors, 0, kernels::SgdHyperparams{.lr = 1.0f});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->created);
+  EXPECT_EQ(again->group->version(), 0);
 }
 
 TEST(GroupTest, APinHoldsTheVersionUntilUnpinnedWithoutACopy) {
