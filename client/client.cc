@@ -97,6 +97,21 @@ class ClientImpl final : public Client {
     return control_->CallAll(&v1::Flatshard::Stub::ConfigureJob, request, &response);
   }
 
+  absl::StatusOr<int64_t> DeleteJob() override {
+    v1::DeleteJobRequest request;
+    request.set_job(options_.job);
+    int64_t freed = 0;
+    bool deleted = false;
+    for (int i = 0; i < num_servers(); ++i) {
+      v1::DeleteJobResponse response;
+      FLATSHARD_RETURN_IF_ERROR(control_->Call(i, &v1::Flatshard::Stub::DeleteJob, request, &response));
+      deleted |= response.deleted();
+      freed += response.freed_bytes();
+    }
+    if (!deleted) return absl::NotFoundError(absl::StrCat("job '", options_.job, "' is configured on no server"));
+    return freed;
+  }
+
   absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group,
                                                   std::vector<TensorSpec> tensors, int64_t align,
                                                   const OptimizerOptions& optimizer) override {

@@ -253,6 +253,14 @@ class PyClient {
     Released([&] { return client_->ConfigureJob(job); });
   }
 
+  int64_t DeleteJob() {
+    absl::StatusOr<int64_t> freed = [&] {
+      py::gil_scoped_release release;
+      return client_->DeleteJob();
+    }();
+    return Check(std::move(freed));
+  }
+
   py::dict RegisterGroup(const std::string& name, const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string>>& tensors,
                          const py::dict& optimizer, int64_t align) {
     std::vector<TensorSpec> specs;
@@ -409,11 +417,11 @@ PYBIND11_MODULE(_native, m) {
       .def("wait", &Pending::Wait, "Waits for the transfer; returns the version (gather) or 0.")
       .def("done", &Pending::Done);
   py::class_<PyClient>(m, "Client")
-      .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string,
-                    std::string, int, int64_t, int64_t>(),
-           py::arg("servers"), py::arg("worker_rank"), py::arg("num_workers"), py::arg("token"),
-           py::arg("timeout"), py::arg("job"), py::arg("device_plane"), py::arg("tls_ca_file"),
-           py::arg("max_in_flight"), py::arg("gather_split_bytes"), py::arg("scatter_split_bytes"))
+      .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string, std::string, int,
+                    int64_t, int64_t>(),
+           py::arg("servers"), py::arg("worker_rank"), py::arg("num_workers"), py::arg("token"), py::arg("timeout"),
+           py::arg("job"), py::arg("device_plane"), py::arg("tls_ca_file"), py::arg("max_in_flight"),
+           py::arg("gather_split_bytes"), py::arg("scatter_split_bytes"))
       .def("configure_job", &PyClient::ConfigureJob)
       .def("register_group", &PyClient::RegisterGroup)
       .def("init_group", &PyClient::InitGroup)
@@ -426,6 +434,7 @@ PYBIND11_MODULE(_native, m) {
       .def("save_checkpoint", &PyClient::SaveCheckpoint)
       .def("load_checkpoint", &PyClient::LoadCheckpoint)
       .def("delete_checkpoint", &PyClient::DeleteCheckpoint)
+      .def("delete_job", &PyClient::DeleteJob)
       .def("list_checkpoints", &PyClient::ListCheckpoints)
       .def("export_state_dict", &PyClient::ExportStateDict)
       .def("status_json", &PyClient::StatusJson)

@@ -51,6 +51,12 @@ echo "== the same state dict streamed to this machine (flatshard export) =="
 ls -l "$checkpoints/exported"
 
 echo
+echo "== training is over: the jobs go, with their memory (flatshard delete-job) =="
+"$bin/flatshard" delete-job --cluster="$cluster" --job=mlp-demo
+"$bin/flatshard" delete-job --cluster="$cluster" --job=mlp-hybrid
+"$bin/flatshard" status --cluster="$cluster" | head -3
+
+echo
 echo "== layout of a bigger model over 3 servers, 2 workers sending bf16 gradients (flatshard layout) =="
 "$bin/flatshard" layout --workers=2 --grad_dtype=bfloat16 <<'SPEC'
 {"servers": 3, "align": 4, "tensors": [

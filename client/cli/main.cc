@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "client/cli/checkpoint_command.h"
+#include "client/cli/job_command.h"
 #include "client/cli/layout_command.h"
 #include "client/cli/local_cluster_command.h"
 #include "client/cli/status_command.h"
@@ -38,7 +39,9 @@ ABSL_FLAG(std::string, tls_ca_file, "",
 ABSL_FLAG(int, servers, 2, "local-cluster: number of servers");
 ABSL_FLAG(int, base_port, 7070, "local-cluster: server i listens on base_port+2i (data +1)");
 ABSL_FLAG(std::string, checkpoint_root, "", "local-cluster: passed to every server");
-ABSL_FLAG(std::string, job, "default", "save, load: the job whose groups are checkpointed");
+ABSL_FLAG(std::string, job, "",
+          "save, load, export: the job whose groups are checkpointed (empty: 'default'); delete-job: the job to "
+          "delete (required)");
 ABSL_FLAG(std::string, name, "", "save, load, delete: the checkpoint's name");
 ABSL_FLAG(std::string, kind, "sharded", "save: full, sharded or local");
 ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
@@ -68,6 +71,7 @@ constexpr char kUsage[] =
     "  load --cluster=... --name=N [--job=J]\n"
     "  checkpoints --cluster=... [--json]   list checkpoints (complete or not)\n"
     "  delete --cluster=... --name=N\n"
+    "  delete-job --cluster=... --job=J     delete a job whose training is over, with its groups\n"
     "  export --cluster=... --out=DIR --kind=full|sharded [--optimizer] [--chunk_mib=4] [--job=J]\n"
     "       [--cut=now|boundary|VERSION]\n"
     "                                  stream a state dict to this machine's disk\n";
@@ -133,7 +137,7 @@ int Checkpoint(const std::string& command) {
   flatshard::cli::CheckpointCommandOptions options;
   options.command = command;
   options.servers = absl::StrSplit(absl::GetFlag(FLAGS_cluster), ',', absl::SkipEmpty());
-  options.job = absl::GetFlag(FLAGS_job);
+  options.job = absl::GetFlag(FLAGS_job).empty() ? "default" : absl::GetFlag(FLAGS_job);
   options.name = absl::GetFlag(FLAGS_name);
   options.kind = absl::GetFlag(FLAGS_kind);
   options.optimizer = absl::GetFlag(FLAGS_optimizer);
@@ -145,6 +149,15 @@ int Checkpoint(const std::string& command) {
   if (!ReadToken(options.token)) return 2;
   options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   return flatshard::cli::RunCheckpointCommand(options, std::cout, std::cerr);
+}
+
+int DeleteJob() {
+  flatshard::cli::DeleteJobCommandOptions options;
+  options.servers = absl::StrSplit(absl::GetFlag(FLAGS_cluster), ',', absl::SkipEmpty());
+  options.job = absl::GetFlag(FLAGS_job);  // no default here: see the flag
+  if (!ReadToken(options.token)) return 2;
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  return flatshard::cli::RunDeleteJobCommand(options, std::cout, std::cerr);
 }
 
 int LocalCluster() {
@@ -169,6 +182,7 @@ int main(int argc, char** argv) {
   if (args[0] == "layout") return Layout(args);
   if (args[0] == "status") return Status();
   if (args[0] == "local-cluster") return LocalCluster();
+  if (args[0] == "delete-job") return DeleteJob();
   if (args[0] == "save" || args[0] == "load" || args[0] == "checkpoints" || args[0] == "delete" ||
       args[0] == "export") {
     return Checkpoint(args[0]);

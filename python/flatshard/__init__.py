@@ -256,6 +256,13 @@ class Client:
                                    -1 if max_staleness is None else int(max_staleness),
                                    int(replicas), bool(skip_nonfinite))
 
+    def delete_job(self):
+        """When training is over: deletes this client's job on every server, with its
+        groups, their memory and its norms; returns the bytes the servers held for it.
+        Its workers' requests then raise NotFoundError (waits included), and the name may
+        be configured again with any settings. NotFoundError when no server had it."""
+        return self._native.delete_job()
+
     def register_group(self, name, tensors, optimizer, align=0):
         """Registers (or finds the identical) group: tensors = [(name, shape, dtype), ...]."""
         specs = [(str(n), [int(d) for d in shape], dtype_name(dt)) for n, shape, dt in tensors]

@@ -44,8 +44,10 @@ TEST(CommandLineTest, CliHelpListsCommandsAndFlags) {
   const auto [code, output] = RunBinary(FLATSHARD_CLI_PATH, "--help");
   EXPECT_EQ(code, 0) << output;
   EXPECT_THAT(output, HasSubstr("local-cluster --servers=N"));
+  EXPECT_THAT(output, HasSubstr("delete-job --cluster=... --job=J"));
   EXPECT_THAT(output, HasSubstr("Flags from client/cli/main.cc"));
-  for (const char* flag : {"--cluster", "--name", "--kind", "--chunk_mib", "--tls_ca_file", "--cut"}) {
+  for (const char* flag : {"--cluster", "--name", "--kind", "--chunk_mib", "--tls_ca_file", "--cut", "--job",
+                           "--workers", "--grad_dtype", "--gather_dtype"}) {
     EXPECT_THAT(output, HasSubstr(std::string(flag) + " ("));
   }
 }

@@ -285,6 +285,39 @@ class ClientTest(unittest.TestCase):
         self.assertIsInstance(flatshard.PROTOCOL_REVISION, int)
         self.assertGreater(flatshard.PROTOCOL_REVISION, 0)
 
+    def test_a_deleted_job_frees_its_groups_and_its_name(self):
+        workers = [self.client(r, 2, job="finished") for r in range(2)]
+        workers[0].configure_job()
+        workers[0].register_group("g", TENSORS, flatshard.Adam(lr=1e-3))
+        workers[0].init_group("g", values(3))
+        waiting = {}
+
+        def wait():  # worker 1 never sends: version 1 never comes
+            try:
+                workers[0].wait_version("g", 1)
+            except flatshard.Error as e:
+                waiting["error"] = e
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        freed = workers[1].delete_job()
+        waiter.join(timeout=10)
+        self.assertFalse(waiter.is_alive(), "the wait ran on after the delete")
+        self.assertIsInstance(waiting.get("error"), flatshard.NotFoundError)
+        # Parameters, gradient, two Adam moments (4 x 16 floats over 3 servers: shards of 6).
+        self.assertGreaterEqual(freed, 4 * 3 * 6 * 4)
+        groups = [g for s in workers[0].status()["servers"] for g in s["groups"]]
+        self.assertNotIn("finished", {g["job"] for g in groups})
+        with self.assertRaises(flatshard.NotFoundError):
+            workers[0].gather("g")
+        with self.assertRaises(flatshard.NotFoundError):
+            workers[1].delete_job()
+        again = self.client(0, 1, job="finished")  # other settings under the same name
+        again.configure_job(reduce="sum")
+        again.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        self.assertEqual(again.version("g"), 0)
+
     def test_status_reports_every_server(self):
         c = self.client(job="status")
         status = c.status()

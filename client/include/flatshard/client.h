@@ -171,6 +171,13 @@ class Client {
 
   // Idempotent on every server: each worker may send the same settings.
   [[nodiscard]] virtual absl::Status ConfigureJob(const JobOptions& job) = 0;
+  // When training is over: deletes the job (ClientOptions::job) on every server, with its
+  // groups, their memory and its norms. The servers keep a job until then, and refuse
+  // other settings under its name. Requests of its workers then fail with NotFound,
+  // waits included; the name may be configured again, with any settings. Returns the
+  // bytes the servers held for it (freed as the requests still using them end). NotFound
+  // when no server had the job; a server that no longer had it (a retry) counts as done.
+  [[nodiscard]] virtual absl::StatusOr<int64_t> DeleteJob() = 0;
 
   // Registers (or finds the identical) group on every server and returns its layout over
   // the cluster (over one replica group's N / replicas servers for a hybrid-sharded job);
