@@ -728,4 +728,18 @@ void CheckpointStore::AbortLoad(const std::string& name) {
   staged_.erase(name);
 }
 
+void CheckpointStore::DropStagedLoads(const std::string& job) {
+  std::vector<StagedGroups> dropped;  // freed outside the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = staged_.begin(); it != staged_.end();) {
+    const bool of_job = !it->second.empty() && it->second.front().first->job() == job;
+    if (of_job) {
+      dropped.push_back(std::move(it->second));
+      it = staged_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 }  // namespace flatshard::server

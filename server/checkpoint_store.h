@@ -240,6 +240,9 @@ class CheckpointStore {
   // FailedPrecondition if nothing is staged.
   [[nodiscard]] absl::Status CommitLoad(const std::string& name, uint64_t load_id);
   void AbortLoad(const std::string& name);
+  // `job` was deleted: drops the loads staged for it (their memory with them); their
+  // commits are then FailedPrecondition.
+  void DropStagedLoads(const std::string& job);
 
  private:
   absl::StatusOr<std::string> CheckpointDir(const std::string& name) const;

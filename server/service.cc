@@ -233,6 +233,7 @@ grpc::Status FlatshardService::DeleteJob(grpc::ServerContext* ctx, const v1::Del
     group->Close();
   }
   clip_.ForgetJob(request->job());
+  checkpoints_.DropStagedLoads(request->job());
   response->set_deleted(true);
   response->set_freed_bytes(bytes);
   return grpc::Status::OK;

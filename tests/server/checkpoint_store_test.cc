@@ -240,6 +240,21 @@ TEST(CheckpointStoreTest, LargeFullCheckpointsSplitWithAnIndex) {
   ExpectBitwiseEqual(target.Collect(1), expected);
 }
 
+// A load staged for a job that is then deleted goes with it: its commit finds nothing.
+TEST(CheckpointStoreTest, DeletingAJobDropsTheLoadsStagedForIt) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(1, root);
+  ASSERT_TRUE(cluster.Save("ckpt", CheckpointKind::kSharded, /*optimizer=*/true, 0).ok());
+  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job").ok());
+  cluster.store(0).DropStagedLoads("other");  // another job's deletion leaves it
+  ASSERT_TRUE(cluster.store(0).CommitLoad("ckpt", 1).ok());
+  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job").ok());
+  cluster.store(0).DropStagedLoads("job");
+  const absl::Status committed = cluster.store(0).CommitLoad("ckpt", 2);
+  EXPECT_EQ(committed.code(), absl::StatusCode::kFailedPrecondition) << committed;
+  EXPECT_THAT(std::string(committed.message()), HasSubstr("was not prepared for loading here"));
+}
+
 TEST(CheckpointStoreTest, LocalCheckpointNeedsTheSameServerCount) {
   const std::string root = FreshRoot();
   FakeCluster source(2, root);
