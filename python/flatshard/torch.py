@@ -7,6 +7,7 @@
         model.step()             # waits for the servers' new version
 
     model.set_hyperparams(lr=1e-4)   # a learning-rate schedule: from the next step on
+    model.delete_job()               # training over (every worker done): servers free it
 
     # Gradient accumulation over micro-batches, as with FSDP's and DDP's no_sync():
     with model.no_sync():
@@ -141,6 +142,7 @@ class ShardedModule(torch.nn.Module):
         self._accumulating = False  # inside no_sync()
         self._grad_scale = 1.0  # GradScaler.scale(): gradients are divided by it before sending
         self._voided = False  # a load voided the step: step() waits for the next forward
+        self._name = name
         self._param_dtype = param_dtype or torch.float32
         self._reduce_dtype = reduce_dtype or self._param_dtype
         for dtype in (self._param_dtype, self._reduce_dtype):
@@ -203,9 +205,7 @@ class ShardedModule(torch.nn.Module):
             elif all(c.version(group.name) == 0 for group in self._groups or self._all_groups()):
                 for group in self._all_groups():
                     c.init_group(group.name, {fqn: initial[fqn] for fqn, _ in group.params})
-        barrier = flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
-                                   timeout=c._timeout, job=f"{c.job}.{name}.barrier",
-                                   tls_ca_file=c._tls_ca_file, max_in_flight=1)
+        barrier = self._barrier_client()
         barrier.configure_job()
         barrier.register_group("barrier", [("x", (1,), "float32")], flatshard.SGD(lr=0.0))
         start = barrier.version("barrier")
@@ -213,6 +213,25 @@ class ShardedModule(torch.nn.Module):
         barrier.wait_version("barrier", start + 1)
         self._step = self._servers_version()
         self._gather_frozen()
+
+    def _barrier_client(self):
+        """A client of the one-element job that _initialize's barrier uses."""
+        c = self._client
+        return flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
+                                timeout=c._timeout, job=f"{c.job}.{self._name}.barrier",
+                                tls_ca_file=c._tls_ca_file, max_in_flight=1)
+
+    def delete_job(self):
+        """When training is over (every worker done with the module): deletes the job on
+        the servers with its groups, and the job of the start-up barrier
+        (Client.delete_job). Returns the bytes the servers held for them. The module is of
+        no further use."""
+        freed = self._client.delete_job()
+        try:
+            freed += self._barrier_client().delete_job()
+        except flatshard.NotFoundError:  # another worker deleted it already
+            pass
+        return freed
 
     def _gather_frozen(self):
         """Fills the frozen parameters from the servers (they never change there)."""

@@ -280,6 +280,21 @@ class MisuseAndRecoveryTest(unittest.TestCase):
         for name, value in reference.state_dict().items():
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
 
+    def test_delete_job_leaves_nothing_of_the_module_on_the_servers(self):
+        with one_worker_mlp("finished") as (client, model):
+            x, y = make_data("mlp")
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            held = sum(int(g["bytes"]) for s in client.status()["servers"] for g in s["groups"])
+            freed = model.delete_job()  # the groups and the barrier's
+            # As status counted them (a snapshot an old reader let go since would add one).
+            self.assertGreater(held, 0)
+            self.assertLessEqual(held, freed)
+            self.assertLess(freed, 2 * held)
+            status = client.status()
+            self.assertEqual([g for s in status["servers"] for g in s["groups"]], [])
+            self.assertEqual([j for s in status["servers"] for j in s.get("jobs", [])], [])
+
     def test_a_second_backward_outside_no_sync_is_refused(self):
         with one_worker_mlp("twice") as (_, model):
             x, y = make_data("mlp")
