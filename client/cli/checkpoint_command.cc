@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "client/cli/command_client.h"
 #include "client/cli/human_bytes.h"
 #include "flatshard/client.h"
 
@@ -107,11 +108,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     err << "flatshard " << command << ": " << cut.status().message() << "\n";
     return 2;
   }
-  ClientOptions client_options;
-  client_options.servers = options.servers;
-  client_options.token = options.token;
-  client_options.tls_ca_file = options.tls_ca_file;
-  client_options.job = options.job;
+  ClientOptions client_options = CommandClientOptions(options.servers, options.token, options.tls_ca_file, options.job);
   client_options.timeout = absl::Minutes(10);
   if (options.chunk_mib < 1 || options.chunk_mib > 64) {
     err << "flatshard " << command << ": --chunk_mib must be in [1, 64]\n";

@@ -2,6 +2,7 @@
 
 #include <ostream>
 
+#include "client/cli/command_client.h"
 #include "client/cli/human_bytes.h"
 #include "flatshard/client.h"
 
@@ -16,12 +17,7 @@ int RunDeleteJobCommand(const DeleteJobCommandOptions& options, std::ostream& ou
     err << "flatshard delete-job: --job is required (the job to delete)\n";
     return 2;
   }
-  ClientOptions client_options;
-  client_options.servers = options.servers;
-  client_options.token = options.token;
-  client_options.tls_ca_file = options.tls_ca_file;
-  client_options.job = options.job;
-  auto client = Client::Connect(client_options);
+  auto client = Client::Connect(CommandClientOptions(options.servers, options.token, options.tls_ca_file, options.job));
   if (!client.ok()) {
     err << "flatshard delete-job: " << client.status() << "\n";
     return 1;

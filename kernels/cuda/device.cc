@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "kernels/cuda/driver_function.h"
 
 namespace flatshard::kernels::cuda {
 
@@ -29,35 +30,13 @@ absl::StatusOr<std::string> DeviceDescription(int ordinal) {
 bool HasPrimaryContext(int ordinal) {
   using GetDevice = CUresult (*)(CUdevice*, int);
   using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
-  struct DriverCalls {
-    GetDevice get_device = nullptr;
-    GetState get_state = nullptr;
-  };
-  // Through the runtime's entry points: nothing links libcuda, which machines without a
-  // driver lack.
-  static const DriverCalls calls = [] {
-    DriverCalls found;
-    auto resolve = [](const char* symbol) -> void* {
-      void* fn = nullptr;
-      cudaDriverEntryPointQueryResult result{};
-      if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &result) != cudaSuccess ||
-          result != cudaDriverEntryPointSuccess) {
-        cudaGetLastError();
-        return nullptr;
-      }
-      return fn;
-    };
-    found.get_device = reinterpret_cast<GetDevice>(resolve("cuDeviceGet"));
-    found.get_state = reinterpret_cast<GetState>(resolve("cuDevicePrimaryCtxGetState"));
-    return found;
-  }();
-  if (calls.get_device == nullptr || calls.get_state == nullptr) return true;
+  static const GetDevice get_device = DriverFunction<GetDevice>("cuDeviceGet");
+  static const GetState get_state = DriverFunction<GetState>("cuDevicePrimaryCtxGetState");
+  if (get_device == nullptr || get_state == nullptr) return true;
   CUdevice device = 0;
   unsigned int flags = 0;
   int active = 0;
-  if (calls.get_device(&device, ordinal) != CUDA_SUCCESS || calls.get_state(device, &flags, &active) != CUDA_SUCCESS) {
-    return true;
-  }
+  if (get_device(&device, ordinal) != CUDA_SUCCESS || get_state(device, &flags, &active) != CUDA_SUCCESS) return true;
   return active != 0;
 }
 

@@ -11,24 +11,10 @@
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/driver_function.h"
 
 namespace flatshard::kernels::cuda {
 namespace {
-
-// A driver function through the runtime's entry point, so that nothing links libcuda
-// (it exists only where a driver is installed; the runtime loads it lazily). Null when
-// the driver lacks it.
-template <typename Fn>
-Fn DriverFunction(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<Fn>(fn);
-}
 
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 using GetPointerAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
