@@ -54,8 +54,8 @@
 //    FailedPrecondition for the pins of saves and exports), and so do waits for an early
 //    step (AwaitEarlyStep). The exchange starts a new round (ExchangeRound).
 //  - Deleting its job (Registry::DeleteJob) closes the group (Close): every wait ends
-//    with NotFound, and gathers and scatters that found it before are refused the same
-//    way; its memory goes when the last request holding it lets go.
+//    with NotFound, and gathers, scatters, exchanges and loads that found it before are
+//    refused the same way; its memory goes when the last request holding it lets go.
 //
 // Memory: parameters, the reduced gradient and optimizer state live in the group's
 // memory tier (server/shard_compute.h: host, pinned or device); staging slots, replica
@@ -178,6 +178,9 @@ using LoadedShard = ShardState<ShardBuffer>;
 
 struct GroupStats {
   int64_t version = 0;
+  // The group's memory on this server: parameters, gradient, optimizer state, staging
+  // slots, exchange buffers, a push's staging while it lasts, and gather snapshots (the
+  // current version's and the idle ones kept for the next).
   int64_t bytes = 0;
   int pending_contributions = 0;
   // Sync jobs: the workers whose gradient for step `version` this server holds or is
