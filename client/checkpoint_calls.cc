@@ -172,6 +172,10 @@ absl::Status CheckpointCalls::Load(const std::string& name,
   // Servers whose roots lack the checkpoint read it from server 0's.
   if (std::set<std::string>(root_ids.begin(), root_ids.end()).size() > 1)
     request.set_home_root_id(root_ids[0]);
+  // Names the load in every phase: what each server stages, then installs.
+  uint64_t load_id = 0;
+  while (load_id == 0) load_id = RandomId();
+  request.set_load_id(load_id);
   std::vector<absl::Status> answers(control_.size());  // by rank, of the last phase
   auto phase = [&](v1::LoadCheckpointRequest::Phase p) {
     request.set_phase(p);
@@ -187,9 +191,6 @@ absl::Status CheckpointCalls::Load(const std::string& name,
     (void)phase(v1::LoadCheckpointRequest::ABORT);
     return prepared;
   }
-  uint64_t load_id = 0;
-  while (load_id == 0) load_id = RandomId();
-  request.set_load_id(load_id);  // the same on every server
   (void)phase(v1::LoadCheckpointRequest::COMMIT);
   return LoadCommitOutcome(name, answers);
 }

@@ -23,7 +23,9 @@ namespace flatshard {
 // are refused on connecting. Revision 2: loads carry their id, exchange messages the
 // load their state comes from. Revision 3: every data-plane header names a load
 // (transport/data_protocol.h), so gathers and scatters are checked against it too.
-inline constexpr uint32_t kProtocolRevision = 3;
+// Revision 4: a load's id comes with its preparation (the staged load it names); the
+// DeleteJob RPC.
+inline constexpr uint32_t kProtocolRevision = 4;
 
 // This build's version (CMake's PROJECT_VERSION), "0.1.0".
 absl::string_view FlatshardVersion();

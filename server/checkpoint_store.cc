@@ -71,13 +71,14 @@ absl::Status CommittedByAnotherSave(const std::string& name, const std::string& 
 }  // namespace
 
 CheckpointStore::CheckpointStore(Registry& registry, int rank, int num_servers, std::string root,
-                                 uint64_t max_file_bytes, PeerClient* peers)
+                                 uint64_t max_file_bytes, PeerClient* peers, absl::Duration staged_load_timeout)
     : registry_(registry),
       rank_(rank),
       num_servers_(num_servers),
       root_(std::move(root)),
       max_file_bytes_(max_file_bytes),
-      peers_(peers) {}
+      peers_(peers),
+      staged_(staged_load_timeout) {}
 
 absl::StatusOr<std::string> CheckpointStore::CheckpointDir(const std::string& name) const {
   if (root_.empty()) {
@@ -643,9 +644,11 @@ absl::Status CheckpointStore::Delete(const std::string& name) {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::string& job,
+absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::string& job, uint64_t load_id,
                                           const std::string& home_root_id) {
   FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
+  if (load_id == 0)
+    return absl::InvalidArgumentError("a load must carry its (non-zero) load_id from its preparation on");
   // From this root, unless it lacks the checkpoint and server 0's root is another.
   bool from_server_zero = false;
   if (root_.empty() || !Exists(absl::StrCat(root_, "/", name, "/", kManifest))) {
@@ -684,8 +687,7 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
     return absl::DataLossError(absl::StrCat("'", dir, "/", kManifest, "' is malformed: ", error.what()));
   }
   FLATSHARD_RETURN_IF_ERROR(staged.status());
-  absl::MutexLock lock(&mu_);
-  staged_[name] = *std::move(staged);
+  staged_.Add(load_id, name, job, *std::move(staged));
   return absl::OkStatus();
 }
 
@@ -709,37 +711,9 @@ absl::StatusOr<StagedGroups> CheckpointStore::StageFromManifest(const Json& mani
 }
 
 absl::Status CheckpointStore::CommitLoad(const std::string& name, uint64_t load_id) {
-  StagedGroups staged;
-  {
-    absl::MutexLock lock(&mu_);
-    const auto it = staged_.find(name);
-    if (it == staged_.end()) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' was not prepared for loading here"));
-    }
-    staged = std::move(it->second);
-    staged_.erase(it);
-  }
+  FLATSHARD_ASSIGN_OR_RETURN(StagedGroups staged, staged_.Take(load_id, name));
   for (auto& [group, loaded] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(std::move(loaded), load_id));
   return absl::OkStatus();
-}
-
-void CheckpointStore::AbortLoad(const std::string& name) {
-  absl::MutexLock lock(&mu_);
-  staged_.erase(name);
-}
-
-void CheckpointStore::DropStagedLoads(const std::string& job) {
-  std::vector<StagedGroups> dropped;  // freed outside the lock
-  absl::MutexLock lock(&mu_);
-  for (auto it = staged_.begin(); it != staged_.end();) {
-    const bool of_job = !it->second.empty() && it->second.front().first->job() == job;
-    if (of_job) {
-      dropped.push_back(std::move(it->second));
-      it = staged_.erase(it);
-    } else {
-      ++it;
-    }
-  }
 }
 
 }  // namespace flatshard::server

@@ -74,6 +74,7 @@
 #include "server/checkpoint_writer.h"
 #include "server/peer_client.h"
 #include "server/registry.h"
+#include "server/staged_loads.h"
 
 namespace flatshard::server {
 
@@ -148,9 +149,11 @@ class CheckpointStore {
   // `root` empty: every call fails with FailedPrecondition (no --checkpoint_root).
   // FULL files above `max_file_bytes` of data are split Hugging Face style
   // (model-00001-of-0000N.safetensors + model.safetensors.index.json). `peers` (may be
-  // null: then every root must be shared) must outlive the store.
+  // null: then every root must be shared) must outlive the store. A load staged here
+  // and not committed within `staged_load_timeout` is dropped (server/staged_loads.h).
   CheckpointStore(Registry& registry, int rank, int num_servers, std::string root,
-                  uint64_t max_file_bytes = 5'000'000'000, PeerClient* peers = nullptr);
+                  uint64_t max_file_bytes = 5'000'000'000, PeerClient* peers = nullptr,
+                  absl::Duration staged_load_timeout = absl::Minutes(10));
   ~CheckpointStore();  // waits for asynchronous saves in progress
 
   // Writes this server's part of checkpoint `name` of `job` at `versions` (every group
@@ -231,18 +234,21 @@ class CheckpointStore {
 
   // Reads and checks what this server needs of checkpoint `name` into memory: from this
   // root, or where it lacks the checkpoint and `home_root_id` is another root's, from
-  // server 0's. NotFound, DataLoss (checksum, truncation; naming the file) or
-  // FailedPrecondition (layout, tensor, dtype or optimizer mismatch, naming it). Nothing
-  // is installed.
-  [[nodiscard]] absl::Status PrepareLoad(const std::string& name, const std::string& job,
+  // server 0's, and stages it as load `load_id` (non-zero; the client's id for this load,
+  // the same on every server). NotFound, DataLoss (checksum, truncation; naming the file)
+  // or FailedPrecondition (layout, tensor, dtype or optimizer mismatch, naming it).
+  // Nothing is installed.
+  [[nodiscard]] absl::Status PrepareLoad(const std::string& name, const std::string& job, uint64_t load_id,
                                          const std::string& home_root_id = "");
-  // Installs what PrepareLoad staged, as load `load_id` (Group::Restore).
-  // FailedPrecondition if nothing is staged.
+  // Installs what PrepareLoad staged as load `load_id` of `name` (Group::Restore).
+  // FailedPrecondition if nothing is staged (saying why, when it was dropped).
   [[nodiscard]] absl::Status CommitLoad(const std::string& name, uint64_t load_id);
-  void AbortLoad(const std::string& name);
+  void AbortLoad(uint64_t load_id) { staged_.Abort(load_id); }
   // `job` was deleted: drops the loads staged for it (their memory with them); their
   // commits are then FailedPrecondition.
-  void DropStagedLoads(const std::string& job);
+  void DropStagedLoads(const std::string& job) { staged_.DropJob(job); }
+  // The loads staged here and waiting for their commit.
+  std::vector<StagedLoadRow> StagedLoadRows() const { return staged_.Rows(); }
 
  private:
   absl::StatusOr<std::string> CheckpointDir(const std::string& name) const;
@@ -286,8 +292,7 @@ class CheckpointStore {
   const uint64_t max_file_bytes_;
   PeerClient* const peers_;
   absl::Mutex mu_;
-  std::map<std::string, StagedGroups> staged_
-      ABSL_GUARDED_BY(mu_);
+  StagedLoads staged_;
   struct AsyncSave {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> finished;  // set as the thread's last act

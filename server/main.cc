@@ -44,6 +44,9 @@ ABSL_FLAG(absl::Duration, nccl_timeout, absl::Seconds(60),
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(30),
           "how long this server keeps trying to reach a peer (clipping's norm shares, hybrid "
           "sharding's partials) and waits for a peer replica group to reach a step");
+ABSL_FLAG(absl::Duration, staged_load_timeout, absl::Minutes(10),
+          "how long a checkpoint load read into memory here waits for its commit before it is "
+          "dropped with its memory (its client died between the two phases)");
 ABSL_FLAG(std::string, log_level, "info", "info or debug");
 
 namespace {
@@ -84,6 +87,7 @@ int main(int argc, char** argv) {
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.nccl_timeout = absl::GetFlag(FLAGS_nccl_timeout);
   options.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
+  options.staged_load_timeout = absl::GetFlag(FLAGS_staged_load_timeout);
   options.max_file_bytes = absl::GetFlag(FLAGS_max_file_size);
   if (options.max_file_bytes == 0) return Fail("--max_file_size must be > 0");
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {

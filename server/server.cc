@@ -42,10 +42,12 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("--threads=", options.threads, ", --compute_threads=",
                                                    options.compute_threads, ": thread counts are >= 0"));
   }
-  if (options.peer_timeout <= absl::ZeroDuration() || options.nccl_timeout <= absl::ZeroDuration()) {
+  if (options.peer_timeout <= absl::ZeroDuration() || options.nccl_timeout <= absl::ZeroDuration() ||
+      options.staged_load_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--peer_timeout=", absl::FormatDuration(options.peer_timeout), ", --nccl_timeout=",
-        absl::FormatDuration(options.nccl_timeout), ": timeouts are > 0"));
+        "--peer_timeout=", absl::FormatDuration(options.peer_timeout),
+        ", --nccl_timeout=", absl::FormatDuration(options.nccl_timeout),
+        ", --staged_load_timeout=", absl::FormatDuration(options.staged_load_timeout), ": timeouts are > 0"));
   }
   if (!options.data_listen.empty()) {
     FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
@@ -84,7 +86,7 @@ Server::Server(ServerOptions options)
           },
           options_.peer_timeout, stats_),
       checkpoints_(registry_, options_.rank, static_cast<int>(options_.cluster.size()), options_.checkpoint_root,
-                   options_.max_file_bytes, &peers_),
+                   options_.max_file_bytes, &peers_, options_.staged_load_timeout),
       ipc_(registry_, driver_, stats_),
       nccl_(registry_, driver_, stats_, options_.nccl_timeout) {}
 

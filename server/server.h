@@ -50,6 +50,8 @@ struct ServerOptions {
   absl::Duration nccl_timeout = absl::Seconds(60);  // an NCCL channel's join and transfers
   // Reaching a peer (norm shares, hybrid partials) and waiting for a peer replica group.
   absl::Duration peer_timeout = absl::Seconds(30);
+  // A checkpoint load staged here and not committed (or aborted) within this is dropped.
+  absl::Duration staged_load_timeout = absl::Minutes(10);
   TlsOptions tls;                         // gRPC over TLS when it holds a certificate
   DataServerOptions data;
 };

@@ -328,20 +328,21 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
                                               const v1::LoadCheckpointRequest* request,
                                               v1::CheckpointResponse*) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (request->load_id() == 0) {
+    return ToGrpc(absl::InvalidArgumentError("a load must carry its (non-zero) load_id in every phase"));
+  }
   switch (request->phase()) {
     case v1::LoadCheckpointRequest::PREPARE:
-      return ToGrpc(checkpoints_.PrepareLoad(request->name(), request->job(), request->home_root_id()));
+      return ToGrpc(
+          checkpoints_.PrepareLoad(request->name(), request->job(), request->load_id(), request->home_root_id()));
     case v1::LoadCheckpointRequest::COMMIT: {
-      if (request->load_id() == 0) {
-        return ToGrpc(absl::InvalidArgumentError("a load's commit must carry its (non-zero) load_id"));
-      }
       const absl::Status loaded = checkpoints_.CommitLoad(request->name(), request->load_id());
       // Its steps are taken again from the loaded versions.
       if (loaded.ok()) clip_.OnLoad(request->job(), request->load_id());
       return ToGrpc(loaded);
     }
     default:
-      checkpoints_.AbortLoad(request->name());
+      checkpoints_.AbortLoad(request->load_id());
       return grpc::Status::OK;
   }
 }
@@ -522,6 +523,16 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
     progress->set_operation(row.operation);
     progress->set_done(row.done);
     progress->set_total(row.total);
+  }
+  const absl::Time now = absl::Now();
+  for (const StagedLoadRow& row : checkpoints_.StagedLoadRows()) {
+    v1::StagedLoad* staged = response->add_staged_loads();
+    staged->set_name(row.name);
+    staged->set_job(row.job);
+    staged->set_load_id(row.load_id);
+    staged->set_bytes(row.bytes);
+    staged->set_age_seconds(absl::ToDoubleSeconds(now - row.staged_at));
+    staged->set_expires_in_seconds(absl::ToDoubleSeconds(row.expires_at - now));
   }
   // Empty where the root cannot hold the id (read-only): saves then report the problem.
   if (absl::StatusOr<std::string> root_id = checkpoints_.RootId(); root_id.ok()) {

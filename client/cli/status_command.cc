@@ -132,6 +132,18 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                              HumanBytes(static_cast<int64_t>(p.total())));
     }
   }
+  // Loads read and waiting for their commit (a client that died between the phases
+  // leaves one until its timeout).
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    for (const v1::StagedLoad& l : status->staged_loads()) {
+      out << absl::StrFormat(
+          "\nserver %d: checkpoint '%s' staged for job '%s' as load %s: %s, waiting %.0f s for its "
+          "commit (dropped in %.0f s)\n",
+          status->rank(), l.name(), l.job(), LoadName(l.load_id()), HumanBytes(static_cast<int64_t>(l.bytes())),
+          l.age_seconds(), std::max(0.0, l.expires_in_seconds()));
+    }
+  }
   for (const auto& status : statuses) {
     if (status.ok() && status->cluster_check() != "agreed") {
       out << absl::StrFormat("\nserver %d cluster check: %s\n", status->rank(), status->cluster_check());

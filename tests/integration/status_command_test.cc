@@ -8,7 +8,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "client/cli/human_bytes.h"
 #include "client/cli/layout_command.h"
 #include "client/cluster_status.h"
@@ -215,6 +217,53 @@ TEST(StatusCommandTest, AGroupLoadedOnSomeServersOnlyIsReported) {
   EXPECT_NE(load, "5eed");
   EXPECT_EQ(Row(whole.str(), "1", "status/g").back(), load) << whole.str();
   EXPECT_EQ(whole.str().find("different checkpoint loads"), std::string::npos) << whole.str();
+}
+
+// A load prepared on every server whose client never commits it (sent here by hand) is
+// listed with its memory until --staged_load_timeout drops it; its late commit says why
+// and changes nothing. Loads name themselves from their preparation on.
+TEST(StatusCommandTest, ALoadNeverCommittedIsListedUntilItsTimeoutDropsIt) {
+  const testing::ScratchDir root("status-staged-load");
+  testing::TestCluster cluster(2, "status-token", ::testing::TempDir(), root.path(),
+                               {{"--staged_load_timeout=3s"}, {"--staged_load_timeout=3s"}});
+  auto client = cluster.Connect(0, 1, "status");
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 1).ok());
+  ASSERT_TRUE((*client)->SaveCheckpoint("s", CheckpointKind::kSharded, false).ok());
+  const absl::Status unnamed = cluster.LoadPhase(0, "status", "s", 0, v1::LoadCheckpointRequest::PREPARE);
+  EXPECT_EQ(unnamed.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unnamed.message(), "a load must carry its (non-zero) load_id in every phase");
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(cluster.LoadPhase(rank, "status", "s", 0x5eed, v1::LoadCheckpointRequest::PREPARE).ok());
+  }
+  const cli::StatusCommandOptions options{.servers = cluster.addresses(), .token = cluster.token()};
+  std::ostringstream staged, err;
+  ASSERT_EQ(cli::RunStatusCommand(options, staged, err), 0) << err.str();
+  for (int rank = 0; rank < 2; ++rank) {
+    // Each server stages its shard of 500 fp32 parameters.
+    EXPECT_NE(staged.str().find(absl::StrCat("server ", rank, ": checkpoint 's' staged for job 'status' as load 5eed: ",
+                                             cli::HumanBytes(2000), ", waiting ")),
+              std::string::npos)
+        << staged.str();
+  }
+
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  std::ostringstream dropped;
+  do {
+    absl::SleepFor(absl::Milliseconds(200));
+    dropped.str("");
+    ASSERT_EQ(cli::RunStatusCommand(options, dropped, err), 0) << err.str();
+  } while (dropped.str().find("staged for job") != std::string::npos && absl::Now() < deadline);
+  EXPECT_EQ(dropped.str().find("staged for job"), std::string::npos) << dropped.str();
+  const absl::Status late = cluster.LoadPhase(1, "status", "s", 0x5eed, v1::LoadCheckpointRequest::COMMIT);
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(late.message(),
+            "checkpoint 's' was not prepared for loading here as load 0000000000005eed: its staging was dropped (no "
+            "commit came within 3s of its staging (--staged_load_timeout))");
+  EXPECT_EQ(Row(dropped.str(), "1", "status/g").back(), "-") << dropped.str();
+  ASSERT_TRUE((*client)->LoadCheckpoint("s").ok());
 }
 
 }  // namespace

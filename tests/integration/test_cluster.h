@@ -213,26 +213,35 @@ class TestCluster {
     return conn;
   }
 
+  // Phase `phase` of load `load_id` of checkpoint `name` into `job`, sent by hand to
+  // server `rank`: its answer.
+  absl::Status LoadPhase(int rank, const std::string& job, const std::string& name, uint64_t load_id,
+                         v1::LoadCheckpointRequest::Phase phase) const {
+    v1::LoadCheckpointRequest request;
+    request.set_name(name);
+    request.set_job(job);
+    request.set_load_id(load_id);
+    request.set_phase(phase);
+    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(addresses_[rank], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token_);
+    v1::CheckpointResponse response;
+    const grpc::Status answered = stub->LoadCheckpoint(&ctx, request, &response);
+    return absl::Status(static_cast<absl::StatusCode>(answered.error_code()), answered.error_message());
+  }
+
   // Loads checkpoint `name` of `job` as load `load_id` by hand, committing it on the
   // servers in `commit_ranks` and aborting it on the others: a load that did not commit
   // on every server. OK once every server answered both phases.
   absl::Status LoadOnSome(const std::string& job, const std::string& name, uint64_t load_id,
                           const std::vector<int>& commit_ranks) const {
-    v1::LoadCheckpointRequest request;
-    request.set_name(name);
-    request.set_job(job);
-    request.set_load_id(load_id);
     for (int rank = 0; rank < static_cast<int>(addresses_.size()); ++rank) {
-      auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(addresses_[rank], grpc::InsecureChannelCredentials()));
       const bool commits = std::find(commit_ranks.begin(), commit_ranks.end(), rank) != commit_ranks.end();
       for (const auto phase : {v1::LoadCheckpointRequest::PREPARE,
                                commits ? v1::LoadCheckpointRequest::COMMIT : v1::LoadCheckpointRequest::ABORT}) {
-        grpc::ClientContext ctx;
-        ctx.AddMetadata("authorization", "Bearer " + token_);
-        request.set_phase(phase);
-        v1::CheckpointResponse response;
-        if (grpc::Status answered = stub->LoadCheckpoint(&ctx, request, &response); !answered.ok()) {
-          return absl::InternalError(absl::StrCat("server ", rank, " phase ", phase, ": ", answered.error_message()));
+        if (absl::Status answered = LoadPhase(rank, job, name, load_id, phase); !answered.ok()) {
+          return absl::Status(answered.code(),
+                              absl::StrCat("server ", rank, " phase ", phase, ": ", answered.message()));
         }
       }
     }

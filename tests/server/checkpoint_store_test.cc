@@ -128,13 +128,13 @@ class FakeCluster {
   }
 
   absl::Status Load(const std::string& name) {
+    const uint64_t load_id = ++loads_;  // the same on every server
     for (int rank = 0; rank < size(); ++rank) {
-      if (absl::Status prepared = stores_[rank]->PrepareLoad(name, "job"); !prepared.ok()) {
-        for (int r = 0; r < size(); ++r) stores_[r]->AbortLoad(name);
+      if (absl::Status prepared = stores_[rank]->PrepareLoad(name, "job", load_id); !prepared.ok()) {
+        for (int r = 0; r < size(); ++r) stores_[r]->AbortLoad(load_id);
         return prepared;
       }
     }
-    const uint64_t load_id = ++loads_;  // the same on every server
     for (int rank = 0; rank < size(); ++rank) FLATSHARD_RETURN_IF_ERROR(stores_[rank]->CommitLoad(name, load_id));
     return absl::OkStatus();
   }
@@ -245,14 +245,16 @@ TEST(CheckpointStoreTest, DeletingAJobDropsTheLoadsStagedForIt) {
   const std::string root = FreshRoot();
   FakeCluster cluster(1, root);
   ASSERT_TRUE(cluster.Save("ckpt", CheckpointKind::kSharded, /*optimizer=*/true, 0).ok());
-  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job").ok());
+  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job", 1).ok());
   cluster.store(0).DropStagedLoads("other");  // another job's deletion leaves it
   ASSERT_TRUE(cluster.store(0).CommitLoad("ckpt", 1).ok());
-  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job").ok());
+  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job", 2).ok());
   cluster.store(0).DropStagedLoads("job");
   const absl::Status committed = cluster.store(0).CommitLoad("ckpt", 2);
   EXPECT_EQ(committed.code(), absl::StatusCode::kFailedPrecondition) << committed;
-  EXPECT_THAT(std::string(committed.message()), HasSubstr("was not prepared for loading here"));
+  EXPECT_THAT(std::string(committed.message()),
+              HasSubstr("was not prepared for loading here as load 0000000000000002: its staging was dropped "
+                        "(job 'job' was deleted)"));
 }
 
 TEST(CheckpointStoreTest, LocalCheckpointNeedsTheSameServerCount) {
@@ -392,7 +394,7 @@ TEST(CheckpointStoreTest, MismatchedLayoutIsRefusedNamingTheGroup) {
     ASSERT_TRUE(other.RegisterGroup("job", spec.name, tensors, spec.align, spec.optimizer).ok());
   }
   CheckpointStore store(other, 0, 1, root);
-  absl::Status status = store.PrepareLoad("ckpt", "job");
+  absl::Status status = store.PrepareLoad("ckpt", "job", 1);
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(status.message()), HasSubstr("group 'tiny' does not match the registered group"));
 }
