@@ -181,4 +181,10 @@ std::vector<std::pair<int64_t, int64_t>> FlatLayout::ShardPaddingRuns(int rank) 
   return runs;
 }
 
+std::pair<int64_t, int64_t> ReplicaChunk(int64_t shard_numel, int replicas, int replica) {
+  replicas = std::max(1, replicas);
+  auto boundary = [&](int64_t q) { return q >= replicas ? shard_numel : shard_numel * q / replicas / 4 * 4; };
+  return {boundary(replica), boundary(replica + 1) - boundary(replica)};
+}
+
 }  // namespace flatshard

@@ -139,6 +139,13 @@ class FlatLayout {
 [[nodiscard]] absl::StatusOr<int64_t> ShapeNumel(const std::vector<int64_t>& shape,
                                                  absl::string_view what);
 
+// A hybrid-sharded job's split of one shard of `shard_numel` elements into `replicas`
+// chunks, chunk q being the one replica group q reduces: {offset, numel} of chunk
+// `replica`. Balanced, with each boundary rounded down to 4 elements (16 bytes) for the
+// kernels' vector loads: chunks differ by up to 4 elements (more than the balance), and
+// small shards may leave a chunk empty.
+std::pair<int64_t, int64_t> ReplicaChunk(int64_t shard_numel, int replicas, int replica);
+
 }  // namespace flatshard
 
 #endif  // FLATSHARD_CORE_LAYOUT_H_

@@ -14,11 +14,7 @@
 namespace flatshard::server {
 
 std::pair<int64_t, int64_t> Group::ReplicaChunk(int replica) const {
-  const int64_t numel = shard_numel(), replicas = std::max(1, job_settings_.replicas);
-  // Balanced, with each boundary rounded down to 4 elements (16 bytes) for the kernels'
-  // vector loads: small shards may leave a chunk empty.
-  auto boundary = [&](int64_t q) { return q >= replicas ? numel : numel * q / replicas / 4 * 4; };
-  return {boundary(replica), boundary(replica + 1) - boundary(replica)};
+  return flatshard::ReplicaChunk(shard_numel(), job_settings_.replicas, replica);
 }
 
 absl::Status Group::CheckOutgoing(Exchange what, const ExchangeRound& round) const {

@@ -1,5 +1,6 @@
 #include "client/cli/layout_command.h"
 
+#include <algorithm>
 #include <iostream>
 #include <iterator>
 #include <sstream>
@@ -48,6 +49,11 @@ absl::StatusOr<OptimizerBuffers> BuffersFor(const LayoutCommandOptions& options)
   if (options.workers < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--workers=", options.workers, ": expected 1 or more"));
   }
+  if (options.replica_groups < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--replica_groups=", options.replica_groups, ": expected 1 or more"));
+  }
+  buffers.replicas = options.replica_groups;
   const struct {
     const char* flag;
     const std::string& name;
@@ -66,9 +72,21 @@ absl::StatusOr<OptimizerBuffers> BuffersFor(const LayoutCommandOptions& options)
   return buffers;
 }
 
-int64_t PlannedBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers) {
+int64_t ExchangeBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers, int replica) {
+  if (buffers.replicas <= 1 || buffers.grads == 0) return 0;
+  int64_t chunk_numel = 0;
+  for (int q = 0; q < buffers.replicas; ++q) {
+    if (replica < 0 || q == replica) {
+      chunk_numel = std::max(chunk_numel, ReplicaChunk(layout.shard_numel(), buffers.replicas, q).second);
+    }
+  }
+  return 4 * (layout.shard_numel() + (buffers.replicas - 1) * chunk_numel);
+}
+
+int64_t PlannedBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers, int replica) {
   return layout.shard_numel() *
-         ((1 + buffers.grads + buffers.state) * 4 + buffers.staging_bytes + buffers.snapshot_bytes);
+             ((1 + buffers.grads + buffers.state) * 4 + buffers.staging_bytes + buffers.snapshot_bytes) +
+         ExchangeBytesPerServer(layout, buffers, replica);
 }
 
 std::string FormatLayoutTable(const FlatLayout& layout, const OptimizerBuffers& buffers) {
@@ -79,21 +97,31 @@ std::string FormatLayoutTable(const FlatLayout& layout, const OptimizerBuffers& 
   const int64_t shard_bytes = shard_numel * 4;
   const int64_t staging = buffers.staging_bytes * shard_numel;
   const int64_t snapshot = buffers.snapshot_bytes * shard_numel;
+  // A hybrid job's servers differ by their chunk's rounding: the column shows the largest.
+  const bool hybrid = buffers.replicas > 1;
+  const std::string exchange =
+      hybrid ? absl::StrFormat(" %11s", HumanBytes(ExchangeBytesPerServer(layout, buffers, -1))) : "";
   std::string table = absl::StrFormat(
       "%d tensors, %d servers, align %d: unpadded %d elements, shard %d, padded %d\n",
       layout.num_tensors(), layout.num_shards(), layout.align(), layout.unpadded_numel(),
       layout.shard_numel(), layout.padded_numel());
-  absl::StrAppendFormat(&table, "%-6s %-27s %9s %11s %11s %11s %11s %11s  %s\n", "server", "range", "padding", "params",
-                        "grads", buffers.kind, "staging", "snapshot", "tensors");
+  if (hybrid) {
+    absl::StrAppendFormat(&table, "hybrid: %d replica groups of these %d servers (%d servers in all)\n",
+                          buffers.replicas, layout.num_shards(), buffers.replicas * layout.num_shards());
+  }
+  absl::StrAppendFormat(&table, "%-6s %-27s %9s %11s %11s %11s %11s %11s%s  %s\n", "server", "range", "padding",
+                        "params", "grads", buffers.kind, "staging", "snapshot",
+                        hybrid ? absl::StrFormat(" %11s", "exchange") : "", "tensors");
   for (int rank = 0; rank < layout.num_shards(); ++rank) {
-    absl::StrAppendFormat(&table, "%-6d %-27s %9d %11s %11s %11s %11s %11s  %s\n", rank,
+    absl::StrAppendFormat(&table, "%-6d %-27s %9d %11s %11s %11s %11s %11s%s  %s\n", rank,
                           absl::StrCat("[", layout.shard_start(rank), ", ", layout.shard_end(rank), ")"),
                           layout.shard_padding(rank), HumanBytes(shard_bytes), HumanBytes(buffers.grads * shard_bytes),
-                          HumanBytes(buffers.state * shard_bytes), HumanBytes(staging), HumanBytes(snapshot),
+                          HumanBytes(buffers.state * shard_bytes), HumanBytes(staging), HumanBytes(snapshot), exchange,
                           ShardTensors(layout, rank));
   }
-  absl::StrAppendFormat(&table, "per server: %s (params + grads + %s state + staging + snapshot)\n",
-                        HumanBytes(PlannedBytesPerServer(layout, buffers)), buffers.kind);
+  absl::StrAppendFormat(&table, "per server: %s (params + grads + %s state + staging + snapshot%s)\n",
+                        HumanBytes(PlannedBytesPerServer(layout, buffers)), buffers.kind,
+                        hybrid ? " + exchange, at most" : "");
   return table;
 }
 

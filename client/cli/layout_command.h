@@ -28,6 +28,9 @@ struct LayoutCommandOptions {
   int workers = 1;
   std::string grad_dtype = "float32";
   std::string gather_dtype = "float32";
+  // A hybrid-sharded job's replica groups (R; the spec's `servers` are then those of one
+  // replica group): each server also keeps the exchange buffers.
+  int replica_groups = 1;
 };
 
 // What a server keeps per shard element besides the fp32 parameters: fp32 buffers for
@@ -39,6 +42,7 @@ struct OptimizerBuffers {
   int state = 2;
   int64_t staging_bytes = 4;   // all workers' gradients (0 for frozen groups)
   int64_t snapshot_bytes = 4;  // one element in the gather dtype
+  int replicas = 1;            // replica groups exchanging the gradient (1: none)
 };
 // The buffers of the kind `optimizer` names for `options`' workers and dtypes;
 // InvalidArgument naming the flag that is wrong.
@@ -49,14 +53,22 @@ struct OptimizerBuffers {
 int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std::ostream& out,
                      std::ostream& err);
 
-// The memory a server holds for one group of `layout` (each server the same: shards are
-// equal), as FormatLayoutTable's last line says. A second gather snapshot exists while
-// a slow reader still holds the previous version's.
-int64_t PlannedBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers);
+// A hybrid-sharded job's exchange buffers on a server of replica group `replica`: its own
+// fp32 partial of the whole shard, and the partials of its chunk (core/layout.h
+// ReplicaChunk) that the other replica groups send. 0 without replicas or gradients.
+// (On the device tier the reduced gradient takes a shard's fp32 more.) `replica` -1:
+// the most any replica group's server keeps (chunks differ by their rounding).
+int64_t ExchangeBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers, int replica);
+
+// The memory a server of replica group `replica` (-1: the most of any; all are alike
+// without replicas) holds for one group of `layout`, as FormatLayoutTable's last line
+// says. A second gather snapshot exists while a slow reader still holds the previous
+// version's.
+int64_t PlannedBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers, int replica = -1);
 
 // The per-server table: shard range, padding, fp32 parameter / gradient /
-// optimizer-state bytes, staging and snapshot bytes, and the tensor pieces each server
-// holds.
+// optimizer-state bytes, staging and snapshot bytes (and a hybrid job's largest exchange
+// buffers), and the tensor pieces each server holds.
 std::string FormatLayoutTable(const FlatLayout& layout, const OptimizerBuffers& buffers = {});
 
 }  // namespace flatshard::cli

@@ -31,6 +31,9 @@ ABSL_FLAG(int, workers, 1,
           "a staging slot there");
 ABSL_FLAG(std::string, grad_dtype, "float32", "layout: the dtype the workers' gradients come in (their staging)");
 ABSL_FLAG(std::string, gather_dtype, "float32", "layout: the dtype gathers ask for (the snapshot)");
+ABSL_FLAG(int, replica_groups, 1,
+          "layout: a hybrid-sharded job's replica groups (the spec's servers are one replica group's); "
+          "each server also keeps the gradient exchange's buffers");
 ABSL_FLAG(std::string, cluster, "", "status: every server's control address, comma-separated");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (empty: none)");
 ABSL_FLAG(std::string, tls_ca_file, "",
@@ -59,7 +62,7 @@ constexpr char kUsage[] =
     "\n"
     "commands:\n"
     "  layout [SPEC.json|-] [--json] [--optimizer_kind=adam] [--workers=1]\n"
-    "       [--grad_dtype=float32] [--gather_dtype=float32]\n"
+    "       [--grad_dtype=float32] [--gather_dtype=float32] [--replica_groups=1]\n"
     "                                  read a layout spec (file or stdin) and print the\n"
     "                                  layout per server: shard ranges, memory, tensors\n"
     "  status --cluster=A0,A1,... [--json]\n"
@@ -81,7 +84,8 @@ int Layout(const std::vector<std::string>& args) {
                                                      .optimizer = absl::GetFlag(FLAGS_optimizer_kind),
                                                      .workers = absl::GetFlag(FLAGS_workers),
                                                      .grad_dtype = absl::GetFlag(FLAGS_grad_dtype),
-                                                     .gather_dtype = absl::GetFlag(FLAGS_gather_dtype)};
+                                                     .gather_dtype = absl::GetFlag(FLAGS_gather_dtype),
+                                                     .replica_groups = absl::GetFlag(FLAGS_replica_groups)};
   if (args.size() > 2) {
     std::cerr << "flatshard layout: expected at most one spec file\n";
     return 2;

@@ -95,6 +95,35 @@ TEST(LayoutCommandTest, StagingCountsEveryWorkersGradientAndTheSnapshotTheGather
   }
 }
 
+TEST(LayoutCommandTest, AHybridJobsServersAlsoKeepTheExchangeBuffers) {
+  // 6-element shards in 3 replica groups: chunks of 0, 4 and 2 elements (boundaries
+  // rounded down to 4). A server keeps its fp32 partial of the shard (24 B) and the two
+  // other replica groups' partials of its chunk: 0, 32 or 16 B.
+  std::istringstream in(kSpec);
+  std::ostringstream out, err;
+  ASSERT_EQ(RunLayoutCommand({.replica_groups = 3}, in, out, err), 0) << err.str();
+  EXPECT_THAT(out.str(), HasSubstr("hybrid: 3 replica groups of these 3 servers (9 servers in all)\n"));
+  EXPECT_THAT(out.str(), HasSubstr(absl::StrFormat("%11s %11s %11s %11s %11s %11s", "24 B", "24 B", "48 B", "24 B",
+                                                   "24 B", "56 B")));
+  EXPECT_THAT(out.str(), HasSubstr("per server: 200 B (params + grads + adam state + staging + snapshot + exchange, "
+                                   "at most)"));
+  const auto buffers = BuffersFor({.replica_groups = 3});
+  ASSERT_TRUE(buffers.ok());
+  const absl::StatusOr<FlatLayout> layout = FlatLayout::Create({{"w", {17}, DType::kFloat32}}, 0, 3);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ(ExchangeBytesPerServer(*layout, *buffers, 0), 24);
+  EXPECT_EQ(ExchangeBytesPerServer(*layout, *buffers, 1), 56);
+  EXPECT_EQ(ExchangeBytesPerServer(*layout, *buffers, 2), 40);
+  EXPECT_EQ(PlannedBytesPerServer(*layout, *buffers, 2), 144 + 40);
+  // Frozen groups take no gradients: nothing to exchange.
+  EXPECT_EQ(ExchangeBytesPerServer(*layout, *BuffersFor({.optimizer = "frozen", .replica_groups = 3}), -1), 0);
+
+  std::istringstream spec(kSpec);
+  std::ostringstream table, message;
+  EXPECT_EQ(RunLayoutCommand({.replica_groups = 0}, spec, table, message), 2);
+  EXPECT_EQ(message.str(), "flatshard layout: --replica_groups=0: expected 1 or more\n");
+}
+
 TEST(LayoutCommandTest, InvalidSpecExitsTwoWithOneLine) {
   std::istringstream in(R"({"servers": 2, "tensors": [{"name": "a", "shape": [-1]}]})");
   std::ostringstream out, err;
@@ -130,6 +159,9 @@ TEST(LayoutBinaryTest, OptimizerKindFlagReachesTheTable) {
   std::tie(code, output) = RunBinary("--workers=2 --grad_dtype=bfloat16", kSpec);
   ASSERT_EQ(code, 0) << output;
   EXPECT_THAT(output, HasSubstr("per server: 144 B (params + grads + adam state + staging + snapshot)"));
+  std::tie(code, output) = RunBinary("--replica_groups=3", kSpec);
+  ASSERT_EQ(code, 0) << output;
+  EXPECT_THAT(output, HasSubstr("per server: 200 B (params + grads + adam state + staging + snapshot + exchange"));
   EXPECT_EQ(RunBinary("--optimizer_kind=lamb", kSpec).first, 2);
 }
 

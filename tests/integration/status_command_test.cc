@@ -134,31 +134,32 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
 }
 
 // What `flatshard layout` plans for a group is what the servers report holding for it
-// once workers have trained it: parameters, gradient, Adam's moments, a staging slot per
-// worker in the gradients' dtype, and the gather snapshot (a second one while a slow
-// reader holds the previous version's).
-TEST(StatusCommandTest, AGroupsMemoryIsWhatFlatshardLayoutPlans) {
-  testing::TestCluster cluster(2, "status-token", ::testing::TempDir());
-  constexpr int kWorkers = 3;
-  std::vector<std::unique_ptr<Client>> workers;
-  for (int rank = 0; rank < kWorkers; ++rank) {
-    auto client = cluster.Connect(rank, kWorkers, "planned");
+// once `workers` workers have trained it on `servers` servers in `replicas` replica
+// groups: parameters, gradient, Adam's moments, a staging slot per worker of the replica
+// group in the gradients' dtype, the gather snapshot (a second one while a slow reader
+// holds the previous version's) and a hybrid job's exchange buffers.
+void ExpectHeldAsPlanned(int servers, int replicas, int workers) {
+  testing::TestCluster cluster(servers, "status-token", ::testing::TempDir());
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int rank = 0; rank < workers; ++rank) {
+    auto client = cluster.Connect(rank, workers, "planned");
     ASSERT_TRUE(client.ok()) << client.status();
-    workers.push_back(*std::move(client));
+    clients.push_back(*std::move(client));
   }
-  ASSERT_TRUE(workers[0]->ConfigureJob({}).ok());
+  ASSERT_TRUE(clients[0]->ConfigureJob({.replicas = replicas}).ok());
   const FlatLayout* layout = nullptr;
-  for (auto& worker : workers) {
+  for (auto& worker : clients) {
     auto registered =
         worker->RegisterGroup("g", {{"w", {300, 7}, DType::kFloat32}, {"b", {7}, DType::kFloat32}}, 4, AdamOptions{});
     ASSERT_TRUE(registered.ok()) << registered.status();
     layout = *registered;
   }
-  ASSERT_TRUE(workers[0]->InitGroupFromSeed("g", 3).ok());
+  ASSERT_EQ(layout->num_shards(), servers / replicas);
+  ASSERT_TRUE(clients[0]->InitGroupFromSeed("g", 3).ok());
   std::vector<uint16_t> params(layout->padded_numel()), grad(layout->padded_numel(), 0x3f80);  // bf16 1.0
   for (int64_t step = 0; step < 3; ++step) {
     std::vector<std::future<absl::Status>> scattered;
-    for (auto& worker : workers) {
+    for (auto& worker : clients) {
       ASSERT_TRUE(worker
                       ->Gather("g", step, DType::kBFloat16,
                                absl::MakeSpan(reinterpret_cast<std::byte*>(params.data()), params.size() * 2))
@@ -171,19 +172,31 @@ TEST(StatusCommandTest, AGroupsMemoryIsWhatFlatshardLayoutPlans) {
     for (auto& s : scattered) ASSERT_TRUE(s.get().ok());
   }
 
-  const auto planned =
-      cli::BuffersFor({.optimizer = "adam", .workers = kWorkers, .grad_dtype = "bfloat16", .gather_dtype = "bfloat16"});
+  const auto planned = cli::BuffersFor({.optimizer = "adam",
+                                        .workers = workers / replicas,
+                                        .grad_dtype = "bfloat16",
+                                        .gather_dtype = "bfloat16",
+                                        .replica_groups = replicas});
   ASSERT_TRUE(planned.ok()) << planned.status();
-  const int64_t bytes = cli::PlannedBytesPerServer(*layout, *planned);
   const int64_t second_snapshot = layout->shard_numel() * 2;
   for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
     ASSERT_TRUE(status.ok()) << status.status();
     ASSERT_EQ(status->groups_size(), 1);
+    const int replica = status->groups(0).replica();
+    const int64_t bytes = cli::PlannedBytesPerServer(*layout, *planned, replica);
+    EXPECT_LE(bytes, cli::PlannedBytesPerServer(*layout, *planned));
     const int64_t held = status->groups(0).bytes();
     EXPECT_TRUE(held == bytes || held == bytes + second_snapshot)
-        << "server " << status->rank() << " holds " << held << " bytes; flatshard layout plans " << bytes;
+        << "server " << status->rank() << " (replica group " << replica << ") holds " << held
+        << " bytes; flatshard layout plans " << bytes;
   }
 }
+
+TEST(StatusCommandTest, AGroupsMemoryIsWhatFlatshardLayoutPlans) { ExpectHeldAsPlanned(2, 1, 3); }
+
+// Three replica groups of two servers: the shards of 1054 elements are cut into chunks of
+// 348, 352 and 354, so the servers of each replica group hold different exchange buffers.
+TEST(StatusCommandTest, AHybridGroupsMemoryIsWhatFlatshardLayoutPlans) { ExpectHeldAsPlanned(6, 3, 6); }
 
 // A load whose COMMIT reached server 0 only (sent here by hand) leaves the group in
 // different states on the two servers: the table's load column shows it and a line says
