@@ -198,18 +198,26 @@ TEST(StatusCommandTest, AGroupsMemoryIsWhatFlatshardLayoutPlans) { ExpectHeldAsP
 // 348, 352 and 354, so the servers of each replica group hold different exchange buffers.
 TEST(StatusCommandTest, AHybridGroupsMemoryIsWhatFlatshardLayoutPlans) { ExpectHeldAsPlanned(6, 3, 6); }
 
+// Job "status" of one worker (`client`), with group "g" (1000 fp32, SGD) initialized and
+// saved as SHARDED checkpoint "s".
+void SaveAGroup(const testing::TestCluster& cluster, std::unique_ptr<Client>& client) {
+  auto connected = cluster.Connect(0, 1, "status");
+  ASSERT_TRUE(connected.ok()) << connected.status();
+  client = *std::move(connected);
+  ASSERT_TRUE(client->ConfigureJob({}).ok());
+  ASSERT_TRUE(client->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  ASSERT_TRUE(client->InitGroupFromSeed("g", 1).ok());
+  ASSERT_TRUE(client->SaveCheckpoint("s", CheckpointKind::kSharded, false).ok());
+}
+
 // A load whose COMMIT reached server 0 only (sent here by hand) leaves the group in
 // different states on the two servers: the table's load column shows it and a line says
 // so. A load through the client then commits on both under one id.
 TEST(StatusCommandTest, AGroupLoadedOnSomeServersOnlyIsReported) {
   const testing::ScratchDir root("status-split-load");
   testing::TestCluster cluster(2, "status-token", ::testing::TempDir(), root.path());
-  auto client = cluster.Connect(0, 1, "status");
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
-  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
-  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 1).ok());
-  ASSERT_TRUE((*client)->SaveCheckpoint("s", CheckpointKind::kSharded, false).ok());
+  std::unique_ptr<Client> client;
+  ASSERT_NO_FATAL_FAILURE(SaveAGroup(cluster, client));
   ASSERT_TRUE(cluster.LoadOnSome("status", "s", 0x5eed, {0}).ok());
   const cli::StatusCommandOptions options{.servers = cluster.addresses(), .token = cluster.token()};
   std::ostringstream split, err;
@@ -222,7 +230,7 @@ TEST(StatusCommandTest, AGroupLoadedOnSomeServersOnlyIsReported) {
             std::string::npos)
       << split.str();
 
-  ASSERT_TRUE((*client)->LoadCheckpoint("s").ok());
+  ASSERT_TRUE(client->LoadCheckpoint("s").ok());
   std::ostringstream whole;
   ASSERT_EQ(cli::RunStatusCommand(options, whole, err), 0) << err.str();
   const std::string load = Row(whole.str(), "0", "status/g").back();
@@ -239,12 +247,8 @@ TEST(StatusCommandTest, ALoadNeverCommittedIsListedUntilItsTimeoutDropsIt) {
   const testing::ScratchDir root("status-staged-load");
   testing::TestCluster cluster(2, "status-token", ::testing::TempDir(), root.path(),
                                {{"--staged_load_timeout=3s"}, {"--staged_load_timeout=3s"}});
-  auto client = cluster.Connect(0, 1, "status");
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
-  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{}).ok());
-  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 1).ok());
-  ASSERT_TRUE((*client)->SaveCheckpoint("s", CheckpointKind::kSharded, false).ok());
+  std::unique_ptr<Client> client;
+  ASSERT_NO_FATAL_FAILURE(SaveAGroup(cluster, client));
   const absl::Status unnamed = cluster.LoadPhase(0, "status", "s", 0, v1::LoadCheckpointRequest::PREPARE);
   EXPECT_EQ(unnamed.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(unnamed.message(), "a load must carry its (non-zero) load_id in every phase");
@@ -276,7 +280,7 @@ TEST(StatusCommandTest, ALoadNeverCommittedIsListedUntilItsTimeoutDropsIt) {
             "checkpoint 's' was not prepared for loading here as load 0000000000005eed: its staging was dropped (no "
             "commit came within 3s of its staging (--staged_load_timeout))");
   EXPECT_EQ(Row(dropped.str(), "1", "status/g").back(), "-") << dropped.str();
-  ASSERT_TRUE((*client)->LoadCheckpoint("s").ok());
+  ASSERT_TRUE(client->LoadCheckpoint("s").ok());
 }
 
 }  // namespace
