@@ -15,6 +15,8 @@ packages=(
   libtbb-dev
   # TLS: certificate checks at server start-up; the tests make certificates with openssl
   libssl-dev openssl
+  # the server's Prometheus metrics endpoint (--metrics_listen)
+  prometheus-cpp-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev iperf3
   # the Python package and its tests (/usr/bin/python3): pybind11 module, numpy, PyTorch

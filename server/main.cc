@@ -47,6 +47,9 @@ ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, staged_load_timeout, absl::Minutes(10),
           "how long a checkpoint load read into memory here waits for its commit before it is "
           "dropped with its memory (its client died between the two phases)");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT where Prometheus scrapes /metrics (port 0 picks one; empty: no metrics); with "
+          "--auth_token_file, scrapes present the token as basic auth's password");
 ABSL_FLAG(std::string, log_level, "info", "info or debug");
 
 namespace {
@@ -88,6 +91,7 @@ int main(int argc, char** argv) {
   options.nccl_timeout = absl::GetFlag(FLAGS_nccl_timeout);
   options.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   options.staged_load_timeout = absl::GetFlag(FLAGS_staged_load_timeout);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.max_file_bytes = absl::GetFlag(FLAGS_max_file_size);
   if (options.max_file_bytes == 0) return Fail("--max_file_size must be > 0");
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
@@ -129,11 +133,12 @@ int main(int argc, char** argv) {
     std::cerr << "flatshard-server: " << started.message() << "\n";
     return 1;
   }
-  std::cerr << "flatshard-server rank " << options.rank << "/" << options.cluster.size()
-            << ": control " << options.listen << " (gRPC), data port " << server.data_port()
-            << " (TCP), memory " << options.memory
+  std::cerr << "flatshard-server rank " << options.rank << "/" << options.cluster.size() << ": control "
+            << options.listen << " (gRPC), data port " << server.data_port() << " (TCP), memory " << options.memory
             << (options.auth_token.empty() ? ", no auth" : ", token auth")
-            << (options.tls.enabled() ? ", TLS" : ", plaintext gRPC") << std::endl;
+            << (options.tls.enabled() ? ", TLS" : ", plaintext gRPC")
+            << (options.metrics_listen.empty() ? "" : ", metrics http://" + server.metrics_address() + "/metrics")
+            << std::endl;
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
   std::cerr << "flatshard-server rank " << options.rank << ": " << strsignal(signal_number)

@@ -52,6 +52,12 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   if (!options.data_listen.empty()) {
     FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
   }
+  if (!options.metrics_listen.empty()) {
+    if (absl::Status split = transport::SplitHostPort(options.metrics_listen, host, port); !split.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metrics_listen=", options.metrics_listen, ": ", split.message()));
+    }
+  }
   std::error_code unreadable;  // a symlink loop, say: not a directory either
   if (!options.checkpoint_root.empty() && !std::filesystem::is_directory(options.checkpoint_root, unreadable)) {
     return absl::InvalidArgumentError(
@@ -108,6 +114,21 @@ absl::Status Server::Start() {
   FLATSHARD_RETURN_IF_ERROR(nccl_.Start(memory_tier()));
   data_ = std::make_unique<DataServer>(registry_, driver_, ipc_, nccl_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
+  std::string metrics_address;
+  if (!options_.metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> metrics = MetricsEndpoint::Start(
+        options_.metrics_listen, options_.auth_token, [this]() -> std::optional<v1::ServerStatus> {
+          FlatshardService* service = serving_.load();
+          if (service == nullptr) return std::nullopt;
+          return service->Status();
+        });
+    if (!metrics.ok()) {
+      data_->Stop();
+      return metrics.status();
+    }
+    metrics_ = *std::move(metrics);
+    metrics_address = metrics_->address();
+  }
 
   ServiceIdentity identity{.rank = options_.rank,
                            .cluster = options_.cluster,
@@ -117,9 +138,11 @@ absl::Status Server::Start() {
                            .gpu_uuid = ipc_.gpu_uuid(),
                            .auth_token = options_.auth_token,
                            .tls = options_.tls.enabled(),
-                           .compute_threads = compute_pool_->threads()};
+                           .compute_threads = compute_pool_->threads(),
+                           .metrics_address = metrics_address};
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,
                                                 stats_, nccl_, [this] { return cluster_check(); });
+  serving_.store(service_.get());
   // grpc.health.v1.Health, without the token (probes such as Kubernetes' grpc one send
   // none): SERVING while the control plane takes calls.
   grpc::EnableDefaultHealthCheckService(true);
@@ -136,6 +159,7 @@ absl::Status Server::Start() {
   }
   grpc_server_ = builder.BuildAndStart();
   if (grpc_server_ == nullptr || control_port_ == 0) {
+    metrics_.reset();
     data_->Stop();
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen,
                                                " (address in use or not local)"));
@@ -182,6 +206,7 @@ std::string Server::cluster_check() const {
 void Server::Shutdown() {
   if (!stopping_.HasBeenNotified()) stopping_.Notify();
   if (cluster_check_thread_.joinable()) cluster_check_thread_.join();
+  metrics_.reset();  // waits for scrapes in progress
   if (grpc_server_) {
     // In-flight RPCs (e.g. WaitVersion) get a short grace period, then are cancelled.
     grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

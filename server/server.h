@@ -9,9 +9,10 @@
 #ifndef FLATSHARD_SERVER_SERVER_H_
 #define FLATSHARD_SERVER_SERVER_H_
 
+#include <atomic>
 #include <memory>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -20,14 +21,15 @@
 #include "server/auth.h"
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
-#include "server/step_driver.h"
 #include "server/data_server.h"
 #include "server/ipc_plane.h"
+#include "server/metrics.h"
 #include "server/nccl_plane.h"
-#include "server/registry.h"
 #include "server/peer_client.h"
+#include "server/registry.h"
 #include "server/service.h"
 #include "server/stats.h"
+#include "server/step_driver.h"
 #include "server/tls.h"
 
 namespace grpc {
@@ -52,6 +54,7 @@ struct ServerOptions {
   absl::Duration peer_timeout = absl::Seconds(30);
   // A checkpoint load staged here and not committed (or aborted) within this is dropped.
   absl::Duration staged_load_timeout = absl::Minutes(10);
+  std::string metrics_listen;             // HOST:PORT of /metrics (empty: no metrics)
   TlsOptions tls;                         // gRPC over TLS when it holds a certificate
   DataServerOptions data;
 };
@@ -75,6 +78,8 @@ class Server {
   // "checking", "agreed" or "mismatch: ..." (see ClusterInfo in the proto).
   std::string cluster_check() const;
   int data_port() const { return data_ ? data_->port() : 0; }
+  // Where /metrics is served (HOST:PORT as bound); empty without --metrics_listen.
+  std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
 
  private:
   // The tier of --memory (host when invalid: Start() refuses such options anyway).
@@ -95,6 +100,10 @@ class Server {
   NcclPlane nccl_;
   std::unique_ptr<DataServer> data_;
   std::unique_ptr<FlatshardService> service_;
+  // The service once it is made: the metrics endpoint starts before it (the service
+  // names the endpoint's address) and serves empty scrapes until then.
+  std::atomic<FlatshardService*> serving_{nullptr};
+  std::unique_ptr<MetricsEndpoint> metrics_;
   std::unique_ptr<grpc::Server> grpc_server_;
   int control_port_ = 0;
 

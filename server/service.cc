@@ -466,7 +466,15 @@ grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::G
 grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                                          v1::ServerStatus* response) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  *response = Status();
+  return grpc::Status::OK;
+}
+
+v1::ServerStatus FlatshardService::Status() {
+  v1::ServerStatus status;
+  v1::ServerStatus* response = &status;
   response->set_rank(identity_.rank);
+  response->set_metrics_address(identity_.metrics_address);
   response->set_control_address(identity_.control_address);
   response->set_data_address(identity_.data_address);
   response->set_memory(identity_.memory);
@@ -538,7 +546,7 @@ grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::Get
   if (absl::StatusOr<std::string> root_id = checkpoints_.RootId(); root_id.ok()) {
     response->set_checkpoint_root_id(*root_id);
   }
-  return grpc::Status::OK;
+  return status;
 }
 
 }  // namespace flatshard::server

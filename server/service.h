@@ -30,6 +30,7 @@ struct ServiceIdentity {
   std::string auth_token;  // empty: no authentication
   bool tls = false;        // the control plane speaks TLS
   int compute_threads = 1;  // the CPU tiers' kernel threads (server/compute_pool.h)
+  std::string metrics_address;  // where Prometheus scrapes /metrics (empty: not served)
 };
 
 class FlatshardService final : public v1::Flatshard::Service {
@@ -76,6 +77,9 @@ class FlatshardService final : public v1::Flatshard::Service {
                                v1::PushNormPartialResponse* response) override;
   grpc::Status GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,
                            v1::GetGradNormResponse* response) override;
+
+  // What GetStatus answers; also what the metrics endpoint serves (server/metrics.h).
+  v1::ServerStatus Status();
 
  private:
   grpc::Status Authenticate(const grpc::ServerContext* ctx) const;

@@ -87,6 +87,7 @@ class DeployTest(unittest.TestCase):
             self.assertEqual(flags["cluster"].split(","), cluster)
             self.assertEqual(flags["listen"], cluster[ordinal])
             self.assertEqual(flags["data_listen"], f"{hostname}.{spec['serviceName']}:{ports['data']}")
+            self.assertEqual(flags["metrics_listen"], f"{hostname}.{spec['serviceName']}:{ports['metrics']}")
             self.assertEqual(os.path.dirname(flags["auth_token_file"]), mounts["token"])
             self.assertEqual(flags["checkpoint_root"], mounts["checkpoints"])
         volumes = {v["name"]: v for v in pod["volumes"]}

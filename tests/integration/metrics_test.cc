@@ -1,0 +1,157 @@
+// The Prometheus endpoint (--metrics_listen, server/metrics.h) of real servers: a scrape
+// says what GetStatus says after training, asks for the cluster's token, and a server
+// whose metrics address is taken or malformed refuses to start.
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/cluster_status.h"
+#include "proto/cluster_info.h"
+#include "tests/integration/test_cluster.h"
+
+namespace flatshard {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The whole answer (status line, headers, body) of `GET /metrics` at 127.0.0.1:`port`,
+// with basic auth for `password` unless empty.
+std::string Scrape(int port, const std::string& password) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return "connect failed";
+  }
+  std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n";
+  if (!password.empty()) {
+    absl::StrAppend(&request, "Authorization: Basic ", absl::Base64Escape("prometheus:" + password), "\r\n");
+  }
+  request += "\r\n";
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return "write failed";
+  }
+  std::string answer;
+  char buffer[4096];
+  for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) answer.append(buffer, static_cast<size_t>(n));
+  close(fd);
+  return answer;
+}
+
+// Each sample of a scrape's body by its name and labels as written:
+// `flatshard_group_version{job="m",group="g"}` -> 2.
+std::map<std::string, double> Samples(const std::string& answer) {
+  std::map<std::string, double> samples;
+  for (absl::string_view line : absl::StrSplit(answer, '\n')) {
+    if (line.empty() || line[0] == '#' || !absl::StartsWith(line, "flatshard_")) continue;
+    const size_t space = line.rfind(' ');
+    double value = 0;
+    if (space != absl::string_view::npos && absl::SimpleAtod(line.substr(space + 1), &value)) {
+      samples[std::string(line.substr(0, space))] = value;
+    }
+  }
+  return samples;
+}
+
+int PortOf(const std::string& address) {
+  int port = 0;
+  EXPECT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) << address;
+  return port;
+}
+
+TEST(MetricsTest, AScrapeSaysWhatTheStatusSaysAndAsksForTheToken) {
+  testing::TestCluster cluster(2, "metrics-token", ::testing::TempDir(), "",
+                               {{"--metrics_listen=127.0.0.1:0"}, {"--metrics_listen=127.0.0.1:0"}});
+  auto client = cluster.Connect(0, 1, "m");
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 100.0}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, AdamOptions{});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 1).ok());
+  std::vector<float> params((*layout)->padded_numel()), grad((*layout)->padded_numel(), 0.5f);
+  for (int64_t step = 0; step < 2; ++step) {
+    ASSERT_TRUE((*client)
+                    ->Gather("g", step, DType::kFloat32,
+                             absl::MakeSpan(reinterpret_cast<std::byte*>(params.data()), params.size() * 4))
+                    .get()
+                    .ok());
+    ASSERT_TRUE((*client)
+                    ->Scatter("g", step, DType::kFloat32,
+                              absl::MakeConstSpan(reinterpret_cast<const std::byte*>(grad.data()), grad.size() * 4))
+                    .get()
+                    .ok());
+  }
+  ASSERT_TRUE((*client)->WaitVersion("g", 2).ok());
+
+  for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    ASSERT_THAT(status->metrics_address(), ::testing::StartsWith("127.0.0.1:"));
+    const int port = PortOf(status->metrics_address());
+    const std::string answer = Scrape(port, cluster.token());
+    ASSERT_THAT(answer, ::testing::StartsWith("HTTP/1.1 200")) << answer;
+    const std::map<std::string, double> samples = Samples(answer);
+    const auto value = [&](const std::string& sample) {
+      const auto it = samples.find(sample);
+      EXPECT_NE(it, samples.end()) << sample << " is missing from\n" << answer;
+      return it == samples.end() ? -1.0 : it->second;
+    };
+    const std::string server = absl::StrCat("server ", status->rank());
+    EXPECT_EQ(value(absl::StrCat("flatshard_server_info{rank=\"", status->rank(), "\",memory=\"host\",version=\"",
+                                 FlatshardVersion(), "\",protocol=\"", kProtocolRevision, "\",nccl=\"\",tls=\"no\"}")),
+              1)
+        << server;
+    EXPECT_EQ(value("flatshard_gathers_total{plane=\"tcp\"}"), status->gathers()) << server;
+    EXPECT_EQ(value("flatshard_scatters_total{plane=\"tcp\"}"), status->scatters()) << server;
+    EXPECT_EQ(value("flatshard_gathers_total{plane=\"ipc\"}"), 0) << server;
+    EXPECT_EQ(value("flatshard_sent_bytes_total{to=\"workers\"}"), status->bytes_sent()) << server;
+    EXPECT_EQ(value("flatshard_received_bytes_total{from=\"workers\"}"), status->bytes_received()) << server;
+    EXPECT_GT(status->bytes_received(), 0) << server;
+    ASSERT_EQ(status->groups_size(), 1);
+    EXPECT_EQ(value("flatshard_group_version{job=\"m\",group=\"g\"}"), 2) << server;
+    EXPECT_EQ(value("flatshard_group_bytes{job=\"m\",group=\"g\"}"), status->groups(0).bytes()) << server;
+    EXPECT_EQ(value("flatshard_group_shard_numel{job=\"m\",group=\"g\"}"), 500) << server;
+    EXPECT_EQ(value("flatshard_job_workers{job=\"m\"}"), 1) << server;
+    ASSERT_EQ(status->jobs_size(), 1);
+    // The text format keeps 16 significant digits: the last bit may differ.
+    EXPECT_DOUBLE_EQ(value("flatshard_job_last_grad_norm{job=\"m\"}"), status->jobs(0).last_grad_norm()) << server;
+    EXPECT_EQ(value("flatshard_job_last_grad_norm_step{job=\"m\"}"), 1) << server;
+    EXPECT_EQ(value("flatshard_cluster_agreed"), 1) << server;
+
+    EXPECT_THAT(Scrape(port, ""), ::testing::StartsWith("HTTP/1.1 401")) << server;
+    const std::string wrong = Scrape(port, "not-the-token");
+    EXPECT_THAT(wrong, ::testing::StartsWith("HTTP/1.1 401")) << server;
+    EXPECT_THAT(wrong, ::testing::Not(HasSubstr("flatshard_"))) << server;
+  }
+
+  // Another server on a metrics address in use exits; so does one with a malformed one.
+  const std::string taken =
+      (*FetchClusterStatus({.servers = {cluster.addresses()[0]}, .token = cluster.token()})[0]).metrics_address();
+  EXPECT_TRUE(testing::RefusesToStart({"--metrics_listen=" + taken}));
+  EXPECT_TRUE(testing::RefusesToStart({"--metrics_listen=no-port-here"}));
+}
+
+// Without --metrics_listen nothing is served, and the status says so.
+TEST(MetricsTest, NoMetricsUnlessAsked) {
+  testing::TestCluster cluster(1, "metrics-token", ::testing::TempDir());
+  const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()});
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0].status();
+  EXPECT_EQ(statuses[0]->metrics_address(), "");
+}
+
+}  // namespace
+}  // namespace flatshard
