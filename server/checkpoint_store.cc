@@ -1,5 +1,6 @@
 #include "server/checkpoint_store.h"
 
+#include <spdlog/spdlog.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -7,9 +8,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <nlohmann/json.hpp>
-#include <iostream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <thread>
@@ -274,10 +274,7 @@ absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline)
     } else if (status.ok() && !to_server_zero) {
       status = CommitIfComplete(name, save_id);
     }
-    if (!status.ok()) {
-      std::cerr << "flatshard-server rank " << rank_ << ": async save of checkpoint '" << name
-                << "' failed: " << status << std::endl;
-    }
+    if (!status.ok()) spdlog::error("async save of checkpoint '{}' failed: {}", name, status.ToString());
     { auto release = std::move(write); }  // the snapshot
     progress.reset();
     claim.reset();  // the name is free: a listing shows the outcome
@@ -451,7 +448,10 @@ absl::Status WriteManifest(const std::string& root, const std::string& dir, cons
   }
   std::error_code ignored;  // what a failing writer leaves is not listed beside the checkpoint
   fs::remove_all(fs::path(dir).parent_path(), ignored);
-  return SyncDirectory(root);
+  FLATSHARD_RETURN_IF_ERROR(SyncDirectory(root));
+  spdlog::info("checkpoint '{}' committed: {} ({} of job '{}'), files {}", name, final_dir, manifest.value("kind", "?"),
+               manifest.value("job", "?"), file_list.size());
+  return absl::OkStatus();
 }
 
 // Adds a part's extents (part["extents"]: file -> list) to `files`.
@@ -641,6 +641,7 @@ absl::Status CheckpointStore::Delete(const std::string& name) {
     if (error) return absl::InternalError(absl::StrCat("cannot delete '", path, "': ", error.message()));
   }
   if (removed == 0) return absl::NotFoundError(absl::StrCat("no checkpoint named '", name, "'"));
+  spdlog::info("checkpoint '{}' deleted", name);
   return absl::OkStatus();
 }
 

@@ -1,10 +1,13 @@
 #include "server/data_server.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "server/log.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::server {
@@ -86,7 +89,7 @@ void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) 
       absl::StatusOr<Request> request = transport::RecvRequest(*conn);
       if (!request.ok()) {
         if (absl::IsInvalidArgument(request.status())) {
-          ++stats_.errors;
+          CountError(nullptr, request.status());
           (void)transport::SendResponse(*conn, request.status(), 0, {});
         }
         break;  // garbage or a closed peer: the stream cannot be trusted any more
@@ -106,10 +109,9 @@ bool DataServer::Authenticate(Connection& conn) {
   absl::StatusOr<Request> hello = transport::RecvRequest(conn);
   if (!hello.ok()) return false;  // silent or garbage peer
   if (hello->op != DataOp::kHello || hello->payload_bytes > transport::kMaxTokenBytes) {
-    ++stats_.errors;
-    (void)transport::SendResponse(
-        conn, absl::UnauthenticatedError("the first request must be a hello with a session token"),
-        0, {});
+    const absl::Status refused = absl::UnauthenticatedError("the first request must be a hello with a session token");
+    CountError(nullptr, refused);
+    (void)transport::SendResponse(conn, refused, 0, {});
     return false;
   }
   std::string token(static_cast<size_t>(hello->payload_bytes), '\0');
@@ -117,10 +119,9 @@ bool DataServer::Authenticate(Connection& conn) {
     return false;
   }
   if (!sessions_.Valid(token)) {
-    ++stats_.errors;
-    (void)transport::SendResponse(
-        conn, absl::UnauthenticatedError("invalid data-plane session token; call OpenSession"), 0,
-        {});
+    const absl::Status refused = absl::UnauthenticatedError("invalid data-plane session token; call OpenSession");
+    CountError(nullptr, refused);
+    (void)transport::SendResponse(conn, refused, 0, {});
     return false;
   }
   return transport::SendResponse(conn, absl::OkStatus(), 0, {}).ok();
@@ -150,8 +151,21 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
   return false;
 }
 
-bool DataServer::Refuse(Connection& conn, const Request& request, const absl::Status& status) {
+void DataServer::CountError(const Request* request, const absl::Status& status) {
   ++stats_.errors;
+  const spdlog::level::level_enum level = WorthAWarning(status.code()) ? spdlog::level::warn : spdlog::level::debug;
+  if (!spdlog::should_log(level)) return;
+  if (request == nullptr) {
+    spdlog::log(level, "data plane: {}", status.ToString());
+  } else {
+    spdlog::log(level, "data plane: request {} for group '{}/{}' from worker {} at version {}: {}",
+                static_cast<int>(request->op), request->job, request->group, request->worker_rank, request->version,
+                status.ToString());
+  }
+}
+
+bool DataServer::Refuse(Connection& conn, const Request& request, const absl::Status& status) {
+  CountError(&request, status);
   if (request.payload_bytes > options_.max_drain_bytes) {
     (void)transport::SendResponse(conn, status, 0, {});
     return false;
@@ -174,7 +188,7 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
   }
   // The payload (if any) has been read: a refusal is the answer alone.
   auto refuse = [&](const absl::Status& status) {
-    ++stats_.errors;
+    CountError(&request, status);
     return transport::SendResponse(conn, status, 0, {}).ok();
   };
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
@@ -261,7 +275,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
   if (!conn.Recv(slot->buffer).ok()) {
     // The peer died or stalled mid-transfer: nothing partial is kept.
     AbortReceive(**group, request, *slot);
-    ++stats_.errors;
+    CountError(&request, absl::UnavailableError("the sender stopped sending mid-transfer"));
     return false;
   }
   if (!exchange.has_value()) stats_.bytes_received += request.payload_bytes;
@@ -283,7 +297,7 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
     }
     if (outcome.ok() && scatter && part.index == 0) ++stats_.scatters;  // a split one once
   }
-  if (!committed.ok()) ++stats_.errors;
+  if (!committed.ok()) CountError(&request, committed);
   const StateStamp state = (*group)->state();
   const bool answered = transport::SendResponse(conn, committed, state.version, {}, state.load_id).ok();
   if (aside.has_value()) driver_.ContinueAside(*std::move(group), request.version, *aside);
@@ -356,7 +370,7 @@ bool DataServer::ServeIpc(Connection& conn, const Request& request) {
   }
   absl::StatusOr<StateStamp> state =
       request.op == DataOp::kIpcGather ? ipc_.Gather(request, target) : ipc_.Scatter(request, target);
-  if (!state.ok()) ++stats_.errors;
+  if (!state.ok()) CountError(&request, state.status());
   const StateStamp answered = state.value_or(StateStamp{});
   return transport::SendResponse(conn, state.status(), answered.version, {}, answered.load_id).ok();
 }
@@ -368,7 +382,7 @@ bool DataServer::ServeNccl(Connection& conn, const Request& request) {
   }
   auto begun = nccl_.Begin(request, target);
   if (!begun.ok()) {
-    ++stats_.errors;
+    CountError(&request, begun.status());
     return transport::SendResponse(conn, begun.status(), 0, {}).ok();
   }
   auto& [transfer, ready] = *begun;

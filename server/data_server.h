@@ -85,6 +85,9 @@ class DataServer {
                                  absl::Span<std::byte> target, absl::string_view request_name);
   bool ServeIpc(transport::Connection& conn, const transport::Request& request);
   bool ServeNccl(transport::Connection& conn, const transport::Request& request);
+  // Counts a request answered with an error (ServerStats::errors) and logs it
+  // (server/log.h WorthAWarning); `request` is null before one was read.
+  void CountError(const transport::Request* request, const absl::Status& status);
   // Refuses a request whose payload is still on the wire: drains it when small enough.
   bool Refuse(transport::Connection& conn, const transport::Request& request,
               const absl::Status& status);

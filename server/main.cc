@@ -1,5 +1,6 @@
 // flatshard-server: one shard server of a cluster. See README.md, "Running servers".
 #include <signal.h>
+#include <spdlog/spdlog.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,8 @@
 #include "absl/strings/strip.h"
 #include "core/command_line.h"
 #include "core/file.h"
+#include "proto/cluster_info.h"
+#include "server/log.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC control-plane address HOST:PORT");
@@ -50,7 +53,10 @@ ABSL_FLAG(absl::Duration, staged_load_timeout, absl::Minutes(10),
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT where Prometheus scrapes /metrics (port 0 picks one; empty: no metrics); with "
           "--auth_token_file, scrapes present the token as basic auth's password");
-ABSL_FLAG(std::string, log_level, "info", "info or debug");
+ABSL_FLAG(std::string, log_level, "info",
+          "debug (every RPC and data-plane error), info (jobs, groups, checkpoints, start and stop), "
+          "warning (refused requests an operator should see) or error");
+ABSL_FLAG(std::string, log_file, "", "append the log to this file (empty: stderr)");
 
 namespace {
 
@@ -66,8 +72,6 @@ int main(int argc, char** argv) {
   const std::vector<std::string> positional =
       flatshard::ParseCommandLineOrExit(argc, argv, "flatshard-server");
   if (!positional.empty()) return Fail("unexpected argument '" + positional[0] + "'");
-  const std::string log_level = absl::GetFlag(FLAGS_log_level);
-  if (log_level != "info" && log_level != "debug") return Fail("--log_level must be info or debug");
 
   flatshard::server::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
@@ -120,6 +124,11 @@ int main(int argc, char** argv) {
   if (absl::Status valid = flatshard::server::ValidateServerOptions(options); !valid.ok()) {
     return Fail(std::string(valid.message()));
   }
+  if (absl::Status logging = flatshard::server::ConfigureLogging(
+          {.rank = options.rank, .level = absl::GetFlag(FLAGS_log_level), .file = absl::GetFlag(FLAGS_log_file)});
+      !logging.ok()) {
+    return Fail(std::string(logging.message()));
+  }
 
   // Block the stop signals in every thread; the main thread waits for them.
   sigset_t stop_signals;
@@ -130,19 +139,19 @@ int main(int argc, char** argv) {
 
   flatshard::server::Server server(options);
   if (absl::Status started = server.Start(); !started.ok()) {
-    std::cerr << "flatshard-server: " << started.message() << "\n";
+    spdlog::error("cannot start: {}", std::string(started.message()));
     return 1;
   }
-  std::cerr << "flatshard-server rank " << options.rank << "/" << options.cluster.size() << ": control "
-            << options.listen << " (gRPC), data port " << server.data_port() << " (TCP), memory " << options.memory
-            << (options.auth_token.empty() ? ", no auth" : ", token auth")
-            << (options.tls.enabled() ? ", TLS" : ", plaintext gRPC")
-            << (options.metrics_listen.empty() ? "" : ", metrics http://" + server.metrics_address() + "/metrics")
-            << std::endl;
+  // LocalCluster (python/flatshard/local_cluster.py) waits for this line.
+  spdlog::info("serving as rank {} of {}: control {} (gRPC), data port {} (TCP), memory {}, {}, {}{}, flatshard {}",
+               options.rank, options.cluster.size(), options.listen, server.data_port(), options.memory,
+               options.auth_token.empty() ? "no auth" : "token auth", options.tls.enabled() ? "TLS" : "plaintext gRPC",
+               options.metrics_listen.empty() ? "" : ", metrics http://" + server.metrics_address() + "/metrics",
+               std::string(flatshard::FlatshardVersion()));
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
-  std::cerr << "flatshard-server rank " << options.rank << ": " << strsignal(signal_number)
-            << ", shutting down" << std::endl;
+  spdlog::info("{}: shutting down", strsignal(signal_number));
   server.Shutdown();
+  spdlog::info("stopped");
   return 0;
 }

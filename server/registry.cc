@@ -1,5 +1,7 @@
 #include "server/registry.h"
 
+#include <spdlog/spdlog.h>
+
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -44,16 +46,25 @@ absl::Status Registry::ConfigureJob(const std::string& job, const JobSettings& s
         "replicas: hybrid sharding needs sync mode (replicas applying contributions as they "
         "arrive would drift apart)");
   }
-  absl::MutexLock lock(&mu_);
-  auto [it, inserted] = jobs_.emplace(job, settings);
-  if (!inserted && !(it->second == settings)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", job, "' is already configured differently (num_workers ", it->second.num_workers,
-        ", reduce ", it->second.reduce_mean ? "mean" : "sum", ", max_grad_norm ",
-        it->second.max_grad_norm, ", ", it->second.async ? "async" : "sync", ", replicas ",
-        it->second.replicas, ", skip_nonfinite ", it->second.skip_nonfinite ? "on" : "off",
-        "); every worker must send the same settings"));
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = jobs_.emplace(job, settings);
+    if (!inserted && !(it->second == settings)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job '", job, "' is already configured differently (num_workers ", it->second.num_workers, ", reduce ",
+          it->second.reduce_mean ? "mean" : "sum", ", max_grad_norm ", it->second.max_grad_norm, ", ",
+          it->second.async ? "async" : "sync", ", replicas ", it->second.replicas, ", skip_nonfinite ",
+          it->second.skip_nonfinite ? "on" : "off", "); every worker must send the same settings"));
+    }
+    if (!inserted) return absl::OkStatus();  // another worker's call with the same settings
   }
+  spdlog::info("job '{}' configured: workers {}, {}{}, reduce {}, max_grad_norm {}, replicas {}, skip_nonfinite {}",
+               job, settings.num_workers, settings.async ? "async" : "sync",
+               settings.async && settings.max_staleness >= 0
+                   ? absl::StrCat(" (max_staleness ", settings.max_staleness, ")")
+                   : "",
+               settings.reduce_mean ? "mean" : "sum", settings.max_grad_norm, settings.replicas,
+               settings.skip_nonfinite ? "on" : "off");
   return absl::OkStatus();
 }
 

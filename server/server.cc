@@ -2,14 +2,15 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
 
 #include <filesystem>
-#include <iostream>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "proto/flatshard.grpc.pb.h"
+#include "server/request_log.h"
 #include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -152,6 +153,9 @@ absl::Status Server::Start() {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls), &control_port_);
   builder.RegisterService(service_.get());
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<RequestLogFactory>());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(16 << 20);
   if (options_.threads > 0) {
     builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
@@ -179,8 +183,7 @@ void Server::CheckCluster() {
       if (answered[peer]) continue;
       const absl::Status agreed = peers_.CheckAgreement(peer, absl::Seconds(1));
       if (absl::IsFailedPrecondition(agreed) || absl::IsUnauthenticated(agreed)) {
-        std::cerr << "flatshard-server rank " << options_.rank
-                  << ": CLUSTER MISMATCH: " << agreed.message() << std::endl;
+        spdlog::error("cluster mismatch: {}", std::string(agreed.message()));
         absl::MutexLock lock(&check_mu_);
         cluster_check_ = absl::StrCat("mismatch: ", agreed.message());
         return;
@@ -193,6 +196,7 @@ void Server::CheckCluster() {
     if (remaining > 0) stopping_.WaitForNotificationWithTimeout(absl::Milliseconds(200));
   }
   if (remaining == 0) {
+    if (servers > 1) spdlog::info("every peer agrees on the cluster of {} servers", servers);
     absl::MutexLock lock(&check_mu_);
     cluster_check_ = "agreed";
   }

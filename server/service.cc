@@ -1,5 +1,7 @@
 #include "server/service.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -234,6 +236,7 @@ grpc::Status FlatshardService::DeleteJob(grpc::ServerContext* ctx, const v1::Del
   }
   clip_.ForgetJob(request->job());
   checkpoints_.DropStagedLoads(request->job());
+  spdlog::info("job '{}' deleted: groups {}, bytes freed {}", request->job(), removed->size(), bytes);
   response->set_deleted(true);
   response->set_freed_bytes(bytes);
   return grpc::Status::OK;
@@ -251,6 +254,14 @@ grpc::Status FlatshardService::RegisterGroup(grpc::ServerContext* ctx,
       request->job(), request->group(), std::move(*tensors), request->align(), *optimizer);
   if (!registration.ok()) return ToGrpc(registration.status());
   const Group& group = *registration->group;
+  if (registration->created) {
+    spdlog::info(
+        "group '{}/{}' registered: tensors {}, elements {}; here shard {} of {} (replica group {}): elements {}, "
+        "optimizer {}, bytes {}",
+        group.job(), group.name(), group.layout().num_tensors(), group.layout().unpadded_numel(),
+        group.placement().shard, group.placement().shards, group.placement().replica, group.shard_numel(),
+        group.optimizer_name(), group.stats().bytes);
+  }
   response->set_unpadded_numel(group.layout().unpadded_numel());
   response->set_shard_numel(group.shard_numel());
   response->set_version(group.version());
@@ -338,7 +349,11 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
     case v1::LoadCheckpointRequest::COMMIT: {
       const absl::Status loaded = checkpoints_.CommitLoad(request->name(), request->load_id());
       // Its steps are taken again from the loaded versions.
-      if (loaded.ok()) clip_.OnLoad(request->job(), request->load_id());
+      if (loaded.ok()) {
+        clip_.OnLoad(request->job(), request->load_id());
+        spdlog::info("checkpoint '{}' loaded into job '{}' as load {:x}", request->name(), request->job(),
+                     request->load_id());
+      }
       return ToGrpc(loaded);
     }
     default:

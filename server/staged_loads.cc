@@ -1,5 +1,7 @@
 #include "server/staged_loads.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -106,8 +108,9 @@ void StagedLoads::Forget(uint64_t load_id, std::string why) {
 void StagedLoads::ExpireLoads() {
   const std::string why =
       absl::StrCat("no commit came within ", absl::FormatDuration(timeout_), " of its staging (--staged_load_timeout)");
-  absl::MutexLock lock(&mu_);
-  while (!stopping_) {
+  for (;;) {
+    std::vector<StagedGroups> expired;  // freed after the lock, at the end of the turn
+    absl::MutexLock lock(&mu_);
     absl::Time next = absl::InfiniteFuture();
     for (const auto& [id, load] : loads_) next = std::min(next, load.row.expires_at);
     added_ = false;
@@ -116,12 +119,14 @@ void StagedLoads::ExpireLoads() {
             +[](StagedLoads* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return self->stopping_ || self->added_; },
             this),
         next);
+    if (stopping_) return;
     const absl::Time now = absl::Now();
-    std::vector<StagedGroups> expired = Remove([&](const Load& load) { return load.row.expires_at <= now; }, why);
-    if (expired.empty()) continue;
-    mu_.Unlock();  // frees the buffers outside the lock
-    expired.clear();
-    mu_.Lock();
+    for (const auto& [id, load] : loads_) {
+      if (load.row.expires_at > now) continue;
+      spdlog::warn("{} of checkpoint '{}' for job '{}' dropped with its {} bytes: {}", LoadName(id), load.row.name,
+                   load.row.job, load.row.bytes, why);
+    }
+    expired = Remove([&](const Load& load) { return load.row.expires_at <= now; }, why);
   }
 }
 

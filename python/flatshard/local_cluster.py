@@ -112,7 +112,7 @@ class LocalCluster:
         # process holds would take connections too, so connecting proves nothing.
         deadline = time.monotonic() + self._startup_timeout
         for rank in range(self.num_servers):
-            serving = f"flatshard-server rank {rank}/{self.num_servers}: control "
+            serving = f"serving as rank {rank} of {self.num_servers}: control "
             while serving not in self.server_log(rank):
                 if self._processes[rank].poll() is not None:
                     log = self.server_log(rank)

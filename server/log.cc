@@ -1,0 +1,59 @@
+#include "server/log.h"
+
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace flatshard::server {
+
+absl::Status ConfigureLogging(const LogOptions& options) {
+  spdlog::level::level_enum level;
+  if (options.level == "debug") {
+    level = spdlog::level::debug;
+  } else if (options.level == "info") {
+    level = spdlog::level::info;
+  } else if (options.level == "warning") {
+    level = spdlog::level::warn;
+  } else if (options.level == "error") {
+    level = spdlog::level::err;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--log_level=", options.level, ": expected debug, info, warning or error"));
+  }
+  std::shared_ptr<spdlog::logger> logger;
+  try {
+    logger = options.file.empty() ? spdlog::stderr_logger_mt("flatshard")
+                                  : spdlog::basic_logger_mt("flatshard", options.file, /*truncate=*/false);
+  } catch (const spdlog::spdlog_ex& error) {
+    return absl::FailedPreconditionError(absl::StrCat("--log_file=", options.file, ": ", error.what()));
+  }
+  // The rank tells the servers of one node (or one log collector) apart.
+  logger->set_pattern(absl::StrCat("%Y-%m-%d %H:%M:%S.%e rank ", options.rank, " %^%l%$: %v"));
+  logger->set_level(level);
+  logger->flush_on(spdlog::level::trace);  // every line at once: events are few, and a crash loses none
+  spdlog::set_default_logger(std::move(logger));
+  return absl::OkStatus();
+}
+
+bool WorthAWarning(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kUnimplemented:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace flatshard::server

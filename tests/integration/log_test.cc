@@ -1,0 +1,85 @@
+// The server's log (server/log.h) as an operator reads it: --log_file gets one line per
+// event with the rank and level, --log_level filters them, the refusals an operator should
+// see are warnings at any level, and a bad level or file stops the server at start-up.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "tests/integration/test_cluster.h"
+#include "tests/scratch_dir.h"
+
+namespace flatshard {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Configures job "log", registers a group (once well, once with an empty name: refused
+// with INVALID_ARGUMENT), saves and loads it and deletes the job, on a one-server cluster
+// logging at `level` into `file`; returns the log once the server has stopped.
+std::string RunAndLog(const std::string& level, const std::string& file, const std::string& root) {
+  std::filesystem::create_directories(root);
+  {
+    testing::TestCluster cluster(1, "log-token", ::testing::TempDir(), root,
+                                 {{"--log_level=" + level, "--log_file=" + file}});
+    auto client = cluster.Connect(0, 1, "log");
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return "";
+    EXPECT_TRUE((*client)->ConfigureJob({}).ok());
+    EXPECT_TRUE((*client)->RegisterGroup("g", {{"w", {100}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+    EXPECT_EQ((*client)->RegisterGroup("", {{"w", {100}, DType::kFloat32}}, 0, SgdOptions{}).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE((*client)->InitGroupFromSeed("g", 1).ok());
+    EXPECT_TRUE((*client)->SaveCheckpoint("c", CheckpointKind::kSharded, false).ok());
+    EXPECT_TRUE((*client)->LoadCheckpoint("c").ok());
+    EXPECT_TRUE((*client)->DeleteJob().ok());
+  }  // the server stops
+  return ReadAll(file);
+}
+
+TEST(LogTest, EventsGoToTheLogFileAtTheirLevels) {
+  const testing::ScratchDir scratch("server-log");
+  const std::string info = RunAndLog("info", scratch.path() + "/info.log", scratch.path());
+  EXPECT_THAT(info, HasSubstr(" rank 0 info: serving as rank 0 of 1: control 127.0.0.1:"));
+  EXPECT_THAT(info, HasSubstr(" rank 0 info: job 'log' configured: workers 1, sync, reduce mean"));
+  EXPECT_THAT(info, HasSubstr(" rank 0 info: group 'log/g' registered: tensors 1, elements 100; here shard 0 of 1"));
+  EXPECT_THAT(info, HasSubstr(" rank 0 warning: rpc /flatshard.v1.Flatshard/RegisterGroup from ipv4:127.0.0.1:"));
+  EXPECT_THAT(info, HasSubstr(": INVALID_ARGUMENT in "));
+  EXPECT_THAT(info, HasSubstr(" rank 0 info: checkpoint 'c' committed: " +
+                              std::filesystem::canonical(scratch.path()).string() + "/c (sharded of job 'log')"));
+  EXPECT_THAT(info, HasSubstr(" rank 0 info: checkpoint 'c' loaded into job 'log' as load "));
+  EXPECT_THAT(info, HasSubstr(" rank 0 info: job 'log' deleted: groups 1, bytes freed "));
+  EXPECT_THAT(info, HasSubstr(" rank 0 info: stopped\n"));
+  EXPECT_THAT(info, Not(HasSubstr(" debug: ")));
+
+  // Debug adds every call; warning keeps the refusal alone.
+  const std::string debug = RunAndLog("debug", scratch.path() + "/debug.log", scratch.path() + "/debug-root");
+  EXPECT_THAT(debug, HasSubstr(" rank 0 debug: rpc /flatshard.v1.Flatshard/ConfigureJob from ipv4:127.0.0.1:"));
+  EXPECT_THAT(debug, HasSubstr(" rank 0 info: job 'log' configured"));
+  const std::string warning = RunAndLog("warning", scratch.path() + "/warning.log", scratch.path() + "/warning-root");
+  EXPECT_THAT(warning, HasSubstr(" rank 0 warning: rpc /flatshard.v1.Flatshard/RegisterGroup"));
+  EXPECT_THAT(warning, Not(HasSubstr(" info: ")));
+}
+
+TEST(LogTest, ABadLevelOrFileStopsTheServer) {
+  EXPECT_TRUE(testing::RefusesToStart({"--log_level=verbose"}));
+  // A log file under a regular file cannot be made (missing directories are created).
+  const testing::ScratchDir scratch("server-log-file");
+  std::ofstream(scratch.path() + "/plain") << "not a directory\n";
+  EXPECT_TRUE(testing::RefusesToStart({"--log_file=" + scratch.path() + "/plain/server.log"}));
+}
+
+}  // namespace
+}  // namespace flatshard
