@@ -5,7 +5,6 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 
 namespace flatshard::server {
 namespace {
@@ -19,7 +18,8 @@ uint64_t StagedBytes(const StagedGroups& groups) {
   return bytes;
 }
 
-std::string LoadName(uint64_t load_id) { return absl::StrFormat("load %016x", load_id); }
+// As `flatshard status` names loads.
+std::string LoadName(uint64_t load_id) { return absl::StrCat("load ", absl::Hex(load_id)); }
 
 }  // namespace
 
@@ -51,11 +51,12 @@ absl::StatusOr<StagedGroups> StagedLoads::Take(uint64_t load_id, const std::stri
   absl::MutexLock lock(&mu_);
   const auto it = loads_.find(load_id);
   if (it == loads_.end()) {
+    // The latest drop of the id (a client may prepare one id again after a failure).
     const auto dropped =
-        std::find_if(dropped_.begin(), dropped_.end(), [&](const auto& entry) { return entry.first == load_id; });
+        std::find_if(dropped_.rbegin(), dropped_.rend(), [&](const auto& entry) { return entry.first == load_id; });
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint '", name, "' was not prepared for loading here as ", LoadName(load_id),
-        dropped == dropped_.end() ? "" : absl::StrCat(": its staging was dropped (", dropped->second, ")")));
+        dropped == dropped_.rend() ? "" : absl::StrCat(": its staging was dropped (", dropped->second, ")")));
   }
   if (it->second.row.name != name) {
     return absl::FailedPreconditionError(

@@ -277,7 +277,7 @@ TEST(StatusCommandTest, ALoadNeverCommittedIsListedUntilItsTimeoutDropsIt) {
   const absl::Status late = cluster.LoadPhase(1, "status", "s", 0x5eed, v1::LoadCheckpointRequest::COMMIT);
   EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(late.message(),
-            "checkpoint 's' was not prepared for loading here as load 0000000000005eed: its staging was dropped (no "
+            "checkpoint 's' was not prepared for loading here as load 5eed: its staging was dropped (no "
             "commit came within 3s of its staging (--staged_load_timeout))");
   EXPECT_EQ(Row(dropped.str(), "1", "status/g").back(), "-") << dropped.str();
   ASSERT_TRUE(client->LoadCheckpoint("s").ok());

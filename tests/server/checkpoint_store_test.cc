@@ -253,7 +253,7 @@ TEST(CheckpointStoreTest, DeletingAJobDropsTheLoadsStagedForIt) {
   const absl::Status committed = cluster.store(0).CommitLoad("ckpt", 2);
   EXPECT_EQ(committed.code(), absl::StatusCode::kFailedPrecondition) << committed;
   EXPECT_THAT(std::string(committed.message()),
-              HasSubstr("was not prepared for loading here as load 0000000000000002: its staging was dropped "
+              HasSubstr("was not prepared for loading here as load 2: its staging was dropped "
                         "(job 'job' was deleted)"));
 }
 
