@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/cluster_status.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/run_command.h"
 #include "transport/tcp/tcp_transport.h"
@@ -89,6 +90,37 @@ TEST(CommandLineTest, AControlAddressInUseIsRefused) {
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_TRUE((*client)->ConfigureJob({}).ok());  // the first serves on
+}
+
+// Every address may be a host name (as the Kubernetes StatefulSet gives them: the pod's
+// DNS name): the server binds what it resolves to, advertises the name, and a worker
+// trains over it.
+TEST(CommandLineTest, AddressesMayBeHostNames) {
+  const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2);
+  const std::string control = absl::StrCat("localhost:", ports[0]);
+  const pid_t pid =
+      testing::SpawnServer({"--listen=" + control, "--cluster=" + control,
+                            absl::StrCat("--data_listen=localhost:", ports[1]), "--metrics_listen=localhost:0"});
+  ASSERT_GT(pid, 0);
+  for (int i = 0; i < 200 && !testing::ListensOn(pid, ports[1]); ++i) absl::SleepFor(absl::Milliseconds(50));
+  ClientOptions options{.servers = {control}, .timeout = absl::Seconds(30)};
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const auto status = FetchClusterStatus(options)[0];
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->data_address(), absl::StrCat("localhost:", ports[1]));
+  EXPECT_THAT(status->metrics_address(), ::testing::StartsWith("localhost:"));
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {64}, DType::kFloat32}}, 0, SgdOptions{});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 1).ok());
+  std::vector<float> values(64);
+  const auto bytes = absl::MakeSpan(reinterpret_cast<std::byte*>(values.data()), values.size() * 4);
+  EXPECT_TRUE((*client)->Gather("g", 0, DType::kFloat32, bytes).get().ok());
+  EXPECT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, bytes).get().ok());
+  EXPECT_TRUE((*client)->WaitVersion("g", 1).ok());
+  client->reset();
+  testing::StopServer(pid);
 }
 
 // A development cluster makes its checkpoint root, serves, and stops on SIGTERM.

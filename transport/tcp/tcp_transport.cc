@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -38,11 +39,24 @@ absl::StatusOr<sockaddr_in> ResolveIpv4(absl::string_view host, int port) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
-  const std::string name = host == "localhost" ? "127.0.0.1" : std::string(host);
-  if (inet_pton(AF_INET, name.c_str(), &addr.sin_addr) != 1) {
+  const std::string name(host);
+  if (inet_pton(AF_INET, name.c_str(), &addr.sin_addr) == 1) return addr;
+  if (name.empty() || name.find(':') != std::string::npos) {
     return absl::InvalidArgumentError(
-        absl::StrCat("'", host, "' is not an IPv4 address (use e.g. 127.0.0.1)"));
+        absl::StrCat("'", host, "' is neither an IPv4 address nor a host name (use e.g. 127.0.0.1)"));
   }
+  // A name (a Kubernetes pod's DNS name, say): its first IPv4 address.
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int resolved = getaddrinfo(name.c_str(), nullptr, &hints, &found);
+  if (resolved != 0 || found == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot resolve '", host, "' to an IPv4 address: ", resolved != 0 ? gai_strerror(resolved) : "no address"));
+  }
+  addr.sin_addr = reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr;
+  freeaddrinfo(found);
   return addr;
 }
 

@@ -19,13 +19,17 @@
 
 namespace flatshard::transport {
 
-// Binds and listens on host:port (IPv4 dotted quad or "localhost"; port 0 picks a free
-// port). Returns Unavailable with errno's text if the address cannot be bound.
+// Hosts are IPv4 addresses or names resolved to one (getaddrinfo, AF_INET: the first
+// address; Unavailable naming the host when it does not resolve).
+//
+// Binds and listens on host:port (port 0 picks a free port). Returns Unavailable with
+// errno's text if the address cannot be bound.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Listener>> ListenTcp(absl::string_view host, int port);
 
 // Connects to host:port within `timeout` (absl::InfiniteDuration(): the kernel's own
-// limit). Returns Unavailable (refused, unreachable) or DeadlineExceeded; InvalidArgument
-// for a host that is not an IPv4 address or a port outside [0, 65535].
+// limit). Returns Unavailable (refused, unreachable, not resolved) or DeadlineExceeded;
+// InvalidArgument for a host that is neither an IPv4 address nor a name (an IPv6 one,
+// say) or a port outside [0, 65535].
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host,
                                                                      int port,
                                                                      absl::Duration timeout);
