@@ -6,9 +6,11 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -25,10 +27,12 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// The whole answer (status line, headers, body) of `GET /metrics` at 127.0.0.1:`port`,
-// with basic auth for `password` unless empty.
-std::string Scrape(int port, const std::string& password) {
+// Sends `request` as it is to 127.0.0.1:`port`, closes the sending side and returns
+// everything answered until the server closes (at most 10 s).
+std::string Exchange(int port, const std::string& request) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const timeval timeout{.tv_sec = 10, .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<uint16_t>(port));
@@ -37,20 +41,28 @@ std::string Scrape(int port, const std::string& password) {
     close(fd);
     return "connect failed";
   }
-  std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n";
-  if (!password.empty()) {
-    absl::StrAppend(&request, "Authorization: Basic ", absl::Base64Escape("prometheus:" + password), "\r\n");
+  // The server may answer and close before taking all of a bad request: no SIGPIPE.
+  for (size_t sent = 0; sent < request.size();) {
+    const ssize_t n = send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    sent += static_cast<size_t>(n);
   }
-  request += "\r\n";
-  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
-    close(fd);
-    return "write failed";
-  }
+  shutdown(fd, SHUT_WR);
   std::string answer;
   char buffer[4096];
   for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) answer.append(buffer, static_cast<size_t>(n));
   close(fd);
   return answer;
+}
+
+// The whole answer (status line, headers, body) of `GET /metrics` at 127.0.0.1:`port`,
+// with basic auth for `password` unless empty.
+std::string Scrape(int port, const std::string& password) {
+  std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n";
+  if (!password.empty()) {
+    absl::StrAppend(&request, "Authorization: Basic ", absl::Base64Escape("prometheus:" + password), "\r\n");
+  }
+  return Exchange(port, request + "\r\n");
 }
 
 // Each sample of a scrape's body by its name and labels as written:
@@ -143,6 +155,39 @@ TEST(MetricsTest, AScrapeSaysWhatTheStatusSaysAndAsksForTheToken) {
       (*FetchClusterStatus({.servers = {cluster.addresses()[0]}, .token = cluster.token()})[0]).metrics_address();
   EXPECT_TRUE(testing::RefusesToStart({"--metrics_listen=" + taken}));
   EXPECT_TRUE(testing::RefusesToStart({"--metrics_listen=no-port-here"}));
+}
+
+// Whatever arrives at the metrics port (bytes that are no HTTP, other paths and
+// methods, a huge header, a request cut short), the server answers or closes, and goes on
+// serving scrapes and its control plane.
+TEST(MetricsTest, GarbageAtTheMetricsPortLeavesTheServerServing) {
+  testing::TestCluster cluster(1, "metrics-token", ::testing::TempDir(), "", {{"--metrics_listen=127.0.0.1:0"}});
+  const ClientOptions options{.servers = cluster.addresses(), .token = cluster.token()};
+  const auto status = FetchClusterStatus(options)[0];
+  ASSERT_TRUE(status.ok()) << status.status();
+  const int port = PortOf(status->metrics_address());
+  const std::string auth =
+      absl::StrCat("Authorization: Basic ", absl::Base64Escape("prometheus:" + cluster.token()), "\r\n");
+  std::mt19937 random(7);
+  std::string noise(64 << 10, '\0');
+  for (char& c : noise) c = static_cast<char>(random());
+  const std::vector<std::string> requests = {
+      noise,
+      "GET /other HTTP/1.0\r\n" + auth + "\r\n",
+      "POST /metrics HTTP/1.0\r\nContent-Length: 5\r\n" + auth + "\r\nhello",
+      "GET /metrics HTTP/1.0\r\nX-Long: " + std::string(200 << 10, 'x') + "\r\n" + auth + "\r\n",
+      "GET /metrics HTTP/1.0\r\nAuthorization: Basic !!!not-base64!!!\r\n\r\n",
+      "GET /metr",
+      "",
+  };
+  for (size_t i = 0; i < requests.size(); ++i) {
+    (void)Exchange(port, requests[i]);
+    const std::string scraped = Scrape(port, cluster.token());
+    EXPECT_THAT(scraped, ::testing::StartsWith("HTTP/1.1 200")) << "after request " << i;
+    EXPECT_THAT(scraped, HasSubstr("flatshard_server_info{rank=\"0\"")) << "after request " << i;
+  }
+  EXPECT_THAT(Exchange(port, "GET /other HTTP/1.0\r\n" + auth + "\r\n"), HasSubstr(" 404 Not Found\r\n"));
+  EXPECT_TRUE(FetchClusterStatus(options)[0].ok());
 }
 
 // Without --metrics_listen nothing is served, and the status says so.
