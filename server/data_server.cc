@@ -158,9 +158,9 @@ void DataServer::CountError(const Request* request, const absl::Status& status) 
   if (request == nullptr) {
     spdlog::log(level, "data plane: {}", status.ToString());
   } else {
-    spdlog::log(level, "data plane: request {} for group '{}/{}' from worker {} at version {}: {}",
-                static_cast<int>(request->op), request->job, request->group, request->worker_rank, request->version,
-                status.ToString());
+    spdlog::log(level, "data plane: {} of group '{}/{}' by worker {} at version {}: {}",
+                transport::DataOpName(request->op), request->job, request->group, request->worker_rank,
+                request->version, status.ToString());
   }
 }
 

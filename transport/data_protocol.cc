@@ -27,6 +27,36 @@ absl::Status RecvString(Connection& conn, size_t bytes, std::string& out) {
 
 }  // namespace
 
+std::string DataOpName(DataOp op) {
+  switch (op) {
+    case DataOp::kHello:
+      return "hello";
+    case DataOp::kGather:
+      return "gather";
+    case DataOp::kScatter:
+      return "scatter";
+    case DataOp::kPushInit:
+      return "push-init";
+    case DataOp::kIpcGather:
+      return "ipc-gather";
+    case DataOp::kIpcScatter:
+      return "ipc-scatter";
+    case DataOp::kNcclGather:
+      return "nccl-gather";
+    case DataOp::kNcclScatter:
+      return "nccl-scatter";
+    case DataOp::kGatherRange:
+      return "gather-range";
+    case DataOp::kReplicaPartial:
+      return "replica-partial";
+    case DataOp::kReplicaReduced:
+      return "replica-reduced";
+    case DataOp::kScatterPart:
+      return "scatter-part";
+  }
+  return absl::StrCat("op ", static_cast<int>(op));
+}
+
 absl::Time Request::Deadline() const {
   return absl::Now() + absl::Milliseconds(std::clamp<int64_t>(timeout_ms, 0, 24 * 3600 * 1000));
 }

@@ -76,6 +76,9 @@ enum class DataOp : uint8_t {
 };
 inline constexpr DataOp kLastDataOp = DataOp::kScatterPart;
 
+// "gather", "scatter", ... for logs and messages ("op 42" for a number that is none).
+std::string DataOpName(DataOp op);
+
 inline constexpr uint32_t kRequestMagic = 0x31445346;   // "FSD1"
 inline constexpr uint32_t kResponseMagic = 0x31525346;  // "FSR1"
 inline constexpr uint32_t kMaxNameBytes = 1024;

@@ -7,9 +7,11 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -73,6 +75,19 @@ RequestHeader GatherHeader() {
   header.version = 41;
   header.timeout_ms = 2500;
   return header;
+}
+
+// Logs name ops (server/data_server.cc): every op a name of its own.
+TEST(DataProtocolTest, EveryOpHasADistinctName) {
+  std::set<std::string> names;
+  for (int op = 1; op <= static_cast<int>(kLastDataOp); ++op) {
+    const std::string name = DataOpName(static_cast<DataOp>(op));
+    EXPECT_FALSE(absl::StartsWith(name, "op ")) << op;
+    names.insert(name);
+  }
+  EXPECT_EQ(names.size(), static_cast<size_t>(kLastDataOp));
+  EXPECT_EQ(DataOpName(DataOp::kScatterPart), "scatter-part");
+  EXPECT_EQ(DataOpName(static_cast<DataOp>(99)), "op 99");
 }
 
 TEST(DataProtocolTest, RequestRoundTripsWithItsPayloadLeftOnTheConnection) {
