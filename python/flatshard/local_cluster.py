@@ -53,8 +53,10 @@ class LocalCluster:
     flatshard.Client and ``token`` the token (generated when not given). Servers given
     the same ``checkpoint_root`` (two clusters one after the other, say) see the same
     checkpoints. ``memory`` is the servers' --memory tier; ``server_args`` are more
-    flags for every server (``["--max_file_size=1000000"]``). The processes are stopped
-    (SIGTERM, then SIGKILL) on exit or by ``close()``.
+    flags for every server (``["--max_file_size=1000000"]``), except those that would
+    hide a server's start-up line (logged at info to stderr, which ``server_log(rank)``
+    reads): ``--log_file`` and ``--log_level=warning|error`` are refused with ValueError.
+    The processes are stopped (SIGTERM, then SIGKILL) on exit or by ``close()``.
     """
 
     def __init__(self, servers=2, checkpoint_root=None, token=None, memory="host",
@@ -67,6 +69,11 @@ class LocalCluster:
         self.token = token if token is not None else secrets.token_hex(16)
         self.memory = memory
         self.server_args = list(server_args)
+        for arg in self.server_args:
+            name, _, value = arg.partition("=")
+            if name == "--log_file" or (name == "--log_level" and value in ("warning", "error")):
+                raise ValueError(f"server_args: {arg} would hide the servers' start-up line, which "
+                                 "LocalCluster waits for in their logs (server_log(rank))")
         self._startup_timeout = startup_timeout
         self._processes = []
         self._scratch = None

@@ -378,6 +378,19 @@ class ErrorTest(unittest.TestCase):
 
 
 class LocalClusterTest(unittest.TestCase):
+    def test_server_log_levels_that_keep_the_start_up_line(self):
+        for hiding in (["--log_level=warning"], ["--log_level=error"], ["--log_file=/tmp/x.log"]):
+            with self.assertRaises(ValueError):
+                flatshard.LocalCluster(servers=1, server_args=hiding)
+        with flatshard.LocalCluster(servers=1, server_args=["--log_level=debug"]) as cluster:
+            flatshard.Client(cluster.addresses, token=cluster.token).configure_job()
+            deadline = time.monotonic() + 10
+            while "ConfigureJob" not in cluster.server_log(0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            log = cluster.server_log(0)
+        self.assertIn(" rank 0 info: job 'default' configured: workers 1", log)
+        self.assertIn(" rank 0 debug: rpc /flatshard.v1.Flatshard/ConfigureJob from ", log)
+
     def test_a_port_taken_before_the_server_binds_it_starts_the_cluster_elsewhere(self):
         from flatshard import local_cluster
         taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
