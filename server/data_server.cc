@@ -95,7 +95,10 @@ void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) 
         break;  // garbage or a closed peer: the stream cannot be trusted any more
       }
       if (!conn->SetTimeout(options_.io_timeout).ok()) break;
-      if (!ServeRequest(*conn, *request)) break;
+      const LatencyClock::time_point start = LatencyClock::now();
+      const bool serving = ServeRequest(*conn, *request);
+      stats_.data_requests.For(transport::DataOpName(request->op)).RecordSince(start);
+      if (!serving) break;
     }
   }
   --stats_.open_data_connections;

@@ -417,7 +417,9 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
   if (job_settings_.async) return CommitAsync(slot);
   contribution->state = SlotState::kReady;
   if (++ready_count_ < replica_workers_) return CommitOutcome::kPending;
+  const LatencyClock::time_point reduce_start = LatencyClock::now();
   absl::Status reduced = job_settings_.hybrid() ? ReduceOwnPartial() : ReduceContributions();
+  if (reduced.ok()) reduce_latency_.RecordSince(reduce_start);
   if (!reduced.ok()) {
     // A kernel failed: nothing was applied and the other contributions stay. This one is
     // dropped, so its worker gets the error and may send again, which retries the step.
@@ -442,6 +444,7 @@ absl::StatusOr<CommitOutcome> Group::FinishReduction() {
 }
 
 absl::StatusOr<CommitOutcome> Group::CommitAsync(const ReceiveSlot& slot) {
+  const LatencyClock::time_point reduce_start = LatencyClock::now();
   const void* data = contributions_[slot.worker_rank].data;
   contributions_[slot.worker_rank] = Contribution{};
   const int64_t numel = shard_numel();
@@ -451,6 +454,7 @@ absl::StatusOr<CommitOutcome> Group::CommitAsync(const ReceiveSlot& slot) {
         grad_.floats(), numel, 1.0f / static_cast<float>(job_settings_.num_workers)));
   }
   FLATSHARD_RETURN_IF_ERROR(ZeroGradientPadding());
+  reduce_latency_.RecordSince(reduce_start);
   last_async_step_[slot.worker_rank] = slot.step;
   FLATSHARD_RETURN_IF_ERROR(StepOptimizer());
   return CommitOutcome::kApplied;
@@ -593,8 +597,10 @@ absl::Status Group::StepOptimizer() {
   if (generation_ != generation) {
     return absl::AbortedError(absl::StrCat("group '", name_, "' was loaded or re-initialized during the step"));
   }
+  const LatencyClock::time_point start = LatencyClock::now();
   FLATSHARD_RETURN_IF_ERROR(optimizer_.Step(params_.floats(), grad_.floats()));
   FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
+  optimizer_latency_.RecordSince(start);
   AdvanceVersion();
   return absl::OkStatus();
 }

@@ -85,6 +85,7 @@
 #include "core/huge_pages.h"
 #include "core/layout.h"
 #include "server/job.h"
+#include "server/latency_histogram.h"
 #include "server/optimizer.h"
 #include "server/shard_buffer.h"
 #include "server/shard_compute.h"
@@ -383,6 +384,10 @@ class Group {
   [[nodiscard]] absl::Status SetOptimizer(const OptimizerConfig& optimizer);
 
   GroupStats stats() const;
+  // Durations of this group's steps on this server (GroupStatus.reduce_seconds and
+  // optimizer_seconds): reducing the contributions, running the optimizer.
+  const LatencyHistogram& reduce_latency() const { return reduce_latency_; }
+  const LatencyHistogram& optimizer_latency() const { return optimizer_latency_; }
 
  private:
   enum class SlotState { kEmpty, kReceiving, kReady };
@@ -481,6 +486,8 @@ class Group {
   const JobSettings job_settings_;
   const int replica_workers_;  // contributions per step here: W, or this replica's share
   const std::vector<std::pair<int64_t, int64_t>> padding_runs_;  // {offset, count} in the shard
+  LatencyHistogram reduce_latency_;
+  LatencyHistogram optimizer_latency_;
 
   mutable absl::Mutex mu_;
   // Kernels and memory of the tier; calls are serialized by mu_.

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <exception>
+#include <limits>
 #include <thread>
 #include <utility>
 
@@ -35,6 +36,22 @@ class Family {
     ClientMetric metric;
     metric.label = std::move(labels);
     (family_.type == MetricType::Counter ? metric.counter.value : metric.gauge.value) = value;
+    family_.metric.push_back(std::move(metric));
+    return *this;
+  }
+  // A histogram family's sample: cumulative buckets, the last one +Inf.
+  Family& Add(const v1::LatencyHistogram& histogram, Labels labels) {
+    ClientMetric metric;
+    metric.label = std::move(labels);
+    metric.histogram.sample_count = histogram.count();
+    metric.histogram.sample_sum = histogram.sum_seconds();
+    uint64_t cumulative = 0;
+    for (int i = 0; i < histogram.counts_size(); ++i) {
+      cumulative += histogram.counts(i);
+      metric.histogram.bucket.push_back({cumulative, i < histogram.upper_bounds_seconds_size()
+                                                         ? histogram.upper_bounds_seconds(i)
+                                                         : std::numeric_limits<double>::infinity()});
+    }
     family_.metric.push_back(std::move(metric));
     return *this;
   }
@@ -125,13 +142,31 @@ std::vector<MetricFamily> StatusMetrics(const v1::ServerStatus& s) {
                MetricType::Gauge);
   Family pending("flatshard_group_pending_contributions", "Gradient contributions waiting for the group's step.",
                  MetricType::Gauge);
+  Family reduce("flatshard_group_reduce_duration_seconds",
+                "Reducing a step's gradient contributions on this server (hybrid jobs: the replica group's partial).",
+                MetricType::Histogram);
+  Family optimizer("flatshard_group_optimizer_duration_seconds",
+                   "Running the optimizer over this server's shard, per step.", MetricType::Histogram);
   for (const v1::GroupStatus& g : s.groups()) {
     version.Add(static_cast<double>(g.version()), GroupLabels(g));
     bytes.Add(static_cast<double>(g.bytes()), GroupLabels(g));
     numel.Add(static_cast<double>(g.shard_numel()), GroupLabels(g));
     pending.Add(g.pending_contributions(), GroupLabels(g));
+    reduce.Add(g.reduce_seconds(), GroupLabels(g));
+    optimizer.Add(g.optimizer_seconds(), GroupLabels(g));
   }
-  for (Family* family : {&version, &bytes, &numel, &pending}) add(*family);
+  for (Family* family : {&version, &bytes, &numel, &pending, &reduce, &optimizer}) add(*family);
+
+  Family data_requests("flatshard_data_request_duration_seconds",
+                       "Data-plane requests by op, from their header's arrival to the answer sent (a gather waits "
+                       "for its version, a sync scatter for the step).",
+                       MetricType::Histogram);
+  for (const v1::NamedLatency& op : s.data_request_seconds()) data_requests.Add(op.seconds(), {{"op", op.name()}});
+  add(data_requests);
+  Family rpcs("flatshard_rpc_duration_seconds",
+              "Control-plane RPCs by method, from their arrival to their status sent.", MetricType::Histogram);
+  for (const v1::NamedLatency& rpc : s.rpc_seconds()) rpcs.Add(rpc.seconds(), {{"method", rpc.name()}});
+  add(rpcs);
 
   Family staged("flatshard_staged_load_bytes",
                 "Memory of checkpoint loads read here and waiting for their commit (until --staged_load_timeout).",

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/time/clock.h"
+#include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "server/log.h"
 
@@ -15,16 +15,18 @@ namespace {
 
 class RequestLog : public grpc::experimental::Interceptor {
  public:
-  explicit RequestLog(grpc::experimental::ServerRpcInfo* info) : info_(info) {}
+  RequestLog(grpc::experimental::ServerRpcInfo* info, NamedLatencies& latencies) : info_(info), latencies_(latencies) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const absl::Duration took = absl::FromChrono(LatencyClock::now() - start_);
+      latencies_.For(absl::StripPrefix(info_->method(), "/")).Record(took);
       const grpc::Status status = methods->GetSendStatus();
       const absl::StatusCode code = static_cast<absl::StatusCode>(status.error_code());  // the same numbers
       const spdlog::level::level_enum level = WorthAWarning(code) ? spdlog::level::warn : spdlog::level::debug;
       if (spdlog::should_log(level)) {
-        const double ms = absl::ToDoubleMilliseconds(absl::Now() - start_);
+        const double ms = absl::ToDoubleMilliseconds(took);
         const std::string peer = info_->server_context()->peer();
         if (status.ok()) {
           spdlog::log(level, "rpc {} from {}: OK in {:.1f} ms", info_->method(), peer, ms);
@@ -39,13 +41,14 @@ class RequestLog : public grpc::experimental::Interceptor {
 
  private:
   grpc::experimental::ServerRpcInfo* const info_;
-  const absl::Time start_ = absl::Now();
+  NamedLatencies& latencies_;
+  const LatencyClock::time_point start_ = LatencyClock::now();
 };
 
 }  // namespace
 
 grpc::experimental::Interceptor* RequestLogFactory::CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) {
-  return new RequestLog(info);
+  return new RequestLog(info, latencies_);
 }
 
 }  // namespace flatshard::server

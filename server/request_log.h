@@ -1,21 +1,28 @@
-// RequestLog: a gRPC server interceptor that logs the outcome of every control-plane call
-// (server/log.h): at debug every call with its method, peer, code and time; at warning
-// the refusals WorthAWarning picks, whatever the level. Thread-safe: one interceptor per
-// call.
+// RequestLog: a gRPC server interceptor that times every control-plane call into
+// `latencies` (by method, "flatshard.v1.Flatshard/GetStatus": from its arrival to its
+// status sent) and logs its outcome (server/log.h): at debug every call with its method,
+// peer, code and time; at warning the refusals WorthAWarning picks, whatever the level.
+// Thread-safe: one interceptor per call; `latencies` must outlive the gRPC server.
 //
 //   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-//   creators.push_back(std::make_unique<RequestLogFactory>());
+//   creators.push_back(std::make_unique<RequestLogFactory>(stats.rpcs));
 //   builder.experimental().SetInterceptorCreators(std::move(creators));
 #ifndef FLATSHARD_SERVER_REQUEST_LOG_H_
 #define FLATSHARD_SERVER_REQUEST_LOG_H_
 
 #include <grpcpp/support/server_interceptor.h>
 
+#include "server/latency_histogram.h"
+
 namespace flatshard::server {
 
 class RequestLogFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
+  explicit RequestLogFactory(NamedLatencies& latencies) : latencies_(latencies) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override;
+
+ private:
+  NamedLatencies& latencies_;
 };
 
 }  // namespace flatshard::server

@@ -154,7 +154,7 @@ absl::Status Server::Start() {
   builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls), &control_port_);
   builder.RegisterService(service_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<RequestLogFactory>());
+  interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(16 << 20);
   if (options_.threads > 0) {

@@ -525,6 +525,8 @@ v1::ServerStatus FlatshardService::Status() {
     proto->set_load_id(stats.load_id);
     proto->set_shard(group->placement().shard);
     proto->set_replica(group->placement().replica);
+    group->reduce_latency().ToProto(proto->mutable_reduce_seconds());
+    group->optimizer_latency().ToProto(proto->mutable_optimizer_seconds());
   }
   response->set_bytes_received(stats_.bytes_received.load());
   response->set_bytes_sent(stats_.bytes_sent.load());
@@ -538,6 +540,8 @@ v1::ServerStatus FlatshardService::Status() {
   response->set_nccl_scatters(stats_.nccl_scatters.load());
   response->set_errors(stats_.errors.load());
   response->set_open_data_connections(stats_.open_data_connections.load());
+  stats_.data_requests.ToProto(response->mutable_data_request_seconds());
+  stats_.rpcs.ToProto(response->mutable_rpc_seconds());
   response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   response->set_cluster_check(cluster_check_());
   for (const ProgressRow& row : checkpoints_.Progress()) {

@@ -1,10 +1,13 @@
-// Traffic counters of one server, updated lock-free by the data plane and read by the
-// status RPC. Thread-safe.
+// Traffic counters and request latencies of one server, updated lock-free by the data
+// plane (and the RPC interceptor, server/request_log.h) and read by the status RPC.
+// Thread-safe.
 #ifndef FLATSHARD_SERVER_STATS_H_
 #define FLATSHARD_SERVER_STATS_H_
 
 #include <atomic>
 #include <cstdint>
+
+#include "server/latency_histogram.h"
 
 namespace flatshard::server {
 
@@ -23,6 +26,9 @@ struct ServerStats {
   // delivered to peers and taken from them; not counted in bytes_sent/bytes_received.
   std::atomic<int64_t> exchange_bytes_sent{0};
   std::atomic<int64_t> exchange_bytes_received{0};
+  // By data-plane op (transport::DataOpName) and by RPC method ("flatshard.v1.Flatshard/GetStatus").
+  NamedLatencies data_requests;
+  NamedLatencies rpcs;
 };
 
 }  // namespace flatshard::server

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/cli/human_bytes.h"
+#include "client/cli/latency_table.h"
 #include "client/cluster_status.h"
 #include "client/device_memory.h"
 #include "client/nccl_link.h"
@@ -122,6 +123,7 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                              g.optimizer(), g.pending_contributions(), g.shard(), g.replica(), LoadName(g.load_id()));
     }
   }
+  PrintLatencyTable(statuses, out);
   ReportSplitLoads(statuses, out);
   // Checkpoint saves and loads under way (each server's tensor bytes).
   for (const auto& status : statuses) {

@@ -9,6 +9,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <map>
 #include <random>
 #include <string>
@@ -18,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/cluster_status.h"
 #include "proto/cluster_info.h"
 #include "tests/integration/test_cluster.h"
@@ -143,6 +145,51 @@ TEST(MetricsTest, AScrapeSaysWhatTheStatusSaysAndAsksForTheToken) {
     EXPECT_DOUBLE_EQ(value("flatshard_job_last_grad_norm{job=\"m\"}"), status->jobs(0).last_grad_norm()) << server;
     EXPECT_EQ(value("flatshard_job_last_grad_norm_step{job=\"m\"}"), 1) << server;
     EXPECT_EQ(value("flatshard_cluster_agreed"), 1) << server;
+
+    // Latencies: every gather and scatter was timed, each of the group's steps reduced
+    // and stepped once, and the scrape's histograms are the status's.
+    std::map<std::string, v1::LatencyHistogram> data;
+    for (const v1::NamedLatency& op : status->data_request_seconds()) data[op.name()] = op.seconds();
+    EXPECT_EQ(data["gather"].count(), status->gathers()) << server;
+    EXPECT_EQ(data["scatter"].count(), status->scatters()) << server;
+    EXPECT_EQ(status->gathers(), 2) << server;
+    const v1::GroupStatus& group = status->groups(0);
+    EXPECT_EQ(group.reduce_seconds().count(), 2u) << server;
+    EXPECT_EQ(group.optimizer_seconds().count(), 2u) << server;
+    for (const auto& [name, histogram] : data) {
+      const std::string labels = absl::StrCat("{op=\"", name, "\"}");
+      EXPECT_EQ(value("flatshard_data_request_duration_seconds_count" + labels), histogram.count()) << server;
+      EXPECT_EQ(value(absl::StrCat("flatshard_data_request_duration_seconds_bucket{op=\"", name, "\",le=\"+Inf\"}")),
+                histogram.count())
+          << server;
+      EXPECT_DOUBLE_EQ(value("flatshard_data_request_duration_seconds_sum" + labels), histogram.sum_seconds())
+          << server;
+      // Cumulative at each bound: the counts up to it.
+      std::map<double, double> buckets;  // le -> count, the finite ones
+      const std::string prefix = absl::StrCat("flatshard_data_request_duration_seconds_bucket{op=\"", name, "\",le=\"");
+      for (const auto& [sample, count] : samples) {
+        double le = 0;
+        if (absl::StartsWith(sample, prefix) &&
+            absl::SimpleAtod(absl::StripSuffix(sample.substr(prefix.size()), "\"}"), &le) && std::isfinite(le)) {
+          buckets[le] = count;
+        }
+      }
+      ASSERT_EQ(buckets.size(), static_cast<size_t>(histogram.upper_bounds_seconds_size())) << server;
+      uint64_t cumulative = 0;
+      for (int i = 0; i < histogram.upper_bounds_seconds_size(); ++i) {
+        cumulative += histogram.counts(i);
+        EXPECT_EQ(buckets[histogram.upper_bounds_seconds(i)], cumulative) << server << " " << name << " le " << i;
+      }
+    }
+    EXPECT_EQ(value("flatshard_group_optimizer_duration_seconds_count{job=\"m\",group=\"g\"}"), 2) << server;
+    EXPECT_EQ(value("flatshard_group_reduce_duration_seconds_count{job=\"m\",group=\"g\"}"), 2) << server;
+    // Control-plane calls by method: the group was registered once on each server.
+    std::map<std::string, uint64_t> rpcs;
+    for (const v1::NamedLatency& rpc : status->rpc_seconds()) rpcs[rpc.name()] = rpc.seconds().count();
+    EXPECT_EQ(rpcs["flatshard.v1.Flatshard/RegisterGroup"], 1u) << server;
+    EXPECT_EQ(rpcs["flatshard.v1.Flatshard/ConfigureJob"], 1u) << server;
+    EXPECT_EQ(value("flatshard_rpc_duration_seconds_count{method=\"flatshard.v1.Flatshard/RegisterGroup\"}"), 1)
+        << server;
 
     EXPECT_THAT(Scrape(port, ""), ::testing::StartsWith("HTTP/1.1 401")) << server;
     const std::string wrong = Scrape(port, "not-the-token");

@@ -96,6 +96,18 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     EXPECT_EQ(replicated[3], "1000");
     EXPECT_EQ(replicated[8], "0");
     EXPECT_EQ(replicated[9], r);
+    // Server-side times: rank, what, count, p50 (2 words), p99 (2), mean (2). Each server
+    // took one scatter and one step of the hybrid job; the other group never stepped.
+    const std::vector<std::string> scatter = Row(table.str(), r, "scatter");
+    ASSERT_EQ(scatter.size(), 9u) << table.str();
+    EXPECT_EQ(scatter[2], "1") << table.str();
+    for (const char* what : {"reduce", "optimizer"}) {
+      const std::vector<std::string> step = Row(table.str(), r, what);
+      ASSERT_EQ(step.size(), 10u) << table.str();
+      EXPECT_EQ(step[2], "hybrid/h") << table.str();
+      EXPECT_EQ(step[3], "1") << table.str();
+    }
+    EXPECT_EQ(table.str().find("reduce status/g"), std::string::npos) << table.str();
   }
 
   options.json = true;
@@ -110,6 +122,8 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     EXPECT_EQ(server["groups"].size(), 2u);
     EXPECT_EQ(server["exchange_bytes_sent"], "4000");  // proto3 JSON: int64 as a string
     EXPECT_EQ(server["exchange_bytes_received"], "4000");
+    EXPECT_FALSE(server["data_request_seconds"].empty());
+    EXPECT_FALSE(server["rpc_seconds"].empty());
   }
 
   const std::vector<int> free_port = *transport::PickFreeLoopbackPorts(1);

@@ -4,6 +4,7 @@
 #include <prometheus/metric_family.h>
 #include <prometheus/text_serializer.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -82,6 +83,68 @@ TEST(StatusMetricsTest, SplitsRequestsByPlaneAndLabelsJobsGroupsAndLoads) {
   const std::string text = prometheus::TextSerializer().Serialize(families);
   EXPECT_NE(text.find("# TYPE flatshard_gathers_total counter\n"), std::string::npos) << text;
   EXPECT_NE(text.find("flatshard_group_version{job=\"a\",group=\"mlp\"} 7\n"), std::string::npos) << text;
+}
+
+// Latency histograms (v1::LatencyHistogram, per bucket) become Prometheus histograms:
+// cumulative buckets ending at +Inf with every duration, their sum and count.
+TEST(StatusMetricsTest, LatenciesAreCumulativeHistograms) {
+  v1::LatencyHistogram histogram;
+  histogram.add_upper_bounds_seconds(0.001);
+  histogram.add_upper_bounds_seconds(0.01);
+  for (uint64_t count : {3, 0, 2}) histogram.add_counts(count);
+  histogram.set_count(5);
+  histogram.set_sum_seconds(0.5);
+  v1::ServerStatus status;
+  v1::NamedLatency* gather = status.add_data_request_seconds();
+  gather->set_name("gather");
+  *gather->mutable_seconds() = histogram;
+  v1::NamedLatency* rpc = status.add_rpc_seconds();
+  rpc->set_name("flatshard.v1.Flatshard/GetStatus");
+  *rpc->mutable_seconds() = histogram;
+  v1::GroupStatus* group = status.add_groups();
+  group->set_job("a");
+  group->set_group("mlp");
+  *group->mutable_optimizer_seconds() = histogram;  // and reduce_seconds empty
+
+  const std::vector<prometheus::MetricFamily> families = StatusMetrics(status);
+  std::map<std::string, const prometheus::MetricFamily*> by_name;
+  for (const prometheus::MetricFamily& family : families) by_name[family.name] = &family;
+  for (const char* name : {"flatshard_data_request_duration_seconds", "flatshard_rpc_duration_seconds",
+                           "flatshard_group_optimizer_duration_seconds"}) {
+    ASSERT_TRUE(by_name.contains(name)) << name;
+    const prometheus::MetricFamily& family = *by_name[name];
+    EXPECT_EQ(family.type, prometheus::MetricType::Histogram) << name;
+    ASSERT_EQ(family.metric.size(), 1u) << name;
+    const prometheus::ClientMetric::Histogram& h = family.metric[0].histogram;
+    EXPECT_EQ(h.sample_count, 5u);
+    EXPECT_EQ(h.sample_sum, 0.5);
+    ASSERT_EQ(h.bucket.size(), 3u);
+    EXPECT_EQ(h.bucket[0].cumulative_count, 3u);
+    EXPECT_EQ(h.bucket[0].upper_bound, 0.001);
+    EXPECT_EQ(h.bucket[1].cumulative_count, 3u);
+    EXPECT_EQ(h.bucket[2].cumulative_count, 5u);
+    EXPECT_TRUE(std::isinf(h.bucket[2].upper_bound));
+  }
+  // An empty group histogram is still the group's (all zeros), not left out.
+  ASSERT_TRUE(by_name.contains("flatshard_group_reduce_duration_seconds"));
+  EXPECT_EQ(by_name["flatshard_group_reduce_duration_seconds"]->metric[0].histogram.sample_count, 0u);
+
+  const std::string text = prometheus::TextSerializer().Serialize(families);
+  EXPECT_NE(text.find("# TYPE flatshard_data_request_duration_seconds histogram\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("flatshard_data_request_duration_seconds_bucket{op=\"gather\",le=\"0.01\"} 3\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("flatshard_data_request_duration_seconds_bucket{op=\"gather\",le=\"+Inf\"} 5\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("flatshard_data_request_duration_seconds_count{op=\"gather\"} 5\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("flatshard_rpc_duration_seconds_sum{method=\"flatshard.v1.Flatshard/GetStatus\"} 0.5\n"),
+            std::string::npos)
+      << text;
+  // One +Inf bucket per sample, not two.
+  size_t infs = 0;
+  for (size_t at = text.find("le=\"+Inf\""); at != std::string::npos; at = text.find("le=\"+Inf\"", at + 1)) ++infs;
+  EXPECT_EQ(infs, 4u) << text;
 }
 
 }  // namespace
