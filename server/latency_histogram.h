@@ -7,7 +7,8 @@
 // one histogram per kind of request (a data-plane op, an RPC method), made on first use.
 //
 // Thread-safe. Record is lock-free (relaxed atomics): it runs on the data plane's and
-// the group's hot paths. A snapshot read while others record may see a duration in its
+// the group's hot paths; NamedLatencies::For takes a shared lock (exclusive only the first
+// time a name comes). A snapshot read while others record may see a duration in its
 // bucket and not yet in the sum; its count is always the sum of its buckets.
 //
 //   const LatencyClock::time_point start = LatencyClock::now();
