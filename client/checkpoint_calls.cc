@@ -116,6 +116,7 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   request.set_optimizer(optimizer);
   request.set_job(job_);
   request.set_save_id(NewSaveId());
+  request.set_cut_wait_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(control_.timeout())));
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
   // A server that is done with an earlier save of the name would take this one while
   // another still writes into the same directory (each server refuses only its own).
@@ -181,7 +182,8 @@ absl::Status CheckpointCalls::Load(const std::string& name,
     request.set_phase(p);
     return control_.OnAllServersInParallel([&](size_t i) {
       v1::CheckpointResponse response;
-      answers[i] = control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response);
+      answers[i] =
+          control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response, control_.checkpoint_timeout());
       return answers[i];
     });
   };
@@ -253,6 +255,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   request.set_kind(ToProto(kind));
   request.set_optimizer(optimizer);
   request.set_chunk_bytes(export_chunk_bytes_);
+  request.set_cut_wait_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(control_.timeout())));
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
   FLATSHARD_ASSIGN_OR_RETURN(const auto cut, ChooseCut(job_, statuses, sent, at));
   const std::vector<bool> writers = Writers(job_, statuses);

@@ -16,6 +16,7 @@
 #include "proto/cluster_info.h"
 #include "proto/convert.h"
 #include "proto/flatshard.grpc.pb.h"
+#include "proto/keepalive.h"
 
 namespace flatshard {
 namespace {
@@ -265,6 +266,15 @@ class ClientImpl final : public Client {
     if (options.timeout <= absl::ZeroDuration()) {
       return absl::InvalidArgumentError(
           absl::StrCat("timeout ", absl::FormatDuration(options.timeout), " is not positive"));
+    }
+    if (options.checkpoint_timeout <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint_timeout ", absl::FormatDuration(options.checkpoint_timeout), " is not positive"));
+    }
+    if (options.keepalive < kMinKeepaliveInterval) {
+      return absl::InvalidArgumentError(absl::StrCat("keepalive ", absl::FormatDuration(options.keepalive),
+                                                     " is below ", absl::FormatDuration(kMinKeepaliveInterval),
+                                                     " (servers take pings at most once a second)"));
     }
     if (options.gather_split_bytes < 0) {
       return absl::InvalidArgumentError(

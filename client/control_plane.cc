@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/control_channel.h"
 #include "core/status_macros.h"
+#include "proto/keepalive.h"
 
 namespace flatshard::client_internal {
 
@@ -21,16 +22,17 @@ absl::StatusOr<std::unique_ptr<ControlPlane>> ControlPlane::Create(const ClientO
   for (const std::string& address : options.servers) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(65 << 20);  // export chunks of up to 64 MiB
+    SetKeepalive(args, options.keepalive);
     stubs.push_back(v1::Flatshard::NewStub(grpc::CreateCustomChannel(address, credentials, args)));
   }
   return std::unique_ptr<ControlPlane>(new ControlPlane(options, std::move(stubs)));
 }
 
-ControlPlane::ControlPlane(const ClientOptions& options,
-                           std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs)
+ControlPlane::ControlPlane(const ClientOptions& options, std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs)
     : servers_(options.servers),
       token_(options.token),
       timeout_(options.timeout),
+      checkpoint_timeout_(options.checkpoint_timeout),
       stubs_(std::move(stubs)) {}
 
 void ControlPlane::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {

@@ -32,13 +32,18 @@ class ControlPlane {
   using Method = grpc::Status (v1::Flatshard::Stub::*)(grpc::ClientContext*, const Request&,
                                                        Response*);
 
-  // Channels to options.servers, with options.token, .timeout and .tls_ca_file.
+  // Channels to options.servers, with options.token, .timeout, .checkpoint_timeout,
+  // .keepalive and .tls_ca_file.
   // InvalidArgument when the CA file cannot be read.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<ControlPlane>> Create(
       const ClientOptions& options);
 
   int size() const { return static_cast<int>(stubs_.size()); }
   const std::string& address(size_t server) const { return servers_[server]; }
+  absl::Duration timeout() const { return timeout_; }
+  // The deadline of checkpoint calls (ClientOptions::checkpoint_timeout), which may be
+  // infinite: the channels' keepalive notices a server that stops answering.
+  absl::Duration checkpoint_timeout() const { return checkpoint_timeout_; }
 
   // One unary call to `server`, within `timeout` (zero: the client's). Blocks. Returns
   // the call's error with the server's address in its message.
@@ -78,6 +83,7 @@ class ControlPlane {
   const std::vector<std::string> servers_;
   const std::string token_;
   const absl::Duration timeout_;
+  const absl::Duration checkpoint_timeout_;
   const std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs_;
 };
 

@@ -173,7 +173,7 @@ class CutStreams {
   void Open(size_t i) {
     servers_[i] = std::make_unique<Server>();
     servers_[i]->index = i;
-    control_.Prepare(servers_[i]->ctx);
+    control_.Prepare(servers_[i]->ctx, control_.checkpoint_timeout());
     servers_[i]->stream = (control_.stub(i).*method_)(&servers_[i]->ctx);
   }
 

@@ -24,8 +24,9 @@ namespace flatshard {
 // load their state comes from. Revision 3: every data-plane header names a load
 // (transport/data_protocol.h), so gathers and scatters are checked against it too.
 // Revision 4: a load's id comes with its preparation (the staged load it names); the
-// DeleteJob RPC.
-inline constexpr uint32_t kProtocolRevision = 4;
+// DeleteJob RPC. Revision 5: saves and exports say how long a server waits for their cut
+// (cut_wait_ms), their streams lasting as long as the checkpoint takes.
+inline constexpr uint32_t kProtocolRevision = 5;
 
 // This build's version (CMake's PROJECT_VERSION), "0.1.0".
 absl::string_view FlatshardVersion();

@@ -215,9 +215,9 @@ py::dict LayoutToDict(const FlatLayout& layout) {
 
 class PyClient {
  public:
-  PyClient(std::vector<std::string> servers, int worker_rank, int num_workers, std::string token,
-           double timeout, std::string job, std::string device_plane, std::string tls_ca_file,
-           int max_in_flight, int64_t gather_split_bytes, int64_t scatter_split_bytes) {
+  PyClient(std::vector<std::string> servers, int worker_rank, int num_workers, std::string token, double timeout,
+           std::string job, std::string device_plane, std::string tls_ca_file, int max_in_flight,
+           int64_t gather_split_bytes, int64_t scatter_split_bytes, double checkpoint_timeout, double keepalive) {
     static const std::map<std::string, DevicePlane> kPlanes = {{"auto", DevicePlane::kAuto},
                                                                {"cuda-ipc", DevicePlane::kCudaIpc},
                                                                {"nccl", DevicePlane::kNccl},
@@ -233,6 +233,8 @@ class PyClient {
                           .num_workers = num_workers,
                           .job = std::move(job),
                           .timeout = absl::Seconds(timeout),
+                          .checkpoint_timeout = absl::Seconds(checkpoint_timeout),  // inf: none
+                          .keepalive = absl::Seconds(keepalive),
                           .max_in_flight = max_in_flight,
                           .device_plane = plane->second,
                           .gather_split_bytes = gather_split_bytes,
@@ -418,10 +420,11 @@ PYBIND11_MODULE(_native, m) {
       .def("done", &Pending::Done);
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string, std::string, int,
-                    int64_t, int64_t>(),
+                    int64_t, int64_t, double, double>(),
            py::arg("servers"), py::arg("worker_rank"), py::arg("num_workers"), py::arg("token"), py::arg("timeout"),
            py::arg("job"), py::arg("device_plane"), py::arg("tls_ca_file"), py::arg("max_in_flight"),
-           py::arg("gather_split_bytes"), py::arg("scatter_split_bytes"))
+           py::arg("gather_split_bytes"), py::arg("scatter_split_bytes"), py::arg("checkpoint_timeout"),
+           py::arg("keepalive"))
       .def("configure_job", &PyClient::ConfigureJob)
       .def("register_group", &PyClient::RegisterGroup)
       .def("init_group", &PyClient::InitGroup)

@@ -8,9 +8,14 @@
 #include "absl/time/clock.h"
 #include "core/status_macros.h"
 #include "proto/cluster_info.h"
+#include "proto/keepalive.h"
 
 namespace flatshard::server {
 namespace {
+
+// How often a server pings a peer it waits on (proto/keepalive.h): a dead or hung peer
+// fails the call within twice this.
+constexpr absl::Duration kPeerKeepalive = absl::Seconds(15);
 
 // Data per message of checkpoint bytes between servers: gRPC streams 4 MiB messages at
 // several times the rate of one large one.
@@ -108,6 +113,9 @@ PeerClient::PeerClient(std::vector<std::string> cluster, int rank, std::string t
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetMaxReceiveMessageSize(16 << 20);  // checkpoint file chunks of 4 MiB
+  // A part streamed to server 0 has no deadline (an async save's) or the client's:
+  // pings tell a peer that died or hangs.
+  SetKeepalive(args, kPeerKeepalive);
   for (const std::string& address : cluster_) {
     channels_.push_back(grpc::CreateCustomChannel(address, credentials, args));
     stubs_.push_back(v1::Flatshard::NewStub(channels_.back()));

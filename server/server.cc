@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "proto/flatshard.grpc.pb.h"
+#include "proto/keepalive.h"
 #include "server/request_log.h"
 #include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
@@ -151,6 +152,7 @@ absl::Status Server::Start() {
   // gRPC sets SO_REUSEPORT by default: a second server on this address would start too
   // and take half of the connections. It must fail instead, as the data port does.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  AcceptKeepalive(builder);  // clients and peers ping while their checkpoint calls run
   builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls), &control_port_);
   builder.RegisterService(service_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;

@@ -114,6 +114,15 @@ absl::Time WaitDeadline(const grpc::ServerContext* ctx) {
   return deadline - std::clamp((deadline - absl::Now()) / 10, absl::ZeroDuration(), absl::Seconds(1));
 }
 
+// How long a save or export waits for its cut, over all of its rounds: `cut_wait_ms`
+// from now (the client's per-call timeout; its stream lasts as long as the checkpoint
+// takes), and never past WaitDeadline.
+absl::Time CutWaitDeadline(const grpc::ServerContext* ctx, uint64_t cut_wait_ms) {
+  const absl::Time wait = WaitDeadline(ctx);
+  if (cut_wait_ms == 0) return wait;
+  return std::min(wait, absl::Now() + absl::Milliseconds(std::min<uint64_t>(cut_wait_ms, uint64_t{1} << 40)));
+}
+
 }  // namespace
 
 absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& proto) {
@@ -317,10 +326,11 @@ grpc::Status FlatshardService::SaveCheckpoint(
   absl::StatusOr<std::unique_ptr<PendingSave>> save =
       checkpoints_.BeginSave(request.name(), *kind, request.optimizer(), request.job(), options);
   if (!save.ok()) return ToGrpc(save.status());
+  const absl::Time cut_deadline = CutWaitDeadline(ctx, request.cut_wait_ms());
   const absl::Status agreed = AgreeOnCut(
       stream, "save", {request.versions().begin(), request.versions().end()},
       [&](const std::map<std::string, int64_t>& versions) {
-        return checkpoints_.PinSave(**save, versions, WaitDeadline(ctx));
+        return checkpoints_.PinSave(**save, versions, cut_deadline);
       },
       [&] { return checkpoints_.JobVersions(request.job()); });
   if (!agreed.ok()) return ToGrpc(agreed);
@@ -401,11 +411,12 @@ grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, ExportS
     return ToGrpc(absl::InvalidArgumentError("export: chunk_bytes is at most 64 MiB"));
   }
   std::optional<PinnedExport> pinned;
+  const absl::Time cut_deadline = CutWaitDeadline(ctx, request.cut_wait_ms());
   const absl::Status agreed = AgreeOnCut(
       stream, "export", {request.versions().begin(), request.versions().end()},
       [&](const std::map<std::string, int64_t>& versions) {
         pinned.reset();  // the pins of an earlier cut, which the groups must get past
-        absl::StatusOr<PinnedExport> pins = checkpoints_.PinExport(request.job(), versions, WaitDeadline(ctx));
+        absl::StatusOr<PinnedExport> pins = checkpoints_.PinExport(request.job(), versions, cut_deadline);
         if (!pins.ok()) return pins.status();
         pinned = *std::move(pins);
         return absl::OkStatus();

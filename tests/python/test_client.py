@@ -324,6 +324,25 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(len(status["servers"]), 3)
         self.assertEqual({s["rank"] for s in status["servers"]}, {0, 1, 2})
         self.assertEqual(c.data_planes(), ["tcp"] * 3)
+        # Each server timed the calls of this client's handshake, by method.
+        for server in status["servers"]:
+            methods = {rpc["name"] for rpc in server["rpc_seconds"]}
+            self.assertIn("flatshard.v1.Flatshard/OpenSession", methods)
+
+    def test_checkpoint_timeout_bounds_an_export_and_keepalive_has_a_floor(self):
+        c = self.client(job="bounded", checkpoint_timeout=1e-6)
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        with tempfile.TemporaryDirectory() as out:
+            with self.assertRaises(flatshard.DeadlineExceededError):
+                c.export_state_dict(out, kind="full")
+            # Unbounded (the default), the same export completes.
+            self.client(job="bounded").export_state_dict(out, kind="full")
+            self.assertTrue(os.path.exists(os.path.join(out, "model.safetensors")))
+        with self.assertRaisesRegex(flatshard.InvalidArgumentError, "keepalive 500ms is below 1s"):
+            self.client(job="bounded", keepalive=0.5)
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            self.client(job="bounded", checkpoint_timeout=0)
 
 
 class ErrorTest(unittest.TestCase):

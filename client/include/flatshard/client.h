@@ -52,7 +52,15 @@ struct ClientOptions {
   int worker_rank = 0;
   int num_workers = 1;
   std::string job = "default";
-  absl::Duration timeout = absl::Seconds(30);  // per RPC, per transfer, per version wait
+  // Per RPC, per transfer, per version wait (a checkpoint's wait for its cut included).
+  absl::Duration timeout = absl::Seconds(30);
+  // A checkpoint save, load or export as a whole: it moves the whole model, so `timeout`
+  // does not bound it. None by default; a server that dies or hangs meanwhile fails it
+  // within twice `keepalive`.
+  absl::Duration checkpoint_timeout = absl::InfiniteDuration();
+  // While calls are in flight, each server is pinged this often (at least 1 s) and must
+  // answer within as long again; otherwise its calls fail with UNAVAILABLE.
+  absl::Duration keepalive = absl::Seconds(15);
   int max_in_flight = 2;                       // concurrent transfers per server, 1-64
   uint32_t export_chunk_bytes = 4 << 20;       // ExportStateDict: bytes per message (<= 64 MiB)
   DevicePlane device_plane = DevicePlane::kAuto;
