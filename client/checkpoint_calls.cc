@@ -14,6 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "client/checkpoint_cut.h"
 #include "client/cut_streams.h"
+#include "client/load_leases.h"
 #include "core/file.h"
 #include "core/status_macros.h"
 #include "proto/convert.h"
@@ -178,17 +179,31 @@ absl::Status CheckpointCalls::Load(const std::string& name,
   while (load_id == 0) load_id = RandomId();
   request.set_load_id(load_id);
   std::vector<absl::Status> answers(control_.size());  // by rank, of the last phase
+  // Keeps the staging of the servers that prepared while the others still prepare.
+  v1::LoadCheckpointRequest renewal = request;
+  renewal.set_phase(v1::LoadCheckpointRequest::RENEW);
+  LoadLeases leases([&](size_t i) -> absl::StatusOr<absl::Duration> {
+    v1::CheckpointResponse response;
+    FLATSHARD_RETURN_IF_ERROR(control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, renewal, &response));
+    return absl::Seconds(response.staged_for_seconds());
+  });
   auto phase = [&](v1::LoadCheckpointRequest::Phase p) {
     request.set_phase(p);
     return control_.OnAllServersInParallel([&](size_t i) {
       v1::CheckpointResponse response;
       answers[i] =
           control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response, control_.checkpoint_timeout());
+      if (answers[i].ok() && p == v1::LoadCheckpointRequest::PREPARE) {
+        leases.Prepared(i, absl::Seconds(response.staged_for_seconds()));
+      }
       return answers[i];
     });
   };
-  const absl::Status prepared = WithProgress(
-      name, "load", progress, [&] { return phase(v1::LoadCheckpointRequest::PREPARE); });
+  const absl::Status prepared = WithProgress(name, "load", progress, [&] {
+    absl::Status all = phase(v1::LoadCheckpointRequest::PREPARE);
+    all.Update(leases.Stop());  // a server dropped its staging while another prepared
+    return all;
+  });
   if (!prepared.ok()) {
     (void)phase(v1::LoadCheckpointRequest::ABORT);
     return prepared;

@@ -25,7 +25,8 @@ namespace flatshard {
 // (transport/data_protocol.h), so gathers and scatters are checked against it too.
 // Revision 4: a load's id comes with its preparation (the staged load it names); the
 // DeleteJob RPC. Revision 5: saves and exports say how long a server waits for their cut
-// (cut_wait_ms), their streams lasting as long as the checkpoint takes.
+// (cut_wait_ms), their streams lasting as long as the checkpoint takes; a load's client
+// renews its staging on the servers that prepared while others still do (RENEW).
 inline constexpr uint32_t kProtocolRevision = 5;
 
 // This build's version (CMake's PROJECT_VERSION), "0.1.0".

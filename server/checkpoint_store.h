@@ -244,6 +244,11 @@ class CheckpointStore {
   // FailedPrecondition if nothing is staged (saying why, when it was dropped).
   [[nodiscard]] absl::Status CommitLoad(const std::string& name, uint64_t load_id);
   void AbortLoad(uint64_t load_id) { staged_.Abort(load_id); }
+  // Holds load `load_id` of `name` for another staged_load_timeout() (StagedLoads::Renew).
+  [[nodiscard]] absl::Status RenewLoad(const std::string& name, uint64_t load_id) {
+    return staged_.Renew(load_id, name);
+  }
+  absl::Duration staged_load_timeout() const { return staged_.timeout(); }
   // `job` was deleted: drops the loads staged for it (their memory with them); their
   // commits are then FailedPrecondition.
   void DropStagedLoads(const std::string& job) { staged_.DropJob(job); }

@@ -345,17 +345,22 @@ grpc::Status FlatshardService::SaveCheckpoint(
   return ToGrpc(checkpoints_.Commit(request.name(), request.save_id()));
 }
 
-grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
-                                              const v1::LoadCheckpointRequest* request,
-                                              v1::CheckpointResponse*) {
+grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx, const v1::LoadCheckpointRequest* request,
+                                              v1::CheckpointResponse* response) {
   if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   if (request->load_id() == 0) {
     return ToGrpc(absl::InvalidArgumentError("a load must carry its (non-zero) load_id in every phase"));
   }
   switch (request->phase()) {
     case v1::LoadCheckpointRequest::PREPARE:
-      return ToGrpc(
-          checkpoints_.PrepareLoad(request->name(), request->job(), request->load_id(), request->home_root_id()));
+    case v1::LoadCheckpointRequest::RENEW: {
+      const absl::Status held =
+          request->phase() == v1::LoadCheckpointRequest::PREPARE
+              ? checkpoints_.PrepareLoad(request->name(), request->job(), request->load_id(), request->home_root_id())
+              : checkpoints_.RenewLoad(request->name(), request->load_id());
+      response->set_staged_for_seconds(absl::ToDoubleSeconds(checkpoints_.staged_load_timeout()));
+      return ToGrpc(held);
+    }
     case v1::LoadCheckpointRequest::COMMIT: {
       const absl::Status loaded = checkpoints_.CommitLoad(request->name(), request->load_id());
       // Its steps are taken again from the loaded versions.
@@ -366,9 +371,11 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx,
       }
       return ToGrpc(loaded);
     }
-    default:
+    case v1::LoadCheckpointRequest::ABORT:
       checkpoints_.AbortLoad(request->load_id());
       return grpc::Status::OK;
+    default:
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat("unknown load phase ", request->phase())));
   }
 }
 

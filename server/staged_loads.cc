@@ -47,8 +47,7 @@ void StagedLoads::Add(uint64_t load_id, std::string name, std::string job, Stage
   added_ = true;
 }
 
-absl::StatusOr<StagedGroups> StagedLoads::Take(uint64_t load_id, const std::string& name) {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<StagedLoads::Load*> StagedLoads::Find(uint64_t load_id, const std::string& name) {
   const auto it = loads_.find(load_id);
   if (it == loads_.end()) {
     // The latest drop of the id (a client may prepare one id again after a failure).
@@ -62,9 +61,25 @@ absl::StatusOr<StagedGroups> StagedLoads::Take(uint64_t load_id, const std::stri
     return absl::FailedPreconditionError(
         absl::StrCat(LoadName(load_id), " stages checkpoint '", it->second.row.name, "', not '", name, "'"));
   }
-  StagedGroups groups = std::move(it->second.groups);
-  loads_.erase(it);
+  return &it->second;
+}
+
+absl::StatusOr<StagedGroups> StagedLoads::Take(uint64_t load_id, const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Load*> load = Find(load_id, name);
+  if (!load.ok()) return load.status();
+  StagedGroups groups = std::move((*load)->groups);
+  loads_.erase(load_id);
   return groups;
+}
+
+absl::Status StagedLoads::Renew(uint64_t load_id, const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Load*> load = Find(load_id, name);
+  if (!load.ok()) return load.status();
+  // Later only: the expiry thread, waiting for the old expiry, then finds nothing due.
+  (*load)->row.expires_at = absl::Now() + timeout_;
+  return absl::OkStatus();
 }
 
 void StagedLoads::Abort(uint64_t load_id) {
@@ -107,8 +122,8 @@ void StagedLoads::Forget(uint64_t load_id, std::string why) {
 }
 
 void StagedLoads::ExpireLoads() {
-  const std::string why =
-      absl::StrCat("no commit came within ", absl::FormatDuration(timeout_), " of its staging (--staged_load_timeout)");
+  const std::string why = absl::StrCat("no commit came within ", absl::FormatDuration(timeout_),
+                                       " of its staging or last renewal (--staged_load_timeout)");
   for (;;) {
     std::vector<StagedGroups> expired;  // freed after the lock, at the end of the turn
     absl::MutexLock lock(&mu_);

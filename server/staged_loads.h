@@ -1,9 +1,10 @@
 // StagedLoads: the checkpoint loads this server has read and verified (PrepareLoad) and
 // holds in memory until the client commits or aborts them, each under the id the client
 // gave it (the same on every server). A load whose commit does not come within
-// `timeout` of its staging (its client died between the two phases, or lost its
+// `timeout` of its staging or of its client's last renewal (the client renews while other
+// servers still prepare; without either, it died between the two phases, or lost its
 // connection) is dropped with its memory, by a thread of this class; so are the loads of
-// a deleted job. A commit or abort that finds its load gone says why, for the last
+// a deleted job. A commit or renewal that finds its load gone says why, for the last
 // kRemembered ids dropped.
 //
 // Thread-safe. Owns the staged buffers; the groups they belong to stay shared with the
@@ -57,6 +58,8 @@ class StagedLoads {
   // Hands load `load_id` over for installing. FailedPrecondition when there is none
   // (saying why when it was dropped), or when it stages another checkpoint than `name`.
   [[nodiscard]] absl::StatusOr<StagedGroups> Take(uint64_t load_id, const std::string& name);
+  // Holds load `load_id` for another `timeout` from now. FailedPrecondition as Take's.
+  [[nodiscard]] absl::Status Renew(uint64_t load_id, const std::string& name);
   // Drops load `load_id`, if staged.
   void Abort(uint64_t load_id);
   // Drops the loads staged for `job`, which was deleted.
@@ -74,6 +77,9 @@ class StagedLoads {
   template <typename Predicate>
   std::vector<StagedGroups> Remove(Predicate drop, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Forget(uint64_t load_id, std::string why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Load `load_id` of checkpoint `name`; FailedPrecondition saying why when there is none
+  // (or it stages another checkpoint).
+  absl::StatusOr<Load*> Find(uint64_t load_id, const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The expiry thread: drops each load at its expiry, until destruction.
   void ExpireLoads();
 

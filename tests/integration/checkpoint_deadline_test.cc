@@ -168,5 +168,56 @@ TEST(CheckpointDeadlineTest, AServerThatHangsMidSaveFailsItWithinTwiceTheKeepali
   EXPECT_TRUE((*client)->SaveCheckpoint("after", CheckpointKind::kSharded, false).ok());
 }
 
+// A load whose servers finish preparing far apart: server 0 reads its own root, server 1
+// (a root of its own without the checkpoint) reads it from server 0 and is paused
+// (SIGSTOP) mid-way for 3 times server 0's --staged_load_timeout. The client renews
+// server 0's staging meanwhile, and the load commits on both.
+TEST(CheckpointDeadlineTest, AServerThatPreparedWaitsForASlowOneWithoutDroppingTheLoad) {
+  const testing::ScratchDir root0("ckpt-renew-0");
+  const testing::ScratchDir root1("ckpt-renew-1");
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root0.path(),
+                               {{"--staged_load_timeout=1s"}, {"--checkpoint_root=" + root1.path()}});
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  RegisterBigGroup(**client);
+  ASSERT_TRUE((*client)->SaveCheckpoint("slow", CheckpointKind::kFull, true).ok());
+  const ClientOptions status_of_0{.servers = {cluster.addresses()[0]}, .token = cluster.token()};
+  auto load_calls = [&]() -> uint64_t {  // LoadCheckpoint calls server 0 has answered
+    const auto status = FetchClusterStatus(status_of_0)[0];
+    if (!status.ok()) {
+      ADD_FAILURE() << status.status();
+      return 0;
+    }
+    for (const v1::NamedLatency& rpc : status->rpc_seconds()) {
+      if (rpc.name() == "flatshard.v1.Flatshard/LoadCheckpoint") return rpc.seconds().count();
+    }
+    return 0;
+  };
+  bool renewed = false;
+  for (int attempt = 0; attempt < 5 && !renewed; ++attempt) {
+    const uint64_t calls_before = load_calls();
+    std::future<absl::Status> load = std::async(std::launch::async, [&] { return (*client)->LoadCheckpoint("slow"); });
+    // Pause server 1 once server 0 has staged the load (server 1 is likely still reading).
+    bool staged = false;
+    while (!staged && load.wait_for(std::chrono::milliseconds(0)) != std::future_status::ready) {
+      const auto status = FetchClusterStatus(status_of_0)[0];
+      staged = status.ok() && status->staged_loads_size() > 0;
+    }
+    const bool paused = staged && cluster.Pause(1);
+    if (paused) {
+      absl::SleepFor(absl::Seconds(3));
+      cluster.Resume(1);
+    }
+    const absl::Status loaded = load.get();
+    EXPECT_TRUE(loaded.ok()) << "attempt " << attempt << ": " << loaded;
+    // Prepare and commit are 2 calls on server 0; more were renewals.
+    const uint64_t calls = load_calls() - calls_before;
+    std::cout << "attempt " << attempt << ": " << (paused ? "server 1 paused, " : "") << calls
+              << " load calls on server 0\n";
+    renewed = paused && calls > 2;
+  }
+  EXPECT_TRUE(renewed) << "server 1 never prepared long after server 0";
+}
+
 }  // namespace
 }  // namespace flatshard

@@ -292,7 +292,7 @@ TEST(StatusCommandTest, ALoadNeverCommittedIsListedUntilItsTimeoutDropsIt) {
   EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(late.message(),
             "checkpoint 's' was not prepared for loading here as load 5eed: its staging was dropped (no "
-            "commit came within 3s of its staging (--staged_load_timeout))");
+            "commit came within 3s of its staging or last renewal (--staged_load_timeout))");
   EXPECT_EQ(Row(dropped.str(), "1", "status/g").back(), "-") << dropped.str();
   ASSERT_TRUE(client->LoadCheckpoint("s").ok());
 }

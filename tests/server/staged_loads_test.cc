@@ -90,13 +90,35 @@ TEST(StagedLoadsTest, ALoadWithoutCommitIsDroppedAtItsTimeoutAndItsCommitSaysWhy
   const absl::Status committed = loads.Take(7, "ckpt").status();
   EXPECT_EQ(committed.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(committed.message()),
-              HasSubstr("its staging was dropped (no commit came within 300ms of its staging "
-                        "(--staged_load_timeout))"));
+              HasSubstr("its staging was dropped (no commit came within 300ms of its staging or last "
+                        "renewal (--staged_load_timeout))"));
   // A load staged later keeps its own deadline (the thread waits for the new one).
   loads.Add(8, "ckpt", "job", Staged(4));
   EXPECT_EQ(loads.Rows().size(), 1u);
   while (!loads.Rows().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
   EXPECT_TRUE(loads.Rows().empty());
+}
+
+// A renewal holds a load for another timeout from then: renewed every 150 ms, a load
+// with a 400 ms timeout outlives a second; left alone, it goes at its timeout, and a
+// renewal after that says why.
+TEST(StagedLoadsTest, RenewalsKeepALoadPastItsTimeout) {
+  StagedLoads loads(absl::Milliseconds(400));
+  loads.Add(5, "ckpt", "job", Staged(4));
+  const absl::Time staged = absl::Now();
+  while (absl::Now() - staged < absl::Seconds(1)) {
+    absl::SleepFor(absl::Milliseconds(150));
+    ASSERT_TRUE(loads.Renew(5, "ckpt").ok()) << "after " << absl::Now() - staged;
+  }
+  const std::vector<StagedLoadRow> rows = loads.Rows();
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_GT(rows[0].expires_at, staged + absl::Seconds(1));
+  EXPECT_EQ(loads.Renew(5, "other").code(), absl::StatusCode::kFailedPrecondition);
+  for (int i = 0; i < 100 && !loads.Rows().empty(); ++i) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(loads.Rows().empty()) << "the load was not dropped once renewals stopped";
+  const absl::Status late = loads.Renew(5, "ckpt");
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(late.message()), HasSubstr("its staging was dropped (no commit came within 400ms"));
 }
 
 TEST(StagedLoadsTest, ADeletedJobTakesOnlyItsOwnLoads) {
