@@ -97,6 +97,12 @@ std::string BeingSaved(const std::string& name, const std::vector<v1::ServerStat
   return "";
 }
 
+// How long a server may wait for a save's or export's cut: the per-call timeout (the
+// call itself lasts as long as the checkpoint takes).
+uint64_t CutWaitMs(const ControlPlane& control) {
+  return static_cast<uint64_t>(absl::ToInt64Milliseconds(control.timeout()));
+}
+
 // 64 random bits.
 uint64_t RandomId() {
   std::random_device device;
@@ -117,7 +123,7 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   request.set_optimizer(optimizer);
   request.set_job(job_);
   request.set_save_id(NewSaveId());
-  request.set_cut_wait_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(control_.timeout())));
+  request.set_cut_wait_ms(CutWaitMs(control_));
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
   // A server that is done with an earlier save of the name would take this one while
   // another still writes into the same directory (each server refuses only its own).
@@ -270,7 +276,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   request.set_kind(ToProto(kind));
   request.set_optimizer(optimizer);
   request.set_chunk_bytes(export_chunk_bytes_);
-  request.set_cut_wait_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(control_.timeout())));
+  request.set_cut_wait_ms(CutWaitMs(control_));
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
   FLATSHARD_ASSIGN_OR_RETURN(const auto cut, ChooseCut(job_, statuses, sent, at));
   const std::vector<bool> writers = Writers(job_, statuses);

@@ -6,7 +6,9 @@
 // server 0 first: each server refuses a second save of a name while it holds one, so of
 // two saves started at once, the one server 0 takes is the one every server takes, and
 // one of them wins. A stream may stay open after Write for one last step (a blocking
-// save's commit: Close). Internal to the client library. Not thread-safe: one caller
+// save's commit: Close). The streams' deadline is ClientOptions::checkpoint_timeout (none
+// by default), their requests' cut_wait_ms what bounds the pinning rounds' waits.
+// Internal to the client library. Not thread-safe: one caller
 // drives the rounds; each round reaches the servers in parallel. Destroying it cancels
 // the streams not yet finished: before Write, the servers drop their pins and write
 // nothing; after it, a save is not committed.
