@@ -197,8 +197,7 @@ absl::Status CheckpointCalls::Load(const std::string& name,
     request.set_phase(p);
     return control_.OnAllServersInParallel([&](size_t i) {
       v1::CheckpointResponse response;
-      answers[i] =
-          control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response, control_.checkpoint_timeout());
+      answers[i] = control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response, control_.model_timeout());
       if (answers[i].ok() && p == v1::LoadCheckpointRequest::PREPARE) {
         leases.Prepared(i, absl::Seconds(response.staged_for_seconds()));
       }

@@ -124,7 +124,7 @@ class ClientImpl final : public Client {
     *request.mutable_optimizer() = OptimizerToProto(optimizer);
     v1::RegisterGroupResponse response;
     FLATSHARD_RETURN_IF_ERROR(
-        control_->CallAll(&v1::Flatshard::Stub::RegisterGroup, request, &response));
+        control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::RegisterGroup, request, &response));
     // The layout is over one replica group (the servers know the job's replica groups).
     const int replicas = std::max(1, response.replicas());
     FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
@@ -170,7 +170,7 @@ class ClientImpl final : public Client {
     request.set_group(group);
     request.set_seed(seed);
     v1::InitGroupResponse response;
-    return control_->CallAll(&v1::Flatshard::Stub::InitGroup, request, &response);
+    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::InitGroup, request, &response);
   }
 
   std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version,
@@ -267,9 +267,9 @@ class ClientImpl final : public Client {
       return absl::InvalidArgumentError(
           absl::StrCat("timeout ", absl::FormatDuration(options.timeout), " is not positive"));
     }
-    if (options.checkpoint_timeout <= absl::ZeroDuration()) {
+    if (options.model_timeout <= absl::ZeroDuration()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("checkpoint_timeout ", absl::FormatDuration(options.checkpoint_timeout), " is not positive"));
+          absl::StrCat("model_timeout ", absl::FormatDuration(options.model_timeout), " is not positive"));
     }
     if (options.keepalive < kMinKeepaliveInterval) {
       return absl::InvalidArgumentError(absl::StrCat("keepalive ", absl::FormatDuration(options.keepalive),

@@ -32,7 +32,7 @@ ControlPlane::ControlPlane(const ClientOptions& options, std::vector<std::unique
     : servers_(options.servers),
       token_(options.token),
       timeout_(options.timeout),
-      checkpoint_timeout_(options.checkpoint_timeout),
+      model_timeout_(options.model_timeout),
       stubs_(std::move(stubs)) {}
 
 void ControlPlane::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {

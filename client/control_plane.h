@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/status_macros.h"
 #include "flatshard/client.h"
 #include "proto/flatshard.grpc.pb.h"
 
@@ -32,7 +33,7 @@ class ControlPlane {
   using Method = grpc::Status (v1::Flatshard::Stub::*)(grpc::ClientContext*, const Request&,
                                                        Response*);
 
-  // Channels to options.servers, with options.token, .timeout, .checkpoint_timeout,
+  // Channels to options.servers, with options.token, .timeout, .model_timeout,
   // .keepalive and .tls_ca_file.
   // InvalidArgument when the CA file cannot be read.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<ControlPlane>> Create(
@@ -41,9 +42,9 @@ class ControlPlane {
   int size() const { return static_cast<int>(stubs_.size()); }
   const std::string& address(size_t server) const { return servers_[server]; }
   absl::Duration timeout() const { return timeout_; }
-  // The deadline of checkpoint calls (ClientOptions::checkpoint_timeout), which may be
-  // infinite: the channels' keepalive notices a server that stops answering.
-  absl::Duration checkpoint_timeout() const { return checkpoint_timeout_; }
+  // The deadline of calls whose work grows with the model (ClientOptions::model_timeout),
+  // which may be infinite: the channels' keepalive notices a server that stops answering.
+  absl::Duration model_timeout() const { return model_timeout_; }
 
   // One unary call to `server`, within `timeout` (zero: the client's). Blocks. Returns
   // the call's error with the server's address in its message.
@@ -66,6 +67,22 @@ class ControlPlane {
     return absl::OkStatus();
   }
 
+  // Call on server 0, then, if it succeeded, on all the others at once, within
+  // model_timeout(): for calls whose work grows with the model, which then take as long
+  // as the slowest server rather than the sum. Server 0 still decides between callers
+  // racing with different requests, as with CallAll. `response` is server 0's; the first
+  // error in rank order wins.
+  template <typename Request, typename Response>
+  [[nodiscard]] absl::Status CallServerZeroThenOthers(Method<Request, Response> method, const Request& request,
+                                                      Response* response) const {
+    FLATSHARD_RETURN_IF_ERROR(Call(0, method, request, response, model_timeout_));
+    return OnAllServersInParallel([&](size_t i) {
+      if (i == 0) return absl::OkStatus();
+      Response other;
+      return Call(i, method, request, &other, model_timeout_);
+    });
+  }
+
   // Runs `call(server)` for every server at once, each on a thread of its own, and waits
   // for all; the first error (in rank order) wins.
   [[nodiscard]] absl::Status OnAllServersInParallel(
@@ -83,7 +100,7 @@ class ControlPlane {
   const std::vector<std::string> servers_;
   const std::string token_;
   const absl::Duration timeout_;
-  const absl::Duration checkpoint_timeout_;
+  const absl::Duration model_timeout_;
   const std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs_;
 };
 

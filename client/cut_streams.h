@@ -6,7 +6,7 @@
 // server 0 first: each server refuses a second save of a name while it holds one, so of
 // two saves started at once, the one server 0 takes is the one every server takes, and
 // one of them wins. A stream may stay open after Write for one last step (a blocking
-// save's commit: Close). The streams' deadline is ClientOptions::checkpoint_timeout (none
+// save's commit: Close). The streams' deadline is ClientOptions::model_timeout (none
 // by default), their requests' cut_wait_ms what bounds the pinning rounds' waits.
 // Internal to the client library. Not thread-safe: one caller
 // drives the rounds; each round reaches the servers in parallel. Destroying it cancels
@@ -175,7 +175,7 @@ class CutStreams {
   void Open(size_t i) {
     servers_[i] = std::make_unique<Server>();
     servers_[i]->index = i;
-    control_.Prepare(servers_[i]->ctx, control_.checkpoint_timeout());
+    control_.Prepare(servers_[i]->ctx, control_.model_timeout());
     servers_[i]->stream = (control_.stub(i).*method_)(&servers_[i]->ctx);
   }
 

@@ -217,7 +217,7 @@ class PyClient {
  public:
   PyClient(std::vector<std::string> servers, int worker_rank, int num_workers, std::string token, double timeout,
            std::string job, std::string device_plane, std::string tls_ca_file, int max_in_flight,
-           int64_t gather_split_bytes, int64_t scatter_split_bytes, double checkpoint_timeout, double keepalive) {
+           int64_t gather_split_bytes, int64_t scatter_split_bytes, double model_timeout, double keepalive) {
     static const std::map<std::string, DevicePlane> kPlanes = {{"auto", DevicePlane::kAuto},
                                                                {"cuda-ipc", DevicePlane::kCudaIpc},
                                                                {"nccl", DevicePlane::kNccl},
@@ -233,7 +233,7 @@ class PyClient {
                           .num_workers = num_workers,
                           .job = std::move(job),
                           .timeout = absl::Seconds(timeout),
-                          .checkpoint_timeout = absl::Seconds(checkpoint_timeout),  // inf: none
+                          .model_timeout = absl::Seconds(model_timeout),  // inf: none
                           .keepalive = absl::Seconds(keepalive),
                           .max_in_flight = max_in_flight,
                           .device_plane = plane->second,
@@ -423,7 +423,7 @@ PYBIND11_MODULE(_native, m) {
                     int64_t, int64_t, double, double>(),
            py::arg("servers"), py::arg("worker_rank"), py::arg("num_workers"), py::arg("token"), py::arg("timeout"),
            py::arg("job"), py::arg("device_plane"), py::arg("tls_ca_file"), py::arg("max_in_flight"),
-           py::arg("gather_split_bytes"), py::arg("scatter_split_bytes"), py::arg("checkpoint_timeout"),
+           py::arg("gather_split_bytes"), py::arg("scatter_split_bytes"), py::arg("model_timeout"),
            py::arg("keepalive"))
       .def("configure_job", &PyClient::ConfigureJob)
       .def("register_group", &PyClient::RegisterGroup)

@@ -110,7 +110,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   }
   ClientOptions client_options = CommandClientOptions(options.servers, options.token, options.tls_ca_file, options.job);
   // How long the cut may wait for training to reach it (a version minutes ahead); the
-  // save, load or export itself has no deadline (ClientOptions::checkpoint_timeout).
+  // save, load or export itself has no deadline (ClientOptions::model_timeout).
   client_options.timeout = absl::Minutes(10);
   if (options.chunk_mib < 1 || options.chunk_mib > 64) {
     err << "flatshard " << command << ": --chunk_mib must be in [1, 64]\n";

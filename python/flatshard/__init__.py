@@ -218,8 +218,9 @@ class Client:
     ``scatter_split_bytes`` likewise for a scatter's part to one server.
 
     ``timeout`` (seconds) bounds each call, transfer and wait, a checkpoint's wait for its
-    cut included; ``checkpoint_timeout`` a checkpoint save, load or export as a whole (None:
-    no bound, as they take as long as the model needs). While calls are in flight each
+    cut included; ``model_timeout`` the calls whose work grows with the model as a whole
+    (registering and seeding a group, saving, loading and exporting; None: no bound, as
+    they take as long as the model needs). While calls are in flight each
     server is pinged every ``keepalive`` seconds (at least 1) and must answer within as
     long again, or its calls fail with flatshard.UnavailableError.
     """
@@ -227,14 +228,14 @@ class Client:
     def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,
                  job="default", device_plane="auto", tls_ca_file=None, max_in_flight=2,
                  gather_split_bytes=16 << 20, scatter_split_bytes=16 << 20,
-                 checkpoint_timeout=None, keepalive=15.0):
+                 model_timeout=None, keepalive=15.0):
         self._native = _native.Client(list(servers), int(worker_rank), int(num_workers),
                                       token or "", float(timeout), job, device_plane,
                                       os.fspath(tls_ca_file) if tls_ca_file else "",
                                       int(max_in_flight), int(gather_split_bytes),
                                       int(scatter_split_bytes),
-                                      float("inf") if checkpoint_timeout is None
-                                      else float(checkpoint_timeout),
+                                      float("inf") if model_timeout is None
+                                      else float(model_timeout),
                                       float(keepalive))
         self.servers = list(servers)
         self._token = token

@@ -329,8 +329,8 @@ class ClientTest(unittest.TestCase):
             methods = {rpc["name"] for rpc in server["rpc_seconds"]}
             self.assertIn("flatshard.v1.Flatshard/OpenSession", methods)
 
-    def test_checkpoint_timeout_bounds_an_export_and_keepalive_has_a_floor(self):
-        c = self.client(job="bounded", checkpoint_timeout=1e-6)
+    def test_model_timeout_bounds_an_export_and_keepalive_has_a_floor(self):
+        c = self.client(job="bounded", model_timeout=1e-6)
         c.configure_job()
         c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
         with tempfile.TemporaryDirectory() as out:
@@ -342,7 +342,7 @@ class ClientTest(unittest.TestCase):
         with self.assertRaisesRegex(flatshard.InvalidArgumentError, "keepalive 500ms is below 1s"):
             self.client(job="bounded", keepalive=0.5)
         with self.assertRaises(flatshard.InvalidArgumentError):
-            self.client(job="bounded", checkpoint_timeout=0)
+            self.client(job="bounded", model_timeout=0)
 
 
 class ErrorTest(unittest.TestCase):

@@ -54,10 +54,12 @@ struct ClientOptions {
   std::string job = "default";
   // Per RPC, per transfer, per version wait (a checkpoint's wait for its cut included).
   absl::Duration timeout = absl::Seconds(30);
-  // A checkpoint save, load or export as a whole: it moves the whole model, so `timeout`
-  // does not bound it. None by default; a server that dies or hangs meanwhile fails it
-  // within twice `keepalive`.
-  absl::Duration checkpoint_timeout = absl::InfiniteDuration();
+  // Calls whose work grows with the model, as a whole: RegisterGroup and
+  // InitGroupFromSeed (every server allocates, zeroes or fills the group's memory),
+  // SaveCheckpoint, LoadCheckpoint and ExportStateDict (they move all of it); `timeout`
+  // does not bound them. None by default; a server that dies or hangs meanwhile fails
+  // them within twice `keepalive`.
+  absl::Duration model_timeout = absl::InfiniteDuration();
   // While calls are in flight, each server is pinged this often (at least 1 s) and must
   // answer within as long again; otherwise its calls fail with UNAVAILABLE.
   absl::Duration keepalive = absl::Seconds(15);
