@@ -3,12 +3,13 @@
 #include <spdlog/spdlog.h>
 
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <sstream>
+#include <tuple>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -51,8 +52,12 @@ ABSL_FLAG(absl::Duration, staged_load_timeout, absl::Minutes(10),
           "how long a checkpoint load read into memory here waits for its commit before it is "
           "dropped with its memory (its client died between the two phases)");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "HOST:PORT where Prometheus scrapes /metrics (port 0 picks one; empty: no metrics); with "
-          "--auth_token_file, scrapes present the token as basic auth's password");
+          "HOST:PORT where Prometheus scrapes /metrics over plain HTTP (port 0 picks one; empty: no "
+          "metrics); scrapes present --metrics_token_file's token, or else --auth_token_file's, as "
+          "basic auth's password");
+ABSL_FLAG(std::string, metrics_token_file, "",
+          "file holding the token scrapes of /metrics present (needed with TLS and a cluster token, "
+          "which must not cross the network in clear; empty: the cluster token, if any)");
 ABSL_FLAG(std::string, log_level, "info",
           "debug (every RPC and data-plane error), info (jobs, groups, checkpoints, start and stop), "
           "warning (refused requests an operator should see) or error");
@@ -63,6 +68,16 @@ namespace {
 int Fail(const std::string& message) {
   std::cerr << "flatshard-server: " << message << "\n";
   return 2;
+}
+
+// The token in `path` (--`flag`), surrounding whitespace stripped; why not when the file
+// cannot be read or holds none.
+absl::StatusOr<std::string> ReadToken(const std::string& flag, const std::string& path) {
+  absl::StatusOr<std::string> text = flatshard::ReadFileToString(path);
+  if (!text.ok()) return absl::InvalidArgumentError(absl::StrCat("cannot read --", flag, "=", path));
+  std::string token(absl::StripAsciiWhitespace(*text));
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, " is empty"));
+  return token;
 }
 
 }  // namespace
@@ -98,13 +113,13 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.max_file_bytes = absl::GetFlag(FLAGS_max_file_size);
   if (options.max_file_bytes == 0) return Fail("--max_file_size must be > 0");
-  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
-    std::ifstream file(path);
-    if (!file) return Fail("cannot read --auth_token_file=" + path);
-    std::stringstream text;
-    text << file.rdbuf();
-    options.auth_token = std::string(absl::StripAsciiWhitespace(text.str()));
-    if (options.auth_token.empty()) return Fail("--auth_token_file=" + path + " is empty");
+  for (auto [flag, path, token] :
+       {std::tuple{"auth_token_file", absl::GetFlag(FLAGS_auth_token_file), &options.auth_token},
+        std::tuple{"metrics_token_file", absl::GetFlag(FLAGS_metrics_token_file), &options.metrics_token}}) {
+    if (path.empty()) continue;
+    absl::StatusOr<std::string> read = ReadToken(flag, path);
+    if (!read.ok()) return Fail(std::string(read.status().message()));
+    *token = *std::move(read);
   }
   const struct {
     const char* flag;

@@ -55,6 +55,8 @@ struct ServerOptions {
   // A checkpoint load staged here and not committed (or aborted) within this is dropped.
   absl::Duration staged_load_timeout = absl::Minutes(10);
   std::string metrics_listen;             // HOST:PORT of /metrics (empty: no metrics)
+  // What scrapes of /metrics present as basic auth's password (empty: auth_token).
+  std::string metrics_token;
   TlsOptions tls;                         // gRPC over TLS when it holds a certificate
   DataServerOptions data;
 };
@@ -62,7 +64,8 @@ struct ServerOptions {
 // InvalidArgument naming the flag for: a rank outside the cluster, a duplicate address,
 // --listen not equal to cluster[rank], an unknown memory tier, negative thread counts, a
 // timeout that is not positive,
-// TLS files that do not go together (server/tls.h);
+// TLS files that do not go together (server/tls.h), a metrics token without metrics, or
+// metrics whose scrapes would carry the cluster token in clear next to a TLS control plane;
 // FailedPrecondition for
 // --memory=pinned|device in a build without CUDA or on a machine without a GPU.
 [[nodiscard]] absl::Status ValidateServerOptions(const ServerOptions& options);

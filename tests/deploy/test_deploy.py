@@ -89,6 +89,8 @@ class DeployTest(unittest.TestCase):
             self.assertEqual(flags["data_listen"], f"{hostname}.{spec['serviceName']}:{ports['data']}")
             self.assertEqual(flags["metrics_listen"], f"{hostname}.{spec['serviceName']}:{ports['metrics']}")
             self.assertEqual(os.path.dirname(flags["auth_token_file"]), mounts["token"])
+            self.assertEqual(os.path.dirname(flags["metrics_token_file"]), mounts["token"])
+            self.assertNotEqual(flags["metrics_token_file"], flags["auth_token_file"])
             self.assertEqual(flags["checkpoint_root"], mounts["checkpoints"])
         volumes = {v["name"]: v for v in pod["volumes"]}
         self.assertEqual(volumes["token"]["secret"]["secretName"], "flatshard-token")

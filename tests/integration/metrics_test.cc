@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <random>
 #include <string>
@@ -23,6 +24,7 @@
 #include "client/cluster_status.h"
 #include "proto/cluster_info.h"
 #include "tests/integration/test_cluster.h"
+#include "tests/scratch_dir.h"
 
 namespace flatshard {
 namespace {
@@ -235,6 +237,32 @@ TEST(MetricsTest, GarbageAtTheMetricsPortLeavesTheServerServing) {
   }
   EXPECT_THAT(Exchange(port, "GET /other HTTP/1.0\r\n" + auth + "\r\n"), HasSubstr(" 404 Not Found\r\n"));
   EXPECT_TRUE(FetchClusterStatus(options)[0].ok());
+}
+
+// With --metrics_token_file, scrapes present that token and not the cluster's (which then
+// never needs to be in the scraper's hands); a metrics token without metrics, or an
+// empty one, stops the server at start-up.
+TEST(MetricsTest, AMetricsTokenOfItsOwnKeepsTheClusterTokenOffScrapes) {
+  const testing::ScratchDir scratch("metrics-token");
+  const std::string token_file = scratch.path() + "/metrics-token";
+  std::ofstream(token_file) << "scrape-token\n";
+  testing::TestCluster cluster(1, "cluster-token", ::testing::TempDir(), "",
+                               {{"--metrics_listen=127.0.0.1:0", "--metrics_token_file=" + token_file}});
+  const auto status = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})[0];
+  ASSERT_TRUE(status.ok()) << status.status();
+  const int port = PortOf(status->metrics_address());
+  const std::string scraped = Scrape(port, "scrape-token");
+  EXPECT_THAT(scraped, ::testing::StartsWith("HTTP/1.1 200")) << scraped;
+  EXPECT_THAT(scraped, HasSubstr("flatshard_server_info{rank=\"0\""));
+  EXPECT_THAT(Scrape(port, cluster.token()), ::testing::StartsWith("HTTP/1.1 401"));
+  EXPECT_THAT(Scrape(port, ""), ::testing::StartsWith("HTTP/1.1 401"));
+
+  EXPECT_TRUE(testing::RefusesToStart({"--metrics_token_file=" + token_file}));
+  const std::string empty_file = scratch.path() + "/empty";
+  std::ofstream(empty_file) << "\n";
+  EXPECT_TRUE(testing::RefusesToStart({"--metrics_listen=127.0.0.1:0", "--metrics_token_file=" + empty_file}));
+  EXPECT_TRUE(
+      testing::RefusesToStart({"--metrics_listen=127.0.0.1:0", "--metrics_token_file=" + scratch.path() + "/none"}));
 }
 
 // Without --metrics_listen nothing is served, and the status says so.

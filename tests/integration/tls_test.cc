@@ -123,6 +123,21 @@ TEST_F(TlsTest, PlaintextAndUntrustingClientsAreRefusedAndTheServerKeepsServing)
   EXPECT_TRUE((*client)->ConfigureJob({}).ok());
 }
 
+// The metrics endpoint speaks plain HTTP: beside a TLS control plane, scrapes must not
+// carry the cluster token, so a server with both and no --metrics_token_file refuses to
+// start; with one, or with no cluster token to leak, it starts.
+TEST_F(TlsTest, MetricsBesideTlsNeedATokenOfTheirOwn) {
+  std::ofstream(File("cluster-token")) << "cluster\n";
+  std::ofstream(File("metrics-token")) << "scrapes\n";
+  std::vector<std::string> flags = ServerTls();
+  flags.push_back("--metrics_listen=127.0.0.1:0");
+  EXPECT_FALSE(testing::RefusesToStart(flags)) << "no cluster token: nothing to leak";
+  flags.push_back("--auth_token_file=" + File("cluster-token"));
+  EXPECT_TRUE(testing::RefusesToStart(flags)) << "the cluster token in clear";
+  flags.push_back("--metrics_token_file=" + File("metrics-token"));
+  EXPECT_FALSE(testing::RefusesToStart(flags)) << "a token of their own";
+}
+
 TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {
   const std::string cert = "--tls_cert_file=" + File("server.pem");
   EXPECT_TRUE(testing::RefusesToStart({cert})) << "a certificate without its key";
