@@ -123,10 +123,15 @@ absl::Status CheckCudaDevice() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ShardBuffer> AllocatePinned(size_t bytes, absl::string_view what) {
+absl::StatusOr<ShardBuffer> AllocatePinnedUnwritten(size_t bytes, absl::string_view what) {
   FLATSHARD_ASSIGN_OR_RETURN(kc::PinnedMemory memory, kc::PinnedMemory::Allocate(bytes, what));
-  if (bytes > 0) std::memset(memory.data(), 0, bytes);
   return ShardBuffer(memory.release(), bytes, &kc::PinnedMemory::Free);
+}
+
+absl::StatusOr<ShardBuffer> AllocatePinned(size_t bytes, absl::string_view what) {
+  FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, AllocatePinnedUnwritten(bytes, what));
+  if (bytes > 0) std::memset(buffer.data(), 0, bytes);
+  return buffer;
 }
 
 absl::StatusOr<std::unique_ptr<ShardCompute>> MakeCudaShardCompute() {

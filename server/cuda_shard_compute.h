@@ -12,7 +12,9 @@ namespace flatshard::server::internal {
 
 // OK when this machine has a CUDA device; FailedPrecondition saying why not otherwise.
 [[nodiscard]] absl::Status CheckCudaDevice();
-// Zero-filled pinned host memory (cudaHostAlloc), addressable by kernels.
+// Pinned host memory (cudaHostAlloc), addressable by kernels, not yet written.
+[[nodiscard]] absl::StatusOr<ShardBuffer> AllocatePinnedUnwritten(size_t bytes, absl::string_view what);
+// The same, zero-filled.
 [[nodiscard]] absl::StatusOr<ShardBuffer> AllocatePinned(size_t bytes, absl::string_view what);
 // The device tier, with its own stream on the current device.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<ShardCompute>> MakeCudaShardCompute();

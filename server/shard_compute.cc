@@ -24,27 +24,21 @@ constexpr size_t kCheckedHostBytes = size_t{16} << 20;
 
 void FreeHost(void* data) { std::free(data); }
 
-// Zeroed heap memory (the host tier's shards).
-absl::StatusOr<ShardBuffer> AllocateHost(size_t bytes, absl::string_view what) {
-  FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, AllocateHostUnwritten(bytes, what));
-  if (bytes > 0) std::memset(buffer.data(), 0, bytes);
-  return buffer;
-}
-
 // Host memory, plain or pinned, and the CPU kernels, cut into chunks that run on the
 // server's ComputePool. Everything completes in the call.
 class CpuShardCompute final : public ShardCompute {
  public:
+  // `allocate` returns memory not yet written (the tier's: heap or pinned).
   using Allocator = absl::StatusOr<ShardBuffer> (*)(size_t, absl::string_view);
   CpuShardCompute(MemoryTier tier, Allocator allocate, std::shared_ptr<const ComputePool> pool)
       : tier_(tier), allocate_(allocate), pool_(std::move(pool)) {}
 
   MemoryTier tier() const override { return tier_; }
   absl::StatusOr<ShardBuffer> AllocateShard(size_t bytes, absl::string_view what) override {
-    return allocate_(bytes, what);
+    return AllocateZeroed(bytes, what);
   }
   absl::StatusOr<ShardBuffer> AllocateStaging(size_t bytes, absl::string_view what) override {
-    return allocate_(bytes, what);
+    return AllocateZeroed(bytes, what);
   }
 
   absl::Status Cast(DType src_dtype, const void* src, DType dst_dtype, void* dst,
@@ -122,6 +116,17 @@ class CpuShardCompute final : public ShardCompute {
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
  private:
+  // Zeroed on the pool: the first touch of fresh memory is what takes the time (the
+  // kernel maps and clears every page), and the pool's threads take it in parallel.
+  absl::StatusOr<ShardBuffer> AllocateZeroed(size_t bytes, absl::string_view what) {
+    FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, allocate_(bytes, what));
+    auto* floats = static_cast<float*>(buffer.data());
+    const int64_t numel = static_cast<int64_t>(bytes / sizeof(float));
+    FLATSHARD_RETURN_IF_ERROR(Zero(floats, numel));
+    std::memset(floats + numel, 0, bytes % sizeof(float));  // the tail of a 16-bit buffer
+    return buffer;
+  }
+
   void ForChunks(int64_t numel, absl::FunctionRef<void(int64_t, int64_t)> body) const {
     if (pool_ == nullptr) {
       if (numel > 0) body(0, numel);
@@ -208,10 +213,10 @@ absl::StatusOr<std::unique_ptr<ShardCompute>> MakeShardCompute(
     MemoryTier tier, std::shared_ptr<const ComputePool> pool) {
   switch (tier) {
     case MemoryTier::kHost:
-      return std::make_unique<CpuShardCompute>(tier, &AllocateHost, std::move(pool));
+      return std::make_unique<CpuShardCompute>(tier, &AllocateHostUnwritten, std::move(pool));
 #if FLATSHARD_HAVE_CUDA
     case MemoryTier::kPinned:
-      return std::make_unique<CpuShardCompute>(tier, &internal::AllocatePinned, std::move(pool));
+      return std::make_unique<CpuShardCompute>(tier, &internal::AllocatePinnedUnwritten, std::move(pool));
     case MemoryTier::kDevice:
       return internal::MakeCudaShardCompute();
 #else
