@@ -330,14 +330,14 @@ class ClientTest(unittest.TestCase):
             self.assertIn("flatshard.v1.Flatshard/OpenSession", methods)
 
     def test_model_timeout_bounds_an_export_and_keepalive_has_a_floor(self):
-        c = self.client(job="bounded", model_timeout=1e-6)
-        c.configure_job()
-        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        unbounded = self.client(job="bounded")  # the default: no model_timeout
+        unbounded.configure_job()
+        unbounded.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        bounded = self.client(job="bounded", model_timeout=1e-6)
         with tempfile.TemporaryDirectory() as out:
             with self.assertRaises(flatshard.DeadlineExceededError):
-                c.export_state_dict(out, kind="full")
-            # Unbounded (the default), the same export completes.
-            self.client(job="bounded").export_state_dict(out, kind="full")
+                bounded.export_state_dict(out, kind="full")
+            unbounded.export_state_dict(out, kind="full")
             self.assertTrue(os.path.exists(os.path.join(out, "model.safetensors")))
         with self.assertRaisesRegex(flatshard.InvalidArgumentError, "keepalive 500ms is below 1s"):
             self.client(job="bounded", keepalive=0.5)
