@@ -20,10 +20,11 @@
 #ifndef FLATSHARD_SERVER_DATA_SERVER_H_
 #define FLATSHARD_SERVER_DATA_SERVER_H_
 
+#include <array>
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -34,8 +35,8 @@
 #include "server/ipc_plane.h"
 #include "server/nccl_plane.h"
 #include "server/registry.h"
-#include "server/step_driver.h"
 #include "server/stats.h"
+#include "server/step_driver.h"
 #include "transport/data_protocol.h"
 #include "transport/transport.h"
 
@@ -98,6 +99,9 @@ class DataServer {
   NcclPlane& nccl_;
   const SessionTokens& sessions_;
   ServerStats& stats_;
+  // stats_.data_requests' histogram of each op, by its number (resolved once: no lookup
+  // per request).
+  std::array<LatencyHistogram*, static_cast<size_t>(transport::kLastDataOp) + 1> op_latency_{};
   const DataServerOptions options_;
   std::unique_ptr<transport::Listener> listener_;
   std::thread accept_thread_;
