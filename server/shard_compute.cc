@@ -120,6 +120,7 @@ class CpuShardCompute final : public ShardCompute {
   // kernel maps and clears every page), and the pool's threads take it in parallel.
   absl::StatusOr<ShardBuffer> AllocateZeroed(size_t bytes, absl::string_view what) {
     FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, allocate_(bytes, what));
+    if (bytes == 0) return buffer;  // no memory: nothing to touch (and no pointer to offset)
     auto* floats = static_cast<float*>(buffer.data());
     const int64_t numel = static_cast<int64_t>(bytes / sizeof(float));
     FLATSHARD_RETURN_IF_ERROR(Zero(floats, numel));
