@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -168,8 +169,12 @@ absl::StatusOr<MappedBuffer> IpcMappings::Map(const std::string& handle, uint64_
     }
     if (err != cudaSuccess) {
       cudaGetLastError();
-      return absl::InternalError(absl::StrCat("cannot open the worker's CUDA IPC handle: ",
-                                              cudaGetErrorString(err)));
+      const std::string message = absl::StrCat("cannot open the worker's CUDA IPC handle: ", cudaGetErrorString(err));
+      // A handle of no allocation (or of another GPU's) is the request's fault; the rest
+      // (out of memory, a broken context) this server's.
+      const bool bad_handle = err == cudaErrorInvalidValue || err == cudaErrorInvalidResourceHandle ||
+                              err == cudaErrorInvalidDevice || err == cudaErrorMapBufferObjectFailed;
+      return bad_handle ? absl::InvalidArgumentError(message) : absl::InternalError(message);
     }
     absl::StatusOr<std::pair<CUdeviceptr, size_t>> range = AddressRange(base);
     mappings_[handle] = std::make_shared<const OpenMapping>(base, range.ok() ? range->second : 0);

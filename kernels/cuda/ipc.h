@@ -84,8 +84,9 @@ class IpcMappings {
   IpcMappings& operator=(const IpcMappings&) = delete;
 
   // `bytes` at `offset` of the allocation `handle` names, mapped on the current device.
-  // InvalidArgument for a malformed handle or a range past the allocation; the CUDA
-  // error (Internal) if the handle cannot be opened (another GPU, a freed allocation).
+  // InvalidArgument for a malformed handle, a range past the allocation or a handle the
+  // driver refuses as invalid (no such allocation, another GPU's); Internal with the CUDA
+  // error for other failures to open it (out of memory, a broken context).
   [[nodiscard]] absl::StatusOr<MappedBuffer> Map(const std::string& handle, uint64_t offset,
                                                  uint64_t bytes);
 

@@ -302,13 +302,20 @@ void TrainAndCompare(const JobOptions& job,
 
   std::vector<double> norms;
   const std::vector<std::vector<float>> reference = Reference(cases, layouts, job, workers, norms);
-  // Each step's gradient norm, as the servers combined it: the reference's, bit for bit.
+  // Each step's gradient norm, as the servers combined it: the reference's, bit for bit
+  // on the CPU tiers; a device server's squared norm sums in another order, to double
+  // rounding (kernels/cuda/kernels.h; seen on an H100: 1 ulp).
   if (job.max_grad_norm > 0) {
     ASSERT_EQ(norms.size(), static_cast<size_t>(kSteps));
+    const bool gpu_norms = std::ranges::find(memory, "device") != memory.end();
     for (int step = 0; step < kSteps; ++step) {
       const absl::StatusOr<double> norm = (*setup)->GradNorm(step);
       ASSERT_TRUE(norm.ok()) << norm.status();
-      EXPECT_EQ(std::bit_cast<uint64_t>(*norm), std::bit_cast<uint64_t>(norms[step])) << "step " << step;
+      if (gpu_norms) {
+        EXPECT_NEAR(*norm, norms[step], 1e-13 * norms[step]) << "step " << step;
+      } else {
+        EXPECT_EQ(std::bit_cast<uint64_t>(*norm), std::bit_cast<uint64_t>(norms[step])) << "step " << step;
+      }
     }
   } else {
     EXPECT_TRUE(absl::IsInvalidArgument((*setup)->GradNorm(0).status()));
@@ -481,7 +488,7 @@ TEST(TrainingIntegrationTest, BadCudaIpcRequestsAreRefusedAndTheServerKeepsServi
   std::memset(target.handle, 0x5a, sizeof(target.handle));  // no such allocation
   target.bytes = (*layout)->shard_numel() * 4;
   const absl::Status garbage = call(0, target, sizeof(target));
-  EXPECT_FALSE(garbage.ok());
+  EXPECT_EQ(garbage.code(), absl::StatusCode::kInvalidArgument) << garbage;
   EXPECT_NE(garbage.message().find("IPC handle"), std::string::npos) << garbage;
   target.bytes = 12;
   EXPECT_EQ(call(0, target, sizeof(target)).code(), absl::StatusCode::kInvalidArgument);
@@ -520,7 +527,9 @@ TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsSer
   if (!HaveGpu()) GTEST_SKIP() << "NCCL needs a CUDA build and a CUDA device";
   if (!HaveNccl()) GTEST_SKIP() << "NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
   SetNcclHost(kNcclServers);
-  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), "", {{"--memory=device", "--nccl_timeout=2s"}});
+  // 5 s: long enough for the server's join (NCCL's set-up) on a busy machine; seen
+  // taking over 2 s with the integration suite running in 6 processes on one GPU.
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), "", {{"--memory=device", "--nccl_timeout=5s"}});
   SetNcclHost(kNcclWorkers);
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();
@@ -552,7 +561,7 @@ TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsSer
   };
   EXPECT_EQ(open("short").status().code(), absl::StatusCode::kInvalidArgument);
 
-  // Opened, never joined: the server gives up joining after 2 s.
+  // Opened, never joined: the server gives up joining after 5 s.
   auto never_joined = open(*kernels::cuda::NcclCommunicator::NewUniqueId());
   ASSERT_TRUE(never_joined.ok()) << never_joined.status();
   {
@@ -578,7 +587,7 @@ TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsSer
     ASSERT_TRUE(done.ok()) << done.status();
     EXPECT_EQ(done->status.code(), absl::StatusCode::kDeadlineExceeded) << done->status;
     EXPECT_NE(done->status.message().find("channel closed"), std::string::npos) << done->status;
-    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(15));
     const absl::Status closed = begin(**conn, transport::DataOp::kNcclGather, *channel);
     EXPECT_EQ(closed.code(), absl::StatusCode::kNotFound) << closed;
   }
