@@ -54,6 +54,10 @@ absl::StatusOr<OptimizerBuffers> BuffersFor(const LayoutCommandOptions& options)
         absl::StrCat("--replica_groups=", options.replica_groups, ": expected 1 or more"));
   }
   buffers.replicas = options.replica_groups;
+  if (options.memory != "host" && options.memory != "pinned" && options.memory != "device") {
+    return absl::InvalidArgumentError(absl::StrCat("--memory=", options.memory, ": expected host, pinned or device"));
+  }
+  buffers.device_tier = options.memory == "device";
   const struct {
     const char* flag;
     const std::string& name;
@@ -80,7 +84,8 @@ int64_t ExchangeBytesPerServer(const FlatLayout& layout, const OptimizerBuffers&
       chunk_numel = std::max(chunk_numel, ReplicaChunk(layout.shard_numel(), buffers.replicas, q).second);
     }
   }
-  return 4 * (layout.shard_numel() + (buffers.replicas - 1) * chunk_numel);
+  const int64_t reduced = buffers.device_tier ? layout.shard_numel() : 0;
+  return 4 * (layout.shard_numel() + (buffers.replicas - 1) * chunk_numel + reduced);
 }
 
 int64_t PlannedBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers, int replica) {

@@ -31,6 +31,9 @@ struct LayoutCommandOptions {
   // A hybrid-sharded job's replica groups (R; the spec's `servers` are then those of one
   // replica group): each server also keeps the exchange buffers.
   int replica_groups = 1;
+  // The servers' --memory (host, pinned or device): the device tier's hybrid servers keep
+  // the reduced gradient apart from the parameters' tier.
+  std::string memory = "host";
 };
 
 // What a server keeps per shard element besides the fp32 parameters: fp32 buffers for
@@ -43,6 +46,7 @@ struct OptimizerBuffers {
   int64_t staging_bytes = 4;   // all workers' gradients (0 for frozen groups)
   int64_t snapshot_bytes = 4;  // one element in the gather dtype
   int replicas = 1;            // replica groups exchanging the gradient (1: none)
+  bool device_tier = false;    // --memory=device
 };
 // The buffers of the kind `optimizer` names for `options`' workers and dtypes;
 // InvalidArgument naming the flag that is wrong.
@@ -55,9 +59,10 @@ int RunLayoutCommand(const LayoutCommandOptions& options, std::istream& in, std:
 
 // A hybrid-sharded job's exchange buffers on a server of replica group `replica`: its own
 // fp32 partial of the whole shard, and the partials of its chunk (core/layout.h
-// ReplicaChunk) that the other replica groups send. 0 without replicas or gradients.
-// (On the device tier the reduced gradient takes a shard's fp32 more.) `replica` -1:
-// the most any replica group's server keeps (chunks differ by their rounding).
+// ReplicaChunk) that the other replica groups send, and on the device tier the reduced
+// gradient (a shard's fp32, in host-addressable memory the exchange writes to). 0 without
+// replicas or gradients. `replica` -1: the most any replica group's server keeps (chunks
+// differ by their rounding).
 int64_t ExchangeBytesPerServer(const FlatLayout& layout, const OptimizerBuffers& buffers, int replica);
 
 // The memory a server of replica group `replica` (-1: the most of any; all are alike

@@ -34,6 +34,9 @@ ABSL_FLAG(std::string, gather_dtype, "float32", "layout: the dtype gathers ask f
 ABSL_FLAG(int, replica_groups, 1,
           "layout: a hybrid-sharded job's replica groups (the spec's servers are one replica group's); "
           "each server also keeps the gradient exchange's buffers");
+ABSL_FLAG(std::string, memory, "host",
+          "layout: the servers' --memory (host, pinned or device; a hybrid job's device servers keep one more "
+          "fp32 shard)");
 ABSL_FLAG(std::string, cluster, "", "status: every server's control address, comma-separated");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (empty: none)");
 ABSL_FLAG(std::string, tls_ca_file, "",
@@ -63,6 +66,7 @@ constexpr char kUsage[] =
     "commands:\n"
     "  layout [SPEC.json|-] [--json] [--optimizer_kind=adam] [--workers=1]\n"
     "       [--grad_dtype=float32] [--gather_dtype=float32] [--replica_groups=1]\n"
+    "       [--memory=host]\n"
     "                                  read a layout spec (file or stdin) and print the\n"
     "                                  layout per server: shard ranges, memory, tensors\n"
     "  status --cluster=A0,A1,... [--json]\n"
@@ -85,7 +89,8 @@ int Layout(const std::vector<std::string>& args) {
                                                      .workers = absl::GetFlag(FLAGS_workers),
                                                      .grad_dtype = absl::GetFlag(FLAGS_grad_dtype),
                                                      .gather_dtype = absl::GetFlag(FLAGS_gather_dtype),
-                                                     .replica_groups = absl::GetFlag(FLAGS_replica_groups)};
+                                                     .replica_groups = absl::GetFlag(FLAGS_replica_groups),
+                                                     .memory = absl::GetFlag(FLAGS_memory)};
   if (args.size() > 2) {
     std::cerr << "flatshard layout: expected at most one spec file\n";
     return 2;

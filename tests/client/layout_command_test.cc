@@ -115,6 +115,11 @@ TEST(LayoutCommandTest, AHybridJobsServersAlsoKeepTheExchangeBuffers) {
   EXPECT_EQ(ExchangeBytesPerServer(*layout, *buffers, 1), 56);
   EXPECT_EQ(ExchangeBytesPerServer(*layout, *buffers, 2), 40);
   EXPECT_EQ(PlannedBytesPerServer(*layout, *buffers, 2), 144 + 40);
+  // The device tier's servers also keep the reduced gradient (24 B) in host memory; the
+  // pinned tier's is its gradient.
+  EXPECT_EQ(ExchangeBytesPerServer(*layout, *BuffersFor({.replica_groups = 3, .memory = "device"}), 1), 56 + 24);
+  EXPECT_EQ(ExchangeBytesPerServer(*layout, *BuffersFor({.replica_groups = 3, .memory = "pinned"}), 1), 56);
+  EXPECT_EQ(ExchangeBytesPerServer(*layout, *BuffersFor({.memory = "device"}), 0), 0);
   // Frozen groups take no gradients: nothing to exchange.
   EXPECT_EQ(ExchangeBytesPerServer(*layout, *BuffersFor({.optimizer = "frozen", .replica_groups = 3}), -1), 0);
 
@@ -122,6 +127,7 @@ TEST(LayoutCommandTest, AHybridJobsServersAlsoKeepTheExchangeBuffers) {
   std::ostringstream table, message;
   EXPECT_EQ(RunLayoutCommand({.replica_groups = 0}, spec, table, message), 2);
   EXPECT_EQ(message.str(), "flatshard layout: --replica_groups=0: expected 1 or more\n");
+  EXPECT_EQ(BuffersFor({.memory = "gpu"}).status().message(), "--memory=gpu: expected host, pinned or device");
 }
 
 TEST(LayoutCommandTest, InvalidSpecExitsTwoWithOneLine) {
@@ -162,6 +168,9 @@ TEST(LayoutBinaryTest, OptimizerKindFlagReachesTheTable) {
   std::tie(code, output) = RunBinary("--replica_groups=3", kSpec);
   ASSERT_EQ(code, 0) << output;
   EXPECT_THAT(output, HasSubstr("per server: 200 B (params + grads + adam state + staging + snapshot + exchange"));
+  std::tie(code, output) = RunBinary("--replica_groups=3 --memory=device", kSpec);
+  ASSERT_EQ(code, 0) << output;
+  EXPECT_THAT(output, HasSubstr("per server: 224 B (params + grads + adam state + staging + snapshot + exchange"));
   EXPECT_EQ(RunBinary("--optimizer_kind=lamb", kSpec).first, 2);
 }
 

@@ -32,7 +32,7 @@ std::vector<std::string> Row(const std::string& text, const std::string& first, 
 
 TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails) {
   testing::TestCluster cluster(2, "status-token", ::testing::TempDir(), "",
-                               {{"--compute_threads=3"}, {"--compute_threads=3"}});
+                               {{"--compute_threads=3", "--memory=host"}, {"--compute_threads=3", "--memory=host"}});
   auto client = cluster.Connect(0, 1, "status");
   ASSERT_TRUE(client.ok()) << client.status();
   ASSERT_TRUE((*client)->ConfigureJob({}).ok());
@@ -186,15 +186,17 @@ void ExpectHeldAsPlanned(int servers, int replicas, int workers) {
     for (auto& s : scattered) ASSERT_TRUE(s.get().ok());
   }
 
-  const auto planned = cli::BuffersFor({.optimizer = "adam",
-                                        .workers = workers / replicas,
-                                        .grad_dtype = "bfloat16",
-                                        .gather_dtype = "bfloat16",
-                                        .replica_groups = replicas});
-  ASSERT_TRUE(planned.ok()) << planned.status();
   const int64_t second_snapshot = layout->shard_numel() * 2;
   for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
     ASSERT_TRUE(status.ok()) << status.status();
+    // The servers' tier: host here, another where FLATSHARD_TEST_MEMORY names one.
+    const auto planned = cli::BuffersFor({.optimizer = "adam",
+                                          .workers = workers / replicas,
+                                          .grad_dtype = "bfloat16",
+                                          .gather_dtype = "bfloat16",
+                                          .replica_groups = replicas,
+                                          .memory = status->memory()});
+    ASSERT_TRUE(planned.ok()) << planned.status();
     ASSERT_EQ(status->groups_size(), 1);
     const int replica = status->groups(0).replica();
     const int64_t bytes = cli::PlannedBytesPerServer(*layout, *planned, replica);
