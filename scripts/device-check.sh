@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # On a lent device machine (GPU), from the repository root: runs the GPU tests and the GPU
 # benchmarks from the binaries scripts/device-carry.sh put in .devcarry/, logs under
-# ${OUT:-/tmp/device-check}. Steps: any of tests, training, bench, kernels-bench,
-# safetensors, python (default: tests training bench).
+# /tmp/device-check and, with $OUT set (the device tool), packed into
+# $OUT/device-check.tar.gz after each step. Steps: any of tests, training, bench, kernels-bench,
+# safetensors, python, integration-device, integration-pinned (the whole integration
+# suite with every server on that tier; default: tests training bench).
 set -uo pipefail
 carry=$PWD/.devcarry
-out=${OUT:-/tmp/device-check}
+out=/tmp/device-check
 mkdir -p "$out"
 nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 export LD_LIBRARY_PATH="$carry/lib${nccl_lib:+:$nccl_lib}"
 export FLATSHARD_NCCL_LIBRARY="${nccl_lib:+$nccl_lib/libnccl.so.2}"
 # integration_test starts the server from the path it was built with.
 mkdir -p /work/main/build/bin && ln -sf "$carry/bin/flatshard-server" /work/main/build/bin/flatshard-server
+ln -sf "$carry/bin/flatshard" /work/main/build/bin/flatshard
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 steps=("${@:-tests training bench}")
 status=0
@@ -47,15 +50,31 @@ for step in ${steps[*]}; do
         -Wl,--start-group "$carry"/static/*.a -Wl,--end-group "$carry"/lib/*.so*
       export PYTHONPATH="$package:$PWD/tests/python" FLATSHARD_SERVER_BINARY="$carry/bin/flatshard-server"
       pushd tests/python >/dev/null
-      for suite in test_cuda_tensors test_client \
-                   test_torch_parity.ParityTest.test_cuda_model_with_gpu_servers_over_cuda_ipc; do
-        run "python_${suite%%.*}" python3 -m unittest -v "$suite"
+      run python_cuda_tensors python3 -m unittest -v test_cuda_tensors
+      for memory in host device pinned; do
+        FLATSHARD_TEST_MEMORY=$memory run "python_client_$memory" python3 -m unittest -v test_client
       done
+      run python_parity_cuda python3 -m unittest -v -k cuda test_torch_parity
       popd >/dev/null ;;
+    integration-device|integration-pinned)
+      # In 6 shards at once, as ctest -j runs the suite (the tests pick free ports).
+      export FLATSHARD_TEST_MEMORY=${step#integration-}
+      for shard in 0 1 2 3 4 5; do
+        GTEST_TOTAL_SHARDS=6 GTEST_SHARD_INDEX=$shard timeout 300 "$carry/bin/integration_test" \
+          >"$out/$step-$shard.log" 2>&1 &
+      done
+      shard_status=0
+      for job in $(jobs -p); do wait "$job" || shard_status=1; done
+      unset FLATSHARD_TEST_MEMORY
+      echo "== $step: exit $shard_status"
+      grep -a -h -E "^\[  (PASSED|FAILED)|FAILED  \]|^\[  SKIPPED \]" "$out/$step"-*.log | sort | uniq -c
+      [[ $shard_status == 0 ]] || status=1 ;;
     safetensors)
       run safetensors_library python3 tests/python/safetensors_library_check.py check \
         "$carry/safetensors-sample" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
+  # After each step, so that a run stopped at its time limit still brings back what ran.
+  [[ -n "${OUT:-}" ]] && tar -czf "$OUT/device-check.tar.gz" -C "$out" .
 done
 exit $status

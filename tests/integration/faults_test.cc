@@ -76,7 +76,10 @@ class FaultsTest : public ::testing::Test {
     EXPECT_EQ(*(*client_)->WaitVersion("g", step + 1), step + 1);
   }
 
-  testing::TestCluster cluster_{3, "tok", ::testing::TempDir()};
+  // Host servers, also where FLATSHARD_TEST_MEMORY names a GPU tier: the tests below are
+  // about what a server without GPU shards refuses, and about host memory.
+  testing::TestCluster cluster_{
+      3, "tok", ::testing::TempDir(), "", {{"--memory=host"}, {"--memory=host"}, {"--memory=host"}}};
   absl::StatusOr<std::unique_ptr<Client>> client_;
   const FlatLayout* layout_ = nullptr;
 };

@@ -127,8 +127,9 @@ TEST(MetricsTest, AScrapeSaysWhatTheStatusSaysAndAsksForTheToken) {
       return it == samples.end() ? -1.0 : it->second;
     };
     const std::string server = absl::StrCat("server ", status->rank());
-    EXPECT_EQ(value(absl::StrCat("flatshard_server_info{rank=\"", status->rank(), "\",memory=\"host\",version=\"",
-                                 FlatshardVersion(), "\",protocol=\"", kProtocolRevision, "\",nccl=\"\",tls=\"no\"}")),
+    EXPECT_EQ(value(absl::StrCat("flatshard_server_info{rank=\"", status->rank(), "\",memory=\"", status->memory(),
+                                 "\",version=\"", FlatshardVersion(), "\",protocol=\"", kProtocolRevision, "\",nccl=\"",
+                                 status->nccl_version(), "\",tls=\"no\"}")),
               1)
         << server;
     EXPECT_EQ(value("flatshard_gathers_total{plane=\"tcp\"}"), status->gathers()) << server;

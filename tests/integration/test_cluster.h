@@ -4,6 +4,7 @@
 #ifndef FLATSHARD_TESTS_INTEGRATION_TEST_CLUSTER_H_
 #define FLATSHARD_TESTS_INTEGRATION_TEST_CLUSTER_H_
 
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -19,8 +21,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -275,6 +275,11 @@ class TestCluster {
                                        "--cluster=" + absl::StrJoin(addresses_, ","),
                                        "--auth_token_file=" + token_file_};
       if (!checkpoint_root.empty()) args.push_back("--checkpoint_root=" + checkpoint_root);
+      // FLATSHARD_TEST_MEMORY=device|pinned: every server on that tier, but where the
+      // test names one (on a GPU machine, the whole suite over the GPU tiers).
+      if (const char* memory = std::getenv("FLATSHARD_TEST_MEMORY"); memory != nullptr && *memory != 0) {
+        args.push_back(absl::StrCat("--memory=", memory));
+      }
       if (static_cast<size_t>(i) < extra_args.size()) {
         for (const std::string& arg : extra_args[i]) {
           args.push_back(absl::StrReplaceAll(arg, {{"{cluster}", absl::StrJoin(addresses_, ",")}}));

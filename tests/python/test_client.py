@@ -17,6 +17,9 @@ import flatshard
 from safetensors_reader import read_safetensors
 
 TENSORS = [("weight", (4, 3), "float32"), ("bias", (4,), "float32")]
+# The servers' memory tier: FLATSHARD_TEST_MEMORY=device|pinned runs the suite over a GPU
+# tier (on a machine with one).
+MEMORY = os.environ.get("FLATSHARD_TEST_MEMORY") or "host"
 
 
 def values(seed):
@@ -29,7 +32,7 @@ class ClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.root = tempfile.TemporaryDirectory()
-        cls.cluster = flatshard.LocalCluster(servers=3, checkpoint_root=cls.root.name).start()
+        cls.cluster = flatshard.LocalCluster(servers=3, checkpoint_root=cls.root.name, memory=MEMORY).start()
 
     @classmethod
     def tearDownClass(cls):
@@ -146,7 +149,7 @@ class ClientTest(unittest.TestCase):
         c.save_checkpoint("py-ckpt", kind="sharded", optimizer=True)
         names = [e["name"] for e in c.list_checkpoints() if e["complete"]]
         self.assertIn("py-ckpt", names)
-        with flatshard.LocalCluster(servers=2, checkpoint_root=self.root.name) as other:
+        with flatshard.LocalCluster(servers=2, checkpoint_root=self.root.name, memory=MEMORY) as other:
             d = flatshard.Client(other.addresses, token=other.token, job="ckpt")
             d.configure_job()
             d.register_group("g", TENSORS, flatshard.AdamW(lr=1e-2))
@@ -323,7 +326,8 @@ class ClientTest(unittest.TestCase):
         status = c.status()
         self.assertEqual(len(status["servers"]), 3)
         self.assertEqual({s["rank"] for s in status["servers"]}, {0, 1, 2})
-        self.assertEqual(c.data_planes(), ["tcp"] * 3)
+        # A CPU-tier server is reached over TCP; a device one from this GPU over CUDA IPC.
+        self.assertEqual(c.data_planes(), ["cuda-ipc" if MEMORY == "device" else "tcp"] * 3)
         # Each server timed the calls of this client's handshake, by method.
         for server in status["servers"]:
             methods = {rpc["name"] for rpc in server["rpc_seconds"]}
@@ -347,7 +351,7 @@ class ClientTest(unittest.TestCase):
 
 class ErrorTest(unittest.TestCase):
     def setUp(self):
-        self.cluster = flatshard.LocalCluster(servers=2).start()
+        self.cluster = flatshard.LocalCluster(servers=2, memory=MEMORY).start()
         self.c = flatshard.Client(self.cluster.addresses, token=self.cluster.token, timeout=2.0)
         self.c.configure_job()
         self.c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
