@@ -116,10 +116,13 @@ class ParityTest(unittest.TestCase):
                     for row in rows:
                         self.assertEqual(row.get("replica", 0), rank // per_replica, row)
                         self.assertEqual(row.get("shard", 0), rank % per_replica, row)
-            if memory == "device":  # every gradient went over CUDA IPC, to every server
+            if memory == "device" and device == "cuda":  # every transfer went over CUDA IPC
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
+                # Each trained group's gradient, once a step from each worker, to each server
+                # of its replica group.
+                trained = sum(1 for _, path, _ in groups if path is not None)
                 for server in status["servers"]:
-                    self.assertEqual(int(server["ipc_scatters"]), steps * len(groups) * 2, server)
+                    self.assertEqual(int(server["ipc_scatters"]), steps * trained * 2 // replicas, server)
                     self.assertGreater(int(server["ipc_gathers"]), 0, server)
         reference, reference_losses, reference_norms = train_reference(
             kind, make_reference_optimizer, steps, max_grad_norm, device, lr_schedule,
@@ -229,6 +232,26 @@ class ParityTest(unittest.TestCase):
         self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
                    lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 20,
                    max_grad_norm=0.5, device="cuda", memory="device")
+
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device for torch on this machine")
+    def test_cuda_model_grad_scaler_with_gpu_servers(self):
+        # As the CPU GradScaler test, the gradients in GPU memory and on the device tier.
+        run = self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                         lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10,
+                         max_grad_norm=0.5, poison_step=4, grad_scaler=True, device="cuda",
+                         memory="device")
+        self.assertEqual(run.scales, [2.0 ** 11, 2.0 ** 11])
+
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device for torch on this machine")
+    def test_cuda_model_hybrid_tied_frozen_on_the_gpu_tiers(self):
+        # Replica groups exchanging reduced gradients on the device tier (over CUDA IPC) and
+        # on the pinned tier (over TCP from pinned staging), with a frozen group.
+        for memory in ("device", "pinned"):
+            with self.subTest(memory=memory):
+                self.check("tied_frozen", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
+                           lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 10,
+                           max_grad_norm=0.5, micro_batches=2, servers=4, replicas=2,
+                           device="cuda", memory=memory)
 
 
 @contextlib.contextmanager
