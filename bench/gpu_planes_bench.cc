@@ -148,16 +148,19 @@ int NcclPeer(const std::string& unique_id_hex) {
       }
     }
   }
-  // The "in flight" references: kInFlight transfers queued, then one wait (all from and
-  // into the same buffer: only the bytes moved matter).
+  // The "in flight" references: kInFlight transfers in one NCCL group (a non-blocking
+  // communicator takes the next operation only once the last is enqueued), then one wait
+  // (all from and into the same buffer: only the bytes moved matter).
   for (int64_t numel : InFlightNumelsFor("nccl")) {
     const size_t bytes = numel * 4;
     for (bool send : {true, false}) {
       for (int i = 0; i < kWarmups + kRuns; ++i) {
+        Check((*comm)->GroupStart(), "peer in flight");
         for (int g = 0; g < kInFlight; ++g) {
           Check(send ? (*comm)->Send(buffer->data(), bytes, 1, stream) : (*comm)->Recv(buffer->data(), bytes, 1, stream),
                 "peer in flight");
         }
+        Check((*comm)->GroupEnd(), "peer in flight");
         Check((*comm)->Wait(stream, absl::Seconds(120)), "peer in flight");
       }
     }
@@ -328,11 +331,13 @@ int main(int argc, char** argv) {
           for (bool receive : {true, false}) {  // the peer sends first, then receives
             reference_ms.push_back(MedianMs([&] {
               return std::vector<absl::Duration>{Timed([&] {
+                Check(reference->GroupStart(), "reference");
                 for (int g = 0; g < kInFlight; ++g) {
                   Check(receive ? reference->Recv(copy->as<std::byte>() + g * bytes, bytes, 0, stream)
                                 : reference->Send(buffer->as<std::byte>() + g * bytes, bytes, 0, stream),
                         "reference");
                 }
+                Check(reference->GroupEnd(), "reference");
                 Check(reference->Wait(stream, absl::Seconds(120)), "reference");
               })};
             })[0]);

@@ -41,7 +41,9 @@ class NcclCommunicator {
   ~NcclCommunicator();  // finalizes and destroys, or aborts if it failed
 
   // Enqueue point-to-point transfers on `stream` (between GroupStart/GroupEnd, several
-  // of them form one NCCL group so that a send and a receive can pair up).
+  // of them form one NCCL group so that a send and a receive can pair up). The
+  // communicator is non-blocking: outside a group, Wait for one operation before the
+  // next (NCCL refuses an operation while the last is still being enqueued).
   [[nodiscard]] absl::Status GroupStart();
   [[nodiscard]] absl::Status GroupEnd();
   [[nodiscard]] absl::Status Send(const void* buffer, size_t bytes, int peer, cudaStream_t stream);
