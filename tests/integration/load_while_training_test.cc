@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/integration/gpu_worker.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/integration/trainer.h"
 #include "tests/scratch_dir.h"
@@ -174,6 +175,48 @@ TEST(LoadWhileTrainingTest, AGatherFromTheStatesOfTwoLoadsIsRefused) {
   worker.GatherAll(1);
   worker.Step(1);
   EXPECT_TRUE(worker.client->WaitVersion("big", 2).ok());
+}
+
+// The same refusal where the worker gathers into GPU memory from --memory=device servers,
+// over CUDA IPC (the same GPU) and over NCCL (as between nodes): each server's answer
+// carries its load, whichever plane moved the bytes.
+TEST(LoadWhileTrainingTest, AGatherIntoGpuMemoryFromTheStatesOfTwoLoadsIsRefused) {
+  if (!testing::HaveGpu()) GTEST_SKIP() << "the GPU planes need a CUDA build and a CUDA device";
+  for (const DevicePlane plane : {DevicePlane::kCudaIpc, DevicePlane::kNccl}) {
+    const bool nccl = plane == DevicePlane::kNccl;
+    if (nccl && !testing::HaveNccl()) continue;  // NCCL does not load here
+    SCOPED_TRACE(nccl ? "nccl" : "cuda-ipc");
+    const testing::ScratchDir root("load-while-training-torn-gpu");
+    if (nccl) testing::SetNcclHost(testing::kNcclServers);
+    testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path(),
+                                 {{"--memory=device"}, {"--memory=device"}});
+    if (nccl) testing::SetNcclHost(testing::kNcclWorkers);
+    Trainer worker(cluster, 0, 1, {}, absl::Seconds(20), plane);
+    ASSERT_EQ(worker.client->DataPlanes(), std::vector<std::string>(2, nccl ? "nccl" : "cuda-ipc"));
+    ASSERT_TRUE(worker.client->InitGroupFromSeed("big", 3).ok());
+    ASSERT_TRUE(worker.client->InitGroupFromSeed("tiny", 3).ok());
+    worker.Step(0);
+    ASSERT_TRUE(worker.client->SaveCheckpoint("at-1", CheckpointKind::kSharded, true).ok());
+    const std::vector<float> big_at_1 = worker.Params("big", worker.big, 1);
+
+    ASSERT_TRUE(cluster.LoadOnSome("test", "at-1", 0x5eed, {1}).ok());
+    testing::DeviceBytes torn(worker.big->padded_numel() * sizeof(float));
+    const absl::Status refused = worker.client->Gather("big", 1, DType::kFloat32, torn.span()).get().status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+    EXPECT_THAT(refused.message(), HasSubstr("answered this gather from the states of two checkpoint loads ("));
+    EXPECT_THAT(refused.message(), HasSubstr("load 5eed"));
+    EXPECT_THAT(refused.message(), HasSubstr("did not commit on every server"));
+
+    ASSERT_TRUE(worker.client->LoadCheckpoint("at-1").ok());
+    testing::DeviceBytes whole(worker.big->padded_numel() * sizeof(float));
+    const absl::StatusOr<int64_t> version = worker.client->Gather("big", 1, DType::kFloat32, whole.span()).get();
+    ASSERT_TRUE(version.ok()) << version.status();
+    EXPECT_EQ(*version, 1);
+    std::vector<float> gathered(worker.big->padded_numel());
+    whole.Download(AsBytes(gathered));
+    gathered.resize(worker.big->unpadded_numel());
+    EXPECT_EQ(gathered, big_at_1);
+  }
 }
 
 // Trains `trainer` up to version `target` of both its groups, following the servers

@@ -39,10 +39,13 @@ struct Trainer {
   int worker = 0;
 
   explicit Trainer(const TestCluster& cluster, int worker_rank = 0, int num_workers = 1, const JobOptions& job = {},
-                   absl::Duration timeout = absl::Seconds(20))
+                   absl::Duration timeout = absl::Seconds(20), DevicePlane plane = DevicePlane::kAuto)
       : worker(worker_rank) {
-    auto connected =
-        cluster.Connect({.worker_rank = worker_rank, .num_workers = num_workers, .job = "test", .timeout = timeout});
+    auto connected = cluster.Connect({.worker_rank = worker_rank,
+                                      .num_workers = num_workers,
+                                      .job = "test",
+                                      .timeout = timeout,
+                                      .device_plane = plane});
     EXPECT_TRUE(connected.ok()) << connected.status();
     client = std::move(*connected);
     EXPECT_TRUE(client->ConfigureJob(job).ok());

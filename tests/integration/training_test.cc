@@ -13,22 +13,27 @@
 #include <random>
 #include <thread>
 
+#include "client/cluster_status.h"
 #include "core/flat_buffer.h"
 #include "core/float_bits.h"
 #include "kernels/kernels.h"
-#include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
+#include "tests/integration/gpu_worker.h"
 #include "tests/integration/test_cluster.h"
 #include "transport/data_protocol.h"
 #if FLATSHARD_HAVE_CUDA
-#include <cuda_runtime.h>
-
-#include "kernels/cuda/device.h"
 #include "kernels/cuda/nccl.h"
 #endif
 
 namespace flatshard {
 namespace {
+
+using testing::DeviceBytes;
+using testing::HaveGpu;
+using testing::HaveNccl;
+using testing::kNcclServers;
+using testing::kNcclWorkers;
+using testing::SetNcclHost;
 
 constexpr int kWorkers = 2;  // unless a test says otherwise
 constexpr int kSteps = 20;
@@ -182,43 +187,6 @@ std::vector<std::vector<float>> Reference(const std::vector<GroupCase>& cases,
   return params;
 }
 
-// A device copy of a host buffer, for workers whose tensors live on the GPU (Gather and
-// Scatter then use CUDA IPC with same-GPU servers and host staging with the others).
-// Allocations are at least 2 MiB, as caching allocators make them: smaller ones are
-// moved through host staging (client/device_memory.h).
-class DeviceBytes {
- public:
-  explicit DeviceBytes(size_t bytes) : size_(bytes) {
-#if FLATSHARD_HAVE_CUDA
-    EXPECT_EQ(cudaMalloc(&data_, std::max<size_t>(bytes, 2 << 20)), cudaSuccess);
-    EXPECT_EQ(cudaMemset(data_, 0xA5, bytes), cudaSuccess);  // poison
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // landed before a server writes
-#endif
-  }
-  ~DeviceBytes() {
-#if FLATSHARD_HAVE_CUDA
-    cudaFree(data_);
-#endif
-  }
-  absl::Span<std::byte> span() { return {static_cast<std::byte*>(data_), size_}; }
-  void Upload([[maybe_unused]] absl::Span<const std::byte> host) {
-#if FLATSHARD_HAVE_CUDA
-    EXPECT_EQ(cudaMemcpy(data_, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
-    // Ready for a server's stream: a pageable copy returns before its bytes land.
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-#endif
-  }
-  void Download([[maybe_unused]] absl::Span<std::byte> host) {
-#if FLATSHARD_HAVE_CUDA
-    EXPECT_EQ(cudaMemcpy(host.data(), data_, host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-#endif
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t size_;
-};
-
 void RunWorker(const testing::TestCluster& cluster, int rank, int workers, const std::vector<GroupCase>& cases,
                bool device_buffers, DevicePlane plane) {
   auto client = cluster.Connect(rank, workers, "test", plane);
@@ -254,17 +222,6 @@ void RunWorker(const testing::TestCluster& cluster, int rank, int workers, const
     }
   }
 }
-
-// NCCL refuses two ranks on one GPU of one host. Servers started with another
-// NCCL_HOSTID than this process's are other nodes to NCCL, which then moves the bytes
-// over its socket transport on loopback: the path between nodes, on the one GPU a test
-// machine has. Set `id` before starting servers, and the workers' id after.
-void SetNcclHost(const char* id) {
-  setenv("NCCL_SOCKET_IFNAME", "lo", 1);
-  setenv("NCCL_HOSTID", id, 1);
-}
-constexpr char kNcclServers[] = "flatshard-test-servers";
-constexpr char kNcclWorkers[] = "flatshard-test-workers";
 
 // `memory[i]`: server i's --memory; `device_buffers`: the workers gather into and scatter
 // from GPU buffers, over `plane` where the servers keep their shards on the GPU.
@@ -432,15 +389,6 @@ TEST(TrainingIntegrationTest, HybridShardingReplicaGroupsMatchTheReferenceBitwis
 
 // The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the
 // servers' results stay bitwise equal to the single-process CPU reference.
-bool HaveGpu() {
-#if FLATSHARD_HAVE_CUDA
-  absl::StatusOr<int> count = kernels::cuda::DeviceCount();
-  return count.ok() && *count > 0;
-#else
-  return false;
-#endif
-}
-
 TEST(TrainingIntegrationTest, DeviceMemoryTierMatchesSingleProcessBitwise) {
   if (!HaveGpu()) GTEST_SKIP() << "--memory=device needs a CUDA build and a CUDA device";
   TrainAndCompare({}, {"device", "device", "device"});
@@ -502,12 +450,6 @@ TEST(TrainingIntegrationTest, BadCudaIpcRequestsAreRefusedAndTheServerKeepsServi
   std::vector<float> host((*layout)->padded_numel());
   EXPECT_TRUE((*client)->Gather("g", 0, DType::kFloat32, AsBytes(host)).get().ok());
 }
-
-#if FLATSHARD_HAVE_CUDA
-bool HaveNccl() { return kernels::cuda::NcclVersion().ok(); }
-#else
-bool HaveNccl() { return false; }
-#endif
 
 // GPU workers and --memory=device servers over NCCL (as between nodes, see
 // SetNcclHost), with a host server in the mix; still bitwise equal to the CPU reference.
