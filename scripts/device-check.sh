@@ -2,7 +2,8 @@
 # On a lent device machine (GPU), from the repository root: runs the GPU tests and the GPU
 # benchmarks from the binaries scripts/device-carry.sh put in .devcarry/, logs under
 # /tmp/device-check and, with $OUT set (the device tool), packed into
-# $OUT/device-check.tar.gz after each step. Steps: any of tests, training, bench, kernels-bench,
+# $OUT/device-check.tar.gz after each command, so that a run stopped at its time limit
+# still brings back what ran. Steps: any of tests, training, bench, kernels-bench,
 # safetensors, python, integration-device, integration-pinned (the whole integration
 # suite with every server on that tier; default: tests training bench).
 set -uo pipefail
@@ -18,6 +19,7 @@ ln -sf "$carry/bin/flatshard" /work/main/build/bin/flatshard
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 steps=("${@:-tests training bench}")
 status=0
+pack() { [[ -z "${OUT:-}" ]] || tar -czf "$OUT/device-check.tar.gz" -C "$out" .; }
 run() {  # name, command...
   local name=$1; shift
   echo "== $name"
@@ -25,6 +27,7 @@ run() {  # name, command...
   tail -n 25 "$out/$name.log"
   echo "== $name: exit $rc"
   [[ $rc == 0 ]] || status=1
+  pack
 }
 for step in ${steps[*]}; do
   case $step in
@@ -55,6 +58,9 @@ for step in ${steps[*]}; do
         FLATSHARD_TEST_MEMORY=$memory run "python_client_$memory" python3 -m unittest -v test_client
       done
       run python_parity_cuda python3 -m unittest -v -k cuda test_torch_parity
+      for memory in device pinned; do
+        FLATSHARD_TEST_MEMORY=$memory run "python_parity_$memory" python3 -m unittest -v test_torch_parity
+      done
       popd >/dev/null ;;
     integration-device|integration-pinned)
       # In 6 shards at once, as ctest -j runs the suite (the tests pick free ports).
@@ -74,7 +80,6 @@ for step in ${steps[*]}; do
         "$carry/safetensors-sample" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
-  # After each step, so that a run stopped at its time limit still brings back what ran.
-  [[ -n "${OUT:-}" ]] && tar -czf "$OUT/device-check.tar.gz" -C "$out" .
+  pack
 done
 exit $status

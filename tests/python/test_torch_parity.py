@@ -27,6 +27,9 @@ from models import make_data, make_model
 from safetensors_reader import read_safetensors
 
 REL_TOL = 1e-5
+# The servers' memory tier where a test names none: FLATSHARD_TEST_MEMORY=device|pinned
+# runs the suite over a GPU tier (on a machine with one).
+MEMORY = os.environ.get("FLATSHARD_TEST_MEMORY") or "host"
 
 
 def relative_error(ours, reference):
@@ -96,7 +99,7 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
 
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
-              device="cpu", memory="host", micro_batches=1, lr_schedule=None, servers=3,
+              device="cpu", memory=MEMORY, micro_batches=1, lr_schedule=None, servers=3,
               replicas=1, poison_step=None, grad_scaler=False):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
         if replicas > 1:
@@ -258,7 +261,7 @@ class ParityTest(unittest.TestCase):
 def one_worker_mlp(job):
     """(client, ShardedModule of the MLP with SGD) of a one-worker job on 2 servers."""
     import flatshard.torch
-    with flatshard.LocalCluster(servers=2) as cluster:
+    with flatshard.LocalCluster(servers=2, memory=MEMORY) as cluster:
         client = flatshard.Client(cluster.addresses, token=cluster.token, job=job)
         client.configure_job()
         yield client, flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
@@ -384,7 +387,7 @@ class MisuseAndRecoveryTest(unittest.TestCase):
     def test_a_load_during_training_moves_the_module_to_the_loaded_version(self):
         import flatshard.torch
         with tempfile.TemporaryDirectory() as root, \
-                flatshard.LocalCluster(servers=2, checkpoint_root=root) as cluster:
+                flatshard.LocalCluster(servers=2, checkpoint_root=root, memory=MEMORY) as cluster:
             clients = [flatshard.Client(cluster.addresses, worker_rank=r, num_workers=2, token=cluster.token,
                                         job="reload") for r in range(2)]
             clients[0].configure_job()
@@ -518,7 +521,7 @@ class GradScalerPolicyTest(unittest.TestCase):
 
 class MixedPrecisionAndExportTest(unittest.TestCase):
     def test_bf16_params_fp32_reduce_converges_and_gathers_exact_casts(self):
-        with flatshard.LocalCluster(servers=3) as cluster:
+        with flatshard.LocalCluster(servers=3, memory=MEMORY) as cluster:
             losses, _, groups, _, _ = train_flatshard(cluster, "mlp", flatshard.Adam(lr=1e-2), 30,
                                                       param_dtype=torch.bfloat16)
             self.assertLess(losses[-1], 0.5 * losses[0], losses)
@@ -536,7 +539,7 @@ class MixedPrecisionAndExportTest(unittest.TestCase):
 
     def test_bf16_params_keep_an_fp32_master_initialized_at_full_precision(self):
         import flatshard.torch
-        with flatshard.LocalCluster(servers=2) as cluster:
+        with flatshard.LocalCluster(servers=2, memory=MEMORY) as cluster:
             client = flatshard.Client(cluster.addresses, token=cluster.token, job="master")
             client.configure_job()
             original = make_model("mlp").state_dict()
@@ -548,7 +551,7 @@ class MixedPrecisionAndExportTest(unittest.TestCase):
             self.assertTrue(torch.equal(state[name], value), name)  # not bf16-rounded
 
     def test_full_export_loads_into_torch_and_reproduces_outputs(self):
-        with flatshard.LocalCluster(servers=3) as cluster, tempfile.TemporaryDirectory() as out:
+        with flatshard.LocalCluster(servers=3, memory=MEMORY) as cluster, tempfile.TemporaryDirectory() as out:
             state = train_flatshard(cluster, "transformer", flatshard.AdamW(lr=5e-3), 5).state
             client = flatshard.Client(cluster.addresses, worker_rank=0, num_workers=2,
                                       token=cluster.token, job="parity")
