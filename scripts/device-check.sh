@@ -13,9 +13,12 @@ mkdir -p "$out"
 nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 export LD_LIBRARY_PATH="$carry/lib${nccl_lib:+:$nccl_lib}"
 export FLATSHARD_NCCL_LIBRARY="${nccl_lib:+$nccl_lib/libnccl.so.2}"
-# integration_test starts the server from the path it was built with.
-mkdir -p /work/main/build/bin && ln -sf "$carry/bin/flatshard-server" /work/main/build/bin/flatshard-server
-ln -sf "$carry/bin/flatshard" /work/main/build/bin/flatshard
+# integration_test starts the server and the CLI from the paths it was built with; where
+# they exist (the machine that built them), they are the same binaries.
+for binary in flatshard-server flatshard; do
+  [[ -e /work/main/build/bin/$binary ]] ||
+    { mkdir -p /work/main/build/bin && ln -s "$carry/bin/$binary" /work/main/build/bin/$binary; }
+done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 steps=("${@:-tests training bench}")
 status=0
