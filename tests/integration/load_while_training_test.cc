@@ -148,6 +148,25 @@ TEST(LoadWhileTrainingTest, AHybridJobTakesTheStepAgainAfterALoadToItsVersion) {
   EXPECT_EQ(second.Params("tiny", second.tiny, 2), tiny_at_2);
 }
 
+// Seeds `worker`'s groups, takes step 0, saves version 1 as checkpoint "at-1" (`big_at_1`:
+// group "big" at version 1) and loads it as load 0x5eed on server 1 only (`cluster` has
+// 2 servers).
+void SaveAndLoadOnServerOne(Trainer& worker, testing::TestCluster& cluster, std::vector<float>& big_at_1) {
+  ASSERT_TRUE(worker.client->InitGroupFromSeed("big", 3).ok());
+  ASSERT_TRUE(worker.client->InitGroupFromSeed("tiny", 3).ok());
+  worker.Step(0);
+  ASSERT_TRUE(worker.client->SaveCheckpoint("at-1", CheckpointKind::kSharded, true).ok());
+  big_at_1 = worker.Params("big", worker.big, 1);
+  ASSERT_TRUE(cluster.LoadOnSome("test", "at-1", 0x5eed, {1}).ok());
+}
+
+void ExpectRefusedAsTorn(const absl::Status& refused) {
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("answered this gather from the states of two checkpoint loads ("));
+  EXPECT_THAT(refused.message(), HasSubstr("load 5eed"));
+  EXPECT_THAT(refused.message(), HasSubstr("did not commit on every server"));
+}
+
 // A gather whose servers answer from the states of different checkpoint loads (here a
 // load committed on one server only; in training, a load committing while the gather
 // reads) is refused, so no worker computes from half of each; once the load commits
@@ -156,19 +175,10 @@ TEST(LoadWhileTrainingTest, AGatherFromTheStatesOfTwoLoadsIsRefused) {
   const testing::ScratchDir root("load-while-training-torn");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
   Trainer worker(cluster);
-  ASSERT_TRUE(worker.client->InitGroupFromSeed("big", 3).ok());
-  ASSERT_TRUE(worker.client->InitGroupFromSeed("tiny", 3).ok());
-  worker.Step(0);
-  ASSERT_TRUE(worker.client->SaveCheckpoint("at-1", CheckpointKind::kSharded, true).ok());
-  const std::vector<float> big_at_1 = worker.Params("big", worker.big, 1);
-
-  ASSERT_TRUE(cluster.LoadOnSome("test", "at-1", 0x5eed, {1}).ok());
+  std::vector<float> big_at_1;
+  ASSERT_NO_FATAL_FAILURE(SaveAndLoadOnServerOne(worker, cluster, big_at_1));
   std::vector<float> torn(worker.big->padded_numel());
-  const absl::Status refused = worker.client->Gather("big", 1, DType::kFloat32, AsBytes(torn)).get().status();
-  EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
-  EXPECT_THAT(refused.message(), HasSubstr("answered this gather from the states of two checkpoint loads ("));
-  EXPECT_THAT(refused.message(), HasSubstr("load 5eed"));
-  EXPECT_THAT(refused.message(), HasSubstr("did not commit on every server"));
+  ExpectRefusedAsTorn(worker.client->Gather("big", 1, DType::kFloat32, AsBytes(torn)).get().status());
 
   ASSERT_TRUE(worker.client->LoadCheckpoint("at-1").ok());
   EXPECT_EQ(worker.Params("big", worker.big, 1), big_at_1);
@@ -193,19 +203,10 @@ TEST(LoadWhileTrainingTest, AGatherIntoGpuMemoryFromTheStatesOfTwoLoadsIsRefused
     if (nccl) testing::SetNcclHost(testing::kNcclWorkers);
     Trainer worker(cluster, 0, 1, {}, absl::Seconds(20), plane);
     ASSERT_EQ(worker.client->DataPlanes(), std::vector<std::string>(2, nccl ? "nccl" : "cuda-ipc"));
-    ASSERT_TRUE(worker.client->InitGroupFromSeed("big", 3).ok());
-    ASSERT_TRUE(worker.client->InitGroupFromSeed("tiny", 3).ok());
-    worker.Step(0);
-    ASSERT_TRUE(worker.client->SaveCheckpoint("at-1", CheckpointKind::kSharded, true).ok());
-    const std::vector<float> big_at_1 = worker.Params("big", worker.big, 1);
-
-    ASSERT_TRUE(cluster.LoadOnSome("test", "at-1", 0x5eed, {1}).ok());
+    std::vector<float> big_at_1;
+    ASSERT_NO_FATAL_FAILURE(SaveAndLoadOnServerOne(worker, cluster, big_at_1));
     testing::DeviceBytes torn(worker.big->padded_numel() * sizeof(float));
-    const absl::Status refused = worker.client->Gather("big", 1, DType::kFloat32, torn.span()).get().status();
-    EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << refused;
-    EXPECT_THAT(refused.message(), HasSubstr("answered this gather from the states of two checkpoint loads ("));
-    EXPECT_THAT(refused.message(), HasSubstr("load 5eed"));
-    EXPECT_THAT(refused.message(), HasSubstr("did not commit on every server"));
+    ExpectRefusedAsTorn(worker.client->Gather("big", 1, DType::kFloat32, torn.span()).get().status());
 
     ASSERT_TRUE(worker.client->LoadCheckpoint("at-1").ok());
     testing::DeviceBytes whole(worker.big->padded_numel() * sizeof(float));
