@@ -4,7 +4,6 @@
 #ifndef FLATSHARD_TESTS_INTEGRATION_TEST_CLUSTER_H_
 #define FLATSHARD_TESTS_INTEGRATION_TEST_CLUSTER_H_
 
-#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -21,6 +20,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
