@@ -1,6 +1,7 @@
 // ScratchDir: a fresh, empty directory for one test under ::testing::TempDir(), removed
 // with everything in it when the ScratchDir is destroyed (after a failed assertion
-// too), so that repeated runs do not fill the disk with checkpoints. The name carries
+// too), so that repeated runs do not fill the disk with checkpoints, and no test leaves
+// files behind. The name carries
 // the process id: ctest runs tests in parallel. Not copyable; not thread-safe.
 //
 //   const testing::ScratchDir root("ckpt-async");
@@ -38,6 +39,15 @@ class ScratchDir {
  private:
   const std::string path_;
 };
+
+// `name` inside a ScratchDir of this test process, removed when the process exits: for
+// tests that each want a file or a directory of their own.
+//
+//   const std::string path = testing::ScratchPath("ok.safetensors");
+inline std::string ScratchPath(const std::string& name) {
+  static const ScratchDir dir("scratch");
+  return absl::StrCat(dir.path(), "/", name);
+}
 
 }  // namespace flatshard::testing
 

@@ -2,14 +2,15 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "tests/run_command.h"
+#include "tests/scratch_dir.h"
 
 namespace flatshard::cli {
 namespace {
@@ -141,9 +142,8 @@ TEST(LayoutCommandTest, InvalidSpecExitsTwoWithOneLine) {
 // Runs the real binary: `sh -c` with the spec on stdin; returns (exit code, stdout).
 std::pair<int, std::string> RunBinary(const std::string& args, const std::string& stdin_text) {
   // One file per test: ctest runs the tests of this binary in parallel.
-  const std::string spec_path = ::testing::TempDir() + "/" +
-                                ::testing::UnitTest::GetInstance()->current_test_info()->name() +
-                                ".json";
+  const std::string spec_path =
+      testing::ScratchPath(absl::StrCat(::testing::UnitTest::GetInstance()->current_test_info()->name(), ".json"));
   std::ofstream(spec_path) << stdin_text;
   const std::string command = std::string(FLATSHARD_CLI_PATH) + " layout " + args + " < " +
                               spec_path + " 2>&1";

@@ -10,11 +10,12 @@
 #include <vector>
 
 #include "core/file.h"
+#include "tests/scratch_dir.h"
 
 namespace flatshard {
 namespace {
 
-std::string Path(const std::string& name) { return ::testing::TempDir() + "/direct-io-" + name; }
+std::string Path(const std::string& name) { return testing::ScratchPath("direct-io-" + name); }
 
 std::vector<std::byte> RandomBytes(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);

@@ -6,7 +6,9 @@
 #include <cstring>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "core/file.h"
+#include "tests/scratch_dir.h"
 
 namespace flatshard {
 namespace {
@@ -14,8 +16,7 @@ namespace {
 using ::testing::HasSubstr;
 
 std::string Path(const std::string& name) {
-  return ::testing::TempDir() + "/" +
-         ::testing::UnitTest::GetInstance()->current_test_info()->name() + "-" + name;
+  return testing::ScratchPath(absl::StrCat(::testing::UnitTest::GetInstance()->current_test_info()->name(), "-", name));
 }
 
 void WriteBytes(const std::string& path, const std::string& bytes) {

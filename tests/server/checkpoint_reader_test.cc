@@ -15,8 +15,10 @@
 #include <fstream>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "core/float_bits.h"
 #include "server/checkpoint_sink.h"
+#include "tests/scratch_dir.h"
 
 namespace flatshard::server {
 namespace {
@@ -24,8 +26,8 @@ namespace {
 using ::testing::HasSubstr;
 
 std::string FreshDir() {
-  const std::string dir = ::testing::TempDir() + "/reader-" +
-                          ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string dir =
+      testing::ScratchPath(absl::StrCat("reader-", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;

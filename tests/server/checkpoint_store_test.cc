@@ -10,8 +10,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <thread>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -19,6 +19,7 @@
 #include "core/float_bits.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
+#include "tests/scratch_dir.h"
 
 namespace flatshard::server {
 namespace {
@@ -146,8 +147,8 @@ class FakeCluster {
 };
 
 std::string FreshRoot() {
-  const std::string root = ::testing::TempDir() + "/ckpt-" +
-                           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string root =
+      testing::ScratchPath(absl::StrCat("ckpt-", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
   std::filesystem::remove_all(root);
   std::filesystem::create_directories(root);
   return root;
