@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/device_memory.h"
 #include "core/status_macros.h"
+#include "flatshard/await.h"
 
 namespace flatshard::client_internal {
 
@@ -327,11 +328,13 @@ transport::Response DataTransfers::StagedTransfer(transport::DataOp op, const st
       }
     }
   }
-  if (!gather) return failed(HostScatter(group, version, dtype, staged, servers).get());
+  // Await, here and below: the caller is waiting for this thread, which should see the
+  // host transfer end without waiting to be woken itself.
+  if (!gather) return failed(Await(HostScatter(group, version, dtype, staged, servers)));
   auto gathered = std::make_shared<Completion<absl::StatusOr<int64_t>>>(static_cast<int>(servers.size()));
   std::future<absl::StatusOr<int64_t>> min_version = gathered->future();
   HostGather(group, version, dtype, staged, servers, gathered);
-  absl::StatusOr<int64_t> result = min_version.get();
+  absl::StatusOr<int64_t> result = Await(min_version);
   if (!result.ok()) return failed(result.status());
   for (int i : servers) {
     if (absl::Status copied = CopyToDevice(parts[i].data(), staged[i].data(), parts[i].size()); !copied.ok()) {

@@ -12,10 +12,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/cluster_status.h"
+#include "flatshard/await.h"
 #include "flatshard/client.h"
 #include "proto/cluster_info.h"
 
@@ -137,45 +139,47 @@ absl::Span<std::byte> AnyBytes(const py::object& object, bool writable) {
   return Bytes(Buffer(object.cast<py::buffer>(), writable));
 }
 
-// A Gather or Scatter in flight. The buffer stays referenced until the result is taken.
+// A Gather (its version) or a Scatter (0) in flight. The buffer stays referenced until
+// a wait() has seen the transfer done. wait() and done() may be called any number of
+// times, from any thread.
 class Pending {
  public:
-  Pending(std::future<absl::StatusOr<int64_t>> future, py::object keep)
+  using GatherFuture = std::shared_future<absl::StatusOr<int64_t>>;
+  using ScatterFuture = std::shared_future<absl::Status>;
+
+  Pending(std::variant<GatherFuture, ScatterFuture> future, py::object keep)
       : future_(std::move(future)), keep_(std::move(keep)) {}
   // A transfer dropped without wait() still owns its buffer until it is done.
   ~Pending() {
-    if (future_.valid()) {
-      py::gil_scoped_release release;
-      future_.wait();
-    }
+    py::gil_scoped_release release;
+    std::visit([](const auto& future) { future.wait(); }, future_);
   }
   Pending(const Pending&) = delete;
   Pending& operator=(const Pending&) = delete;
-  // Waits (GIL released) and returns the version; raises on failure.
+
+  // Waits (GIL released; flatshard::Await, so a small transfer is seen as it completes)
+  // and returns the version; raises on failure.
   int64_t Wait() {
-    absl::StatusOr<int64_t> result = [&] {
+    absl::StatusOr<int64_t> result = [&]() -> absl::StatusOr<int64_t> {
       py::gil_scoped_release release;
-      return future_.get();
+      if (const auto* gather = std::get_if<GatherFuture>(&future_)) return Await(*gather);
+      const absl::Status& scattered = Await(std::get<ScatterFuture>(future_));
+      if (!scattered.ok()) return scattered;
+      return int64_t{0};
     }();
     keep_ = py::object();
     return Check(std::move(result));
   }
   bool Done() const {
-    return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    return std::visit(
+        [](const auto& future) { return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready; },
+        future_);
   }
 
  private:
-  std::future<absl::StatusOr<int64_t>> future_;
+  const std::variant<GatherFuture, ScatterFuture> future_;
   py::object keep_;
 };
-
-std::future<absl::StatusOr<int64_t>> AsVersionFuture(std::future<absl::Status> status) {
-  return std::async(std::launch::deferred, [status = std::move(status)]() mutable -> absl::StatusOr<int64_t> {
-    absl::Status s = status.get();
-    if (!s.ok()) return s;
-    return int64_t{0};
-  });
-}
 
 OptimizerOptions ToOptimizer(const py::dict& spec) {
   const std::string kind = spec["kind"].cast<std::string>();
@@ -293,13 +297,13 @@ class PyClient {
   std::unique_ptr<Pending> Gather(const std::string& name, int64_t min_version, const std::string& dtype,
                                   const py::object& out) {
     const absl::Span<std::byte> bytes = AnyBytes(out, true);
-    return std::make_unique<Pending>(client_->Gather(name, min_version, ToDType(dtype), bytes), out);
+    return std::make_unique<Pending>(client_->Gather(name, min_version, ToDType(dtype), bytes).share(), out);
   }
 
   std::unique_ptr<Pending> Scatter(const std::string& name, int64_t step, const std::string& dtype,
                                    const py::object& grad) {
     const absl::Span<std::byte> bytes = AnyBytes(grad, false);
-    return std::make_unique<Pending>(AsVersionFuture(client_->Scatter(name, step, ToDType(dtype), bytes)), grad);
+    return std::make_unique<Pending>(client_->Scatter(name, step, ToDType(dtype), bytes).share(), grad);
   }
 
   int64_t WaitVersion(const std::string& name, int64_t min_version) {
@@ -417,7 +421,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("protocol_revision") = flatshard::kProtocolRevision;
   py::class_<Pending>(m, "Pending")
       .def("wait", &Pending::Wait, "Waits for the transfer; returns the version (gather) or 0.")
-      .def("done", &Pending::Done);
+      .def("done", &Pending::Done, "True once the transfer has finished.");
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string, std::string, int,
                     int64_t, int64_t, double, double>(),

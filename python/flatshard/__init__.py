@@ -192,7 +192,10 @@ class GroupLayout:
 
 
 class Transfer:
-    """A gather or scatter in flight; ``wait()`` returns its result."""
+    """A gather or scatter in flight; ``wait()`` returns its result (or raises its error),
+    as often as it is called; ``done()`` says whether it has finished. A small transfer's
+    wait() watches for it for up to 200 us before sleeping (flatshard::Await in the C++
+    client), which sees it finish tens of microseconds sooner."""
 
     def __init__(self, pending, finish):
         self._pending = pending
@@ -200,6 +203,9 @@ class Transfer:
 
     def wait(self):
         return self._finish(self._pending.wait())
+
+    def done(self):
+        return self._pending.done()
 
 
 class Client:

@@ -64,6 +64,40 @@ class ClientTest(unittest.TestCase):
             np.testing.assert_allclose(params[name], expected, rtol=1e-6, atol=1e-7)
             self.assertEqual(params[name].shape, init[name].shape)
 
+    def test_transfers_say_when_they_are_done_and_answer_every_wait(self):
+        clients = [self.client(r, 2, job="done") for r in range(2)]
+        for c in clients:
+            c.configure_job()
+            c.register_group("g", TENSORS, flatshard.SGD(lr=0.5))
+        clients[0].init_group("g", values(1))
+
+        def finished(transfer):
+            deadline = time.monotonic() + 30
+            while not transfer.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return transfer.done()
+
+        scattered = clients[0].scatter_async("g", values(2), 0)
+        self.assertTrue(finished(scattered))
+        self.assertIsNone(scattered.wait())
+        self.assertIsNone(scattered.wait())
+        # Version 1 needs worker 1's gradient too: the gather waits for it.
+        gathered = clients[1].gather_async("g", min_version=1)
+        time.sleep(0.2)
+        self.assertFalse(gathered.done())
+        clients[1].scatter("g", values(3), 0)
+        self.assertTrue(finished(gathered))
+        flat, version = gathered.wait()
+        self.assertEqual(version, 1)
+        again, version_again = gathered.wait()
+        self.assertIs(again, flat)
+        self.assertEqual(version_again, 1)
+        resent = clients[0].scatter_async("g", values(2), 0)
+        self.assertTrue(finished(resent))
+        for _ in range(2):
+            with self.assertRaises(flatshard.AlreadyExistsError):
+                resent.wait()
+
     def test_gathers_in_16_bit_are_exact_casts_and_torch_tensors_are_accepted(self):
         c = self.client(job="cast")
         c.configure_job()
