@@ -2,7 +2,8 @@
 // measured in the same run on the same machine:
 //   gather / scatter throughput  vs  iperf3 over loopback with the same number of streams
 //   Adam step (params/s)         vs  STREAM-like triad bandwidth / 28 bytes per parameter
-//   small-gather latency p50     vs  a gRPC unary call that does no work (p50)
+//   small-gather latency p50     vs  a gRPC unary call that does no work (p50), and a
+//                                   bare TCP round trip of the same bytes
 // Servers run in this process (the same code as flatshard-server), workers are threads
 // with their own Client, all on 127.0.0.1.
 //
@@ -38,6 +39,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/command_line.h"
+#include "flatshard/await.h"
 #include "flatshard/client.h"
 #include "kernels/kernels.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -295,33 +297,80 @@ double Percentile(std::vector<double> values, double q) {
   return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1))];
 }
 
-// Small-gather latency (1 KiB group, 1 server, 1 worker) and a no-op gRPC call.
+// A round trip over loopback TCP with no flatshard in it, for the latency anchor: a
+// thread answers each `request_bytes` with `response_bytes`, as a data server answers a
+// small gather. Runs until destroyed.
+class TcpEcho {
+ public:
+  TcpEcho(size_t request_bytes, size_t response_bytes) : request_(request_bytes), response_(response_bytes) {
+    auto listener = transport::ListenTcp("127.0.0.1", 0);
+    Check(listener.status());
+    listener_ = *std::move(listener);
+    server_ = std::thread([this] {
+      absl::StatusOr<std::unique_ptr<transport::Connection>> conn = listener_->Accept();
+      if (!conn.ok()) return;
+      std::vector<std::byte> request(request_.size());
+      while ((*conn)->Recv(absl::MakeSpan(request)).ok() && (*conn)->Send({absl::MakeConstSpan(response_)}).ok()) {
+      }
+    });
+    auto client = transport::ConnectTcp("127.0.0.1", listener_->port(), absl::Seconds(10));
+    Check(client.status());
+    client_ = *std::move(client);
+  }
+  ~TcpEcho() {
+    client_.reset();  // the answering thread's Recv sees the close
+    server_.join();
+  }
+  void RoundTrip() {
+    Check(client_->Send({absl::MakeConstSpan(request_)}));
+    Check(client_->Recv(absl::MakeSpan(response_)));
+  }
+
+ private:
+  std::vector<std::byte> request_, response_;
+  std::unique_ptr<transport::Listener> listener_;
+  std::unique_ptr<transport::Connection> client_;
+  std::thread server_;
+};
+
+// Small-gather latency (1 KiB group, 1 server, 1 worker), waited for with future.get()
+// and with flatshard::Await, against a no-op gRPC call and a bare TCP round trip of the
+// same sizes (a gather request's 50 bytes, its answer's 40 + 1024), all interleaved.
 void Latency(int samples) {
   auto cluster = StartCluster(1);
   auto client = Connect(*cluster, 0, 1, "latency");
   Check(client->ConfigureJob({}));
   const FlatLayout* layout = Register(*client, "small", 256);
   std::vector<float> buffer(layout->padded_numel());
-  std::vector<double> gather_us, echo_us;
   auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster->addresses[0], grpc::InsecureChannelCredentials()));
+  TcpEcho echo(50, 40 + buffer.size() * sizeof(float));
+  const std::vector<std::pair<std::string, std::function<void()>>> probes = {
+      {"get", [&] { Check(client->Gather("small", 0, DType::kFloat32, AsBytes(buffer)).get().status()); }},
+      {"await", [&] { Check(Await(client->Gather("small", 0, DType::kFloat32, AsBytes(buffer))).status()); }},
+      {"grpc",
+       [&] {
+         grpc::ClientContext ctx;
+         v1::ClusterInfo info;
+         if (!stub->GetClusterInfo(&ctx, v1::GetClusterInfoRequest(), &info).ok()) std::exit(1);
+       }},
+      {"tcp", [&] { echo.RoundTrip(); }}};
+  std::map<std::string, std::vector<double>> us;
   for (int i = 0; i < samples + 100; ++i) {
-    absl::Time t0 = absl::Now();
-    Check(client->Gather("small", 0, DType::kFloat32, AsBytes(buffer)).get().status());
-    const double gather = absl::ToDoubleMicroseconds(absl::Now() - t0);
-    grpc::ClientContext ctx;
-    v1::ClusterInfo info;
-    t0 = absl::Now();
-    if (!stub->GetClusterInfo(&ctx, v1::GetClusterInfoRequest(), &info).ok()) std::exit(1);
-    const double echo = absl::ToDoubleMicroseconds(absl::Now() - t0);
-    if (i >= 100) {  // after warm-up
-      gather_us.push_back(gather);
-      echo_us.push_back(echo);
+    for (const auto& [name, probe] : probes) {
+      const absl::Time t0 = absl::Now();
+      probe();
+      if (i >= 100) us[name].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));  // after warm-up
     }
   }
-  const double gather_p50 = Percentile(gather_us, 0.5), echo_p50 = Percentile(echo_us, 0.5);
-  std::printf("\n%-34s %10s %10s %12s %8s\n", "latency", "p50 us", "p99 us", "anchor p50", "ratio");
-  std::printf("%-34s %10.1f %10.1f %12.1f %7.2fx   (target <= 2x)\n", "small gather (1 KiB) vs gRPC no-op",
-              gather_p50, Percentile(gather_us, 0.99), echo_p50, gather_p50 / echo_p50);
+  std::printf("\n%-40s %10s %10s %12s %8s\n", "latency", "p50 us", "p99 us", "anchor p50", "ratio");
+  auto row = [&](const char* what, const std::string& probe, const std::string& anchor, const char* note) {
+    const double p50 = Percentile(us[probe], 0.5), anchor_p50 = Percentile(us[anchor], 0.5);
+    std::printf("%-40s %10.1f %10.1f %12.1f %7.2fx%s\n", what, p50, Percentile(us[probe], 0.99), anchor_p50,
+                p50 / anchor_p50, note);
+  };
+  row("small gather (1 KiB), get() vs gRPC no-op", "get", "grpc", "   (target <= 2x)");
+  row("small gather, Await vs gRPC no-op", "await", "grpc", "");
+  row("small gather, Await vs TCP round trip", "await", "tcp", "");
 }
 
 std::string Mib(int64_t bytes) { return absl::StrFormat("%g MiB", static_cast<double>(bytes) / (1 << 20)); }

@@ -20,7 +20,10 @@
 // receives, or sends, queued on the reference's one communicator, then one wait).
 // Median of 10 after 2 warm-ups.
 //
-//   build/bin/gpu_planes_bench [--planes=cuda-ipc,nccl]
+// Every transfer is waited for with flatshard::Await, polling for --spin_us (default
+// flatshard::kAwaitSpin; 0: as future.get()).
+//
+//   build/bin/gpu_planes_bench [--planes=cuda-ipc,nccl] [--spin_us=200]
 #include <cuda_runtime.h>
 #include <signal.h>
 #include <spawn.h>
@@ -37,10 +40,12 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/cluster_status.h"
+#include "flatshard/await.h"
 #include "flatshard/client.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_memory.h"
@@ -172,13 +177,17 @@ int NcclPeer(const std::string& unique_id_hex) {
 
 int main(int argc, char** argv) {
   std::vector<std::string> planes = {"cuda-ipc", "nccl"};
+  absl::Duration spin = flatshard::kAwaitSpin;  // how each transfer is waited for
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    int64_t spin_us = 0;
     if (absl::StartsWith(arg, "--nccl_peer=")) return NcclPeer(arg.substr(12));
     if (absl::StartsWith(arg, "--planes=")) {
       planes = absl::StrSplit(arg.substr(9), ',');
+    } else if (absl::StartsWith(arg, "--spin_us=") && absl::SimpleAtoi(arg.substr(10), &spin_us) && spin_us >= 0) {
+      spin = absl::Microseconds(spin_us);
     } else {
-      std::fprintf(stderr, "usage: %s [--planes=cuda-ipc,nccl]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--planes=cuda-ipc,nccl] [--spin_us=N]\n", argv[0]);
       return 2;
     }
   }
@@ -279,15 +288,14 @@ int main(int argc, char** argv) {
           reference_ms = {copy_ms, copy_ms};
         }
         const double gather_ms = MedianMs([&] {
-          return std::vector<absl::Duration>{Timed([&] {
-            Check(worker0->Gather(group, 0, dtype, span).get().status(), "gather");
-          })};
+          return std::vector<absl::Duration>{
+              Timed([&] { Check(flatshard::Await(worker0->Gather(group, 0, dtype, span), spin).status(), "gather"); })};
         })[0];
         int64_t step = worker0->WaitVersion(group, 0).value();
         const std::vector<double> scatter_ms = MedianMs([&] {
           std::vector<absl::Duration> phases = {
-              Timed([&] { Check(worker0->Scatter(group, step, dtype, span).get(), "scatter"); }),
-              Timed([&] { Check(worker1->Scatter(group, step, dtype, span).get(), "scatter"); })};
+              Timed([&] { Check(flatshard::Await(worker0->Scatter(group, step, dtype, span), spin), "scatter"); }),
+              Timed([&] { Check(flatshard::Await(worker1->Scatter(group, step, dtype, span), spin), "scatter"); })};
           ++step;
           return phases;
         });
@@ -358,7 +366,7 @@ int main(int argc, char** argv) {
           return std::vector<absl::Duration>{Timed([&] {
             std::vector<std::future<absl::StatusOr<int64_t>>> pending;
             for (int g = 0; g < kInFlight; ++g) pending.push_back(worker0->Gather(groups[g], 0, DType::kFloat32, span(g)));
-            for (auto& p : pending) Check(p.get().status(), "gather");
+            for (auto& p : pending) Check(flatshard::Await(p, spin).status(), "gather");
           })};
         })[0];
         int64_t step = 0;
@@ -366,9 +374,11 @@ int main(int argc, char** argv) {
           std::vector<absl::Duration> phases = {Timed([&] {
             std::vector<std::future<absl::Status>> pending;
             for (int g = 0; g < kInFlight; ++g) pending.push_back(worker0->Scatter(groups[g], step, DType::kFloat32, span(g)));
-            for (auto& p : pending) Check(p.get(), "scatter");
+            for (auto& p : pending) Check(flatshard::Await(p, spin), "scatter");
           })};
-          for (int g = 0; g < kInFlight; ++g) Check(worker1->Scatter(groups[g], step, DType::kFloat32, span(g)).get(), "scatter");
+          for (int g = 0; g < kInFlight; ++g) {
+            Check(flatshard::Await(worker1->Scatter(groups[g], step, DType::kFloat32, span(g)), spin), "scatter");
+          }
           ++step;
           return phases;
         })[0];

@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "core/command_line.h"
 #include "core/flat_buffer.h"
+#include "flatshard/await.h"
 #include "flatshard/client.h"
 
 ABSL_FLAG(std::string, cluster, "127.0.0.1:7070", "servers' control addresses, rank order");
@@ -96,11 +97,12 @@ int main(int argc, char** argv) {
   const absl::Time start = absl::Now();
 
   for (int step = 0; step < steps; ++step) {
-    // Gather both groups at once (prefetch), then wait.
+    // Gather both groups at once (prefetch), then wait (Await: small transfers are seen
+    // the moment they complete).
     auto f1 = (*client)->Gather("fc1", step, flatshard::DType::kFloat32, flatshard::AsBytes(p1));
     auto f2 = (*client)->Gather("fc2", step, flatshard::DType::kFloat32, flatshard::AsBytes(p2));
-    if (auto v = f1.get(); !v.ok()) return Fail(v.status());
-    if (auto v = f2.get(); !v.ok()) return Fail(v.status());
+    if (auto v = flatshard::Await(f1); !v.ok()) return Fail(v.status());
+    if (auto v = flatshard::Await(f2); !v.ok()) return Fail(v.status());
     const float* w1 = flatshard::TensorView<float>(l1, absl::MakeSpan(p1), 0).data();
     const float* b1 = flatshard::TensorView<float>(l1, absl::MakeSpan(p1), 1).data();
     const float* w2 = flatshard::TensorView<float>(l2, absl::MakeSpan(p2), 0).data();
@@ -147,8 +149,8 @@ int main(int argc, char** argv) {
     }
     auto s1 = (*client)->Scatter("fc1", step, flatshard::DType::kFloat32, flatshard::AsBytes(g1));
     auto s2 = (*client)->Scatter("fc2", step, flatshard::DType::kFloat32, flatshard::AsBytes(g2));
-    if (auto st = s1.get(); !st.ok()) return Fail(st);
-    if (auto st = s2.get(); !st.ok()) return Fail(st);
+    if (auto st = flatshard::Await(s1); !st.ok()) return Fail(st);
+    if (auto st = flatshard::Await(s2); !st.ok()) return Fail(st);
     if (rank == 0 && (step % 25 == 0 || step == steps - 1)) {
       std::cout << "step " << step << "  loss " << loss << std::endl;
     }
