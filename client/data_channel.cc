@@ -1,14 +1,48 @@
 #include "client/data_channel.h"
 
+#include <optional>
+
 #include "core/status_macros.h"
 #include "transport/data_protocol.h"
 
 namespace flatshard::client_internal {
 
+// One connection and the thread that drives it. `conn` belongs to the thread, except
+// while `lent` to a submitting thread that writes a request on it; it is lent only while
+// the thread waits with nothing to do (`waiting`), and the thread touches it only outside
+// that wait, so mu_ orders every hand-over.
+struct DataChannel::Connection {
+  // A request written on `conn` by a submitting thread: `task` reads its answer.
+  struct Written {
+    DataTask task;
+    absl::Status status;  // the write's
+  };
+
+  std::unique_ptr<transport::Connection> conn;
+  bool waiting = false;            // guarded by mu_
+  bool lent = false;               // guarded by mu_
+  std::optional<Written> written;  // guarded by mu_
+  std::thread thread;
+};
+
+DataTask WriteThen(RequestWriter write, DataTask task) {
+  return [write = std::move(write), task = std::move(task)](absl::StatusOr<transport::Connection*> conn) {
+    if (!conn.ok()) return task(conn.status());
+    if (absl::Status written = write(**conn); !written.ok()) {
+      task(written);
+      return false;
+    }
+    return task(conn);
+  };
+}
+
 DataChannel::DataChannel(DataSession session, SessionOpener renew, int connections,
                          absl::Duration timeout)
     : renew_(std::move(renew)), timeout_(timeout), session_(std::move(session)) {
-  for (int i = 0; i < std::max(1, connections); ++i) threads_.emplace_back([this] { Run(); });
+  for (int i = 0; i < std::max(1, connections); ++i) connections_.push_back(std::make_unique<Connection>());
+  for (const std::unique_ptr<Connection>& connection : connections_) {
+    connection->thread = std::thread([this, c = connection.get()] { Run(*c); });
+  }
 }
 
 DataChannel::~DataChannel() {
@@ -16,12 +50,50 @@ DataChannel::~DataChannel() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  for (std::thread& thread : threads_) thread.join();
+  for (const std::unique_ptr<Connection>& connection : connections_) connection->thread.join();
 }
 
 void DataChannel::Submit(DataTask task) {
   absl::MutexLock lock(&mu_);
   tasks_.push_back(std::move(task));
+}
+
+void DataChannel::Submit(RequestWriter write, DataTask task) {
+  Connection* idle = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (tasks_.empty()) {  // else the threads are busy, or about to take what is queued
+      for (const std::unique_ptr<Connection>& connection : connections_) {
+        // Waiting with an open connection and nothing handed to it: a thread woken for a
+        // request written on its connection still counts as waiting until it runs.
+        if (connection->waiting && !connection->lent && !connection->written.has_value() &&
+            connection->conn != nullptr) {
+          idle = connection.get();
+          idle->lent = true;
+          break;
+        }
+      }
+    }
+    if (idle == nullptr) {
+      tasks_.push_back(WriteThen(std::move(write), std::move(task)));
+      return;
+    }
+  }
+  // A connection the server closed while it sat idle goes to its thread, which opens a
+  // fresh one for the request.
+  const bool closed = idle->conn->PeerClosed();
+  absl::Status written = closed ? absl::OkStatus() : write(*idle->conn);
+  absl::MutexLock lock(&mu_);
+  idle->lent = false;
+  if (closed) {
+    tasks_.push_back(WriteThen(std::move(write), std::move(task)));
+  } else {
+    idle->written = Connection::Written{std::move(task), std::move(written)};
+  }
+}
+
+bool DataChannel::HasWork(const Connection& connection) const {
+  return connection.written.has_value() || (!connection.lent && (stopping_ || !tasks_.empty()));
 }
 
 absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open() {
@@ -55,20 +127,39 @@ absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Hello(
   return transport::OpenDataConnection(session.data_address, session.token, timeout_);
 }
 
-void DataChannel::Run() {
-  std::unique_ptr<transport::Connection> conn;
+void DataChannel::Run(Connection& connection) {
+  std::unique_ptr<transport::Connection>& conn = connection.conn;
+  struct Wake {
+    const DataChannel* channel;
+    const Connection* connection;
+  } wake{this, &connection};
   while (true) {
     DataTask task;
+    std::optional<Connection::Written> written;
     {
       absl::MutexLock lock(&mu_);
+      connection.waiting = true;
       mu_.Await(absl::Condition(
-          +[](DataChannel* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return self->stopping_ || !self->tasks_.empty();
-          },
-          this));
-      if (tasks_.empty()) return;  // stopping, and everything submitted has run
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
+          +[](Wake* wake) ABSL_NO_THREAD_SAFETY_ANALYSIS { return wake->channel->HasWork(*wake->connection); }, &wake));
+      connection.waiting = false;
+      if (connection.written.has_value()) {
+        written = std::move(connection.written);
+        connection.written.reset();
+      } else if (tasks_.empty()) {
+        return;  // stopping, and everything submitted has run
+      } else {
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+    }
+    if (written.has_value()) {  // a submitting thread wrote the request: read its answer
+      if (!written->status.ok()) {
+        conn.reset();
+        written->task(written->status);
+      } else if (!written->task(conn.get())) {
+        conn.reset();
+      }
+      continue;
     }
     // An idle connection the server has closed (it restarted, or the connection sat idle
     // past its limit) would fail the task: open a fresh one instead.

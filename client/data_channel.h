@@ -4,10 +4,18 @@
 // dropped and a fresh one (with a fresh hello) is opened for the next task. When the
 // server refuses the session or cannot be reached at its data address (it restarted,
 // perhaps on another port), the channel opens a new session through `renew` (the
-// OpenSession RPC) and says hello again. Thread-safe.
+// OpenSession RPC) and says hello again.
+//
+// A request with a small payload can be submitted in two parts, its writer and the task
+// that reads the answer: when a connection is idle, the submitting thread writes the
+// request on it at once and hands only the rest to that connection's thread, so the
+// request leaves without waiting for a sleeping thread to wake (20-50 us in a VM) and
+// that thread wakes while the server works. Thread-safe.
 //
 //   DataChannel channel({"127.0.0.1:7071", token}, renew, 2, absl::Seconds(30));
 //   channel.Submit([](absl::StatusOr<transport::Connection*> conn) { ... });
+//   channel.Submit([](transport::Connection& conn) { return Write(conn); },
+//                  [](absl::StatusOr<transport::Connection*> conn) { ...read the answer... });
 #ifndef FLATSHARD_CLIENT_DATA_CHANNEL_H_
 #define FLATSHARD_CLIENT_DATA_CHANNEL_H_
 
@@ -36,6 +44,13 @@ using SessionOpener = std::function<absl::StatusOr<DataSession>()>;
 // Runs with a ready, authenticated connection, or with the error that prevented one.
 // Returns false if it left the connection unusable (it is then closed).
 using DataTask = std::function<bool(absl::StatusOr<transport::Connection*>)>;
+// Writes a request on a ready connection. May run on the submitting thread, so it must
+// not block for long: a request whose payload fits the socket's buffer.
+using RequestWriter = std::function<absl::Status(transport::Connection&)>;
+
+// `write` then `task`, as one DataTask: `task` gets the error instead when `write` fails,
+// and the connection is closed.
+DataTask WriteThen(RequestWriter write, DataTask task);
 
 class DataChannel {
  public:
@@ -43,9 +58,16 @@ class DataChannel {
   ~DataChannel();  // finishes queued tasks, then joins the threads
 
   void Submit(DataTask task);
+  // `write` the request, then `task` (which reads the answer) on the same connection, as
+  // Submit(WriteThen(write, task)) does, except that `write` runs on this thread when a
+  // connection is idle (then only `task` runs on its thread).
+  void Submit(RequestWriter write, DataTask task);
 
  private:
-  void Run();
+  struct Connection;
+  // What Run waits for on `connection`'s thread.
+  bool HasWork(const Connection& connection) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Run(Connection& connection);
   // A connection that said hello with the current session, renewed once if refused.
   absl::StatusOr<std::unique_ptr<transport::Connection>> Open();
   absl::StatusOr<std::unique_ptr<transport::Connection>> Hello(const DataSession& session) const;
@@ -54,10 +76,10 @@ class DataChannel {
   const absl::Duration timeout_;
   absl::Mutex session_mu_;
   DataSession session_ ABSL_GUARDED_BY(session_mu_);
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::deque<DataTask> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::thread> threads_;
+  std::vector<std::unique_ptr<Connection>> connections_;  // each with its thread; fixed after construction
 };
 
 }  // namespace flatshard::client_internal

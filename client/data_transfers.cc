@@ -178,7 +178,8 @@ absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, in
 }
 
 // One request to server i: `send` is its payload, `receive` its response payload's
-// destination; it finishes `completion`, and `keep_alive` is held until then.
+// destination; it finishes `completion`, and `keep_alive` is held until then. A request
+// of at most kWriteOnSubmitBytes leaves from this thread when a connection is idle.
 template <typename Result>
 void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int i,
                               transport::DataOp op, const std::string& group, int64_t version,
@@ -186,17 +187,15 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
                               absl::Span<const std::byte> send_tail, absl::Span<std::byte> receive,
                               std::shared_ptr<const void> keep_alive) {
   const transport::RequestHeader header = HeaderFor(op, group, version, dtype);
-  channels_[i]->Submit([=, this, hold = keep_alive](absl::StatusOr<transport::Connection*> conn) {
+  RequestWriter write = [=, this](transport::Connection& conn) {
+    return transport::SendRequest(conn, header, options_.job, group, send, send_tail);
+  };
+  DataTask read = [=, this, hold = std::move(keep_alive)](absl::StatusOr<transport::Connection*> conn) {
     (void)hold;
     auto fail = [&](const absl::Status& status) { completion->Finish(AtServer(i, status), 0); };
     if (!conn.ok()) {
       fail(conn.status());
       return true;
-    }
-    absl::Status sent = transport::SendRequest(**conn, header, options_.job, group, send, send_tail);
-    if (!sent.ok()) {
-      fail(sent);
-      return false;
     }
     absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, receive);
     if (!response.ok()) {
@@ -209,7 +208,12 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
       completion->Finish(absl::OkStatus(), response->version, response->load_id);
     }
     return true;
-  });
+  };
+  if (send.size() + send_tail.size() <= kWriteOnSubmitBytes) {
+    channels_[i]->Submit(std::move(write), std::move(read));
+  } else {
+    channels_[i]->Submit(WriteThen(std::move(write), std::move(read)));
+  }
 }
 
 // Transfer's requests, finishing `completion`; `keep_alive` is held until each has

@@ -42,6 +42,11 @@
 
 namespace flatshard::client_internal {
 
+// A request whose payload is at most this many bytes is written by the thread that makes
+// it when a data connection is idle (DataChannel): it fits any socket's send buffer, so
+// the write does not wait for the server.
+inline constexpr size_t kWriteOnSubmitBytes = size_t{16} << 10;
+
 // What a client learned about one server when it connected.
 struct ServerEndpoint {
   std::string address;   // control address, for messages

@@ -1,0 +1,189 @@
+#include "client/data_channel.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "transport/data_protocol.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace flatshard::client_internal {
+namespace {
+
+// A data server on 127.0.0.1 that takes any hello and answers each request with OK and
+// the request's own version, so every answer names its request. With
+// `answers_per_connection` > 0 it closes a connection after that many answers.
+class EchoDataServer {
+ public:
+  explicit EchoDataServer(int answers_per_connection = 0) : answers_per_connection_(answers_per_connection) {
+    listener_ = *transport::ListenTcp("127.0.0.1", 0);
+    accepting_ = std::thread([this] {
+      while (true) {
+        absl::StatusOr<std::unique_ptr<transport::Connection>> conn = listener_->Accept();
+        if (!conn.ok()) return;  // shut down
+        ++accepted_;
+        absl::MutexLock lock(&mu_);
+        serving_.emplace_back([this, c = std::shared_ptr<transport::Connection>(std::move(*conn))] { Serve(*c); });
+      }
+    });
+  }
+  ~EchoDataServer() {
+    listener_->Shutdown();
+    accepting_.join();
+    absl::MutexLock lock(&mu_);
+    for (std::thread& thread : serving_) thread.join();  // each ends when its client closes
+  }
+
+  DataSession session() const { return {absl::StrCat("127.0.0.1:", listener_->port()), "token"}; }
+  int accepted() const { return accepted_.load(); }
+
+ private:
+  void Serve(transport::Connection& conn) {
+    for (int answered = 0; answers_per_connection_ == 0 || answered <= answers_per_connection_; ++answered) {
+      absl::StatusOr<transport::Request> request = transport::RecvRequest(conn);
+      if (!request.ok() || !transport::DrainPayload(conn, request->payload_bytes).ok()) return;
+      if (!transport::SendResponse(conn, absl::OkStatus(), request->version, {}).ok()) return;
+    }  // the hello's answer is the first
+  }
+
+  const int answers_per_connection_;
+  std::unique_ptr<transport::Listener> listener_;
+  std::atomic<int> accepted_ = 0;
+  std::thread accepting_;
+  absl::Mutex mu_;
+  std::vector<std::thread> serving_ ABSL_GUARDED_BY(mu_);
+};
+
+// Where a request's two parts ran, and its answer.
+struct Outcome {
+  std::thread::id wrote_on, read_on;
+  absl::StatusOr<int64_t> version;
+};
+
+// Submits a request named `version` in two parts; the future has what happened. A
+// `write_error` replaces the write.
+std::future<Outcome> Request(DataChannel& channel, int64_t version, absl::Status write_error = absl::OkStatus()) {
+  auto outcome = std::make_shared<Outcome>();
+  auto done = std::make_shared<std::promise<Outcome>>();
+  std::future<Outcome> result = done->get_future();
+  channel.Submit(
+      [=](transport::Connection& conn) {
+        outcome->wrote_on = std::this_thread::get_id();
+        if (!write_error.ok()) return write_error;
+        transport::RequestHeader header;
+        header.op = static_cast<uint8_t>(transport::DataOp::kGather);
+        header.version = version;
+        return transport::SendRequest(conn, header, "job", "g", {});
+      },
+      [=](absl::StatusOr<transport::Connection*> conn) {
+        outcome->read_on = std::this_thread::get_id();
+        bool usable = true;
+        if (!conn.ok()) {
+          outcome->version = conn.status();
+        } else if (absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, {}); !response.ok()) {
+          outcome->version = response.status();
+          usable = false;
+        } else {
+          outcome->version = response->version;
+        }
+        done->set_value(*outcome);
+        return usable;
+      });
+  return result;
+}
+
+Outcome Finished(std::future<Outcome>& future) {
+  EXPECT_EQ(future.wait_for(std::chrono::seconds(20)), std::future_status::ready) << "the request never finished";
+  return future.get();
+}
+
+TEST(DataChannelTest, ARequestIsWrittenByItsSubmitterOnceAConnectionIsOpenAndIdle) {
+  EchoDataServer server;
+  DataChannel channel(server.session(), nullptr, 1, absl::Seconds(10));
+  std::future<Outcome> first = Request(channel, 1);
+  const Outcome opened = Finished(first);
+  EXPECT_EQ(opened.version.value(), 1);
+  // No connection yet: the channel's thread opened one and did both parts.
+  EXPECT_NE(opened.wrote_on, std::this_thread::get_id());
+  EXPECT_EQ(opened.wrote_on, opened.read_on);
+
+  // The thread sets the answer before it goes back to wait: a request made at once may
+  // find the connection busy (then it is queued, as for the first). Once it is idle:
+  Outcome idle;
+  for (int version = 2; version < 100 && idle.wrote_on != std::this_thread::get_id(); ++version) {
+    absl::SleepFor(absl::Milliseconds(10));
+    std::future<Outcome> request = Request(channel, version);
+    idle = Finished(request);
+    EXPECT_EQ(idle.version.value_or(-1), version);
+  }
+  EXPECT_EQ(idle.wrote_on, std::this_thread::get_id());
+  EXPECT_EQ(idle.read_on, opened.read_on);  // the connection's own thread
+  EXPECT_EQ(server.accepted(), 1);
+}
+
+// Back to back, a request finds the connection its predecessor was written on still
+// flagged idle (its thread not yet awake): it must queue, not write on it again.
+TEST(DataChannelTest, RequestsSubmittedBackToBackEachGetTheirOwnAnswer) {
+  for (int connections : {1, 2}) {
+    EchoDataServer server;
+    DataChannel channel(server.session(), nullptr, connections, absl::Seconds(10));
+    std::vector<std::future<Outcome>> warm;
+    for (int i = 0; i < connections; ++i) warm.push_back(Request(channel, -1));
+    for (std::future<Outcome>& future : warm) Finished(future);
+    std::vector<std::future<Outcome>> requests;
+    for (int version = 0; version < 200; ++version) requests.push_back(Request(channel, version));
+    for (int version = 0; version < 200; ++version) {
+      EXPECT_EQ(Finished(requests[version]).version.value_or(-2), version) << connections << " connections";
+    }
+  }
+}
+
+TEST(DataChannelTest, AFailedWriteReachesTheTaskAndTheNextRequestGetsAFreshConnection) {
+  EchoDataServer server;
+  DataChannel channel(server.session(), nullptr, 1, absl::Seconds(10));
+  std::future<Outcome> first = Request(channel, 1);
+  Finished(first);
+  std::future<Outcome> failed = Request(channel, 2, absl::DataLossError("cable cut"));
+  EXPECT_EQ(Finished(failed).version.status(), absl::DataLossError("cable cut"));
+  std::future<Outcome> after = Request(channel, 3);
+  EXPECT_EQ(Finished(after).version.value_or(-1), 3);
+  EXPECT_EQ(server.accepted(), 2);
+}
+
+TEST(DataChannelTest, AConnectionTheServerClosedWhileIdleIsReplacedNotWrittenOn) {
+  EchoDataServer server(/*answers_per_connection=*/1);
+  DataChannel channel(server.session(), nullptr, 1, absl::Seconds(10));
+  for (int version = 1; version <= 3; ++version) {
+    std::future<Outcome> request = Request(channel, version);
+    EXPECT_EQ(Finished(request).version.value_or(-1), version);
+    // Let the server's close arrive before the next request looks at the connection.
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(server.accepted(), 3);
+}
+
+TEST(DataChannelTest, DestroyingTheChannelRunsWhatWasSubmitted) {
+  EchoDataServer server;
+  std::vector<std::future<Outcome>> requests;
+  {
+    DataChannel channel(server.session(), nullptr, 2, absl::Seconds(10));
+    std::future<Outcome> warm = Request(channel, 0);
+    Finished(warm);
+    for (int version = 1; version <= 20; ++version) requests.push_back(Request(channel, version));
+  }
+  for (int version = 1; version <= 20; ++version) {
+    ASSERT_EQ(requests[version - 1].wait_for(std::chrono::seconds(0)), std::future_status::ready);
+    EXPECT_EQ(requests[version - 1].get().version.value_or(-1), version);
+  }
+}
+
+}  // namespace
+}  // namespace flatshard::client_internal
