@@ -3,9 +3,10 @@
 # benchmarks from the binaries scripts/device-carry.sh put in .devcarry/, logs under
 # /tmp/device-check and, with $OUT set (the device tool), packed into
 # $OUT/device-check.tar.gz after each command, so that a run stopped at its time limit
-# still brings back what ran. Steps: any of tests, training, bench, kernels-bench,
-# safetensors, python, integration-device, integration-pinned (the whole integration
-# suite with every server on that tier; default: tests training bench).
+# still brings back what ran. Steps: any of tests, training, bench, ipc-wait (the CUDA IPC
+# rows waited for by get() and by Await, alternated), kernels-bench, safetensors, python,
+# integration-device, integration-pinned (the whole integration suite with every server
+# on that tier; default: tests training bench).
 set -uo pipefail
 carry=$PWD/.devcarry
 out=/tmp/device-check
@@ -41,6 +42,13 @@ for step in ${steps[*]}; do
       run integration_training "$carry/bin/integration_test" --gtest_filter='Training*' ;;
     bench)
       run gpu_planes_bench "$carry/bin/gpu_planes_bench" ;;
+    ipc-wait)
+      # The CUDA IPC rows with transfers waited for by future.get() and by
+      # flatshard::Await (the default), alternated.
+      for round in 1 2; do
+        run "gpu_planes_ipc_get_$round" "$carry/bin/gpu_planes_bench" --planes=cuda-ipc --spin_us=0
+        run "gpu_planes_ipc_await_$round" "$carry/bin/gpu_planes_bench" --planes=cuda-ipc
+      done ;;
     kernels-bench)
       run kernels_cuda_bench "$carry/bin/kernels_cuda_bench" --json="$out/kernels.json"
       run torch_adamw_bench python3 bench/torch_adamw_bench.py "$out/kernels.json" ;;
