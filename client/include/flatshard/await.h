@@ -2,11 +2,12 @@
 // first, for up to `spin`, yielding the CPU between polls. A transfer that completes
 // within that window is seen at once, instead of after the thread that finished it wakes
 // this one up: a wake-up of a sleeping thread costs 20-50 us in a VM (an idle virtual
-// CPU has to be woken by the host), and a small transfer takes two (bench/RESULTS.md:
-// a 4 KiB gather over loopback TCP on the dev VM, 39-65 us awaited against 131-135 us
-// with get()). A transfer that takes longer costs at most `spin` of this thread's CPU
-// time, during which any other runnable thread on its CPU goes first. A deferred future
-// is not polled. Thread-safe as the future's own get() is.
+// CPU has to be woken by the host), a large share of a small transfer's time
+// (bench/RESULTS.md: a 1 KiB gather from one server over loopback TCP on the dev VM,
+// 58-61 us awaited against 90-98 us with get()). A transfer that takes longer costs at
+// most `spin` of this thread's CPU time, during which any other runnable thread on its
+// CPU goes first. A deferred future is not polled. Thread-safe as the future's own get()
+// is.
 //
 //   std::vector<float> params(layout->padded_numel());
 //   auto gathered = client->Gather("mlp", step, flatshard::DType::kFloat32, flatshard::AsBytes(params));
