@@ -11,17 +11,17 @@ namespace flatshard::client_internal {
 // while `lent` to a submitting thread that writes a request on it; it is lent only while
 // the thread waits with nothing to do (`waiting`), and the thread touches it only outside
 // that wait, so mu_ orders every hand-over.
-struct DataChannel::Connection {
-  // A request written on `conn` by a submitting thread: `task` reads its answer.
-  struct Written {
-    DataTask task;
-    absl::Status status;  // the write's
+struct DataChannel::ConnectionThread {
+  // A request a submitting thread wrote on `conn`: `read` reads its answer.
+  struct Handoff {
+    DataTask read;
+    absl::Status write_status;
   };
 
   std::unique_ptr<transport::Connection> conn;
   bool waiting = false;            // guarded by mu_
   bool lent = false;               // guarded by mu_
-  std::optional<Written> written;  // guarded by mu_
+  std::optional<Handoff> handoff;  // guarded by mu_
   std::thread thread;
 };
 
@@ -39,9 +39,9 @@ DataTask WriteThen(RequestWriter write, DataTask task) {
 DataChannel::DataChannel(DataSession session, SessionOpener renew, int connections,
                          absl::Duration timeout)
     : renew_(std::move(renew)), timeout_(timeout), session_(std::move(session)) {
-  for (int i = 0; i < std::max(1, connections); ++i) connections_.push_back(std::make_unique<Connection>());
-  for (const std::unique_ptr<Connection>& connection : connections_) {
-    connection->thread = std::thread([this, c = connection.get()] { Run(*c); });
+  for (int i = 0; i < std::max(1, connections); ++i) threads_.push_back(std::make_unique<ConnectionThread>());
+  for (const std::unique_ptr<ConnectionThread>& thread : threads_) {
+    thread->thread = std::thread([this, t = thread.get()] { Run(*t); });
   }
 }
 
@@ -50,7 +50,7 @@ DataChannel::~DataChannel() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  for (const std::unique_ptr<Connection>& connection : connections_) connection->thread.join();
+  for (const std::unique_ptr<ConnectionThread>& thread : threads_) thread->thread.join();
 }
 
 void DataChannel::Submit(DataTask task) {
@@ -59,16 +59,15 @@ void DataChannel::Submit(DataTask task) {
 }
 
 void DataChannel::Submit(RequestWriter write, DataTask task) {
-  Connection* idle = nullptr;
+  ConnectionThread* idle = nullptr;
   {
     absl::MutexLock lock(&mu_);
     if (tasks_.empty()) {  // else the threads are busy, or about to take what is queued
-      for (const std::unique_ptr<Connection>& connection : connections_) {
+      for (const std::unique_ptr<ConnectionThread>& thread : threads_) {
         // Waiting with an open connection and nothing handed to it: a thread woken for a
         // request written on its connection still counts as waiting until it runs.
-        if (connection->waiting && !connection->lent && !connection->written.has_value() &&
-            connection->conn != nullptr) {
-          idle = connection.get();
+        if (thread->waiting && !thread->lent && !thread->handoff.has_value() && thread->conn != nullptr) {
+          idle = thread.get();
           idle->lent = true;
           break;
         }
@@ -82,18 +81,18 @@ void DataChannel::Submit(RequestWriter write, DataTask task) {
   // A connection the server closed while it sat idle goes to its thread, which opens a
   // fresh one for the request.
   const bool closed = idle->conn->PeerClosed();
-  absl::Status written = closed ? absl::OkStatus() : write(*idle->conn);
+  absl::Status write_status = closed ? absl::OkStatus() : write(*idle->conn);
   absl::MutexLock lock(&mu_);
   idle->lent = false;
   if (closed) {
     tasks_.push_back(WriteThen(std::move(write), std::move(task)));
   } else {
-    idle->written = Connection::Written{std::move(task), std::move(written)};
+    idle->handoff = ConnectionThread::Handoff{std::move(task), std::move(write_status)};
   }
 }
 
-bool DataChannel::HasWork(const Connection& connection) const {
-  return connection.written.has_value() || (!connection.lent && (stopping_ || !tasks_.empty()));
+bool DataChannel::HasWork(const ConnectionThread& thread) const {
+  return thread.handoff.has_value() || (!thread.lent && (stopping_ || !tasks_.empty()));
 }
 
 absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open() {
@@ -127,24 +126,24 @@ absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Hello(
   return transport::OpenDataConnection(session.data_address, session.token, timeout_);
 }
 
-void DataChannel::Run(Connection& connection) {
-  std::unique_ptr<transport::Connection>& conn = connection.conn;
+void DataChannel::Run(ConnectionThread& self) {
+  std::unique_ptr<transport::Connection>& conn = self.conn;
   struct Wake {
     const DataChannel* channel;
-    const Connection* connection;
-  } wake{this, &connection};
+    const ConnectionThread* self;
+  } wake{this, &self};
   while (true) {
     DataTask task;
-    std::optional<Connection::Written> written;
+    std::optional<ConnectionThread::Handoff> handoff;
     {
       absl::MutexLock lock(&mu_);
-      connection.waiting = true;
+      self.waiting = true;
       mu_.Await(absl::Condition(
-          +[](Wake* wake) ABSL_NO_THREAD_SAFETY_ANALYSIS { return wake->channel->HasWork(*wake->connection); }, &wake));
-      connection.waiting = false;
-      if (connection.written.has_value()) {
-        written = std::move(connection.written);
-        connection.written.reset();
+          +[](Wake* wake) ABSL_NO_THREAD_SAFETY_ANALYSIS { return wake->channel->HasWork(*wake->self); }, &wake));
+      self.waiting = false;
+      if (self.handoff.has_value()) {
+        handoff = std::move(self.handoff);
+        self.handoff.reset();
       } else if (tasks_.empty()) {
         return;  // stopping, and everything submitted has run
       } else {
@@ -152,11 +151,11 @@ void DataChannel::Run(Connection& connection) {
         tasks_.pop_front();
       }
     }
-    if (written.has_value()) {  // a submitting thread wrote the request: read its answer
-      if (!written->status.ok()) {
+    if (handoff.has_value()) {  // a submitting thread wrote the request: read its answer
+      if (!handoff->write_status.ok()) {
         conn.reset();
-        written->task(written->status);
-      } else if (!written->task(conn.get())) {
+        handoff->read(handoff->write_status);
+      } else if (!handoff->read(conn.get())) {
         conn.reset();
       }
       continue;

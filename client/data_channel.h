@@ -64,10 +64,10 @@ class DataChannel {
   void Submit(RequestWriter write, DataTask task);
 
  private:
-  struct Connection;
-  // What Run waits for on `connection`'s thread.
-  bool HasWork(const Connection& connection) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Run(Connection& connection);
+  struct ConnectionThread;
+  // What Run waits for on `thread`.
+  bool HasWork(const ConnectionThread& thread) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Run(ConnectionThread& self);
   // A connection that said hello with the current session, renewed once if refused.
   absl::StatusOr<std::unique_ptr<transport::Connection>> Open();
   absl::StatusOr<std::unique_ptr<transport::Connection>> Hello(const DataSession& session) const;
@@ -79,7 +79,7 @@ class DataChannel {
   mutable absl::Mutex mu_;
   std::deque<DataTask> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::unique_ptr<Connection>> connections_;  // each with its thread; fixed after construction
+  std::vector<std::unique_ptr<ConnectionThread>> threads_;  // fixed after construction
 };
 
 }  // namespace flatshard::client_internal
