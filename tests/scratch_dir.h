@@ -1,8 +1,8 @@
 // ScratchDir: a fresh, empty directory for one test under ::testing::TempDir(), removed
 // with everything in it when the ScratchDir is destroyed (after a failed assertion
 // too), so that repeated runs do not fill the disk with checkpoints, and no test leaves
-// files behind. The name carries
-// the process id: ctest runs tests in parallel. Not copyable; not thread-safe.
+// files behind. The name carries the process id: ctest runs tests in parallel. Not
+// copyable; not thread-safe.
 //
 //   const testing::ScratchDir root("ckpt-async");
 //   TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
