@@ -14,6 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "client/checkpoint_cut.h"
 #include "client/cut_streams.h"
+#include "client/export_files.h"
 #include "client/load_leases.h"
 #include "core/file.h"
 #include "core/status_macros.h"
@@ -21,31 +22,6 @@
 
 namespace flatshard::client_internal {
 namespace {
-
-// One chunk of an export into `out_dir`: announces, fills or closes a file.
-absl::Status WriteChunk(const std::string& out_dir, const v1::ExportChunk& chunk,
-                        std::map<std::string, File>& files) {
-  const std::string& name = chunk.file();
-  if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
-    return absl::DataLossError(absl::StrCat("export: the server named a file '", name, "'"));
-  }
-  auto it = files.find(name);
-  if (it == files.end()) {
-    FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(out_dir + "/" + name, File::Mode::kWrite));
-    FLATSHARD_RETURN_IF_ERROR(file.Truncate(chunk.file_size()));
-    it = files.emplace(name, std::move(file)).first;
-  }
-  if (!chunk.data().empty()) {
-    FLATSHARD_RETURN_IF_ERROR(it->second.WriteAt(
-        chunk.offset(), absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()),
-                                            chunk.data().size())));
-  }
-  if (chunk.close()) {
-    FLATSHARD_RETURN_IF_ERROR(it->second.Sync());
-    files.erase(it);
-  }
-  return absl::OkStatus();
-}
 
 // A LOCAL save over roots that differ needs one root per server: where only some
 // servers share one, neither the shared nor the per-server commit fits.
@@ -302,17 +278,20 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   v1::ExportStep first;
   *first.mutable_request() = request;
   FLATSHARD_RETURN_IF_ERROR(ExplainWait(streams.Pin(first, cut, "export", PinRounds(at)), sent, at));
-  return streams.Write([&](Streams::Server& server) {
-    std::map<std::string, File> files;
+  ExportFiles files(out_dir);
+  FLATSHARD_RETURN_IF_ERROR(streams.Write([&](Streams::Server& server) {
+    const FileSizeLimitAsError file_size_limit;
+    std::map<std::string, File> open;
     v1::ExportMessage message;
     absl::Status written;
     while (written.ok() && server.stream->Read(&message)) {
-      written = WriteChunk(out_dir, message.chunk(), files);
+      written = files.WriteChunk(message.chunk(), open);
       report(message.chunk());
     }
     if (!written.ok()) server.ctx.TryCancel();
     return written;
-  });
+  }));
+  return files.Publish();
 }
 
 // Every server's status, fetched from all at once.

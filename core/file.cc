@@ -110,6 +110,24 @@ absl::StatusOr<uint64_t> File::Size() const {
   return static_cast<uint64_t>(st.st_size);
 }
 
+FileSizeLimitAsError::FileSizeLimitAsError() {
+  sigset_t xfsz;
+  sigemptyset(&xfsz);
+  sigaddset(&xfsz, SIGXFSZ);
+  pthread_sigmask(SIG_BLOCK, &xfsz, &previous_);
+}
+
+FileSizeLimitAsError::~FileSizeLimitAsError() {
+  sigset_t xfsz;
+  sigemptyset(&xfsz);
+  sigaddset(&xfsz, SIGXFSZ);
+  const timespec now{0, 0};
+  // The kernel sends SIGXFSZ to the writing thread: pending here while blocked.
+  while (sigtimedwait(&xfsz, nullptr, &now) == SIGXFSZ) {
+  }
+  pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
+}
+
 absl::Status SyncDirectory(const std::string& path) {
   const int fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return ErrnoError("open directory", path, errno);

@@ -9,6 +9,8 @@
 #ifndef FLATSHARD_CORE_FILE_H_
 #define FLATSHARD_CORE_FILE_H_
 
+#include <signal.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -47,6 +49,22 @@ class File {
   File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
   int fd_ = -1;
   std::string path_;
+};
+
+// While it lives, this thread's writes past the process's file size limit (RLIMIT_FSIZE,
+// `ulimit -f`) fail with EFBIG, which File reports as ResourceExhausted, instead of
+// raising SIGXFSZ, whose default action kills the whole process. For library code that
+// writes files on its own or its caller's threads (a program may just ignore SIGXFSZ).
+// Not movable; destroy it on the thread that made it.
+class FileSizeLimitAsError {
+ public:
+  FileSizeLimitAsError();
+  ~FileSizeLimitAsError();  // discards a SIGXFSZ the writes raised, restores the mask
+  FileSizeLimitAsError(const FileSizeLimitAsError&) = delete;
+  FileSizeLimitAsError& operator=(const FileSizeLimitAsError&) = delete;
+
+ private:
+  sigset_t previous_;
 };
 
 // Writes `contents` to `path` atomically: a temporary file beside it, fsync, rename,

@@ -1,0 +1,86 @@
+#include "client/export_files.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+
+namespace flatshard::client_internal {
+namespace {
+
+std::string NewExportId() {
+  std::random_device random;
+  return absl::StrFormat("%08x%08x", random(), random());
+}
+
+}  // namespace
+
+ExportFiles::ExportFiles(std::string out_dir)
+    : out_dir_(std::move(out_dir)), suffix_(absl::StrCat(".partial-", NewExportId())) {}
+
+ExportFiles::~ExportFiles() {
+  absl::MutexLock lock(&mu_);
+  if (published_) return;
+  for (const std::string& file : written_) std::remove(TemporaryPath(file).c_str());
+}
+
+std::string ExportFiles::TemporaryPath(const std::string& file) const {
+  return absl::StrCat(out_dir_, "/.", file, suffix_);
+}
+
+absl::Status ExportFiles::WriteChunk(const v1::ExportChunk& chunk, std::map<std::string, File>& open) {
+  const std::string& name = chunk.file();
+  if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
+    return absl::DataLossError(absl::StrCat("export: the server named a file '", name, "'"));
+  }
+  auto it = open.find(name);
+  if (it == open.end()) {
+    {
+      absl::MutexLock lock(&mu_);
+      written_.insert(name);  // before it exists, so that a failure removes it
+    }
+    FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(TemporaryPath(name), File::Mode::kWrite));
+    FLATSHARD_RETURN_IF_ERROR(file.Truncate(chunk.file_size()));
+    it = open.emplace(name, std::move(file)).first;
+  }
+  if (!chunk.data().empty()) {
+    FLATSHARD_RETURN_IF_ERROR(it->second.WriteAt(
+        chunk.offset(),
+        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
+  }
+  if (chunk.close()) {
+    FLATSHARD_RETURN_IF_ERROR(it->second.Sync());
+    open.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExportFiles::Publish() {
+  absl::MutexLock lock(&mu_);
+  // An index names the other files: it takes its name only once they have theirs.
+  std::vector<std::string> order;
+  for (const std::string& file : written_) {
+    if (!absl::EndsWith(file, ".json")) order.push_back(file);
+  }
+  for (const std::string& file : written_) {
+    if (absl::EndsWith(file, ".json")) order.push_back(file);
+  }
+  for (const std::string& file : order) {
+    const std::string from = TemporaryPath(file), to = absl::StrCat(out_dir_, "/", file);
+    if (std::rename(from.c_str(), to.c_str()) != 0) {
+      const int err = errno;
+      return absl::InternalError(absl::StrCat("cannot rename '", from, "' to '", to, "': ", std::strerror(err)));
+    }
+    written_.erase(file);  // no longer the export's to remove
+  }
+  published_ = true;
+  return SyncDirectory(out_dir_);
+}
+
+}  // namespace flatshard::client_internal

@@ -1,0 +1,59 @@
+// ExportFiles: the files of one state-dict export into a directory of the caller's. The
+// servers' streams write them under temporary names (".<file>.partial-<export id>", which
+// no server may name: WriteChunk refuses names that start with a dot); Publish renames
+// them to their own names once every stream has succeeded, index files last, so a file
+// under its own name is always whole. An export that fails, or is destroyed before
+// Publish, removes what it wrote and leaves earlier files of those names as they were.
+// A process killed mid-export leaves only its dot-files.
+//
+// Thread-safe: each server's stream calls WriteChunk from a thread of its own, with its
+// own `open` map; Publish and the destructor run once those threads are done.
+//
+//   ExportFiles files(out_dir);
+//   ... per stream: FLATSHARD_RETURN_IF_ERROR(files.WriteChunk(message.chunk(), open));
+//   FLATSHARD_RETURN_IF_ERROR(files.Publish());
+#ifndef FLATSHARD_CLIENT_EXPORT_FILES_H_
+#define FLATSHARD_CLIENT_EXPORT_FILES_H_
+
+#include <map>
+#include <set>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "core/file.h"
+#include "proto/flatshard.pb.h"
+
+namespace flatshard::client_internal {
+
+class ExportFiles {
+ public:
+  // `out_dir` must exist.
+  explicit ExportFiles(std::string out_dir);
+  ~ExportFiles();  // removes the temporary files, unless published
+  ExportFiles(const ExportFiles&) = delete;
+  ExportFiles& operator=(const ExportFiles&) = delete;
+
+  // One chunk of a stream: announces, fills or closes (fsyncs) a file. `open` holds the
+  // stream's open files. DataLoss for a file name that is not a plain name in the
+  // directory; the file's errors (ResourceExhausted when the disk or the process's file
+  // size limit is full) otherwise.
+  [[nodiscard]] absl::Status WriteChunk(const v1::ExportChunk& chunk, std::map<std::string, File>& open);
+
+  // Renames every file written into place (index files last) and fsyncs the directory.
+  // Call once, when every stream has succeeded.
+  [[nodiscard]] absl::Status Publish();
+
+ private:
+  std::string TemporaryPath(const std::string& file) const;
+
+  const std::string out_dir_;
+  const std::string suffix_;  // ".partial-<export id>"
+  absl::Mutex mu_;
+  std::set<std::string> written_ ABSL_GUARDED_BY(mu_);  // files begun, by name
+  bool published_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace flatshard::client_internal
+
+#endif  // FLATSHARD_CLIENT_EXPORT_FILES_H_

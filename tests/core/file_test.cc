@@ -1,0 +1,72 @@
+// File's errors when a write meets the process's file size limit (RLIMIT_FSIZE), with
+// and without FileSizeLimitAsError.
+#include "core/file.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+#include <csignal>
+#include <vector>
+
+#include "tests/scratch_dir.h"
+
+namespace flatshard {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr rlim_t kLimit = 64 << 10;
+
+// Lowers this process's soft file size limit to kLimit while it lives.
+class ScopedFileSizeLimit {
+ public:
+  ScopedFileSizeLimit() {
+    getrlimit(RLIMIT_FSIZE, &previous_);
+    rlimit lowered = previous_;
+    lowered.rlim_cur = kLimit;
+    setrlimit(RLIMIT_FSIZE, &lowered);
+  }
+  ~ScopedFileSizeLimit() { setrlimit(RLIMIT_FSIZE, &previous_); }
+
+ private:
+  rlimit previous_{};
+};
+
+absl::Status WritePastTheLimit(const std::string& path) {
+  absl::StatusOr<File> file = File::Open(path, File::Mode::kWrite);
+  if (!file.ok()) return file.status();
+  const std::vector<std::byte> bytes(kLimit * 2);
+  return file->WriteAt(0, bytes);
+}
+
+TEST(FileSizeLimitTest, AWritePastTheLimitKillsTheProcessByDefault) {
+  const testing::ScratchDir dir("file-size-default");
+  EXPECT_EXIT(
+      {
+        ScopedFileSizeLimit limit;
+        (void)WritePastTheLimit(dir.path() + "/big");
+        std::exit(0);
+      },
+      ::testing::KilledBySignal(SIGXFSZ), "");
+}
+
+TEST(FileSizeLimitTest, UnderFileSizeLimitAsErrorItIsResourceExhaustedNamingTheFile) {
+  const testing::ScratchDir dir("file-size-error");
+  absl::Status written;
+  {
+    ScopedFileSizeLimit limit;
+    const FileSizeLimitAsError as_error;
+    written = WritePastTheLimit(dir.path() + "/big");
+  }
+  // Still alive: the SIGXFSZ it raised was discarded, not delivered when unblocked.
+  EXPECT_TRUE(absl::IsResourceExhausted(written)) << written;
+  EXPECT_THAT(std::string(written.message()), HasSubstr(dir.path() + "/big"));
+  // The thread's signal mask is what it was: SIGXFSZ is not blocked any more.
+  sigset_t mask;
+  pthread_sigmask(SIG_SETMASK, nullptr, &mask);
+  EXPECT_FALSE(sigismember(&mask, SIGXFSZ));
+}
+
+}  // namespace
+}  // namespace flatshard
