@@ -238,7 +238,8 @@ absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline)
   progress->total = PartBytes(save.kind_, save.optimizer_, shards);
   if (!async) save.progress_ = progress;
   auto write = [this, name, save_id, kind = save.kind_, optimizer = save.optimizer_, dir = save.dir_,
-                to_server_zero = save.to_server_zero_, async, describe, progress,
+                to_server_zero = save.to_server_zero_, servers = save.servers_,
+                root_per_server = save.options_.root_per_server, async, describe, progress,
                 deadline = async ? absl::InfiniteFuture() : deadline, shards = std::move(shards)]() -> absl::Status {
     Json group_specs;
     if (to_server_zero) {
@@ -256,7 +257,11 @@ absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline)
     if (files.ok()) {
       finished = FinishPart(name, save_id, rank_, sink, describe(*files, std::move(group_specs)).dump(), false);
     }
-    return UnlessCommittedMeanwhile(name, save_id, finished);
+    finished = UnlessCommittedMeanwhile(name, save_id, finished);
+    if (!finished.ok() && !absl::IsAlreadyExists(finished)) {
+      AbandonPart(name, save_id, rank_, servers, root_per_server, finished);
+    }
+    return finished;
   };
   if (!async) return write();
   // The snapshot is taken; training goes on while the bytes are written. The last server
@@ -316,6 +321,48 @@ int CheckpointStore::PartsExpected(const std::string& dir) const {
   const bool said = own.ok() && own->is_object() && own->contains("servers") && own->at("servers").is_number_integer();
   const int64_t servers = said ? own->at("servers").get<int64_t>() : num_servers_;
   return servers >= 1 && servers <= num_servers_ ? static_cast<int>(servers) : num_servers_;
+}
+
+void CheckpointStore::AbandonPart(const std::string& name, const std::string& save_id, int rank, int servers,
+                                  bool root_per_server, const absl::Status& error) {
+  const std::string dir = SaveDir(name, save_id);
+  std::error_code ignored;
+  if (root_per_server) {
+    fs::remove_all(dir, ignored);
+  } else {
+    if (!fs::is_directory(dir, ignored)) return;                      // committed or removed: nothing of it left here
+    fs::remove(absl::StrCat(dir, "/part-", rank, ".json"), ignored);  // a part whose end failed is void
+    const Json marker{{"rank", rank}, {"servers", servers}, {"error", error.ToString()}};
+    if (!WriteFileAtomically(absl::StrCat(dir, "/failed-", rank, ".json"), marker.dump()).ok()) return;
+    RemoveIfAbandoned(name, save_id);
+  }
+  fs::remove(PartialDir(name), ignored);  // unless another save of the name is there
+}
+
+void CheckpointStore::RemoveIfAbandoned(const std::string& name, const std::string& save_id) {
+  const std::string dir = SaveDir(name, save_id);
+  int parts = 0;  // the most any part or marker says; the cluster's size if none does
+  bool abandoned = false;
+  for (int rank = 0; rank < num_servers_; ++rank) {
+    for (const char* kind : {"part", "failed"}) {
+      absl::StatusOr<Json> found = ReadJson(absl::StrCat(dir, "/", kind, "-", rank, ".json"));
+      if (!found.ok() || !found->is_object()) continue;
+      abandoned |= kind[0] == 'f';
+      const Json servers = found->value("servers", Json(0));
+      if (servers.is_number_integer()) parts = std::max(parts, servers.get<int>());
+    }
+  }
+  if (!abandoned) return;
+  if (parts <= 0 || parts > num_servers_) parts = num_servers_;
+  for (int rank = 0; rank < parts; ++rank) {
+    if (!Exists(absl::StrCat(dir, "/part-", rank, ".json")) && !Exists(absl::StrCat(dir, "/failed-", rank, ".json"))) {
+      return;  // that server is still writing: the last one removes the directory
+    }
+  }
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);
+  fs::remove(PartialDir(name), ignored);  // unless another save of the name is there
+  spdlog::warn("checkpoint '{}': save {} failed; its files are removed", name, save_id);
 }
 
 absl::Status CheckpointStore::CommitIfComplete(const std::string& name, const std::string& save_id) {
@@ -380,6 +427,7 @@ absl::Status CheckpointStore::FinishPart(const std::string& name, const std::str
   part["extents"] = extents;
   FLATSHARD_RETURN_IF_ERROR(
       WriteFileAtomically(absl::StrCat(SaveDir(name, save_id), "/part-", rank, ".json"), part.dump(1)));
+  RemoveIfAbandoned(name, save_id);  // another part failed before this one was done
   return async ? CommitIfComplete(name, save_id) : absl::OkStatus();
 }
 

@@ -26,7 +26,9 @@
 // Commit (on one server, after all have saved) checks the parts and that the extents tile
 // every file, writes manifest.json last (fsync + rename) and renames the directory to
 // "<root>/<name>". A crash at any point leaves earlier checkpoints intact and the partial
-// one listed as incomplete. Loads read through a
+// one listed as incomplete. A server that fails to write its part leaves
+// failed-<rank>.json instead (AbandonPart), and the last server to finish its part
+// removes the save's directory, so a failed save (a full disk) leaves nothing. Loads read through a
 // CheckpointReader, which verifies every extent it reads; they check layouts and state
 // names, stage everything in memory (PrepareLoad) and only then install (CommitLoad), so a
 // bad checkpoint leaves the group untouched.
@@ -212,11 +214,21 @@ class CheckpointStore {
   // gives the sink for its files (in this root's directory of save `save_id` of `name`;
   // AlreadyExists if `name` is committed), FinishPart records the part (`part`: the
   // sender's description, which must name the same save; the extents are the ones the
-  // sink wrote) and, for an async save, commits once every part is in.
+  // sink wrote) and, for an async save, commits once every part is in; if another part
+  // was abandoned and this was the last, it removes the save's directory.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<DirectorySink>> OpenPart(const std::string& name,
                                                                         const std::string& save_id);
   [[nodiscard]] absl::Status FinishPart(const std::string& name, const std::string& save_id, int rank,
                                         const DirectorySink& sink, const std::string& part, bool async);
+  // Part `rank` of save `save_id` of `name` could not be written here (by this server,
+  // or by a server streaming it to this root), so the save can never commit: leaves
+  // "failed-<rank>.json" (`servers`: how many parts the save has, 0 if unknown; `error`)
+  // in place of the part, and the last server to finish its part removes the save's
+  // directory (RemoveIfAbandoned). With a root per server the directory holds this part
+  // alone and goes at once. Best effort: a save whose marker cannot be written stays,
+  // listed as incomplete.
+  void AbandonPart(const std::string& name, const std::string& save_id, int rank, int servers, bool root_per_server,
+                   const absl::Status& error);
   // `length` bytes (0: to the end) at `offset` of `file` of committed checkpoint `name`,
   // handed to `emit` in pieces of at most 4 MiB, for a server loading it from this root.
   // NotFound, or DataLoss if the file ends first; `emit`'s error stops the read.
@@ -274,6 +286,10 @@ class CheckpointStore {
   // Commits `name` if every part of save `save_id` is in its directory and no one else
   // has begun to.
   absl::Status CommitIfComplete(const std::string& name, const std::string& save_id);
+  // Removes the directory of save `save_id` of `name` once every part is in or abandoned
+  // and one was abandoned: the last server to finish its part cleans up, so none meets a
+  // directory removed under it.
+  void RemoveIfAbandoned(const std::string& name, const std::string& save_id);
   // Marks `name` as being saved by this server until the returned handle is released;
   // AlreadyExists if it already is.
   absl::StatusOr<std::shared_ptr<const std::string>> ClaimName(const std::string& name);

@@ -145,6 +145,9 @@ int main(int argc, char** argv) {
     return Fail(std::string(logging.message()));
   }
 
+  // Past a file size limit (`ulimit -f`, LimitFSIZE=) a checkpoint write fails with EFBIG,
+  // which the save reports as RESOURCE_EXHAUSTED, instead of SIGXFSZ killing the server.
+  signal(SIGXFSZ, SIG_IGN);
   // Block the stop signals in every thread; the main thread waits for them.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);

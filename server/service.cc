@@ -446,9 +446,16 @@ grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,
   const std::string save_id = message.save_id();
   absl::StatusOr<std::unique_ptr<DirectorySink>> sink = checkpoints_.OpenPart(name, save_id);
   if (!sink.ok()) return ToGrpc(sink.status());
+  // The part cannot be in this save any more: its sender is told, and the save's files go
+  // once no other part is being written.
+  auto abandon = [&](const absl::Status& error) {
+    checkpoints_.AbandonPart(name, save_id, rank, 0, false, error);
+    return ToGrpc(error);
+  };
   while (reader->Read(&message)) {
     if (!message.part().empty()) {
-      return ToGrpc(checkpoints_.FinishPart(name, save_id, rank, **sink, message.part(), async));
+      const absl::Status finished = checkpoints_.FinishPart(name, save_id, rank, **sink, message.part(), async);
+      return finished.ok() || absl::IsAlreadyExists(finished) ? ToGrpc(finished) : abandon(finished);
     }
     const v1::ExportChunk& chunk = message.chunk();
     absl::Status status;
@@ -459,11 +466,11 @@ grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,
           absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
     }
     if (status.ok() && chunk.close()) status.Update((*sink)->Close(chunk.file()));
-    if (!status.ok()) return ToGrpc(status);
+    if (!status.ok()) return abandon(status);
   }
-  // The sender went away before its last message: the part stays unrecorded.
-  return ToGrpc(absl::CancelledError(absl::StrCat("checkpoint '", name, "': server ", rank,
-                                                  "'s part ended before its description")));
+  // The sender went away (or failed) before its last message.
+  return abandon(absl::CancelledError(
+      absl::StrCat("checkpoint '", name, "': server ", rank, "'s part ended before its description")));
 }
 
 grpc::Status FlatshardService::ReadCheckpointFile(grpc::ServerContext* ctx,
