@@ -140,14 +140,18 @@ absl::Status SyncDirectory(const std::string& path) {
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
   const std::string temporary = absl::StrCat(path, ".tmp-", getpid());
-  {
+  absl::Status written = [&] {
     FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(temporary, File::Mode::kWrite));
     FLATSHARD_RETURN_IF_ERROR(file.Truncate(0));
     FLATSHARD_RETURN_IF_ERROR(file.WriteAt(
         0, absl::MakeConstSpan(reinterpret_cast<const std::byte*>(contents.data()), contents.size())));
-    FLATSHARD_RETURN_IF_ERROR(file.Sync());
+    return file.Sync();
+  }();
+  if (written.ok() && rename(temporary.c_str(), path.c_str()) != 0) written = ErrnoError("rename", temporary, errno);
+  if (!written.ok()) {
+    unlink(temporary.c_str());  // a full disk keeps no half-written copy
+    return written;
   }
-  if (rename(temporary.c_str(), path.c_str()) != 0) return ErrnoError("rename", temporary, errno);
   const size_t slash = path.rfind('/');
   return SyncDirectory(slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash));
 }

@@ -532,7 +532,16 @@ absl::Status CheckpointStore::Commit(const std::string& name, const std::string&
     committed =
         absl::DataLossError(absl::StrCat("checkpoint '", name, "': a part's description is malformed: ", error.what()));
   }
-  return UnlessCommittedMeanwhile(name, save_id, committed);
+  committed = UnlessCommittedMeanwhile(name, save_id, committed);
+  if (absl::IsResourceExhausted(committed)) {
+    // No room for what the commit writes (index, manifest): the parts are whole but can
+    // never be committed (no commit is tried twice), and they hold the room that is missing. A save that fails to
+    // commit for other reasons (a damaged part) stays, listed as incomplete, to be looked at.
+    std::error_code ignored;
+    fs::remove_all(SaveDir(name, save_id), ignored);
+    fs::remove(PartialDir(name), ignored);  // unless another save of the name is there
+  }
+  return committed;
 }
 
 absl::Status CheckpointStore::UnlessCommittedMeanwhile(const std::string& name, const std::string& save_id,

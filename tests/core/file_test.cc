@@ -7,6 +7,8 @@
 #include <sys/resource.h>
 
 #include <csignal>
+#include <filesystem>
+#include <iterator>
 #include <vector>
 
 #include "tests/scratch_dir.h"
@@ -66,6 +68,21 @@ TEST(FileSizeLimitTest, UnderFileSizeLimitAsErrorItIsResourceExhaustedNamingTheF
   sigset_t mask;
   pthread_sigmask(SIG_SETMASK, nullptr, &mask);
   EXPECT_FALSE(sigismember(&mask, SIGXFSZ));
+}
+
+TEST(FileSizeLimitTest, AnAtomicWritePastTheLimitKeepsTheOldFileAndNoCopy) {
+  const testing::ScratchDir dir("file-size-atomic");
+  const std::string path = dir.path() + "/manifest.json";
+  ASSERT_TRUE(WriteFileAtomically(path, "old").ok());
+  absl::Status written;
+  {
+    ScopedFileSizeLimit limit;
+    const FileSizeLimitAsError as_error;
+    written = WriteFileAtomically(path, std::string(kLimit * 2, 'x'));
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(written)) << written;
+  EXPECT_EQ(*ReadFileToString(path), "old");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), std::filesystem::directory_iterator()), 1);
 }
 
 }  // namespace

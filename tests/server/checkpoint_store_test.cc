@@ -5,6 +5,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <cmath>
 #include <cstring>
@@ -435,6 +436,35 @@ TEST(CheckpointStoreTest, NamesAreConfinedAndPartialCheckpointsAreNotComplete) {
   ASSERT_TRUE(cluster.store(0).Delete("done").ok());
   ASSERT_TRUE(cluster.store(0).Delete("half-done").ok());
   EXPECT_EQ(cluster.store(0).Delete("done").code(), absl::StatusCode::kNotFound);
+}
+
+// Every part is written, but there is no room for what the commit writes (a SHARDED
+// checkpoint's index.json, the manifest; a file size limit of 64 bytes stands in for a
+// full disk): the commit fails saying so, and the save's files go, since nothing can
+// commit them any more.
+TEST(CheckpointStoreTest, ACommitWithoutRoomRemovesTheSave) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(2, root);
+  const std::map<std::string, int64_t> versions = {{"emb", 0}, {"tiny", 0}, {"half", 0}};
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(
+        cluster.store(rank).Save("x", CheckpointKind::kSharded, false, "job", versions, absl::InfiniteFuture()).ok());
+  }
+  absl::Status committed;
+  {
+    rlimit previous{};
+    getrlimit(RLIMIT_FSIZE, &previous);
+    rlimit lowered = previous;
+    lowered.rlim_cur = 64;
+    setrlimit(RLIMIT_FSIZE, &lowered);
+    const FileSizeLimitAsError as_error;
+    committed = cluster.store(0).Commit("x");
+    setrlimit(RLIMIT_FSIZE, &previous);
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(committed)) << committed;
+  EXPECT_THAT(std::string(committed.message()), HasSubstr("File too large"));
+  EXPECT_FALSE(std::filesystem::exists(root + "/.x.partial"));
+  EXPECT_FALSE(std::filesystem::exists(root + "/x"));
 }
 
 // Waits until `store` runs no save or load (an async save is done and committed, or
