@@ -325,6 +325,7 @@ int CheckpointStore::PartsExpected(const std::string& dir) const {
 
 void CheckpointStore::AbandonPart(const std::string& name, const std::string& save_id, int rank, int servers,
                                   bool root_per_server, const absl::Status& error) {
+  if (rank < 0 || rank >= num_servers_) return;  // a peer's bad request: it has no part here
   const std::string dir = SaveDir(name, save_id);
   std::error_code ignored;
   if (root_per_server) {
@@ -535,8 +536,9 @@ absl::Status CheckpointStore::Commit(const std::string& name, const std::string&
   committed = UnlessCommittedMeanwhile(name, save_id, committed);
   if (absl::IsResourceExhausted(committed)) {
     // No room for what the commit writes (index, manifest): the parts are whole but can
-    // never be committed (no commit is tried twice), and they hold the room that is missing. A save that fails to
-    // commit for other reasons (a damaged part) stays, listed as incomplete, to be looked at.
+    // never be committed (no commit is tried twice), and they hold the room that is
+    // missing. A save that fails to commit for other reasons (a damaged part) stays,
+    // listed as incomplete, to be looked at.
     std::error_code ignored;
     fs::remove_all(SaveDir(name, save_id), ignored);
     fs::remove(PartialDir(name), ignored);  // unless another save of the name is there

@@ -467,6 +467,25 @@ TEST(CheckpointStoreTest, ACommitWithoutRoomRemovesTheSave) {
   EXPECT_FALSE(std::filesystem::exists(root + "/x"));
 }
 
+// A part streamed to server 0 that fails leaves a marker; only when the other part is in
+// too does the save go. A rank outside the cluster (a peer's bad request) marks nothing.
+TEST(CheckpointStoreTest, AnAbandonedPartRemovesTheSaveOnceTheOtherPartIsIn) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(2, root);
+  auto sink = cluster.store(0).OpenPart("x", "s");
+  ASSERT_TRUE(sink.ok()) << sink.status();
+  const std::string dir = root + "/.x.partial/s";
+  for (const int rank : {-1, 2}) {
+    cluster.store(0).AbandonPart("x", "s", rank, 2, false, absl::CancelledError("gone"));
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+  cluster.store(0).AbandonPart("x", "s", 1, 2, false, absl::CancelledError("gone"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/failed-1.json"));  // server 0 still writes its part
+  const std::string part = R"({"files": [], "save_id": "s", "servers": 2})";
+  ASSERT_TRUE(cluster.store(0).FinishPart("x", "s", 0, **sink, part, /*async=*/false).ok());
+  EXPECT_FALSE(std::filesystem::exists(root + "/.x.partial"));
+}
+
 // Waits until `store` runs no save or load (an async save is done and committed, or
 // failed).
 void WaitIdle(CheckpointStore& store) {
