@@ -9,6 +9,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -114,7 +115,24 @@ TEST(MetricsTest, AScrapeSaysWhatTheStatusSaysAndAsksForTheToken) {
   }
   ASSERT_TRUE((*client)->WaitVersion("g", 2).ok());
 
-  for (const auto& status : FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})) {
+  // A data request's latency is recorded once its answer is sent, so the last scatter's
+  // may come just after the worker has its answer: wait until every server's histograms
+  // have counted every request.
+  const auto all_timed = [](const absl::StatusOr<v1::ServerStatus>& status) {
+    if (!status.ok()) return true;  // the assertions below say why
+    int64_t timed = 0;
+    for (const v1::NamedLatency& op : status->data_request_seconds()) {
+      if (op.name() == "gather" || op.name() == "scatter") timed += static_cast<int64_t>(op.seconds().count());
+    }
+    return timed >= status->gathers() + status->scatters();
+  };
+  std::vector<absl::StatusOr<v1::ServerStatus>> statuses;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(10); absl::Now() < deadline;) {
+    statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()});
+    if (std::all_of(statuses.begin(), statuses.end(), all_timed)) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  for (const auto& status : statuses) {
     ASSERT_TRUE(status.ok()) << status.status();
     ASSERT_THAT(status->metrics_address(), ::testing::StartsWith("127.0.0.1:"));
     const int port = PortOf(status->metrics_address());
