@@ -10,8 +10,9 @@
 // by default), their requests' cut_wait_ms what bounds the pinning rounds' waits.
 // Internal to the client library. Not thread-safe: one caller
 // drives the rounds; each round reaches the servers in parallel. Destroying it cancels
-// the streams not yet finished: before Write, the servers drop their pins and write
-// nothing; after it, a save is not committed.
+// the streams not yet finished (before Write, the servers drop their pins and write
+// nothing) and ends those left open by Write without their last step (a save is not
+// committed), waiting for their servers to let go of it.
 //
 //   CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer> streams(control, writers, &Stub::SaveCheckpoint);
 //   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first_step, cut, "checkpoint 'x'", 10, &server_zero_now));
@@ -60,7 +61,14 @@ class CutStreams {
   ~CutStreams() {
     for (const std::unique_ptr<Server>& server : servers_) {
       if (server == nullptr || server->finished) continue;
-      server->ctx.TryCancel();  // the server drops its pins and writes nothing
+      if (server->open) {
+        // It wrote its part and waits for its last step (a blocking save's commit, which
+        // will not come): ended in order, it lets go of the save's name before it
+        // answers, so a save of the name right after this one failed is not refused.
+        server->stream->WritesDone();
+      } else {
+        server->ctx.TryCancel();  // the server drops its pins and writes nothing
+      }
       (void)server->stream->Finish();
     }
   }
