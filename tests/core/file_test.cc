@@ -4,13 +4,13 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/resource.h>
 
 #include <csignal>
 #include <filesystem>
 #include <iterator>
 #include <vector>
 
+#include "tests/file_size_limit.h"
 #include "tests/scratch_dir.h"
 
 namespace flatshard {
@@ -19,21 +19,6 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr rlim_t kLimit = 64 << 10;
-
-// Lowers this process's soft file size limit to kLimit while it lives.
-class ScopedFileSizeLimit {
- public:
-  ScopedFileSizeLimit() {
-    getrlimit(RLIMIT_FSIZE, &previous_);
-    rlimit lowered = previous_;
-    lowered.rlim_cur = kLimit;
-    setrlimit(RLIMIT_FSIZE, &lowered);
-  }
-  ~ScopedFileSizeLimit() { setrlimit(RLIMIT_FSIZE, &previous_); }
-
- private:
-  rlimit previous_{};
-};
 
 absl::Status WritePastTheLimit(const std::string& path) {
   absl::StatusOr<File> file = File::Open(path, File::Mode::kWrite);
@@ -46,7 +31,7 @@ TEST(FileSizeLimitTest, AWritePastTheLimitKillsTheProcessByDefault) {
   const testing::ScratchDir dir("file-size-default");
   EXPECT_EXIT(
       {
-        ScopedFileSizeLimit limit;
+        testing::ScopedFileSizeLimit limit(kLimit);
         (void)WritePastTheLimit(dir.path() + "/big");
         std::exit(0);
       },
@@ -57,7 +42,7 @@ TEST(FileSizeLimitTest, UnderFileSizeLimitAsErrorItIsResourceExhaustedNamingTheF
   const testing::ScratchDir dir("file-size-error");
   absl::Status written;
   {
-    ScopedFileSizeLimit limit;
+    testing::ScopedFileSizeLimit limit(kLimit);
     const FileSizeLimitAsError as_error;
     written = WritePastTheLimit(dir.path() + "/big");
   }
@@ -76,7 +61,7 @@ TEST(FileSizeLimitTest, AnAtomicWritePastTheLimitKeepsTheOldFileAndNoCopy) {
   ASSERT_TRUE(WriteFileAtomically(path, "old").ok());
   absl::Status written;
   {
-    ScopedFileSizeLimit limit;
+    testing::ScopedFileSizeLimit limit(kLimit);
     const FileSizeLimitAsError as_error;
     written = WriteFileAtomically(path, std::string(kLimit * 2, 'x'));
   }

@@ -4,7 +4,6 @@
 // is left behind, earlier ones are untouched, and the servers train on.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/resource.h>
 
 #include <filesystem>
 #include <optional>
@@ -14,6 +13,7 @@
 
 #include "core/checkpoint_kind.h"
 #include "core/file.h"
+#include "tests/file_size_limit.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/scratch_dir.h"
 
@@ -28,22 +28,6 @@ using ::testing::IsEmpty;
 // 16 MiB of fp32 parameters: 8 MiB per server of two, far past kFileSizeLimit.
 constexpr int64_t kElements = int64_t{4} << 20;
 constexpr rlim_t kFileSizeLimit = 1 << 20;
-
-// Lowers this process's soft file size limit to kFileSizeLimit while it lives; servers
-// spawned meanwhile keep it.
-class ScopedFileSizeLimit {
- public:
-  ScopedFileSizeLimit() {
-    getrlimit(RLIMIT_FSIZE, &previous_);
-    rlimit lowered = previous_;
-    lowered.rlim_cur = kFileSizeLimit;
-    setrlimit(RLIMIT_FSIZE, &lowered);
-  }
-  ~ScopedFileSizeLimit() { setrlimit(RLIMIT_FSIZE, &previous_); }
-
- private:
-  rlimit previous_{};
-};
 
 // Every name in `dir`, hidden ones included.
 std::set<std::string> Listing(const std::string& dir) {
@@ -86,7 +70,7 @@ TEST(DiskLimitsTest, ASavePastOneServersFileSizeLimitFailsAndLeavesNothing) {
   const testing::ScratchDir root("disk-limits-one");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
   {
-    const ScopedFileSizeLimit limit;
+    const testing::ScopedFileSizeLimit limit(kFileSizeLimit);
     cluster.Restart(1);  // server 1 alone under the limit
   }
   std::unique_ptr<Client> client = Worker(cluster);
@@ -109,7 +93,7 @@ TEST(DiskLimitsTest, ASaveEveryServerFailsLeavesNothingWhetherRootsAreSharedOrNo
   for (const bool roots_shared : {true, false}) {
     std::optional<testing::TestCluster> cluster;
     {
-      const ScopedFileSizeLimit limit;  // inherited by both servers
+      const testing::ScopedFileSizeLimit limit(kFileSizeLimit);  // inherited by both servers
       cluster.emplace(2, "tok", ::testing::TempDir(), roots_shared ? shared.path() : "",
                       roots_shared ? std::vector<std::vector<std::string>>{}
                                    : std::vector<std::vector<std::string>>{{"--checkpoint_root=" + own_0.path()},
@@ -132,7 +116,7 @@ TEST(DiskLimitsTest, AnAsyncSaveThatFailsIsRemovedOnceEveryServerIsDone) {
   const testing::ScratchDir root("disk-limits-async");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
   {
-    const ScopedFileSizeLimit limit;
+    const testing::ScopedFileSizeLimit limit(kFileSizeLimit);
     cluster.Restart(1);
   }
   std::unique_ptr<Client> client = Worker(cluster);
@@ -156,7 +140,7 @@ TEST(DiskLimitsTest, AnExportPastTheCallersFileSizeLimitKeepsTheEarlierExport) {
 
   absl::Status exported;
   {
-    const ScopedFileSizeLimit limit;
+    const testing::ScopedFileSizeLimit limit(kFileSizeLimit);
     exported = client->ExportStateDict(out.path(), CheckpointKind::kFull, true);
   }
   EXPECT_TRUE(absl::IsResourceExhausted(exported)) << exported;

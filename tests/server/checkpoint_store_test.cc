@@ -5,7 +5,6 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/resource.h>
 
 #include <cmath>
 #include <cstring>
@@ -20,6 +19,7 @@
 #include "core/float_bits.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
+#include "tests/file_size_limit.h"
 #include "tests/scratch_dir.h"
 
 namespace flatshard::server {
@@ -452,14 +452,9 @@ TEST(CheckpointStoreTest, ACommitWithoutRoomRemovesTheSave) {
   }
   absl::Status committed;
   {
-    rlimit previous{};
-    getrlimit(RLIMIT_FSIZE, &previous);
-    rlimit lowered = previous;
-    lowered.rlim_cur = 64;
-    setrlimit(RLIMIT_FSIZE, &lowered);
+    const testing::ScopedFileSizeLimit limit(64);
     const FileSizeLimitAsError as_error;
     committed = cluster.store(0).Commit("x");
-    setrlimit(RLIMIT_FSIZE, &previous);
   }
   EXPECT_TRUE(absl::IsResourceExhausted(committed)) << committed;
   EXPECT_THAT(std::string(committed.message()), HasSubstr("File too large"));
