@@ -3,8 +3,9 @@
 // no server may name: WriteChunk refuses names that start with a dot); Publish renames
 // them to their own names once every stream has succeeded, index files last, so a file
 // under its own name is always whole. An export that fails, or is destroyed before
-// Publish, removes what it wrote and leaves earlier files of those names as they were.
-// A process killed mid-export leaves only its dot-files.
+// Publish, removes what it wrote and leaves earlier files of those names as they were
+// (a Publish that fails part-way keeps the files it renamed, each whole). A process
+// killed mid-export leaves only its dot-files.
 //
 // Thread-safe: each server's stream calls WriteChunk from a thread of its own, with its
 // own `open` map; Publish and the destructor run once those threads are done.

@@ -23,6 +23,13 @@ absl::Status ErrnoError(absl::string_view what, const std::string& path, int err
   return absl::InternalError(message);
 }
 
+sigset_t OnlySigXfsz() {
+  sigset_t xfsz;
+  sigemptyset(&xfsz);
+  sigaddset(&xfsz, SIGXFSZ);
+  return xfsz;
+}
+
 }  // namespace
 
 absl::StatusOr<File> File::Open(const std::string& path, Mode mode) {
@@ -111,16 +118,12 @@ absl::StatusOr<uint64_t> File::Size() const {
 }
 
 FileSizeLimitAsError::FileSizeLimitAsError() {
-  sigset_t xfsz;
-  sigemptyset(&xfsz);
-  sigaddset(&xfsz, SIGXFSZ);
+  const sigset_t xfsz = OnlySigXfsz();
   pthread_sigmask(SIG_BLOCK, &xfsz, &previous_);
 }
 
 FileSizeLimitAsError::~FileSizeLimitAsError() {
-  sigset_t xfsz;
-  sigemptyset(&xfsz);
-  sigaddset(&xfsz, SIGXFSZ);
+  const sigset_t xfsz = OnlySigXfsz();
   const timespec now{0, 0};
   // The kernel sends SIGXFSZ to the writing thread: pending here while blocked.
   while (sigtimedwait(&xfsz, nullptr, &now) == SIGXFSZ) {
