@@ -326,18 +326,14 @@ int CheckpointStore::PartsExpected(const std::string& dir) const {
 void CheckpointStore::AbandonPart(const std::string& name, const std::string& save_id, int rank, int servers,
                                   bool root_per_server, const absl::Status& error) {
   if (rank < 0 || rank >= num_servers_) return;  // a peer's bad request: it has no part here
+  if (root_per_server) return RemoveSave(name, save_id);
   const std::string dir = SaveDir(name, save_id);
   std::error_code ignored;
-  if (root_per_server) {
-    fs::remove_all(dir, ignored);
-  } else {
-    if (!fs::is_directory(dir, ignored)) return;                      // committed or removed: nothing of it left here
-    fs::remove(absl::StrCat(dir, "/part-", rank, ".json"), ignored);  // a part whose end failed is void
-    const Json marker{{"rank", rank}, {"servers", servers}, {"error", error.ToString()}};
-    if (!WriteFileAtomically(absl::StrCat(dir, "/failed-", rank, ".json"), marker.dump()).ok()) return;
-    RemoveIfAbandoned(name, save_id);
-  }
-  fs::remove(PartialDir(name), ignored);  // unless another save of the name is there
+  if (!fs::is_directory(dir, ignored)) return;                      // committed or removed: nothing of it left here
+  fs::remove(absl::StrCat(dir, "/part-", rank, ".json"), ignored);  // a part whose end failed is void
+  const Json marker{{"rank", rank}, {"servers", servers}, {"error", error.ToString()}};
+  if (!WriteFileAtomically(absl::StrCat(dir, "/failed-", rank, ".json"), marker.dump()).ok()) return;
+  RemoveIfAbandoned(name, save_id);
 }
 
 void CheckpointStore::RemoveIfAbandoned(const std::string& name, const std::string& save_id) {
@@ -360,10 +356,14 @@ void CheckpointStore::RemoveIfAbandoned(const std::string& name, const std::stri
       return;  // that server is still writing: the last one removes the directory
     }
   }
-  std::error_code ignored;
-  fs::remove_all(dir, ignored);
-  fs::remove(PartialDir(name), ignored);  // unless another save of the name is there
+  RemoveSave(name, save_id);
   spdlog::warn("checkpoint '{}': save {} failed; its files are removed", name, save_id);
+}
+
+void CheckpointStore::RemoveSave(const std::string& name, const std::string& save_id) const {
+  std::error_code ignored;
+  fs::remove_all(SaveDir(name, save_id), ignored);
+  fs::remove(PartialDir(name), ignored);  // unless another save of the name is there
 }
 
 absl::Status CheckpointStore::CommitIfComplete(const std::string& name, const std::string& save_id) {
@@ -539,9 +539,7 @@ absl::Status CheckpointStore::Commit(const std::string& name, const std::string&
     // never be committed (no commit is tried twice), and they hold the room that is
     // missing. A save that fails to commit for other reasons (a damaged part) stays,
     // listed as incomplete, to be looked at.
-    std::error_code ignored;
-    fs::remove_all(SaveDir(name, save_id), ignored);
-    fs::remove(PartialDir(name), ignored);  // unless another save of the name is there
+    RemoveSave(name, save_id);
   }
   return committed;
 }

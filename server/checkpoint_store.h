@@ -290,6 +290,10 @@ class CheckpointStore {
   // and one was abandoned: the last server to finish its part cleans up, so none meets a
   // directory removed under it.
   void RemoveIfAbandoned(const std::string& name, const std::string& save_id);
+  // Removes save `save_id` of `name` with its files, and the name's partial directory if
+  // no other save of the name is in it. Errors are ignored: what stays is listed as
+  // incomplete.
+  void RemoveSave(const std::string& name, const std::string& save_id) const;
   // Marks `name` as being saved by this server until the returned handle is released;
   // AlreadyExists if it already is.
   absl::StatusOr<std::shared_ptr<const std::string>> ClaimName(const std::string& name);
