@@ -1,9 +1,12 @@
 #include "client/export_files.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <random>
+#include <regex>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -17,6 +20,14 @@ namespace {
 std::string NewExportId() {
   std::random_device random;
   return absl::StrFormat("%08x%08x", random(), random());
+}
+
+// The names an export gives its files (server/checkpoint_writer.cc): FULL's model and
+// optimizer files, split or not, with their indexes, and SHARDED's file per server.
+bool IsExportFileName(const std::string& name) {
+  static const std::regex* const kExportFile = new std::regex(
+      R"((model|optimizer)(\.safetensors(\.index\.json)?|-[0-9]{5,}-of-[0-9]{5,}\.safetensors)|shard-[0-9]+\.safetensors)");
+  return std::regex_match(name, *kExportFile);
 }
 
 }  // namespace
@@ -80,7 +91,28 @@ absl::Status ExportFiles::Publish() {
     written_.erase(file);  // no longer the export's to remove
   }
   published_ = true;
+  FLATSHARD_RETURN_IF_ERROR(RemoveEarlierExport(order));
   return SyncDirectory(out_dir_);
+}
+
+absl::Status ExportFiles::RemoveEarlierExport(const std::vector<std::string>& published) const {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  fs::directory_iterator it(out_dir_, error);
+  for (; !error && it != fs::directory_iterator(); it.increment(error)) {
+    const std::string name = it->path().filename();
+    if (!IsExportFileName(name) || it->is_directory(error) ||
+        std::find(published.begin(), published.end(), name) != published.end()) {
+      continue;
+    }
+    if (!fs::remove(it->path(), error) && error) break;
+  }
+  if (error) {
+    return absl::InternalError(
+        absl::StrCat("the export is in '", out_dir_,
+                     "', but an earlier export's files there could not be removed: ", error.message()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace flatshard::client_internal

@@ -7,6 +7,12 @@
 // (a Publish that fails part-way keeps the files it renamed, each whole). A process
 // killed mid-export leaves only its dot-files.
 //
+// An export replaces the earlier one in its directory: once its files have their names,
+// Publish removes every other file named as an export names its files (model and
+// optimizer files, split or not, their indexes, shard-<rank> files), so that a reader
+// never takes a stale model.safetensors beside a model split into several files, or
+// shard-3 of a 4-server export for part of a 2-server one. Other files stay.
+//
 // Thread-safe: each server's stream calls WriteChunk from a thread of its own, with its
 // own `open` map; Publish and the destructor run once those threads are done.
 //
@@ -19,6 +25,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -41,12 +48,15 @@ class ExportFiles {
   // size limit is full) otherwise.
   [[nodiscard]] absl::Status WriteChunk(const v1::ExportChunk& chunk, std::map<std::string, File>& open);
 
-  // Renames every file written into place (index files last) and fsyncs the directory.
-  // Call once, when every stream has succeeded.
+  // Renames every file written into place (index files last), removes the earlier
+  // export's other files and fsyncs the directory. Call once, when every stream has
+  // succeeded.
   [[nodiscard]] absl::Status Publish();
 
  private:
   std::string TemporaryPath(const std::string& file) const;
+  // Removes the files of an export's names in out_dir_ but `published`.
+  [[nodiscard]] absl::Status RemoveEarlierExport(const std::vector<std::string>& published) const;
 
   const std::string out_dir_;
   const std::string suffix_;  // ".partial-<export id>"

@@ -6,9 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "tests/scratch_dir.h"
@@ -77,6 +79,40 @@ TEST(ExportFilesTest, AnExportNeverPublishedRemovesItsFilesAndKeepsEarlierOnes) 
   }
   EXPECT_THAT(Listing(dir.path()), ElementsAre("model.safetensors"));
   EXPECT_EQ(Contents(dir.path() + "/model.safetensors"), "old");
+}
+
+TEST(ExportFilesTest, AnExportReplacesTheEarlierExportsFilesAndNothingElse) {
+  const testing::ScratchDir dir("export-files-replace");
+  // An earlier FULL export in one model file, with a split optimizer, and a SHARDED one
+  // of 4 servers; beside them files and a directory of the user's.
+  const std::vector<std::string> earlier = {"model.safetensors",
+                                            "optimizer-00001-of-00002.safetensors",
+                                            "optimizer-00002-of-00002.safetensors",
+                                            "optimizer.safetensors.index.json",
+                                            "shard-0.safetensors",
+                                            "shard-3.safetensors"};
+  const std::vector<std::string> users = {"notes.txt",
+                                          "model.bin",
+                                          "shard-x.safetensors",
+                                          "model.safetensors.bak",
+                                          "my-model.safetensors",
+                                          ".model.safetensors.partial-0123456789abcdef"};
+  for (const std::string& name : earlier) std::ofstream(dir.path() + "/" + name) << "old";
+  for (const std::string& name : users) std::ofstream(dir.path() + "/" + name) << "mine";
+  fs::create_directory(dir.path() + "/shard-7.safetensors");
+
+  ExportFiles files(dir.path());  // a FULL export, its model in two files
+  std::map<std::string, File> open;
+  ASSERT_TRUE(files.WriteChunk(Chunk("model-00001-of-00002.safetensors", 1, 0, "a", true), open).ok());
+  ASSERT_TRUE(files.WriteChunk(Chunk("model-00002-of-00002.safetensors", 1, 0, "b", true), open).ok());
+  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors.index.json", 2, 0, "{}", true), open).ok());
+  ASSERT_TRUE(files.Publish().ok());
+
+  std::set<std::string> expected = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                    "model.safetensors.index.json", "shard-7.safetensors"};
+  expected.insert(users.begin(), users.end());
+  EXPECT_EQ(Listing(dir.path()), expected);
+  for (const std::string& name : users) EXPECT_EQ(Contents(dir.path() + "/" + name), "mine") << name;
 }
 
 TEST(ExportFilesTest, FileNamesOutsideTheDirectoryOrHiddenAreRefused) {

@@ -1,20 +1,18 @@
 // Checkpoints through the client against real server processes: save with 3 servers,
 // load into a fresh cluster of 2, bitwise equal, and training continues identically.
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-
-#include <sys/resource.h>
-
-#include <chrono>
+#include <set>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "client/cluster_status.h"
 #include "core/file.h"
@@ -534,6 +532,37 @@ TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) 
   std::vector<float> grad((*layout)->padded_numel(), 0.0f);
   ASSERT_TRUE((*client)->Scatter("big", 0, DType::kFloat32, AsBytes(grad)).get().ok());
   EXPECT_EQ(*(*client)->WaitVersion("big", 1), 1);
+}
+
+// An export into a directory that holds another: a reader finds only the new export's
+// files (no shard file of the SHARDED export beside the FULL one), and the user's own.
+TEST(ExportIntegrationTest, AnExportReplacesTheEarlierOneInItsDirectory) {
+  // Files of at most 64 bytes: a FULL export puts each tensor in a file of its own.
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), "", {{"--max_file_size=64"}, {"--max_file_size=64"}});
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  ASSERT_TRUE(
+      (*client)
+          ->RegisterGroup("g", {{"w", {16}, DType::kFloat32}, {"b", {16}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1})
+          .ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 3).ok());
+  const testing::ScratchDir out("export-replace");
+  std::ofstream(out.path() + "/README.md") << "my notes";
+  auto listing = [&] {
+    std::set<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(out.path())) names.insert(entry.path().filename());
+    return names;
+  };
+
+  ASSERT_TRUE((*client)->ExportStateDict(out.path(), CheckpointKind::kSharded, true).ok());
+  EXPECT_EQ(listing(), (std::set<std::string>{"README.md", "shard-0.safetensors", "shard-1.safetensors"}));
+  ASSERT_TRUE((*client)->ExportStateDict(out.path(), CheckpointKind::kFull, false).ok());
+  EXPECT_EQ(listing(), (std::set<std::string>{"README.md", "model-00001-of-00002.safetensors",
+                                              "model-00002-of-00002.safetensors", "model.safetensors.index.json"}));
+  auto header = SafetensorsHeader::Read(out.path() + "/model-00002-of-00002.safetensors");
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_NE(header->Find("b"), nullptr);
 }
 
 }  // namespace
