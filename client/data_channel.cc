@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "core/status_macros.h"
+#include "flatshard/await.h"
 #include "transport/data_protocol.h"
 
 namespace flatshard::client_internal {
@@ -155,7 +156,12 @@ void DataChannel::Run(ConnectionThread& self) {
       if (!handoff->write_status.ok()) {
         conn.reset();
         handoff->read(handoff->write_status);
-      } else if (!handoff->read(conn.get())) {
+        continue;
+      }
+      // Its answer often comes within microseconds (a CUDA IPC call, a small gather): wait
+      // for it awake for as long as Await waits for the caller.
+      conn->PollReadable(kAwaitSpin);
+      if (!handoff->read(conn.get())) {
         conn.reset();
       }
       continue;

@@ -10,7 +10,8 @@
 // that reads the answer: when a connection is idle, the submitting thread writes the
 // request on it at once and hands only the rest to that connection's thread, so the
 // request leaves without waiting for a sleeping thread to wake (20-50 us in a VM) and
-// that thread wakes while the server works. Thread-safe.
+// that thread wakes while the server works; it then polls the connection for the answer
+// for up to kAwaitSpin before it sleeps in the read. Thread-safe.
 //
 //   DataChannel channel({"127.0.0.1:7071", token}, renew, 2, absl::Seconds(30));
 //   channel.Submit([](absl::StatusOr<transport::Connection*> conn) { ... });

@@ -202,6 +202,29 @@ TEST(TcpTransportTest, PeerClosedSeesAClosedPeerButNotPendingData) {
   EXPECT_TRUE(closed);
 }
 
+TEST(TcpTransportTest, PollReadableWaitsForBytesForAtMostItsWindow) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  // Nothing comes: false once the window has passed, not before.
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(pair.client->PollReadable(absl::Milliseconds(5)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(5));
+  // A byte sent while it polls: true, and the byte is still there to read.
+  std::thread sender([&] {
+    absl::SleepFor(absl::Milliseconds(2));
+    ASSERT_TRUE(pair.server->Send({Bytes(RandomBytes(1, 13))}).ok());
+  });
+  EXPECT_TRUE(pair.client->PollReadable(absl::Seconds(10)));
+  sender.join();
+  std::vector<uint8_t> byte(1);
+  ASSERT_TRUE(pair.client->Recv(Bytes(byte)).ok());
+  EXPECT_EQ(byte, RandomBytes(1, 13));
+  // A closed peer: true (the read then says so).
+  pair.server.reset();
+  EXPECT_TRUE(pair.client->PollReadable(absl::Seconds(10)));
+  EXPECT_FALSE(pair.client->Recv(Bytes(byte)).ok());
+}
+
 TEST(TcpTransportTest, ListenerShutdownUnblocksAccept) {
   auto listener = ListenTcp("127.0.0.1", 0);
   ASSERT_TRUE(listener.ok()) << listener.status();

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/numbers.h"
@@ -163,6 +164,16 @@ class TcpConnection final : public Connection {
     if (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) return true;
     std::byte byte;  // readable: a FIN reads as 0 bytes, an unexpected byte as data
     return recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT) <= 0;
+  }
+
+  bool PollReadable(absl::Duration poll_for) override {
+    const absl::Time until = absl::Now() + poll_for;
+    while (true) {
+      pollfd pfd{fd_, POLLIN, 0};
+      if (poll(&pfd, 1, 0) != 0) return true;  // readable, closed, or an error Recv reports
+      if (absl::Now() >= until) return false;
+      std::this_thread::yield();
+    }
   }
 
   std::string peer() const override { return peer_; }
