@@ -23,6 +23,11 @@
 // Every transfer is waited for with flatshard::Await, polling for --spin_us (default
 // flatshard::kAwaitSpin; 0: as future.get()).
 //
+// "server (ms)", gather rows: the server's own mean time per gather of the row (its
+// data_request_seconds, header in to answer out, read from its status before and after
+// the row's calls, not between them: status calls there would slow the calls after
+// them); the rest of the flatshard column is the client's and the connection's.
+//
 //   build/bin/gpu_planes_bench [--planes=cuda-ipc,nccl] [--spin_us=200]
 #include <cuda_runtime.h>
 #include <signal.h>
@@ -42,6 +47,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/cluster_status.h"
@@ -114,6 +120,35 @@ absl::Duration Timed(const std::function<void()>& fn) {
   const absl::Time start = absl::Now();
   fn();
   return absl::Now() - start;
+}
+
+// How many requests of a data-plane op ("ipc-gather", ...) a server has answered, and in
+// how many seconds in all.
+struct OpTotals {
+  uint64_t count = 0;
+  double seconds = 0;
+};
+OpTotals ServerOpTotals(const std::string& address, const std::string& op) {
+  auto status = flatshard::FetchClusterStatus({.servers = {address}, .timeout = absl::Seconds(10)});
+  Check(status[0].status(), "server status");
+  for (const flatshard::v1::NamedLatency& named : status[0]->data_request_seconds()) {
+    if (named.name() == op) return {named.seconds().count(), named.seconds().sum_seconds()};
+  }
+  return {};
+}
+
+// The server's mean milliseconds per request of `op` since `before`, once it has counted
+// `requests` more (it counts a request after sending the answer, maybe after the caller
+// has it).
+double ServerMeanMs(const std::string& address, const std::string& op, const OpTotals& before, uint64_t requests) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (true) {
+    const OpTotals now = ServerOpTotals(address, op);
+    if (now.count >= before.count + requests || absl::Now() > give_up) {
+      return now.count == before.count ? 0 : 1e3 * (now.seconds - before.seconds) / (now.count - before.count);
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
 }
 
 // The sizes (bytes) of the rows, in order: fp32 then bf16 per element count.
@@ -228,8 +263,15 @@ int main(int argc, char** argv) {
   };
 
   std::printf("GPU data planes on %s\n", kc::DeviceDescription(0)->c_str());
-  std::printf("| plane | op | dtype | MiB | flatshard (ms) | reference (ms) | ratio |\n");
-  std::printf("| --- | --- | --- | ---: | ---: | ---: | ---: |\n");
+  std::printf("| plane | op | dtype | MiB | flatshard (ms) | server (ms) | reference (ms) | ratio |\n");
+  std::printf("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |\n");
+  // One row; `server_ms` < 0: not measured.
+  auto print_row = [](const std::string& plane, const std::string& op, const char* dtype, double mib, double ms,
+                      double server_ms, double reference) {
+    const std::string server = server_ms < 0 ? "-" : absl::StrFormat("%.3f", server_ms);
+    std::printf("| %s | %s | %s | %.0f | %.3f | %s | %.3f | %.2fx |\n", plane.c_str(), op.c_str(), dtype, mib, ms,
+                server.c_str(), reference, reference / ms);
+  };
   for (const std::string& plane : planes) {
     const bool nccl = plane == "nccl";
     const flatshard::DevicePlane choice = nccl ? flatshard::DevicePlane::kNccl : flatshard::DevicePlane::kCudaIpc;
@@ -287,10 +329,13 @@ int main(int argc, char** argv) {
           })[0];
           reference_ms = {copy_ms, copy_ms};
         }
+        const std::string gather_op = nccl ? "nccl-gather" : "ipc-gather";
+        const OpTotals before = ServerOpTotals(address, gather_op);
         const double gather_ms = MedianMs([&] {
           return std::vector<absl::Duration>{
               Timed([&] { Check(flatshard::Await(worker0->Gather(group, 0, dtype, span), spin).status(), "gather"); })};
         })[0];
+        const double gather_server_ms = ServerMeanMs(address, gather_op, before, kWarmups + kRuns);
         int64_t step = worker0->WaitVersion(group, 0).value();
         const std::vector<double> scatter_ms = MedianMs([&] {
           std::vector<absl::Duration> phases = {
@@ -301,13 +346,9 @@ int main(int argc, char** argv) {
         });
         const char* name = dtype == DType::kFloat32 ? "float32" : "bfloat16";
         const double mib = bytes / double(1 << 20);
-        auto row = [&](const char* op, double ms, double reference) {
-          std::printf("| %s | %s | %s | %.0f | %.3f | %.3f | %.2fx |\n", plane.c_str(), op, name, mib,
-                      ms, reference, reference / ms);
-        };
-        row("gather", gather_ms, reference_ms[0]);
-        row("scatter", scatter_ms[0], reference_ms[1]);
-        row("scatter + step", scatter_ms[1], reference_ms[1]);
+        print_row(plane, "gather", name, mib, gather_ms, gather_server_ms, reference_ms[0]);
+        print_row(plane, "scatter", name, mib, scatter_ms[0], -1, reference_ms[1]);
+        print_row(plane, "scatter + step", name, mib, scatter_ms[1], -1, reference_ms[1]);
       }
     }
     {
@@ -383,10 +424,10 @@ int main(int argc, char** argv) {
           return phases;
         })[0];
         const double mib = kInFlight * bytes / double(1 << 20);
-        std::printf("| %s | gather x%d in flight | float32 | %.0f | %.3f | %.3f | %.2fx |\n", plane.c_str(), kInFlight,
-                    mib, gather_ms, reference_ms[0], reference_ms[0] / gather_ms);
-        std::printf("| %s | scatter x%d in flight | float32 | %.0f | %.3f | %.3f | %.2fx |\n", plane.c_str(), kInFlight,
-                    mib, scatter_ms, reference_ms[1], reference_ms[1] / scatter_ms);
+        print_row(plane, absl::StrCat("gather x", kInFlight, " in flight"), "float32", mib, gather_ms, -1,
+                  reference_ms[0]);
+        print_row(plane, absl::StrCat("scatter x", kInFlight, " in flight"), "float32", mib, scatter_ms, -1,
+                  reference_ms[1]);
       }
     }
     if (peer > 0) waitpid(peer, nullptr, 0);
