@@ -39,7 +39,7 @@ ExportFiles::~ExportFiles() {
   absl::MutexLock lock(&mu_);
   if (published_) return;
   for (const std::string& file : written_) std::remove(TemporaryPath(file).c_str());
-}
+}  // then locks_ closes
 
 std::string ExportFiles::TemporaryPath(const std::string& file) const {
   return absl::StrCat(out_dir_, "/.", file, suffix_);
@@ -52,11 +52,19 @@ absl::Status ExportFiles::WriteChunk(const v1::ExportChunk& chunk, std::map<std:
   }
   auto it = open.find(name);
   if (it == open.end()) {
+    bool first = false;  // of the streams writing this file
     {
       absl::MutexLock lock(&mu_);
-      written_.insert(name);  // before it exists, so that a failure removes it
+      first = written_.insert(name).second;  // before it exists, so that a failure removes it
     }
     FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(TemporaryPath(name), File::Mode::kWrite));
+    if (first) {
+      FLATSHARD_ASSIGN_OR_RETURN(File held, File::Open(TemporaryPath(name), File::Mode::kRead));
+      FLATSHARD_ASSIGN_OR_RETURN(const bool locked, held.TryLock());
+      if (!locked) return absl::InternalError(absl::StrCat("'", held.path(), "' is locked by another process"));
+      absl::MutexLock lock(&mu_);
+      locks_.emplace(name, std::move(held));
+    }
     FLATSHARD_RETURN_IF_ERROR(file.Truncate(chunk.file_size()));
     it = open.emplace(name, std::move(file)).first;
   }
@@ -92,7 +100,26 @@ absl::Status ExportFiles::Publish() {
   }
   published_ = true;
   FLATSHARD_RETURN_IF_ERROR(RemoveEarlierExport(order));
+  RemoveAbandonedFiles();
+  locks_.clear();
   return SyncDirectory(out_dir_);
+}
+
+void ExportFiles::RemoveAbandonedFiles() const {
+  namespace fs = std::filesystem;
+  static const std::regex* const kTemporaryFile = new std::regex(R"(\..+\.partial-[0-9a-f]{16})");
+  const fs::file_time_type written_before = fs::file_time_type::clock::now() - absl::ToChronoSeconds(kAbandonedAfter);
+  std::error_code error;
+  for (fs::directory_iterator it(out_dir_, error); !error && it != fs::directory_iterator(); it.increment(error)) {
+    const std::string name = it->path().filename();
+    std::error_code ignored;
+    if (!std::regex_match(name, *kTemporaryFile) || absl::EndsWith(name, suffix_) || !it->is_regular_file(ignored) ||
+        it->last_write_time(ignored) > written_before) {
+      continue;
+    }
+    absl::StatusOr<File> file = File::Open(it->path(), File::Mode::kRead);
+    if (file.ok() && file->TryLock().value_or(false)) fs::remove(it->path(), ignored);
+  }
 }
 
 absl::Status ExportFiles::RemoveEarlierExport(const std::vector<std::string>& published) const {

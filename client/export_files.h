@@ -5,7 +5,10 @@
 // under its own name is always whole. An export that fails, or is destroyed before
 // Publish, removes what it wrote and leaves earlier files of those names as they were
 // (a Publish that fails part-way keeps the files it renamed, each whole). A process
-// killed mid-export leaves only its dot-files.
+// killed mid-export leaves only its dot-files; the next export into the directory that
+// succeeds removes them. An export holds a lock (flock) on each of its temporary files
+// until it ends, so that another can tell a dead export's files (unlocked, and untouched
+// for kAbandonedAfter) from a running one's.
 //
 // An export replaces the earlier one in its directory: once its files have their names,
 // Publish removes every other file named as an export names its files (model and
@@ -29,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "core/file.h"
 #include "proto/flatshard.pb.h"
 
@@ -49,19 +53,28 @@ class ExportFiles {
   [[nodiscard]] absl::Status WriteChunk(const v1::ExportChunk& chunk, std::map<std::string, File>& open);
 
   // Renames every file written into place (index files last), removes the earlier
-  // export's other files and fsyncs the directory. Call once, when every stream has
-  // succeeded.
+  // export's other files and dead exports' temporary files, and fsyncs the directory.
+  // Call once, when every stream has succeeded.
   [[nodiscard]] absl::Status Publish();
+
+  // How long another export's temporary file must have gone unwritten, besides unlocked,
+  // before Publish takes it for a dead export's: covers the moment between a running
+  // export creating a file and locking it.
+  static constexpr absl::Duration kAbandonedAfter = absl::Minutes(1);
 
  private:
   std::string TemporaryPath(const std::string& file) const;
   // Removes the files of an export's names in out_dir_ but `published`.
   [[nodiscard]] absl::Status RemoveEarlierExport(const std::vector<std::string>& published) const;
+  // Removes other exports' temporary files that no live export holds (best effort).
+  void RemoveAbandonedFiles() const;
 
   const std::string out_dir_;
   const std::string suffix_;  // ".partial-<export id>"
   absl::Mutex mu_;
   std::set<std::string> written_ ABSL_GUARDED_BY(mu_);  // files begun, by name
+  // A locked open of each temporary file, until the export ends.
+  std::map<std::string, File> locks_ ABSL_GUARDED_BY(mu_);
   bool published_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -1,6 +1,7 @@
 #include "core/file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -115,6 +116,14 @@ absl::StatusOr<uint64_t> File::Size() const {
   struct stat st {};
   if (fstat(fd_, &st) != 0) return ErrnoError("stat", path_, errno);
   return static_cast<uint64_t>(st.st_size);
+}
+
+absl::StatusOr<bool> File::TryLock() {
+  while (flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) return false;
+    if (errno != EINTR) return ErrnoError("flock", path_, errno);
+  }
+  return true;
 }
 
 FileSizeLimitAsError::FileSizeLimitAsError() {

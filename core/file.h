@@ -43,6 +43,10 @@ class File {
   [[nodiscard]] absl::Status Truncate(uint64_t size);
   [[nodiscard]] absl::Status Sync();
   [[nodiscard]] absl::StatusOr<uint64_t> Size() const;
+  // Takes an exclusive advisory lock (flock) on the file, held until this File closes
+  // (or its process dies); false, without waiting, while another open of the file holds
+  // one.
+  [[nodiscard]] absl::StatusOr<bool> TryLock();
   const std::string& path() const { return path_; }
 
  private:

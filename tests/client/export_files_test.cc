@@ -4,6 +4,9 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -12,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tests/scratch_dir.h"
 
@@ -21,6 +25,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::ElementsAre;
 using ::testing::IsEmpty;
+using ::testing::UnorderedElementsAre;
 
 v1::ExportChunk Chunk(const std::string& file, uint64_t size, uint64_t offset, const std::string& data, bool close) {
   v1::ExportChunk chunk;
@@ -113,6 +118,73 @@ TEST(ExportFilesTest, AnExportReplacesTheEarlierExportsFilesAndNothingElse) {
   expected.insert(users.begin(), users.end());
   EXPECT_EQ(Listing(dir.path()), expected);
   for (const std::string& name : users) EXPECT_EQ(Contents(dir.path() + "/" + name), "mine") << name;
+}
+
+// Makes `path` look untouched for longer than an export waits before it takes another's
+// unlocked file for a dead export's.
+void Age(const std::string& path) {
+  fs::last_write_time(path, fs::file_time_type::clock::now() - absl::ToChronoSeconds(2 * ExportFiles::kAbandonedAfter));
+}
+
+// The temporary files in `dir`.
+std::vector<std::string> TemporaryFiles(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const std::string& name : Listing(dir)) {
+    if (absl::StrContains(name, ".partial-")) names.push_back(name);
+  }
+  return names;
+}
+
+TEST(ExportFilesTest, AnExportRemovesTheFilesOfAnExportWhoseProcessDied) {
+  const testing::ScratchDir dir("export-files-killed");
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // an export that dies with a file half-written
+    ExportFiles files(dir.path());
+    std::map<std::string, File> open;
+    if (!files.WriteChunk(Chunk("model.safetensors", 8, 0, "abcd", false), open).ok()) _exit(1);
+    raise(SIGKILL);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << status;
+  const std::vector<std::string> left = TemporaryFiles(dir.path());
+  ASSERT_EQ(left.size(), 1u);
+  Age(dir.path() + "/" + left[0]);
+
+  ExportFiles next(dir.path());
+  std::map<std::string, File> open;
+  ASSERT_TRUE(next.WriteChunk(Chunk("model.safetensors", 3, 0, "new", true), open).ok());
+  ASSERT_TRUE(next.Publish().ok());
+  EXPECT_THAT(Listing(dir.path()), ElementsAre("model.safetensors"));
+}
+
+TEST(ExportFilesTest, ARunningExportsFilesStayEvenWhenItStalls) {
+  const testing::ScratchDir dir("export-files-running");
+  // An export still running (its file locked), stalled for longer than kAbandonedAfter.
+  auto running = std::make_unique<ExportFiles>(dir.path());
+  std::map<std::string, File> running_open;
+  ASSERT_TRUE(running->WriteChunk(Chunk("model.safetensors", 8, 0, "abcd", false), running_open).ok());
+  const std::vector<std::string> running_files = TemporaryFiles(dir.path());
+  ASSERT_EQ(running_files.size(), 1u);
+  Age(dir.path() + "/" + running_files[0]);
+  // Unlocked, but new: an export that has just created it and not yet locked it.
+  const std::string fresh = ".optimizer.safetensors.partial-00000000cafef00d";
+  std::ofstream(dir.path() + "/" + fresh) << "fresh";
+  // Not an export's temporary name: the user's.
+  const std::string users = ".model.safetensors.partial-mine";
+  std::ofstream(dir.path() + "/" + users) << "mine";
+  Age(dir.path() + "/" + users);
+
+  ExportFiles next(dir.path());
+  std::map<std::string, File> open;
+  ASSERT_TRUE(next.WriteChunk(Chunk("shard-0.safetensors", 3, 0, "new", true), open).ok());
+  ASSERT_TRUE(next.Publish().ok());
+  EXPECT_THAT(Listing(dir.path()), UnorderedElementsAre(users, fresh, running_files[0], "shard-0.safetensors"));
+
+  running_open.clear();
+  running.reset();  // the running export fails: it removes its own file
+  EXPECT_THAT(Listing(dir.path()), UnorderedElementsAre(users, fresh, "shard-0.safetensors"));
 }
 
 TEST(ExportFilesTest, FileNamesOutsideTheDirectoryOrHiddenAreRefused) {

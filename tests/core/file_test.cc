@@ -70,5 +70,18 @@ TEST(FileSizeLimitTest, AnAtomicWritePastTheLimitKeepsTheOldFileAndNoCopy) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), std::filesystem::directory_iterator()), 1);
 }
 
+TEST(FileTest, TryLockHoldsTheFileAgainstOtherOpensUntilItCloses) {
+  const testing::ScratchDir dir("file-lock");
+  const std::string path = dir.path() + "/locked";
+  ASSERT_TRUE(WriteFileAtomically(path, "x").ok());
+  auto holder = File::Open(path, File::Mode::kRead);
+  auto other = File::Open(path, File::Mode::kWrite);
+  ASSERT_TRUE(holder.ok() && other.ok());
+  EXPECT_EQ(holder->TryLock().value_or(false), true);
+  EXPECT_EQ(other->TryLock().value_or(true), false);  // another open, even in this process
+  holder = absl::NotFoundError("closed");
+  EXPECT_EQ(other->TryLock().value_or(false), true);
+}
+
 }  // namespace
 }  // namespace flatshard
