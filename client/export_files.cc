@@ -65,7 +65,7 @@ absl::Status ExportFiles::WriteChunk(const v1::ExportChunk& chunk, std::map<std:
       absl::MutexLock lock(&mu_);
       locks_.emplace(name, std::move(held));
     }
-    FLATSHARD_RETURN_IF_ERROR(file.Truncate(chunk.file_size()));
+    FLATSHARD_RETURN_IF_ERROR(file.Reserve(chunk.file_size()));
     it = open.emplace(name, std::move(file)).first;
   }
   if (!chunk.data().empty()) {

@@ -39,8 +39,15 @@ std::byte* DirectIoBuffer::Reserve(uint64_t bytes) {
 
 absl::StatusOr<DirectFileWriter> DirectFileWriter::Open(const std::string& path, uint64_t size, bool truncate) {
   FLATSHARD_ASSIGN_OR_RETURN(File buffered, File::Open(path, File::Mode::kWrite));
-  if (truncate) FLATSHARD_RETURN_IF_ERROR(buffered.Truncate(0));
-  FLATSHARD_RETURN_IF_ERROR(buffered.Truncate(size));  // shared files: the same size from every writer
+  if (truncate) {
+    FLATSHARD_RETURN_IF_ERROR(buffered.Truncate(0));
+    FLATSHARD_RETURN_IF_ERROR(buffered.Reserve(size));
+  } else {
+    // A file other writers fill too gets the same size from each. Reserving it made
+    // FULL saves on a shared root ~15% slower (bench/RESULTS.md): only its room is checked.
+    FLATSHARD_RETURN_IF_ERROR(buffered.CheckRoom(size));
+    FLATSHARD_RETURN_IF_ERROR(buffered.Truncate(size));
+  }
   absl::StatusOr<File> direct = File::Open(path, File::Mode::kWriteDirect);
   return DirectFileWriter(std::move(buffered), direct.ok() ? std::optional<File>(*std::move(direct)) : std::nullopt);
 }

@@ -64,7 +64,9 @@ class DirectIoBuffer {
 class DirectFileWriter {
  public:
   // Opens (creating) `path` and sets its size to `size`; `truncate` drops old contents
-  // first (a file this writer alone fills).
+  // first (a file this writer alone fills) and allocates the file's blocks (File::Reserve),
+  // otherwise the file system's room for it is only checked (File::CheckRoom). Either
+  // way a disk or file size limit without room for the file fails here.
   [[nodiscard]] static absl::StatusOr<DirectFileWriter> Open(const std::string& path, uint64_t size,
                                                             bool truncate);
   DirectFileWriter(DirectFileWriter&&) noexcept = default;

@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -104,6 +106,37 @@ absl::Status File::ReadAt(uint64_t offset, absl::Span<std::byte> data) const {
 
 absl::Status File::Truncate(uint64_t size) {
   if (ftruncate(fd_, static_cast<off_t>(size)) != 0) return ErrnoError("truncate", path_, errno);
+  return absl::OkStatus();
+}
+
+absl::Status File::Reserve(uint64_t size) {
+  if (size > 0) {
+    int result;
+    do {
+      result = fallocate(fd_, 0, 0, static_cast<off_t>(size));
+    } while (result != 0 && errno == EINTR);
+    if (result != 0 && errno != EOPNOTSUPP) {
+      return ErrnoError(absl::StrCat("reserve ", size, " bytes for"), path_, errno);
+    }
+  }
+  return Truncate(size);  // a longer file shrinks; fallocate keeps it
+}
+
+absl::Status File::CheckRoom(uint64_t size) const {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY && size > limit.rlim_cur) {
+    return ErrnoError(absl::StrCat(size, " bytes, past the file size limit of ", limit.rlim_cur, " bytes, for"), path_,
+                      EFBIG);
+  }
+  struct stat st {};
+  struct statvfs fs {};
+  if (fstat(fd_, &st) != 0) return ErrnoError("stat", path_, errno);
+  if (fstatvfs(fd_, &fs) != 0) return ErrnoError("statvfs", path_, errno);
+  const uint64_t has = static_cast<uint64_t>(st.st_blocks) * 512;
+  const uint64_t free = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  if (size > has && size - has > free) {
+    return ErrnoError(absl::StrCat(size - has, " more bytes, with ", free, " free, for"), path_, ENOSPC);
+  }
   return absl::OkStatus();
 }
 

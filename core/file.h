@@ -41,6 +41,16 @@ class File {
   // Fills `data` from `offset`. DataLoss naming the path if the file ends first.
   [[nodiscard]] absl::Status ReadAt(uint64_t offset, absl::Span<std::byte> data) const;
   [[nodiscard]] absl::Status Truncate(uint64_t size);
+  // Makes the file `size` bytes long, as Truncate does, with the blocks of those bytes
+  // allocated (fallocate) where the file system can, so that a disk without room for the
+  // file fails here, ResourceExhausted, and not after most of it has been written. Where
+  // it cannot allocate ahead (EOPNOTSUPP), only sets the size.
+  [[nodiscard]] absl::Status Reserve(uint64_t size);
+  // ResourceExhausted when the file, grown to `size` bytes, would not fit: past the
+  // process's file size limit (ulimit -f), or more than the file system's free space
+  // beyond the blocks the file already has. Takes nothing (another writer may fill the
+  // disk first): for files several processes fill, which Reserve would slow.
+  [[nodiscard]] absl::Status CheckRoom(uint64_t size) const;
   [[nodiscard]] absl::Status Sync();
   [[nodiscard]] absl::StatusOr<uint64_t> Size() const;
   // Takes an exclusive advisory lock (flock) on the file, held until this File closes

@@ -4,6 +4,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 
 #include <csignal>
 #include <filesystem>
@@ -68,6 +70,48 @@ TEST(FileSizeLimitTest, AnAtomicWritePastTheLimitKeepsTheOldFileAndNoCopy) {
   EXPECT_TRUE(absl::IsResourceExhausted(written)) << written;
   EXPECT_EQ(*ReadFileToString(path), "old");
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), std::filesystem::directory_iterator()), 1);
+}
+
+TEST(FileTest, ReserveAllocatesTheFileAndFailsAtOnceWithoutRoom) {
+  const testing::ScratchDir dir("file-reserve");
+  auto file = File::Open(dir.path() + "/reserved", File::Mode::kWrite);
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_TRUE(file->Reserve(1 << 20).ok());
+  EXPECT_EQ(file->Size().value_or(0), uint64_t{1} << 20);
+  struct stat st {};
+  ASSERT_EQ(stat(file->path().c_str(), &st), 0);
+  EXPECT_GE(st.st_blocks * 512, 1 << 20) << "the blocks are allocated, not a hole";
+  ASSERT_TRUE(file->Reserve(4096).ok());  // a longer file shrinks
+  EXPECT_EQ(file->Size().value_or(0), 4096u);
+
+  absl::Status reserved;
+  {
+    testing::ScopedFileSizeLimit limit(kLimit);
+    const FileSizeLimitAsError as_error;
+    reserved = file->Reserve(kLimit * 2);
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(reserved)) << reserved;
+  EXPECT_THAT(std::string(reserved.message()), HasSubstr("reserve"));
+  EXPECT_EQ(file->Size().value_or(0), 4096u);
+}
+
+TEST(FileTest, CheckRoomRefusesAFilePastTheLimitOrTheFreeSpace) {
+  const testing::ScratchDir dir("file-room");
+  auto file = File::Open(dir.path() + "/checked", File::Mode::kWrite);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_TRUE(file->CheckRoom(1 << 20).ok());
+  struct statvfs fs {};
+  ASSERT_EQ(statvfs(dir.path().c_str(), &fs), 0);
+  const uint64_t free = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  const absl::Status no_room = file->CheckRoom(2 * free + (uint64_t{1} << 30));
+  EXPECT_TRUE(absl::IsResourceExhausted(no_room)) << no_room;
+  EXPECT_THAT(std::string(no_room.message()), HasSubstr("No space left"));
+  testing::ScopedFileSizeLimit limit(kLimit);
+  EXPECT_TRUE(file->CheckRoom(kLimit).ok());
+  const absl::Status past_limit = file->CheckRoom(kLimit + 1);
+  EXPECT_TRUE(absl::IsResourceExhausted(past_limit)) << past_limit;
+  EXPECT_THAT(std::string(past_limit.message()), HasSubstr("file size limit"));
+  EXPECT_EQ(file->Size().value_or(1), 0u);  // checked, not grown
 }
 
 TEST(FileTest, TryLockHoldsTheFileAgainstOtherOpensUntilItCloses) {
