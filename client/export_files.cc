@@ -38,8 +38,9 @@ ExportFiles::ExportFiles(std::string out_dir)
 ExportFiles::~ExportFiles() {
   absl::MutexLock lock(&mu_);
   if (published_) return;
+  // Removed while still locked: locks_ closes after.
   for (const std::string& file : written_) std::remove(TemporaryPath(file).c_str());
-}  // then locks_ closes
+}
 
 std::string ExportFiles::TemporaryPath(const std::string& file) const {
   return absl::StrCat(out_dir_, "/.", file, suffix_);
@@ -99,10 +100,11 @@ absl::Status ExportFiles::Publish() {
     written_.erase(file);  // no longer the export's to remove
   }
   published_ = true;
-  FLATSHARD_RETURN_IF_ERROR(RemoveEarlierExport(order));
+  const absl::Status removed = RemoveEarlierExport(order);
   RemoveAbandonedFiles();
   locks_.clear();
-  return SyncDirectory(out_dir_);
+  FLATSHARD_RETURN_IF_ERROR(SyncDirectory(out_dir_));
+  return removed;
 }
 
 void ExportFiles::RemoveAbandonedFiles() const {

@@ -115,7 +115,7 @@ absl::Status File::Reserve(uint64_t size) {
     do {
       result = fallocate(fd_, 0, 0, static_cast<off_t>(size));
     } while (result != 0 && errno == EINTR);
-    if (result != 0 && errno != EOPNOTSUPP) {
+    if (result != 0 && errno != EOPNOTSUPP && errno != ENOSYS) {
       return ErrnoError(absl::StrCat("reserve ", size, " bytes for"), path_, errno);
     }
   }
@@ -134,7 +134,8 @@ absl::Status File::CheckRoom(uint64_t size) const {
   if (fstatvfs(fd_, &fs) != 0) return ErrnoError("statvfs", path_, errno);
   const uint64_t has = static_cast<uint64_t>(st.st_blocks) * 512;
   const uint64_t free = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
-  if (size > has && size - has > free) {
+  // A file system that reports no size (f_blocks 0, as some FUSE ones do) is not judged.
+  if (fs.f_blocks > 0 && size > has && size - has > free) {
     return ErrnoError(absl::StrCat(size - has, " more bytes, with ", free, " free, for"), path_, ENOSPC);
   }
   return absl::OkStatus();

@@ -44,7 +44,7 @@ class File {
   // Makes the file `size` bytes long, as Truncate does, with the blocks of those bytes
   // allocated (fallocate) where the file system can, so that a disk without room for the
   // file fails here, ResourceExhausted, and not after most of it has been written. Where
-  // it cannot allocate ahead (EOPNOTSUPP), only sets the size.
+  // it cannot allocate ahead (EOPNOTSUPP, ENOSYS), only sets the size.
   [[nodiscard]] absl::Status Reserve(uint64_t size);
   // ResourceExhausted when the file, grown to `size` bytes, would not fit: past the
   // process's file size limit (ulimit -f), or more than the file system's free space
