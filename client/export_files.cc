@@ -1,17 +1,18 @@
 #include "client/export_files.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <random>
-#include <regex>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "core/status_macros.h"
 
 namespace flatshard::client_internal {
@@ -22,12 +23,33 @@ std::string NewExportId() {
   return absl::StrFormat("%08x%08x", random(), random());
 }
 
+bool AllOf(absl::string_view text, int (*is)(int)) {
+  return std::all_of(text.begin(), text.end(), [is](char c) { return is(static_cast<unsigned char>(c)) != 0; });
+}
+
+// Whether `text` is "<digits>" (at least `min_digits`) and then `tail`.
+bool IsNumberThen(absl::string_view text, size_t min_digits, absl::string_view tail) {
+  return absl::ConsumeSuffix(&text, tail) && text.size() >= min_digits && AllOf(text, isdigit);
+}
+
 // The names an export gives its files (server/checkpoint_writer.cc): FULL's model and
-// optimizer files, split or not, with their indexes, and SHARDED's file per server.
-bool IsExportFileName(const std::string& name) {
-  static const std::regex* const kExportFile = new std::regex(
-      R"((model|optimizer)(\.safetensors(\.index\.json)?|-[0-9]{5,}-of-[0-9]{5,}\.safetensors)|shard-[0-9]+\.safetensors)");
-  return std::regex_match(name, *kExportFile);
+// optimizer files, split ("model-00001-of-00003.safetensors") or not, with their
+// indexes, and SHARDED's file per server ("shard-3.safetensors").
+bool IsExportFileName(absl::string_view name) {
+  if (absl::ConsumePrefix(&name, "shard-")) return IsNumberThen(name, 1, ".safetensors");
+  if (!absl::ConsumePrefix(&name, "model") && !absl::ConsumePrefix(&name, "optimizer")) return false;
+  if (name == ".safetensors" || name == ".safetensors.index.json") return true;
+  const size_t of = name.find("-of-");
+  return absl::ConsumePrefix(&name, "-") && of != absl::string_view::npos &&
+         IsNumberThen(name.substr(0, of - 1), 5, "") && IsNumberThen(name.substr(of + 3), 5, ".safetensors");
+}
+
+// Whether `name` is an export's temporary file (".<file>.partial-<16 hex digits>").
+bool IsTemporaryFileName(absl::string_view name) {
+  const size_t partial = name.rfind(".partial-");
+  if (name.size() < 2 || name[0] != '.' || partial == absl::string_view::npos || partial < 2) return false;
+  const absl::string_view id = name.substr(partial + 9);
+  return id.size() == 16 && AllOf(id, isxdigit);
 }
 
 }  // namespace
@@ -109,13 +131,12 @@ absl::Status ExportFiles::Publish() {
 
 void ExportFiles::RemoveAbandonedFiles() const {
   namespace fs = std::filesystem;
-  static const std::regex* const kTemporaryFile = new std::regex(R"(\..+\.partial-[0-9a-f]{16})");
   const fs::file_time_type written_before = fs::file_time_type::clock::now() - absl::ToChronoSeconds(kAbandonedAfter);
   std::error_code error;
   for (fs::directory_iterator it(out_dir_, error); !error && it != fs::directory_iterator(); it.increment(error)) {
     const std::string name = it->path().filename();
     std::error_code ignored;
-    if (!std::regex_match(name, *kTemporaryFile) || absl::EndsWith(name, suffix_) || !it->is_regular_file(ignored) ||
+    if (!IsTemporaryFileName(name) || absl::EndsWith(name, suffix_) || !it->is_regular_file(ignored) ||
         it->last_write_time(ignored) > written_before) {
       continue;
     }

@@ -99,6 +99,10 @@ TEST(ExportFilesTest, AnExportReplacesTheEarlierExportsFilesAndNothingElse) {
   const std::vector<std::string> users = {"notes.txt",
                                           "model.bin",
                                           "shard-x.safetensors",
+                                          "shard-.safetensors",
+                                          "model-1-of-2.safetensors",
+                                          "model-00001-of-0000x.safetensors",
+                                          "optimizer-00001-of-00002.safetensors.bak",
                                           "model.safetensors.bak",
                                           "my-model.safetensors",
                                           ".model.safetensors.partial-0123456789abcdef"};
