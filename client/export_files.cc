@@ -23,13 +23,13 @@ std::string NewExportId() {
   return absl::StrFormat("%08x%08x", random(), random());
 }
 
-bool AllOf(absl::string_view text, int (*is)(int)) {
+bool AllChars(absl::string_view text, int (*is)(int)) {
   return std::all_of(text.begin(), text.end(), [is](char c) { return is(static_cast<unsigned char>(c)) != 0; });
 }
 
 // Whether `text` is "<digits>" (at least `min_digits`) and then `tail`.
 bool IsNumberThen(absl::string_view text, size_t min_digits, absl::string_view tail) {
-  return absl::ConsumeSuffix(&text, tail) && text.size() >= min_digits && AllOf(text, isdigit);
+  return absl::ConsumeSuffix(&text, tail) && text.size() >= min_digits && AllChars(text, isdigit);
 }
 
 // The names an export gives its files (server/checkpoint_writer.cc): FULL's model and
@@ -49,7 +49,7 @@ bool IsTemporaryFileName(absl::string_view name) {
   const size_t partial = name.rfind(".partial-");
   if (name.size() < 2 || name[0] != '.' || partial == absl::string_view::npos || partial < 2) return false;
   const absl::string_view id = name.substr(partial + 9);
-  return id.size() == 16 && AllOf(id, isxdigit);
+  return id.size() == 16 && AllChars(id, isxdigit);
 }
 
 }  // namespace
@@ -122,40 +122,29 @@ absl::Status ExportFiles::Publish() {
     written_.erase(file);  // no longer the export's to remove
   }
   published_ = true;
-  const absl::Status removed = RemoveEarlierExport(order);
-  RemoveAbandonedFiles();
+  const absl::Status removed = RemoveStaleFiles(order);
   locks_.clear();
   FLATSHARD_RETURN_IF_ERROR(SyncDirectory(out_dir_));
   return removed;
 }
 
-void ExportFiles::RemoveAbandonedFiles() const {
+absl::Status ExportFiles::RemoveStaleFiles(const std::vector<std::string>& published) const {
   namespace fs = std::filesystem;
   const fs::file_time_type written_before = fs::file_time_type::clock::now() - absl::ToChronoSeconds(kAbandonedAfter);
   std::error_code error;
   for (fs::directory_iterator it(out_dir_, error); !error && it != fs::directory_iterator(); it.increment(error)) {
     const std::string name = it->path().filename();
     std::error_code ignored;
-    if (!IsTemporaryFileName(name) || absl::EndsWith(name, suffix_) || !it->is_regular_file(ignored) ||
-        it->last_write_time(ignored) > written_before) {
-      continue;
+    if (IsExportFileName(name)) {  // the earlier export's, unless this one wrote it
+      if (!it->is_directory(error) && std::find(published.begin(), published.end(), name) == published.end() &&
+          !fs::remove(it->path(), error) && error) {
+        break;
+      }
+    } else if (IsTemporaryFileName(name) && !absl::EndsWith(name, suffix_) && it->is_regular_file(ignored) &&
+               it->last_write_time(ignored) <= written_before) {  // maybe a dead export's: best effort
+      absl::StatusOr<File> file = File::Open(it->path(), File::Mode::kRead);
+      if (file.ok() && file->TryLock().value_or(false)) fs::remove(it->path(), ignored);
     }
-    absl::StatusOr<File> file = File::Open(it->path(), File::Mode::kRead);
-    if (file.ok() && file->TryLock().value_or(false)) fs::remove(it->path(), ignored);
-  }
-}
-
-absl::Status ExportFiles::RemoveEarlierExport(const std::vector<std::string>& published) const {
-  namespace fs = std::filesystem;
-  std::error_code error;
-  fs::directory_iterator it(out_dir_, error);
-  for (; !error && it != fs::directory_iterator(); it.increment(error)) {
-    const std::string name = it->path().filename();
-    if (!IsExportFileName(name) || it->is_directory(error) ||
-        std::find(published.begin(), published.end(), name) != published.end()) {
-      continue;
-    }
-    if (!fs::remove(it->path(), error) && error) break;
   }
   if (error) {
     return absl::InternalError(

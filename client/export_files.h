@@ -64,10 +64,10 @@ class ExportFiles {
 
  private:
   std::string TemporaryPath(const std::string& file) const;
-  // Removes the files of an export's names in out_dir_ but `published`.
-  [[nodiscard]] absl::Status RemoveEarlierExport(const std::vector<std::string>& published) const;
-  // Removes other exports' temporary files that no live export holds (best effort).
-  void RemoveAbandonedFiles() const;
+  // Removes, in one pass over out_dir_, the files of an export's names but `published`
+  // (their errors are returned) and other exports' temporary files that no live export
+  // holds (best effort).
+  [[nodiscard]] absl::Status RemoveStaleFiles(const std::vector<std::string>& published) const;
 
   const std::string out_dir_;
   const std::string suffix_;  // ".partial-<export id>"
