@@ -18,6 +18,10 @@
 namespace flatshard::client_internal {
 namespace {
 
+// A temporary file is ".<file>" + kPartial + its export's id, 16 hex digits.
+constexpr absl::string_view kPartial = ".partial-";
+constexpr size_t kExportIdDigits = 16;
+
 std::string NewExportId() {
   std::random_device random;
   return absl::StrFormat("%08x%08x", random(), random());
@@ -44,18 +48,18 @@ bool IsExportFileName(absl::string_view name) {
          IsNumberThen(name.substr(0, of - 1), 5, "") && IsNumberThen(name.substr(of + 3), 5, ".safetensors");
 }
 
-// Whether `name` is an export's temporary file (".<file>.partial-<16 hex digits>").
+// Whether `name` is an export's temporary file.
 bool IsTemporaryFileName(absl::string_view name) {
-  const size_t partial = name.rfind(".partial-");
-  if (name.size() < 2 || name[0] != '.' || partial == absl::string_view::npos || partial < 2) return false;
-  const absl::string_view id = name.substr(partial + 9);
-  return id.size() == 16 && AllChars(id, isxdigit);
+  const size_t partial = name.rfind(kPartial);
+  if (name.empty() || name[0] != '.' || partial == absl::string_view::npos || partial < 2) return false;
+  const absl::string_view id = name.substr(partial + kPartial.size());
+  return id.size() == kExportIdDigits && AllChars(id, isxdigit);
 }
 
 }  // namespace
 
 ExportFiles::ExportFiles(std::string out_dir)
-    : out_dir_(std::move(out_dir)), suffix_(absl::StrCat(".partial-", NewExportId())) {}
+    : out_dir_(std::move(out_dir)), suffix_(absl::StrCat(kPartial, NewExportId())) {}
 
 ExportFiles::~ExportFiles() {
   absl::MutexLock lock(&mu_);
