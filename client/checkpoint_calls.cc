@@ -281,11 +281,10 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   ExportFiles files(out_dir);
   FLATSHARD_RETURN_IF_ERROR(streams.Write([&](Streams::Server& server) {
     const FileSizeLimitAsError file_size_limit;
-    std::map<std::string, File> open;
     v1::ExportMessage message;
     absl::Status written;
     while (written.ok() && server.stream->Read(&message)) {
-      written = files.WriteChunk(message.chunk(), open);
+      written = files.WriteChunk(message.chunk());
       report(message.chunk());
     }
     if (!written.ok()) server.ctx.TryCancel();

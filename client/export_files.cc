@@ -58,52 +58,54 @@ bool IsTemporaryFileName(absl::string_view name) {
 
 }  // namespace
 
-ExportFiles::ExportFiles(std::string out_dir)
-    : out_dir_(std::move(out_dir)), suffix_(absl::StrCat(kPartial, NewExportId())) {}
+ExportFiles::ExportFiles(std::string out_dir, Temporaries temporaries)
+    : out_dir_(std::move(out_dir)),
+      suffix_(absl::StrCat(kPartial, NewExportId())),
+      unnamed_(temporaries == Temporaries::kUnnamedWherePossible) {}
 
 ExportFiles::~ExportFiles() {
   absl::MutexLock lock(&mu_);
-  if (published_) return;
-  // Removed while still locked: locks_ closes after.
-  for (const std::string& file : written_) std::remove(TemporaryPath(file).c_str());
+  // Removed while still locked: the files close after. Unnamed ones vanish as they close.
+  for (const auto& [name, temporary] : files_) {
+    if (temporary.named) std::remove(TemporaryPath(name).c_str());
+  }
 }
 
 std::string ExportFiles::TemporaryPath(const std::string& file) const {
   return absl::StrCat(out_dir_, "/.", file, suffix_);
 }
 
-absl::Status ExportFiles::WriteChunk(const v1::ExportChunk& chunk, std::map<std::string, File>& open) {
+absl::StatusOr<File*> ExportFiles::FileFor(const v1::ExportChunk& chunk) {
   const std::string& name = chunk.file();
   if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') {
     return absl::DataLossError(absl::StrCat("export: the server named a file '", name, "'"));
   }
-  auto it = open.find(name);
-  if (it == open.end()) {
-    bool first = false;  // of the streams writing this file
-    {
-      absl::MutexLock lock(&mu_);
-      first = written_.insert(name).second;  // before it exists, so that a failure removes it
-    }
-    FLATSHARD_ASSIGN_OR_RETURN(File file, File::Open(TemporaryPath(name), File::Mode::kWrite));
-    if (first) {
-      FLATSHARD_ASSIGN_OR_RETURN(File held, File::Open(TemporaryPath(name), File::Mode::kRead));
-      FLATSHARD_ASSIGN_OR_RETURN(const bool locked, held.TryLock());
-      if (!locked) return absl::InternalError(absl::StrCat("'", held.path(), "' is locked by another process"));
-      absl::MutexLock lock(&mu_);
-      locks_.emplace(name, std::move(held));
-    }
-    FLATSHARD_RETURN_IF_ERROR(file.Reserve(chunk.file_size()));
-    it = open.emplace(name, std::move(file)).first;
+  absl::MutexLock lock(&mu_);
+  if (auto it = files_.find(name); it != files_.end()) return &it->second.file;
+  const std::string path = TemporaryPath(name);
+  absl::StatusOr<File> file = absl::UnimplementedError("");
+  if (unnamed_) file = File::OpenUnnamed(path);
+  if (absl::IsUnimplemented(file.status())) {
+    unnamed_ = false;
+    file = File::Open(path, File::Mode::kWrite);
   }
+  if (!file.ok()) return file.status();
+  // Kept from here on, so that the destructor removes it whatever fails next.
+  Temporary& temporary = files_.emplace(name, Temporary{*std::move(file), !unnamed_}).first->second;
+  FLATSHARD_ASSIGN_OR_RETURN(const bool locked, temporary.file.TryLock());
+  if (!locked) return absl::InternalError(absl::StrCat("'", path, "' is locked by another process"));
+  FLATSHARD_RETURN_IF_ERROR(temporary.file.Reserve(chunk.file_size()));
+  return &temporary.file;
+}
+
+absl::Status ExportFiles::WriteChunk(const v1::ExportChunk& chunk) {
+  FLATSHARD_ASSIGN_OR_RETURN(File* const file, FileFor(chunk));
   if (!chunk.data().empty()) {
-    FLATSHARD_RETURN_IF_ERROR(it->second.WriteAt(
+    FLATSHARD_RETURN_IF_ERROR(file->WriteAt(
         chunk.offset(),
         absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
   }
-  if (chunk.close()) {
-    FLATSHARD_RETURN_IF_ERROR(it->second.Sync());
-    open.erase(it);
-  }
+  if (chunk.close()) FLATSHARD_RETURN_IF_ERROR(file->Sync());
   return absl::OkStatus();
 }
 
@@ -111,23 +113,26 @@ absl::Status ExportFiles::Publish() {
   absl::MutexLock lock(&mu_);
   // An index names the other files: it takes its name only once they have theirs.
   std::vector<std::string> order;
-  for (const std::string& file : written_) {
+  for (const auto& [file, temporary] : files_) {
     if (!absl::EndsWith(file, ".json")) order.push_back(file);
   }
-  for (const std::string& file : written_) {
+  for (const auto& [file, temporary] : files_) {
     if (absl::EndsWith(file, ".json")) order.push_back(file);
   }
   for (const std::string& file : order) {
+    Temporary& temporary = files_.at(file);
+    if (!temporary.named) {
+      FLATSHARD_RETURN_IF_ERROR(temporary.file.Link());
+      temporary.named = true;
+    }
     const std::string from = TemporaryPath(file), to = absl::StrCat(out_dir_, "/", file);
     if (std::rename(from.c_str(), to.c_str()) != 0) {
       const int err = errno;
       return absl::InternalError(absl::StrCat("cannot rename '", from, "' to '", to, "': ", std::strerror(err)));
     }
-    written_.erase(file);  // no longer the export's to remove
+    files_.erase(file);  // no longer the export's to remove
   }
-  published_ = true;
   const absl::Status removed = RemoveStaleFiles(order);
-  locks_.clear();
   FLATSHARD_RETURN_IF_ERROR(SyncDirectory(out_dir_));
   return removed;
 }

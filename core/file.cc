@@ -56,6 +56,19 @@ absl::StatusOr<File> File::Open(const std::string& path, Mode mode) {
   return File(fd, path);
 }
 
+absl::StatusOr<File> File::OpenUnnamed(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const int fd = open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0644);
+  if (fd >= 0) return File(fd, path);
+  const int err = errno;
+  // EISDIR: a kernel without O_TMPFILE; EOPNOTSUPP: a file system without it.
+  if (err == EOPNOTSUPP || err == EISDIR || err == EINVAL) {
+    return absl::UnimplementedError(absl::StrCat("cannot create an unnamed file in '", dir, "': ", std::strerror(err)));
+  }
+  return ErrnoError("create an unnamed file for", path, err);
+}
+
 File::File(File&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) { other.fd_ = -1; }
 
 File& File::operator=(File&& other) noexcept {
@@ -158,6 +171,17 @@ absl::StatusOr<bool> File::TryLock() {
     if (errno != EINTR) return ErrnoError("flock", path_, errno);
   }
   return true;
+}
+
+absl::Status File::Link() {
+  const std::string self = absl::StrCat("/proc/self/fd/", fd_);
+  int result = linkat(AT_FDCWD, self.c_str(), AT_FDCWD, path_.c_str(), AT_SYMLINK_FOLLOW);
+  // Without /proc, linking the descriptor itself takes CAP_DAC_READ_SEARCH.
+  if (result != 0 && errno == ENOENT && access("/proc/self/fd", F_OK) != 0) {
+    result = linkat(fd_, "", AT_FDCWD, path_.c_str(), AT_EMPTY_PATH);
+  }
+  if (result != 0) return ErrnoError("link", path_, errno);
+  return absl::OkStatus();
 }
 
 FileSizeLimitAsError::FileSizeLimitAsError() {

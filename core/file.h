@@ -30,6 +30,11 @@ class File {
   };
 
   [[nodiscard]] static absl::StatusOr<File> Open(const std::string& path, Mode mode);
+  // Creates a file with no name yet (O_TMPFILE) in the directory of `path`, read-write:
+  // it takes the name `path` at Link, and vanishes with its last open if it never does,
+  // even when its process is killed. Unimplemented where the file system (NFS, most
+  // FUSE ones) or the kernel cannot make unnamed files.
+  [[nodiscard]] static absl::StatusOr<File> OpenUnnamed(const std::string& path);
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;
   File(const File&) = delete;
@@ -57,6 +62,8 @@ class File {
   // (or its process dies); false, without waiting, while another open of the file holds
   // one.
   [[nodiscard]] absl::StatusOr<bool> TryLock();
+  // Gives a file from OpenUnnamed its name, path(). AlreadyExists if that name is taken.
+  [[nodiscard]] absl::Status Link();
   const std::string& path() const { return path_; }
 
  private:

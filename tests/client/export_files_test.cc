@@ -1,5 +1,6 @@
 // ExportFiles: files take their names only when published, whole; anything else leaves
-// the directory as it was.
+// the directory as it was. The tests that hold for both kinds of temporary file run with
+// each (unnamed files, and named ones as where the file system has no unnamed files).
 #include "client/export_files.h"
 
 #include <gmock/gmock.h>
@@ -45,21 +46,30 @@ std::set<std::string> Listing(const std::string& dir) {
 
 std::string Contents(const std::string& path) { return *ReadFileToString(path); }
 
-TEST(ExportFilesTest, TwoStreamsFillOneFileThatTakesItsNameWhenPublished) {
+using Temporaries = ExportFiles::Temporaries;
+
+class ExportFilesTest : public ::testing::TestWithParam<Temporaries> {};
+
+INSTANTIATE_TEST_SUITE_P(BothKinds, ExportFilesTest,
+                         ::testing::Values(Temporaries::kUnnamedWherePossible, Temporaries::kNamed),
+                         [](const auto& info) {
+                           return info.param == Temporaries::kNamed ? std::string("Named") : std::string("Unnamed");
+                         });
+
+TEST_P(ExportFilesTest, TwoStreamsFillOneFileThatTakesItsNameWhenPublished) {
   const testing::ScratchDir dir("export-files-publish");
-  ExportFiles files(dir.path());
+  ExportFiles files(dir.path(), GetParam());
   // Two servers' streams, each with its half of model.safetensors; one also sends an index.
-  std::thread second([&] {
-    std::map<std::string, File> open;
-    ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors", 8, 4, "efgh", true), open).ok());
-  });
-  std::map<std::string, File> open;
-  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors", 8, 0, "ab", false), open).ok());
-  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors", 8, 2, "cd", true), open).ok());
-  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors.index.json", 2, 0, "{}", true), open).ok());
+  std::thread second([&] { ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors", 8, 4, "efgh", true)).ok()); });
+  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors", 8, 0, "ab", false)).ok());
+  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors", 8, 2, "cd", true)).ok());
+  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors.index.json", 2, 0, "{}", true)).ok());
   second.join();
-  // Nothing under its own name before the export is published.
+  // Nothing under its own name before the export is published; unnamed files not at all.
   for (const std::string& name : Listing(dir.path())) EXPECT_EQ(name[0], '.') << name;
+  if (GetParam() == Temporaries::kUnnamedWherePossible) {
+    EXPECT_THAT(Listing(dir.path()), IsEmpty());
+  }
 
   ASSERT_TRUE(files.Publish().ok());
   EXPECT_THAT(Listing(dir.path()), ElementsAre("model.safetensors", "model.safetensors.index.json"));
@@ -67,26 +77,24 @@ TEST(ExportFilesTest, TwoStreamsFillOneFileThatTakesItsNameWhenPublished) {
   EXPECT_EQ(Contents(dir.path() + "/model.safetensors.index.json"), "{}");
 }
 
-TEST(ExportFilesTest, AnExportNeverPublishedRemovesItsFilesAndKeepsEarlierOnes) {
+TEST_P(ExportFilesTest, AnExportNeverPublishedRemovesItsFilesAndKeepsEarlierOnes) {
   const testing::ScratchDir dir("export-files-failed");
   {
-    ExportFiles earlier(dir.path());
-    std::map<std::string, File> open;
-    ASSERT_TRUE(earlier.WriteChunk(Chunk("model.safetensors", 3, 0, "old", true), open).ok());
+    ExportFiles earlier(dir.path(), GetParam());
+    ASSERT_TRUE(earlier.WriteChunk(Chunk("model.safetensors", 3, 0, "old", true)).ok());
     ASSERT_TRUE(earlier.Publish().ok());
   }
   {
-    ExportFiles failed(dir.path());
-    std::map<std::string, File> open;
-    ASSERT_TRUE(failed.WriteChunk(Chunk("model.safetensors", 6, 0, "new", false), open).ok());
-    ASSERT_TRUE(failed.WriteChunk(Chunk("optimizer.safetensors", 6, 0, "opt", false), open).ok());
+    ExportFiles failed(dir.path(), GetParam());
+    ASSERT_TRUE(failed.WriteChunk(Chunk("model.safetensors", 6, 0, "new", false)).ok());
+    ASSERT_TRUE(failed.WriteChunk(Chunk("optimizer.safetensors", 6, 0, "opt", false)).ok());
     // A stream failed here: the export is destroyed unpublished, its files still open.
   }
   EXPECT_THAT(Listing(dir.path()), ElementsAre("model.safetensors"));
   EXPECT_EQ(Contents(dir.path() + "/model.safetensors"), "old");
 }
 
-TEST(ExportFilesTest, AnExportReplacesTheEarlierExportsFilesAndNothingElse) {
+TEST_P(ExportFilesTest, AnExportReplacesTheEarlierExportsFilesAndNothingElse) {
   const testing::ScratchDir dir("export-files-replace");
   // An earlier FULL export in one model file, with a split optimizer, and a SHARDED one
   // of 4 servers; beside them files and a directory of the user's.
@@ -110,11 +118,10 @@ TEST(ExportFilesTest, AnExportReplacesTheEarlierExportsFilesAndNothingElse) {
   for (const std::string& name : users) std::ofstream(dir.path() + "/" + name) << "mine";
   fs::create_directory(dir.path() + "/shard-7.safetensors");
 
-  ExportFiles files(dir.path());  // a FULL export, its model in two files
-  std::map<std::string, File> open;
-  ASSERT_TRUE(files.WriteChunk(Chunk("model-00001-of-00002.safetensors", 1, 0, "a", true), open).ok());
-  ASSERT_TRUE(files.WriteChunk(Chunk("model-00002-of-00002.safetensors", 1, 0, "b", true), open).ok());
-  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors.index.json", 2, 0, "{}", true), open).ok());
+  ExportFiles files(dir.path(), GetParam());  // a FULL export, its model in two files
+  ASSERT_TRUE(files.WriteChunk(Chunk("model-00001-of-00002.safetensors", 1, 0, "a", true)).ok());
+  ASSERT_TRUE(files.WriteChunk(Chunk("model-00002-of-00002.safetensors", 1, 0, "b", true)).ok());
+  ASSERT_TRUE(files.WriteChunk(Chunk("model.safetensors.index.json", 2, 0, "{}", true)).ok());
   ASSERT_TRUE(files.Publish().ok());
 
   std::set<std::string> expected = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
@@ -139,36 +146,45 @@ std::vector<std::string> TemporaryFiles(const std::string& dir) {
   return names;
 }
 
-TEST(ExportFilesTest, AnExportRemovesTheFilesOfAnExportWhoseProcessDied) {
-  const testing::ScratchDir dir("export-files-killed");
+// Forks a child that begins an export into `dir`, with a file half-written, and is
+// killed; returns once it is dead.
+void KillAnExportMidWay(const std::string& dir, Temporaries temporaries) {
   const pid_t child = fork();
   ASSERT_GE(child, 0);
-  if (child == 0) {  // an export that dies with a file half-written
-    ExportFiles files(dir.path());
-    std::map<std::string, File> open;
-    if (!files.WriteChunk(Chunk("model.safetensors", 8, 0, "abcd", false), open).ok()) _exit(1);
+  if (child == 0) {
+    ExportFiles files(dir, temporaries);
+    if (!files.WriteChunk(Chunk("model.safetensors", 8, 0, "abcd", false)).ok()) _exit(1);
     raise(SIGKILL);
   }
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFSIGNALED(status)) << status;
+}
+
+TEST(ExportFilesUnnamedTest, AnExportWhoseProcessDiedLeavesNothing) {
+  const testing::ScratchDir dir("export-files-killed-unnamed");
+  KillAnExportMidWay(dir.path(), Temporaries::kUnnamedWherePossible);
+  EXPECT_THAT(Listing(dir.path()), IsEmpty());
+}
+
+TEST(ExportFilesNamedTest, AnExportRemovesTheFilesOfAnExportWhoseProcessDied) {
+  const testing::ScratchDir dir("export-files-killed");
+  KillAnExportMidWay(dir.path(), Temporaries::kNamed);
   const std::vector<std::string> left = TemporaryFiles(dir.path());
   ASSERT_EQ(left.size(), 1u);
   Age(dir.path() + "/" + left[0]);
 
-  ExportFiles next(dir.path());
-  std::map<std::string, File> open;
-  ASSERT_TRUE(next.WriteChunk(Chunk("model.safetensors", 3, 0, "new", true), open).ok());
+  ExportFiles next(dir.path(), Temporaries::kNamed);
+  ASSERT_TRUE(next.WriteChunk(Chunk("model.safetensors", 3, 0, "new", true)).ok());
   ASSERT_TRUE(next.Publish().ok());
   EXPECT_THAT(Listing(dir.path()), ElementsAre("model.safetensors"));
 }
 
-TEST(ExportFilesTest, ARunningExportsFilesStayEvenWhenItStalls) {
+TEST(ExportFilesNamedTest, ARunningExportsFilesStayEvenWhenItStalls) {
   const testing::ScratchDir dir("export-files-running");
   // An export still running (its file locked), stalled for longer than kAbandonedAfter.
-  auto running = std::make_unique<ExportFiles>(dir.path());
-  std::map<std::string, File> running_open;
-  ASSERT_TRUE(running->WriteChunk(Chunk("model.safetensors", 8, 0, "abcd", false), running_open).ok());
+  auto running = std::make_unique<ExportFiles>(dir.path(), Temporaries::kNamed);
+  ASSERT_TRUE(running->WriteChunk(Chunk("model.safetensors", 8, 0, "abcd", false)).ok());
   const std::vector<std::string> running_files = TemporaryFiles(dir.path());
   ASSERT_EQ(running_files.size(), 1u);
   Age(dir.path() + "/" + running_files[0]);
@@ -181,22 +197,19 @@ TEST(ExportFilesTest, ARunningExportsFilesStayEvenWhenItStalls) {
   Age(dir.path() + "/" + users);
 
   ExportFiles next(dir.path());
-  std::map<std::string, File> open;
-  ASSERT_TRUE(next.WriteChunk(Chunk("shard-0.safetensors", 3, 0, "new", true), open).ok());
+  ASSERT_TRUE(next.WriteChunk(Chunk("shard-0.safetensors", 3, 0, "new", true)).ok());
   ASSERT_TRUE(next.Publish().ok());
   EXPECT_THAT(Listing(dir.path()), UnorderedElementsAre(users, fresh, running_files[0], "shard-0.safetensors"));
 
-  running_open.clear();
   running.reset();  // the running export fails: it removes its own file
   EXPECT_THAT(Listing(dir.path()), UnorderedElementsAre(users, fresh, "shard-0.safetensors"));
 }
 
-TEST(ExportFilesTest, FileNamesOutsideTheDirectoryOrHiddenAreRefused) {
+TEST_P(ExportFilesTest, FileNamesOutsideTheDirectoryOrHiddenAreRefused) {
   const testing::ScratchDir dir("export-files-names");
-  ExportFiles files(dir.path());
-  std::map<std::string, File> open;
+  ExportFiles files(dir.path(), GetParam());
   for (const std::string name : {"", "../model.safetensors", "sub/model.safetensors", ".model.safetensors"}) {
-    const absl::Status written = files.WriteChunk(Chunk(name, 1, 0, "x", true), open);
+    const absl::Status written = files.WriteChunk(Chunk(name, 1, 0, "x", true));
     EXPECT_TRUE(absl::IsDataLoss(written)) << name << ": " << written;
   }
   ASSERT_TRUE(files.Publish().ok());

@@ -22,6 +22,10 @@ using ::testing::HasSubstr;
 
 constexpr rlim_t kLimit = 64 << 10;
 
+absl::Span<const std::byte> AsBytes(absl::string_view text) {
+  return absl::MakeConstSpan(reinterpret_cast<const std::byte*>(text.data()), text.size());
+}
+
 absl::Status WritePastTheLimit(const std::string& path) {
   absl::StatusOr<File> file = File::Open(path, File::Mode::kWrite);
   if (!file.ok()) return file.status();
@@ -125,6 +129,33 @@ TEST(FileTest, TryLockHoldsTheFileAgainstOtherOpensUntilItCloses) {
   EXPECT_EQ(other->TryLock().value_or(true), false);  // another open, even in this process
   holder = absl::NotFoundError("closed");
   EXPECT_EQ(other->TryLock().value_or(false), true);
+}
+
+TEST(FileTest, AnUnnamedFileTakesItsNameAtLinkAndVanishesWithoutIt) {
+  const testing::ScratchDir dir("file-unnamed");
+  const std::string path = dir.path() + "/named-at-link";
+  auto file = File::OpenUnnamed(path);
+  ASSERT_TRUE(file.ok()) << file.status();  // ext4 and tmpfs make unnamed files
+  ASSERT_TRUE(file->WriteAt(0, AsBytes("whole")).ok());
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  ASSERT_TRUE(file->Link().ok());
+  EXPECT_EQ(ReadFileToString(path).value_or(""), "whole");
+
+  // A name that is taken stays as it was; a file never linked leaves nothing.
+  auto other = File::OpenUnnamed(path);
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_TRUE(other->WriteAt(0, AsBytes("other")).ok());
+  const absl::Status taken = other->Link();
+  EXPECT_TRUE(absl::IsAlreadyExists(taken)) << taken;
+  other = absl::NotFoundError("closed");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), std::filesystem::directory_iterator()), 1);
+  EXPECT_EQ(ReadFileToString(path).value_or(""), "whole");
+}
+
+TEST(FileTest, AnUnnamedFileInADirectoryThatIsMissingIsNotFound) {
+  const testing::ScratchDir dir("file-unnamed-missing");
+  const absl::StatusOr<File> file = File::OpenUnnamed(dir.path() + "/missing/file");
+  EXPECT_TRUE(absl::IsNotFound(file.status())) << file.status();
 }
 
 }  // namespace

@@ -1,0 +1,224 @@
+// State-dict exports through the client and the `flatshard export` command against real
+// server processes: memory stays bounded, the files match the parameters, an export
+// replaces the earlier one in its directory, and one interrupted mid-way leaves nothing.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "core/file.h"
+#include "core/float_bits.h"
+#include "core/safetensors.h"
+#include "tests/integration/test_cluster.h"
+#include "tests/scratch_dir.h"
+
+extern char** environ;
+
+namespace flatshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::set<std::string> Listing(const std::string& dir) {
+  std::set<std::string> names;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) names.insert(entry.path().filename());
+  return names;
+}
+
+int64_t PeakRssKib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss;
+}
+
+// A server process's resident set ("VmRSS") or its peak ("VmHWM") in KiB, from
+// /proc/<pid>/status; -1 if unreadable.
+int64_t ProcessKib(pid_t pid, const std::string& field) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+// Resets a process's peak RSS to its current RSS (Linux >= 4.0).
+bool ResetPeakRss(pid_t pid) {
+  std::ofstream clear(absl::StrCat("/proc/", pid, "/clear_refs"));
+  clear << "5";
+  return static_cast<bool>(clear);
+}
+
+TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  // 32 Mi fp32 elements = 128 MiB of parameters, 32x the 4 MiB chunk.
+  auto layout = (*client)->RegisterGroup(
+      "big", {{"w", {int64_t{8} << 20, 4}, DType::kFloat32}, {"b", {3}, DType::kBFloat16}}, 0, SgdOptions{.lr = 0.1});
+  ASSERT_TRUE(layout.ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("big", 11).ok());
+  const testing::ScratchDir out_dir("export-full");
+  const std::string out = out_dir.path() + "/state";
+
+  // Each server holds 64 MiB of parameters; the export streams them without a copy.
+  std::vector<int64_t> server_rss(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(ResetPeakRss(cluster.pid(rank)));
+    server_rss[rank] = ProcessKib(cluster.pid(rank), "VmRSS");
+    ASSERT_GT(server_rss[rank], 64 * 1024) << "the shard should be resident";
+  }
+  const int64_t before = PeakRssKib();
+  ASSERT_TRUE((*client)->ExportStateDict(out, CheckpointKind::kFull, false).ok());
+  const int64_t growth_mib = (PeakRssKib() - before) / 1024;
+  std::cout << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB\n";
+  for (int rank = 0; rank < 2; ++rank) {
+    const int64_t server_growth_mib = (ProcessKib(cluster.pid(rank), "VmHWM") - server_rss[rank]) / 1024;
+    std::cout << "server " << rank << "'s peak RSS grew by " << server_growth_mib << " MiB\n";
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    EXPECT_LT(server_growth_mib, 32) << "server " << rank << " copied its 64 MiB shard";
+#endif
+  }
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // their shadow memory and quarantine inflate RSS
+  // Two streams of 4 MiB messages and gRPC's buffers: ~37 MiB, up to 49 on a loaded
+  // machine. A client holding the model would need 128.
+  EXPECT_LT(growth_mib, 64) << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB";
+#endif
+
+  auto header = SafetensorsHeader::Read(out + "/model.safetensors");
+  ASSERT_TRUE(header.ok()) << header.status();
+  ASSERT_EQ(header->tensors().size(), 2u);
+  EXPECT_EQ(header->Find("w")->shape, (std::vector<int64_t>{int64_t{8} << 20, 4}));
+  EXPECT_EQ(header->Find("b")->dtype, DType::kBFloat16);
+
+  std::vector<float> params((*layout)->padded_numel());
+  ASSERT_TRUE((*client)->Gather("big", 0, DType::kFloat32, AsBytes(params)).get().ok());
+  auto file = File::Open(out + "/model.safetensors", File::Mode::kRead);
+  ASSERT_TRUE(file.ok());
+  std::vector<float> w(static_cast<size_t>((*layout)->tensor_numel(0)));
+  ASSERT_TRUE(file->ReadAt(header->data_start() + header->Find("w")->begin,
+                           absl::MakeSpan(reinterpret_cast<std::byte*>(w.data()), w.size() * 4))
+                  .ok());
+  EXPECT_TRUE(std::equal(w.begin(), w.end(), params.begin()));
+  uint16_t b[3];
+  ASSERT_TRUE(
+      file->ReadAt(header->data_start() + header->Find("b")->begin, absl::MakeSpan(reinterpret_cast<std::byte*>(b), 6))
+          .ok());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(b[i], FloatToBFloat16Bits(params[(*layout)->tensor_offset(1) + i]));
+  }
+  // The export unpinned the group exactly once: the next optimizer step goes through.
+  std::vector<float> grad((*layout)->padded_numel(), 0.0f);
+  ASSERT_TRUE((*client)->Scatter("big", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  EXPECT_EQ(*(*client)->WaitVersion("big", 1), 1);
+}
+
+// An export into a directory that holds another: a reader finds only the new export's
+// files (no shard file of the SHARDED export beside the FULL one), and the user's own.
+TEST(ExportIntegrationTest, AnExportReplacesTheEarlierOneInItsDirectory) {
+  // Files of at most 64 bytes: a FULL export puts each tensor in a file of its own.
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), "", {{"--max_file_size=64"}, {"--max_file_size=64"}});
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  ASSERT_TRUE(
+      (*client)
+          ->RegisterGroup("g", {{"w", {16}, DType::kFloat32}, {"b", {16}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1})
+          .ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 3).ok());
+  const testing::ScratchDir out("export-replace");
+  std::ofstream(out.path() + "/README.md") << "my notes";
+
+  ASSERT_TRUE((*client)->ExportStateDict(out.path(), CheckpointKind::kSharded, true).ok());
+  EXPECT_EQ(Listing(out.path()), (std::set<std::string>{"README.md", "shard-0.safetensors", "shard-1.safetensors"}));
+  ASSERT_TRUE((*client)->ExportStateDict(out.path(), CheckpointKind::kFull, false).ok());
+  EXPECT_EQ(Listing(out.path()),
+            (std::set<std::string>{"README.md", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                   "model.safetensors.index.json"}));
+  auto header = SafetensorsHeader::Read(out.path() + "/model-00002-of-00002.safetensors");
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_NE(header->Find("b"), nullptr);
+}
+
+// How many descriptors process `pid` holds on files in `dir` (named, or not yet:
+// O_TMPFILE's "<dir>/#<inode> (deleted)").
+int FilesOpenIn(pid_t pid, const std::string& dir) {
+  int count = 0;
+  std::error_code error;  // the process may exit, or close descriptors, meanwhile
+  for (fs::directory_iterator fd(absl::StrCat("/proc/", pid, "/fd"), error), end; !error && fd != end;
+       fd.increment(error)) {
+    std::error_code ignored;
+    if (absl::StartsWith(fs::read_symlink(fd->path(), ignored).string(), dir + "/")) ++count;
+  }
+  return count;
+}
+
+// Ctrl-C on `flatshard export` mid-way: the command dies as a process does on SIGINT and
+// leaves nothing in the directory, since its files had no names yet; the servers, their
+// streams cut off, serve the next export.
+TEST(ExportIntegrationTest, AnExportInterruptedMidWayLeavesNothingInItsDirectory) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  // 256 MiB of parameters, 64 chunks of 4 MiB.
+  ASSERT_TRUE(
+      (*client)->RegisterGroup("big", {{"w", {int64_t{64} << 20}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1}).ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("big", 3).ok());
+  const testing::ScratchDir out_dir("export-interrupted");
+  const testing::ScratchDir token_dir("export-interrupted-token");
+  const std::string out = fs::canonical(out_dir.path()), token_file = token_dir.path() + "/token";
+  std::ofstream(token_file) << cluster.token() << "\n";
+
+  std::vector<std::string> args = {FLATSHARD_CLI_PATH,
+                                   "export",
+                                   "--cluster=" + absl::StrJoin(cluster.addresses(), ","),
+                                   "--auth_token_file=" + token_file,
+                                   "--job=test",
+                                   "--kind=full",
+                                   "--out=" + out};
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0);
+  // Once it writes, the servers stop (the export cannot finish), and Ctrl-C comes.
+  int status = 0;
+  bool exited = false;
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (FilesOpenIn(pid, out) == 0 && !exited && absl::Now() < deadline) {
+    exited = waitpid(pid, &status, WNOHANG) == pid;
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  const bool paused = !exited && cluster.Pause(0) && cluster.Pause(1);
+  if (!exited) {
+    kill(pid, SIGINT);
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  }
+  cluster.Resume(0);
+  cluster.Resume(1);
+  ASSERT_FALSE(exited) << "the export ended (status " << status << ") before it was seen writing";
+  ASSERT_TRUE(paused);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT) << status;
+  EXPECT_TRUE(Listing(out).empty()) << *Listing(out).begin();
+
+  const absl::Status next = (*client)->ExportStateDict(out, CheckpointKind::kFull, false);
+  ASSERT_TRUE(next.ok()) << next;
+  EXPECT_EQ(Listing(out), std::set<std::string>{"model.safetensors"});
+}
+
+}  // namespace
+}  // namespace flatshard
