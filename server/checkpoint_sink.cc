@@ -61,4 +61,24 @@ absl::Status DirectorySink::Close(const std::string& file) {
   return synced;
 }
 
+absl::Status CancellableSink::Check() const {
+  if (cancelled_ && cancelled_()) return absl::CancelledError("the client that asked for it went away");
+  return absl::OkStatus();
+}
+
+absl::Status CancellableSink::Open(const std::string& file, uint64_t size, bool exclusive) {
+  FLATSHARD_RETURN_IF_ERROR(Check());
+  return sink_.Open(file, size, exclusive);
+}
+
+absl::Status CancellableSink::Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) {
+  FLATSHARD_RETURN_IF_ERROR(Check());
+  return sink_.Write(file, offset, data);
+}
+
+absl::Status CancellableSink::Close(const std::string& file) {
+  FLATSHARD_RETURN_IF_ERROR(Check());
+  return sink_.Close(file);
+}
+
 }  // namespace flatshard::server

@@ -1,7 +1,8 @@
-// CheckpointSink: where a server's checkpoint bytes go. Two implementations: files in a
-// checkpoint directory (DirectorySink, for save) and a gRPC stream to a remote client
-// (server/export_stream_sink.h, for export). The writers in checkpoint_store.cc produce
-// the same files either way, in bounded slices. One writer per sink; not thread-safe.
+// CheckpointSink: where a server's checkpoint bytes go: files in a checkpoint directory
+// (DirectorySink, for save), a stream to server 0 for a part kept in its root
+// (PeerPartWriter, server/peer_client.h) or to a remote client (StreamSink in
+// server/service.cc, for export). The writers in checkpoint_writer.cc produce the same
+// files either way, in bounded slices. One writer per sink; not thread-safe.
 //
 //   DirectorySink sink(dir);
 //   FLATSHARD_RETURN_IF_ERROR(sink.Open("model.safetensors", size, /*exclusive=*/false));
@@ -11,6 +12,7 @@
 #define FLATSHARD_SERVER_CHECKPOINT_SINK_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -64,6 +66,25 @@ class DirectorySink final : public CheckpointSink {
   };
   std::map<std::string, OpenFile> open_;
   std::map<std::string, std::vector<FileExtent>> extents_;
+};
+
+// Forwards to `sink` until `cancelled()` (asked before every call) says true; from then
+// on every call is Cancelled, so that a writer stops within one slice once the caller
+// that asked for the bytes has gone. An empty `cancelled` never cancels. `sink` must
+// outlive this.
+class CancellableSink final : public CheckpointSink {
+ public:
+  CancellableSink(CheckpointSink& sink, std::function<bool()> cancelled)
+      : sink_(sink), cancelled_(std::move(cancelled)) {}
+  absl::Status Open(const std::string& file, uint64_t size, bool exclusive) override;
+  absl::Status Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) override;
+  absl::Status Close(const std::string& file) override;
+
+ private:
+  absl::Status Check() const;
+
+  CheckpointSink& sink_;
+  const std::function<bool()> cancelled_;
 };
 
 }  // namespace flatshard::server

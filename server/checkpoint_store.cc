@@ -206,7 +206,7 @@ std::map<std::string, int64_t> CheckpointStore::JobVersions(const std::string& j
   return versions;
 }
 
-absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline) {
+absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline, std::function<bool()> cancelled) {
   if (save.shards_.empty()) return absl::FailedPreconditionError("the save's cut is not pinned");
   const std::string name = save.name_;
   const std::string save_id = save.options_.save_id;
@@ -240,22 +240,25 @@ absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline)
   auto write = [this, name, save_id, kind = save.kind_, optimizer = save.optimizer_, dir = save.dir_,
                 to_server_zero = save.to_server_zero_, servers = save.servers_,
                 root_per_server = save.options_.root_per_server, async, describe, progress,
-                deadline = async ? absl::InfiniteFuture() : deadline, shards = std::move(shards)]() -> absl::Status {
+                deadline = async ? absl::InfiniteFuture() : deadline,
+                cancelled = async ? nullptr : std::move(cancelled), shards = std::move(shards)]() -> absl::Status {
     Json group_specs;
     if (to_server_zero) {
-      FLATSHARD_ASSIGN_OR_RETURN(const std::unique_ptr<PeerPartWriter> sink,
+      FLATSHARD_ASSIGN_OR_RETURN(const std::unique_ptr<PeerPartWriter> peer,
                                  peers_->WritePart(0, name, save_id, async, deadline));
+      CancellableSink sink(*peer, cancelled);
       FLATSHARD_ASSIGN_OR_RETURN(
           std::vector<std::string> files,
-          WriteShards(*sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get()));
-      return sink->Finish(describe(files, std::move(group_specs)).dump());
+          WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get()));
+      return peer->Finish(describe(files, std::move(group_specs)).dump());
     }
-    DirectorySink sink(dir);
+    DirectorySink directory(dir);
+    CancellableSink sink(directory, cancelled);
     absl::StatusOr<std::vector<std::string>> files =
         WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get());
     absl::Status finished = files.status();
     if (files.ok()) {
-      finished = FinishPart(name, save_id, rank_, sink, describe(*files, std::move(group_specs)).dump(), false);
+      finished = FinishPart(name, save_id, rank_, directory, describe(*files, std::move(group_specs)).dump(), false);
     }
     finished = UnlessCommittedMeanwhile(name, save_id, finished);
     if (!finished.ok() && !absl::IsAlreadyExists(finished)) {
@@ -326,6 +329,7 @@ int CheckpointStore::PartsExpected(const std::string& dir) const {
 void CheckpointStore::AbandonPart(const std::string& name, const std::string& save_id, int rank, int servers,
                                   bool root_per_server, const absl::Status& error) {
   if (rank < 0 || rank >= num_servers_) return;  // a peer's bad request: it has no part here
+  spdlog::warn("checkpoint '{}': part {} of save {} failed: {}", name, rank, save_id, error.ToString());
   if (root_per_server) return RemoveSave(name, save_id);
   const std::string dir = SaveDir(name, save_id);
   std::error_code ignored;

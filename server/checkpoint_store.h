@@ -179,13 +179,17 @@ class CheckpointStore {
   // at a later cut if called again; Aborted if a group has moved past its version, and
   // then nothing stays pinned. FinishSave writes the pinned cut as Save does; a blocking
   // save keeps `name` claimed until `save` is destroyed, so that the caller can commit
-  // before another save of the name begins here.
+  // before another save of the name begins here. A blocking save asks `cancelled` (may be
+  // empty) before every slice it writes: once it says true (the client went away), the
+  // save stops, Cancelled, its part goes and its pins with it, rather than keep training
+  // waiting for a part no one will commit.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<PendingSave>> BeginSave(const std::string& name, CheckpointKind kind,
                                                                        bool optimizer, const std::string& job,
                                                                        const SaveOptions& options);
   [[nodiscard]] absl::Status PinSave(PendingSave& save, const std::map<std::string, int64_t>& versions,
                                      absl::Time deadline);
-  [[nodiscard]] absl::Status FinishSave(PendingSave& save, absl::Time deadline);
+  [[nodiscard]] absl::Status FinishSave(PendingSave& save, absl::Time deadline,
+                                        std::function<bool()> cancelled = nullptr);
   // The versions of `job`'s groups on this server now.
   std::map<std::string, int64_t> JobVersions(const std::string& job) const;
   // A random id stored in the root (created by the first server to ask): servers with

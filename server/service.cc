@@ -334,7 +334,8 @@ grpc::Status FlatshardService::SaveCheckpoint(
       },
       [&] { return checkpoints_.JobVersions(request.job()); });
   if (!agreed.ok()) return ToGrpc(agreed);
-  const absl::Status written = checkpoints_.FinishSave(**save, DeadlineOf(ctx));
+  // A client gone mid-write (Ctrl-C) would not commit the part: the save stops there.
+  const absl::Status written = checkpoints_.FinishSave(**save, DeadlineOf(ctx), [ctx] { return ctx->IsCancelled(); });
   if (!written.ok() || request.async()) return ToGrpc(written);
   // The name stays claimed here (`save` lives) until the client, once every server has
   // written its part, has one commit, or closes the stream.

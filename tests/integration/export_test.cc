@@ -3,7 +3,6 @@
 // replaces the earlier one in its directory, and one interrupted mid-way leaves nothing.
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 
@@ -16,15 +15,12 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "core/file.h"
 #include "core/float_bits.h"
 #include "core/safetensors.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/scratch_dir.h"
-
-extern char** environ;
 
 namespace flatshard {
 namespace {
@@ -179,22 +175,12 @@ TEST(ExportIntegrationTest, AnExportInterruptedMidWayLeavesNothingInItsDirectory
       (*client)->RegisterGroup("big", {{"w", {int64_t{64} << 20}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1}).ok());
   ASSERT_TRUE((*client)->InitGroupFromSeed("big", 3).ok());
   const testing::ScratchDir out_dir("export-interrupted");
-  const testing::ScratchDir token_dir("export-interrupted-token");
-  const std::string out = fs::canonical(out_dir.path()), token_file = token_dir.path() + "/token";
-  std::ofstream(token_file) << cluster.token() << "\n";
-
-  std::vector<std::string> args = {FLATSHARD_CLI_PATH,
-                                   "export",
-                                   "--cluster=" + absl::StrJoin(cluster.addresses(), ","),
-                                   "--auth_token_file=" + token_file,
-                                   "--job=test",
-                                   "--kind=full",
-                                   "--out=" + out};
-  std::vector<char*> argv;
-  for (std::string& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0);
+  const std::string out = fs::canonical(out_dir.path());
+  std::vector<std::string> args = cluster.CommandFlags();
+  args.insert(args.begin(), "export");
+  args.insert(args.end(), {"--job=test", "--kind=full", "--out=" + out});
+  const pid_t pid = testing::SpawnProcess(FLATSHARD_CLI_PATH, args);
+  ASSERT_GT(pid, 0);
   // Once it writes, the servers stop (the export cannot finish), and Ctrl-C comes.
   int status = 0;
   bool exited = false;

@@ -38,9 +38,9 @@ extern char** environ;
 
 namespace flatshard::testing {
 
-// Starts flatshard-server with `args` (argv[0] excluded); returns its pid, or -1.
-inline pid_t SpawnServer(std::vector<std::string> args) {
-  args.insert(args.begin(), FLATSHARD_SERVER_PATH);
+// Starts the program at `path` with `args` (argv[0] excluded); returns its pid, or -1.
+inline pid_t SpawnProcess(const std::string& path, std::vector<std::string> args) {
+  args.insert(args.begin(), path);
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   argv.push_back(nullptr);
@@ -48,6 +48,9 @@ inline pid_t SpawnServer(std::vector<std::string> args) {
   if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) return -1;
   return pid;
 }
+
+// Starts flatshard-server with `args`; returns its pid, or -1.
+inline pid_t SpawnServer(std::vector<std::string> args) { return SpawnProcess(FLATSHARD_SERVER_PATH, std::move(args)); }
 
 // SIGTERM, then SIGKILL after 5 s; reaps the process.
 inline void StopServer(pid_t pid) {
@@ -261,6 +264,11 @@ class TestCluster {
   void Resume(int rank) const { kill(pids_[rank], SIGCONT); }
 
   const std::vector<std::string>& addresses() const { return addresses_; }
+  // The flags that point the `flatshard` command at these servers: --cluster and
+  // --auth_token_file.
+  std::vector<std::string> CommandFlags() const {
+    return {"--cluster=" + absl::StrJoin(addresses_, ","), "--auth_token_file=" + token_file_};
+  }
   const std::string& token() const { return token_; }
   pid_t pid(int rank) const { return pids_[rank]; }
 

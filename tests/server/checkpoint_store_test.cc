@@ -631,6 +631,27 @@ TEST(CheckpointStoreTest, AWrittenSaveHoldsItsNameUntilItIsReleased) {
   EXPECT_THAT(std::string(after.message()), Not(HasSubstr("is being saved")));  // committed
   EXPECT_TRUE(store.Delete("x").ok());
 }
+// A blocking save whose client went away (its stream cancelled) stops at the next slice
+// instead of writing on for a part no one will commit: Cancelled, its files removed, the
+// groups' pins and the name released.
+TEST(CheckpointStoreTest, ABlockingSaveWhoseClientWentAwayStopsAtOnceAndLeavesNothing) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(1, root);
+  CheckpointStore& store = cluster.store(0);
+  auto save = store.BeginSave("x", CheckpointKind::kSharded, true, "job", Options(false, "s"));
+  ASSERT_TRUE(save.ok()) << save.status();
+  ASSERT_TRUE(store.PinSave(**save, store.JobVersions("job"), absl::InfiniteFuture()).ok());
+  int asked = 0;
+  const absl::Status written = store.FinishSave(**save, absl::InfiniteFuture(), [&asked] { return ++asked > 2; });
+  EXPECT_TRUE(absl::IsCancelled(written)) << written;
+  EXPECT_EQ(asked, 3);  // nothing more once it said so
+  EXPECT_FALSE(std::filesystem::exists(root + "/.x.partial"));
+  cluster.Step(0);  // not held
+  save->reset();
+  EXPECT_TRUE(store.BeginSave("x", CheckpointKind::kSharded, true, "job", Options(false, "t")).ok());
+  EXPECT_TRUE(Listing(store).empty());
+}
+
 // While a save of a name runs on a server (here: waiting for the version it cuts at),
 // that server refuses a second save of the name and a delete of it; once it is done,
 // both are accepted again.
