@@ -72,17 +72,18 @@ void ReadBufferPool::Give(std::unique_ptr<DirectIoBuffer> buffer) {
   free_.push_back(std::move(buffer));
 }
 
-CheckpointReader::CheckpointReader(std::string dir, std::map<std::string, ManifestFile> files,
-                                   ReadBufferPool& pool, ReaderOptions options)
+CheckpointReader::CheckpointReader(std::string dir, std::map<std::string, ManifestFile> files, ReadBufferPool& pool,
+                                   ReaderOptions options)
     : dir_(std::move(dir)),
       files_(std::move(files)),
       pool_(pool),
       threads_(std::max(1, options.threads)),
-      task_bytes_(options.task_bytes) {}
+      task_bytes_(options.task_bytes),
+      cancelled_(std::move(options.cancelled)) {}
 
-CheckpointReader::CheckpointReader(std::string where, std::map<std::string, ManifestFile> files,
-                                   ReadBufferPool& pool, RemoteRead remote, ReaderOptions options)
-    : CheckpointReader(std::move(where), std::move(files), pool, options) {
+CheckpointReader::CheckpointReader(std::string where, std::map<std::string, ManifestFile> files, ReadBufferPool& pool,
+                                   RemoteRead remote, ReaderOptions options)
+    : CheckpointReader(std::move(where), std::move(files), pool, std::move(options)) {
   remote_ = std::move(remote);
 }
 
@@ -289,7 +290,8 @@ absl::Status CheckpointReader::Run(ProgressCounter* progress) {
   auto work = [&] {
     std::unique_ptr<DirectIoBuffer> buffer = pool_.Take();
     for (size_t i = next++; i < tasks.size(); i = next++) {
-      absl::Status status = Execute(tasks[i], *buffer);
+      absl::Status status = cancelled_ && cancelled_() ? absl::CancelledError("the client that asked for it went away")
+                                                       : Execute(tasks[i], *buffer);
       if (!status.ok()) {
         absl::MutexLock lock(&mu);
         if (first_error.ok()) first_error = std::move(status);

@@ -76,6 +76,9 @@ struct ReaderOptions {
   // threads 2.6-3.7 (bench/RESULTS.md). Cached extents are read and verified one at a
   // time whatever the task size, so warm loads stay in the CPU's caches.
   uint64_t task_bytes = uint64_t{64} << 20;
+  // Asked before each task (may be empty): once it says true (the load's client went
+  // away), Run stops, Cancelled.
+  std::function<bool()> cancelled = nullptr;
 };
 
 class CheckpointReader {
@@ -101,8 +104,8 @@ class CheckpointReader {
   // `out` as fp32 by Run. DataLoss if they lie past the end of the file.
   [[nodiscard]] absl::Status Add(const std::string& file, uint64_t offset, DType dtype, int64_t count, float* out);
   // Reads, verifies and delivers every queued read; the first error, if any (then some
-  // destinations may be partly written). The queue is empty afterwards. `progress`
-  // (optional): the queued bytes are added to its total, and to done as delivered.
+  // destinations may be partly written; Cancelled once ReaderOptions::cancelled says so). The queue is empty
+  // afterwards. `progress` (optional): the queued bytes are added to its total, and to done as delivered.
   [[nodiscard]] absl::Status Run(ProgressCounter* progress = nullptr);
 
   std::string path(const std::string& file) const { return dir_ + "/" + file; }
@@ -123,6 +126,7 @@ class CheckpointReader {
   ReadBufferPool& pool_;
   const int threads_;
   const uint64_t task_bytes_;
+  const std::function<bool()> cancelled_;
   RemoteRead remote_;  // null: files under dir_
   ProgressCounter* progress_ = nullptr;  // during Run
   std::map<std::string, std::unique_ptr<OpenedFile>> opened_;

@@ -707,7 +707,7 @@ absl::Status CheckpointStore::Delete(const std::string& name) {
 }
 
 absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::string& job, uint64_t load_id,
-                                          const std::string& home_root_id) {
+                                          const std::string& home_root_id, std::function<bool()> cancelled) {
   FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
   if (load_id == 0)
     return absl::InvalidArgumentError("a load must carry its (non-zero) load_id from its preparation on");
@@ -744,30 +744,33 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
   // What follows reads the manifest's fields; one of another type, or an array where an
   // object belongs, makes nlohmann throw: damage like any other.
   try {
-    staged = StageFromManifest(*manifest_or, dir, from_server_zero, name, job, placement);
+    staged = StageFromManifest(*manifest_or, dir, from_server_zero, name, job, placement, {.cancelled = cancelled});
   } catch (const Json::exception& error) {
     return absl::DataLossError(absl::StrCat("'", dir, "/", kManifest, "' is malformed: ", error.what()));
   }
   FLATSHARD_RETURN_IF_ERROR(staged.status());
+  if (cancelled && cancelled()) return absl::CancelledError("the client that asked for it went away");
   staged_.Add(load_id, name, job, *std::move(staged));
   return absl::OkStatus();
 }
 
 absl::StatusOr<StagedGroups> CheckpointStore::StageFromManifest(const Json& manifest, const std::string& dir,
                                                                 bool from_server_zero, const std::string& name,
-                                                                const std::string& job, const Placement& placement) {
+                                                                const std::string& job, const Placement& placement,
+                                                                ReaderOptions options) {
   if (!manifest.is_object() || manifest.value("format", "") != kFormat) {
     return absl::DataLossError(absl::StrCat("'", dir, "/manifest.json' is not a ", kFormat, " manifest"));
   }
   using Files = std::map<std::string, ManifestFile>;
   FLATSHARD_ASSIGN_OR_RETURN(Files files, ManifestFiles(manifest, dir));
   CheckpointReader reader =
-      from_server_zero
-          ? CheckpointReader(dir, std::move(files), read_buffers_,
+      from_server_zero ? CheckpointReader(
+                             dir, std::move(files), read_buffers_,
                              [this, name](const std::string& file, uint64_t offset, uint64_t length, std::byte* out) {
                                return peers_->ReadCheckpointFile(0, name, file, offset, length, out);
-                             })
-          : CheckpointReader(dir, std::move(files), read_buffers_);
+                             },
+                             std::move(options))
+                       : CheckpointReader(dir, std::move(files), read_buffers_, std::move(options));
   const std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "load");
   return StageCheckpoint(manifest, reader, registry_, name, job, placement.shard, placement.shards, progress.get());
 }

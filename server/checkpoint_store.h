@@ -253,9 +253,12 @@ class CheckpointStore {
   // server 0's, and stages it as load `load_id` (non-zero; the client's id for this load,
   // the same on every server). NotFound, DataLoss (checksum, truncation; naming the file)
   // or FailedPrecondition (layout, tensor, dtype or optimizer mismatch, naming it).
-  // Nothing is installed.
+  // Nothing is installed. `cancelled` (may be empty) is asked before each read: once it
+  // says true (the client went away), the load stops, Cancelled, and nothing is staged,
+  // rather than hold a copy of the shards that no one will commit.
   [[nodiscard]] absl::Status PrepareLoad(const std::string& name, const std::string& job, uint64_t load_id,
-                                         const std::string& home_root_id = "");
+                                         const std::string& home_root_id = "",
+                                         std::function<bool()> cancelled = nullptr);
   // Installs what PrepareLoad staged as load `load_id` of `name` (Group::Restore).
   // FailedPrecondition if nothing is staged (saying why, when it was dropped).
   [[nodiscard]] absl::Status CommitLoad(const std::string& name, uint64_t load_id);
@@ -310,8 +313,8 @@ class CheckpointStore {
   // server loads (from server 0 when `from_server_zero`) and stages it. May throw
   // nlohmann::json::exception for a manifest of the wrong shape (PrepareLoad catches it).
   absl::StatusOr<StagedGroups> StageFromManifest(const nlohmann::json& manifest, const std::string& dir,
-                                                 bool from_server_zero, const std::string& name,
-                                                 const std::string& job, const Placement& placement);
+                                                 bool from_server_zero, const std::string& name, const std::string& job,
+                                                 const Placement& placement, ReaderOptions options);
   // Whether a FULL or SHARDED checkpoint is kept in server 0's root rather than this one.
   absl::StatusOr<bool> KeptByServerZero(const std::string& home_root_id);
   Registry& registry_;

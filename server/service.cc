@@ -357,7 +357,8 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx, const v1
     case v1::LoadCheckpointRequest::RENEW: {
       const absl::Status held =
           request->phase() == v1::LoadCheckpointRequest::PREPARE
-              ? checkpoints_.PrepareLoad(request->name(), request->job(), request->load_id(), request->home_root_id())
+              ? checkpoints_.PrepareLoad(request->name(), request->job(), request->load_id(), request->home_root_id(),
+                                         [ctx] { return ctx->IsCancelled(); })
               : checkpoints_.RenewLoad(request->name(), request->load_id());
       response->set_staged_for_seconds(absl::ToDoubleSeconds(checkpoints_.staged_load_timeout()));
       return ToGrpc(held);

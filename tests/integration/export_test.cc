@@ -15,7 +15,6 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "core/file.h"
 #include "core/float_bits.h"
 #include "core/safetensors.h"
@@ -162,9 +161,9 @@ int FilesOpenIn(pid_t pid, const std::string& dir) {
   return count;
 }
 
-// Ctrl-C on `flatshard export` mid-way: the command dies as a process does on SIGINT and
-// leaves nothing in the directory, since its files had no names yet; the servers, their
-// streams cut off, serve the next export.
+// Ctrl-C on `flatshard export` once it writes: the command dies as a process does on
+// SIGINT and leaves nothing in the directory, since its files had no names yet; the
+// servers, their streams cut off, serve the next export.
 TEST(ExportIntegrationTest, AnExportInterruptedMidWayLeavesNothingInItsDirectory) {
   testing::TestCluster cluster(2, "tok", ::testing::TempDir());
   auto client = cluster.Connect(0, 1);
@@ -176,29 +175,10 @@ TEST(ExportIntegrationTest, AnExportInterruptedMidWayLeavesNothingInItsDirectory
   ASSERT_TRUE((*client)->InitGroupFromSeed("big", 3).ok());
   const testing::ScratchDir out_dir("export-interrupted");
   const std::string out = fs::canonical(out_dir.path());
-  std::vector<std::string> args = cluster.CommandFlags();
-  args.insert(args.begin(), "export");
-  args.insert(args.end(), {"--job=test", "--kind=full", "--out=" + out});
-  const pid_t pid = testing::SpawnProcess(FLATSHARD_CLI_PATH, args);
-  ASSERT_GT(pid, 0);
-  // Once it writes, the servers stop (the export cannot finish), and Ctrl-C comes.
-  int status = 0;
-  bool exited = false;
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (FilesOpenIn(pid, out) == 0 && !exited && absl::Now() < deadline) {
-    exited = waitpid(pid, &status, WNOHANG) == pid;
-    absl::SleepFor(absl::Microseconds(200));
-  }
-  const bool paused = !exited && cluster.Pause(0) && cluster.Pause(1);
-  if (!exited) {
-    kill(pid, SIGINT);
-    ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  }
-  cluster.Resume(0);
-  cluster.Resume(1);
-  ASSERT_FALSE(exited) << "the export ended (status " << status << ") before it was seen writing";
-  ASSERT_TRUE(paused);
-  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT) << status;
+  const absl::StatusOr<int> status = cluster.InterruptCommand("export", {"--job=test", "--kind=full", "--out=" + out},
+                                                              [&](pid_t pid) { return FilesOpenIn(pid, out) > 0; });
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGINT) << *status;
   EXPECT_TRUE(Listing(out).empty()) << *Listing(out).begin();
 
   const absl::Status next = (*client)->ExportStateDict(out, CheckpointKind::kFull, false);

@@ -4,6 +4,7 @@
 #ifndef FLATSHARD_TESTS_INTEGRATION_TEST_CLUSTER_H_
 #define FLATSHARD_TESTS_INTEGRATION_TEST_CLUSTER_H_
 
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -15,13 +16,12 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -268,6 +268,40 @@ class TestCluster {
   // --auth_token_file.
   std::vector<std::string> CommandFlags() const {
     return {"--cluster=" + absl::StrJoin(addresses_, ","), "--auth_token_file=" + token_file_};
+  }
+
+  // Runs `flatshard <command> <CommandFlags()> <args>` and, once `started(pid)` says it is
+  // under way, interrupts it as Ctrl-C does (SIGINT) with every server paused meanwhile,
+  // so that none can finish what the command asked before it is gone; then lets them go
+  // on. Returns the command's wait status; an error when it ended by itself first (or
+  // did not start within 60 s).
+  absl::StatusOr<int> InterruptCommand(const std::string& command, const std::vector<std::string>& args,
+                                       const std::function<bool(pid_t)>& started) const {
+    std::vector<std::string> argv = CommandFlags();
+    argv.insert(argv.begin(), command);
+    argv.insert(argv.end(), args.begin(), args.end());
+    const pid_t pid = SpawnProcess(FLATSHARD_CLI_PATH, argv);
+    if (pid <= 0) return absl::InternalError("cannot start the flatshard command");
+    int status = 0;
+    for (const absl::Time deadline = absl::Now() + absl::Seconds(60); !started(pid);) {
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("`flatshard ", command, "` ended (status ", status, ") before it was seen under way"));
+      }
+      if (absl::Now() > deadline) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        return absl::DeadlineExceededError(absl::StrCat("`flatshard ", command, "` was not seen under way in 60 s"));
+      }
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    bool paused = true;
+    for (size_t rank = 0; rank < pids_.size(); ++rank) paused = Pause(static_cast<int>(rank)) && paused;
+    kill(pid, SIGINT);
+    waitpid(pid, &status, 0);
+    for (size_t rank = 0; rank < pids_.size(); ++rank) Resume(static_cast<int>(rank));
+    if (!paused) return absl::InternalError("a server did not stop");
+    return status;
   }
   const std::string& token() const { return token_; }
   pid_t pid(int rank) const { return pids_[rank]; }

@@ -259,6 +259,22 @@ TEST(CheckpointStoreTest, DeletingAJobDropsTheLoadsStagedForIt) {
                         "(job 'job' was deleted)"));
 }
 
+// A load whose client went away (its call cancelled) stops reading and stages nothing:
+// no copy of the shards waits for a commit that will not come.
+TEST(CheckpointStoreTest, ALoadWhoseClientWentAwayStagesNothing) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(1, root);
+  ASSERT_TRUE(cluster.Save("ckpt", CheckpointKind::kSharded, /*optimizer=*/true, 0).ok());
+  int asked = 0;
+  const absl::Status prepared = cluster.store(0).PrepareLoad("ckpt", "job", 1, "", [&asked] { return ++asked > 0; });
+  EXPECT_TRUE(absl::IsCancelled(prepared)) << prepared;
+  EXPECT_GT(asked, 0);
+  const absl::Status committed = cluster.store(0).CommitLoad("ckpt", 1);
+  EXPECT_EQ(committed.code(), absl::StatusCode::kFailedPrecondition) << committed;
+  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job", 2, "", [] { return false; }).ok());
+  EXPECT_TRUE(cluster.store(0).CommitLoad("ckpt", 2).ok());
+}
+
 TEST(CheckpointStoreTest, LocalCheckpointNeedsTheSameServerCount) {
   const std::string root = FreshRoot();
   FakeCluster source(2, root);

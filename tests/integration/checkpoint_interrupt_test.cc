@@ -1,0 +1,124 @@
+// A save or load whose client goes away while the servers work (Ctrl-C on `flatshard
+// save` or `flatshard load`): the servers, which would go on for a part no one will commit
+// (a save, with the job's groups pinned) or a staged copy of the shards no one will
+// install (a load), stop within a slice, keep nothing, and release what they held.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "client/cluster_status.h"
+#include "tests/integration/test_cluster.h"
+#include "tests/scratch_dir.h"
+
+namespace flatshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+// 1 GiB of parameters: each of two servers saves or loads 512 MiB.
+constexpr int64_t kElements = int64_t{256} << 20;
+
+class CheckpointInterruptTest : public ::testing::Test {
+ protected:
+  CheckpointInterruptTest() : cluster_(2, "tok", ::testing::TempDir(), root_.path()) {
+    auto client = cluster_.Connect(0, 1);
+    EXPECT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+    EXPECT_TRUE(client_->ConfigureJob({}).ok());
+    EXPECT_TRUE(client_->RegisterGroup("big", {{"w", {kElements}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1}).ok());
+    EXPECT_TRUE(client_->InitGroupFromSeed("big", 3).ok());
+  }
+
+  // Every server's status (an empty one for a server that did not answer).
+  std::vector<v1::ServerStatus> Statuses() const {
+    std::vector<v1::ServerStatus> statuses;
+    for (auto& status : FetchClusterStatus({.servers = cluster_.addresses(), .token = cluster_.token()})) {
+      statuses.push_back(status.ok() ? *std::move(status) : v1::ServerStatus());
+    }
+    return statuses;
+  }
+
+  // Waits (up to 60 s) until no server lists a save, load or export in progress.
+  void AwaitIdle() const {
+    auto busy = [&] {
+      for (const v1::ServerStatus& status : Statuses()) {
+        if (status.checkpoints_in_progress_size() > 0) return true;
+      }
+      return false;
+    };
+    for (const absl::Time until = absl::Now() + absl::Seconds(60); busy() && absl::Now() < until;) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+
+  // A training step of the one-worker job goes through: no group is pinned.
+  void ExpectAStep() const {
+    const absl::StatusOr<int64_t> version = client_->WaitVersion("big", 0);
+    ASSERT_TRUE(version.ok()) << version.status();
+    const std::vector<float> grad(kElements, 0.5f);
+    const absl::Status stepped = client_->Scatter("big", *version, DType::kFloat32, AsBytes(grad)).get();
+    ASSERT_TRUE(stepped.ok()) << stepped;
+    EXPECT_EQ(client_->WaitVersion("big", *version + 1).value_or(-1), *version + 1);
+  }
+
+  const testing::ScratchDir root_{"checkpoint-interrupted"};
+  testing::TestCluster cluster_;
+  std::unique_ptr<Client> client_;
+};
+
+// Whether a checkpoint file of a save of `name` is being written in `root`.
+bool SaveFileIn(const std::string& root, const std::string& name) {
+  std::error_code error;  // the directory may come or go meanwhile
+  for (fs::recursive_directory_iterator it(root + "/." + name + ".partial", error), end; !error && it != end;
+       it.increment(error)) {
+    if (absl::EndsWith(it->path().filename().string(), ".safetensors")) return true;
+  }
+  return false;
+}
+
+TEST_F(CheckpointInterruptTest, ABlockingSaveWhoseClientGoesAwayStopsAndLeavesNothing) {
+  const absl::StatusOr<int> status = cluster_.InterruptCommand("save", {"--job=test", "--kind=sharded", "--name=x"},
+                                                               [&](pid_t) { return SaveFileIn(root_.path(), "x"); });
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGINT) << *status;
+  AwaitIdle();
+  // Written to the end, the part would stay, listed as an incomplete checkpoint.
+  const auto listed = client_->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty()) << (*listed)[0].name << " complete: " << (*listed)[0].complete;
+  EXPECT_FALSE(fs::exists(root_.path() + "/.x.partial"));
+  // The groups are no longer pinned, and the name is free.
+  ExpectAStep();
+  const absl::Status saved = client_->SaveCheckpoint("x", CheckpointKind::kSharded, false);
+  EXPECT_TRUE(saved.ok()) << saved;
+}
+
+TEST_F(CheckpointInterruptTest, ALoadWhoseClientGoesAwayStopsAndStagesNothing) {
+  ASSERT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
+  auto loading = [&](pid_t) {
+    for (const v1::ServerStatus& status : Statuses()) {
+      for (const v1::CheckpointProgress& row : status.checkpoints_in_progress()) {
+        if (row.operation() == "load" && row.done() > 0) return true;
+      }
+    }
+    return false;
+  };
+  const absl::StatusOr<int> status = cluster_.InterruptCommand("load", {"--job=test", "--name=x"}, loading);
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGINT) << *status;
+  AwaitIdle();
+  // Read to the end, the load would stay staged, a copy of the shards, for its commit.
+  for (const v1::ServerStatus& server : Statuses()) EXPECT_EQ(server.staged_loads_size(), 0);
+  ExpectAStep();
+  const absl::Status loaded = client_->LoadCheckpoint("x");
+  EXPECT_TRUE(loaded.ok()) << loaded;
+}
+
+}  // namespace
+}  // namespace flatshard
