@@ -7,6 +7,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -88,10 +89,46 @@ uint64_t RandomId() {
 // A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
 std::string NewSaveId() { return absl::StrFormat("%016x", RandomId()); }
 
+// How a cancelled call names itself.
+std::string CancelledWhat(absl::string_view what) {
+  return absl::StrCat(what, " was cancelled (Client::CancelCheckpointCalls)");
+}
+
+// `status` as the caller of `what` sees it: when `cancellation` was what ended it,
+// Cancelled, saying so (a message that already does stays).
+absl::Status UnlessCancelled(const Cancellation& cancellation, absl::string_view what, absl::Status status) {
+  if (status.ok() || !cancellation.cancelled()) return status;
+  if (absl::IsCancelled(status) && absl::StartsWith(status.message(), CancelledWhat(what))) return status;
+  return absl::CancelledError(absl::StrCat(CancelledWhat(what), "; the servers keep nothing of it"));
+}
+
+std::string SaveWhat(const std::string& name) { return absl::StrCat("the save of checkpoint '", name, "'"); }
+
 }  // namespace
 
 absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
                                    const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const {
+  CancellationSet::Scope cancellation(cancellations_);
+  return UnlessCancelled(*cancellation, SaveWhat(name),
+                         Save(*cancellation, name, kind, optimizer, async, sent, at, progress));
+}
+
+absl::Status CheckpointCalls::Load(const std::string& name, const Client::Progress& progress) const {
+  CancellationSet::Scope cancellation(cancellations_);
+  return UnlessCancelled(*cancellation, absl::StrCat("the load of checkpoint '", name, "'"),
+                         Load(*cancellation, name, progress));
+}
+
+absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
+                                     const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const {
+  CancellationSet::Scope cancellation(cancellations_);
+  return UnlessCancelled(*cancellation, absl::StrCat("the export into '", out_dir, "'"),
+                         Export(*cancellation, out_dir, kind, optimizer, sent, at, progress));
+}
+
+absl::Status CheckpointCalls::Save(Cancellation& cancellation, const std::string& name, CheckpointKind kind,
+                                   bool optimizer, bool async, const SentSteps& sent, const CutAt& at,
+                                   const Client::Progress& progress) const {
   v1::SaveCheckpointRequest request;
   request.set_async(async);
   request.set_name(name);
@@ -122,13 +159,17 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   // Every server pins the cut before any writes (a later one where training overtook a
   // cut of the default kind); server 0 first, which decides between saves of one name.
   using Streams = CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer>;
-  Streams streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint);
+  Streams streams(control_, writers, &v1::Flatshard::Stub::SaveCheckpoint, &cancellation);
   v1::SaveCheckpointStep first;
   *first.mutable_request() = request;
   const auto server_zero_now = ServerVersions(job_, statuses[0]);
   FLATSHARD_RETURN_IF_ERROR(ExplainWait(
       streams.Pin(first, cut, absl::StrCat("checkpoint '", name, "'"), PinRounds(at), &server_zero_now), sent, at));
-  if (async) return streams.Write();  // the servers commit when they are done
+  if (async) {
+    // Told to write, the servers go on to the commit by themselves.
+    if (!cancellation.Seal()) return absl::CancelledError("");
+    return streams.Write();
+  }
   // Each server answers once its part is written, and holds the name until the commit, so
   // that no other save of it begins meanwhile (one would be told OK, then lose).
   FLATSHARD_RETURN_IF_ERROR(WithProgress(name, "save", progress, [&] {
@@ -139,6 +180,11 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   }));
   // Every part is in server 0's root (shared or not), which commits; with a root per
   // server, each server commits its own LOCAL part.
+  if (!cancellation.Seal()) {
+    return absl::CancelledError(absl::StrCat(CancelledWhat(SaveWhat(name)),
+                                             " once every server had written its part, before the commit: it stays "
+                                             "incomplete until deleted"));
+  }
   std::vector<bool> committers(writers.size(), request.root_per_server());
   committers[0] = true;
   v1::SaveCheckpointStep commit;
@@ -146,7 +192,7 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
   return streams.Close(commit, committers);
 }
 
-absl::Status CheckpointCalls::Load(const std::string& name,
+absl::Status CheckpointCalls::Load(Cancellation& cancellation, const std::string& name,
                                    const Client::Progress& progress) const {
   v1::LoadCheckpointRequest request;
   request.set_name(name);
@@ -173,7 +219,9 @@ absl::Status CheckpointCalls::Load(const std::string& name,
     request.set_phase(p);
     return control_.OnAllServersInParallel([&](size_t i) {
       v1::CheckpointResponse response;
-      answers[i] = control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response, control_.model_timeout());
+      // Only the reads can be cancelled: a commit goes to every server.
+      answers[i] = control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response, control_.model_timeout(),
+                                 p == v1::LoadCheckpointRequest::PREPARE ? &cancellation : nullptr);
       if (answers[i].ok() && p == v1::LoadCheckpointRequest::PREPARE) {
         leases.Prepared(i, absl::Seconds(response.staged_for_seconds()));
       }
@@ -183,6 +231,7 @@ absl::Status CheckpointCalls::Load(const std::string& name,
   const absl::Status prepared = WithProgress(name, "load", progress, [&] {
     absl::Status all = phase(v1::LoadCheckpointRequest::PREPARE);
     all.Update(leases.Stop());  // a server dropped its staging while another prepared
+    if (all.ok() && !cancellation.Seal()) all = absl::CancelledError("");
     return all;
   });
   if (!prepared.ok()) {
@@ -242,8 +291,9 @@ absl::Status CheckpointCalls::Delete(const std::string& name) const {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
-                                     const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const {
+absl::Status CheckpointCalls::Export(Cancellation& cancellation, const std::string& out_dir, CheckpointKind kind,
+                                     bool optimizer, const SentSteps& sent, const CutAt& at,
+                                     const Client::Progress& progress) const {
   if (kind == CheckpointKind::kLocal)
     return absl::InvalidArgumentError("export: kind must be FULL or SHARDED");
   v1::ExportRequest request;
@@ -274,7 +324,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   // Every server pins the cut before any streams (a later one where training overtook a
   // cut of the default kind).
   using Streams = CutStreams<v1::ExportStep, v1::ExportMessage>;
-  Streams streams(control_, writers, &v1::Flatshard::Stub::ExportStateDict);
+  Streams streams(control_, writers, &v1::Flatshard::Stub::ExportStateDict, &cancellation);
   v1::ExportStep first;
   *first.mutable_request() = request;
   FLATSHARD_RETURN_IF_ERROR(ExplainWait(streams.Pin(first, cut, "export", PinRounds(at)), sent, at));
@@ -290,6 +340,7 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
     if (!written.ok()) server.ctx.TryCancel();
     return written;
   }));
+  if (!cancellation.Seal()) return absl::CancelledError("");
   return files.Publish();
 }
 

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/call_cancellation.h"
 #include "client/control_plane.h"
 #include "client/sent_steps.h"
 #include "flatshard/client.h"
@@ -39,8 +40,16 @@ class CheckpointCalls {
   [[nodiscard]] absl::Status Delete(const std::string& name) const;
   [[nodiscard]] absl::Status Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
                                     const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
+  // Cancels the saves, loads and exports in progress (Client::CancelCheckpointCalls).
+  void CancelAll() const { cancellations_.CancelAll(); }
 
  private:
+  // The calls above, which `cancellation` may cancel until they seal it.
+  absl::Status Save(Cancellation& cancellation, const std::string& name, CheckpointKind kind, bool optimizer,
+                    bool async, const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
+  absl::Status Load(Cancellation& cancellation, const std::string& name, const Client::Progress& progress) const;
+  absl::Status Export(Cancellation& cancellation, const std::string& out_dir, CheckpointKind kind, bool optimizer,
+                      const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
   absl::StatusOr<std::vector<v1::ServerStatus>> Statuses() const;
   absl::Status WithProgress(const std::string& name, const std::string& operation,
                             const Client::Progress& progress,
@@ -49,6 +58,7 @@ class CheckpointCalls {
   const ControlPlane& control_;
   const std::string job_;
   const uint32_t export_chunk_bytes_;
+  mutable CancellationSet cancellations_;
 };
 
 // What a load's COMMIT came to, from every server's answer (by rank): OK when all

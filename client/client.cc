@@ -240,6 +240,8 @@ class ClientImpl final : public Client {
     return checkpoints_->Export(out_dir, kind, optimizer, sent_, at, progress);
   }
 
+  void CancelCheckpointCalls() override { checkpoints_->CancelAll(); }
+
   absl::Status SetHyperparams(const std::string& group,
                               const OptimizerOptions& optimizer) override {
     v1::SetHyperparamsRequest request;

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/call_cancellation.h"
 #include "core/status_macros.h"
 #include "flatshard/client.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -46,14 +47,16 @@ class ControlPlane {
   // which may be infinite: the channels' keepalive notices a server that stops answering.
   absl::Duration model_timeout() const { return model_timeout_; }
 
-  // One unary call to `server`, within `timeout` (zero: the client's). Blocks. Returns
-  // the call's error with the server's address in its message.
+  // One unary call to `server`, within `timeout` (zero: the client's), which
+  // `cancellation` (when given) may cancel. Blocks. Returns the call's error with the
+  // server's address in its message.
   template <typename Request, typename Response>
-  [[nodiscard]] absl::Status Call(size_t server, Method<Request, Response> method,
-                                  const Request& request, Response* response,
-                                  absl::Duration timeout = absl::ZeroDuration()) const {
+  [[nodiscard]] absl::Status Call(size_t server, Method<Request, Response> method, const Request& request,
+                                  Response* response, absl::Duration timeout = absl::ZeroDuration(),
+                                  Cancellation* cancellation = nullptr) const {
     grpc::ClientContext ctx;
     Prepare(ctx, timeout);
+    const Registration registered(cancellation, &ctx);
     return Named(server, (stubs_[server].get()->*method)(&ctx, request, response));
   }
 

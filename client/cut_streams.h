@@ -12,7 +12,8 @@
 // drives the rounds; each round reaches the servers in parallel. Destroying it cancels
 // the streams not yet finished (before Write, the servers drop their pins and write
 // nothing) and ends those left open by Write without their last step (a save is not
-// committed), waiting for their servers to let go of it.
+// committed), waiting for their servers to let go of it. A `cancellation` (optional)
+// cancels the streams, as destroying it does, while it is not sealed.
 //
 //   CutStreams<v1::SaveCheckpointStep, v1::SaveAnswer> streams(control, writers, &Stub::SaveCheckpoint);
 //   FLATSHARD_RETURN_IF_ERROR(streams.Pin(first_step, cut, "checkpoint 'x'", 10, &server_zero_now));
@@ -25,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,12 +54,18 @@ class CutStreams {
     Answer answer;  // the last one read
     bool finished = false;
     bool open = false;  // kept open after Write for Close
+    std::optional<Registration> registered;  // with the cancellation, until ctx goes
   };
 
   // Streams of `method` to the servers `writers[i]` says write a part. `control` must
   // outlive this.
-  CutStreams(const ControlPlane& control, std::vector<bool> writers, Method method)
-      : control_(control), writers_(std::move(writers)), method_(method), servers_(writers_.size()) {}
+  CutStreams(const ControlPlane& control, std::vector<bool> writers, Method method,
+             Cancellation* cancellation = nullptr)
+      : control_(control),
+        writers_(std::move(writers)),
+        method_(method),
+        cancellation_(cancellation),
+        servers_(writers_.size()) {}
   ~CutStreams() {
     for (const std::unique_ptr<Server>& server : servers_) {
       if (server == nullptr || server->finished) continue;
@@ -184,6 +192,7 @@ class CutStreams {
     servers_[i] = std::make_unique<Server>();
     servers_[i]->index = i;
     control_.Prepare(servers_[i]->ctx, control_.model_timeout());
+    servers_[i]->registered.emplace(cancellation_, &servers_[i]->ctx);
     servers_[i]->stream = (control_.stub(i).*method_)(&servers_[i]->ctx);
   }
 
@@ -205,6 +214,7 @@ class CutStreams {
   const ControlPlane& control_;
   const std::vector<bool> writers_;
   const Method method_;
+  Cancellation* const cancellation_;
   std::vector<std::unique_ptr<Server>> servers_;  // by rank; null where none writes
 };
 

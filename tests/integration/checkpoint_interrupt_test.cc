@@ -1,13 +1,16 @@
 // A save or load whose client goes away while the servers work (Ctrl-C on `flatshard
-// save` or `flatshard load`): the servers, which would go on for a part no one will commit
-// (a save, with the job's groups pinned) or a staged copy of the shards no one will
-// install (a load), stop within a slice, keep nothing, and release what they held.
+// save` or `flatshard load`), or that its client cancels (Client::CancelCheckpointCalls):
+// the servers, which would go on for a part no one will commit (a save, with the job's
+// groups pinned) or a staged copy of the shards no one will install (a load), stop within
+// a slice, keep nothing, and release what they held.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -67,6 +70,31 @@ class CheckpointInterruptTest : public ::testing::Test {
     EXPECT_EQ(client_->WaitVersion("big", *version + 1).value_or(-1), *version + 1);
   }
 
+  // Runs `call` while another thread waits until `started()`, then has the client cancel
+  // its checkpoint calls with every server paused (none can finish first); returns what
+  // `call` returned.
+  absl::Status CancelledOnceStarted(const std::function<absl::Status()>& call, const std::function<bool()>& started) {
+    std::thread canceller([&] {
+      for (const absl::Time until = absl::Now() + absl::Seconds(60); !started() && absl::Now() < until;) {
+        absl::SleepFor(absl::Microseconds(200));
+      }
+      EXPECT_TRUE(cluster_.WhilePaused([&] { client_->CancelCheckpointCalls(); }));
+    });
+    const absl::Status status = call();
+    canceller.join();
+    return status;
+  }
+
+  // Whether some server reads a load with bytes done.
+  bool Loading() const {
+    for (const v1::ServerStatus& status : Statuses()) {
+      for (const v1::CheckpointProgress& row : status.checkpoints_in_progress()) {
+        if (row.operation() == "load" && row.done() > 0) return true;
+      }
+    }
+    return false;
+  }
+
   const testing::ScratchDir root_{"checkpoint-interrupted"};
   testing::TestCluster cluster_;
   std::unique_ptr<Client> client_;
@@ -101,15 +129,8 @@ TEST_F(CheckpointInterruptTest, ABlockingSaveWhoseClientGoesAwayStopsAndLeavesNo
 
 TEST_F(CheckpointInterruptTest, ALoadWhoseClientGoesAwayStopsAndStagesNothing) {
   ASSERT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
-  auto loading = [&](pid_t) {
-    for (const v1::ServerStatus& status : Statuses()) {
-      for (const v1::CheckpointProgress& row : status.checkpoints_in_progress()) {
-        if (row.operation() == "load" && row.done() > 0) return true;
-      }
-    }
-    return false;
-  };
-  const absl::StatusOr<int> status = cluster_.InterruptCommand("load", {"--job=test", "--name=x"}, loading);
+  const absl::StatusOr<int> status =
+      cluster_.InterruptCommand("load", {"--job=test", "--name=x"}, [&](pid_t) { return Loading(); });
   ASSERT_TRUE(status.ok()) << status.status();
   ASSERT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGINT) << *status;
   AwaitIdle();
@@ -118,6 +139,43 @@ TEST_F(CheckpointInterruptTest, ALoadWhoseClientGoesAwayStopsAndStagesNothing) {
   ExpectAStep();
   const absl::Status loaded = client_->LoadCheckpoint("x");
   EXPECT_TRUE(loaded.ok()) << loaded;
+}
+
+TEST_F(CheckpointInterruptTest, ASaveCancelledWhileTheServersWriteKeepsNothing) {
+  const absl::Status saved =
+      CancelledOnceStarted([&] { return client_->SaveCheckpoint("x", CheckpointKind::kFull, true); },
+                           [&] { return SaveFileIn(root_.path(), "x"); });
+  EXPECT_TRUE(absl::IsCancelled(saved)) << saved;
+  EXPECT_EQ(std::string(saved.message()),
+            "the save of checkpoint 'x' was cancelled (Client::CancelCheckpointCalls); the servers keep nothing of it");
+  AwaitIdle();
+  const auto listed = client_->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty());
+  EXPECT_FALSE(fs::exists(root_.path() + "/.x.partial"));
+  ExpectAStep();
+  EXPECT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
+}
+
+TEST_F(CheckpointInterruptTest, ALoadCancelledWhileTheServersReadInstallsNothing) {
+  ASSERT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
+  ExpectAStep();  // version 1; the checkpoint holds version 0
+  const absl::Status loaded =
+      CancelledOnceStarted([&] { return client_->LoadCheckpoint("x"); }, [&] { return Loading(); });
+  EXPECT_TRUE(absl::IsCancelled(loaded)) << loaded;
+  AwaitIdle();
+  for (const v1::ServerStatus& server : Statuses()) EXPECT_EQ(server.staged_loads_size(), 0);
+  EXPECT_EQ(client_->WaitVersion("big", 0).value_or(-1), 1);  // not rolled back
+}
+
+TEST_F(CheckpointInterruptTest, AnExportCancelledFromItsProgressNamesNoFile) {
+  const testing::ScratchDir out("export-cancelled");
+  const absl::Status exported = client_->ExportStateDict(out.path(), CheckpointKind::kFull, false,
+                                                         [&](uint64_t, uint64_t) { client_->CancelCheckpointCalls(); });
+  EXPECT_TRUE(absl::IsCancelled(exported)) << exported;
+  EXPECT_TRUE(fs::is_empty(out.path()));
+  ASSERT_TRUE(client_->ExportStateDict(out.path(), CheckpointKind::kSharded, false).ok());
+  EXPECT_TRUE(fs::exists(out.path() + "/shard-1.safetensors"));
 }
 
 }  // namespace

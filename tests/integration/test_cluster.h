@@ -295,13 +295,21 @@ class TestCluster {
       }
       absl::SleepFor(absl::Microseconds(200));
     }
-    bool paused = true;
-    for (size_t rank = 0; rank < pids_.size(); ++rank) paused = Pause(static_cast<int>(rank)) && paused;
-    kill(pid, SIGINT);
-    waitpid(pid, &status, 0);
-    for (size_t rank = 0; rank < pids_.size(); ++rank) Resume(static_cast<int>(rank));
+    const bool paused = WhilePaused([&] {
+      kill(pid, SIGINT);
+      waitpid(pid, &status, 0);
+    });
     if (!paused) return absl::InternalError("a server did not stop");
     return status;
+  }
+
+  // Runs `body` with every server paused, then lets them go on; false if one did not stop.
+  [[nodiscard]] bool WhilePaused(const std::function<void()>& body) const {
+    bool paused = true;
+    for (size_t rank = 0; rank < pids_.size(); ++rank) paused = Pause(static_cast<int>(rank)) && paused;
+    body();
+    for (size_t rank = 0; rank < pids_.size(); ++rank) Resume(static_cast<int>(rank));
+    return paused;
   }
   const std::string& token() const { return token_; }
   pid_t pid(int rank) const { return pids_[rank]; }

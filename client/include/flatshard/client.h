@@ -299,6 +299,13 @@ class Client {
   // total announced so far.
   [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,
                                                      Progress progress = nullptr, CutAt at = {}) = 0;
+  // Cancels this client's SaveCheckpoint, LoadCheckpoint and ExportStateDict calls in
+  // progress (from another thread, or from their progress callbacks); calls made later are
+  // not affected. Each returns CANCELLED soon after, its servers having stopped and kept
+  // nothing of it: no save is committed (its files go), no load installed, no export file
+  // named. A call already committing goes to its end; a blocking save cancelled after
+  // every server wrote its part, just before its commit, stays incomplete (and says so).
+  virtual void CancelCheckpointCalls() = 0;
 };
 
 // Views a typed buffer as bytes, for Gather and Scatter.
