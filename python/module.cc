@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <future>
 #include <map>
 #include <memory>
@@ -362,6 +363,8 @@ class PyClient {
                  [&](const Client::Progress& p) { return client_->ExportStateDict(path, k, optimizer, p, at); });
   }
 
+  void CancelCheckpointCalls() { client_->CancelCheckpointCalls(); }
+
   // As `flatshard status --json`.
   std::string StatusJson() {
     py::gil_scoped_release release;
@@ -382,32 +385,47 @@ class PyClient {
     Check(status);
   }
 
-  // Runs `call` without the GIL, handing it `callback` (a Python callable(done, total), or
-  // None) as a Client::Progress: called with the GIL taken, from the client's threads. An
-  // exception it raises stops further calls and is raised once `call` has returned.
+  // Runs `call` (a save, load or export) on a thread of its own, handing it `callback` (a
+  // Python callable(done, total), or None) as a Client::Progress, called with the GIL
+  // taken from the client's threads. Meanwhile this thread waits without the GIL and looks
+  // at Python's signals every 50 ms. A KeyboardInterrupt (Ctrl-C), or another exception a
+  // signal handler raises, cancels the call (CancelCheckpointCalls) and is raised once it
+  // has ended; so is an exception the callback raises, which stops further calls.
   template <typename F>
   void WithProgress(const py::object& callback, F&& call) {
-    if (callback.is_none()) {
-      Released([&] { return call(Client::Progress()); });
-      return;
-    }
     struct State {
       py::object callback;
       std::optional<py::error_already_set> error;
     };
     auto state = std::make_shared<State>(State{callback, std::nullopt});
-    Released([&] {
-      return call([state](uint64_t done, uint64_t total) {
+    Client::Progress progress;
+    if (!callback.is_none()) {
+      progress = [state, client = client_.get()](uint64_t done, uint64_t total) {
         py::gil_scoped_acquire gil;
         if (state->error) return;
         try {
           state->callback(done, total);
         } catch (py::error_already_set& error) {
           state->error = std::move(error);
+          client->CancelCheckpointCalls();
         }
-      });
-    });
+      };
+    }
+    std::future<absl::Status> outcome = std::async(std::launch::async, [&] { return call(progress); });
+    bool interrupted = false;
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      while (!interrupted && outcome.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+        py::gil_scoped_acquire gil;
+        interrupted = PyErr_CheckSignals() != 0;  // its exception stays set
+      }
+      if (interrupted) client_->CancelCheckpointCalls();
+      status = outcome.get();
+    }
+    if (interrupted) throw py::error_already_set();
     if (state->error) throw *state->error;
+    Check(status);
   }
 
   std::unique_ptr<Client> client_;
@@ -444,6 +462,7 @@ PYBIND11_MODULE(_native, m) {
       .def("delete_job", &PyClient::DeleteJob)
       .def("list_checkpoints", &PyClient::ListCheckpoints)
       .def("export_state_dict", &PyClient::ExportStateDict)
+      .def("cancel_checkpoint_calls", &PyClient::CancelCheckpointCalls, py::call_guard<py::gil_scoped_release>())
       .def("status_json", &PyClient::StatusJson)
       .def("data_planes", &PyClient::DataPlanes);
 }

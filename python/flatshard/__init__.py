@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import _native
-from ._errors import (AbortedError, AlreadyExistsError, DataLossError, DeadlineExceededError, Error,
-                      FailedPreconditionError, InternalError, InvalidArgumentError,
+from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError, DeadlineExceededError,
+                      Error, FailedPreconditionError, InternalError, InvalidArgumentError,
                       NotFoundError, ResourceExhaustedError, UnauthenticatedError,
                       UnavailableError)
 from .local_cluster import LocalCluster
@@ -35,7 +35,7 @@ __version__ = _native.version
 PROTOCOL_REVISION = _native.protocol_revision
 
 __all__ = [
-    "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Frozen", "Error", "InvalidArgumentError",
+    "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Frozen", "Error", "CancelledError", "InvalidArgumentError",
     "DeadlineExceededError", "NotFoundError", "AlreadyExistsError", "ResourceExhaustedError",
     "FailedPreconditionError", "AbortedError", "UnavailableError", "InternalError", "DataLossError",
     "UnauthenticatedError",
@@ -381,11 +381,17 @@ class Client:
         `cut` moves the trained groups' cut (C++ `CutAt`): "boundary" to the end of the step
         in progress (for a client that sends no gradients while workers train; the groups
         must step together), or a version, waiting for training to get there. None (or
-        "now") is the default above."""
+        "now") is the default above.
+
+        Ctrl-C (KeyboardInterrupt), an exception `progress` raises, or
+        cancel_checkpoint_calls() from another thread cancels a save, load or export in
+        progress: the servers stop and keep nothing of it, and the exception (or
+        CancelledError) is raised once they have."""
         self._native.save_checkpoint(name, kind, bool(optimizer), not blocking, progress, cut)
 
     def load_checkpoint(self, name, progress=None):
-        """Loads a checkpoint into the job's registered groups; `progress` as for saves."""
+        """Loads a checkpoint into the job's registered groups; `progress`, and how to
+        cancel it, as for saves."""
         self._native.load_checkpoint(name, progress)
 
     def list_checkpoints(self):
@@ -398,9 +404,15 @@ class Client:
 
     def export_state_dict(self, path, kind="full", optimizer=False, progress=None, cut=None):
         """Streams the job's state dict into directory `path` on this machine;
-        `progress(done, total)` (bytes, optional) is called as chunks arrive; `cut` as for
-        save_checkpoint."""
+        `progress(done, total)` (bytes, optional) is called as chunks arrive; `cut`, and how
+        to cancel it, as for save_checkpoint."""
         self._native.export_state_dict(str(path), kind, bool(optimizer), progress, cut)
+
+    def cancel_checkpoint_calls(self):
+        """Cancels this client's saves, loads and exports in progress (from another
+        thread): each raises CancelledError once its servers have stopped, keeping nothing
+        of it (C++ `Client::CancelCheckpointCalls`)."""
+        self._native.cancel_checkpoint_calls()
 
     def status(self):
         """Every server's status, as `flatshard status --json`."""

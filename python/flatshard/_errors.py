@@ -28,6 +28,12 @@ class Error(Exception):
         return _CODE_NAMES.get(self.code, str(self.code))
 
 
+class CancelledError(Error):
+    """A save, load or export cancelled by cancel_checkpoint_calls()."""
+
+    code = 1
+
+
 class InvalidArgumentError(Error, ValueError):
     code = 3
 
@@ -75,7 +81,7 @@ class UnauthenticatedError(Error, PermissionError):
 
 
 _BY_CODE = {cls.code: cls for cls in (
-    InvalidArgumentError, DeadlineExceededError, NotFoundError, AlreadyExistsError,
+    CancelledError, InvalidArgumentError, DeadlineExceededError, NotFoundError, AlreadyExistsError,
     ResourceExhaustedError, FailedPreconditionError, AbortedError, UnavailableError, InternalError,
     DataLossError, UnauthenticatedError)}
 

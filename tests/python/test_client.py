@@ -3,6 +3,7 @@ against numpy float64, and its errors (each a flatshard.Error subclass, raised
 promptly)."""
 
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -274,18 +275,45 @@ class ClientTest(unittest.TestCase):
             c.export_state_dict(out, kind="full", progress=lambda done, total: calls.append((done, total)))
             tensors, _ = read_safetensors(os.path.join(out, "model.safetensors"))
             size = os.path.getsize(os.path.join(out, "model.safetensors"))
-            # A callback that raises: the export completes, then the error is raised.
+            # A callback that raises cancels the export, and its error is raised.
             def fail(done, total):
                 raise ValueError("stop drawing")
             with self.assertRaisesRegex(ValueError, "stop drawing"):
                 c.export_state_dict(os.path.join(out, "again"), kind="full", progress=fail)
-            self.assertTrue(os.path.exists(os.path.join(out, "again", "model.safetensors")))
+            self.assertEqual(os.listdir(os.path.join(out, "again")), [])
         self.assertTrue(calls)
         self.assertEqual(calls[-1], (size, size))
         self.assertTrue(all(done <= total for done, total in calls))
         module = torch.nn.Linear(3, 4)
         module.load_state_dict(tensors, strict=True)
         np.testing.assert_array_equal(module.weight.detach().numpy(), init["weight"])
+
+    def test_ctrl_c_or_a_cancel_stops_an_export_and_names_no_file(self):
+        c = self.client(job="interrupted")
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        c.init_group("g", values(3))
+        main = threading.get_ident()
+        calls = []
+
+        def ctrl_c(done, total):
+            # Ctrl-C while this stream is held here (the export cannot end meanwhile).
+            calls.append(done)
+            if len(calls) == 1:
+                signal.pthread_kill(main, signal.SIGINT)
+                time.sleep(1.0)
+
+        with tempfile.TemporaryDirectory() as out:
+            start = time.monotonic()
+            with self.assertRaises(KeyboardInterrupt):
+                c.export_state_dict(out, kind="full", progress=ctrl_c)
+            self.assertLess(time.monotonic() - start, 30.0)
+            self.assertEqual(os.listdir(out), [])
+            with self.assertRaisesRegex(flatshard.CancelledError, "was cancelled .* keep nothing of it"):
+                c.export_state_dict(out, kind="sharded", progress=lambda done, total: c.cancel_checkpoint_calls())
+            self.assertEqual(os.listdir(out), [])
+            c.export_state_dict(out, kind="full")  # the servers serve on
+            self.assertEqual(os.listdir(out), ["model.safetensors"])
 
     def test_an_unknown_device_plane_is_refused(self):
         with self.assertRaisesRegex(flatshard.InvalidArgumentError, "device_plane 'gpu' is not one of"):
