@@ -90,12 +90,17 @@ absl::StatusOr<File*> ExportFiles::FileFor(const v1::ExportChunk& chunk) {
     file = File::Open(path, File::Mode::kWrite);
   }
   if (!file.ok()) return file.status();
-  // Kept from here on, so that the destructor removes it whatever fails next.
-  Temporary& temporary = files_.emplace(name, Temporary{*std::move(file), !unnamed_}).first->second;
-  FLATSHARD_ASSIGN_OR_RETURN(const bool locked, temporary.file.TryLock());
-  if (!locked) return absl::InternalError(absl::StrCat("'", path, "' is locked by another process"));
-  FLATSHARD_RETURN_IF_ERROR(temporary.file.Reserve(chunk.file_size()));
-  return &temporary.file;
+  const absl::StatusOr<bool> locked = file->TryLock();
+  const absl::Status ready = !locked.ok() ? locked.status()
+                             : !*locked ? absl::InternalError(absl::StrCat("'", path, "' is locked by another process"))
+                                        : file->Reserve(chunk.file_size());
+  if (!ready.ok()) {
+    // Gone, so that the next stream to write the file tries anew rather than write into
+    // one without room.
+    if (!unnamed_) std::remove(path.c_str());
+    return ready;
+  }
+  return &files_.emplace(name, Temporary{*std::move(file), !unnamed_}).first->second.file;
 }
 
 absl::Status ExportFiles::WriteChunk(const v1::ExportChunk& chunk) {
