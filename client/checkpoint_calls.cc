@@ -90,9 +90,7 @@ uint64_t RandomId() {
 std::string NewSaveId() { return absl::StrFormat("%016x", RandomId()); }
 
 // How a cancelled call names itself.
-std::string CancelledWhat(absl::string_view what) {
-  return absl::StrCat(what, " was cancelled (Client::CancelCheckpointCalls)");
-}
+std::string CancelledWhat(absl::string_view what) { return absl::StrCat(what, " was cancelled"); }
 
 // `status` as the caller of `what` sees it: when `cancellation` was what ended it,
 // Cancelled, saying so (a message that already does stays).

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "client/cli/cancel_on_signal.h"
 #include "client/cli/command_client.h"
 #include "client/cli/human_bytes.h"
 #include "flatshard/client.h"
@@ -117,14 +119,18 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     return 2;
   }
   client_options.export_chunk_bytes = static_cast<uint32_t>(options.chunk_mib) << 20;
+  const bool moves_the_model = command == "save" || command == "load" || command == "export";
+  std::optional<CancelOnSignal> interrupts;  // before the client's threads start
+  if (moves_the_model) interrupts.emplace(err, command);
   auto client = Client::Connect(client_options);
   if (!client.ok()) {
     err << "flatshard " << command << ": " << client.status() << "\n";
     return 1;
   }
+  if (interrupts) interrupts->Watch(**client);
   const absl::Time start = absl::Now();
   absl::Status status;
-  if (command == "save" || command == "load" || command == "export") {
+  if (moves_the_model) {
     // The progress bar ends its line once something was drawn.
     auto drawn = std::make_shared<bool>(false);
     Client::Progress progress = [printer = ProgressPrinter(out, command), drawn](uint64_t done, uint64_t total) {
@@ -164,7 +170,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   }
   if (!status.ok()) {
     err << "flatshard " << command << ": " << status << "\n";
-    return 1;
+    return interrupts && interrupts->signalled() ? 130 : 1;
   }
   if (command != "checkpoints") {
     // The versions a save holds (a blocking one's: an async one is still being written).

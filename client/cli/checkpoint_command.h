@@ -27,7 +27,8 @@ struct CheckpointCommandOptions {
   int chunk_mib = 4;  // export: MiB per streamed chunk
 };
 
-// Returns 0 on success, 1 when the cluster refused (the status on `err`), 2 on bad options.
+// Returns 0 on success, 1 when the cluster refused (the status on `err`), 2 on bad options,
+// 130 when a save, load or export was cancelled by Ctrl-C or SIGTERM (cli/cancel_on_signal.h).
 int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& out, std::ostream& err);
 
 }  // namespace flatshard::cli

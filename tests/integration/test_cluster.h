@@ -271,12 +271,12 @@ class TestCluster {
   }
 
   // Runs `flatshard <command> <CommandFlags()> <args>` and, once `started(pid)` says it is
-  // under way, interrupts it as Ctrl-C does (SIGINT) with every server paused meanwhile,
-  // so that none can finish what the command asked before it is gone; then lets them go
-  // on. Returns the command's wait status; an error when it ended by itself first (or
-  // did not start within 60 s).
+  // under way, interrupts it as Ctrl-C does (SIGINT; SIGKILL with `sigkill`) with every
+  // server paused meanwhile, so that none can finish what the command asked first; then
+  // lets them go on and waits for the command. Returns its wait status; an error when it
+  // ended by itself first (or did not start within 60 s).
   absl::StatusOr<int> InterruptCommand(const std::string& command, const std::vector<std::string>& args,
-                                       const std::function<bool(pid_t)>& started) const {
+                                       const std::function<bool(pid_t)>& started, bool sigkill = false) const {
     std::vector<std::string> argv = CommandFlags();
     argv.insert(argv.begin(), command);
     argv.insert(argv.end(), args.begin(), args.end());
@@ -295,10 +295,9 @@ class TestCluster {
       }
       absl::SleepFor(absl::Microseconds(200));
     }
-    const bool paused = WhilePaused([&] {
-      kill(pid, SIGINT);
-      waitpid(pid, &status, 0);
-    });
+    // A command that cancels on SIGINT waits for the servers to let go.
+    const bool paused = WhilePaused([&] { kill(pid, sigkill ? SIGKILL : SIGINT); });
+    waitpid(pid, &status, 0);
     if (!paused) return absl::InternalError("a server did not stop");
     return status;
   }

@@ -309,7 +309,7 @@ class ClientTest(unittest.TestCase):
                 c.export_state_dict(out, kind="full", progress=ctrl_c)
             self.assertLess(time.monotonic() - start, 30.0)
             self.assertEqual(os.listdir(out), [])
-            with self.assertRaisesRegex(flatshard.CancelledError, "was cancelled .* keep nothing of it"):
+            with self.assertRaisesRegex(flatshard.CancelledError, "was cancelled; the servers keep nothing of it"):
                 c.export_state_dict(out, kind="sharded", progress=lambda done, total: c.cancel_checkpoint_calls())
             self.assertEqual(os.listdir(out), [])
             c.export_state_dict(out, kind="full")  # the servers serve on
