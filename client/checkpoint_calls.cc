@@ -176,13 +176,13 @@ absl::Status CheckpointCalls::Save(Cancellation& cancellation, const std::string
       return absl::OkStatus();  // otherwise the stream's outcome says why
     });
   }));
-  // Every part is in server 0's root (shared or not), which commits; with a root per
-  // server, each server commits its own LOCAL part.
   if (!cancellation.Seal()) {
     return absl::CancelledError(absl::StrCat(CancelledWhat(SaveWhat(name)),
                                              " once every server had written its part, before the commit: it stays "
                                              "incomplete until deleted"));
   }
+  // Every part is in server 0's root (shared or not), which commits; with a root per
+  // server, each server commits its own LOCAL part.
   std::vector<bool> committers(writers.size(), request.root_per_server());
   committers[0] = true;
   v1::SaveCheckpointStep commit;
