@@ -647,6 +647,7 @@ TEST(CheckpointStoreTest, AWrittenSaveHoldsItsNameUntilItIsReleased) {
   EXPECT_THAT(std::string(after.message()), Not(HasSubstr("is being saved")));  // committed
   EXPECT_TRUE(store.Delete("x").ok());
 }
+
 // A blocking save whose client went away (its stream cancelled) stops at the next slice
 // instead of writing on for a part no one will commit: Cancelled, its files removed, the
 // groups' pins and the name released.
