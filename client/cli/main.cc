@@ -81,7 +81,8 @@ constexpr char kUsage[] =
     "  delete-job --cluster=... --job=J     delete a job whose training is over, with its groups\n"
     "  export --cluster=... --out=DIR --kind=full|sharded [--optimizer] [--chunk_mib=4] [--job=J]\n"
     "       [--cut=now|boundary|VERSION]\n"
-    "                                  stream a state dict to this machine's disk\n";
+    "                                  stream a state dict to this machine's disk\n"
+    "  (save, load, export: Ctrl-C cancels; the servers keep nothing of it; exit status 130)\n";
 
 int Layout(const std::vector<std::string>& args) {
   const flatshard::cli::LayoutCommandOptions options{.json = absl::GetFlag(FLAGS_json),
