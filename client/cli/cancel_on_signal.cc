@@ -2,7 +2,7 @@
 
 #include <unistd.h>
 
-#include <cerrno>
+#include <cstring>
 #include <ctime>
 
 namespace flatshard::cli {

@@ -14,7 +14,7 @@
 //   auto client = Client::Connect(options);
 //   interrupts.Watch(**client);
 //   status = (*client)->ExportStateDict(...);
-//   if (interrupts.signalled()) return 130;
+//   if (!status.ok() && interrupts.signalled()) return 130;
 #ifndef FLATSHARD_CLIENT_CLI_CANCEL_ON_SIGNAL_H_
 #define FLATSHARD_CLIENT_CLI_CANCEL_ON_SIGNAL_H_
 

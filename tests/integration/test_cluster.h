@@ -310,6 +310,7 @@ class TestCluster {
     for (size_t rank = 0; rank < pids_.size(); ++rank) Resume(static_cast<int>(rank));
     return paused;
   }
+
   const std::string& token() const { return token_; }
   pid_t pid(int rank) const { return pids_[rank]; }
 
