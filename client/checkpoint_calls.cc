@@ -89,15 +89,11 @@ uint64_t RandomId() {
 // A fresh id for one save (16 hex digits): its parts carry it, and commits take no others.
 std::string NewSaveId() { return absl::StrFormat("%016x", RandomId()); }
 
-// How a cancelled call names itself.
-std::string CancelledWhat(absl::string_view what) { return absl::StrCat(what, " was cancelled"); }
-
 // `status` as the caller of `what` sees it: when `cancellation` was what ended it,
-// Cancelled, saying so (a message that already does stays).
+// Cancelled, saying so.
 absl::Status UnlessCancelled(const Cancellation& cancellation, absl::string_view what, absl::Status status) {
   if (status.ok() || !cancellation.cancelled()) return status;
-  if (absl::IsCancelled(status) && absl::StartsWith(status.message(), CancelledWhat(what))) return status;
-  return absl::CancelledError(absl::StrCat(CancelledWhat(what), "; the servers keep nothing of it"));
+  return absl::CancelledError(absl::StrCat(what, " was cancelled; the servers keep nothing of it"));
 }
 
 std::string SaveWhat(const std::string& name) { return absl::StrCat("the save of checkpoint '", name, "'"); }
@@ -176,11 +172,9 @@ absl::Status CheckpointCalls::Save(Cancellation& cancellation, const std::string
       return absl::OkStatus();  // otherwise the stream's outcome says why
     });
   }));
-  if (!cancellation.Seal()) {
-    return absl::CancelledError(absl::StrCat(CancelledWhat(SaveWhat(name)),
-                                             " once every server had written its part, before the commit: it stays "
-                                             "incomplete until deleted"));
-  }
+  // Cancelled now, the streams end with no commit: server 0 (each, with a root per
+  // server) then removes the parts.
+  if (!cancellation.Seal()) return absl::CancelledError("");
   // Every part is in server 0's root (shared or not), which commits; with a root per
   // server, each server commits its own LOCAL part.
   std::vector<bool> committers(writers.size(), request.root_per_server());

@@ -326,6 +326,12 @@ int CheckpointStore::PartsExpected(const std::string& dir) const {
   return servers >= 1 && servers <= num_servers_ ? static_cast<int>(servers) : num_servers_;
 }
 
+void CheckpointStore::EndWithoutCommit(const PendingSave& save) {
+  if (rank_ != 0 && !save.options_.root_per_server) return;  // server 0 commits every part
+  AbandonPart(save.name_, save.options_.save_id, rank_, save.servers_, save.options_.root_per_server,
+              absl::CancelledError("the client ended the save before its commit"));
+}
+
 void CheckpointStore::AbandonPart(const std::string& name, const std::string& save_id, int rank, int servers,
                                   bool root_per_server, const absl::Status& error) {
   if (rank < 0 || rank >= num_servers_) return;  // a peer's bad request: it has no part here

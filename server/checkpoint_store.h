@@ -206,6 +206,13 @@ class CheckpointStore {
                                                        absl::Time deadline) const;
   [[nodiscard]] absl::Status Export(CheckpointSink& sink, CheckpointKind kind, bool optimizer,
                                     const PinnedExport& pinned) const;
+  // A blocking save whose part FinishSave wrote, and whose client then ended the stream
+  // without a commit (it went away, or cancelled the save just before its commit): no
+  // commit can come any more. The server that would have committed it (server 0, which
+  // holds every part; with a root per server, each) abandons it as AbandonPart does, so
+  // that its files go once no part is still being written; the other servers leave
+  // their parts to it.
+  void EndWithoutCommit(const PendingSave& save);
   // Completes save `save_id` of a checkpoint once every server saved its part; OK if this
   // save is committed already (by a server sharing the root). With a root per server
   // (other parts absent), a LOCAL checkpoint is committed per server: its manifest lists

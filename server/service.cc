@@ -341,9 +341,12 @@ grpc::Status FlatshardService::SaveCheckpoint(
   // written its part, has one commit, or closes the stream.
   v1::SaveAnswer answer;
   answer.set_written(true);
-  if (!stream->Write(answer) || !stream->Read(&step)) return grpc::Status::OK;
-  if (!step.commit()) return ToGrpc(absl::InvalidArgumentError("save: after 'written', only 'commit' is expected"));
-  return ToGrpc(checkpoints_.Commit(request.name(), request.save_id()));
+  const bool answered = stream->Write(answer) && stream->Read(&step);
+  if (answered && step.commit()) return ToGrpc(checkpoints_.Commit(request.name(), request.save_id()));
+  // No commit will come (the client went away, or cancelled the save just before it).
+  checkpoints_.EndWithoutCommit(**save);
+  if (!answered) return grpc::Status::OK;
+  return ToGrpc(absl::InvalidArgumentError("save: after 'written', only 'commit' is expected"));
 }
 
 grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx, const v1::LoadCheckpointRequest* request,

@@ -156,6 +156,38 @@ TEST_F(CheckpointInterruptTest, ASaveCancelledWhileTheServersWriteKeepsNothing) 
   EXPECT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
 }
 
+TEST_F(CheckpointInterruptTest, ASaveCancelledOnceEveryPartIsWrittenKeepsNothing) {
+  // The last progress report, every byte written, comes once every server has answered
+  // that its part is written, just before the commit. The servers are held for a moment
+  // mid-save, so that the progress poller reports before it (it first asks at 200 ms).
+  std::thread hold([&] {
+    for (const absl::Time until = absl::Now() + absl::Seconds(60);
+         !SaveFileIn(root_.path(), "x") && absl::Now() < until;) {
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    EXPECT_TRUE(cluster_.WhilePaused([] { absl::SleepFor(absl::Milliseconds(300)); }));
+  });
+  bool cancelled_when_written = false;
+  const absl::Status saved =
+      client_->SaveCheckpoint("x", CheckpointKind::kSharded, false, false, [&](uint64_t done, uint64_t total) {
+        if (done < total || cancelled_when_written) return;
+        cancelled_when_written = true;
+        client_->CancelCheckpointCalls();
+      });
+  hold.join();
+  ASSERT_TRUE(cancelled_when_written);
+  EXPECT_TRUE(absl::IsCancelled(saved)) << saved;
+  EXPECT_EQ(std::string(saved.message()), "the save of checkpoint 'x' was cancelled; the servers keep nothing of it");
+  AwaitIdle();
+  // Server 0, which the commit would have gone to, removed every part.
+  const auto listed = client_->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty()) << (*listed)[0].name << " complete: " << (*listed)[0].complete;
+  EXPECT_FALSE(fs::exists(root_.path() + "/.x.partial"));
+  ExpectAStep();
+  EXPECT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
+}
+
 TEST_F(CheckpointInterruptTest, ALoadCancelledWhileTheServersReadInstallsNothing) {
   ASSERT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
   ExpectAStep();  // version 1; the checkpoint holds version 0

@@ -10,8 +10,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -667,6 +669,42 @@ TEST(CheckpointStoreTest, ABlockingSaveWhoseClientWentAwayStopsAtOnceAndLeavesNo
   save->reset();
   EXPECT_TRUE(store.BeginSave("x", CheckpointKind::kSharded, true, "job", Options(false, "t")).ok());
   EXPECT_TRUE(Listing(store).empty());
+}
+
+// A blocking save whose every part is written, and whose client then ends the streams
+// without the commit (it went away or cancelled): server 0, the one the commit would go
+// to, removes the save; server 1 leaves its part to it. With a root per server (LOCAL),
+// each server commits its own part, and so removes it.
+TEST(CheckpointStoreTest, ABlockingSaveEndedWithoutItsCommitIsRemovedByItsCommitter) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(2, root);
+  std::vector<std::unique_ptr<PendingSave>> saves;
+  for (int rank = 0; rank < 2; ++rank) {
+    CheckpointStore& store = cluster.store(rank);
+    auto save = store.BeginSave("x", CheckpointKind::kSharded, true, "job", Options(false, "s"));
+    ASSERT_TRUE(save.ok()) << save.status();
+    ASSERT_TRUE(store.PinSave(**save, store.JobVersions("job"), absl::InfiniteFuture()).ok());
+    ASSERT_TRUE(store.FinishSave(**save, absl::InfiniteFuture()).ok());
+    saves.push_back(*std::move(save));
+  }
+  cluster.store(1).EndWithoutCommit(*saves[1]);
+  EXPECT_TRUE(std::filesystem::exists(root + "/.x.partial/s/part-1.json"));
+  cluster.store(0).EndWithoutCommit(*saves[0]);
+  EXPECT_FALSE(std::filesystem::exists(root + "/.x.partial"));
+  saves.clear();
+  EXPECT_TRUE(Listing(cluster.store(0)).empty());
+
+  const std::string own_root = FreshRoot();
+  FakeCluster alone(2, own_root);
+  SaveOptions per_server = Options(false, "t");
+  per_server.root_per_server = true;
+  auto local = alone.store(1).BeginSave("y", CheckpointKind::kLocal, true, "job", per_server);
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_TRUE(alone.store(1).PinSave(**local, alone.store(1).JobVersions("job"), absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(alone.store(1).FinishSave(**local, absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(std::filesystem::exists(own_root + "/.y.partial/t/part-1.json"));
+  alone.store(1).EndWithoutCommit(**local);
+  EXPECT_FALSE(std::filesystem::exists(own_root + "/.y.partial"));
 }
 
 // While a save of a name runs on a server (here: waiting for the version it cuts at),

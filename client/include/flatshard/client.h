@@ -255,7 +255,9 @@ class Client {
                                                     const OptimizerOptions& optimizer) = 0;
 
   // Progress of a save, load or export: the bytes done and the total known so far (it
-  // grows while servers start). Called from a thread of the client's, one call at a time.
+  // grows while servers start). Called from a thread of the client's, one call at a time;
+  // once every server is done (before a save's or load's commit), a last time with
+  // bytes_done == bytes_total, if it was called before.
   using Progress = std::function<void(uint64_t bytes_done, uint64_t bytes_total)>;
 
   // Saves every group of the job at its current version (a consistent cut: each server
@@ -303,8 +305,7 @@ class Client {
   // progress (from another thread, or from their progress callbacks); calls made later are
   // not affected. Each returns CANCELLED soon after, its servers having stopped and kept
   // nothing of it: no save is committed (its files go), no load installed, no export file
-  // named. A call already committing goes to its end; a blocking save cancelled after
-  // every server wrote its part, just before its commit, stays incomplete (and says so).
+  // named. A call already committing goes to its end.
   virtual void CancelCheckpointCalls() = 0;
 };
 
