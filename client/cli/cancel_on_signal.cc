@@ -21,16 +21,22 @@ CancelOnSignal::~CancelOnSignal() {
   pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
 }
 
+void CancelOnSignal::Watch(std::function<void()> cancel) {
+  absl::MutexLock lock(&mu_);
+  cancel_ = std::move(cancel);
+}
+
 void CancelOnSignal::Run() {
-  const timespec poll{0, 100'000'000};  // how soon the destructor's stop is seen
+  const timespec poll{0, 100'000'000};  // how soon the destructor's stop is seen; how often a cancel repeats
   while (!stop_.load()) {
     const int signal_number = sigtimedwait(&signals_, nullptr, &poll);
-    if (signal_number < 0) continue;  // EAGAIN (none came) or EINTR
-    Client* const client = client_.load();
-    if (signalled_.exchange(true) || client == nullptr) _exit(130);
-    err_ << "\nflatshard " << command_ << ": cancelling on " << strsignal(signal_number)
-         << " (the servers keep nothing of it); again to quit at once" << std::endl;
-    client->CancelCheckpointCalls();
+    absl::MutexLock lock(&mu_);
+    if (signal_number >= 0) {
+      if (signalled_.exchange(true) || cancel_ == nullptr) _exit(130);
+      err_ << "\nflatshard " << command_ << ": cancelling on " << strsignal(signal_number)
+           << " (the servers keep nothing of it); again to quit at once" << std::endl;
+    }
+    if (signalled_.load()) cancel_();  // also a call that began since
   }
 }
 

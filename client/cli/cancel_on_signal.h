@@ -4,7 +4,9 @@
 // the call), saying so on `err`, and the command ends once the servers have let go; a
 // second one, or one before there is a client, ends the process at once (exit status
 // 130). The signals are blocked in the calling thread, and so in every thread it starts
-// later (gRPC's), and taken by a thread of its own with sigtimedwait.
+// later (gRPC's), and taken by a thread of its own with sigtimedwait. Since a cancel
+// reaches only the calls in progress, it is repeated every 100 ms until this is
+// destroyed: a signal that comes just before the call begins cancels it all the same.
 //
 // Create it before the client (its threads must inherit the blocked signals) and destroy
 // it on the same thread, after the client's calls have returned; not thread-safe
@@ -12,7 +14,7 @@
 //
 //   CancelOnSignal interrupts(std::cerr, "export");
 //   auto client = Client::Connect(options);
-//   interrupts.Watch(**client);
+//   interrupts.Watch([&c = **client] { c.CancelCheckpointCalls(); });
 //   status = (*client)->ExportStateDict(...);
 //   if (!status.ok() && interrupts.signalled()) return 130;
 #ifndef FLATSHARD_CLIENT_CLI_CANCEL_ON_SIGNAL_H_
@@ -21,11 +23,12 @@
 #include <signal.h>
 
 #include <atomic>
+#include <functional>
 #include <ostream>
 #include <string>
 #include <thread>
 
-#include "flatshard/client.h"
+#include "absl/synchronization/mutex.h"
 
 namespace flatshard::cli {
 
@@ -36,8 +39,9 @@ class CancelOnSignal {
   CancelOnSignal(const CancelOnSignal&) = delete;
   CancelOnSignal& operator=(const CancelOnSignal&) = delete;
 
-  // From now on, a first signal cancels `client`'s checkpoint calls (it must outlive this).
-  void Watch(Client& client) { client_.store(&client); }
+  // From now on, a signal calls `cancel` (whatever it needs must outlive this), and again
+  // every 100 ms after.
+  void Watch(std::function<void()> cancel);
   // Whether a signal came (the command then exits with 130).
   bool signalled() const { return signalled_.load(); }
 
@@ -48,7 +52,8 @@ class CancelOnSignal {
   const std::string command_;
   sigset_t signals_;
   sigset_t previous_;
-  std::atomic<Client*> client_{nullptr};
+  absl::Mutex mu_;
+  std::function<void()> cancel_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> signalled_{false};
   std::atomic<bool> stop_{false};
   std::thread thread_;

@@ -127,7 +127,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     err << "flatshard " << command << ": " << client.status() << "\n";
     return 1;
   }
-  if (interrupts) interrupts->Watch(**client);
+  if (interrupts) interrupts->Watch([&c = **client] { c.CancelCheckpointCalls(); });
   const absl::Time start = absl::Now();
   absl::Status status;
   if (moves_the_model) {
