@@ -158,16 +158,34 @@ class Pending {
   Pending(const Pending&) = delete;
   Pending& operator=(const Pending&) = delete;
 
-  // Waits (GIL released; flatshard::Await, so a small transfer is seen as it completes)
-  // and returns the version; raises on failure.
+  // Waits (GIL released; flatshard::AwaitFor, so a small transfer is seen as it
+  // completes) and returns the version; raises on failure. Python's signals are looked at
+  // every 50 ms meanwhile: Ctrl-C raises KeyboardInterrupt at once, while the transfer
+  // goes on (bounded by the client's timeout) with its buffer still referenced here.
   int64_t Wait() {
-    absl::StatusOr<int64_t> result = [&]() -> absl::StatusOr<int64_t> {
+    bool interrupted = false;
+    {
       py::gil_scoped_release release;
-      if (const auto* gather = std::get_if<GatherFuture>(&future_)) return Await(*gather);
-      const absl::Status& scattered = Await(std::get<ScatterFuture>(future_));
-      if (!scattered.ok()) return scattered;
-      return int64_t{0};
-    }();
+      std::visit(
+          [&](const auto& future) {
+            for (absl::Duration spin = kAwaitSpin; !AwaitFor(future, absl::Milliseconds(50), spin);
+                 spin = absl::ZeroDuration()) {
+              py::gil_scoped_acquire gil;
+              if (PyErr_CheckSignals() != 0) {  // its exception stays set
+                interrupted = true;
+                return;
+              }
+            }
+          },
+          future_);
+    }
+    if (interrupted) throw py::error_already_set();
+    absl::StatusOr<int64_t> result = int64_t{0};  // a scatter's
+    if (const auto* gather = std::get_if<GatherFuture>(&future_)) {
+      result = gather->get();
+    } else if (const absl::Status& scattered = std::get<ScatterFuture>(future_).get(); !scattered.ok()) {
+      result = scattered;
+    }
     keep_ = py::object();
     return Check(std::move(result));
   }
@@ -416,11 +434,15 @@ class PyClient {
     absl::Status status;
     {
       py::gil_scoped_release release;
-      while (!interrupted && outcome.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
-        py::gil_scoped_acquire gil;
-        interrupted = PyErr_CheckSignals() != 0;  // its exception stays set
+      while (outcome.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+        if (!interrupted) {
+          py::gil_scoped_acquire gil;
+          interrupted = PyErr_CheckSignals() != 0;  // its exception stays set
+        }
+        // Again until the call ends: a cancel reaches the calls in progress only, and
+        // this one may not have begun yet.
+        if (interrupted) client_->CancelCheckpointCalls();
       }
-      if (interrupted) client_->CancelCheckpointCalls();
       status = outcome.get();
     }
     if (interrupted) throw py::error_already_set();

@@ -195,7 +195,9 @@ class Transfer:
     """A gather or scatter in flight; ``wait()`` returns its result (or raises its error),
     as often as it is called; ``done()`` says whether it has finished. A small transfer's
     wait() watches for it for up to 200 us before sleeping (flatshard::Await in the C++
-    client), which sees it finish tens of microseconds sooner."""
+    client), which sees it finish tens of microseconds sooner. Ctrl-C in wait() raises
+    KeyboardInterrupt at once; the transfer goes on, its buffer held, and a later wait()
+    returns its result."""
 
     def __init__(self, pending, finish):
         self._pending = pending

@@ -61,5 +61,22 @@ TEST(AwaitTest, ADeferredFutureRunsAtOnceWithoutPolling) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
 }
 
+TEST(AwaitTest, AwaitForSaysWhetherTheResultCameWithinItsTime) {
+  std::thread setter;
+  std::future<int> future = SetLater(setter, absl::Milliseconds(300), 9);
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(AwaitFor(future, absl::Milliseconds(20)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(20));  // it waited its time
+  EXPECT_TRUE(future.valid());                             // the result is not taken
+  EXPECT_TRUE(AwaitFor(future, absl::Seconds(30), absl::ZeroDuration()));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // ended by the result, not the 30 s
+  EXPECT_EQ(future.get(), 9);
+  setter.join();
+
+  const std::shared_future<int> deferred = std::async(std::launch::deferred, [] { return 4; }).share();
+  EXPECT_TRUE(AwaitFor(deferred, absl::Seconds(30)));  // get() does not wait for it
+  EXPECT_EQ(deferred.get(), 4);
+}
+
 }  // namespace
 }  // namespace flatshard

@@ -315,6 +315,28 @@ class ClientTest(unittest.TestCase):
             c.export_state_dict(out, kind="full")  # the servers serve on
             self.assertEqual(os.listdir(out), ["model.safetensors"])
 
+    def test_ctrl_c_interrupts_a_gather_waiting_for_a_version(self):
+        c = self.client(job="gather-interrupted", timeout=60.0)
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        c.init_group("g", values(3))
+        pending = c.gather_async("g", min_version=1)  # no step comes: it waits up to 60 s
+        main = threading.get_ident()
+        timer = threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGINT))
+        start = time.monotonic()
+        timer.start()
+        with self.assertRaises(KeyboardInterrupt):
+            pending.wait()
+        self.assertLess(time.monotonic() - start, 30.0)
+        timer.join()
+        # The gather went on, into its buffer, which the transfer still holds: the step it
+        # waits for completes it.
+        self.assertFalse(pending.done())
+        c.scatter("g", values(4), step=0)
+        flat, version = pending.wait()
+        self.assertEqual(version, 1)
+        np.testing.assert_array_equal(flat, c.gather_flat("g")[0])
+
     def test_an_unknown_device_plane_is_refused(self):
         with self.assertRaisesRegex(flatshard.InvalidArgumentError, "device_plane 'gpu' is not one of"):
             self.client(device_plane="gpu")

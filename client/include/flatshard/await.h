@@ -15,6 +15,7 @@
 #ifndef FLATSHARD_CLIENT_INCLUDE_FLATSHARD_AWAIT_H_
 #define FLATSHARD_CLIENT_INCLUDE_FLATSHARD_AWAIT_H_
 
+#include <algorithm>
 #include <chrono>
 #include <future>
 #include <thread>
@@ -52,6 +53,17 @@ template <typename T>
 const T& Await(const std::shared_future<T>& future, absl::Duration spin = kAwaitSpin) {
   await_internal::Poll(future, spin);
   return future.get();
+}
+
+// Waits as Await does, but for at most `timeout` (the spin included) and without taking
+// the result: true once get() would not block (the future is ready, or deferred), false
+// if it is not by then. For a caller that has something to look at between waits (a
+// Python binding: its signals, so that Ctrl-C interrupts the wait).
+template <typename Future>
+bool AwaitFor(const Future& future, absl::Duration timeout, absl::Duration spin = kAwaitSpin) {
+  spin = std::min(spin, timeout);
+  await_internal::Poll(future, spin);
+  return future.wait_for(absl::ToChronoNanoseconds(timeout - spin)) != std::future_status::timeout;
 }
 
 }  // namespace flatshard
