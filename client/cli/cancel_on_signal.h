@@ -9,14 +9,16 @@
 // destroyed: a signal that comes just before the call begins cancels it all the same.
 //
 // Create it before the client (its threads must inherit the blocked signals) and destroy
-// it on the same thread, after the client's calls have returned; not thread-safe
-// otherwise.
+// it on the same thread once the client's calls have returned, before the client (the
+// cancel it repeats uses it); not thread-safe otherwise.
 //
-//   CancelOnSignal interrupts(std::cerr, "export");
+//   std::optional<CancelOnSignal> interrupts(std::in_place, std::cerr, "export");
 //   auto client = Client::Connect(options);
-//   interrupts.Watch([&c = **client] { c.CancelCheckpointCalls(); });
+//   interrupts->Watch([&c = **client] { c.CancelCheckpointCalls(); });
 //   status = (*client)->ExportStateDict(...);
-//   if (!status.ok() && interrupts.signalled()) return 130;
+//   const bool signalled = interrupts->signalled();
+//   interrupts.reset();
+//   if (!status.ok() && signalled) return 130;
 #ifndef FLATSHARD_CLIENT_CLI_CANCEL_ON_SIGNAL_H_
 #define FLATSHARD_CLIENT_CLI_CANCEL_ON_SIGNAL_H_
 
@@ -39,8 +41,8 @@ class CancelOnSignal {
   CancelOnSignal(const CancelOnSignal&) = delete;
   CancelOnSignal& operator=(const CancelOnSignal&) = delete;
 
-  // From now on, a signal calls `cancel` (whatever it needs must outlive this), and again
-  // every 100 ms after.
+  // From now on, a signal calls `cancel` (what it uses must outlive this), and again every
+  // 100 ms after.
   void Watch(std::function<void()> cancel);
   // Whether a signal came (the command then exits with 130).
   bool signalled() const { return signalled_.load(); }

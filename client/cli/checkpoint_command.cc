@@ -130,6 +130,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   if (interrupts) interrupts->Watch([&c = **client] { c.CancelCheckpointCalls(); });
   const absl::Time start = absl::Now();
   absl::Status status;
+  bool signalled = false;
   if (moves_the_model) {
     // The progress bar ends its line once something was drawn.
     auto drawn = std::make_shared<bool>(false);
@@ -145,6 +146,8 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
       status = (*client)->ExportStateDict(options.out, *kind, options.optimizer, progress, *cut);
     }
     if (*drawn && isatty(STDOUT_FILENO)) out << "\n";
+    signalled = interrupts->signalled();
+    interrupts.reset();  // its repeated cancel uses the client, which goes first otherwise
   } else if (command == "delete") {
     status = (*client)->DeleteCheckpoint(options.name);
   } else {
@@ -170,7 +173,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   }
   if (!status.ok()) {
     err << "flatshard " << command << ": " << status << "\n";
-    return interrupts && interrupts->signalled() ? 130 : 1;
+    return signalled ? 130 : 1;
   }
   if (command != "checkpoints") {
     // The versions a save holds (a blocking one's: an async one is still being written).

@@ -41,9 +41,9 @@ bool Within5s(const std::function<bool()>& done) {
 TEST(CancelOnSignalTest, ASignalJustBeforeTheCallBeginsCancelsItAllTheSame) {
   const int status = InChild([] {
     std::ostringstream err;
-    CancelOnSignal interrupts(err, "save");
     std::atomic<bool> in_call{false}, cancelled_in_call{false};
     std::atomic<int> cancels_before{0};
+    CancelOnSignal interrupts(err, "save");  // after what its cancel uses, which outlives it
     interrupts.Watch([&] {
       if (in_call.load()) {
         cancelled_in_call.store(true);
