@@ -144,6 +144,11 @@ void ClipCoordinator::ForgetJob(const std::string& job) {
   ++deletions_[job];  // the waits' conditions see it when the lock is released
 }
 
+void ClipCoordinator::Stop(const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (stopped_.ok()) stopped_ = why;  // the waits' conditions see it when the lock is released
+}
+
 absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_t step,
                                                   absl::Time deadline) {
   FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
@@ -179,12 +184,14 @@ absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_
   const int64_t deleted = deletions();
   // Deleted between the look-up above and `deleted` (the registry goes first).
   if (!registry_.job_settings(job).ok()) return was_deleted();
-  auto known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return kept() != nullptr || deletions() != deleted; };
+  auto known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return kept() != nullptr || deletions() != deleted || !stopped_.ok();
+  };
   if (!mu_.AwaitWithDeadline(absl::Condition(&known), deadline)) {
     return absl::DeadlineExceededError(
         absl::StrCat("job '", job, "': the gradient norm of step ", step, " is not known yet"));
   }
-  if (kept() == nullptr) return was_deleted();
+  if (kept() == nullptr) return stopped_.ok() ? was_deleted() : stopped_;
   return *kept();
 }
 

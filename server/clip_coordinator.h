@@ -74,7 +74,8 @@ class ClipCoordinator {
   // torch.nn.utils.clip_grad_norm_ returns), once this server has combined it; waits
   // until `deadline`. The norms of a job's last kKeptNorms steps are kept.
   // InvalidArgument for a job that computes no norm, NotFound for a step applied here whose
-  // norm is not kept (older, or from before a restart or a load), DeadlineExceeded.
+  // norm is not kept (older, or from before a restart or a load), DeadlineExceeded; Stop's
+  // reason once the server is shutting down.
   static constexpr size_t kKeptNorms = 1024;
   [[nodiscard]] absl::StatusOr<double> TotalNorm(const std::string& job, int64_t step,
                                                  absl::Time deadline);
@@ -86,6 +87,9 @@ class ClipCoordinator {
   // `job` was deleted: its norms, shares and epochs go, and waits for its norms end with
   // NotFound. A job configured again under the name starts afresh.
   void ForgetJob(const std::string& job);
+  // The server is shutting down: waits for a norm end with `why` (Unavailable), and
+  // later ones too, rather than wait past the shutdown's grace.
+  void Stop(const absl::Status& why);
 
   // For status: the last step whose norm this server combined, that norm, and how many
   // steps it skipped as non-finite (since it started).
@@ -116,6 +120,7 @@ class ClipCoordinator {
   std::map<std::string, int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);  // job -> count
   std::map<std::string, uint64_t> epochs_ ABSL_GUARDED_BY(mu_);        // job -> its load id (0: none)
   std::map<std::string, std::set<uint64_t>> left_epochs_ ABSL_GUARDED_BY(mu_);  // job -> epochs before
+  absl::Status stopped_ ABSL_GUARDED_BY(mu_);                                   // Stop's reason; OK while serving
   std::map<std::string, int64_t> deletions_ ABSL_GUARDED_BY(mu_);               // job -> ForgetJob calls
 };
 

@@ -119,21 +119,16 @@ int64_t Group::version() const {
   return version_;
 }
 
-void Group::Close() {
+void Group::Close(absl::Status why) {
   absl::MutexLock lock(&mu_);
-  closed_ = true;  // the waits' conditions see it when the lock is released
-}
-
-absl::Status Group::CheckOpen() const {
-  if (!closed_) return absl::OkStatus();
-  return absl::NotFoundError(absl::StrCat("job '", job_, "' was deleted, and group '", name_, "' with it"));
+  if (closed_.ok()) closed_ = std::move(why);  // the waits' conditions see it when the lock is released
 }
 
 absl::StatusOr<bool> Group::AwaitVersion(int64_t min_version, absl::Time deadline) const {
   FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   const int64_t loads = loads_;
   auto reached_or_loaded = [this, min_version, loads]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return version_ >= min_version || loads_ != loads || closed_;
+    return version_ >= min_version || loads_ != loads || !closed_.ok();
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&reached_or_loaded), deadline)) {
     return absl::DeadlineExceededError(
@@ -373,8 +368,9 @@ absl::StatusOr<bool> Group::AwaitEarlyStep(int64_t step, absl::Time deadline) co
   // A load ends the wait too: the step in progress is gone, and what comes of trying
   // again (a refusal of the replaced state, a future step) is the answer.
   const int64_t loads = loads_;
-  auto reached = [this, step, loads]()
-                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= step || loads_ != loads || closed_; };
+  auto reached = [this, step, loads]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return version_ >= step || loads_ != loads || !closed_.ok();
+  };
   if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "group '", name_, "' is at version ", version_, ": step ", step,

@@ -217,10 +217,11 @@ class Group {
   // True when `layout` and `optimizer` equal this group's (idempotent registration).
   bool SameSpec(const FlatLayout& layout, const OptimizerConfig& optimizer) const;
 
-  // Its job was deleted: ends every wait with NotFound, and refuses gathers, scatters,
-  // exchanges and loads (Restore) from now on. For the Registry's caller; the group stays
-  // closed.
-  void Close();
+  // Ends every wait with `why` (not OK), and refuses gathers, scatters, exchanges and
+  // loads (Restore) with it from now on: its job was deleted (NotFound), or the server is
+  // shutting down (Unavailable). For the Registry and its caller; the group stays closed
+  // (a second Close keeps the first reason).
+  void Close(absl::Status why);
 
   int64_t version() const;
   // The version and the load of the state it holds now.
@@ -424,8 +425,8 @@ class Group {
   absl::Status AwaitCut(int64_t version, absl::Time deadline) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckContribution(int64_t step, int worker_rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // NotFound once the group is closed (its job deleted).
-  absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Close's reason once the group is closed; OK before.
+  absl::Status CheckOpen() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closed_; }
   // The contribution `slot` reserved a part of, if that part is still in flight there.
   Contribution* Reserved(const ReceiveSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDeviceTier(absl::string_view what) const;
@@ -526,7 +527,7 @@ class Group {
   int pins_ ABSL_GUARDED_BY(mu_) = 0;  // exports reading the live shard
   std::multiset<int64_t> holds_ ABSL_GUARDED_BY(mu_);  // HoldAt's versions
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by loads and re-initialization
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;     // Close
+  absl::Status closed_ ABSL_GUARDED_BY(mu_);     // Close's reason; OK while open
   int64_t loads_ ABSL_GUARDED_BY(mu_) = 0;       // Restore calls that installed a shard
   uint64_t load_epoch_ ABSL_GUARDED_BY(mu_) = 0;              // the last Restore's load id (0: none)
   std::set<uint64_t> left_load_epochs_ ABSL_GUARDED_BY(mu_);  // those before it

@@ -182,7 +182,7 @@ void Group::AbortExchange(Exchange what, const ReceiveSlot& slot) {
 bool Group::AwaitLoad(uint64_t load_epoch, absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
   auto committed = [this, load_epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return load_epoch_ == load_epoch || left_load_epochs_.contains(load_epoch) || closed_;
+    return load_epoch_ == load_epoch || left_load_epochs_.contains(load_epoch) || !closed_.ok();
   };
   return mu_.AwaitWithDeadline(absl::Condition(&committed), deadline);
 }

@@ -84,6 +84,7 @@ absl::StatusOr<Registry::Registration> Registry::RegisterGroup(const std::string
   FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
                              FlatLayout::Create(std::move(tensors), align, placement.shards));
   absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(stopped_);
   // Read without the lock above: the job may have been deleted (and configured again)
   // since.
   if (const auto it = jobs_.find(job); it == jobs_.end() || !(it->second == *settings)) {
@@ -120,14 +121,31 @@ absl::StatusOr<std::shared_ptr<Group>> Registry::FindGroup(const std::string& jo
 }
 
 absl::StatusOr<std::vector<std::shared_ptr<Group>>> Registry::DeleteJob(const std::string& job) {
-  absl::MutexLock lock(&mu_);
-  if (jobs_.erase(job) == 0) return absl::NotFoundError(absl::StrCat("job '", job, "' is not configured"));
   std::vector<std::shared_ptr<Group>> removed;
-  for (auto it = groups_.lower_bound({job, ""}); it != groups_.end() && it->first.first == job;) {
-    removed.push_back(std::move(it->second));
-    it = groups_.erase(it);
+  {
+    absl::MutexLock lock(&mu_);
+    if (jobs_.erase(job) == 0) return absl::NotFoundError(absl::StrCat("job '", job, "' is not configured"));
+    for (auto it = groups_.lower_bound({job, ""}); it != groups_.end() && it->first.first == job;) {
+      removed.push_back(std::move(it->second));
+      it = groups_.erase(it);
+    }
+  }
+  for (const std::shared_ptr<Group>& group : removed) {
+    group->Close(
+        absl::NotFoundError(absl::StrCat("job '", job, "' was deleted, and group '", group->name(), "' with it")));
   }
   return removed;
+}
+
+void Registry::Stop(const absl::Status& why) {
+  std::vector<std::shared_ptr<Group>> open;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopped_.ok()) return;
+    stopped_ = why;  // registrations from now on are refused with it
+    for (const auto& [key, group] : groups_) open.push_back(group);
+  }
+  for (const std::shared_ptr<Group>& group : open) group->Close(why);
 }
 
 std::vector<std::shared_ptr<Group>> Registry::job_groups(const std::string& job) const {

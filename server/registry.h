@@ -48,9 +48,14 @@ class Registry {
                                                            int64_t align,
                                                            const OptimizerConfig& optimizer);
 
-  // Removes `job` and its groups (returned, in name order: requests in flight may still
-  // hold them; the caller closes them). NotFound if the job is not configured.
+  // Removes `job` and its groups and closes them (Group::Close, NotFound: their waits end
+  // and requests in flight that still hold them are refused). Returns them, in name
+  // order. NotFound if the job is not configured.
   [[nodiscard]] absl::StatusOr<std::vector<std::shared_ptr<Group>>> DeleteJob(const std::string& job);
+  // The server is shutting down: closes every group with `why` (Unavailable), so that no
+  // request waits on one (for a version, a step, a load) past the shutdown's grace, and
+  // refuses registrations with it from now on. Idempotent.
+  void Stop(const absl::Status& why);
 
   // NotFound naming the group and job.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Group>> FindGroup(const std::string& job,
@@ -76,6 +81,7 @@ class Registry {
   mutable absl::Mutex mu_;
   std::map<std::string, JobSettings> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, std::shared_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
+  absl::Status stopped_ ABSL_GUARDED_BY(mu_);  // Stop's reason; OK while serving
 };
 
 }  // namespace flatshard::server

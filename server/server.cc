@@ -223,8 +223,14 @@ void Server::Shutdown() {
   if (!stopping_.HasBeenNotified()) stopping_.Notify();
   if (cluster_check_thread_.joinable()) cluster_check_thread_.join();
   metrics_.reset();  // waits for scrapes in progress
+  // Requests waiting (for a version, a norm, a step) end now: neither the gRPC server's
+  // cancellation nor a data connection's shutdown reaches a thread that waits, which would
+  // otherwise hold the shutdown until its client's deadline.
+  const absl::Status stopping = absl::UnavailableError(absl::StrCat("server ", options_.rank, " is shutting down"));
+  registry_.Stop(stopping);
+  clip_.Stop(stopping);
   if (grpc_server_) {
-    // In-flight RPCs (e.g. WaitVersion) get a short grace period, then are cancelled.
+    // In-flight RPCs get a short grace period, then are cancelled.
     grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     grpc_server_->Wait();
     grpc_server_.reset();

@@ -239,10 +239,7 @@ grpc::Status FlatshardService::DeleteJob(grpc::ServerContext* ctx, const v1::Del
   if (absl::IsNotFound(removed.status())) return grpc::Status::OK;  // deleted before, or never configured
   if (!removed.ok()) return ToGrpc(removed.status());
   int64_t bytes = 0;
-  for (const std::shared_ptr<Group>& group : *removed) {
-    bytes += group->stats().bytes;
-    group->Close();
-  }
+  for (const std::shared_ptr<Group>& group : *removed) bytes += group->stats().bytes;
   clip_.ForgetJob(request->job());
   checkpoints_.DropStagedLoads(request->job());
   spdlog::info("job '{}' deleted: groups {}, bytes freed {}", request->job(), removed->size(), bytes);

@@ -1,13 +1,14 @@
 // Bad input and faults against real server processes: each gets a precise status and
 // the servers keep serving.
-#include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <limits>
-#include <cmath>
 
 #include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -577,6 +578,37 @@ TEST(HybridFaultsTest, ANonFiniteStepIsSkippedInEveryReplicaGroup) {
     EXPECT_EQ(status->jobs(0).last_norm_step(), 1) << status->rank();
     EXPECT_EQ(status->jobs(0).replicas(), 2) << status->rank();
   }
+}
+
+// A server told to stop (SIGTERM: `systemctl stop`, a pod's termination) while workers
+// wait on it, for a version or a step's gradient norm, ends their waits with UNAVAILABLE
+// and exits within its shutdown grace. Before, each wait held the shutdown until its
+// deadline: the client's timeout, 60 s here (the test's limit is 30 s).
+TEST(ServerShutdownTest, WaitsEndWhenTheServerStopsAndItExitsAtOnce) {
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir());
+  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 2, .job = "test", .timeout = absl::Seconds(60)});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  // Worker 1 never sends: version 1 and the norm of step 0 never come.
+  std::vector<float> params((*layout)->padded_numel());
+  auto gathered = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params));
+  auto version = std::async(std::launch::async, [&] { return (*client)->WaitVersion("g", 1); });
+  auto norm = std::async(std::launch::async, [&] { return (*client)->GradNorm(0); });
+  absl::SleepFor(absl::Milliseconds(300));  // the three wait on the server
+  const auto [status, took] = cluster.Terminate(0, absl::Seconds(30));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_LT(took, absl::Seconds(20));
+  const absl::StatusOr<int64_t> gather = gathered.get();
+  EXPECT_TRUE(absl::IsUnavailable(gather.status())) << gather.status();
+  EXPECT_THAT(std::string(gather.status().message()), HasSubstr("server 0 is shutting down"));
+  const absl::StatusOr<int64_t> waited = version.get();
+  EXPECT_TRUE(absl::IsUnavailable(waited.status())) << waited.status();
+  EXPECT_THAT(std::string(waited.status().message()), HasSubstr("server 0 is shutting down"));
+  const absl::StatusOr<double> norm_of_step = norm.get();
+  EXPECT_TRUE(absl::IsUnavailable(norm_of_step.status())) << norm_of_step.status();
+  EXPECT_THAT(std::string(norm_of_step.status().message()), HasSubstr("server 0 is shutting down"));
 }
 
 }  // namespace

@@ -147,7 +147,7 @@ class TestCluster {
   // starts it again with the same flags, or on data port `data_port` when given; it
   // comes back empty.
   void Restart(int rank, int data_port = 0) {
-    kill(pids_[rank], SIGKILL);
+    if (pids_[rank] > 0) kill(pids_[rank], SIGKILL);
     StopServer(pids_[rank]);
     if (data_port > 0) {
       for (std::string& arg : args_[rank]) {
@@ -314,6 +314,25 @@ class TestCluster {
   const std::string& token() const { return token_; }
   pid_t pid(int rank) const { return pids_[rank]; }
 
+  // Stops server `rank` as an operator does (SIGTERM) and waits up to `limit` for it to
+  // exit, then kills it: its wait status and how long it took to exit. The rank has no
+  // process afterwards (Restart starts one).
+  std::pair<int, absl::Duration> Terminate(int rank, absl::Duration limit) {
+    const absl::Time start = absl::Now();
+    kill(pids_[rank], SIGTERM);
+    int status = 0;
+    while (waitpid(pids_[rank], &status, WNOHANG) == 0) {
+      if (absl::Now() - start > limit) {
+        kill(pids_[rank], SIGKILL);
+        waitpid(pids_[rank], &status, 0);
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    pids_[rank] = -1;
+    return {status, absl::Now() - start};
+  }
+
  private:
   void Spawn(int servers, const std::string& checkpoint_root,
              const std::vector<std::vector<std::string>>& extra_args) {
@@ -363,7 +382,9 @@ class TestCluster {
   }
 
   void StopAll() {
-    for (pid_t pid : pids_) kill(pid, SIGTERM);
+    for (pid_t pid : pids_) {
+      if (pid > 0) kill(pid, SIGTERM);
+    }
     for (pid_t pid : pids_) StopServer(pid);
     pids_.clear();
     args_.clear();

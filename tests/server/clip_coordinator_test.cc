@@ -127,6 +127,23 @@ TEST_F(ClipCoordinatorTest, TheTotalNormOfAStepIsKeptForLogging) {
   EXPECT_TRUE(absl::IsInvalidArgument(servers_[0].clip->TotalNorm("plain", 0, absl::InfiniteFuture()).status()));
 }
 
+// A server shutting down ends the waits for a norm that will not come, and refuses later
+// ones, with its reason, instead of holding its shutdown until their deadlines.
+TEST_F(ClipCoordinatorTest, StoppingEndsTheWaitsForANorm) {
+  Start(/*max_norm=*/1.0, /*norm_type=*/2.0);
+  absl::Status waited;
+  std::thread waiter([&] { waited = servers_[0].clip->TotalNorm("job", 0, absl::Now() + absl::Seconds(60)).status(); });
+  absl::SleepFor(absl::Milliseconds(50));
+  const absl::Time stopped_at = absl::Now();
+  const absl::Status stopping = absl::UnavailableError("server 0 is shutting down");
+  servers_[0].clip->Stop(stopping);
+  waiter.join();
+  EXPECT_LT(absl::Now() - stopped_at, absl::Seconds(10)) << "the wait ran to its deadline";
+  EXPECT_EQ(waited, stopping);
+  servers_[0].clip->Stop(absl::InternalError("a second reason"));  // the first one stays
+  EXPECT_EQ(servers_[0].clip->TotalNorm("job", 1, absl::InfiniteFuture()).status(), stopping);
+}
+
 // A load while a step is in progress: server 0 has shared its norm share of step 0
 // (server 1 holds it), server 1 has not reduced yet. Both load version 0 again. The shares
 // of the replaced state count for nothing: the one server 1 holds is dropped, one still in

@@ -267,6 +267,35 @@ TEST(GroupTest, PushedInitialValuesDropPaddingAndFreeTheirStaging) {
 // Deleting a job removes its groups from the registry and closes them: waits that hold
 // a group end at once with NotFound, and so does what comes for it later; the name may
 // be configured again with other settings.
+// The server is shutting down: every group's waits end with the reason (rather than hold
+// the shutdown until their deadlines), and later waits and registrations are refused.
+TEST(GroupTest, StoppingTheRegistryEndsEveryWaitAndRefusesWhatComesLater) {
+  Registry registry(/*rank=*/0, /*num_servers=*/1);
+  ASSERT_TRUE(registry.ConfigureJob("job", JobSettings{.num_workers = 2}).ok());
+  const std::vector<TensorSpec> tensors = {{"w", {8}, DType::kFloat32}};
+  auto registered = registry.RegisterGroup("job", "g", tensors, 0, kernels::SgdHyperparams{.lr = 1.0f});
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  std::shared_ptr<Group> group = registered->group;
+  absl::Status waited, gathered;
+  std::thread waiter([&] { waited = group->WaitVersion(1, absl::Now() + absl::Seconds(60)).status(); });
+  std::thread gatherer([&] { gathered = group->Gather(1, DType::kFloat32, absl::Now() + absl::Seconds(60)).status(); });
+  absl::SleepFor(absl::Milliseconds(50));
+  const absl::Time stopped_at = absl::Now();
+  const absl::Status stopping = absl::UnavailableError("server 0 is shutting down");
+  registry.Stop(stopping);
+  waiter.join();
+  gatherer.join();
+  EXPECT_LT(absl::Now() - stopped_at, absl::Seconds(10)) << "the waits ran to their deadline";
+  EXPECT_EQ(waited, stopping);
+  EXPECT_EQ(gathered, stopping);
+  EXPECT_EQ(group->WaitVersion(1, absl::InfiniteFuture()).status(), stopping);
+  EXPECT_EQ(group->BeginScatter(0, 0, DType::kFloat32).status(), stopping);
+  EXPECT_EQ(registry.RegisterGroup("job", "h", tensors, 0, kernels::SgdHyperparams{.lr = 1.0f}).status(), stopping);
+  // A job deleted while the server stops keeps the first reason.
+  ASSERT_TRUE(registry.DeleteJob("job").ok());
+  EXPECT_EQ(group->WaitVersion(1, absl::InfiniteFuture()).status(), stopping);
+}
+
 TEST(GroupTest, DeletingAJobClosesItsGroupsAndEndsTheirWaits) {
   Registry registry(/*rank=*/0, /*num_servers=*/1);
   // Clipped: its step waits for the global norm once the contribution is in.
@@ -289,7 +318,6 @@ TEST(GroupTest, DeletingAJobClosesItsGroupsAndEndsTheirWaits) {
   ASSERT_TRUE(removed.ok()) << removed.status();
   ASSERT_EQ(removed->size(), 1u);
   EXPECT_EQ(removed->front(), group);
-  for (const auto& g : *removed) g->Close();
   waiter.join();
   early_waiter.join();
   EXPECT_LT(absl::Now() - deleted_at, absl::Seconds(10)) << "the waits ran to their deadline";
