@@ -23,6 +23,9 @@ struct DataChannel::ConnectionThread {
   bool waiting = false;            // guarded by mu_
   bool lent = false;               // guarded by mu_
   std::optional<Handoff> handoff;  // guarded by mu_
+  // `conn` while a task runs on it, for Cancel to shut down; guarded by mu_, and cleared
+  // under it before the thread may close `conn`.
+  transport::Connection* busy = nullptr;
   std::thread thread;
 };
 
@@ -54,6 +57,18 @@ DataChannel::~DataChannel() {
   for (const std::unique_ptr<ConnectionThread>& thread : threads_) thread->thread.join();
 }
 
+void DataChannel::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  for (const std::unique_ptr<ConnectionThread>& thread : threads_) {
+    if (thread->busy != nullptr) thread->busy->Shutdown();
+  }
+}
+
+absl::Status DataChannel::CancelledError() {
+  return absl::CancelledError("the client was destroyed with this transfer in flight");
+}
+
 void DataChannel::Submit(DataTask task) {
   absl::MutexLock lock(&mu_);
   tasks_.push_back(std::move(task));
@@ -63,7 +78,7 @@ void DataChannel::Submit(RequestWriter write, DataTask task) {
   ConnectionThread* idle = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    if (tasks_.empty()) {  // else the threads are busy, or about to take what is queued
+    if (tasks_.empty() && !cancelled_) {  // else the threads are busy, or about to take what is queued
       for (const std::unique_ptr<ConnectionThread>& thread : threads_) {
         // Waiting with an open connection and nothing handed to it: a thread woken for a
         // request written on its connection still counts as waiting until it runs.
@@ -136,15 +151,19 @@ void DataChannel::Run(ConnectionThread& self) {
   while (true) {
     DataTask task;
     std::optional<ConnectionThread::Handoff> handoff;
+    bool cancelled = false;
     {
       absl::MutexLock lock(&mu_);
       self.waiting = true;
       mu_.Await(absl::Condition(
           +[](Wake* wake) ABSL_NO_THREAD_SAFETY_ANALYSIS { return wake->channel->HasWork(*wake->self); }, &wake));
       self.waiting = false;
+      cancelled = cancelled_;
       if (self.handoff.has_value()) {
         handoff = std::move(self.handoff);
         self.handoff.reset();
+        // Its request is on `conn`: Cancel shuts it down from now on.
+        if (!cancelled && handoff->write_status.ok()) self.busy = conn.get();
       } else if (tasks_.empty()) {
         return;  // stopping, and everything submitted has run
       } else {
@@ -153,17 +172,21 @@ void DataChannel::Run(ConnectionThread& self) {
       }
     }
     if (handoff.has_value()) {  // a submitting thread wrote the request: read its answer
-      if (!handoff->write_status.ok()) {
+      if (cancelled || !handoff->write_status.ok()) {
         conn.reset();
-        handoff->read(handoff->write_status);
+        handoff->read(cancelled ? CancelledError() : handoff->write_status);
         continue;
       }
       // Its answer often comes within microseconds (a CUDA IPC call, a small gather): wait
       // for it awake for as long as Await waits for the caller.
       conn->PollReadable(kAwaitSpin);
-      if (!handoff->read(conn.get())) {
-        conn.reset();
-      }
+      const bool reusable = handoff->read(conn.get());
+      SetIdle(self);
+      if (!reusable) conn.reset();
+      continue;
+    }
+    if (cancelled) {
+      task(CancelledError());
       continue;
     }
     // An idle connection the server has closed (it restarted, or the connection sat idle
@@ -177,8 +200,27 @@ void DataChannel::Run(ConnectionThread& self) {
       }
       conn = std::move(*opened);
     }
-    if (!task(conn.get())) conn.reset();
+    {
+      absl::MutexLock lock(&mu_);
+      if (cancelled_) {
+        cancelled = true;
+      } else {
+        self.busy = conn.get();
+      }
+    }
+    if (cancelled) {
+      task(CancelledError());
+      continue;
+    }
+    const bool reusable = task(conn.get());
+    SetIdle(self);
+    if (!reusable) conn.reset();
   }
+}
+
+void DataChannel::SetIdle(ConnectionThread& self) {
+  absl::MutexLock lock(&mu_);
+  self.busy = nullptr;
 }
 
 }  // namespace flatshard::client_internal

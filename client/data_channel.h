@@ -63,12 +63,21 @@ class DataChannel {
   // Submit(WriteThen(write, task)) does, except that `write` runs on this thread when a
   // connection is idle (then only `task` runs on its thread).
   void Submit(RequestWriter write, DataTask task);
+  // For its owner's destruction: the tasks not yet started, and those submitted later,
+  // run with Cancelled instead of a connection, and the connections of those under way
+  // are shut down (their sends and receives fail at once; the server drops the request),
+  // so that none waits for its server's answer (a gather waiting for a version).
+  void Cancel();
 
  private:
   struct ConnectionThread;
   // What Run waits for on `thread`.
   bool HasWork(const ConnectionThread& thread) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run(ConnectionThread& self);
+  // `self` has no task running on its connection any more (Cancel leaves it alone).
+  void SetIdle(ConnectionThread& self);
+  // What a task gets in place of a connection once cancelled.
+  static absl::Status CancelledError();
   // A connection that said hello with the current session, renewed once if refused.
   absl::StatusOr<std::unique_ptr<transport::Connection>> Open();
   absl::StatusOr<std::unique_ptr<transport::Connection>> Hello(const DataSession& session) const;
@@ -80,6 +89,7 @@ class DataChannel {
   mutable absl::Mutex mu_;
   std::deque<DataTask> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::unique_ptr<ConnectionThread>> threads_;  // fixed after construction
 };
 

@@ -33,6 +33,8 @@ DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> 
 }
 
 DataTransfers::~DataTransfers() {
+  destroying_.store(true);
+  for (const std::unique_ptr<DataChannel>& channel : channels_) channel->Cancel();
   absl::MutexLock lock(&aside_mu_);
   aside_mu_.Await(absl::Condition(
       +[](int* running) { return *running == 0; }, &aside_running_));
@@ -163,6 +165,10 @@ void DataTransfers::RecordGathered(const std::string& group, uint64_t load_id) {
 }
 
 absl::Status DataTransfers::AtServer(int server, const absl::Status& status) const {
+  if (destroying_.load()) {  // the failure is the cut connection's, whatever it says
+    return absl::CancelledError(
+        absl::StrCat("server ", servers_[server].address, ": the client was destroyed with this transfer in flight"));
+  }
   return absl::Status(status.code(),
                       absl::StrCat("server ", servers_[server].address, ": ", status.message()));
 }

@@ -18,6 +18,7 @@
 #ifndef FLATSHARD_CLIENT_DATA_TRANSFERS_H_
 #define FLATSHARD_CLIENT_DATA_TRANSFERS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <future>
@@ -69,8 +70,10 @@ class DataTransfers {
   // One endpoint per server in rank order; `calls` must stay callable for the object's
   // lifetime. Opens nothing yet: connections and links open on first use.
   DataTransfers(ClientOptions options, std::vector<ServerEndpoint> servers, ControlCalls calls);
-  // Waits for the transfers in flight: the futures this object returned become ready
-  // (and stay valid) whether or not the caller waited for them first.
+  // Cancels the transfers in flight (DataChannel::Cancel: those queued are not sent, the
+  // connections of those under way are shut down) and waits for them to end: the futures
+  // this object returned become ready, Cancelled unless they were done, and stay valid.
+  // A transfer in an NCCL operation ends with it (bounded by the NCCL timeout).
   ~DataTransfers();
 
   // `parts`: indexed by server rank, consecutive slices of one buffer (host or device
@@ -154,6 +157,7 @@ class DataTransfers {
   const std::vector<ServerEndpoint> servers_;
   const ControlCalls calls_;
   const bool nccl_loads_;  // some server offers NCCL and NCCL loads in this process
+  std::atomic<bool> destroying_{false};  // the destructor has begun: transfers fail Cancelled
   // Host staging for device buffers sent over TCP: as many as can be in flight at once.
   StagingPool staging_pool_;
   absl::Mutex aside_mu_;

@@ -140,20 +140,43 @@ absl::Span<std::byte> AnyBytes(const py::object& object, bool writable) {
   return Bytes(Buffer(object.cast<py::buffer>(), writable));
 }
 
+using GatherFuture = std::shared_future<absl::StatusOr<int64_t>>;
+using ScatterFuture = std::shared_future<absl::Status>;
+using AnyFuture = std::variant<GatherFuture, ScatterFuture>;
+
+bool Ready(const AnyFuture& future) {
+  return std::visit([](const auto& f) { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; },
+                    future);
+}
+
+// The buffers of transfers whose Pending was dropped before they were done (a wait()
+// interrupted by Ctrl-C, the object then dropped): each stays referenced here until its
+// transfer is done, so that dropping it does not wait. One per client; every call with
+// the GIL held.
+class Orphans {
+ public:
+  void Adopt(AnyFuture future, py::object buffer) {
+    Reap();
+    orphans_.emplace_back(std::move(future), std::move(buffer));
+  }
+  // Lets go of the buffers of transfers that are done.
+  void Reap() {
+    std::erase_if(orphans_, [](const auto& orphan) { return Ready(orphan.first); });
+  }
+
+ private:
+  std::vector<std::pair<AnyFuture, py::object>> orphans_;
+};
+
 // A Gather (its version) or a Scatter (0) in flight. The buffer stays referenced until
-// a wait() has seen the transfer done. wait() and done() may be called any number of
-// times, from any thread.
+// a wait() has seen the transfer done, or, if this is dropped first, by the client's
+// Orphans. wait() and done() may be called any number of times, from any thread.
 class Pending {
  public:
-  using GatherFuture = std::shared_future<absl::StatusOr<int64_t>>;
-  using ScatterFuture = std::shared_future<absl::Status>;
-
-  Pending(std::variant<GatherFuture, ScatterFuture> future, py::object keep)
-      : future_(std::move(future)), keep_(std::move(keep)) {}
-  // A transfer dropped without wait() still owns its buffer until it is done.
+  Pending(AnyFuture future, py::object keep, std::shared_ptr<Orphans> orphans)
+      : future_(std::move(future)), keep_(std::move(keep)), orphans_(std::move(orphans)) {}
   ~Pending() {
-    py::gil_scoped_release release;
-    std::visit([](const auto& future) { future.wait(); }, future_);
+    if (keep_ && !Ready(future_)) orphans_->Adopt(future_, std::move(keep_));
   }
   Pending(const Pending&) = delete;
   Pending& operator=(const Pending&) = delete;
@@ -189,15 +212,12 @@ class Pending {
     keep_ = py::object();
     return Check(std::move(result));
   }
-  bool Done() const {
-    return std::visit(
-        [](const auto& future) { return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready; },
-        future_);
-  }
+  bool Done() const { return Ready(future_); }
 
  private:
-  const std::variant<GatherFuture, ScatterFuture> future_;
+  const AnyFuture future_;
   py::object keep_;
+  const std::shared_ptr<Orphans> orphans_;
 };
 
 OptimizerOptions ToOptimizer(const py::dict& spec) {
@@ -270,6 +290,19 @@ class PyClient {
     client_ = Check(std::move(client));
   }
 
+  // The client cancels its transfers in flight and waits for them (without the GIL: its
+  // threads never take it while no checkpoint call runs, and none can run now); then the
+  // buffers of those whose Pending was dropped go.
+  ~PyClient() {
+    {
+      py::gil_scoped_release release;
+      client_.reset();
+    }
+    orphans_->Reap();
+  }
+  PyClient(const PyClient&) = delete;
+  PyClient& operator=(const PyClient&) = delete;
+
   void ConfigureJob(bool async, bool mean, double max_grad_norm, double norm_type, int64_t max_staleness,
                     int replicas, bool skip_nonfinite) {
     const JobOptions job{.reduce_mean = mean, .max_grad_norm = max_grad_norm, .norm_type = norm_type,
@@ -316,13 +349,15 @@ class PyClient {
   std::unique_ptr<Pending> Gather(const std::string& name, int64_t min_version, const std::string& dtype,
                                   const py::object& out) {
     const absl::Span<std::byte> bytes = AnyBytes(out, true);
-    return std::make_unique<Pending>(client_->Gather(name, min_version, ToDType(dtype), bytes).share(), out);
+    orphans_->Reap();
+    return std::make_unique<Pending>(client_->Gather(name, min_version, ToDType(dtype), bytes).share(), out, orphans_);
   }
 
   std::unique_ptr<Pending> Scatter(const std::string& name, int64_t step, const std::string& dtype,
                                    const py::object& grad) {
     const absl::Span<std::byte> bytes = AnyBytes(grad, false);
-    return std::make_unique<Pending>(client_->Scatter(name, step, ToDType(dtype), bytes).share(), grad);
+    orphans_->Reap();
+    return std::make_unique<Pending>(client_->Scatter(name, step, ToDType(dtype), bytes).share(), grad, orphans_);
   }
 
   int64_t WaitVersion(const std::string& name, int64_t min_version) {
@@ -451,6 +486,7 @@ class PyClient {
   }
 
   std::unique_ptr<Client> client_;
+  std::shared_ptr<Orphans> orphans_ = std::make_shared<Orphans>();  // shared with each Pending
 };
 
 }  // namespace

@@ -197,7 +197,8 @@ class Transfer:
     wait() watches for it for up to 200 us before sleeping (flatshard::Await in the C++
     client), which sees it finish tens of microseconds sooner. Ctrl-C in wait() raises
     KeyboardInterrupt at once; the transfer goes on, its buffer held, and a later wait()
-    returns its result."""
+    returns its result. Dropped unfinished, it does not wait: the client holds the buffer
+    until the transfer ends, or cancels it when the client itself goes."""
 
     def __init__(self, pending, finish):
         self._pending = pending

@@ -20,10 +20,13 @@ namespace {
 
 // A data server on 127.0.0.1 that takes any hello and answers each request with OK and
 // the request's own version, so every answer names its request. With
-// `answers_per_connection` > 0 it closes a connection after that many answers.
+// `answers_per_connection` > 0 it closes a connection after that many answers; with
+// `silent`, it answers only the hello and holds every request, as a server does while a
+// gather waits for a version, until the client closes the connection.
 class EchoDataServer {
  public:
-  explicit EchoDataServer(int answers_per_connection = 0) : answers_per_connection_(answers_per_connection) {
+  explicit EchoDataServer(int answers_per_connection = 0, bool silent = false)
+      : answers_per_connection_(answers_per_connection), silent_(silent) {
     listener_ = *transport::ListenTcp("127.0.0.1", 0);
     accepting_ = std::thread([this] {
       while (true) {
@@ -44,19 +47,28 @@ class EchoDataServer {
 
   DataSession session() const { return {absl::StrCat("127.0.0.1:", listener_->port()), "token"}; }
   int accepted() const { return accepted_.load(); }
+  int held() const { return held_.load(); }  // requests a silent server holds or held
 
  private:
   void Serve(transport::Connection& conn) {
     for (int answered = 0; answers_per_connection_ == 0 || answered <= answers_per_connection_; ++answered) {
       absl::StatusOr<transport::Request> request = transport::RecvRequest(conn);
       if (!request.ok() || !transport::DrainPayload(conn, request->payload_bytes).ok()) return;
+      if (silent_ && answered > 0) {
+        ++held_;
+        while (transport::RecvRequest(conn).ok()) {
+        }
+        return;
+      }
       if (!transport::SendResponse(conn, absl::OkStatus(), request->version, {}).ok()) return;
     }  // the hello's answer is the first
   }
 
   const int answers_per_connection_;
+  const bool silent_;
   std::unique_ptr<transport::Listener> listener_;
   std::atomic<int> accepted_ = 0;
+  std::atomic<int> held_ = 0;
   std::thread accepting_;
   absl::Mutex mu_;
   std::vector<std::thread> serving_ ABSL_GUARDED_BY(mu_);
@@ -183,6 +195,25 @@ TEST(DataChannelTest, DestroyingTheChannelRunsWhatWasSubmitted) {
     ASSERT_EQ(requests[version - 1].wait_for(std::chrono::seconds(0)), std::future_status::ready);
     EXPECT_EQ(requests[version - 1].get().version.value_or(-1), version);
   }
+}
+
+// Cancel (its owner is being destroyed): a request the server holds fails at once, its
+// connection shut down; the ones queued behind it, and those submitted later, run with
+// Cancelled and are never sent.
+TEST(DataChannelTest, CancelShutsTheTransfersUnderWayAndFailsTheRest) {
+  EchoDataServer server(/*answers_per_connection=*/0, /*silent=*/true);
+  DataChannel channel(server.session(), nullptr, 1, absl::Seconds(60));
+  std::future<Outcome> held = Request(channel, 1);
+  std::future<Outcome> queued = Request(channel, 2);
+  for (int i = 0; i < 2000 && server.held() < 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(server.held(), 1);
+  channel.Cancel();
+  const Outcome cut = Finished(held);  // not the 60 s the channel's timeout allows
+  EXPECT_FALSE(cut.version.ok());
+  EXPECT_TRUE(absl::IsCancelled(Finished(queued).version.status()));
+  std::future<Outcome> later = Request(channel, 3);
+  EXPECT_TRUE(absl::IsCancelled(Finished(later).version.status()));
+  EXPECT_EQ(server.held(), 1);
 }
 
 }  // namespace

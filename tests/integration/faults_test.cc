@@ -611,5 +611,40 @@ TEST(ServerShutdownTest, WaitsEndWhenTheServerStopsAndItExitsAtOnce) {
   EXPECT_THAT(std::string(norm_of_step.status().message()), HasSubstr("server 0 is shutting down"));
 }
 
+// Destroying a client whose gather waits for a version that does not come (a worker
+// stopped with Ctrl-C while another is stuck) cancels it at once, rather than wait for
+// the server's answer until the client's timeout (60 s here); the server serves on.
+TEST(ClientShutdownTest, DestroyingAClientCancelsItsTransfersInFlight) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  const ClientOptions options{.worker_rank = 0, .num_workers = 2, .job = "test", .timeout = absl::Seconds(60)};
+  auto client = cluster.Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> params((*layout)->padded_numel());
+  auto gathered = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params));  // worker 1 never sends
+  std::vector<std::future<absl::StatusOr<int64_t>>> queued;                     // behind it: max_in_flight is 2
+  std::vector<std::vector<float>> more(3, std::vector<float>((*layout)->padded_numel()));
+  for (auto& buffer : more) queued.push_back((*client)->Gather("g", 1, DType::kFloat32, AsBytes(buffer)));
+  absl::SleepFor(absl::Milliseconds(300));  // the gathers wait on the servers
+  const absl::Time start = absl::Now();
+  client->reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  const absl::StatusOr<int64_t> gather = gathered.get();
+  EXPECT_TRUE(absl::IsCancelled(gather.status())) << gather.status();
+  EXPECT_THAT(std::string(gather.status().message()),
+              HasSubstr("the client was destroyed with this transfer in flight"));
+  for (auto& future : queued) {
+    const absl::StatusOr<int64_t> outcome = future.get();
+    EXPECT_TRUE(absl::IsCancelled(outcome.status())) << outcome.status();
+  }
+  auto again = cluster.Connect(options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE((*again)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  const absl::StatusOr<int64_t> served = (*again)->Gather("g", 0, DType::kFloat32, AsBytes(params)).get();
+  EXPECT_EQ(served.value_or(-1), 0) << served.status();
+}
+
 }  // namespace
 }  // namespace flatshard

@@ -2,6 +2,7 @@
 against numpy float64, and its errors (each a flatshard.Error subclass, raised
 promptly)."""
 
+import gc
 import os
 import signal
 import socket
@@ -336,6 +337,22 @@ class ClientTest(unittest.TestCase):
         flat, version = pending.wait()
         self.assertEqual(version, 1)
         np.testing.assert_array_equal(flat, c.gather_flat("g")[0])
+
+    def test_dropping_a_waiting_transfer_or_its_client_does_not_wait_for_it(self):
+        c = self.client(workers=2, job="dropped", timeout=60.0)  # worker 1 never sends
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        start = time.monotonic()
+        pending = c.gather_async("g", min_version=1)
+        del pending  # its buffer stays with the client until the gather ends
+        gc.collect()
+        self.assertLess(time.monotonic() - start, 30.0)
+        pending = c.gather_async("g", min_version=1)
+        del c
+        gc.collect()
+        self.assertLess(time.monotonic() - start, 30.0)
+        with self.assertRaisesRegex(flatshard.CancelledError, "the client was destroyed with this transfer in flight"):
+            pending.wait()
 
     def test_an_unknown_device_plane_is_refused(self):
         with self.assertRaisesRegex(flatshard.InvalidArgumentError, "device_plane 'gpu' is not one of"):

@@ -6,8 +6,10 @@
 // while computing on this one; at most `max_in_flight` transfers run per server at once
 // (FSDP's limit_all_gathers). Bytes land straight in the caller's buffers, which must
 // stay valid until the future is ready. All methods are thread-safe. Destroying a Client
-// waits for its transfers in flight: the futures it returned become ready (and stay
-// valid) whether or not they were waited for first.
+// cancels its transfers in flight and waits for them to let go of their buffers: the
+// futures it returned become ready, Cancelled unless they were done (a scatter cut after
+// its last byte reached a server may still count there), and stay valid, whether or not
+// they were waited for first.
 //
 //   auto client = flatshard::Client::Connect({.servers = {"127.0.0.1:7070"}, .num_workers = 2});
 //   (*client)->ConfigureJob({});
