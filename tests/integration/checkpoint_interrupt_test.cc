@@ -70,6 +70,21 @@ class CheckpointInterruptTest : public ::testing::Test {
     EXPECT_EQ(client_->WaitVersion("big", *version + 1).value_or(-1), *version + 1);
   }
 
+  // After a save of "x" that was stopped: once the servers are idle, nothing of it is
+  // listed or left on disk (written to the end, its part would stay, listed as an
+  // incomplete checkpoint), the groups are no longer pinned (a step goes through), and
+  // the name is free.
+  void ExpectTheSaveLeftNothing() const {
+    AwaitIdle();
+    const auto listed = client_->ListCheckpoints();
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    EXPECT_TRUE(listed->empty()) << (*listed)[0].name << " complete: " << (*listed)[0].complete;
+    EXPECT_FALSE(fs::exists(root_.path() + "/.x.partial"));
+    ExpectAStep();
+    const absl::Status saved = client_->SaveCheckpoint("x", CheckpointKind::kSharded, false);
+    EXPECT_TRUE(saved.ok()) << saved;
+  }
+
   // Runs `call` while another thread waits until `started()`, then has the client cancel
   // its checkpoint calls with every server paused (none can finish first); returns what
   // `call` returned.
@@ -115,16 +130,7 @@ TEST_F(CheckpointInterruptTest, CtrlCOnABlockingSaveStopsItAndLeavesNothing) {
                                                                [&](pid_t) { return SaveFileIn(root_.path(), "x"); });
   ASSERT_TRUE(status.ok()) << status.status();
   ASSERT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 130) << *status;
-  AwaitIdle();
-  // Written to the end, the part would stay, listed as an incomplete checkpoint.
-  const auto listed = client_->ListCheckpoints();
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  EXPECT_TRUE(listed->empty()) << (*listed)[0].name << " complete: " << (*listed)[0].complete;
-  EXPECT_FALSE(fs::exists(root_.path() + "/.x.partial"));
-  // The groups are no longer pinned, and the name is free.
-  ExpectAStep();
-  const absl::Status saved = client_->SaveCheckpoint("x", CheckpointKind::kSharded, false);
-  EXPECT_TRUE(saved.ok()) << saved;
+  ExpectTheSaveLeftNothing();
 }
 
 TEST_F(CheckpointInterruptTest, ALoadWhoseClientIsKilledStopsAndStagesNothing) {
@@ -147,13 +153,7 @@ TEST_F(CheckpointInterruptTest, ASaveCancelledWhileTheServersWriteKeepsNothing) 
                            [&] { return SaveFileIn(root_.path(), "x"); });
   EXPECT_TRUE(absl::IsCancelled(saved)) << saved;
   EXPECT_EQ(std::string(saved.message()), "the save of checkpoint 'x' was cancelled; the servers keep nothing of it");
-  AwaitIdle();
-  const auto listed = client_->ListCheckpoints();
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  EXPECT_TRUE(listed->empty());
-  EXPECT_FALSE(fs::exists(root_.path() + "/.x.partial"));
-  ExpectAStep();
-  EXPECT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
+  ExpectTheSaveLeftNothing();
 }
 
 TEST_F(CheckpointInterruptTest, ASaveCancelledOnceEveryPartIsWrittenKeepsNothing) {
@@ -178,14 +178,7 @@ TEST_F(CheckpointInterruptTest, ASaveCancelledOnceEveryPartIsWrittenKeepsNothing
   ASSERT_TRUE(cancelled_when_written);
   EXPECT_TRUE(absl::IsCancelled(saved)) << saved;
   EXPECT_EQ(std::string(saved.message()), "the save of checkpoint 'x' was cancelled; the servers keep nothing of it");
-  AwaitIdle();
-  // Server 0, which the commit would have gone to, removed every part.
-  const auto listed = client_->ListCheckpoints();
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  EXPECT_TRUE(listed->empty()) << (*listed)[0].name << " complete: " << (*listed)[0].complete;
-  EXPECT_FALSE(fs::exists(root_.path() + "/.x.partial"));
-  ExpectAStep();
-  EXPECT_TRUE(client_->SaveCheckpoint("x", CheckpointKind::kSharded, false).ok());
+  ExpectTheSaveLeftNothing();  // server 0, which the commit would have gone to, removed every part
 }
 
 TEST_F(CheckpointInterruptTest, ALoadCancelledWhileTheServersReadInstallsNothing) {
