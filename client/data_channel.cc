@@ -66,7 +66,7 @@ void DataChannel::Cancel() {
 }
 
 absl::Status DataChannel::CancelledError() {
-  return absl::CancelledError("the client was destroyed with this transfer in flight");
+  return absl::CancelledError("the data channel was cancelled (its client is going away)");
 }
 
 void DataChannel::Submit(DataTask task) {
