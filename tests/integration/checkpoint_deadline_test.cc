@@ -172,12 +172,14 @@ TEST(CheckpointDeadlineTest, AServerThatHangsMidSaveFailsItWithinTwiceTheKeepali
 // A load whose servers finish preparing far apart: server 0 reads its own root, server 1
 // (a root of its own without the checkpoint) reads it from server 0 and is paused
 // (SIGSTOP) mid-way for 3 times server 0's --staged_load_timeout. The client renews
-// server 0's staging meanwhile, and the load commits on both.
+// server 0's staging meanwhile, and the load commits on both. (The timeout is 2 s, so
+// that a renewal, due at half of it, is not late on a machine busy with other tests: at
+// 1 s one came late in a loaded run.)
 TEST(CheckpointDeadlineTest, AServerThatPreparedWaitsForASlowOneWithoutDroppingTheLoad) {
   const testing::ScratchDir root0("ckpt-renew-0");
   const testing::ScratchDir root1("ckpt-renew-1");
   testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root0.path(),
-                               {{"--staged_load_timeout=1s"}, {"--checkpoint_root=" + root1.path()}});
+                               {{"--staged_load_timeout=2s"}, {"--checkpoint_root=" + root1.path()}});
   auto client = cluster.Connect(0, 1);
   ASSERT_TRUE(client.ok()) << client.status();
   RegisterBigGroup(**client);
@@ -206,7 +208,7 @@ TEST(CheckpointDeadlineTest, AServerThatPreparedWaitsForASlowOneWithoutDroppingT
     }
     const bool paused = staged && cluster.Pause(1);
     if (paused) {
-      absl::SleepFor(absl::Seconds(3));
+      absl::SleepFor(absl::Seconds(6));
       cluster.Resume(1);
     }
     const absl::Status loaded = load.get();
