@@ -28,7 +28,8 @@
 // "<root>/<name>". A crash at any point leaves earlier checkpoints intact and the partial
 // one listed as incomplete. A server that fails to write its part leaves
 // failed-<rank>.json instead (AbandonPart), and the last server to finish its part
-// removes the save's directory, so a failed save (a full disk) leaves nothing. Loads
+// removes the save's directory, so a failed save (a full disk) leaves nothing; so does
+// a blocking save whose client never commits it (EndWithoutCommit). Loads
 // read through a CheckpointReader, which verifies every extent it reads; they check
 // layouts and state names, stage everything in memory (PrepareLoad) and only then
 // install (CommitLoad), so a bad checkpoint leaves the group untouched.

@@ -219,8 +219,8 @@ class Group {
 
   // Ends every wait with `why` (not OK), and refuses gathers, scatters, exchanges and
   // loads (Restore) with it from now on: its job was deleted (NotFound), or the server is
-  // shutting down (Unavailable). For the Registry and its caller; the group stays closed
-  // (a second Close keeps the first reason).
+  // shutting down (Unavailable). For the Registry; the group stays closed (a second Close
+  // keeps the first reason).
   void Close(absl::Status why);
 
   int64_t version() const;
