@@ -256,12 +256,14 @@ class TestCluster {
   // (waitpid reports the stop): kill() returns sooner, and on a busy machine a thread
   // may still answer a call before the whole process stops. False if it did not stop.
   [[nodiscard]] bool Pause(int rank) const {
-    if (kill(pids_[rank], SIGSTOP) != 0) return false;
+    if (pids_[rank] <= 0 || kill(pids_[rank], SIGSTOP) != 0) return false;
     int status = 0;
     return waitpid(pids_[rank], &status, WUNTRACED) == pids_[rank] && WIFSTOPPED(status);
   }
   // Lets a paused server go on (SIGCONT).
-  void Resume(int rank) const { kill(pids_[rank], SIGCONT); }
+  void Resume(int rank) const {
+    if (pids_[rank] > 0) kill(pids_[rank], SIGCONT);
+  }
 
   const std::vector<std::string>& addresses() const { return addresses_; }
   // The flags that point the `flatshard` command at these servers: --cluster and
@@ -316,7 +318,7 @@ class TestCluster {
 
   // Stops server `rank` as an operator does (SIGTERM) and waits up to `limit` for it to
   // exit, then kills it: its wait status and how long it took to exit. The rank has no
-  // process afterwards (Restart starts one).
+  // process afterwards (pid -1, which no method here signals; Restart starts one).
   std::pair<int, absl::Duration> Terminate(int rank, absl::Duration limit) {
     const absl::Time start = absl::Now();
     kill(pids_[rank], SIGTERM);
