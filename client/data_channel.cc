@@ -65,7 +65,7 @@ void DataChannel::Cancel() {
   }
 }
 
-absl::Status DataChannel::CancelledError() {
+absl::Status DataChannel::CancelledStatus() {
   return absl::CancelledError("the data channel was cancelled (its client is going away)");
 }
 
@@ -174,7 +174,7 @@ void DataChannel::Run(ConnectionThread& self) {
     if (handoff.has_value()) {  // a submitting thread wrote the request: read its answer
       if (cancelled || !handoff->write_status.ok()) {
         conn.reset();
-        handoff->read(cancelled ? CancelledError() : handoff->write_status);
+        handoff->read(cancelled ? CancelledStatus() : handoff->write_status);
         continue;
       }
       // Its answer often comes within microseconds (a CUDA IPC call, a small gather): wait
@@ -186,7 +186,7 @@ void DataChannel::Run(ConnectionThread& self) {
       continue;
     }
     if (cancelled) {
-      task(CancelledError());
+      task(CancelledStatus());
       continue;
     }
     // An idle connection the server has closed (it restarted, or the connection sat idle
@@ -209,7 +209,7 @@ void DataChannel::Run(ConnectionThread& self) {
       }
     }
     if (cancelled) {
-      task(CancelledError());
+      task(CancelledStatus());
       continue;
     }
     const bool reusable = task(conn.get());

@@ -56,7 +56,7 @@ DataTask WriteThen(RequestWriter write, DataTask task);
 class DataChannel {
  public:
   DataChannel(DataSession session, SessionOpener renew, int connections, absl::Duration timeout);
-  ~DataChannel();  // finishes queued tasks, then joins the threads
+  ~DataChannel();  // runs the queued tasks (with Cancelled, after Cancel), then joins the threads
 
   void Submit(DataTask task);
   // `write` the request, then `task` (which reads the answer) on the same connection, as
@@ -77,7 +77,7 @@ class DataChannel {
   // `self` has no task running on its connection any more (Cancel leaves it alone).
   void SetIdle(ConnectionThread& self);
   // What a task gets in place of a connection once cancelled.
-  static absl::Status CancelledError();
+  static absl::Status CancelledStatus();
   // A connection that said hello with the current session, renewed once if refused.
   absl::StatusOr<std::unique_ptr<transport::Connection>> Open();
   absl::StatusOr<std::unique_ptr<transport::Connection>> Hello(const DataSession& session) const;
