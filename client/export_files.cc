@@ -91,9 +91,9 @@ absl::StatusOr<File*> ExportFiles::FileFor(const v1::ExportChunk& chunk) {
   }
   if (!file.ok()) return file.status();
   const absl::StatusOr<bool> locked = file->TryLock();
-  const absl::Status ready = !locked.ok() ? locked.status()
-                             : !*locked ? absl::InternalError(absl::StrCat("'", path, "' is locked by another process"))
-                                        : file->Reserve(chunk.file_size());
+  absl::Status ready = locked.status();
+  if (ready.ok() && !*locked) ready = absl::InternalError(absl::StrCat("'", path, "' is locked by another process"));
+  if (ready.ok()) ready = file->Reserve(chunk.file_size());
   if (!ready.ok()) {
     // Gone, so that the next stream to write the file tries anew rather than write into
     // one without room.

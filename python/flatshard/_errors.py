@@ -29,7 +29,8 @@ class Error(Exception):
 
 
 class CancelledError(Error):
-    """A save, load or export cancelled by cancel_checkpoint_calls()."""
+    """A save, load or export cancelled by cancel_checkpoint_calls(), or a transfer in
+    flight when its Client went away."""
 
     code = 1
 
