@@ -51,6 +51,10 @@ ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, staged_load_timeout, absl::Minutes(10),
           "how long a checkpoint load read into memory here waits for its commit before it is "
           "dropped with its memory (its client died between the two phases)");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(2),
+          "on SIGTERM or SIGINT, how long the control-plane calls in progress (a save's last "
+          "writes, say) get to finish before they are cancelled; requests waiting for other "
+          "workers end at once, and open connections with no call do not wait for it");
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT where Prometheus scrapes /metrics over plain HTTP (port 0 picks one; empty: no "
           "metrics); scrapes present --metrics_token_file's token, or else --auth_token_file's, as "
@@ -110,6 +114,7 @@ int main(int argc, char** argv) {
   options.nccl_timeout = absl::GetFlag(FLAGS_nccl_timeout);
   options.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   options.staged_load_timeout = absl::GetFlag(FLAGS_staged_load_timeout);
+  options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.max_file_bytes = absl::GetFlag(FLAGS_max_file_size);
   if (options.max_file_bytes == 0) return Fail("--max_file_size must be > 0");

@@ -51,6 +51,10 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
         ", --nccl_timeout=", absl::FormatDuration(options.nccl_timeout),
         ", --staged_load_timeout=", absl::FormatDuration(options.staged_load_timeout), ": timeouts are > 0"));
   }
+  if (options.shutdown_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shutdown_grace=", absl::FormatDuration(options.shutdown_grace), ": a grace is >= 0"));
+  }
   if (!options.data_listen.empty()) {
     FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options.data_listen, host, port));
   }
@@ -167,6 +171,7 @@ absl::Status Server::Start() {
   builder.RegisterService(service_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs));
+  interceptors.push_back(calls_.Interceptors());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(16 << 20);
   if (options_.threads > 0) {
@@ -223,15 +228,23 @@ void Server::Shutdown() {
   if (!stopping_.HasBeenNotified()) stopping_.Notify();
   if (cluster_check_thread_.joinable()) cluster_check_thread_.join();
   metrics_.reset();  // waits for scrapes in progress
+  const absl::Status stopping = absl::UnavailableError(absl::StrCat("server ", options_.rank, " is shutting down"));
+  if (grpc_server_) {  // no call starts from now on, and health checks answer NOT_SERVING
+    service_->Stop(stopping);
+    grpc_server_->GetHealthCheckService()->SetServingStatus(false);
+  }
   // Requests waiting (for a version, a norm, a step) end now: neither the gRPC server's
   // cancellation nor a data connection's shutdown reaches a thread that waits, which would
   // otherwise hold the shutdown until its client's deadline.
-  const absl::Status stopping = absl::UnavailableError(absl::StrCat("server ", options_.rank, " is shutting down"));
   registry_.Stop(stopping);
   clip_.Stop(stopping);
   if (grpc_server_) {
-    // In-flight RPCs get a short grace period, then are cancelled.
-    grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    // The calls in progress get the grace to finish, and are cancelled after it. gRPC's
+    // own graceful shutdown would also wait for every open connection to close, and an
+    // idle gRPC client reads its socket only every few seconds (its backup poller): a
+    // connected worker or peer with no call would hold the shutdown for the whole grace.
+    calls_.AwaitNone(absl::Now() + options_.shutdown_grace);
+    grpc_server_->Shutdown(std::chrono::system_clock::now());
     grpc_server_->Wait();
     grpc_server_.reset();
   }

@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "server/auth.h"
+#include "server/calls_in_flight.h"
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
 #include "server/data_server.h"
@@ -54,6 +55,9 @@ struct ServerOptions {
   absl::Duration peer_timeout = absl::Seconds(30);
   // A checkpoint load staged here and not committed (or aborted) within this is dropped.
   absl::Duration staged_load_timeout = absl::Minutes(10);
+  // At a shutdown, how long the control-plane calls in progress get to finish before they
+  // are cancelled (connections with no call in progress do not wait for it).
+  absl::Duration shutdown_grace = absl::Seconds(2);
   std::string metrics_listen;             // HOST:PORT of /metrics (empty: no metrics)
   // What scrapes of /metrics present as basic auth's password (empty: auth_token).
   std::string metrics_token;
@@ -63,7 +67,7 @@ struct ServerOptions {
 
 // InvalidArgument naming the flag for: a rank outside the cluster, a duplicate address,
 // --listen not equal to cluster[rank], an unknown memory tier, negative thread counts, a
-// timeout that is not positive,
+// timeout that is not positive, a negative shutdown grace,
 // TLS files that do not go together (server/tls.h), a metrics token without metrics, or
 // metrics whose scrapes would carry the cluster token in clear next to a TLS control plane;
 // FailedPrecondition for
@@ -107,6 +111,7 @@ class Server {
   // names the endpoint's address) and serves empty scrapes until then.
   std::atomic<FlatshardService*> serving_{nullptr};
   std::unique_ptr<MetricsEndpoint> metrics_;
+  CallsInFlight calls_;  // the gRPC server's; declared before it, which refers to it
   std::unique_ptr<grpc::Server> grpc_server_;
   int control_port_ = 0;
 

@@ -168,24 +168,31 @@ FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
       nccl_(nccl),
       cluster_check_(std::move(cluster_check)) {}
 
-grpc::Status FlatshardService::Authenticate(const grpc::ServerContext* ctx) const {
-  if (identity_.auth_token.empty()) return grpc::Status::OK;
-  const auto& metadata = ctx->client_metadata();
-  const auto it = metadata.find("authorization");
-  if (it == metadata.end()) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing authorization token");
+grpc::Status FlatshardService::Admit(const grpc::ServerContext* ctx) const {
+  if (!identity_.auth_token.empty()) {
+    const auto& metadata = ctx->client_metadata();
+    const auto it = metadata.find("authorization");
+    if (it == metadata.end()) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing authorization token");
+    }
+    const absl::string_view presented(it->second.data(), it->second.size());
+    if (!ConstantTimeEquals(presented, absl::StrCat("Bearer ", identity_.auth_token))) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "wrong authorization token");
+    }
   }
-  const absl::string_view presented(it->second.data(), it->second.size());
-  if (!ConstantTimeEquals(presented, absl::StrCat("Bearer ", identity_.auth_token))) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "wrong authorization token");
-  }
-  return grpc::Status::OK;
+  absl::MutexLock lock(&stop_mu_);
+  return ToGrpc(stopped_);
+}
+
+void FlatshardService::Stop(absl::Status why) {
+  absl::MutexLock lock(&stop_mu_);
+  stopped_ = std::move(why);
 }
 
 grpc::Status FlatshardService::GetClusterInfo(grpc::ServerContext* ctx,
                                               const v1::GetClusterInfoRequest*,
                                               v1::ClusterInfo* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   response->set_rank(identity_.rank);
   for (const std::string& address : identity_.cluster) response->add_cluster(address);
   response->set_data_address(identity_.data_address);
@@ -199,7 +206,7 @@ grpc::Status FlatshardService::GetClusterInfo(grpc::ServerContext* ctx,
 
 grpc::Status FlatshardService::OpenSession(grpc::ServerContext* ctx, const v1::OpenSessionRequest*,
                                            v1::OpenSessionResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   response->set_session_token(sessions_.Issue());
   response->set_data_address(identity_.data_address);
   return grpc::Status::OK;
@@ -208,7 +215,7 @@ grpc::Status FlatshardService::OpenSession(grpc::ServerContext* ctx, const v1::O
 grpc::Status FlatshardService::OpenNcclChannel(grpc::ServerContext* ctx,
                                                const v1::OpenNcclChannelRequest* request,
                                                v1::OpenNcclChannelResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<uint64_t> channel = nccl_.Open(request->unique_id(), request->worker_rank());
   if (!channel.ok()) return ToGrpc(channel.status());
   response->set_channel(*channel);
@@ -218,7 +225,7 @@ grpc::Status FlatshardService::OpenNcclChannel(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::ConfigureJob(grpc::ServerContext* ctx,
                                             const v1::ConfigureJobRequest* request,
                                             v1::ConfigureJobResponse*) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   const v1::JobSettings& proto = request->settings();
   const JobSettings settings{.num_workers = proto.num_workers(),
                              .reduce_mean = proto.reduce() == v1::JobSettings::MEAN,
@@ -233,7 +240,7 @@ grpc::Status FlatshardService::ConfigureJob(grpc::ServerContext* ctx,
 
 grpc::Status FlatshardService::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* request,
                                          v1::DeleteJobResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   if (request->job().empty()) return ToGrpc(absl::InvalidArgumentError("job: empty name"));
   absl::StatusOr<std::vector<std::shared_ptr<Group>>> removed = registry_.DeleteJob(request->job());
   if (absl::IsNotFound(removed.status())) return grpc::Status::OK;  // deleted before, or never configured
@@ -251,7 +258,7 @@ grpc::Status FlatshardService::DeleteJob(grpc::ServerContext* ctx, const v1::Del
 grpc::Status FlatshardService::RegisterGroup(grpc::ServerContext* ctx,
                                              const v1::RegisterGroupRequest* request,
                                              v1::RegisterGroupResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<std::vector<TensorSpec>> tensors = FromProto(request->tensors());
   if (!tensors.ok()) return ToGrpc(tensors.status());
   absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(request->optimizer());
@@ -279,7 +286,7 @@ grpc::Status FlatshardService::RegisterGroup(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::InitGroup(grpc::ServerContext* ctx,
                                          const v1::InitGroupRequest* request,
                                          v1::InitGroupResponse*) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
   if (!group.ok()) return ToGrpc(group.status());
   return ToGrpc((*group)->InitFromSeed(request->seed()));
@@ -288,7 +295,7 @@ grpc::Status FlatshardService::InitGroup(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::SetHyperparams(grpc::ServerContext* ctx,
                                               const v1::SetHyperparamsRequest* request,
                                               v1::SetHyperparamsResponse*) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
   if (!group.ok()) return ToGrpc(group.status());
   absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(request->optimizer());
@@ -299,7 +306,7 @@ grpc::Status FlatshardService::SetHyperparams(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
                                            const v1::WaitVersionRequest* request,
                                            v1::WaitVersionResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
   if (!group.ok()) return ToGrpc(group.status());
   absl::StatusOr<int64_t> version = (*group)->WaitVersion(request->min_version(), WaitDeadline(ctx));
@@ -310,7 +317,7 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
 
 grpc::Status FlatshardService::SaveCheckpoint(
     grpc::ServerContext* ctx, grpc::ServerReaderWriter<v1::SaveAnswer, v1::SaveCheckpointStep>* stream) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   v1::SaveCheckpointStep step;
   if (!stream->Read(&step)) return ToGrpc(absl::InvalidArgumentError("save: empty stream"));
   const v1::SaveCheckpointRequest request = step.request();
@@ -348,7 +355,7 @@ grpc::Status FlatshardService::SaveCheckpoint(
 
 grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx, const v1::LoadCheckpointRequest* request,
                                               v1::CheckpointResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   if (request->load_id() == 0) {
     return ToGrpc(absl::InvalidArgumentError("a load must carry its (non-zero) load_id in every phase"));
   }
@@ -383,7 +390,7 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx, const v1
 
 grpc::Status FlatshardService::ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest*,
                                                v1::ListCheckpointsResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<std::vector<CheckpointInfo>> list = checkpoints_.List();
   if (!list.ok()) return ToGrpc(list.status());
   for (const CheckpointInfo& info : *list) {
@@ -402,12 +409,12 @@ grpc::Status FlatshardService::ListCheckpoints(grpc::ServerContext* ctx, const v
 
 grpc::Status FlatshardService::DeleteCheckpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* request,
                                                 v1::CheckpointResponse*) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   return ToGrpc(checkpoints_.Delete(request->name()));
 }
 
 grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, ExportStream* stream) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   v1::ExportStep step;
   if (!stream->Read(&step)) return ToGrpc(absl::InvalidArgumentError("export: empty stream"));
   const v1::ExportRequest request = step.request();
@@ -439,7 +446,7 @@ grpc::Status FlatshardService::ExportStateDict(grpc::ServerContext* ctx, ExportS
 grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,
                                                    grpc::ServerReader<v1::CheckpointPartMessage>* reader,
                                                    v1::WriteCheckpointPartResponse*) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   v1::CheckpointPartMessage message;
   if (!reader->Read(&message)) return ToGrpc(absl::InvalidArgumentError("checkpoint part: empty stream"));
   const std::string name = message.name();
@@ -478,7 +485,7 @@ grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::ReadCheckpointFile(grpc::ServerContext* ctx,
                                                   const v1::ReadCheckpointFileRequest* request,
                                                   grpc::ServerWriter<v1::ReadCheckpointFileChunk>* writer) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   v1::ReadCheckpointFileChunk chunk;
   return ToGrpc(checkpoints_.ReadFile(request->name(), request->file(), request->offset(), request->length(),
                                       [&](absl::Span<const std::byte> data) {
@@ -491,14 +498,14 @@ grpc::Status FlatshardService::ReadCheckpointFile(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,
                                                const v1::PushNormPartialRequest* request,
                                                v1::PushNormPartialResponse*) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   return ToGrpc(
       clip_.RecordPartial(request->job(), request->step(), request->rank(), request->partial(), request->epoch()));
 }
 
 grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,
                                            v1::GetGradNormResponse* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<double> norm = clip_.TotalNorm(request->job(), request->step(), WaitDeadline(ctx));
   if (!norm.ok()) return ToGrpc(norm.status());
   response->set_norm(*norm);
@@ -507,7 +514,7 @@ grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::G
 
 grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                                          v1::ServerStatus* response) {
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   *response = Status();
   return grpc::Status::OK;
 }

@@ -9,6 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "server/auth.h"
@@ -81,8 +84,14 @@ class FlatshardService final : public v1::Flatshard::Service {
   // What GetStatus answers; also what the metrics endpoint serves (server/metrics.h).
   v1::ServerStatus Status();
 
+  // Refuses every call that begins from now on with `why` (the server is shutting down:
+  // the calls in progress finish within its grace, no new one starts).
+  void Stop(absl::Status why);
+
  private:
-  grpc::Status Authenticate(const grpc::ServerContext* ctx) const;
+  // OK for a call that may proceed: UNAUTHENTICATED without the cluster's token, and the
+  // reason given to Stop once stopped.
+  grpc::Status Admit(const grpc::ServerContext* ctx) const;
 
   const ServiceIdentity identity_;
   Registry& registry_;
@@ -93,6 +102,8 @@ class FlatshardService final : public v1::Flatshard::Service {
   NcclPlane& nccl_;
   const std::function<std::string()> cluster_check_;
   const absl::Time started_ = absl::Now();
+  mutable absl::Mutex stop_mu_;
+  absl::Status stopped_ ABSL_GUARDED_BY(stop_mu_);
 };
 
 // Reads an OptimizerSettings proto; InvalidArgument when none is set.

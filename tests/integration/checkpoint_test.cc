@@ -16,6 +16,7 @@
 #include "client/cluster_status.h"
 #include "core/safetensors.h"
 #include "proto/flatshard.grpc.pb.h"
+#include "tests/integration/health_check.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/integration/trainer.h"
 #include "tests/scratch_dir.h"
@@ -774,6 +775,54 @@ TEST(CheckpointIntegrationTest, ABlockingSaveHoldsItsNameUntilItsClientCommits) 
   EXPECT_TRUE(listed->front().complete);
   EXPECT_EQ(listed->front().kind, "full");
   EXPECT_EQ(listed->front().versions.at("big"), 0);
+}
+
+// A server told to stop while a call is in progress (a blocking save waiting for its
+// commit) gives that call --shutdown_grace to finish: meanwhile calls that begin are
+// refused and health checks answer NOT_SERVING; the save commits whole, and the server
+// exits as soon as the call has ended, its idle worker connection notwithstanding.
+TEST(ServerShutdownTest, ACallInProgressFinishesWithinTheGraceAndNoNewOneStarts) {
+  const testing::ScratchDir root("shutdown-grace");
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), root.path(), {{"--shutdown_grace=60s"}});
+  Trainer trainer(cluster);
+  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  auto stream = OpenSave(*stub, ctx, "s", 0);
+  v1::SaveAnswer answer;
+  ASSERT_TRUE(stream->Read(&answer) && answer.cut().pinned());
+  ASSERT_TRUE(stream->Write(WriteStep()));
+  ASSERT_TRUE(stream->Read(&answer) && answer.written());
+  ASSERT_EQ(kill(cluster.pid(0), SIGTERM), 0);
+  grpc::Status refused;
+  for (const absl::Time until = absl::Now() + absl::Seconds(20); refused.ok() && absl::Now() < until;) {
+    grpc::ClientContext status_ctx;
+    status_ctx.AddMetadata("authorization", "Bearer tok");
+    v1::ServerStatus status;
+    refused = stub->GetStatus(&status_ctx, v1::GetStatusRequest(), &status);
+  }
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_EQ(refused.error_message(), "server 0 is shutting down");
+  for (const std::string service : {"", "flatshard.v1.Flatshard"}) {
+    const auto [checked, serving] = testing::HealthCheck(cluster.addresses()[0], service);
+    EXPECT_TRUE(checked.ok()) << checked.error_message();
+    EXPECT_EQ(serving, testing::kNotServing) << "'" << service << "'";
+  }
+  v1::SaveCheckpointStep commit;
+  commit.set_commit(true);
+  EXPECT_TRUE(stream->Write(commit));
+  const grpc::Status committed = stream->Finish();
+  EXPECT_TRUE(committed.ok()) << committed.error_message();
+  const auto [exit_status, took] = cluster.Terminate(0, absl::Seconds(90));
+  EXPECT_TRUE(WIFEXITED(exit_status) && WEXITSTATUS(exit_status) == 0) << exit_status;
+  EXPECT_LT(took, absl::Seconds(10));  // not the grace's 60 s
+  cluster.Restart(0);
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const auto listed = (*client)->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ(listed->front().name, "x");
+  EXPECT_TRUE(listed->front().complete);
 }
 
 }  // namespace

@@ -1,19 +1,19 @@
 // Servers check at start-up that they agree on the cluster and report it in their status.
 #include <gmock/gmock.h>
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include "absl/synchronization/notification.h"
 #include "flatshard/client.h"
 #include "proto/cluster_info.h"
 #include "proto/flatshard.grpc.pb.h"
+#include "tests/integration/health_check.h"
 #include "tests/integration/test_cluster.h"
 
 namespace flatshard {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::HealthCheck;
 
 // Polls the status of `cluster`'s server `rank` until its cluster check leaves
 // "checking" (10 s at most).
@@ -34,41 +34,14 @@ std::string ClusterCheck(const testing::TestCluster& cluster, int rank) {
   return "timeout";
 }
 
-// grpc.health.v1.Health/Check for `service` at `address`, without a token: the status,
-// and the serving status of the answer (HealthCheckResponse field 1, a small varint).
-std::pair<grpc::Status, int> HealthCheck(const std::string& address, const std::string& service) {
-  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  // HealthCheckRequest: field 1, the service name (empty: the server as a whole).
-  std::string encoded;
-  if (!service.empty()) encoded = std::string{'\x0a', static_cast<char>(service.size())} + service;
-  grpc::Slice slice(encoded);
-  grpc::ByteBuffer request(&slice, 1), response;
-  grpc::Status status;
-  absl::Notification done;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
-    status = std::move(s);
-    done.Notify();
-  });
-  done.WaitForNotification();
-  std::vector<grpc::Slice> slices;
-  std::string bytes;
-  if (status.ok() && response.Dump(&slices).ok()) {
-    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  return {status, bytes.size() == 2 && bytes[0] == '\x08' ? bytes[1] : -1};
-}
-
 // Kubernetes' grpc probe (and grpc_health_probe) ask without a token; the rest of the
 // control plane still wants one.
 TEST(HealthCheckTest, ServersAnswerTheStandardHealthCheckWithoutAToken) {
   const testing::TestCluster cluster(1, "tok", ::testing::TempDir());
-  constexpr int kServing = 1;
   for (const std::string service : {"", "flatshard.v1.Flatshard"}) {
     const auto [status, serving] = HealthCheck(cluster.addresses()[0], service);
     ASSERT_TRUE(status.ok()) << "'" << service << "': " << status.error_message();
-    EXPECT_EQ(serving, kServing) << "'" << service << "'";
+    EXPECT_EQ(serving, testing::kServing) << "'" << service << "'";
   }
   const auto [unknown, _] = HealthCheck(cluster.addresses()[0], "no.such.Service");
   EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << unknown.error_message();

@@ -611,6 +611,35 @@ TEST(ServerShutdownTest, WaitsEndWhenTheServerStopsAndItExitsAtOnce) {
   EXPECT_THAT(std::string(norm_of_step.status().message()), HasSubstr("server 0 is shutting down"));
 }
 
+// Connections with no call in progress (a worker between steps, a peer server) do not
+// hold a shutdown up. gRPC's own graceful shutdown would wait for them to close, up to
+// the whole grace (60 s here): an idle gRPC client notices only every few seconds (its
+// backup poller), and one that does not read its socket (the HTTP/2 connection opened
+// by hand here) never does.
+TEST(ServerShutdownTest, ConnectionsWithNoCallInProgressDoNotHoldItUp) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), "", {{"--shutdown_grace=60s"}, {}});
+  std::string host;
+  int port = 0;
+  ASSERT_TRUE(transport::SplitHostPort(cluster.addresses()[0], host, port).ok());
+  auto silent = transport::ConnectTcp(host, port, absl::Seconds(10));
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  // The client's connection preface: the magic, then an empty SETTINGS frame.
+  const absl::string_view magic = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+  std::vector<char> preface(magic.begin(), magic.end());
+  preface.insert(preface.end(), {0, 0, 0, 4, 0, 0, 0, 0, 0});
+  ASSERT_TRUE((*silent)->Send({AsBytes(preface)}).ok());
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> params((*layout)->padded_numel());
+  ASSERT_EQ((*client)->Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);
+  const auto [status, took] = cluster.Terminate(0, absl::Seconds(90));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_LT(took, absl::Seconds(10));  // gRPC's graceful shutdown: 20 s (its GOAWAY ping's timeout)
+}
+
 // Destroying a client whose gather waits for a version that does not come (a worker
 // stopped with Ctrl-C while another is stuck) cancels it at once, rather than wait for
 // the server's answer until the client's timeout (60 s here); the server serves on.

@@ -559,5 +559,13 @@ TEST(TrainingIntegrationTest, NegativeThreadCountsAreRefusedAtStartup) {
   EXPECT_FALSE(testing::RefusesToStart({"--compute_threads=1", "--threads=2"})) << "valid counts must start";
 }
 
+TEST(TrainingIntegrationTest, TimeoutsThatAreNotPositiveAndANegativeGraceAreRefusedAtStartup) {
+  for (const char* flag :
+       {"--peer_timeout=0s", "--nccl_timeout=-1s", "--staged_load_timeout=0s", "--shutdown_grace=-1s"}) {
+    EXPECT_TRUE(testing::RefusesToStart({flag})) << flag;
+  }
+  EXPECT_FALSE(testing::RefusesToStart({"--shutdown_grace=0s", "--peer_timeout=1s"})) << "valid values must start";
+}
+
 }  // namespace
 }  // namespace flatshard
