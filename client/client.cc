@@ -191,7 +191,7 @@ class ClientImpl final : public Client {
 
   std::vector<std::string> DataPlanes() const override { return transfers_->PlaneNames(); }
 
-  absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version) override {
+  absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version, std::stop_token stop) override {
     v1::WaitVersionRequest request;
     request.set_job(options_.job);
     request.set_group(group);
@@ -199,20 +199,30 @@ class ClientImpl final : public Client {
     int64_t version = std::numeric_limits<int64_t>::max();
     for (int i : ReplicaServers()) {
       v1::WaitVersionResponse response;
-      FLATSHARD_RETURN_IF_ERROR(
-          control_->Call(i, &v1::Flatshard::Stub::WaitVersion, request, &response));
+      const absl::Status waited =
+          control_->Call(i, &v1::Flatshard::Stub::WaitVersion, request, &response, absl::ZeroDuration(), nullptr, stop);
+      if (!waited.ok() && stop.stop_requested()) {
+        return absl::CancelledError(
+            absl::StrCat("the wait for version ", min_version, " of group '", group, "' was stopped"));
+      }
+      FLATSHARD_RETURN_IF_ERROR(waited);
       version = std::min(version, response.version());
     }
     return version;
   }
 
-  absl::StatusOr<double> GradNorm(int64_t step) override {
+  absl::StatusOr<double> GradNorm(int64_t step, std::stop_token stop) override {
     v1::GetGradNormRequest request;
     request.set_job(options_.job);
     request.set_step(step);
     v1::GetGradNormResponse response;
     // Every server combined the same norm; server 0 is in every job's replica group 0.
-    FLATSHARD_RETURN_IF_ERROR(control_->Call(0, &v1::Flatshard::Stub::GetGradNorm, request, &response));
+    const absl::Status got =
+        control_->Call(0, &v1::Flatshard::Stub::GetGradNorm, request, &response, absl::ZeroDuration(), nullptr, stop);
+    if (!got.ok() && stop.stop_requested()) {
+      return absl::CancelledError(absl::StrCat("the wait for the gradient norm of step ", step, " was stopped"));
+    }
+    FLATSHARD_RETURN_IF_ERROR(got);
     return response.norm();
   }
 

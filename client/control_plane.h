@@ -12,6 +12,7 @@
 
 #include <functional>
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -48,15 +49,17 @@ class ControlPlane {
   absl::Duration model_timeout() const { return model_timeout_; }
 
   // One unary call to `server`, within `timeout` (zero: the client's), which
-  // `cancellation` (when given) may cancel. Blocks. Returns the call's error with the
-  // server's address in its message.
+  // `cancellation` (when given) may cancel, and a stop asked of `stop`'s source. Blocks.
+  // Returns the call's error with the server's address in its message.
   template <typename Request, typename Response>
   [[nodiscard]] absl::Status Call(size_t server, Method<Request, Response> method, const Request& request,
                                   Response* response, absl::Duration timeout = absl::ZeroDuration(),
-                                  Cancellation* cancellation = nullptr) const {
+                                  Cancellation* cancellation = nullptr, std::stop_token stop = {}) const {
     grpc::ClientContext ctx;
     Prepare(ctx, timeout);
     const Registration registered(cancellation, &ctx);
+    // Cancels at once when the stop was asked for before; gRPC then fails the call as it starts.
+    const std::stop_callback stopped(stop, [&ctx] { ctx.TryCancel(); });
     return Named(server, (stubs_[server].get()->*method)(&ctx, request, response));
   }
 

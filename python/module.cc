@@ -12,7 +12,10 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <stop_token>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -361,19 +364,11 @@ class PyClient {
   }
 
   int64_t WaitVersion(const std::string& name, int64_t min_version) {
-    absl::StatusOr<int64_t> version = [&] {
-      py::gil_scoped_release release;
-      return client_->WaitVersion(name, min_version);
-    }();
-    return Check(std::move(version));
+    return Check(Stoppable([&](std::stop_token stop) { return client_->WaitVersion(name, min_version, stop); }));
   }
 
   double GradNorm(int64_t step) {
-    absl::StatusOr<double> norm = [&] {
-      py::gil_scoped_release release;
-      return client_->GradNorm(step);
-    }();
-    return Check(std::move(norm));
+    return Check(Stoppable([&](std::stop_token stop) { return client_->GradNorm(step, stop); }));
   }
 
   void SetHyperparams(const std::string& name, const py::dict& optimizer) {
@@ -438,12 +433,41 @@ class PyClient {
     Check(status);
   }
 
+  // Waits for `outcome` (a call on a thread of its own) without the GIL, looking at
+  // Python's signals every 50 ms. After a KeyboardInterrupt (Ctrl-C), or another exception
+  // a signal handler raises (it stays set), calls `stop` every 50 ms until the call has
+  // ended: a stop reaches a call in progress, and this one may not have begun yet. Returns
+  // the call's result and whether it was interrupted. Called with the GIL held.
+  template <typename T>
+  static std::pair<T, bool> AwaitInterruptibly(std::future<T>& outcome, const std::function<void()>& stop) {
+    bool interrupted = false;
+    py::gil_scoped_release release;
+    while (outcome.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+      if (!interrupted) {
+        py::gil_scoped_acquire gil;
+        interrupted = PyErr_CheckSignals() != 0;
+      }
+      if (interrupted) stop();
+    }
+    return {outcome.get(), interrupted};
+  }
+
+  // Runs `call(stop_token)` (a wait for other workers) on a thread of its own, stopped by
+  // a Ctrl-C (AwaitInterruptibly), which is then raised.
+  template <typename F>
+  std::invoke_result_t<F, std::stop_token> Stoppable(F&& call) {
+    std::stop_source source;
+    auto outcome = std::async(std::launch::async, [&] { return call(source.get_token()); });
+    auto [result, interrupted] = AwaitInterruptibly(outcome, [&] { source.request_stop(); });
+    if (interrupted) throw py::error_already_set();
+    return std::move(result);
+  }
+
   // Runs `call` (a save, load or export) on a thread of its own, handing it `callback` (a
   // Python callable(done, total), or None) as a Client::Progress, called with the GIL
-  // taken from the client's threads. Meanwhile this thread waits without the GIL and looks
-  // at Python's signals every 50 ms. A KeyboardInterrupt (Ctrl-C), or another exception a
-  // signal handler raises, cancels the call (CancelCheckpointCalls) and is raised once it
-  // has ended; so is an exception the callback raises, which stops further calls.
+  // taken from the client's threads. A KeyboardInterrupt (Ctrl-C) meanwhile cancels the
+  // call (CancelCheckpointCalls, AwaitInterruptibly) and is raised once it has ended; so
+  // is an exception the callback raises, which stops further calls.
   template <typename F>
   void WithProgress(const py::object& callback, F&& call) {
     struct State {
@@ -465,21 +489,7 @@ class PyClient {
       };
     }
     std::future<absl::Status> outcome = std::async(std::launch::async, [&] { return call(progress); });
-    bool interrupted = false;
-    absl::Status status;
-    {
-      py::gil_scoped_release release;
-      while (outcome.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
-        if (!interrupted) {
-          py::gil_scoped_acquire gil;
-          interrupted = PyErr_CheckSignals() != 0;  // its exception stays set
-        }
-        // Again until the call ends: a cancel reaches the calls in progress only, and
-        // this one may not have begun yet.
-        if (interrupted) client_->CancelCheckpointCalls();
-      }
-      status = outcome.get();
-    }
+    const auto [status, interrupted] = AwaitInterruptibly(outcome, [&] { client_->CancelCheckpointCalls(); });
     if (interrupted) throw py::error_already_set();
     if (state->error) throw *state->error;
     Check(status);

@@ -354,7 +354,8 @@ class Client:
     def wait_version(self, name, min_version):
         """Waits until every server's shard of group `name` reaches min_version; returns the
         version. Raises an ABORTED error at once when a checkpoint load sets the group below
-        min_version meanwhile (the load dropped the gradients sent for the step in progress)."""
+        min_version meanwhile (the load dropped the gradients sent for the step in progress).
+        Ctrl-C ends the wait at once (KeyboardInterrupt), as it does in grad_norm."""
         return self._native.wait_version(name, int(min_version))
 
     def grad_norm(self, step):

@@ -9,6 +9,7 @@
 #include <functional>
 #include <future>
 #include <limits>
+#include <stop_token>
 
 #include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -638,6 +639,42 @@ TEST(ServerShutdownTest, ConnectionsWithNoCallInProgressDoNotHoldItUp) {
   const auto [status, took] = cluster.Terminate(0, absl::Seconds(90));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_LT(took, absl::Seconds(10));  // gRPC's graceful shutdown: 20 s (its GOAWAY ping's timeout)
+}
+
+// A stop asked of a wait's std::stop_token (a Ctrl-C handler's) ends it at once,
+// CANCELLED, rather than at the client's timeout (60 s here); one asked before the call
+// ends it before it reaches a server. The client serves on.
+TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::stop_source version_source, norm_source;
+  const absl::Time start = absl::Now();
+  auto version =
+      std::async(std::launch::async, [&] { return (*client)->WaitVersion("g", 1, version_source.get_token()); });
+  auto norm = std::async(std::launch::async, [&] { return (*client)->GradNorm(0, norm_source.get_token()); });
+  absl::SleepFor(absl::Milliseconds(300));  // both wait on the servers: no step comes
+  version_source.request_stop();
+  norm_source.request_stop();
+  const absl::StatusOr<int64_t> waited = version.get();
+  EXPECT_TRUE(absl::IsCancelled(waited.status())) << waited.status();
+  EXPECT_EQ(waited.status().message(), "the wait for version 1 of group 'g' was stopped");
+  const absl::StatusOr<double> norm_of_step = norm.get();
+  EXPECT_TRUE(absl::IsCancelled(norm_of_step.status())) << norm_of_step.status();
+  EXPECT_EQ(norm_of_step.status().message(), "the wait for the gradient norm of step 0 was stopped");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  EXPECT_TRUE(absl::IsCancelled((*client)->WaitVersion("g", 1, version_source.get_token()).status()));
+  EXPECT_TRUE(absl::IsCancelled((*client)->GradNorm(0, norm_source.get_token()).status()));
+  std::vector<float> grad((*layout)->padded_numel(), 0.0f);
+  std::fill_n(grad.begin(), 10, 1.0f);  // the padding's gradient stays 0
+  ASSERT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  EXPECT_EQ((*client)->WaitVersion("g", 1).value_or(-1), 1);
+  const absl::StatusOr<double> reduced = (*client)->GradNorm(0);
+  ASSERT_TRUE(reduced.ok()) << reduced.status();
+  EXPECT_NEAR(*reduced, std::sqrt(10.0), 1e-6);  // ten gradients of 1
 }
 
 // Destroying a client whose gather waits for a version that does not come (a worker

@@ -338,6 +338,24 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(version, 1)
         np.testing.assert_array_equal(flat, c.gather_flat("g")[0])
 
+    def test_ctrl_c_stops_a_wait_for_a_version_or_a_norm(self):
+        c = self.client(job="waits-interrupted", timeout=60.0)
+        c.configure_job(max_grad_norm=1.0)
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        c.init_group("g", values(3))
+        main = threading.get_ident()
+        for wait in (lambda: c.wait_version("g", 1), lambda: c.grad_norm(0)):  # no step comes: up to 60 s
+            timer = threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGINT))
+            start = time.monotonic()
+            timer.start()
+            with self.assertRaises(KeyboardInterrupt):
+                wait()
+            self.assertLess(time.monotonic() - start, 30.0)
+            timer.join()
+        c.scatter("g", values(4), step=0)  # the client serves on
+        self.assertEqual(c.wait_version("g", 1), 1)
+        self.assertGreater(c.grad_norm(0), 0.0)
+
     def test_dropping_a_waiting_transfer_or_its_client_does_not_wait_for_it(self):
         c = self.client(workers=2, job="dropped", timeout=60.0)  # worker 1 never sends
         c.configure_job()

@@ -24,6 +24,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <variant>
 #include <vector>
@@ -242,15 +243,17 @@ class Client {
   // min_version. Here and in Gather: Aborted, at once, when a checkpoint load sets the
   // group below min_version while the call waits (the load dropped the gradients sent
   // for the step in progress); the message names the version loaded.
-  [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group,
-                                                            int64_t min_version) = 0;
+  // Here and in GradNorm, `stop` (optional) ends the wait at once, Cancelled, when its
+  // std::stop_source is asked to stop from another thread (a Ctrl-C handler, say).
+  [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version,
+                                                            std::stop_token stop = {}) = 0;
 
   // The job's total gradient norm at `step`, before clipping (what
   // torch.nn.utils.clip_grad_norm_ returns), for logging; waits until the step is
   // reduced. The job must clip or skip non-finite steps (JobOptions::max_grad_norm,
   // skip_nonfinite): InvalidArgument otherwise. NotFound for a step more than 1024 steps
   // old.
-  [[nodiscard]] virtual absl::StatusOr<double> GradNorm(int64_t step) = 0;
+  [[nodiscard]] virtual absl::StatusOr<double> GradNorm(int64_t step, std::stop_token stop = {}) = 0;
 
   // New hyper-parameters from the next step on (same optimizer kind as registered).
   [[nodiscard]] virtual absl::Status SetHyperparams(const std::string& group,
