@@ -149,8 +149,8 @@ void ClipCoordinator::Stop(const absl::Status& why) {
   if (stopped_.ok()) stopped_ = why;  // the waits' conditions see it when the lock is released
 }
 
-absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_t step,
-                                                  absl::Time deadline) {
+absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_t step, absl::Time deadline,
+                                                  const CallerGone& caller_gone) {
   FLATSHARD_ASSIGN_OR_RETURN(const JobSettings settings, registry_.job_settings(job));
   if (!settings.needs_norm()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -187,9 +187,15 @@ absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_
   auto known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return kept() != nullptr || deletions() != deleted || !stopped_.ok();
   };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&known), deadline)) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("job '", job, "': the gradient norm of step ", step, " is not known yet"));
+  switch (AwaitWhileTheCallerWaits(mu_, absl::Condition(&known), deadline, caller_gone)) {
+    case WaitOutcome::kReady:
+      break;
+    case WaitOutcome::kTimedOut:
+      return absl::DeadlineExceededError(
+          absl::StrCat("job '", job, "': the gradient norm of step ", step, " is not known yet"));
+    case WaitOutcome::kCallerGone:
+      return absl::CancelledError(absl::StrCat("the caller went away while waiting for the gradient norm of step ",
+                                               step, " of job '", job, "'"));
   }
   if (kept() == nullptr) return stopped_.ok() ? was_deleted() : stopped_;
   return *kept();

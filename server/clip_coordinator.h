@@ -43,6 +43,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "server/caller_wait.h"
 #include "server/registry.h"
 
 namespace flatshard::server {
@@ -75,10 +76,11 @@ class ClipCoordinator {
   // until `deadline`. The norms of a job's last kKeptNorms steps are kept.
   // InvalidArgument for a job that computes no norm, NotFound for a step applied here whose
   // norm is not kept (older, or from before a restart or a load), DeadlineExceeded; Stop's
-  // reason once the server is shutting down.
+  // reason once the server is shutting down; Cancelled once `caller_gone` (optional,
+  // server/caller_wait.h) says the caller went away.
   static constexpr size_t kKeptNorms = 1024;
-  [[nodiscard]] absl::StatusOr<double> TotalNorm(const std::string& job, int64_t step,
-                                                 absl::Time deadline);
+  [[nodiscard]] absl::StatusOr<double> TotalNorm(const std::string& job, int64_t step, absl::Time deadline,
+                                                 const CallerGone& caller_gone = nullptr);
   // Checkpoint load `load_id` (non-zero, the same on every server) rewound the versions
   // of `job`: its kept norms and the shares of its steps in progress are dropped, and its
   // epoch becomes `load_id`.

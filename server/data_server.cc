@@ -200,8 +200,11 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
   };
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
   if (!group.ok()) return refuse(group.status());
+  // A client closes (or shuts down) its end only once it has given up on the answer
+  // (cancelled, destroyed): the gather stops waiting for a version then.
   absl::StatusOr<GatherSnapshot> snapshot =
-      (*group)->Gather(request.version, request.dtype, request.Deadline());
+      (*group)->Gather(request.version, request.dtype, request.Deadline(), [&conn] { return conn.PeerClosed(); });
+  if (absl::IsCancelled(snapshot.status())) return false;  // its caller went away: nobody to answer
   if (!snapshot.ok()) return refuse(snapshot.status());
   absl::Span<const std::byte> bytes = absl::MakeConstSpan(snapshot->bytes->bytes());
   if (ranged) {

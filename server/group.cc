@@ -124,22 +124,29 @@ void Group::Close(absl::Status why) {
   if (closed_.ok()) closed_ = std::move(why);  // the waits' conditions see it when the lock is released
 }
 
-absl::StatusOr<bool> Group::AwaitVersion(int64_t min_version, absl::Time deadline) const {
+absl::StatusOr<bool> Group::AwaitVersion(int64_t min_version, absl::Time deadline,
+                                         const CallerGone& caller_gone) const {
   FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   const int64_t loads = loads_;
   auto reached_or_loaded = [this, min_version, loads]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return version_ >= min_version || loads_ != loads || !closed_.ok();
   };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&reached_or_loaded), deadline)) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("group '", name_, "' is at version ", version_, "; timed out waiting for version ", min_version));
+  switch (AwaitWhileTheCallerWaits(mu_, absl::Condition(&reached_or_loaded), deadline, caller_gone)) {
+    case WaitOutcome::kReady:
+      break;
+    case WaitOutcome::kTimedOut:
+      return absl::DeadlineExceededError(absl::StrCat("group '", name_, "' is at version ", version_,
+                                                      "; timed out waiting for version ", min_version));
+    case WaitOutcome::kCallerGone:
+      return absl::CancelledError(
+          absl::StrCat("the caller went away while waiting for version ", min_version, " of group '", name_, "'"));
   }
   FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   return version_ >= min_version;
 }
 
-absl::Status Group::AwaitGatherVersion(int64_t min_version, absl::Time deadline) const {
-  FLATSHARD_ASSIGN_OR_RETURN(const bool reached, AwaitVersion(min_version, deadline));
+absl::Status Group::AwaitGatherVersion(int64_t min_version, absl::Time deadline, const CallerGone& caller_gone) const {
+  FLATSHARD_ASSIGN_OR_RETURN(const bool reached, AwaitVersion(min_version, deadline, caller_gone));
   if (reached) return absl::OkStatus();
   return absl::AbortedError(absl::StrCat(
       "group '", name_, "' was loaded from a checkpoint at version ", version_, " while waiting for version ",
@@ -147,9 +154,10 @@ absl::Status Group::AwaitGatherVersion(int64_t min_version, absl::Time deadline)
       " and train on from there"));
 }
 
-absl::StatusOr<int64_t> Group::WaitVersion(int64_t min_version, absl::Time deadline) const {
+absl::StatusOr<int64_t> Group::WaitVersion(int64_t min_version, absl::Time deadline,
+                                           const CallerGone& caller_gone) const {
   absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline));
+  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline, caller_gone));
   return version_;
 }
 
@@ -163,14 +171,14 @@ std::string Group::LoadedState(uint64_t load_id) {
                       : absl::StrCat("the state of checkpoint load ", absl::Hex(load_id));
 }
 
-absl::StatusOr<GatherSnapshot> Group::Gather(int64_t min_version, DType dtype,
-                                             absl::Time deadline) {
+absl::StatusOr<GatherSnapshot> Group::Gather(int64_t min_version, DType dtype, absl::Time deadline,
+                                             const CallerGone& caller_gone) {
   if (!IsFloatingParamDType(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("gather dtype ", DTypeName(dtype),
                                                    " is not float32, bfloat16 or float16"));
   }
   absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline));
+  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline, caller_gone));
   auto& snapshot = snapshots_[DTypeIndex(dtype)];
   if (snapshot == nullptr) {
     const int64_t numel = shard_numel();

@@ -84,6 +84,7 @@
 #include "absl/types/span.h"
 #include "core/huge_pages.h"
 #include "core/layout.h"
+#include "server/caller_wait.h"
 #include "server/job.h"
 #include "server/latency_histogram.h"
 #include "server/optimizer.h"
@@ -230,11 +231,14 @@ class Group {
   // DeadlineExceeded naming both versions. Aborted, at once, when a load (Restore) moves
   // the group below min_version while it waits: the load dropped the contributions to
   // the step in progress, so that version comes only once workers send them again.
-  [[nodiscard]] absl::StatusOr<int64_t> WaitVersion(int64_t min_version, absl::Time deadline) const;
+  // Cancelled once `caller_gone` (optional, server/caller_wait.h) says the request's
+  // caller went away.
+  [[nodiscard]] absl::StatusOr<int64_t> WaitVersion(int64_t min_version, absl::Time deadline,
+                                                    const CallerGone& caller_gone = nullptr) const;
 
   // Waits like WaitVersion, then returns the shard at the current version in `dtype`.
-  [[nodiscard]] absl::StatusOr<GatherSnapshot> Gather(int64_t min_version, DType dtype,
-                                                      absl::Time deadline);
+  [[nodiscard]] absl::StatusOr<GatherSnapshot> Gather(int64_t min_version, DType dtype, absl::Time deadline,
+                                                      const CallerGone& caller_gone = nullptr);
   // InvalidArgument naming `plane` ("CUDA IPC") unless `bytes` is this server's shard in
   // `dtype`: what a transfer that names its size must name.
   [[nodiscard]] absl::Status CheckShardBytes(DType dtype, uint64_t bytes,
@@ -417,11 +421,14 @@ class Group {
   static std::string LoadedState(uint64_t load_id);
 
   // Blocks (releasing mu_) until version_ >= min_version (true), a load (Restore) moves
-  // the group below it (false), or `deadline` (DeadlineExceeded naming both versions).
-  absl::StatusOr<bool> AwaitVersion(int64_t min_version, absl::Time deadline) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // the group below it (false), `deadline` (DeadlineExceeded naming both versions) or
+  // `caller_gone` says so (Cancelled).
+  absl::StatusOr<bool> AwaitVersion(int64_t min_version, absl::Time deadline,
+                                    const CallerGone& caller_gone = nullptr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AwaitVersion for gathers (Aborted when loaded below min_version) and for the cut of a
   // save or export (FailedPrecondition: the load replaced the state it was cut from).
-  absl::Status AwaitGatherVersion(int64_t min_version, absl::Time deadline) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AwaitGatherVersion(int64_t min_version, absl::Time deadline,
+                                  const CallerGone& caller_gone = nullptr) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AwaitCut(int64_t version, absl::Time deadline) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckContribution(int64_t step, int worker_rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -309,7 +309,8 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
   if (!group.ok()) return ToGrpc(group.status());
-  absl::StatusOr<int64_t> version = (*group)->WaitVersion(request->min_version(), WaitDeadline(ctx));
+  absl::StatusOr<int64_t> version =
+      (*group)->WaitVersion(request->min_version(), WaitDeadline(ctx), [ctx] { return ctx->IsCancelled(); });
   if (!version.ok()) return ToGrpc(version.status());
   response->set_version(*version);
   return grpc::Status::OK;
@@ -506,7 +507,8 @@ grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,
                                            v1::GetGradNormResponse* response) {
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
-  absl::StatusOr<double> norm = clip_.TotalNorm(request->job(), request->step(), WaitDeadline(ctx));
+  absl::StatusOr<double> norm =
+      clip_.TotalNorm(request->job(), request->step(), WaitDeadline(ctx), [ctx] { return ctx->IsCancelled(); });
   if (!norm.ok()) return ToGrpc(norm.status());
   response->set_norm(*norm);
   return grpc::Status::OK;

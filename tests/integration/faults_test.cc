@@ -9,6 +9,7 @@
 #include <functional>
 #include <future>
 #include <limits>
+#include <map>
 #include <stop_token>
 
 #include "client/cluster_status.h"
@@ -675,6 +676,50 @@ TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
   const absl::StatusOr<double> reduced = (*client)->GradNorm(0);
   ASSERT_TRUE(reduced.ok()) << reduced.status();
   EXPECT_NEAR(*reduced, std::sqrt(10.0), 1e-6);  // ten gradients of 1
+}
+
+// A server ends the waits of a caller that went away (a worker stopped with Ctrl-C, a
+// client destroyed): its WaitVersion, GetGradNorm and data-plane gather end within
+// moments, and the gather's connection closes, rather than at their deadlines (about the
+// client's 60 s timeout), each holding a thread until then.
+TEST(AbandonedWaitTest, AServerEndsTheWaitsOfACallerThatWentAway) {
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir());
+  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::stop_source stop;
+  auto version = std::async(std::launch::async, [&] { return (*client)->WaitVersion("g", 1, stop.get_token()); });
+  auto norm = std::async(std::launch::async, [&] { return (*client)->GradNorm(0, stop.get_token()); });
+  std::vector<float> params((*layout)->padded_numel());
+  auto gathered = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params));  // no step comes
+  absl::SleepFor(absl::Milliseconds(300));                                      // the three wait on the server
+  stop.request_stop();
+  EXPECT_TRUE(absl::IsCancelled(version.get().status()));
+  EXPECT_TRUE(absl::IsCancelled(norm.get().status()));
+  client->reset();  // cancels the gather: its connection is shut down
+  EXPECT_TRUE(absl::IsCancelled(gathered.get().status()));
+  // What the server has answered (or ended) so far, and its data connections.
+  const ClientOptions status_options{.servers = cluster.addresses(), .token = cluster.token()};
+  std::map<std::string, uint64_t> ended;
+  int open_connections = -1;
+  for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;) {
+    const absl::StatusOr<v1::ServerStatus> status = FetchClusterStatus(status_options)[0];
+    ASSERT_TRUE(status.ok()) << status.status();
+    for (const v1::NamedLatency& rpc : status->rpc_seconds()) ended[rpc.name()] = rpc.seconds().count();
+    for (const v1::NamedLatency& op : status->data_request_seconds()) ended[op.name()] = op.seconds().count();
+    open_connections = status->open_data_connections();
+    if (ended["flatshard.v1.Flatshard/WaitVersion"] == 1 && ended["flatshard.v1.Flatshard/GetGradNorm"] == 1 &&
+        ended["gather"] == 1 && open_connections == 0) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(ended["flatshard.v1.Flatshard/WaitVersion"], 1u);
+  EXPECT_EQ(ended["flatshard.v1.Flatshard/GetGradNorm"], 1u);
+  EXPECT_EQ(ended["gather"], 1u);
+  EXPECT_EQ(open_connections, 0);
 }
 
 // Destroying a client whose gather waits for a version that does not come (a worker

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -125,6 +126,24 @@ TEST_F(ClipCoordinatorTest, TheTotalNormOfAStepIsKeptForLogging) {
   EXPECT_TRUE(absl::IsNotFound(servers_[0].clip->TotalNorm("job", 0, absl::InfiniteFuture()).status()));
   ASSERT_TRUE(servers_[0].registry->ConfigureJob("plain", {.num_workers = 1}).ok());
   EXPECT_TRUE(absl::IsInvalidArgument(servers_[0].clip->TotalNorm("plain", 0, absl::InfiniteFuture()).status()));
+}
+
+// A wait for a norm whose caller went away ends within kCallerCheck, Cancelled.
+TEST_F(ClipCoordinatorTest, AWaitForANormEndsOnceItsCallerHasGone) {
+  Start(/*max_norm=*/1.0, /*norm_type=*/2.0);
+  std::atomic<bool> gone{false};
+  absl::Status waited;
+  std::thread waiter([&] {
+    waited =
+        servers_[0].clip->TotalNorm("job", 0, absl::Now() + absl::Seconds(60), [&] { return gone.load(); }).status();
+  });
+  absl::SleepFor(absl::Milliseconds(250));
+  const absl::Time left_at = absl::Now();
+  gone = true;
+  waiter.join();
+  EXPECT_LT(absl::Now() - left_at, absl::Seconds(10)) << "the wait ran to its deadline";
+  EXPECT_TRUE(absl::IsCancelled(waited)) << waited;
+  EXPECT_EQ(waited.message(), "the caller went away while waiting for the gradient norm of step 0 of job 'job'");
 }
 
 // A server shutting down ends the waits for a norm that will not come, and refuses later

@@ -196,6 +196,29 @@ TEST(GroupTest, GatherWaitsForTheVersionOrTheDeadline) {
   EXPECT_EQ(first, FloatToBFloat16Bits(-1.0f));
 }
 
+// A wait whose caller went away (its call cancelled, its connection closed) ends within
+// kCallerCheck of that, Cancelled, rather than at its deadline; the group serves on.
+TEST(GroupTest, AWaitEndsOnceItsCallerHasGone) {
+  std::shared_ptr<Group> group = MakeGroup(1);
+  std::atomic<bool> gone{false};
+  const CallerGone caller_gone = [&] { return gone.load(); };
+  absl::Status waited, gathered;
+  std::thread waiter([&] { waited = group->WaitVersion(1, absl::Now() + absl::Seconds(60), caller_gone).status(); });
+  std::thread gatherer(
+      [&] { gathered = group->Gather(1, DType::kFloat32, absl::Now() + absl::Seconds(60), caller_gone).status(); });
+  absl::SleepFor(absl::Milliseconds(250));  // both wait, asking every 100 ms
+  const absl::Time left_at = absl::Now();
+  gone = true;
+  waiter.join();
+  gatherer.join();
+  EXPECT_LT(absl::Now() - left_at, absl::Seconds(10)) << "a wait ran to its deadline";
+  EXPECT_TRUE(absl::IsCancelled(waited)) << waited;
+  EXPECT_THAT(std::string(waited.message()), HasSubstr("the caller went away while waiting for version 1"));
+  EXPECT_TRUE(absl::IsCancelled(gathered)) << gathered;
+  ASSERT_TRUE(Contribute(*group, 0, 0, {1, 2, 3}).ok());
+  EXPECT_EQ(group->WaitVersion(1, absl::Now() + absl::Seconds(10), caller_gone).value_or(-1), 1);  // ready first
+}
+
 TEST(GroupTest, SeedInitIsIndependentOfServerCountAndPaddingStaysZero) {
   // Tensor values from 1 shard of 1 vs 3 shards of 3.
   std::vector<float> whole;
