@@ -582,22 +582,45 @@ TEST(HybridFaultsTest, ANonFiniteStepIsSkippedInEveryReplicaGroup) {
   }
 }
 
+// Worker 0 of `workers` with a 60 s timeout (a wait that nothing ends runs that long), in
+// job "test", which clips at norm 1 (GradNorm waits for its step), and its group "g" of
+// ten floats; a null client after a failure.
+struct ClippedWorker {
+  std::unique_ptr<Client> client;
+  int64_t padded_numel = 0;
+};
+ClippedWorker StartClippedWorker(const testing::TestCluster& cluster, int workers) {
+  ClippedWorker worker;
+  auto client =
+      cluster.Connect({.worker_rank = 0, .num_workers = workers, .job = "test", .timeout = absl::Seconds(60)});
+  if (!client.ok()) {
+    ADD_FAILURE() << client.status();
+    return worker;
+  }
+  EXPECT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  if (!layout.ok()) {
+    ADD_FAILURE() << layout.status();
+    return worker;
+  }
+  worker.padded_numel = (*layout)->padded_numel();
+  worker.client = *std::move(client);
+  return worker;
+}
+
 // A server told to stop (SIGTERM: `systemctl stop`, a pod's termination) while workers
 // wait on it, for a version or a step's gradient norm, ends their waits with UNAVAILABLE
 // and exits within its shutdown grace. Before, each wait held the shutdown until its
 // deadline: the client's timeout, 60 s here (the test's limit is 30 s).
 TEST(ServerShutdownTest, WaitsEndWhenTheServerStopsAndItExitsAtOnce) {
   testing::TestCluster cluster(1, "tok", ::testing::TempDir());
-  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 2, .job = "test", .timeout = absl::Seconds(60)});
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
-  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  ClippedWorker worker = StartClippedWorker(cluster, 2);
+  ASSERT_NE(worker.client, nullptr);
   // Worker 1 never sends: version 1 and the norm of step 0 never come.
-  std::vector<float> params((*layout)->padded_numel());
-  auto gathered = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params));
-  auto version = std::async(std::launch::async, [&] { return (*client)->WaitVersion("g", 1); });
-  auto norm = std::async(std::launch::async, [&] { return (*client)->GradNorm(0); });
+  std::vector<float> params(worker.padded_numel);
+  auto gathered = worker.client->Gather("g", 1, DType::kFloat32, AsBytes(params));
+  auto version = std::async(std::launch::async, [&] { return worker.client->WaitVersion("g", 1); });
+  auto norm = std::async(std::launch::async, [&] { return worker.client->GradNorm(0); });
   absl::SleepFor(absl::Milliseconds(300));  // the three wait on the server
   const auto [status, took] = cluster.Terminate(0, absl::Seconds(30));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
@@ -647,16 +670,13 @@ TEST(ServerShutdownTest, ConnectionsWithNoCallInProgressDoNotHoldItUp) {
 // ends it before it reaches a server. The client serves on.
 TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
   testing::TestCluster cluster(2, "tok", ::testing::TempDir());
-  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
-  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  ClippedWorker worker = StartClippedWorker(cluster, 1);
+  ASSERT_NE(worker.client, nullptr);
   std::stop_source version_source, norm_source;
   const absl::Time start = absl::Now();
   auto version =
-      std::async(std::launch::async, [&] { return (*client)->WaitVersion("g", 1, version_source.get_token()); });
-  auto norm = std::async(std::launch::async, [&] { return (*client)->GradNorm(0, norm_source.get_token()); });
+      std::async(std::launch::async, [&] { return worker.client->WaitVersion("g", 1, version_source.get_token()); });
+  auto norm = std::async(std::launch::async, [&] { return worker.client->GradNorm(0, norm_source.get_token()); });
   absl::SleepFor(absl::Milliseconds(300));  // both wait on the servers: no step comes
   version_source.request_stop();
   norm_source.request_stop();
@@ -667,13 +687,13 @@ TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
   EXPECT_TRUE(absl::IsCancelled(norm_of_step.status())) << norm_of_step.status();
   EXPECT_EQ(norm_of_step.status().message(), "the wait for the gradient norm of step 0 was stopped");
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
-  EXPECT_TRUE(absl::IsCancelled((*client)->WaitVersion("g", 1, version_source.get_token()).status()));
-  EXPECT_TRUE(absl::IsCancelled((*client)->GradNorm(0, norm_source.get_token()).status()));
-  std::vector<float> grad((*layout)->padded_numel(), 0.0f);
+  EXPECT_TRUE(absl::IsCancelled(worker.client->WaitVersion("g", 1, version_source.get_token()).status()));
+  EXPECT_TRUE(absl::IsCancelled(worker.client->GradNorm(0, norm_source.get_token()).status()));
+  std::vector<float> grad(worker.padded_numel, 0.0f);
   std::fill_n(grad.begin(), 10, 1.0f);  // the padding's gradient stays 0
-  ASSERT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
-  EXPECT_EQ((*client)->WaitVersion("g", 1).value_or(-1), 1);
-  const absl::StatusOr<double> reduced = (*client)->GradNorm(0);
+  ASSERT_TRUE(worker.client->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  EXPECT_EQ(worker.client->WaitVersion("g", 1).value_or(-1), 1);
+  const absl::StatusOr<double> reduced = worker.client->GradNorm(0);
   ASSERT_TRUE(reduced.ok()) << reduced.status();
   EXPECT_NEAR(*reduced, std::sqrt(10.0), 1e-6);  // ten gradients of 1
 }
@@ -684,21 +704,18 @@ TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
 // client's 60 s timeout), each holding a thread until then.
 TEST(AbandonedWaitTest, AServerEndsTheWaitsOfACallerThatWentAway) {
   testing::TestCluster cluster(1, "tok", ::testing::TempDir());
-  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
-  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  ClippedWorker worker = StartClippedWorker(cluster, 1);
+  ASSERT_NE(worker.client, nullptr);
   std::stop_source stop;
-  auto version = std::async(std::launch::async, [&] { return (*client)->WaitVersion("g", 1, stop.get_token()); });
-  auto norm = std::async(std::launch::async, [&] { return (*client)->GradNorm(0, stop.get_token()); });
-  std::vector<float> params((*layout)->padded_numel());
-  auto gathered = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params));  // no step comes
+  auto version = std::async(std::launch::async, [&] { return worker.client->WaitVersion("g", 1, stop.get_token()); });
+  auto norm = std::async(std::launch::async, [&] { return worker.client->GradNorm(0, stop.get_token()); });
+  std::vector<float> params(worker.padded_numel);
+  auto gathered = worker.client->Gather("g", 1, DType::kFloat32, AsBytes(params));  // no step comes
   absl::SleepFor(absl::Milliseconds(300));                                      // the three wait on the server
   stop.request_stop();
   EXPECT_TRUE(absl::IsCancelled(version.get().status()));
   EXPECT_TRUE(absl::IsCancelled(norm.get().status()));
-  client->reset();  // cancels the gather: its connection is shut down
+  worker.client.reset();  // cancels the gather: its connection is shut down
   EXPECT_TRUE(absl::IsCancelled(gathered.get().status()));
   // What the server has answered (or ended) so far, and its data connections.
   const ClientOptions status_options{.servers = cluster.addresses(), .token = cluster.token()};
