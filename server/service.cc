@@ -12,6 +12,7 @@
 #include "core/status_macros.h"
 #include "proto/cluster_info.h"
 #include "proto/convert.h"
+#include "server/caller_wait.h"
 
 namespace flatshard::server {
 namespace {
@@ -96,6 +97,12 @@ absl::Status AgreeOnCut(grpc::ServerReaderWriter<Answer, Step>* stream, const st
     }
     versions = std::map<std::string, int64_t>(step.repin().begin(), step.repin().end());
   }
+}
+
+// Whether the client of the call on `ctx` has gone (cancelled it, or lost its connection),
+// for the waits and the checkpoint work that stop then.
+CallerGone CallerGoneOf(grpc::ServerContext* ctx) {
+  return [ctx] { return ctx->IsCancelled(); };
 }
 
 absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
@@ -309,8 +316,7 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
   if (!group.ok()) return ToGrpc(group.status());
-  absl::StatusOr<int64_t> version =
-      (*group)->WaitVersion(request->min_version(), WaitDeadline(ctx), [ctx] { return ctx->IsCancelled(); });
+  absl::StatusOr<int64_t> version = (*group)->WaitVersion(request->min_version(), WaitDeadline(ctx), CallerGoneOf(ctx));
   if (!version.ok()) return ToGrpc(version.status());
   response->set_version(*version);
   return grpc::Status::OK;
@@ -340,7 +346,7 @@ grpc::Status FlatshardService::SaveCheckpoint(
       [&] { return checkpoints_.JobVersions(request.job()); });
   if (!agreed.ok()) return ToGrpc(agreed);
   // A client gone mid-write (Ctrl-C) would not commit the part: the save stops there.
-  const absl::Status written = checkpoints_.FinishSave(**save, DeadlineOf(ctx), [ctx] { return ctx->IsCancelled(); });
+  const absl::Status written = checkpoints_.FinishSave(**save, DeadlineOf(ctx), CallerGoneOf(ctx));
   if (!written.ok() || request.async()) return ToGrpc(written);
   // The name stays claimed here (`save` lives) until the client, once every server has
   // written its part, has one commit, or closes the stream.
@@ -363,11 +369,10 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx, const v1
   switch (request->phase()) {
     case v1::LoadCheckpointRequest::PREPARE:
     case v1::LoadCheckpointRequest::RENEW: {
-      const absl::Status held =
-          request->phase() == v1::LoadCheckpointRequest::PREPARE
-              ? checkpoints_.PrepareLoad(request->name(), request->job(), request->load_id(), request->home_root_id(),
-                                         [ctx] { return ctx->IsCancelled(); })
-              : checkpoints_.RenewLoad(request->name(), request->load_id());
+      const absl::Status held = request->phase() == v1::LoadCheckpointRequest::PREPARE
+                                    ? checkpoints_.PrepareLoad(request->name(), request->job(), request->load_id(),
+                                                               request->home_root_id(), CallerGoneOf(ctx))
+                                    : checkpoints_.RenewLoad(request->name(), request->load_id());
       response->set_staged_for_seconds(absl::ToDoubleSeconds(checkpoints_.staged_load_timeout()));
       return ToGrpc(held);
     }
@@ -507,8 +512,7 @@ grpc::Status FlatshardService::PushNormPartial(grpc::ServerContext* ctx,
 grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,
                                            v1::GetGradNormResponse* response) {
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
-  absl::StatusOr<double> norm =
-      clip_.TotalNorm(request->job(), request->step(), WaitDeadline(ctx), [ctx] { return ctx->IsCancelled(); });
+  absl::StatusOr<double> norm = clip_.TotalNorm(request->job(), request->step(), WaitDeadline(ctx), CallerGoneOf(ctx));
   if (!norm.ok()) return ToGrpc(norm.status());
   response->set_norm(*norm);
   return grpc::Status::OK;

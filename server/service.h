@@ -1,7 +1,8 @@
-// FlatshardService: the gRPC control plane of one server, a thin layer that checks the
-// token, converts protobufs to domain types and calls the Registry and Groups. Uses
-// gRPC's synchronous API on purpose: WaitVersion blocks until a version exists, and the
-// sync server's thread pool is the right home for that. Thread-safe.
+// FlatshardService: the gRPC control plane of one server, a thin layer that admits calls
+// (the cluster's token; none once Stop is called), converts protobufs to domain types and
+// calls the Registry and Groups. Uses gRPC's synchronous API on purpose: WaitVersion
+// blocks until a version exists (or its client goes), and the sync server's thread pool
+// is the right home for that. Thread-safe.
 #ifndef FLATSHARD_SERVER_SERVICE_H_
 #define FLATSHARD_SERVER_SERVICE_H_
 
