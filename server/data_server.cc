@@ -378,8 +378,11 @@ bool DataServer::ServeIpc(Connection& conn, const Request& request) {
   if (std::optional<bool> done = RecvTarget(conn, request, BytesOf(target), "a CUDA IPC request")) {
     return *done;
   }
-  absl::StatusOr<StateStamp> state =
-      request.op == DataOp::kIpcGather ? ipc_.Gather(request, target) : ipc_.Scatter(request, target);
+  // A gather stops waiting for its version once the worker closes its end (as ServeGather's).
+  absl::StatusOr<StateStamp> state = request.op == DataOp::kIpcGather
+                                         ? ipc_.Gather(request, target, [&conn] { return conn.PeerClosed(); })
+                                         : ipc_.Scatter(request, target);
+  if (request.op == DataOp::kIpcGather && absl::IsCancelled(state.status())) return false;  // nobody to answer
   if (!state.ok()) CountError(&request, state.status());
   const StateStamp answered = state.value_or(StateStamp{});
   return transport::SendResponse(conn, state.status(), answered.version, {}, answered.load_id).ok();
@@ -390,7 +393,8 @@ bool DataServer::ServeNccl(Connection& conn, const Request& request) {
   if (std::optional<bool> done = RecvTarget(conn, request, BytesOf(target), "an NCCL request")) {
     return *done;
   }
-  auto begun = nccl_.Begin(request, target);
+  auto begun = nccl_.Begin(request, target, [&conn] { return conn.PeerClosed(); });
+  if (request.op == DataOp::kNcclGather && absl::IsCancelled(begun.status())) return false;  // as ServeIpc's
   if (!begun.ok()) {
     CountError(&request, begun.status());
     return transport::SendResponse(conn, begun.status(), 0, {}).ok();

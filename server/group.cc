@@ -265,14 +265,15 @@ absl::Status Group::CheckShardBytes(DType dtype, uint64_t bytes, absl::string_vi
       expected, " (", shard_numel(), " ", DTypeName(dtype), " elements)"));
 }
 
-absl::StatusOr<StateStamp> Group::GatherInto(int64_t min_version, DType dtype, void* device_dst, absl::Time deadline) {
+absl::StatusOr<StateStamp> Group::GatherInto(int64_t min_version, DType dtype, void* device_dst, absl::Time deadline,
+                                             const CallerGone& caller_gone) {
   FLATSHARD_RETURN_IF_ERROR(CheckDeviceTier("a CUDA IPC gather"));
   if (!IsFloatingParamDType(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("gather dtype ", DTypeName(dtype),
                                                    " is not float32, bfloat16 or float16"));
   }
   absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline));
+  FLATSHARD_RETURN_IF_ERROR(AwaitGatherVersion(min_version, deadline, caller_gone));
   FLATSHARD_RETURN_IF_ERROR(compute_->Cast(DType::kFloat32, params_.data(), dtype, device_dst, shard_numel()));
   FLATSHARD_RETURN_IF_ERROR(compute_->Synchronize());
   return StateStamp{version_, load_epoch_};

@@ -247,7 +247,7 @@ class Group {
   // `device_dst` (shard_numel elements) and returns the state written.
   // FailedPrecondition for a group that is not in device memory.
   [[nodiscard]] absl::StatusOr<StateStamp> GatherInto(int64_t min_version, DType dtype, void* device_dst,
-                                                      absl::Time deadline);
+                                                      absl::Time deadline, const CallerGone& caller_gone = nullptr);
 
   // Reserves the slot for `worker_rank`'s gradient for `step`, or for `part` of it,
   // computed from the parameters of checkpoint load `from_load` (nullopt: not known).

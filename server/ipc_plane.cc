@@ -57,12 +57,13 @@ absl::StatusOr<Resolved> Resolve(Registry& registry, kernels::cuda::IpcMappings&
 }  // namespace
 #endif
 
-absl::StatusOr<StateStamp> IpcPlane::Gather(const transport::Request& request, const transport::IpcTarget& target) {
+absl::StatusOr<StateStamp> IpcPlane::Gather(const transport::Request& request, const transport::IpcTarget& target,
+                                            const CallerGone& caller_gone) {
 #if FLATSHARD_HAVE_CUDA
   if (mappings_ != nullptr) {
     FLATSHARD_ASSIGN_OR_RETURN(Resolved r, Resolve(registry_, mappings_->mappings, request, target));
-    FLATSHARD_ASSIGN_OR_RETURN(StateStamp state,
-                               r.group->GatherInto(request.version, r.dtype, r.buffer.data, request.Deadline()));
+    FLATSHARD_ASSIGN_OR_RETURN(StateStamp state, r.group->GatherInto(request.version, r.dtype, r.buffer.data,
+                                                                     request.Deadline(), caller_gone));
     ++stats_.gathers;
     ++stats_.ipc_gathers;
     stats_.bytes_sent += static_cast<int64_t>(target.bytes);
@@ -71,6 +72,7 @@ absl::StatusOr<StateStamp> IpcPlane::Gather(const transport::Request& request, c
 #endif
   (void)request;
   (void)target;
+  (void)caller_gone;
   return absl::FailedPreconditionError(
       "this server does not keep its shards in GPU memory; use the TCP data plane");
 }

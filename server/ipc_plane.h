@@ -13,9 +13,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/step_driver.h"
+#include "server/caller_wait.h"
 #include "server/registry.h"
 #include "server/stats.h"
+#include "server/step_driver.h"
 #include "transport/data_protocol.h"
 
 namespace flatshard::server {
@@ -32,9 +33,10 @@ class IpcPlane {
   [[nodiscard]] absl::Status Start(MemoryTier tier);
 
   // `request` (kIpcGather) names the group, dtype and min_version; `target` the worker's
-  // buffer. Returns the state written.
-  [[nodiscard]] absl::StatusOr<StateStamp> Gather(const transport::Request& request,
-                                                  const transport::IpcTarget& target);
+  // buffer. Returns the state written; Cancelled, writing nothing, once `caller_gone`
+  // says the worker went away while the gather waited for its version.
+  [[nodiscard]] absl::StatusOr<StateStamp> Gather(const transport::Request& request, const transport::IpcTarget& target,
+                                                  const CallerGone& caller_gone = nullptr);
   // `request` (kIpcScatter) names the group, dtype, step, worker and the load the gradient
   // was computed from. Returns the group's state after the contribution.
   [[nodiscard]] absl::StatusOr<StateStamp> Scatter(const transport::Request& request,

@@ -190,7 +190,7 @@ absl::StatusOr<uint64_t> NcclPlane::Open(const std::string& unique_id, int worke
 }
 
 absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, StateStamp>> NcclPlane::Begin(
-    const transport::Request& request, const transport::NcclTarget& target) {
+    const transport::Request& request, const transport::NcclTarget& target, const CallerGone& caller_gone) {
 #if FLATSHARD_HAVE_CUDA
   if (state_ == nullptr) return Off();
   std::shared_ptr<Channel> channel = state_->Find(target.channel);
@@ -223,8 +223,9 @@ absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, StateStamp>> Nccl
       FLATSHARD_ASSIGN_OR_RETURN(channel->staging,
                                  kc::DeviceMemory::Allocate(target.bytes, "an NCCL gather's staging"));
     }
-    FLATSHARD_ASSIGN_OR_RETURN(transfer->staged, transfer->group().GatherInto(request.version, request.dtype,
-                                                                              channel->staging.data(), deadline));
+    FLATSHARD_ASSIGN_OR_RETURN(
+        transfer->staged,
+        transfer->group().GatherInto(request.version, request.dtype, channel->staging.data(), deadline, caller_gone));
     const StateStamp staged = transfer->staged;
     return std::make_pair(std::move(transfer), staged);
   }
@@ -237,6 +238,7 @@ absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, StateStamp>> Nccl
 #else
   (void)request;
   (void)target;
+  (void)caller_gone;
   return Off();
 #endif
 }

@@ -28,10 +28,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/step_driver.h"
+#include "server/caller_wait.h"
 #include "server/registry.h"
 #include "server/shard_compute.h"
 #include "server/stats.h"
+#include "server/step_driver.h"
 #include "transport/data_protocol.h"
 
 namespace flatshard::server {
@@ -58,9 +59,10 @@ class NcclPlane {
   // Checks `request` and `target` and readies the bytes: waits for the channel's join
   // and its previous transfer, then (gather) stages the shard at a version >=
   // min_version or (scatter) takes the worker's slot, checking the load the gradient was
-  // computed from. The state is the ready answer's (a gather's: the staged one).
+  // computed from. The state is the ready answer's (a gather's: the staged one). A
+  // gather's wait for its version ends Cancelled once `caller_gone` says the worker went.
   [[nodiscard]] absl::StatusOr<std::pair<std::shared_ptr<Transfer>, StateStamp>> Begin(
-      const transport::Request& request, const transport::NcclTarget& target);
+      const transport::Request& request, const transport::NcclTarget& target, const CallerGone& caller_gone = nullptr);
   // Moves the bytes and commits a scatter; returns the done answer's state.
   [[nodiscard]] absl::StatusOr<StateStamp> Finish(const std::shared_ptr<Transfer>& transfer);
 

@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -14,6 +15,7 @@
 
 #include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
+#include "tests/integration/gpu_worker.h"
 #include "tests/integration/test_cluster.h"
 #include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
@@ -702,6 +704,31 @@ TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
 // client destroyed): its WaitVersion, GetGradNorm and data-plane gather end within
 // moments, and the gather's connection closes, rather than at their deadlines (about the
 // client's 60 s timeout), each holding a thread until then.
+// Polls server 0 of `cluster` for up to 10 s until it has ended (answered or dropped)
+// `expected` requests of each name (an RPC's full method, a data op's name) and has no
+// data connection open; returns what it saw last, and open connections as "connections".
+std::map<std::string, uint64_t> AwaitEnded(const testing::TestCluster& cluster,
+                                           const std::map<std::string, uint64_t>& expected) {
+  const ClientOptions status_options{.servers = cluster.addresses(), .token = cluster.token()};
+  std::map<std::string, uint64_t> ended;
+  for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;) {
+    const absl::StatusOr<v1::ServerStatus> status = FetchClusterStatus(status_options)[0];
+    if (!status.ok()) {
+      ADD_FAILURE() << status.status();
+      return ended;
+    }
+    for (const v1::NamedLatency& rpc : status->rpc_seconds()) ended[rpc.name()] = rpc.seconds().count();
+    for (const v1::NamedLatency& op : status->data_request_seconds()) ended[op.name()] = op.seconds().count();
+    ended["connections"] = status->open_data_connections();
+    if (std::all_of(expected.begin(), expected.end(), [&](const auto& e) { return ended[e.first] == e.second; }) &&
+        ended["connections"] == 0) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return ended;
+}
+
 TEST(AbandonedWaitTest, AServerEndsTheWaitsOfACallerThatWentAway) {
   testing::TestCluster cluster(1, "tok", ::testing::TempDir());
   ClippedWorker worker = StartClippedWorker(cluster, 1);
@@ -717,26 +744,47 @@ TEST(AbandonedWaitTest, AServerEndsTheWaitsOfACallerThatWentAway) {
   EXPECT_TRUE(absl::IsCancelled(norm.get().status()));
   worker.client.reset();  // cancels the gather: its connection is shut down
   EXPECT_TRUE(absl::IsCancelled(gathered.get().status()));
-  // What the server has answered (or ended) so far, and its data connections.
-  const ClientOptions status_options{.servers = cluster.addresses(), .token = cluster.token()};
-  std::map<std::string, uint64_t> ended;
-  int open_connections = -1;
-  for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;) {
-    const absl::StatusOr<v1::ServerStatus> status = FetchClusterStatus(status_options)[0];
-    ASSERT_TRUE(status.ok()) << status.status();
-    for (const v1::NamedLatency& rpc : status->rpc_seconds()) ended[rpc.name()] = rpc.seconds().count();
-    for (const v1::NamedLatency& op : status->data_request_seconds()) ended[op.name()] = op.seconds().count();
-    open_connections = status->open_data_connections();
-    if (ended["flatshard.v1.Flatshard/WaitVersion"] == 1 && ended["flatshard.v1.Flatshard/GetGradNorm"] == 1 &&
-        ended["gather"] == 1 && open_connections == 0) {
-      break;
-    }
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  std::map<std::string, uint64_t> ended = AwaitEnded(
+      cluster, {{"flatshard.v1.Flatshard/WaitVersion", 1}, {"flatshard.v1.Flatshard/GetGradNorm", 1}, {"gather", 1}});
   EXPECT_EQ(ended["flatshard.v1.Flatshard/WaitVersion"], 1u);
   EXPECT_EQ(ended["flatshard.v1.Flatshard/GetGradNorm"], 1u);
   EXPECT_EQ(ended["gather"], 1u);
-  EXPECT_EQ(open_connections, 0);
+  EXPECT_EQ(ended["connections"], 0u);
+}
+
+// The same for a GPU worker's gather from a --memory=device server, over CUDA IPC (one
+// GPU) and NCCL (as between nodes): once the worker has gone, the server stops waiting
+// for the version and writes nothing into its buffer. Before, the server held the
+// request (and its connection) until the client's timeout, 60 s here.
+TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatWentAway) {
+  if (!testing::HaveGpu()) GTEST_SKIP() << "device gathers need a CUDA build and a CUDA device";
+  const bool nccl = testing::HaveNccl();
+  for (const DevicePlane plane : {DevicePlane::kCudaIpc, DevicePlane::kNccl}) {
+    if (plane == DevicePlane::kNccl && !nccl) continue;  // said below
+    SCOPED_TRACE(plane == DevicePlane::kNccl ? "NCCL" : "CUDA IPC");
+    if (plane == DevicePlane::kNccl) testing::SetNcclHost(testing::kNcclServers);
+    testing::TestCluster cluster(1, "tok", ::testing::TempDir(), "", {{"--memory=device"}});
+    if (plane == DevicePlane::kNccl) testing::SetNcclHost(testing::kNcclWorkers);
+    auto client = cluster.Connect(
+        {.worker_rank = 0, .num_workers = 2, .job = "test", .timeout = absl::Seconds(60), .device_plane = plane});
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+    auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    testing::DeviceBytes device((*layout)->padded_numel() * 4);
+    auto gathered = (*client)->Gather("g", 1, DType::kFloat32, device.span());  // worker 1 never sends
+    absl::SleepFor(absl::Milliseconds(500));                                    // the gather waits on the server
+    client->reset();
+    EXPECT_TRUE(absl::IsCancelled(gathered.get().status()));
+    const std::string op = plane == DevicePlane::kNccl ? "nccl-gather" : "ipc-gather";
+    std::map<std::string, uint64_t> ended = AwaitEnded(cluster, {{op, 1}});
+    EXPECT_EQ(ended[op], 1u);
+    EXPECT_EQ(ended["connections"], 0u);
+    std::vector<uint32_t> bits((*layout)->padded_numel());
+    device.Download(AsBytes(bits));
+    EXPECT_EQ(bits[0], 0xA5A5A5A5u) << "the abandoned gather wrote into the buffer";
+  }
+  if (!nccl) GTEST_SKIP() << "CUDA IPC checked; NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
 }
 
 // Destroying a client whose gather waits for a version that does not come (a worker
