@@ -700,10 +700,6 @@ TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
   EXPECT_NEAR(*reduced, std::sqrt(10.0), 1e-6);  // ten gradients of 1
 }
 
-// A server ends the waits of a caller that went away (a worker stopped with Ctrl-C, a
-// client destroyed): its WaitVersion, GetGradNorm and data-plane gather end within
-// moments, and the gather's connection closes, rather than at their deadlines (about the
-// client's 60 s timeout), each holding a thread until then.
 // Polls server 0 of `cluster` for up to 10 s until it has ended (answered or dropped)
 // `expected` requests of each name (an RPC's full method, a data op's name) and has no
 // data connection open; returns what it saw last, and open connections as "connections".
@@ -729,6 +725,10 @@ std::map<std::string, uint64_t> AwaitEnded(const testing::TestCluster& cluster,
   return ended;
 }
 
+// A server ends the waits of a caller that went away (a worker stopped with Ctrl-C, a
+// client destroyed): its WaitVersion, GetGradNorm and data-plane gather end within
+// moments, and the gather's connection closes, rather than at their deadlines (about the
+// client's 60 s timeout), each holding a thread until then.
 TEST(AbandonedWaitTest, AServerEndsTheWaitsOfACallerThatWentAway) {
   testing::TestCluster cluster(1, "tok", ::testing::TempDir());
   ClippedWorker worker = StartClippedWorker(cluster, 1);
