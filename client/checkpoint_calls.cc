@@ -251,10 +251,10 @@ absl::Status LoadCommitOutcome(const std::string& name, const std::vector<absl::
                                    "status` shows each group's load); load the checkpoint again"));
 }
 
-absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List() const {
+absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List(std::stop_token stop) const {
   v1::ListCheckpointsResponse response;
-  FLATSHARD_RETURN_IF_ERROR(control_.Call(0, &v1::Flatshard::Stub::ListCheckpoints,
-                                          v1::ListCheckpointsRequest(), &response));
+  FLATSHARD_RETURN_IF_ERROR(control_.Call(0, &v1::Flatshard::Stub::ListCheckpoints, v1::ListCheckpointsRequest(),
+                                          &response, absl::ZeroDuration(), nullptr, stop));
   std::vector<CheckpointEntry> entries;
   for (const v1::CheckpointEntry& e : response.checkpoints()) {
     entries.push_back({e.name(), e.complete(), e.kind(), e.job(), e.servers(), e.optimizer(),
@@ -267,8 +267,8 @@ absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List() const {
 // From every server's root: server 0's answer decides NotFound (with a shared root the
 // others find nothing left). Refused while any server still writes a save of it: with a
 // shared root, a server that is done would delete the directory under the others.
-absl::Status CheckpointCalls::Delete(const std::string& name) const {
-  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+absl::Status CheckpointCalls::Delete(const std::string& name, std::stop_token stop) const {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses(stop));
   if (const std::string saving = BeingSaved(name, statuses); !saving.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(saving, "; delete it once the save completes"));
   }
@@ -276,8 +276,8 @@ absl::Status CheckpointCalls::Delete(const std::string& name) const {
   request.set_name(name);
   for (int i = 0; i < control_.size(); ++i) {
     v1::CheckpointResponse response;
-    const absl::Status deleted =
-        control_.Call(i, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response);
+    const absl::Status deleted = control_.Call(i, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response,
+                                               absl::ZeroDuration(), nullptr, stop);
     if (!deleted.ok() && (i == 0 || !absl::IsNotFound(deleted))) return deleted;
   }
   return absl::OkStatus();
@@ -337,10 +337,11 @@ absl::Status CheckpointCalls::Export(Cancellation& cancellation, const std::stri
 }
 
 // Every server's status, fetched from all at once.
-absl::StatusOr<std::vector<v1::ServerStatus>> CheckpointCalls::Statuses() const {
+absl::StatusOr<std::vector<v1::ServerStatus>> CheckpointCalls::Statuses(std::stop_token stop) const {
   std::vector<v1::ServerStatus> statuses(static_cast<size_t>(control_.size()));
   FLATSHARD_RETURN_IF_ERROR(control_.OnAllServersInParallel([&](size_t i) {
-    return control_.Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &statuses[i]);
+    return control_.Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &statuses[i], absl::ZeroDuration(),
+                         nullptr, stop);
   }));
   return statuses;
 }

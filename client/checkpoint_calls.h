@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -36,8 +37,9 @@ class CheckpointCalls {
   [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
                                   const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
   [[nodiscard]] absl::Status Load(const std::string& name, const Client::Progress& progress) const;
-  [[nodiscard]] absl::StatusOr<std::vector<CheckpointEntry>> List() const;
-  [[nodiscard]] absl::Status Delete(const std::string& name) const;
+  // `stop`: as in ControlPlane::Call.
+  [[nodiscard]] absl::StatusOr<std::vector<CheckpointEntry>> List(std::stop_token stop = {}) const;
+  [[nodiscard]] absl::Status Delete(const std::string& name, std::stop_token stop = {}) const;
   [[nodiscard]] absl::Status Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
                                     const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
   // Cancels the saves, loads and exports in progress (Client::CancelCheckpointCalls).
@@ -50,7 +52,7 @@ class CheckpointCalls {
   absl::Status Load(Cancellation& cancellation, const std::string& name, const Client::Progress& progress) const;
   absl::Status Export(Cancellation& cancellation, const std::string& out_dir, CheckpointKind kind, bool optimizer,
                       const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
-  absl::StatusOr<std::vector<v1::ServerStatus>> Statuses() const;
+  absl::StatusOr<std::vector<v1::ServerStatus>> Statuses(std::stop_token stop = {}) const;
   absl::Status WithProgress(const std::string& name, const std::string& operation,
                             const Client::Progress& progress,
                             const std::function<absl::Status()>& body) const;

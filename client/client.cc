@@ -82,7 +82,7 @@ class ClientImpl final : public Client {
 
   const ClientOptions& options() const override { return options_; }
 
-  absl::Status ConfigureJob(const JobOptions& job) override {
+  absl::Status ConfigureJob(const JobOptions& job, std::stop_token stop) override {
     v1::ConfigureJobRequest request;
     request.set_job(options_.job);
     v1::JobSettings* settings = request.mutable_settings();
@@ -95,17 +95,18 @@ class ClientImpl final : public Client {
     settings->set_replicas(job.replicas);
     settings->set_skip_nonfinite(job.skip_nonfinite);
     v1::ConfigureJobResponse response;
-    return control_->CallAll(&v1::Flatshard::Stub::ConfigureJob, request, &response);
+    return control_->CallAll(&v1::Flatshard::Stub::ConfigureJob, request, &response, stop);
   }
 
-  absl::StatusOr<int64_t> DeleteJob() override {
+  absl::StatusOr<int64_t> DeleteJob(std::stop_token stop) override {
     v1::DeleteJobRequest request;
     request.set_job(options_.job);
     int64_t freed = 0;
     bool deleted = false;
     for (int i = 0; i < num_servers(); ++i) {
       v1::DeleteJobResponse response;
-      FLATSHARD_RETURN_IF_ERROR(control_->Call(i, &v1::Flatshard::Stub::DeleteJob, request, &response));
+      FLATSHARD_RETURN_IF_ERROR(
+          control_->Call(i, &v1::Flatshard::Stub::DeleteJob, request, &response, absl::ZeroDuration(), nullptr, stop));
       deleted |= response.deleted();
       freed += response.freed_bytes();
     }
@@ -113,9 +114,9 @@ class ClientImpl final : public Client {
     return freed;
   }
 
-  absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group,
-                                                  std::vector<TensorSpec> tensors, int64_t align,
-                                                  const OptimizerOptions& optimizer) override {
+  absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group, std::vector<TensorSpec> tensors,
+                                                  int64_t align, const OptimizerOptions& optimizer,
+                                                  std::stop_token stop) override {
     v1::RegisterGroupRequest request;
     request.set_job(options_.job);
     request.set_group(group);
@@ -124,7 +125,7 @@ class ClientImpl final : public Client {
     *request.mutable_optimizer() = OptimizerToProto(optimizer);
     v1::RegisterGroupResponse response;
     FLATSHARD_RETURN_IF_ERROR(
-        control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::RegisterGroup, request, &response));
+        control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::RegisterGroup, request, &response, stop));
     // The layout is over one replica group (the servers know the job's replica groups).
     const int replicas = std::max(1, response.replicas());
     FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
@@ -164,13 +165,13 @@ class ClientImpl final : public Client {
     return transfers_->PushInit(group, std::move(parts));
   }
 
-  absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed) override {
+  absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed, std::stop_token stop) override {
     v1::InitGroupRequest request;
     request.set_job(options_.job);
     request.set_group(group);
     request.set_seed(seed);
     v1::InitGroupResponse response;
-    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::InitGroup, request, &response);
+    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::InitGroup, request, &response, stop);
   }
 
   std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version,
@@ -237,12 +238,12 @@ class ClientImpl final : public Client {
     return loaded;
   }
 
-  absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints() override {
-    return checkpoints_->List();
+  absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints(std::stop_token stop) override {
+    return checkpoints_->List(stop);
   }
 
-  absl::Status DeleteCheckpoint(const std::string& name) override {
-    return checkpoints_->Delete(name);
+  absl::Status DeleteCheckpoint(const std::string& name, std::stop_token stop) override {
+    return checkpoints_->Delete(name, stop);
   }
 
   absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer, Progress progress,
@@ -252,14 +253,14 @@ class ClientImpl final : public Client {
 
   void CancelCheckpointCalls() override { checkpoints_->CancelAll(); }
 
-  absl::Status SetHyperparams(const std::string& group,
-                              const OptimizerOptions& optimizer) override {
+  absl::Status SetHyperparams(const std::string& group, const OptimizerOptions& optimizer,
+                              std::stop_token stop) override {
     v1::SetHyperparamsRequest request;
     request.set_job(options_.job);
     request.set_group(group);
     *request.mutable_optimizer() = OptimizerToProto(optimizer);
     v1::SetHyperparamsResponse response;
-    return control_->CallAll(&v1::Flatshard::Stub::SetHyperparams, request, &response);
+    return control_->CallAll(&v1::Flatshard::Stub::SetHyperparams, request, &response, stop);
   }
 
  private:

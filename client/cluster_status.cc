@@ -10,7 +10,7 @@
 
 namespace flatshard {
 
-std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options) {
+std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options, std::stop_token stop) {
   std::vector<absl::StatusOr<v1::ServerStatus>> result;
   absl::StatusOr<std::unique_ptr<client_internal::ControlPlane>> control =
       client_internal::ControlPlane::Create(options);
@@ -20,8 +20,8 @@ std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOpt
       continue;
     }
     v1::ServerStatus status;
-    const absl::Status called =
-        (*control)->Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status);
+    const absl::Status called = (*control)->Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status,
+                                                 absl::ZeroDuration(), nullptr, stop);
     if (called.ok()) {
       result.emplace_back(std::move(status));
     } else {

@@ -5,6 +5,7 @@
 #ifndef FLATSHARD_CLIENT_CLUSTER_STATUS_H_
 #define FLATSHARD_CLIENT_CLUSTER_STATUS_H_
 
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -16,8 +17,10 @@
 namespace flatshard {
 
 // One entry per server of options.servers, in order: its status, or why it could not be
-// read (options.token, .timeout and .tls_ca_file apply; the rest is unused).
-std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options);
+// read (options.token, .timeout and .tls_ca_file apply; the rest is unused). A stop asked
+// of `stop`'s source ends the calls in progress and those after it, Cancelled.
+std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options,
+                                                                 std::stop_token stop = {});
 
 // `flatshard status --json`: {"servers": [status as JSON (proto field names), or
 // {"address", "error"} for a server that did not answer]}, indented by `indent` (-1:

@@ -45,6 +45,10 @@ absl::Status ControlPlane::Named(size_t server, const grpc::Status& status) cons
   return FromGrpc(status, servers_[server]);
 }
 
+absl::Status ControlPlane::Stopped(size_t server) const {
+  return absl::CancelledError(absl::StrCat("server ", servers_[server], ": the call was stopped"));
+}
+
 absl::Status ControlPlane::OnAllServersInParallel(
     const std::function<absl::Status(size_t)>& call) const {
   std::vector<std::future<absl::Status>> results;

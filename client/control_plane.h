@@ -49,8 +49,10 @@ class ControlPlane {
   absl::Duration model_timeout() const { return model_timeout_; }
 
   // One unary call to `server`, within `timeout` (zero: the client's), which
-  // `cancellation` (when given) may cancel, and a stop asked of `stop`'s source. Blocks.
-  // Returns the call's error with the server's address in its message.
+  // `cancellation` (when given) may cancel, and a stop asked of `stop`'s source (then
+  // Cancelled "server <address>: the call was stopped", whether or not it had begun; the
+  // server may have acted on it). Blocks. Returns the call's error with the server's
+  // address in its message.
   template <typename Request, typename Response>
   [[nodiscard]] absl::Status Call(size_t server, Method<Request, Response> method, const Request& request,
                                   Response* response, absl::Duration timeout = absl::ZeroDuration(),
@@ -60,15 +62,19 @@ class ControlPlane {
     const Registration registered(cancellation, &ctx);
     // Cancels at once when the stop was asked for before; gRPC then fails the call as it starts.
     const std::stop_callback stopped(stop, [&ctx] { ctx.TryCancel(); });
-    return Named(server, (stubs_[server].get()->*method)(&ctx, request, response));
+    const grpc::Status status = (stubs_[server].get()->*method)(&ctx, request, response);
+    if (!status.ok() && stop.stop_requested()) return Stopped(server);
+    return Named(server, status);
   }
 
   // Call on every server in rank order; stops at the first error.
   template <typename Request, typename Response>
-  [[nodiscard]] absl::Status CallAll(Method<Request, Response> method, const Request& request,
-                                     Response* response) const {
+  [[nodiscard]] absl::Status CallAll(Method<Request, Response> method, const Request& request, Response* response,
+                                     std::stop_token stop = {}) const {
     for (size_t i = 0; i < stubs_.size(); ++i) {
-      if (absl::Status status = Call(i, method, request, response); !status.ok()) return status;
+      if (absl::Status status = Call(i, method, request, response, absl::ZeroDuration(), nullptr, stop); !status.ok()) {
+        return status;
+      }
     }
     return absl::OkStatus();
   }
@@ -80,12 +86,12 @@ class ControlPlane {
   // error in rank order wins.
   template <typename Request, typename Response>
   [[nodiscard]] absl::Status CallServerZeroThenOthers(Method<Request, Response> method, const Request& request,
-                                                      Response* response) const {
-    FLATSHARD_RETURN_IF_ERROR(Call(0, method, request, response, model_timeout_));
+                                                      Response* response, std::stop_token stop = {}) const {
+    FLATSHARD_RETURN_IF_ERROR(Call(0, method, request, response, model_timeout_, nullptr, stop));
     return OnAllServersInParallel([&](size_t i) {
       if (i == 0) return absl::OkStatus();
       Response other;
-      return Call(i, method, request, &other, model_timeout_);
+      return Call(i, method, request, &other, model_timeout_, nullptr, stop);
     });
   }
 
@@ -98,6 +104,8 @@ class ControlPlane {
   v1::Flatshard::Stub& stub(size_t server) const { return *stubs_[server]; }
   void Prepare(grpc::ClientContext& ctx, absl::Duration timeout = absl::ZeroDuration()) const;
   absl::Status Named(size_t server, const grpc::Status& status) const;
+  // Cancelled: a call to `server` ended by its stop token.
+  absl::Status Stopped(size_t server) const;
 
  private:
   ControlPlane(const ClientOptions& options,

@@ -311,15 +311,11 @@ class PyClient {
     const JobOptions job{.reduce_mean = mean, .max_grad_norm = max_grad_norm, .norm_type = norm_type,
                          .async = async, .max_staleness = max_staleness, .replicas = replicas,
                          .skip_nonfinite = skip_nonfinite};
-    Released([&] { return client_->ConfigureJob(job); });
+    Check(Stoppable([&](std::stop_token stop) { return client_->ConfigureJob(job, stop); }));
   }
 
   int64_t DeleteJob() {
-    absl::StatusOr<int64_t> freed = [&] {
-      py::gil_scoped_release release;
-      return client_->DeleteJob();
-    }();
-    return Check(std::move(freed));
+    return Check(Stoppable([&](std::stop_token stop) { return client_->DeleteJob(stop); }));
   }
 
   py::dict RegisterGroup(const std::string& name, const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string>>& tensors,
@@ -327,11 +323,9 @@ class PyClient {
     std::vector<TensorSpec> specs;
     for (const auto& [fqn, shape, dtype] : tensors) specs.push_back({fqn, shape, ToDType(dtype)});
     const OptimizerOptions options = ToOptimizer(optimizer);
-    absl::StatusOr<const FlatLayout*> layout = [&] {
-      py::gil_scoped_release release;
-      return client_->RegisterGroup(name, specs, align, options);
-    }();
-    return LayoutToDict(*Check(std::move(layout)));
+    const FlatLayout* layout = Check(
+        Stoppable([&](std::stop_token stop) { return client_->RegisterGroup(name, specs, align, options, stop); }));
+    return LayoutToDict(*layout);
   }
 
   void InitGroup(const std::string& name, const py::buffer& flat) {
@@ -340,11 +334,13 @@ class PyClient {
       Raise(absl::InvalidArgumentError("initial values must be a float32 buffer"));
     }
     const absl::Span<const float> values(static_cast<const float*>(info.ptr), static_cast<size_t>(info.size));
+    // A push on the data plane, which no stop token reaches: Ctrl-C is raised once it ends
+    // (at the latest the client's timeout).
     Released([&] { return client_->InitGroup(name, values); });
   }
 
   void InitGroupFromSeed(const std::string& name, uint64_t seed) {
-    Released([&] { return client_->InitGroupFromSeed(name, seed); });
+    Check(Stoppable([&](std::stop_token stop) { return client_->InitGroupFromSeed(name, seed, stop); }));
   }
 
   // `out` / `grad`: a buffer-protocol object (host memory) or a DLPack capsule (host or
@@ -373,7 +369,7 @@ class PyClient {
 
   void SetHyperparams(const std::string& name, const py::dict& optimizer) {
     const OptimizerOptions options = ToOptimizer(optimizer);
-    Released([&] { return client_->SetHyperparams(name, options); });
+    Check(Stoppable([&](std::stop_token stop) { return client_->SetHyperparams(name, options, stop); }));
   }
 
   void SaveCheckpoint(const std::string& name, const std::string& kind, bool optimizer, bool async,
@@ -387,15 +383,13 @@ class PyClient {
     WithProgress(progress, [&](const Client::Progress& p) { return client_->LoadCheckpoint(name, p); });
   }
   void DeleteCheckpoint(const std::string& name) {
-    Released([&] { return client_->DeleteCheckpoint(name); });
+    Check(Stoppable([&](std::stop_token stop) { return client_->DeleteCheckpoint(name, stop); }));
   }
   py::list ListCheckpoints() {
-    absl::StatusOr<std::vector<CheckpointEntry>> entries = [&] {
-      py::gil_scoped_release release;
-      return client_->ListCheckpoints();
-    }();
+    const std::vector<CheckpointEntry> entries =
+        Check(Stoppable([&](std::stop_token stop) { return client_->ListCheckpoints(stop); }));
     py::list out;
-    for (const CheckpointEntry& e : Check(std::move(entries))) {
+    for (const CheckpointEntry& e : entries) {
       out.append(py::dict(py::arg("name") = e.name, py::arg("complete") = e.complete,
                           py::arg("kind") = e.kind, py::arg("job") = e.job, py::arg("servers") = e.servers,
                           py::arg("optimizer") = e.optimizer, py::arg("bytes") = e.bytes,
@@ -415,9 +409,9 @@ class PyClient {
 
   // As `flatshard status --json`.
   std::string StatusJson() {
-    py::gil_scoped_release release;
     const auto& options = client_->options();
-    return ClusterStatusJson(options.servers, FetchClusterStatus(options), -1);
+    return ClusterStatusJson(options.servers,
+                             Stoppable([&](std::stop_token stop) { return FetchClusterStatus(options, stop); }), -1);
   }
 
   std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }
@@ -452,8 +446,10 @@ class PyClient {
     return {outcome.get(), interrupted};
   }
 
-  // Runs `call(stop_token)` (a wait for other workers) on a thread of its own, stopped by
-  // a Ctrl-C (AwaitInterruptibly), which is then raised.
+  // Runs `call(stop_token)` (any control call: a wait for other workers, or a quick call
+  // to a server that may have stopped answering) on a thread of its own, stopped by a
+  // Ctrl-C (AwaitInterruptibly), which is then raised. A thread's start and one wake-up
+  // cost ~30 us a call (bench/RESULTS.md).
   template <typename F>
   std::invoke_result_t<F, std::stop_token> Stoppable(F&& call) {
     std::stop_source source;

@@ -232,6 +232,12 @@ class Client:
     they take as long as the model needs). While calls are in flight each
     server is pinged every ``keepalive`` seconds (at least 1) and must answer within as
     long again, or its calls fail with flatshard.UnavailableError.
+
+    Ctrl-C (KeyboardInterrupt) ends any call at once, also against a server that stopped
+    answering, without waiting for ``timeout``: the call is cancelled (a save, load or
+    export keeps nothing of itself; any other may have taken effect on some servers, as
+    one that timed out, and may be made again), except init_group, which sees it when
+    its push ends, and a transfer's wait(), which leaves the transfer going on.
     """
 
     def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,

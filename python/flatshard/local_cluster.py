@@ -3,6 +3,7 @@
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -146,10 +147,22 @@ class LocalCluster:
         self._processes[rank].kill()
         self._processes[rank].wait()
 
+    def pause(self, rank):
+        """SIGSTOPs server `rank`, which then stops answering as a hung host does (fault
+        tests); returns once all of its threads have stopped. resume(rank) undoes it."""
+        pid = self._processes[rank].pid
+        os.kill(pid, signal.SIGSTOP)
+        os.waitpid(pid, os.WUNTRACED)
+
+    def resume(self, rank):
+        """Lets a paused server go on (SIGCONT)."""
+        os.kill(self._processes[rank].pid, signal.SIGCONT)
+
     def close(self):
         for process in self._processes:
             if process.poll() is None:
                 process.terminate()
+                os.kill(process.pid, signal.SIGCONT)  # a paused server takes the SIGTERM
         for process in self._processes:
             try:
                 process.wait(timeout=5)

@@ -13,6 +13,7 @@
 #include <map>
 #include <stop_token>
 
+#include "absl/cleanup/cleanup.h"
 #include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/gpu_worker.h"
@@ -698,6 +699,56 @@ TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
   const absl::StatusOr<double> reduced = worker.client->GradNorm(0);
   ASSERT_TRUE(reduced.ok()) << reduced.status();
   EXPECT_NEAR(*reduced, std::sqrt(10.0), 1e-6);  // ten gradients of 1
+}
+
+// Every control call a client makes takes a stop token: against a server that stopped
+// answering (SIGSTOP here; a hung host, a partition), a stop ends the call at once,
+// rather than at the client's timeout (60 s here) or, for calls whose work grows with the
+// model, keepalive's verdict. Once the server answers again the client serves on.
+TEST(StoppedCallTest, AStopEndsAControlCallToAServerThatStoppedAnswering) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
+  ASSERT_TRUE(client.ok()) << client.status();
+  Client& c = **client;
+  ASSERT_TRUE(c.ConfigureJob({}).ok());
+  const SgdOptions sgd{.lr = 0.5};
+  ASSERT_TRUE(c.RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, sgd).ok());
+  const ClientOptions status_options{
+      .servers = cluster.addresses(), .token = cluster.token(), .timeout = absl::Seconds(60)};
+  const std::map<std::string, std::function<absl::Status(std::stop_token)>> calls = {
+      {"ConfigureJob", [&](std::stop_token stop) { return c.ConfigureJob({}, stop); }},
+      {"DeleteJob", [&](std::stop_token stop) { return c.DeleteJob(stop).status(); }},
+      {"RegisterGroup",
+       [&](std::stop_token stop) {
+         return c.RegisterGroup("h", {{"w", {10}, DType::kFloat32}}, 0, sgd, stop).status();
+       }},
+      {"InitGroupFromSeed", [&](std::stop_token stop) { return c.InitGroupFromSeed("g", 7, stop); }},
+      {"SetHyperparams", [&](std::stop_token stop) { return c.SetHyperparams("g", sgd, stop); }},
+      {"ListCheckpoints", [&](std::stop_token stop) { return c.ListCheckpoints(stop).status(); }},
+      {"DeleteCheckpoint", [&](std::stop_token stop) { return c.DeleteCheckpoint("none", stop); }},
+      {"FetchClusterStatus",
+       [&](std::stop_token stop) { return FetchClusterStatus(status_options, stop)[0].status(); }},
+  };
+  ASSERT_TRUE(cluster.Pause(0));  // every one of these calls asks server 0 first
+  absl::Cleanup resume = [&] { cluster.Resume(0); };
+  for (const auto& [name, call] : calls) {
+    SCOPED_TRACE(name);
+    std::stop_source source;
+    auto outcome = std::async(std::launch::async, [&] { return call(source.get_token()); });
+    EXPECT_EQ(outcome.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout) << "not stuck";
+    source.request_stop();
+    ASSERT_EQ(outcome.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "the stop did not end it";
+    const absl::Status status = outcome.get();
+    EXPECT_TRUE(absl::IsCancelled(status)) << status;
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr(absl::StrCat("server ", cluster.addresses()[0], ": the call was stopped")));
+  }
+  std::move(resume).Invoke();
+  ASSERT_TRUE(c.ConfigureJob({}).ok());  // (a DeleteJob the server read before the stop may have gone through)
+  ASSERT_TRUE(c.RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, sgd).ok());
+  std::vector<float> params(10);
+  EXPECT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);
+  EXPECT_TRUE(FetchClusterStatus(status_options)[0].ok());
 }
 
 // Polls server 0 of `cluster` for up to 10 s until it has ended (answered or dropped)

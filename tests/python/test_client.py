@@ -356,6 +356,39 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(c.wait_version("g", 1), 1)
         self.assertGreater(c.grad_norm(0), 0.0)
 
+    def test_ctrl_c_ends_any_call_to_a_server_that_stopped_answering(self):
+        c = self.client(job="calls-interrupted", timeout=60.0)
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        calls = {
+            "configure_job": c.configure_job,
+            "delete_job": c.delete_job,
+            "register_group": lambda: c.register_group("h", TENSORS, flatshard.SGD(lr=0.1)),
+            "init_group_from_seed": lambda: c.init_group_from_seed("g", 7),
+            "set_hyperparams": lambda: c.set_hyperparams("g", lr=0.2),
+            "list_checkpoints": c.list_checkpoints,
+            "delete_checkpoint": lambda: c.delete_checkpoint("none"),
+            "status": c.status,
+        }
+        main = threading.get_ident()
+        self.cluster.pause(0)  # each of them asks server 0 first: up to 60 s each
+        try:
+            for name, call in calls.items():
+                with self.subTest(call=name):
+                    timer = threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGINT))
+                    start = time.monotonic()
+                    timer.start()
+                    with self.assertRaises(KeyboardInterrupt):
+                        call()
+                    self.assertLess(time.monotonic() - start, 10.0)
+                    timer.join()
+        finally:
+            self.cluster.resume(0)
+        c.configure_job()  # the client serves on (a delete_job read before its stop may have gone through)
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        self.assertEqual(c.version("g"), 0)
+        self.assertEqual(len(c.status()["servers"]), 3)
+
     def test_dropping_a_waiting_transfer_or_its_client_does_not_wait_for_it(self):
         c = self.client(workers=2, job="dropped", timeout=60.0)  # worker 1 never sends
         c.configure_job()

@@ -182,29 +182,36 @@ class Client {
   virtual const ClientOptions& options() const = 0;
   int num_servers() const { return static_cast<int>(options().servers.size()); }
 
+  // Here and in the calls below that take one, `stop` (optional) ends the call at once,
+  // Cancelled, when its std::stop_source is asked to stop from another thread (a Ctrl-C
+  // handler, say): a call to a server that stopped answering need not wait for its
+  // deadline. A stopped call may have taken effect on some servers, as one that timed
+  // out; each of these calls may be made again.
   // Idempotent on every server: each worker may send the same settings.
-  [[nodiscard]] virtual absl::Status ConfigureJob(const JobOptions& job) = 0;
+  [[nodiscard]] virtual absl::Status ConfigureJob(const JobOptions& job, std::stop_token stop = {}) = 0;
   // When training is over: deletes the job (ClientOptions::job) on every server, with its
   // groups, their memory and its norms. The servers keep a job until then, and refuse
   // other settings under its name. Requests of its workers then fail with NotFound,
   // waits included; the name may be configured again, with any settings. Returns the
   // bytes the servers held for it (freed as the requests still using them end). NotFound
   // when no server had the job; a server that no longer had it (a retry) counts as done.
-  [[nodiscard]] virtual absl::StatusOr<int64_t> DeleteJob() = 0;
+  [[nodiscard]] virtual absl::StatusOr<int64_t> DeleteJob(std::stop_token stop = {}) = 0;
 
   // Registers (or finds the identical) group on every server and returns its layout over
   // the cluster (over one replica group's N / replicas servers for a hybrid-sharded job);
   // the pointer stays valid for the Client's lifetime.
-  [[nodiscard]] virtual absl::StatusOr<const FlatLayout*> RegisterGroup(
-      const std::string& group, std::vector<TensorSpec> tensors, int64_t align,
-      const OptimizerOptions& optimizer) = 0;
+  [[nodiscard]] virtual absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group,
+                                                                        std::vector<TensorSpec> tensors, int64_t align,
+                                                                        const OptimizerOptions& optimizer,
+                                                                        std::stop_token stop = {}) = 0;
 
   // Pushes initial values: `flat` holds unpadded_numel() or padded_numel() fp32 values in
   // flat-layout order (see Flatten in core/flat_buffer.h); padding is ignored.
   [[nodiscard]] virtual absl::Status InitGroup(const std::string& group,
                                                absl::Span<const float> flat) = 0;
   // Deterministic initialization on the servers, independent of the server count.
-  [[nodiscard]] virtual absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed) = 0;
+  [[nodiscard]] virtual absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed,
+                                                       std::stop_token stop = {}) = 0;
 
   // Fills `out` (padded_numel() elements of `dtype`) with the parameters at a version
   // >= min_version and returns that version (the lowest one any server sent).
@@ -243,8 +250,7 @@ class Client {
   // min_version. Here and in Gather: Aborted, at once, when a checkpoint load sets the
   // group below min_version while the call waits (the load dropped the gradients sent
   // for the step in progress); the message names the version loaded.
-  // Here and in GradNorm, `stop` (optional) ends the wait at once, Cancelled, when its
-  // std::stop_source is asked to stop from another thread (a Ctrl-C handler, say).
+  // A stopped wait (here and in GradNorm) says what it waited for.
   [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version,
                                                             std::stop_token stop = {}) = 0;
 
@@ -256,8 +262,8 @@ class Client {
   [[nodiscard]] virtual absl::StatusOr<double> GradNorm(int64_t step, std::stop_token stop = {}) = 0;
 
   // New hyper-parameters from the next step on (same optimizer kind as registered).
-  [[nodiscard]] virtual absl::Status SetHyperparams(const std::string& group,
-                                                    const OptimizerOptions& optimizer) = 0;
+  [[nodiscard]] virtual absl::Status SetHyperparams(const std::string& group, const OptimizerOptions& optimizer,
+                                                    std::stop_token stop = {}) = 0;
 
   // Progress of a save, load or export: the bytes done and the total known so far (it
   // grows while servers start). Called from a thread of the client's, one call at a time;
@@ -293,10 +299,10 @@ class Client {
   // verify and stage it first; if any refuses (damage, mismatch), none changes.
   // `progress` (optional): the servers' tensor bytes read, as for saves.
   [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name, Progress progress = nullptr) = 0;
-  [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints() = 0;
+  [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints(std::stop_token stop = {}) = 0;
   // Removes checkpoint `name`, complete or not (an interrupted save). NotFound if there
   // is none; FailedPrecondition while a save of it is still being written.
-  [[nodiscard]] virtual absl::Status DeleteCheckpoint(const std::string& name) = 0;
+  [[nodiscard]] virtual absl::Status DeleteCheckpoint(const std::string& name, std::stop_token stop = {}) = 0;
   // Streams a FULL (model.safetensors [+ optimizer.safetensors]) or SHARDED
   // (shard-<rank>.safetensors) state dict of the job from every server at once into the
   // directory `out_dir` on this machine (created if missing). Memory stays bounded by a
