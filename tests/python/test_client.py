@@ -45,6 +45,19 @@ class ClientTest(unittest.TestCase):
         return flatshard.Client(self.cluster.addresses, worker_rank=rank, num_workers=workers,
                                 token=self.cluster.token, job=job, **kw)
 
+    def assert_ctrl_c_ends(self, call, within):
+        """Ctrl-C (SIGINT to this thread) 0.3 s into `call` raises KeyboardInterrupt in
+        under `within` seconds."""
+        timer = threading.Timer(0.3, signal.pthread_kill, args=(threading.get_ident(), signal.SIGINT))
+        start = time.monotonic()
+        timer.start()
+        try:
+            with self.assertRaises(KeyboardInterrupt):
+                call()
+            self.assertLess(time.monotonic() - start, within)
+        finally:
+            timer.join()
+
     def test_two_workers_sgd_step_matches_float64(self):
         clients = [self.client(r, 2, job="sgd") for r in range(2)]
         for c in clients:
@@ -322,14 +335,7 @@ class ClientTest(unittest.TestCase):
         c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
         c.init_group("g", values(3))
         pending = c.gather_async("g", min_version=1)  # no step comes: it waits up to 60 s
-        main = threading.get_ident()
-        timer = threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGINT))
-        start = time.monotonic()
-        timer.start()
-        with self.assertRaises(KeyboardInterrupt):
-            pending.wait()
-        self.assertLess(time.monotonic() - start, 30.0)
-        timer.join()
+        self.assert_ctrl_c_ends(pending.wait, within=30.0)
         # The gather went on, into its buffer, which the transfer still holds: the step it
         # waits for completes it.
         self.assertFalse(pending.done())
@@ -343,15 +349,8 @@ class ClientTest(unittest.TestCase):
         c.configure_job(max_grad_norm=1.0)
         c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
         c.init_group("g", values(3))
-        main = threading.get_ident()
         for wait in (lambda: c.wait_version("g", 1), lambda: c.grad_norm(0)):  # no step comes: up to 60 s
-            timer = threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGINT))
-            start = time.monotonic()
-            timer.start()
-            with self.assertRaises(KeyboardInterrupt):
-                wait()
-            self.assertLess(time.monotonic() - start, 30.0)
-            timer.join()
+            self.assert_ctrl_c_ends(wait, within=30.0)
         c.scatter("g", values(4), step=0)  # the client serves on
         self.assertEqual(c.wait_version("g", 1), 1)
         self.assertGreater(c.grad_norm(0), 0.0)
@@ -370,18 +369,11 @@ class ClientTest(unittest.TestCase):
             "delete_checkpoint": lambda: c.delete_checkpoint("none"),
             "status": c.status,
         }
-        main = threading.get_ident()
         self.cluster.pause(0)  # each of them asks server 0 first: up to 60 s each
         try:
             for name, call in calls.items():
                 with self.subTest(call=name):
-                    timer = threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGINT))
-                    start = time.monotonic()
-                    timer.start()
-                    with self.assertRaises(KeyboardInterrupt):
-                        call()
-                    self.assertLess(time.monotonic() - start, 10.0)
-                    timer.join()
+                    self.assert_ctrl_c_ends(call, within=10.0)
         finally:
             self.cluster.resume(0)
         c.configure_job()  # the client serves on (a delete_job read before its stop may have gone through)
