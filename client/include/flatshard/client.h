@@ -9,7 +9,11 @@
 // cancels its transfers in flight and waits for them to let go of their buffers: the
 // futures it returned become ready, Cancelled unless they were done (a scatter cut after
 // its last byte reached a server may still count there), and stay valid, whether or not
-// they were waited for first.
+// they were waited for first. The calls that take a std::stop_token (all but the
+// transfers, the checkpoint calls, which CancelCheckpointCalls reaches, and InitGroup)
+// end at once, Cancelled, when its std::stop_source is asked to stop from another thread
+// (a Ctrl-C handler, say), also against a server that stopped answering; a stopped call
+// may have taken effect on some servers, as one that timed out, and may be made again.
 //
 //   auto client = flatshard::Client::Connect({.servers = {"127.0.0.1:7070"}, .num_workers = 2});
 //   (*client)->ConfigureJob({});
@@ -182,11 +186,6 @@ class Client {
   virtual const ClientOptions& options() const = 0;
   int num_servers() const { return static_cast<int>(options().servers.size()); }
 
-  // Here and in the calls below that take one, `stop` (optional) ends the call at once,
-  // Cancelled, when its std::stop_source is asked to stop from another thread (a Ctrl-C
-  // handler, say): a call to a server that stopped answering need not wait for its
-  // deadline. A stopped call may have taken effect on some servers, as one that timed
-  // out; each of these calls may be made again.
   // Idempotent on every server: each worker may send the same settings.
   [[nodiscard]] virtual absl::Status ConfigureJob(const JobOptions& job, std::stop_token stop = {}) = 0;
   // When training is over: deletes the job (ClientOptions::job) on every server, with its
