@@ -651,15 +651,16 @@ absl::Status Group::CommitPushInit(const ReceiveSlot& slot) {
     return absl::FailedPreconditionError(
         absl::StrCat("group '", name_, "' stepped while initial values were received"));
   }
-  // Widen on the host; WriteTensorElements zeroes the padding, whatever the sender put
-  // there.
+  // WriteTensorElements zeroes the padding, whatever the sender put there: float32 values
+  // go from the staging buffer itself, the others widened on the host first.
+  if (slot.dtype == DType::kFloat32) return WriteTensorElements(absl::MakeSpan(init_staging_.floats(), shard_numel()));
   std::vector<float> values(shard_numel());
   FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(slot.dtype, init_staging_.data(), DType::kFloat32,
                                                values.data(), shard_numel()));
-  return WriteTensorElements(std::move(values));
+  return WriteTensorElements(absl::MakeSpan(values));
 }
 
-absl::Status Group::WriteTensorElements(std::vector<float> host_shard) {
+absl::Status Group::WriteTensorElements(absl::Span<float> host_shard) {
   AwaitUnpinned();
   ++generation_;
   for (const auto& [offset, count] : padding_runs_) {
@@ -696,7 +697,7 @@ absl::Status Group::InitFromSeed(uint64_t seed) {
       values[piece.flat_offset - start + k] = (2.0f * unit - 1.0f) * bound;
     }
   }
-  return WriteTensorElements(std::move(values));
+  return WriteTensorElements(absl::MakeSpan(values));
 }
 
 absl::Status Group::SetOptimizer(const OptimizerConfig& optimizer) {

@@ -479,8 +479,9 @@ class Group {
   absl::Status EnsureStaging(ShardBuffer& buffer, size_t bytes, absl::string_view what,
                              SlotMemory memory = SlotMemory::kHost)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes `host_shard` into params_ with its padding zeroed, whatever it held there.
-  absl::Status WriteTensorElements(std::vector<float> host_shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes `host_shard` (shard_numel() values, its padding zeroed here, whatever it held)
+  // into params_.
+  absl::Status WriteTensorElements(absl::Span<float> host_shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks (releasing mu_) while an export holds the group pinned.
   void AwaitUnpinned() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks (releasing mu_) while the group is pinned or held at its version (HoldAt):
