@@ -144,25 +144,25 @@ class ClientImpl final : public Client {
     return slot.get();
   }
 
-  absl::Status InitGroup(const std::string& group, absl::Span<const float> flat) override {
+  absl::Status InitGroup(const std::string& group, absl::Span<const float> flat, std::stop_token stop) override {
     FLATSHARD_ASSIGN_OR_RETURN(const FlatLayout* layout, FindLayout(group));
-    if (static_cast<int64_t>(flat.size()) != layout->unpadded_numel() &&
-        static_cast<int64_t>(flat.size()) != layout->padded_numel()) {
+    const bool padded = static_cast<int64_t>(flat.size()) == layout->padded_numel();
+    if (!padded && static_cast<int64_t>(flat.size()) != layout->unpadded_numel()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "initial values for group '", group, "': ", flat.size(), " elements, expected ",
           layout->unpadded_numel(), " (or padded ", layout->padded_numel(), ")"));
     }
-    // Each server gets its shard, right-padded with zeros (every replica group its copy).
-    std::vector<std::vector<float>> shards(num_servers());
+    // Each server gets its shard straight from `flat` (every replica group its copy);
+    // what an unpadded `flat` lacks of a shard goes as zeros.
+    std::vector<client_internal::InitShard> shards(num_servers());
     for (int rank = 0; rank < num_servers(); ++rank) {
       const int shard = rank % layout->num_shards();
-      shards[rank].assign(layout->shard_numel(), 0.0f);
-      std::copy(flat.begin() + layout->shard_start(shard), flat.begin() + layout->shard_end(shard),
-                shards[rank].begin());
+      const int64_t held = padded ? layout->shard_numel() : layout->shard_end(shard) - layout->shard_start(shard);
+      const float* values = flat.data() + std::min<int64_t>(layout->shard_start(shard), flat.size());
+      shards[rank] = {absl::MakeConstSpan(reinterpret_cast<const std::byte*>(values), held * sizeof(float)),
+                      (layout->shard_numel() - held) * sizeof(float)};
     }
-    std::vector<absl::Span<const std::byte>> parts;
-    for (const auto& shard : shards) parts.push_back(AsBytes(shard));
-    return transfers_->PushInit(group, std::move(parts));
+    return transfers_->PushInit(group, shards, std::move(stop));
   }
 
   absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed, std::stop_token stop) override {

@@ -40,6 +40,31 @@ DataTask WriteThen(RequestWriter write, DataTask task) {
   };
 }
 
+namespace {
+absl::Status StoppedStatus() { return absl::CancelledError("the transfer was stopped"); }
+}  // namespace
+
+DataTask StopWith(std::stop_token stop, DataTask task) {
+  if (!stop.stop_possible()) return task;
+  return [stop = std::move(stop), task = std::move(task)](absl::StatusOr<transport::Connection*> conn) {
+    if (!conn.ok()) return task(conn.status());
+    if (stop.stop_requested()) {
+      task(StoppedStatus());
+      return false;  // a request may have been written on it (Submit's two parts)
+    }
+    transport::Connection* const cut = *conn;
+    const std::stop_callback shut_down(stop, [cut] { cut->Shutdown(); });
+    return task(conn) && !stop.stop_requested();
+  };
+}
+
+RequestWriter StopWith(std::stop_token stop, RequestWriter write) {
+  if (!stop.stop_possible()) return write;
+  return [stop = std::move(stop), write = std::move(write)](transport::Connection& conn) {
+    return stop.stop_requested() ? StoppedStatus() : write(conn);
+  };
+}
+
 DataChannel::DataChannel(DataSession session, SessionOpener renew, int connections,
                          absl::Duration timeout)
     : renew_(std::move(renew)), timeout_(timeout), session_(std::move(session)) {

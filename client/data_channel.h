@@ -23,6 +23,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,6 +53,16 @@ using RequestWriter = std::function<absl::Status(transport::Connection&)>;
 // `write` then `task`, as one DataTask: `task` gets the error instead when `write` fails,
 // and the connection is closed.
 DataTask WriteThen(RequestWriter write, DataTask task);
+
+// `task`, ended by a stop asked of `stop` (from any thread): one not yet begun runs with
+// Cancelled instead of a connection; the connection of one under way is shut down, so its
+// sends and receives fail at once (the server drops the request), and closed after. A
+// stop does not reach a connection still being opened (at most the channel's timeout).
+// `task` itself says what a stopped transfer reports. No cost when `stop` cannot stop.
+DataTask StopWith(std::stop_token stop, DataTask task);
+// `write`, which writes nothing once a stop was asked of `stop` (Cancelled): the other
+// part of a request submitted in two, whose task StopWith ends.
+RequestWriter StopWith(std::stop_token stop, RequestWriter write);
 
 class DataChannel {
  public:

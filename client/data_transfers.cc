@@ -84,11 +84,18 @@ std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64
   return scattered;
 }
 
-absl::Status DataTransfers::PushInit(const std::string& group,
-                                     std::vector<absl::Span<const std::byte>> shards) {
-  return Transfer<absl::Status>(transport::DataOp::kPushInit, group, 0, DType::kFloat32,
-                                std::move(shards), {})
-      .get();
+absl::Status DataTransfers::PushInit(const std::string& group, const std::vector<InitShard>& shards,
+                                     std::stop_token stop) {
+  size_t most_zeros = 0;
+  for (const InitShard& shard : shards) most_zeros = std::max(most_zeros, shard.zero_bytes);
+  auto zeros = std::make_shared<const std::vector<std::byte>>(most_zeros);
+  auto completion = std::make_shared<Completion<absl::Status>>(num_servers());
+  std::future<absl::Status> pushed = completion->future();
+  for (int i = 0; i < num_servers(); ++i) {
+    SubmitOne(completion, i, transport::DataOp::kPushInit, group, 0, DType::kFloat32, shards[i].values,
+              absl::MakeConstSpan(*zeros).first(shards[i].zero_bytes), {}, zeros, stop);
+  }
+  return pushed.get();
 }
 
 std::vector<std::string> DataTransfers::PlaneNames() const {
@@ -183,22 +190,28 @@ absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, in
   return std::shared_ptr<NcclLink>(std::move(link));
 }
 
-// One request to server i: `send` is its payload, `receive` its response payload's
-// destination; it finishes `completion`, and `keep_alive` is held until then. A request
-// of at most kWriteOnSubmitBytes leaves from this thread when a connection is idle.
+// One request to server i: `send` then `send_tail` is its payload, `receive` its response
+// payload's destination; it finishes `completion`, and `keep_alive` is held until then.
+// A request of at most kWriteOnSubmitBytes leaves from this thread when a connection is
+// idle. A stop asked of `stop` ends it (StopWith), Cancelled.
 template <typename Result>
-void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int i,
-                              transport::DataOp op, const std::string& group, int64_t version,
-                              DType dtype, absl::Span<const std::byte> send,
+void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int i, transport::DataOp op,
+                              const std::string& group, int64_t version, DType dtype, absl::Span<const std::byte> send,
                               absl::Span<const std::byte> send_tail, absl::Span<std::byte> receive,
-                              std::shared_ptr<const void> keep_alive) {
+                              std::shared_ptr<const void> keep_alive, std::stop_token stop) {
   const transport::RequestHeader header = HeaderFor(op, group, version, dtype);
   RequestWriter write = [=, this](transport::Connection& conn) {
     return transport::SendRequest(conn, header, options_.job, group, send, send_tail);
   };
   DataTask read = [=, this, hold = std::move(keep_alive)](absl::StatusOr<transport::Connection*> conn) {
     (void)hold;
-    auto fail = [&](const absl::Status& status) { completion->Finish(AtServer(i, status), 0); };
+    auto fail = [&](const absl::Status& status) {
+      if (!stop.stop_requested()) return completion->Finish(AtServer(i, status), 0);
+      // Whatever failed after a stop failed because of it (the connection was shut down).
+      completion->Finish(AtServer(i, absl::CancelledError(absl::StrCat("the ", transport::DataOpName(op), " of group '",
+                                                                       group, "' was stopped"))),
+                         0);
+    };
     if (!conn.ok()) {
       fail(conn.status());
       return true;
@@ -216,14 +229,15 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
     return true;
   };
   if (send.size() + send_tail.size() <= kWriteOnSubmitBytes) {
-    channels_[i]->Submit(std::move(write), std::move(read));
+    channels_[i]->Submit(StopWith(stop, std::move(write)), StopWith(stop, std::move(read)));
   } else {
-    channels_[i]->Submit(WriteThen(std::move(write), std::move(read)));
+    channels_[i]->Submit(StopWith(stop, WriteThen(std::move(write), std::move(read))));
   }
 }
 
-// Transfer's requests, finishing `completion`; `keep_alive` is held until each has
-// finished (what `sends` points into).
+// One request per server in `servers`, each on its data channel, finishing `completion`:
+// `sends[i]` is server i's payload, or `receives[i]` its response payload's destination;
+// `keep_alive` is held until each has finished (what `sends` points into).
 template <typename Result>
 void DataTransfers::Submit(const std::shared_ptr<Completion<Result>>& completion,
                            transport::DataOp op, const std::string& group, int64_t version,
@@ -236,22 +250,6 @@ void DataTransfers::Submit(const std::shared_ptr<Completion<Result>>& completion
               sends.empty() ? absl::Span<const std::byte>() : sends[i], {},
               receives.empty() ? absl::Span<std::byte>() : receives[i], keep_alive);
   }
-}
-
-// One request per server in `servers` (all when empty) on its data channel:
-// `sends[i]` is server i's payload, or `receives[i]` its response payload's destination.
-template <typename Result>
-std::future<Result> DataTransfers::Transfer(transport::DataOp op, const std::string& group,
-                                            int64_t version, DType dtype,
-                                            std::vector<absl::Span<const std::byte>> sends,
-                                            std::vector<absl::Span<std::byte>> receives,
-                                            std::vector<int> servers) {
-  if (servers.empty()) {
-    for (int i = 0; i < num_servers(); ++i) servers.push_back(i);
-  }
-  auto completion = std::make_shared<Completion<Result>>(static_cast<int>(servers.size()));
-  Submit(completion, op, group, version, dtype, sends, receives, servers, nullptr);
-  return completion->future();
 }
 
 // One NCCL transfer with server i on its data connection `conn`: the request, the

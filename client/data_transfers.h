@@ -23,6 +23,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,6 +55,13 @@ struct ServerEndpoint {
   DataSession session;   // from OpenSession
   std::string gpu_uuid;  // the GPU of a --memory=device server; empty otherwise
   bool nccl = false;     // the server offers the NCCL plane
+};
+
+// One server's initial values (PushInit): its shard's fp32 bytes from the caller's
+// buffer, then `zero_bytes` zeros (the padding the buffer does not hold).
+struct InitShard {
+  absl::Span<const std::byte> values;
+  size_t zero_bytes = 0;
 };
 
 // The control-plane calls the data plane makes, on server `server`.
@@ -88,9 +96,12 @@ class DataTransfers {
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                     std::vector<absl::Span<std::byte>> parts,
                                     std::vector<int> servers);
-  // Initial fp32 values, one host shard per server. Blocks.
-  [[nodiscard]] absl::Status PushInit(const std::string& group,
-                                      std::vector<absl::Span<const std::byte>> shards);
+  // Initial values, one shard per server, sent from where they lie. Blocks until every
+  // push has ended. A stop asked of `stop` ends them at once (StopWith), Cancelled: a
+  // server that had not received all of its shard keeps its values (it drops a
+  // part-received push).
+  [[nodiscard]] absl::Status PushInit(const std::string& group, const std::vector<InitShard>& shards,
+                                      std::stop_token stop);
 
   // Per server, the plane a buffer on this thread's GPU would use (Client::DataPlanes).
   std::vector<std::string> PlaneNames() const;
@@ -137,21 +148,15 @@ class DataTransfers {
                   const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,
                   int device);
   template <typename Result>
-  std::future<Result> Transfer(transport::DataOp op, const std::string& group, int64_t version,
-                               DType dtype, std::vector<absl::Span<const std::byte>> sends,
-                               std::vector<absl::Span<std::byte>> receives,
-                               std::vector<int> servers = {});
-  template <typename Result>
-  void Submit(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
-              const std::string& group, int64_t version, DType dtype,
-              const std::vector<absl::Span<const std::byte>>& sends,
+  void Submit(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op, const std::string& group,
+              int64_t version, DType dtype, const std::vector<absl::Span<const std::byte>>& sends,
               const std::vector<absl::Span<std::byte>>& receives, const std::vector<int>& servers,
               std::shared_ptr<const void> keep_alive);
   template <typename Result>
-  void SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int server,
-                 transport::DataOp op, const std::string& group, int64_t version, DType dtype,
-                 absl::Span<const std::byte> send, absl::Span<const std::byte> send_tail,
-                 absl::Span<std::byte> receive, std::shared_ptr<const void> keep_alive);
+  void SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int server, transport::DataOp op,
+                 const std::string& group, int64_t version, DType dtype, absl::Span<const std::byte> send,
+                 absl::Span<const std::byte> send_tail, absl::Span<std::byte> receive,
+                 std::shared_ptr<const void> keep_alive, std::stop_token stop = {});
 
   const ClientOptions options_;
   const std::vector<ServerEndpoint> servers_;

@@ -334,9 +334,7 @@ class PyClient {
       Raise(absl::InvalidArgumentError("initial values must be a float32 buffer"));
     }
     const absl::Span<const float> values(static_cast<const float*>(info.ptr), static_cast<size_t>(info.size));
-    // A push on the data plane, which no stop token reaches: Ctrl-C is raised once it ends
-    // (at the latest the client's timeout).
-    Released([&] { return client_->InitGroup(name, values); });
+    Check(Stoppable([&](std::stop_token stop) { return client_->InitGroup(name, values, stop); }));
   }
 
   void InitGroupFromSeed(const std::string& name, uint64_t seed) {
@@ -417,16 +415,6 @@ class PyClient {
   std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }
 
  private:
-  template <typename F>
-  void Released(F&& call) {
-    absl::Status status;
-    {
-      py::gil_scoped_release release;
-      status = call();
-    }
-    Check(status);
-  }
-
   // Waits for `outcome` (a call on a thread of its own) without the GIL, looking at
   // Python's signals every 50 ms. After a KeyboardInterrupt (Ctrl-C), or another exception
   // a signal handler raises (it stays set), calls `stop` every 50 ms until the call has

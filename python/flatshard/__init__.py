@@ -236,8 +236,9 @@ class Client:
     Ctrl-C (KeyboardInterrupt) ends any call at once, also against a server that stopped
     answering, without waiting for ``timeout``: the call is cancelled (a save, load or
     export keeps nothing of itself; any other may have taken effect on some servers, as
-    one that timed out, and may be made again), except init_group, which sees it when
-    its push ends, and a transfer's wait(), which leaves the transfer going on.
+    one that timed out, and may be made again; a server that had not received all of its
+    init_group shard keeps its values), except a transfer's wait(), which leaves the
+    transfer going on.
     """
 
     def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,

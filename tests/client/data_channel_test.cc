@@ -6,6 +6,7 @@
 #include <chrono>
 #include <future>
 #include <memory>
+#include <stop_token>
 #include <thread>
 #include <vector>
 
@@ -80,35 +81,36 @@ struct Outcome {
   absl::StatusOr<int64_t> version;
 };
 
-// Submits a request named `version` in two parts; the future has what happened. A
-// `write_error` replaces the write.
-std::future<Outcome> Request(DataChannel& channel, int64_t version, absl::Status write_error = absl::OkStatus()) {
+// Submits a request named `version` in two parts, which a stop asked of `stop` ends
+// (StopWith); the future has what happened. A `write_error` replaces the write.
+std::future<Outcome> Request(DataChannel& channel, int64_t version, absl::Status write_error = absl::OkStatus(),
+                             std::stop_token stop = {}) {
   auto outcome = std::make_shared<Outcome>();
   auto done = std::make_shared<std::promise<Outcome>>();
   std::future<Outcome> result = done->get_future();
-  channel.Submit(
-      [=](transport::Connection& conn) {
-        outcome->wrote_on = std::this_thread::get_id();
-        if (!write_error.ok()) return write_error;
-        transport::RequestHeader header;
-        header.op = static_cast<uint8_t>(transport::DataOp::kGather);
-        header.version = version;
-        return transport::SendRequest(conn, header, "job", "g", {});
-      },
-      [=](absl::StatusOr<transport::Connection*> conn) {
-        outcome->read_on = std::this_thread::get_id();
-        bool usable = true;
-        if (!conn.ok()) {
-          outcome->version = conn.status();
-        } else if (absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, {}); !response.ok()) {
-          outcome->version = response.status();
-          usable = false;
-        } else {
-          outcome->version = response->version;
-        }
-        done->set_value(*outcome);
-        return usable;
-      });
+  RequestWriter write = [=](transport::Connection& conn) {
+    outcome->wrote_on = std::this_thread::get_id();
+    if (!write_error.ok()) return write_error;
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(transport::DataOp::kGather);
+    header.version = version;
+    return transport::SendRequest(conn, header, "job", "g", {});
+  };
+  DataTask read = [=](absl::StatusOr<transport::Connection*> conn) {
+    outcome->read_on = std::this_thread::get_id();
+    bool usable = true;
+    if (!conn.ok()) {
+      outcome->version = conn.status();
+    } else if (absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, {}); !response.ok()) {
+      outcome->version = response.status();
+      usable = false;
+    } else {
+      outcome->version = response->version;
+    }
+    done->set_value(*outcome);
+    return usable;
+  };
+  channel.Submit(StopWith(stop, std::move(write)), StopWith(stop, std::move(read)));
   return result;
 }
 
@@ -214,6 +216,30 @@ TEST(DataChannelTest, CancelShutsTheTransfersUnderWayAndFailsTheRest) {
   std::future<Outcome> later = Request(channel, 3);
   EXPECT_TRUE(absl::IsCancelled(Finished(later).version.status()));
   EXPECT_EQ(server.held(), 1);
+}
+
+// A stop (StopWith) ends its own request: one the server holds fails at once, its
+// connection shut down, while the other request held beside it waits on; one whose stop
+// came before it was submitted is never sent.
+TEST(DataChannelTest, AStopEndsItsOwnRequestOnly) {
+  EchoDataServer server(/*answers_per_connection=*/0, /*silent=*/true);
+  DataChannel channel(server.session(), nullptr, 2, absl::Seconds(60));
+  std::stop_source stop, other;
+  std::future<Outcome> held = Request(channel, 1, absl::OkStatus(), stop.get_token());
+  std::future<Outcome> beside = Request(channel, 2, absl::OkStatus(), other.get_token());
+  for (int i = 0; i < 2000 && server.held() < 2; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(server.held(), 2);
+  stop.request_stop();
+  const Outcome cut = Finished(held);  // not the 60 s the channel's timeout allows
+  EXPECT_FALSE(cut.version.ok());
+  EXPECT_EQ(beside.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  std::stop_source early;
+  early.request_stop();
+  std::future<Outcome> never = Request(channel, 3, absl::OkStatus(), early.get_token());
+  EXPECT_TRUE(absl::IsCancelled(Finished(never).version.status()));
+  EXPECT_EQ(server.held(), 2);
+  other.request_stop();
+  EXPECT_FALSE(Finished(beside).version.ok());
 }
 
 }  // namespace

@@ -751,6 +751,50 @@ TEST(StoppedCallTest, AStopEndsAControlCallToAServerThatStoppedAnswering) {
   EXPECT_TRUE(FetchClusterStatus(status_options)[0].ok());
 }
 
+// A stop ends an InitGroup push to a server that stopped reading (SIGSTOP here) at once
+// rather than at the client's timeout (60 s): the push's connection is shut down, and the
+// server, running again, drops what it had received and keeps its values, while the
+// other server took its shard. The push made again lands everywhere.
+TEST(StoppedCallTest, AStopEndsAnInitialPushAndTheServerItCutKeepsItsValues) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
+  ASSERT_TRUE(client.ok()) << client.status();
+  Client& c = **client;
+  ASSERT_TRUE(c.ConfigureJob({}).ok());
+  constexpr int64_t kNumel = int64_t{8} << 20;  // 16 MiB per server: more than a socket holds
+  auto layout = c.RegisterGroup("g", {{"w", {kNumel}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> params(kNumel, -1.0f);
+  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);  // connections open
+  ASSERT_TRUE(cluster.Pause(0));
+  absl::Cleanup resume = [&] { cluster.Resume(0); };
+  const std::vector<float> ones(kNumel, 1.0f);
+  std::stop_source source;
+  auto pushed = std::async(std::launch::async, [&] { return c.InitGroup("g", ones, source.get_token()); });
+  EXPECT_EQ(pushed.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout) << "not stuck";
+  source.request_stop();
+  ASSERT_EQ(pushed.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "the stop did not end it";
+  const absl::Status status = pushed.get();
+  EXPECT_TRUE(absl::IsCancelled(status)) << status;
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr(absl::StrCat("server ", cluster.addresses()[0], ": the push-init of group 'g' was stopped")));
+  std::move(resume).Invoke();
+  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);
+  const size_t half = kNumel / 2;
+  EXPECT_EQ(std::count(params.begin(), params.begin() + half, 0.0f), half) << "server 0 took part of the push";
+  EXPECT_EQ(std::count(params.begin() + half, params.end(), 1.0f), half) << "server 1 did not take its shard";
+  // Server 0 may still be dropping the cut push ("already being received").
+  const std::vector<float> twos(kNumel, 2.0f);
+  absl::Status again = c.InitGroup("g", twos);
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       absl::IsFailedPrecondition(again) && absl::Now() < until; again = c.InitGroup("g", twos)) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(again.ok()) << again;
+  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);
+  EXPECT_EQ(params, twos);
+}
+
 // Polls server 0 of `cluster` for up to 10 s until it has ended (answered or dropped)
 // `expected` requests of each name (an RPC's full method, a data op's name) and has no
 // data connection open; returns what it saw last, and open connections as "connections".

@@ -387,6 +387,60 @@ TEST(TrainingIntegrationTest, HybridShardingReplicaGroupsMatchTheReferenceBitwis
   TrainAndCompare({.max_grad_norm = 0.3, .replicas = 3}, six_hosts, false, DevicePlane::kAuto, 6);
 }
 
+// InitGroup sends each server its shard straight from the caller's buffer: unpadded
+// values (the padding a shard lacks goes as zeros, down to a shard of padding only) and
+// padded ones (whatever their padding holds) land alike, in every replica group.
+TEST(InitGroupTest, UnpaddedAndPaddedValuesLandAlikeOnEveryShard) {
+  for (const int replicas : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat(replicas, " replica group(s)"));
+    testing::TestCluster cluster(3 * replicas, "tok", ::testing::TempDir());
+    std::vector<std::unique_ptr<Client>> workers;  // worker r gathers from replica group r
+    for (int rank = 0; rank < replicas; ++rank) {
+      auto client = cluster.Connect(rank, replicas);
+      ASSERT_TRUE(client.ok()) << client.status();
+      workers.push_back(*std::move(client));
+    }
+    ASSERT_TRUE(workers[0]->ConfigureJob({.replicas = replicas}).ok());
+    // 4 elements over 3 shards of 2: shard 2 holds padding only. Two tensors with a gap
+    // of alignment padding between them: shard 2 holds an element and padding.
+    const std::vector<std::vector<TensorSpec>> groups = {
+        {{"w", {4}, DType::kFloat32}},
+        {{"a", {3}, DType::kFloat32}, {"b", {1}, DType::kFloat32}},
+    };
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const std::string name = absl::StrCat("g", g);
+      auto layout = workers[0]->RegisterGroup(name, groups[g], /*align=*/g == 0 ? 0 : 4, SgdOptions{.lr = 0.1});
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      for (int rank = 1; rank < replicas; ++rank) {
+        ASSERT_TRUE(workers[rank]->RegisterGroup(name, groups[g], g == 0 ? 0 : 4, SgdOptions{.lr = 0.1}).ok());
+      }
+      const FlatLayout& l = **layout;
+      ASSERT_EQ(l.shard_padding(2), g == 0 ? l.shard_numel() : 1);
+      ASSERT_EQ(l.unpadded_numel(), g == 0 ? 4 : 5);
+      // What a gather must give: the values at the tensors' elements, zeros elsewhere.
+      std::vector<float> expected(l.padded_numel(), 0.0f);
+      for (const TensorPiece& piece : l.MapRange(0, l.padded_numel())) {
+        for (int64_t k = 0; k < piece.numel; ++k)
+          expected[piece.flat_offset + k] = 1.5f + static_cast<float>(piece.flat_offset + k);
+      }
+      std::vector<float> unpadded(expected.begin(), expected.begin() + l.unpadded_numel());
+      std::vector<float> padded = expected;
+      for (float& value : padded) {
+        if (value == 0.0f) value = std::numeric_limits<float>::quiet_NaN();  // ignored
+      }
+      for (const std::vector<float>* values : {&unpadded, &padded}) {
+        SCOPED_TRACE(values == &padded ? "padded" : "unpadded");
+        ASSERT_TRUE(workers[0]->InitGroup(name, *values).ok());
+        for (int rank = 0; rank < replicas; ++rank) {
+          std::vector<float> params(l.padded_numel(), -1.0f);
+          ASSERT_EQ(workers[rank]->Gather(name, 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);
+          EXPECT_EQ(params, expected);
+        }
+      }
+    }
+  }
+}
+
 // The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the
 // servers' results stay bitwise equal to the single-process CPU reference.
 TEST(TrainingIntegrationTest, DeviceMemoryTierMatchesSingleProcessBitwise) {

@@ -359,10 +359,13 @@ class ClientTest(unittest.TestCase):
         c = self.client(job="calls-interrupted", timeout=60.0)
         c.configure_job()
         c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        c.gather("g")  # its data connections are open
         calls = {
             "configure_job": c.configure_job,
             "delete_job": c.delete_job,
             "register_group": lambda: c.register_group("h", TENSORS, flatshard.SGD(lr=0.1)),
+            "init_group": lambda: c.init_group("g", {"weight": np.ones((4, 3), np.float32),
+                                                     "bias": np.ones(4, np.float32)}),
             "init_group_from_seed": lambda: c.init_group_from_seed("g", 7),
             "set_hyperparams": lambda: c.set_hyperparams("g", lr=0.2),
             "list_checkpoints": c.list_checkpoints,

@@ -10,10 +10,10 @@
 // futures it returned become ready, Cancelled unless they were done (a scatter cut after
 // its last byte reached a server may still count there), and stay valid, whether or not
 // they were waited for first. The calls that take a std::stop_token (all but the
-// transfers, the checkpoint calls, which CancelCheckpointCalls reaches, and InitGroup)
-// end at once, Cancelled, when its std::stop_source is asked to stop from another thread
-// (a Ctrl-C handler, say), also against a server that stopped answering; a stopped call
-// may have taken effect on some servers, as one that timed out, and may be made again.
+// transfers and the checkpoint calls, which CancelCheckpointCalls reaches) end at once,
+// Cancelled, when its std::stop_source is asked to stop from another thread (a Ctrl-C
+// handler, say), also against a server that stopped answering; a stopped call may have
+// taken effect on some servers, as one that timed out, and may be made again.
 //
 //   auto client = flatshard::Client::Connect({.servers = {"127.0.0.1:7070"}, .num_workers = 2});
 //   (*client)->ConfigureJob({});
@@ -205,9 +205,13 @@ class Client {
                                                                         std::stop_token stop = {}) = 0;
 
   // Pushes initial values: `flat` holds unpadded_numel() or padded_numel() fp32 values in
-  // flat-layout order (see Flatten in core/flat_buffer.h); padding is ignored.
-  [[nodiscard]] virtual absl::Status InitGroup(const std::string& group,
-                                               absl::Span<const float> flat) = 0;
+  // flat-layout order (see Flatten in core/flat_buffer.h); padding is ignored. Each
+  // server's shard goes straight from `flat` (no copy of the model is made). A stop ends
+  // the pushes under way (a server that had not received all of its shard keeps its
+  // values) except one still opening its data connection, which ends when that does (at
+  // most `timeout`).
+  [[nodiscard]] virtual absl::Status InitGroup(const std::string& group, absl::Span<const float> flat,
+                                               std::stop_token stop = {}) = 0;
   // Deterministic initialization on the servers, independent of the server count.
   [[nodiscard]] virtual absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed,
                                                        std::stop_token stop = {}) = 0;
