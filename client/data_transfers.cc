@@ -61,7 +61,7 @@ std::future<absl::StatusOr<int64_t>> DataTransfers::Gather(
     std::vector<absl::Span<std::byte>> parts, std::vector<int> servers) {
   auto done = std::make_shared<Completion<absl::StatusOr<int64_t>>>(
       static_cast<int>(servers.size()), /*same_version=*/false,
-      [this, group](uint64_t load_id) { RecordGathered(group, load_id); });
+      [this, group](uint64_t load_id) { RecordLoadHeld(group, load_id); });
   std::future<absl::StatusOr<int64_t>> gathered = done->future();
   const int device = DeviceOf(parts[servers.front()].data());
   if (device >= 0) {
@@ -95,7 +95,11 @@ absl::Status DataTransfers::PushInit(const std::string& group, const std::vector
     SubmitOne(completion, i, transport::DataOp::kPushInit, group, 0, DType::kFloat32, shards[i].values,
               absl::MakeConstSpan(*zeros).first(shards[i].zero_bytes), {}, zeros, stop);
   }
-  return pushed.get();
+  const absl::Status status = pushed.get();
+  // The caller holds the values the servers now do: a gradient computed from them names
+  // their load, as after a gather.
+  if (status.ok()) RecordLoadHeld(group, completion->load_id());
+  return status;
 }
 
 std::vector<std::string> DataTransfers::PlaneNames() const {
@@ -158,7 +162,7 @@ transport::RequestHeader DataTransfers::HeaderFor(transport::DataOp op, const st
   using transport::DataOp;
   if (op == DataOp::kScatter || op == DataOp::kScatterPart || op == DataOp::kIpcScatter || op == DataOp::kNcclScatter) {
     absl::MutexLock lock(&loads_mu_);
-    if (auto it = gathered_loads_.find(group); it != gathered_loads_.end()) {
+    if (auto it = held_loads_.find(group); it != held_loads_.end()) {
       header.flags = transport::kRequestLoadKnown;
       header.load_id = it->second;
     }
@@ -166,9 +170,9 @@ transport::RequestHeader DataTransfers::HeaderFor(transport::DataOp op, const st
   return header;
 }
 
-void DataTransfers::RecordGathered(const std::string& group, uint64_t load_id) {
+void DataTransfers::RecordLoadHeld(const std::string& group, uint64_t load_id) {
   absl::MutexLock lock(&loads_mu_);
-  gathered_loads_[group] = load_id;
+  held_loads_[group] = load_id;
 }
 
 absl::Status DataTransfers::AtServer(int server, const absl::Status& status) const {

@@ -7,10 +7,10 @@
 // ClientOptions::device_plane says. Internal to the client library; Client::Gather and
 // Client::Scatter document the caller's side. Thread-safe.
 //
-// Per group it keeps the checkpoint load its last gather's state came from
-// (transport/data_protocol.h), and its scatters name that load: a server that holds
-// another load's state refuses the gradient (Aborted) instead of taking a gradient of
-// the replaced state for the loaded one. A gather whose parts come from different loads
+// Per group it keeps the checkpoint load its last gather's state came from, or its last
+// initial push went into (transport/data_protocol.h), and its scatters name that load: a
+// server that holds another load's state refuses the gradient (Aborted) instead of
+// taking a gradient of the replaced state for the loaded one. A gather whose parts come from different loads
 // fails with Aborted (Completion).
 //
 //   DataTransfers transfers(options, endpoints, {open_nccl_channel, open_session});
@@ -118,7 +118,8 @@ class DataTransfers {
   // gather, when there was one.
   transport::RequestHeader HeaderFor(transport::DataOp op, const std::string& group, int64_t version,
                                      DType dtype) const;
-  void RecordGathered(const std::string& group, uint64_t load_id);
+  // The caller's buffer for `group` holds the state of `load_id` (a gather, a push).
+  void RecordLoadHeld(const std::string& group, uint64_t load_id);
   bool IpcReachable(int server, int device) const;
   Plane PlaneFor(int server, int device, bool exportable) const;
   absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device);
@@ -168,8 +169,8 @@ class DataTransfers {
   absl::Mutex aside_mu_;
   int aside_running_ ABSL_GUARDED_BY(aside_mu_) = 0;  // RunAside threads not yet done
   mutable absl::Mutex loads_mu_;
-  // By group: the load its last gather's state came from (RecordGathered).
-  absl::flat_hash_map<std::string, uint64_t> gathered_loads_ ABSL_GUARDED_BY(loads_mu_);
+  // By group: the load of its last gather's or push's state (RecordLoadHeld).
+  absl::flat_hash_map<std::string, uint64_t> held_loads_ ABSL_GUARDED_BY(loads_mu_);
   // Destroyed first (declared last): their threads finish tasks that use the rest.
   std::vector<std::unique_ptr<NcclLinks>> nccl_links_;  // per server
   std::vector<std::unique_ptr<DataChannel>> channels_;  // per server

@@ -86,7 +86,7 @@ inline constexpr uint32_t kMaxMessageBytes = 4096;
 inline constexpr uint32_t kMaxTokenBytes = 256;
 
 // RequestHeader::flags: load_id names the state the request was computed from. Without
-// it (a worker that never gathered the group) the server does not check it.
+// it (a worker that never gathered nor pushed the group) the server does not check it.
 inline constexpr uint16_t kRequestLoadKnown = 1;
 
 #pragma pack(push, 1)

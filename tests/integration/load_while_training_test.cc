@@ -187,6 +187,29 @@ TEST(LoadWhileTrainingTest, AGatherFromTheStatesOfTwoLoadsIsRefused) {
   EXPECT_TRUE(worker.client->WaitVersion("big", 2).ok());
 }
 
+// A worker that pushed a group's initial values computes its first gradient from them,
+// without a gather: that gradient names the state it pushed, so once a checkpoint load
+// replaced that state (here at the same version, 0) the servers refuse it instead of
+// applying it to the loaded parameters. After a gather of the loaded state it is taken.
+TEST(LoadWhileTrainingTest, AGradientOfPushedValuesThatALoadReplacedIsRefused) {
+  const testing::ScratchDir root("load-after-push");
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir(), root.path());
+  Trainer worker(cluster);
+  std::unique_ptr<Client> loader = Operator(cluster);
+  ASSERT_NE(loader, nullptr);
+  ASSERT_TRUE(worker.client->InitGroupFromSeed("tiny", 3).ok());
+  ASSERT_TRUE(loader->SaveCheckpoint("at-0", CheckpointKind::kSharded, true).ok());
+  ASSERT_TRUE(worker.client->InitGroup("tiny", std::vector<float>(worker.tiny->padded_numel(), 0.5f)).ok());
+  ASSERT_TRUE(loader->LoadCheckpoint("at-0").ok());
+  const std::vector<float> grad = worker.Gradient("tiny", 0);
+  const absl::Status replaced = worker.client->Scatter("tiny", 0, DType::kFloat32, AsBytes(grad)).get();
+  EXPECT_EQ(replaced.code(), absl::StatusCode::kAborted) << "a gradient of the pushed values: " << replaced;
+  EXPECT_THAT(replaced.message(), HasSubstr("was computed from the state from before any checkpoint load"));
+  std::vector<float> loaded(worker.tiny->padded_numel());
+  ASSERT_EQ(worker.client->Gather("tiny", 0, DType::kFloat32, AsBytes(loaded)).get().value_or(-1), 0);
+  EXPECT_TRUE(worker.client->Scatter("tiny", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+}
+
 // The same refusal where the worker gathers into GPU memory from --memory=device servers,
 // over CUDA IPC (the same GPU) and over NCCL (as between nodes): each server's answer
 // carries its load, whichever plane moved the bytes.

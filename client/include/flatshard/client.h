@@ -239,9 +239,9 @@ class Client {
   // not wait for the other workers. Sent again after a failure, it is AlreadyExists when
   // every server already held or applied it (the servers that lacked it take it), and
   // any other error when one still failed. The gradient names the checkpoint load of
-  // this group's last Gather: Aborted when a load replaced that state since (even at the
-  // same version): gather the loaded state and compute the gradient again. Without a
-  // Gather of the group by this Client, it is not checked.
+  // this group's last Gather (or InitGroup): Aborted when a load replaced that state since
+  // (even at the same version): gather the loaded state and compute the gradient again.
+  // Without a Gather or InitGroup of the group by this Client, it is not checked.
   virtual std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                             absl::Span<const std::byte> grad) = 0;
 
