@@ -41,9 +41,10 @@ DataTask WriteThen(RequestWriter write, DataTask task) {
 }
 
 namespace {
-absl::Status StoppedStatus() { return absl::CancelledError("the transfer was stopped"); }
-}  // namespace
 
+absl::Status StoppedStatus() { return absl::CancelledError("the transfer was stopped"); }
+
+// `task`, ended by a stop asked of `stop` (Submit).
 DataTask StopWith(std::stop_token stop, DataTask task) {
   if (!stop.stop_possible()) return task;
   return [stop = std::move(stop), task = std::move(task)](absl::StatusOr<transport::Connection*> conn) {
@@ -58,12 +59,15 @@ DataTask StopWith(std::stop_token stop, DataTask task) {
   };
 }
 
+// `write`, which writes nothing once a stop was asked of `stop`.
 RequestWriter StopWith(std::stop_token stop, RequestWriter write) {
   if (!stop.stop_possible()) return write;
   return [stop = std::move(stop), write = std::move(write)](transport::Connection& conn) {
     return stop.stop_requested() ? StoppedStatus() : write(conn);
   };
 }
+
+}  // namespace
 
 DataChannel::DataChannel(DataSession session, SessionOpener renew, int connections,
                          absl::Duration timeout)
@@ -83,6 +87,7 @@ DataChannel::~DataChannel() {
 }
 
 void DataChannel::Cancel() {
+  cancel_.request_stop();
   absl::MutexLock lock(&mu_);
   cancelled_ = true;
   for (const std::unique_ptr<ConnectionThread>& thread : threads_) {
@@ -94,12 +99,12 @@ absl::Status DataChannel::CancelledStatus() {
   return absl::CancelledError("the data channel was cancelled (its client is going away)");
 }
 
-void DataChannel::Submit(DataTask task) {
+void DataChannel::Submit(DataTask task, std::stop_token stop) {
   absl::MutexLock lock(&mu_);
-  tasks_.push_back(std::move(task));
+  tasks_.push_back({StopWith(stop, std::move(task)), stop});
 }
 
-void DataChannel::Submit(RequestWriter write, DataTask task) {
+void DataChannel::Submit(RequestWriter write, DataTask task, std::stop_token stop) {
   ConnectionThread* idle = nullptr;
   {
     absl::MutexLock lock(&mu_);
@@ -115,20 +120,20 @@ void DataChannel::Submit(RequestWriter write, DataTask task) {
       }
     }
     if (idle == nullptr) {
-      tasks_.push_back(WriteThen(std::move(write), std::move(task)));
+      tasks_.push_back({StopWith(stop, WriteThen(std::move(write), std::move(task))), stop});
       return;
     }
   }
   // A connection the server closed while it sat idle goes to its thread, which opens a
   // fresh one for the request.
   const bool closed = idle->conn->PeerClosed();
-  absl::Status write_status = closed ? absl::OkStatus() : write(*idle->conn);
+  absl::Status write_status = closed ? absl::OkStatus() : StopWith(stop, write)(*idle->conn);
   absl::MutexLock lock(&mu_);
   idle->lent = false;
   if (closed) {
-    tasks_.push_back(WriteThen(std::move(write), std::move(task)));
+    tasks_.push_back({StopWith(stop, WriteThen(std::move(write), std::move(task))), stop});
   } else {
-    idle->handoff = ConnectionThread::Handoff{std::move(task), std::move(write_status)};
+    idle->handoff = ConnectionThread::Handoff{StopWith(stop, std::move(task)), std::move(write_status)};
   }
 }
 
@@ -136,13 +141,17 @@ bool DataChannel::HasWork(const ConnectionThread& thread) const {
   return thread.handoff.has_value() || (!thread.lent && (stopping_ || !tasks_.empty()));
 }
 
-absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open() {
+absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open(std::stop_token stop) {
+  // Either stop ends the connect and the hello.
+  std::stop_source either;
+  auto pass_on = [&either] { either.request_stop(); };
+  const std::stop_callback<decltype(pass_on)> asked(stop, pass_on), cancelled(cancel_.get_token(), pass_on);
   DataSession session;
   {
     absl::MutexLock lock(&session_mu_);
     session = session_;
   }
-  absl::StatusOr<std::unique_ptr<transport::Connection>> conn = Hello(session);
+  absl::StatusOr<std::unique_ptr<transport::Connection>> conn = Hello(session, either.get_token());
   // Refused (the server does not know the session) or unreachable (it may have come back
   // on another data port): the server restarted, or is down. Unless another connection
   // has renewed the session meanwhile, ask the control plane for a new one; while the
@@ -159,12 +168,12 @@ absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open() {
     absl::MutexLock lock(&session_mu_);
     session_ = renewed;
   }
-  return Hello(renewed);
+  return Hello(renewed, either.get_token());
 }
 
-absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Hello(
-    const DataSession& session) const {
-  return transport::OpenDataConnection(session.data_address, session.token, timeout_);
+absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Hello(const DataSession& session,
+                                                                          std::stop_token stop) const {
+  return transport::OpenDataConnection(session.data_address, session.token, timeout_, std::move(stop));
 }
 
 void DataChannel::Run(ConnectionThread& self) {
@@ -174,7 +183,8 @@ void DataChannel::Run(ConnectionThread& self) {
     const ConnectionThread* self;
   } wake{this, &self};
   while (true) {
-    DataTask task;
+    Queued next;
+    DataTask& task = next.task;
     std::optional<ConnectionThread::Handoff> handoff;
     bool cancelled = false;
     {
@@ -192,7 +202,7 @@ void DataChannel::Run(ConnectionThread& self) {
       } else if (tasks_.empty()) {
         return;  // stopping, and everything submitted has run
       } else {
-        task = std::move(tasks_.front());
+        next = std::move(tasks_.front());
         tasks_.pop_front();
       }
     }
@@ -218,7 +228,7 @@ void DataChannel::Run(ConnectionThread& self) {
     // past its limit) would fail the task: open a fresh one instead.
     if (conn != nullptr && conn->PeerClosed()) conn.reset();
     if (conn == nullptr) {
-      absl::StatusOr<std::unique_ptr<transport::Connection>> opened = Open();
+      absl::StatusOr<std::unique_ptr<transport::Connection>> opened = Open(next.stop);
       if (!opened.ok()) {
         task(opened.status());
         continue;

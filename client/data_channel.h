@@ -54,34 +54,35 @@ using RequestWriter = std::function<absl::Status(transport::Connection&)>;
 // and the connection is closed.
 DataTask WriteThen(RequestWriter write, DataTask task);
 
-// `task`, ended by a stop asked of `stop` (from any thread): one not yet begun runs with
-// Cancelled instead of a connection; the connection of one under way is shut down, so its
-// sends and receives fail at once (the server drops the request), and closed after. A
-// stop does not reach a connection still being opened (at most the channel's timeout).
-// `task` itself says what a stopped transfer reports. No cost when `stop` cannot stop.
-DataTask StopWith(std::stop_token stop, DataTask task);
-// `write`, which writes nothing once a stop was asked of `stop` (Cancelled): the other
-// part of a request submitted in two, whose task StopWith ends.
-RequestWriter StopWith(std::stop_token stop, RequestWriter write);
-
 class DataChannel {
  public:
   DataChannel(DataSession session, SessionOpener renew, int connections, absl::Duration timeout);
   ~DataChannel();  // runs the queued tasks (with Cancelled, after Cancel), then joins the threads
 
-  void Submit(DataTask task);
+  // A stop asked of `stop` (from any thread) ends the request at once: not yet begun, its
+  // task runs with Cancelled instead of a connection (nothing is written); under way, its
+  // connection is shut down, so that its sends and receives fail (the server drops the
+  // request), and closed after; the connect or hello of a connection opened for it ends
+  // too. Only a session renewal (an OpenSession call) is not cut short. The task itself
+  // says what a stopped request reports. Nothing costs more when `stop` cannot stop.
+  void Submit(DataTask task, std::stop_token stop = {});
   // `write` the request, then `task` (which reads the answer) on the same connection, as
   // Submit(WriteThen(write, task)) does, except that `write` runs on this thread when a
   // connection is idle (then only `task` runs on its thread).
-  void Submit(RequestWriter write, DataTask task);
+  void Submit(RequestWriter write, DataTask task, std::stop_token stop = {});
   // For its owner's destruction: the tasks not yet started, and those submitted later,
   // run with Cancelled instead of a connection, and the connections of those under way
-  // are shut down (their sends and receives fail at once; the server drops the request),
-  // so that none waits for its server's answer (a gather waiting for a version).
+  // (being opened included) are shut down (their sends and receives fail at once; the
+  // server drops the request), so that none waits for its server's answer (a gather
+  // waiting for a version) or for a server that does not answer at all.
   void Cancel();
 
  private:
   struct ConnectionThread;
+  struct Queued {
+    DataTask task;
+    std::stop_token stop;
+  };
   // What Run waits for on `thread`.
   bool HasWork(const ConnectionThread& thread) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run(ConnectionThread& self);
@@ -89,18 +90,21 @@ class DataChannel {
   void SetIdle(ConnectionThread& self);
   // What a task gets in place of a connection once cancelled.
   static absl::Status CancelledStatus();
-  // A connection that said hello with the current session, renewed once if refused.
-  absl::StatusOr<std::unique_ptr<transport::Connection>> Open();
-  absl::StatusOr<std::unique_ptr<transport::Connection>> Hello(const DataSession& session) const;
+  // A connection that said hello with the current session, renewed once if refused; ends
+  // Cancelled at once when a stop is asked of `stop` or the channel is cancelled.
+  absl::StatusOr<std::unique_ptr<transport::Connection>> Open(std::stop_token stop);
+  absl::StatusOr<std::unique_ptr<transport::Connection>> Hello(const DataSession& session, std::stop_token stop) const;
 
   const SessionOpener renew_;
   const absl::Duration timeout_;
   absl::Mutex session_mu_;
   DataSession session_ ABSL_GUARDED_BY(session_mu_);
   mutable absl::Mutex mu_;
-  std::deque<DataTask> tasks_ ABSL_GUARDED_BY(mu_);
+  std::deque<Queued> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // Asked to stop by Cancel: reaches the connections being opened.
+  std::stop_source cancel_;
   std::vector<std::unique_ptr<ConnectionThread>> threads_;  // fixed after construction
 };
 

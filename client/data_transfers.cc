@@ -197,7 +197,7 @@ absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, in
 // One request to server i: `send` then `send_tail` is its payload, `receive` its response
 // payload's destination; it finishes `completion`, and `keep_alive` is held until then.
 // A request of at most kWriteOnSubmitBytes leaves from this thread when a connection is
-// idle. A stop asked of `stop` ends it (StopWith), Cancelled.
+// idle. A stop asked of `stop` ends it (DataChannel::Submit), Cancelled.
 template <typename Result>
 void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int i, transport::DataOp op,
                               const std::string& group, int64_t version, DType dtype, absl::Span<const std::byte> send,
@@ -233,9 +233,9 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
     return true;
   };
   if (send.size() + send_tail.size() <= kWriteOnSubmitBytes) {
-    channels_[i]->Submit(StopWith(stop, std::move(write)), StopWith(stop, std::move(read)));
+    channels_[i]->Submit(std::move(write), std::move(read), stop);
   } else {
-    channels_[i]->Submit(StopWith(stop, WriteThen(std::move(write), std::move(read))));
+    channels_[i]->Submit(WriteThen(std::move(write), std::move(read)), stop);
   }
 }
 

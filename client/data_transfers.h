@@ -97,9 +97,9 @@ class DataTransfers {
                                     std::vector<absl::Span<std::byte>> parts,
                                     std::vector<int> servers);
   // Initial values, one shard per server, sent from where they lie. Blocks until every
-  // push has ended. A stop asked of `stop` ends them at once (StopWith), Cancelled: a
-  // server that had not received all of its shard keeps its values (it drops a
-  // part-received push).
+  // push has ended. A stop asked of `stop` ends them at once (DataChannel::Submit),
+  // Cancelled: a server that had not received all of its shard keeps its values (it
+  // drops a part-received push).
   [[nodiscard]] absl::Status PushInit(const std::string& group, const std::vector<InitShard>& shards,
                                       std::stop_token stop);
 

@@ -159,21 +159,29 @@ absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> pa
 }
 
 absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(absl::string_view data_address,
-                                                               absl::string_view session_token,
-                                                               absl::Duration timeout) {
+                                                               absl::string_view session_token, absl::Duration timeout,
+                                                               std::stop_token stop) {
   std::string host;
   int port = 0;
   FLATSHARD_RETURN_IF_ERROR(SplitHostPort(data_address, host, port));
-  FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, ConnectTcp(host, port, timeout));
+  FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, ConnectTcp(host, port, timeout, stop));
   FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(timeout));
-  RequestHeader hello;
-  hello.op = static_cast<uint8_t>(DataOp::kHello);
-  FLATSHARD_RETURN_IF_ERROR(SendRequest(
-      *conn, hello, "", "",
-      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(session_token.data()),
-                          session_token.size())));
-  FLATSHARD_ASSIGN_OR_RETURN(Response response, RecvResponse(*conn, {}));
-  FLATSHARD_RETURN_IF_ERROR(response.status);
+  absl::StatusOr<Response> response;
+  {
+    Connection* const cut = conn.get();
+    const std::stop_callback shut_down(stop, [cut] { cut->Shutdown(); });
+    RequestHeader hello;
+    hello.op = static_cast<uint8_t>(DataOp::kHello);
+    const absl::Status sent = SendRequest(
+        *conn, hello, "", "",
+        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(session_token.data()), session_token.size()));
+    response = sent.ok() ? RecvResponse(*conn, {}) : absl::StatusOr<Response>(sent);
+  }
+  if (stop.stop_requested()) {
+    return absl::CancelledError(absl::StrCat("saying hello to the data plane at ", data_address, ": stopped"));
+  }
+  FLATSHARD_RETURN_IF_ERROR(response.status());
+  FLATSHARD_RETURN_IF_ERROR(response->status);
   return conn;
 }
 

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -207,9 +208,12 @@ struct Response {
 
 // Connects to the data plane at `data_address` ("host:port", from OpenSession) and
 // presents `session_token` (kHello); every later Send/Recv times out after `timeout`.
-// Errors: transport errors, or the server's refusal of the token.
-[[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(
-    absl::string_view data_address, absl::string_view session_token, absl::Duration timeout);
+// Errors: transport errors, the server's refusal of the token, or Cancelled at once when
+// a stop is asked of `stop` (the connect, or the wait for the hello's answer, ends).
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(absl::string_view data_address,
+                                                                             absl::string_view session_token,
+                                                                             absl::Duration timeout,
+                                                                             std::stop_token stop = {});
 
 // Reads and throws away `bytes` bytes (a refused request's payload), in bounded chunks.
 // InvalidArgument for a negative count; transport errors as Connection::Recv returns them.

@@ -23,11 +23,12 @@ namespace {
 // the request's own version, so every answer names its request. With
 // `answers_per_connection` > 0 it closes a connection after that many answers; with
 // `silent`, it answers only the hello and holds every request, as a server does while a
-// gather waits for a version, until the client closes the connection.
+// gather waits for a version, until the client closes the connection; with `mute`, it
+// does not even answer the hello (a server that hangs).
 class EchoDataServer {
  public:
-  explicit EchoDataServer(int answers_per_connection = 0, bool silent = false)
-      : answers_per_connection_(answers_per_connection), silent_(silent) {
+  explicit EchoDataServer(int answers_per_connection = 0, bool silent = false, bool mute = false)
+      : answers_per_connection_(answers_per_connection), silent_(silent), mute_(mute) {
     listener_ = *transport::ListenTcp("127.0.0.1", 0);
     accepting_ = std::thread([this] {
       while (true) {
@@ -55,7 +56,7 @@ class EchoDataServer {
     for (int answered = 0; answers_per_connection_ == 0 || answered <= answers_per_connection_; ++answered) {
       absl::StatusOr<transport::Request> request = transport::RecvRequest(conn);
       if (!request.ok() || !transport::DrainPayload(conn, request->payload_bytes).ok()) return;
-      if (silent_ && answered > 0) {
+      if ((silent_ && answered > 0) || mute_) {
         ++held_;
         while (transport::RecvRequest(conn).ok()) {
         }
@@ -67,6 +68,7 @@ class EchoDataServer {
 
   const int answers_per_connection_;
   const bool silent_;
+  const bool mute_;
   std::unique_ptr<transport::Listener> listener_;
   std::atomic<int> accepted_ = 0;
   std::atomic<int> held_ = 0;
@@ -81,8 +83,8 @@ struct Outcome {
   absl::StatusOr<int64_t> version;
 };
 
-// Submits a request named `version` in two parts, which a stop asked of `stop` ends
-// (StopWith); the future has what happened. A `write_error` replaces the write.
+// Submits a request named `version` in two parts, which a stop asked of `stop` ends;
+// the future has what happened. A `write_error` replaces the write.
 std::future<Outcome> Request(DataChannel& channel, int64_t version, absl::Status write_error = absl::OkStatus(),
                              std::stop_token stop = {}) {
   auto outcome = std::make_shared<Outcome>();
@@ -110,7 +112,7 @@ std::future<Outcome> Request(DataChannel& channel, int64_t version, absl::Status
     done->set_value(*outcome);
     return usable;
   };
-  channel.Submit(StopWith(stop, std::move(write)), StopWith(stop, std::move(read)));
+  channel.Submit(std::move(write), std::move(read), stop);
   return result;
 }
 
@@ -218,7 +220,7 @@ TEST(DataChannelTest, CancelShutsTheTransfersUnderWayAndFailsTheRest) {
   EXPECT_EQ(server.held(), 1);
 }
 
-// A stop (StopWith) ends its own request: one the server holds fails at once, its
+// A stop ends its own request: one the server holds fails at once, its
 // connection shut down, while the other request held beside it waits on; one whose stop
 // came before it was submitted is never sent.
 TEST(DataChannelTest, AStopEndsItsOwnRequestOnly) {
@@ -240,6 +242,26 @@ TEST(DataChannelTest, AStopEndsItsOwnRequestOnly) {
   EXPECT_EQ(server.held(), 2);
   other.request_stop();
   EXPECT_FALSE(Finished(beside).version.ok());
+}
+
+// A stop, and Cancel, reach a request whose connection is still being opened: the
+// server (hung) took the connection but never answers its hello, and the request ends at
+// once rather than at the channel's timeout.
+TEST(DataChannelTest, AStopOrCancelEndsARequestWhoseConnectionIsBeingOpened) {
+  EchoDataServer server(/*answers_per_connection=*/0, /*silent=*/false, /*mute=*/true);
+  DataChannel channel(server.session(), nullptr, 2, absl::Seconds(60));
+  std::stop_source stop;
+  std::future<Outcome> stopped = Request(channel, 1, absl::OkStatus(), stop.get_token());
+  std::future<Outcome> cancelled = Request(channel, 2);
+  for (int i = 0; i < 2000 && server.held() < 2; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(server.held(), 2);  // both hellos sent, neither answered
+  stop.request_stop();
+  const absl::StatusOr<int64_t> cut = Finished(stopped).version;  // not the 60 s timeout
+  EXPECT_TRUE(absl::IsCancelled(cut.status())) << cut.status();
+  EXPECT_EQ(cancelled.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  channel.Cancel();
+  const absl::StatusOr<int64_t> dropped = Finished(cancelled).version;
+  EXPECT_TRUE(absl::IsCancelled(dropped.status())) << dropped.status();
 }
 
 }  // namespace

@@ -917,5 +917,30 @@ TEST(ClientShutdownTest, DestroyingAClientCancelsItsTransfersInFlight) {
   EXPECT_EQ(served.value_or(-1), 0) << served.status();
 }
 
+// A transfer whose data connection is still being opened to a server that stopped
+// answering (SIGSTOP here: the kernel takes the connection, nobody answers its hello; a
+// hung host) is cancelled too: destroying its client does not wait out the hello's
+// timeout (65 s here).
+TEST(ClientShutdownTest, DestroyingAClientDoesNotWaitForAConnectionBeingOpened) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE(cluster.Pause(0));
+  absl::Cleanup resume = [&] { cluster.Resume(0); };
+  std::vector<float> params((*layout)->padded_numel());
+  auto gathered = (*client)->Gather("g", 0, DType::kFloat32, AsBytes(params));  // its first transfer
+  EXPECT_EQ(gathered.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout) << "not stuck";
+  const absl::Time start = absl::Now();
+  client->reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  const absl::StatusOr<int64_t> gather = gathered.get();
+  EXPECT_TRUE(absl::IsCancelled(gather.status())) << gather.status();
+  EXPECT_THAT(std::string(gather.status().message()),
+              HasSubstr("the client was destroyed with this transfer in flight"));
+}
+
 }  // namespace
 }  // namespace flatshard

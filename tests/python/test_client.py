@@ -359,7 +359,6 @@ class ClientTest(unittest.TestCase):
         c = self.client(job="calls-interrupted", timeout=60.0)
         c.configure_job()
         c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
-        c.gather("g")  # its data connections are open
         calls = {
             "configure_job": c.configure_job,
             "delete_job": c.delete_job,

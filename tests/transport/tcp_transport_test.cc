@@ -1,18 +1,22 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <random>
 #include <set>
+#include <stop_token>
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -273,6 +277,41 @@ TEST(TcpTransportTest, ConnectingToAPortNobodyListensOnIsUnavailable) {
   auto conn = ConnectTcp("127.0.0.1", (*ports)[0], absl::Seconds(5));
   EXPECT_TRUE(absl::IsUnavailable(conn.status())) << conn.status();
   EXPECT_THAT(conn.status().message(), HasSubstr(absl::StrCat("127.0.0.1:", (*ports)[0])));
+}
+
+// A host that does not answer (here a listener whose backlog is full: the kernel drops
+// the SYNs) holds a connect for its whole timeout; a stop ends it within moments.
+TEST(TcpTransportTest, AConnectNobodyAnswersEndsAtItsTimeoutOrAtOnceOnAStop) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  absl::Cleanup close_fd = [fd] { close(fd); };
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 0), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  std::vector<std::unique_ptr<Connection>> queued;  // never accepted: they fill the backlog
+  for (int i = 0; i < 3; ++i) {
+    auto conn = ConnectTcp("127.0.0.1", port, absl::Milliseconds(300));
+    if (conn.ok()) queued.push_back(*std::move(conn));
+  }
+  ASSERT_FALSE(queued.empty());
+  auto timed_out = ConnectTcp("127.0.0.1", port, absl::Milliseconds(300));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(timed_out.status())) << timed_out.status();
+  std::stop_source stop;
+  std::thread stopper([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    stop.request_stop();
+  });
+  const absl::Time start = absl::Now();
+  auto stopped = ConnectTcp("127.0.0.1", port, absl::Seconds(60), stop.get_token());
+  stopper.join();
+  EXPECT_TRUE(absl::IsCancelled(stopped.status())) << stopped.status();
+  EXPECT_THAT(stopped.status().message(), HasSubstr(absl::StrCat("connect to 127.0.0.1:", port, ": stopped")));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
 }
 
 TEST(TcpTransportTest, BadAddressesAreInvalidArguments) {

@@ -266,8 +266,8 @@ absl::StatusOr<std::unique_ptr<Listener>> ListenTcp(absl::string_view host, int 
   return std::make_unique<TcpListener>(fd, ntohs(addr.sin_port));
 }
 
-absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, int port,
-                                                       absl::Duration timeout) {
+absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, int port, absl::Duration timeout,
+                                                       std::stop_token stop) {
   FLATSHARD_ASSIGN_OR_RETURN(sockaddr_in addr, ResolveIpv4(host, port));
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return ErrnoStatus("socket", errno);
@@ -281,9 +281,16 @@ absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, i
     const absl::Time deadline = absl::Now() + timeout;
     pollfd pfd{fd, POLLOUT, 0};
     int ready = 0;
+    // In slices when a stop may come (nothing wakes a poll for it).
+    const bool stoppable = stop.stop_possible();
     do {
-      ready = poll(&pfd, 1, PollMilliseconds(deadline));
-    } while (ready < 0 && errno == EINTR);
+      if (stop.stop_requested()) {
+        close(fd);
+        return absl::CancelledError(absl::StrCat(what, ": stopped"));
+      }
+      const absl::Time until = stoppable ? std::min(deadline, absl::Now() + kConnectStopCheck) : deadline;
+      ready = poll(&pfd, 1, PollMilliseconds(until));
+    } while ((ready < 0 && errno == EINTR) || (ready == 0 && stoppable && absl::Now() < deadline));
     int err = 0;
     socklen_t len = sizeof(err);
     if (ready <= 0) {

@@ -9,6 +9,7 @@
 #define FLATSHARD_TRANSPORT_TCP_TCP_TRANSPORT_H_
 
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -29,10 +30,11 @@ namespace flatshard::transport {
 // Connects to host:port within `timeout` (absl::InfiniteDuration(): the kernel's own
 // limit). Returns Unavailable (refused, unreachable, not resolved) or DeadlineExceeded;
 // InvalidArgument for a host that is neither an IPv4 address nor a name (an IPv6 one,
-// say) or a port outside [0, 65535].
-[[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host,
-                                                                     int port,
-                                                                     absl::Duration timeout);
+// say) or a port outside [0, 65535]; Cancelled within kConnectStopCheck of a stop asked
+// of `stop` (a host that does not answer holds a connect for the whole timeout).
+inline constexpr absl::Duration kConnectStopCheck = absl::Milliseconds(50);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, int port,
+                                                                     absl::Duration timeout, std::stop_token stop = {});
 
 // `count` distinct loopback ports that were free a moment ago: all are bound to port 0
 // at once (so none is handed out twice), then released for servers to bind. For tests,

@@ -6,14 +6,15 @@
 // while computing on this one; at most `max_in_flight` transfers run per server at once
 // (FSDP's limit_all_gathers). Bytes land straight in the caller's buffers, which must
 // stay valid until the future is ready. All methods are thread-safe. Destroying a Client
-// cancels its transfers in flight and waits for them to let go of their buffers: the
-// futures it returned become ready, Cancelled unless they were done (a scatter cut after
-// its last byte reached a server may still count there), and stay valid, whether or not
-// they were waited for first. The calls that take a std::stop_token (all but the
-// transfers and the checkpoint calls, which CancelCheckpointCalls reaches) end at once,
-// Cancelled, when its std::stop_source is asked to stop from another thread (a Ctrl-C
-// handler, say), also against a server that stopped answering; a stopped call may have
-// taken effect on some servers, as one that timed out, and may be made again.
+// cancels its transfers in flight (those still connecting to a server included) and
+// waits for them to let go of their buffers: the futures it returned become ready,
+// Cancelled unless they were done (a scatter cut after its last byte reached a server
+// may still count there), and stay valid, whether or not they were waited for first.
+// The calls that take a std::stop_token (all but the transfers and the checkpoint
+// calls, which CancelCheckpointCalls reaches) end at once, Cancelled, when its
+// std::stop_source is asked to stop from another thread (a Ctrl-C handler, say), also
+// against a server that stopped answering; a stopped call may have taken effect on some
+// servers, as one that timed out, and may be made again.
 //
 //   auto client = flatshard::Client::Connect({.servers = {"127.0.0.1:7070"}, .num_workers = 2});
 //   (*client)->ConfigureJob({});
@@ -207,9 +208,9 @@ class Client {
   // Pushes initial values: `flat` holds unpadded_numel() or padded_numel() fp32 values in
   // flat-layout order (see Flatten in core/flat_buffer.h); padding is ignored. Each
   // server's shard goes straight from `flat` (no copy of the model is made). A stop ends
-  // the pushes under way (a server that had not received all of its shard keeps its
-  // values) except one still opening its data connection, which ends when that does (at
-  // most `timeout`).
+  // the pushes at once (a server that had not received all of its shard keeps its
+  // values), their connections' connect and hello included; only the renewal of a data
+  // session (after a server restart) is a control call the stop does not cut short.
   [[nodiscard]] virtual absl::Status InitGroup(const std::string& group, absl::Span<const float> flat,
                                                std::stop_token stop = {}) = 0;
   // Deterministic initialization on the servers, independent of the server count.
