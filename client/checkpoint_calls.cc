@@ -204,7 +204,7 @@ absl::Status CheckpointCalls::Load(Cancellation& cancellation, const std::string
   renewal.set_phase(v1::LoadCheckpointRequest::RENEW);
   LoadLeases leases([&](size_t i) -> absl::StatusOr<absl::Duration> {
     v1::CheckpointResponse response;
-    FLATSHARD_RETURN_IF_ERROR(control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, renewal, &response));
+    FLATSHARD_RETURN_IF_ERROR(control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncLoadCheckpoint, renewal, &response));
     return absl::Seconds(response.staged_for_seconds());
   });
   auto phase = [&](v1::LoadCheckpointRequest::Phase p) {
@@ -212,8 +212,9 @@ absl::Status CheckpointCalls::Load(Cancellation& cancellation, const std::string
     return control_.OnAllServersInParallel([&](size_t i) {
       v1::CheckpointResponse response;
       // Only the reads can be cancelled: a commit goes to every server.
-      answers[i] = control_.Call(i, &v1::Flatshard::Stub::LoadCheckpoint, request, &response, control_.model_timeout(),
-                                 p == v1::LoadCheckpointRequest::PREPARE ? &cancellation : nullptr);
+      answers[i] =
+          control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncLoadCheckpoint, request, &response,
+                        control_.model_timeout(), p == v1::LoadCheckpointRequest::PREPARE ? &cancellation : nullptr);
       if (answers[i].ok() && p == v1::LoadCheckpointRequest::PREPARE) {
         leases.Prepared(i, absl::Seconds(response.staged_for_seconds()));
       }
@@ -253,8 +254,9 @@ absl::Status LoadCommitOutcome(const std::string& name, const std::vector<absl::
 
 absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List(std::stop_token stop) const {
   v1::ListCheckpointsResponse response;
-  FLATSHARD_RETURN_IF_ERROR(control_.Call(0, &v1::Flatshard::Stub::ListCheckpoints, v1::ListCheckpointsRequest(),
-                                          &response, absl::ZeroDuration(), nullptr, stop));
+  FLATSHARD_RETURN_IF_ERROR(control_.Call(0, &v1::Flatshard::Stub::PrepareAsyncListCheckpoints,
+                                          v1::ListCheckpointsRequest(), &response, absl::ZeroDuration(), nullptr,
+                                          stop));
   std::vector<CheckpointEntry> entries;
   for (const v1::CheckpointEntry& e : response.checkpoints()) {
     entries.push_back({e.name(), e.complete(), e.kind(), e.job(), e.servers(), e.optimizer(),
@@ -276,8 +278,8 @@ absl::Status CheckpointCalls::Delete(const std::string& name, std::stop_token st
   request.set_name(name);
   for (int i = 0; i < control_.size(); ++i) {
     v1::CheckpointResponse response;
-    const absl::Status deleted = control_.Call(i, &v1::Flatshard::Stub::DeleteCheckpoint, request, &response,
-                                               absl::ZeroDuration(), nullptr, stop);
+    const absl::Status deleted = control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncDeleteCheckpoint, request,
+                                               &response, absl::ZeroDuration(), nullptr, stop);
     if (!deleted.ok() && (i == 0 || !absl::IsNotFound(deleted))) return deleted;
   }
   return absl::OkStatus();
@@ -340,8 +342,8 @@ absl::Status CheckpointCalls::Export(Cancellation& cancellation, const std::stri
 absl::StatusOr<std::vector<v1::ServerStatus>> CheckpointCalls::Statuses(std::stop_token stop) const {
   std::vector<v1::ServerStatus> statuses(static_cast<size_t>(control_.size()));
   FLATSHARD_RETURN_IF_ERROR(control_.OnAllServersInParallel([&](size_t i) {
-    return control_.Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &statuses[i], absl::ZeroDuration(),
-                         nullptr, stop);
+    return control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, v1::GetStatusRequest(), &statuses[i],
+                         absl::ZeroDuration(), nullptr, stop);
   }));
   return statuses;
 }
@@ -362,8 +364,7 @@ absl::Status CheckpointCalls::WithProgress(const std::string& name, const std::s
     while (!finished.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
       for (int i = 0; i < control_.size(); ++i) {
         v1::ServerStatus status;
-        if (!control_.Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status)
-                 .ok())
+        if (!control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, v1::GetStatusRequest(), &status).ok())
           continue;
         auto& [done, total] = seen[static_cast<size_t>(i)];
         done = total;  // unless still listed

@@ -95,7 +95,7 @@ class ClientImpl final : public Client {
     settings->set_replicas(job.replicas);
     settings->set_skip_nonfinite(job.skip_nonfinite);
     v1::ConfigureJobResponse response;
-    return control_->CallAll(&v1::Flatshard::Stub::ConfigureJob, request, &response, stop);
+    return control_->CallAll(&v1::Flatshard::Stub::PrepareAsyncConfigureJob, request, &response, stop);
   }
 
   absl::StatusOr<int64_t> DeleteJob(std::stop_token stop) override {
@@ -105,8 +105,8 @@ class ClientImpl final : public Client {
     bool deleted = false;
     for (int i = 0; i < num_servers(); ++i) {
       v1::DeleteJobResponse response;
-      FLATSHARD_RETURN_IF_ERROR(
-          control_->Call(i, &v1::Flatshard::Stub::DeleteJob, request, &response, absl::ZeroDuration(), nullptr, stop));
+      FLATSHARD_RETURN_IF_ERROR(control_->Call(i, &v1::Flatshard::Stub::PrepareAsyncDeleteJob, request, &response,
+                                               absl::ZeroDuration(), nullptr, stop));
       deleted |= response.deleted();
       freed += response.freed_bytes();
     }
@@ -125,7 +125,7 @@ class ClientImpl final : public Client {
     *request.mutable_optimizer() = OptimizerToProto(optimizer);
     v1::RegisterGroupResponse response;
     FLATSHARD_RETURN_IF_ERROR(
-        control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::RegisterGroup, request, &response, stop));
+        control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncRegisterGroup, request, &response, stop));
     // The layout is over one replica group (the servers know the job's replica groups).
     const int replicas = std::max(1, response.replicas());
     FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
@@ -171,7 +171,7 @@ class ClientImpl final : public Client {
     request.set_group(group);
     request.set_seed(seed);
     v1::InitGroupResponse response;
-    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::InitGroup, request, &response, stop);
+    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncInitGroup, request, &response, stop);
   }
 
   std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version,
@@ -200,8 +200,8 @@ class ClientImpl final : public Client {
     int64_t version = std::numeric_limits<int64_t>::max();
     for (int i : ReplicaServers()) {
       v1::WaitVersionResponse response;
-      const absl::Status waited =
-          control_->Call(i, &v1::Flatshard::Stub::WaitVersion, request, &response, absl::ZeroDuration(), nullptr, stop);
+      const absl::Status waited = control_->Call(i, &v1::Flatshard::Stub::PrepareAsyncWaitVersion, request, &response,
+                                                 absl::ZeroDuration(), nullptr, stop);
       if (!waited.ok() && stop.stop_requested()) {
         return absl::CancelledError(
             absl::StrCat("the wait for version ", min_version, " of group '", group, "' was stopped"));
@@ -218,8 +218,8 @@ class ClientImpl final : public Client {
     request.set_step(step);
     v1::GetGradNormResponse response;
     // Every server combined the same norm; server 0 is in every job's replica group 0.
-    const absl::Status got =
-        control_->Call(0, &v1::Flatshard::Stub::GetGradNorm, request, &response, absl::ZeroDuration(), nullptr, stop);
+    const absl::Status got = control_->Call(0, &v1::Flatshard::Stub::PrepareAsyncGetGradNorm, request, &response,
+                                            absl::ZeroDuration(), nullptr, stop);
     if (!got.ok() && stop.stop_requested()) {
       return absl::CancelledError(absl::StrCat("the wait for the gradient norm of step ", step, " was stopped"));
     }
@@ -260,7 +260,7 @@ class ClientImpl final : public Client {
     request.set_group(group);
     *request.mutable_optimizer() = OptimizerToProto(optimizer);
     v1::SetHyperparamsResponse response;
-    return control_->CallAll(&v1::Flatshard::Stub::SetHyperparams, request, &response, stop);
+    return control_->CallAll(&v1::Flatshard::Stub::PrepareAsyncSetHyperparams, request, &response, stop);
   }
 
  private:
@@ -306,7 +306,7 @@ class ClientImpl final : public Client {
     const std::string& address = options_.servers[i];
     v1::ClusterInfo info;
     FLATSHARD_RETURN_IF_ERROR(client_internal::WithUnreachableHint(
-        control_->Call(i, &v1::Flatshard::Stub::GetClusterInfo, v1::GetClusterInfoRequest(), &info),
+        control_->Call(i, &v1::Flatshard::Stub::PrepareAsyncGetClusterInfo, v1::GetClusterInfoRequest(), &info),
         options_.tls_ca_file));
     FLATSHARD_RETURN_IF_ERROR(CheckClusterInfo(info, options_.servers, i, "this client"));
     FLATSHARD_ASSIGN_OR_RETURN(client_internal::DataSession session, OpenSession(i));
@@ -324,7 +324,7 @@ class ClientImpl final : public Client {
     request.set_worker_rank(options_.worker_rank);
     v1::OpenSessionResponse response;
     FLATSHARD_RETURN_IF_ERROR(
-        control_->Call(server, &v1::Flatshard::Stub::OpenSession, request, &response));
+        control_->Call(server, &v1::Flatshard::Stub::PrepareAsyncOpenSession, request, &response));
     return client_internal::DataSession{response.data_address(), response.session_token()};
   }
 
@@ -334,7 +334,7 @@ class ClientImpl final : public Client {
     request.set_worker_rank(options_.worker_rank);
     v1::OpenNcclChannelResponse response;
     FLATSHARD_RETURN_IF_ERROR(
-        control_->Call(server, &v1::Flatshard::Stub::OpenNcclChannel, request, &response));
+        control_->Call(server, &v1::Flatshard::Stub::PrepareAsyncOpenNcclChannel, request, &response));
     return response.channel();
   }
 

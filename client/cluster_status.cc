@@ -20,8 +20,8 @@ std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOpt
       continue;
     }
     v1::ServerStatus status;
-    const absl::Status called = (*control)->Call(i, &v1::Flatshard::Stub::GetStatus, v1::GetStatusRequest(), &status,
-                                                 absl::ZeroDuration(), nullptr, stop);
+    const absl::Status called = (*control)->Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, v1::GetStatusRequest(),
+                                                 &status, absl::ZeroDuration(), nullptr, stop);
     if (called.ok()) {
       result.emplace_back(std::move(status));
     } else {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/control_channel.h"
+#include "client/wait_hook.h"
 #include "core/status_macros.h"
 #include "proto/keepalive.h"
 
@@ -49,6 +50,21 @@ absl::Status ControlPlane::Stopped(size_t server) const {
   return absl::CancelledError(absl::StrCat("server ", servers_[server], ": the call was stopped"));
 }
 
+void ControlPlane::AwaitOnlyEvent(grpc::CompletionQueue& queue) {
+  void* tag = nullptr;
+  bool ok = false;
+  if (const std::function<void()>* hook = ThreadWaitHook()) {
+    while (queue.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + kWaitSlice)) == grpc::CompletionQueue::TIMEOUT) {
+      (*hook)();
+    }
+  } else {
+    (void)queue.Next(&tag, &ok);
+  }
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+}
+
 absl::Status ControlPlane::OnAllServersInParallel(
     const std::function<absl::Status(size_t)>& call) const {
   std::vector<std::future<absl::Status>> results;
@@ -56,7 +72,7 @@ absl::Status ControlPlane::OnAllServersInParallel(
     results.push_back(std::async(std::launch::async, call, i));
   }
   absl::Status status;
-  for (auto& result : results) status.Update(result.get());
+  for (auto& result : results) status.Update(GetCallingWaitHook(result));
   return status;
 }
 

@@ -4,7 +4,7 @@
 // are); creating one connects lazily, so it never blocks.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto control, ControlPlane::Create(options));
-//   FLATSHARD_RETURN_IF_ERROR(control->Call(0, &v1::Flatshard::Stub::GetStatus, request, &status));
+//   FLATSHARD_RETURN_IF_ERROR(control->Call(0, &v1::Flatshard::Stub::PrepareAsyncGetStatus, request, &status));
 #ifndef FLATSHARD_CLIENT_CONTROL_PLANE_H_
 #define FLATSHARD_CLIENT_CONTROL_PLANE_H_
 
@@ -31,9 +31,10 @@ absl::Status FromGrpc(const grpc::Status& status, absl::string_view server);
 
 class ControlPlane {
  public:
+  // A unary method as its stub prepares it, &v1::Flatshard::Stub::PrepareAsyncX.
   template <typename Request, typename Response>
-  using Method = grpc::Status (v1::Flatshard::Stub::*)(grpc::ClientContext*, const Request&,
-                                                       Response*);
+  using Method = std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> (v1::Flatshard::Stub::*)(
+      grpc::ClientContext*, const Request&, grpc::CompletionQueue*);
 
   // Channels to options.servers, with options.token, .timeout, .model_timeout,
   // .keepalive and .tls_ca_file.
@@ -51,8 +52,9 @@ class ControlPlane {
   // One unary call to `server`, within `timeout` (zero: the client's), which
   // `cancellation` (when given) may cancel, and a stop asked of `stop`'s source (then
   // Cancelled "server <address>: the call was stopped", whether or not it had begun; the
-  // server may have acted on it). Blocks. Returns the call's error with the server's
-  // address in its message.
+  // server may have acted on it). Blocks, driving the call on this thread, which calls
+  // its wait hook meanwhile (flatshard/while_waiting.h). Returns the call's error with
+  // the server's address in its message.
   template <typename Request, typename Response>
   [[nodiscard]] absl::Status Call(size_t server, Method<Request, Response> method, const Request& request,
                                   Response* response, absl::Duration timeout = absl::ZeroDuration(),
@@ -62,7 +64,15 @@ class ControlPlane {
     const Registration registered(cancellation, &ctx);
     // Cancels at once when the stop was asked for before; gRPC then fails the call as it starts.
     const std::stop_callback stopped(stop, [&ctx] { ctx.TryCancel(); });
-    const grpc::Status status = (stubs_[server].get()->*method)(&ctx, request, response);
+    grpc::CompletionQueue queue;
+    grpc::Status status;
+    {
+      const std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> call =
+          (stubs_[server].get()->*method)(&ctx, request, &queue);
+      call->StartCall();
+      call->Finish(response, &status, &queue);
+      AwaitOnlyEvent(queue);
+    }
     if (!status.ok() && stop.stop_requested()) return Stopped(server);
     return Named(server, status);
   }
@@ -96,7 +106,8 @@ class ControlPlane {
   }
 
   // Runs `call(server)` for every server at once, each on a thread of its own, and waits
-  // for all; the first error (in rank order) wins.
+  // for all (calling this thread's wait hook meanwhile); the first error (in rank order)
+  // wins.
   [[nodiscard]] absl::Status OnAllServersInParallel(
       const std::function<absl::Status(size_t)>& call) const;
 
@@ -110,6 +121,9 @@ class ControlPlane {
  private:
   ControlPlane(const ClientOptions& options,
                std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs);
+  // Waits for the one event of a call on `queue`, calling this thread's wait hook every
+  // kWaitSlice meanwhile, then shuts `queue` down and drains it.
+  static void AwaitOnlyEvent(grpc::CompletionQueue& queue);
 
   const std::vector<std::string> servers_;
   const std::string token_;

@@ -7,6 +7,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "client/device_memory.h"
+#include "client/wait_hook.h"
 #include "core/status_macros.h"
 #include "flatshard/await.h"
 
@@ -95,7 +96,7 @@ absl::Status DataTransfers::PushInit(const std::string& group, const std::vector
     SubmitOne(completion, i, transport::DataOp::kPushInit, group, 0, DType::kFloat32, shards[i].values,
               absl::MakeConstSpan(*zeros).first(shards[i].zero_bytes), {}, zeros, stop);
   }
-  const absl::Status status = pushed.get();
+  const absl::Status status = GetCallingWaitHook(pushed);
   // The caller holds the values the servers now do: a gradient computed from them names
   // their load, as after a gather.
   if (status.ok()) RecordLoadHeld(group, completion->load_id());

@@ -23,6 +23,7 @@
 #include "client/cluster_status.h"
 #include "flatshard/await.h"
 #include "flatshard/client.h"
+#include "flatshard/while_waiting.h"
 #include "proto/cluster_info.h"
 
 namespace py = pybind11;
@@ -415,11 +416,12 @@ class PyClient {
   std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }
 
  private:
-  // Waits for `outcome` (a call on a thread of its own) without the GIL, looking at
-  // Python's signals every 50 ms. After a KeyboardInterrupt (Ctrl-C), or another exception
-  // a signal handler raises (it stays set), calls `stop` every 50 ms until the call has
-  // ended: a stop reaches a call in progress, and this one may not have begun yet. Returns
-  // the call's result and whether it was interrupted. Called with the GIL held.
+  // Waits for `outcome` (a checkpoint call on a thread of its own) without the GIL,
+  // looking at Python's signals every 50 ms. After a KeyboardInterrupt (Ctrl-C), or
+  // another exception a signal handler raises (it stays set), calls `stop` every 50 ms
+  // until the call has ended: a cancellation reaches a call in progress, and this one may
+  // not have begun yet. Returns the call's result and whether it was interrupted. Called
+  // with the GIL held.
   template <typename T>
   static std::pair<T, bool> AwaitInterruptibly(std::future<T>& outcome, const std::function<void()>& stop) {
     bool interrupted = false;
@@ -434,17 +436,28 @@ class PyClient {
     return {outcome.get(), interrupted};
   }
 
-  // Runs `call(stop_token)` (any control call: a wait for other workers, or a quick call
-  // to a server that may have stopped answering) on a thread of its own, stopped by a
-  // Ctrl-C (AwaitInterruptibly), which is then raised. A thread's start and one wake-up
-  // cost ~30 us a call (bench/RESULTS.md).
+  // Runs `call(stop_token)` (any call but a transfer or a checkpoint call: a wait for
+  // other workers, or a quick call to a server that may have stopped answering) on this
+  // thread without the GIL. While it waits, it looks at Python's signals every kWaitSlice
+  // (flatshard::WhileWaiting); a KeyboardInterrupt (Ctrl-C), or another exception a
+  // signal handler raises (it stays set), stops it and is raised once it has ended.
   template <typename F>
   std::invoke_result_t<F, std::stop_token> Stoppable(F&& call) {
     std::stop_source source;
-    auto outcome = std::async(std::launch::async, [&] { return call(source.get_token()); });
-    auto [result, interrupted] = AwaitInterruptibly(outcome, [&] { source.request_stop(); });
+    bool interrupted = false;
+    const WhileWaiting watch([&] {
+      if (interrupted) return;
+      py::gil_scoped_acquire gil;
+      interrupted = PyErr_CheckSignals() != 0;
+      if (interrupted) source.request_stop();
+    });
+    std::optional<std::invoke_result_t<F, std::stop_token>> result;
+    {
+      py::gil_scoped_release release;
+      result.emplace(call(source.get_token()));
+    }
     if (interrupted) throw py::error_already_set();
-    return std::move(result);
+    return *std::move(result);
   }
 
   // Runs `call` (a save, load or export) on a thread of its own, handing it `callback` (a

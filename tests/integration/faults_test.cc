@@ -15,6 +15,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "client/cluster_status.h"
+#include "flatshard/while_waiting.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/gpu_worker.h"
 #include "tests/integration/test_cluster.h"
@@ -749,6 +750,59 @@ TEST(StoppedCallTest, AStopEndsAControlCallToAServerThatStoppedAnswering) {
   std::vector<float> params(10);
   EXPECT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);
   EXPECT_TRUE(FetchClusterStatus(status_options)[0].ok());
+}
+
+// A WhileWaiting hook runs on the calling thread every kWaitSlice while a call waits for
+// a server that stopped answering, and stops it from there, with no second thread (how
+// Python sees Ctrl-C): a call to server 0, the part of a registration that waits for the
+// other servers at once (server 1 stopped), and an initial push.
+TEST(StoppedCallTest, AWaitHookRunsOnTheCallingThreadAndStopsTheCall) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
+  ASSERT_TRUE(client.ok()) << client.status();
+  Client& c = **client;
+  ASSERT_TRUE(c.ConfigureJob({}).ok());
+  const SgdOptions sgd{.lr = 0.5};
+  ASSERT_TRUE(c.RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, sgd).ok());
+  const std::vector<float> values(10, 1.0f);
+  struct Case {
+    std::string name;
+    int paused;
+    std::function<absl::Status(std::stop_token)> call;
+  };
+  const std::vector<Case> cases = {
+      {"ConfigureJob", 0, [&](std::stop_token stop) { return c.ConfigureJob({}, stop); }},
+      {"RegisterGroup", 1,
+       [&](std::stop_token stop) {
+         return c.RegisterGroup("h", {{"w", {10}, DType::kFloat32}}, 0, sgd, stop).status();
+       }},
+      {"InitGroup", 0, [&](std::stop_token stop) { return c.InitGroup("g", values, stop); }},
+  };
+  for (const Case& test : cases) {
+    SCOPED_TRACE(test.name);
+    ASSERT_TRUE(cluster.Pause(test.paused));
+    absl::Cleanup resume = [&] { cluster.Resume(test.paused); };
+    std::stop_source source;
+    int calls = 0;
+    bool elsewhere = false;
+    const std::thread::id caller = std::this_thread::get_id();
+    absl::Status status;
+    const absl::Time start = absl::Now();
+    {
+      const WhileWaiting hook([&] {
+        elsewhere |= std::this_thread::get_id() != caller;
+        if (++calls == 4) source.request_stop();
+      });
+      status = test.call(source.get_token());
+    }
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_TRUE(absl::IsCancelled(status)) << status;
+    EXPECT_GE(calls, 4);
+    EXPECT_FALSE(elsewhere) << "the hook ran on another thread";
+    EXPECT_GE(took, 3 * kWaitSlice) << "the hook was not called every kWaitSlice";
+    EXPECT_LT(took, absl::Seconds(10));
+  }
+  ASSERT_TRUE(c.ConfigureJob({}).ok());  // the client serves on
 }
 
 // A stop ends an InitGroup push to a server that stopped reading (SIGSTOP here) at once
