@@ -59,14 +59,6 @@ DataTask StopWith(std::stop_token stop, DataTask task) {
   };
 }
 
-// `write`, which writes nothing once a stop was asked of `stop`.
-RequestWriter StopWith(std::stop_token stop, RequestWriter write) {
-  if (!stop.stop_possible()) return write;
-  return [stop = std::move(stop), write = std::move(write)](transport::Connection& conn) {
-    return stop.stop_requested() ? StoppedStatus() : write(conn);
-  };
-}
-
 }  // namespace
 
 DataChannel::DataChannel(DataSession session, SessionOpener renew, int connections,
@@ -127,7 +119,9 @@ void DataChannel::Submit(RequestWriter write, DataTask task, std::stop_token sto
   // A connection the server closed while it sat idle goes to its thread, which opens a
   // fresh one for the request.
   const bool closed = idle->conn->PeerClosed();
-  absl::Status write_status = closed ? absl::OkStatus() : StopWith(stop, write)(*idle->conn);
+  absl::Status write_status = closed                  ? absl::OkStatus()
+                              : stop.stop_requested() ? StoppedStatus()
+                                                      : write(*idle->conn);
   absl::MutexLock lock(&mu_);
   idle->lent = false;
   if (closed) {
