@@ -72,10 +72,9 @@ class ClientImpl final : public Client {
     transfers_ = std::make_unique<client_internal::DataTransfers>(
         options_, std::move(endpoints),
         client_internal::ControlCalls{
-            .open_nccl_channel = [this](int server, const std::string& unique_id) {
-              return OpenNcclChannel(server, unique_id);
-            },
-            .open_session = [this](int server) { return OpenSession(server); },
+            .open_nccl_channel = [this](int server,
+                                        const std::string& unique_id) { return OpenNcclChannel(server, unique_id); },
+            .open_session = [this](int server, std::stop_token stop) { return OpenSession(server, stop); },
         });
     return absl::OkStatus();
   }
@@ -319,12 +318,12 @@ class ClientImpl final : public Client {
   }
 
   // This worker's data-plane session with server i: where to connect, what to present.
-  absl::StatusOr<client_internal::DataSession> OpenSession(int server) {
+  absl::StatusOr<client_internal::DataSession> OpenSession(int server, std::stop_token stop = {}) {
     v1::OpenSessionRequest request;
     request.set_worker_rank(options_.worker_rank);
     v1::OpenSessionResponse response;
-    FLATSHARD_RETURN_IF_ERROR(
-        control_->Call(server, &v1::Flatshard::Stub::PrepareAsyncOpenSession, request, &response));
+    FLATSHARD_RETURN_IF_ERROR(control_->Call(server, &v1::Flatshard::Stub::PrepareAsyncOpenSession, request, &response,
+                                             absl::ZeroDuration(), nullptr, stop));
     return client_internal::DataSession{response.data_address(), response.session_token()};
   }
 

@@ -158,7 +158,7 @@ absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open(std::st
     if (session_.token != session.token) renewed = session_;
   }
   if (renewed.token.empty()) {
-    FLATSHARD_ASSIGN_OR_RETURN(renewed, renew_());
+    FLATSHARD_ASSIGN_OR_RETURN(renewed, renew_(either.get_token()));
     absl::MutexLock lock(&session_mu_);
     session_ = renewed;
   }

@@ -40,8 +40,9 @@ struct DataSession {
   std::string data_address;
   std::string token;
 };
-// Opens a new session with the server (the OpenSession RPC).
-using SessionOpener = std::function<absl::StatusOr<DataSession>()>;
+// Opens a new session with the server (the OpenSession RPC); a stop asked of `stop` ends
+// it.
+using SessionOpener = std::function<absl::StatusOr<DataSession>(std::stop_token stop)>;
 
 // Runs with a ready, authenticated connection, or with the error that prevented one.
 // Returns false if it left the connection unusable (it is then closed).
@@ -63,8 +64,8 @@ class DataChannel {
   // task runs with Cancelled instead of a connection (nothing is written); under way, its
   // connection is shut down, so that its sends and receives fail (the server drops the
   // request), and closed after; the connect or hello of a connection opened for it ends
-  // too. Only a session renewal (an OpenSession call) is not cut short. The task itself
-  // says what a stopped request reports. Nothing costs more when `stop` cannot stop.
+  // too, and so does a session renewal for it. The task itself says what a stopped
+  // request reports. Nothing costs more when `stop` cannot stop.
   void Submit(DataTask task, std::stop_token stop = {});
   // `write` the request, then `task` (which reads the answer) on the same connection, as
   // Submit(WriteThen(write, task)) does, except that `write` runs on this thread when a

@@ -28,8 +28,8 @@ DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> 
     nccl_links_.push_back(std::make_unique<NcclLinks>(
         options_.max_in_flight, [this, i](int device) { return OpenLink(i, device); }));
     channels_.push_back(std::make_unique<DataChannel>(
-        servers_[i].session, [this, i] { return calls_.open_session(i); }, options_.max_in_flight,
-        options_.timeout + absl::Seconds(5)));
+        servers_[i].session, [this, i](std::stop_token stop) { return calls_.open_session(i, stop); },
+        options_.max_in_flight, options_.timeout + absl::Seconds(5)));
   }
 }
 

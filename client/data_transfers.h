@@ -69,8 +69,8 @@ struct ControlCalls {
   // OpenNcclChannel: hands the server `unique_id`, returns its channel.
   std::function<absl::StatusOr<uint64_t>(int server, const std::string& unique_id)>
       open_nccl_channel;
-  // OpenSession: a new data session, for a server that restarted.
-  std::function<absl::StatusOr<DataSession>(int server)> open_session;
+  // OpenSession: a new data session, for a server that restarted; a stop ends it.
+  std::function<absl::StatusOr<DataSession>(int server, std::stop_token stop)> open_session;
 };
 
 class DataTransfers {

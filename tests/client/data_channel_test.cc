@@ -264,5 +264,29 @@ TEST(DataChannelTest, AStopOrCancelEndsARequestWhoseConnectionIsBeingOpened) {
   EXPECT_TRUE(absl::IsCancelled(dropped.status())) << dropped.status();
 }
 
+// A stop reaches a session renewal too: nothing answers at the channel's data address
+// any more, and the renewal (an OpenSession call to a server that stopped answering)
+// waits until it is stopped, up to 30 s.
+TEST(DataChannelTest, AStopEndsARequestWaitingForASessionRenewal) {
+  const absl::StatusOr<std::vector<int>> ports = transport::PickFreeLoopbackPorts(1);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  std::atomic<int> renewals = 0;
+  DataChannel channel(
+      {absl::StrCat("127.0.0.1:", (*ports)[0]), "token"},
+      [&](std::stop_token stop) -> absl::StatusOr<DataSession> {
+        ++renewals;
+        for (int i = 0; i < 600 && !stop.stop_requested(); ++i) absl::SleepFor(absl::Milliseconds(50));
+        return absl::CancelledError("the renewal was stopped");
+      },
+      1, absl::Seconds(60));
+  std::stop_source stop;
+  std::future<Outcome> renewing = Request(channel, 1, absl::OkStatus(), stop.get_token());
+  for (int i = 0; i < 2000 && renewals.load() < 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(renewals.load(), 1);
+  stop.request_stop();
+  const absl::StatusOr<int64_t> cut = Finished(renewing).version;  // not the renewal's 30 s
+  EXPECT_TRUE(absl::IsCancelled(cut.status())) << cut.status();
+}
+
 }  // namespace
 }  // namespace flatshard::client_internal

@@ -209,8 +209,7 @@ class Client {
   // flat-layout order (see Flatten in core/flat_buffer.h); padding is ignored. Each
   // server's shard goes straight from `flat` (no copy of the model is made). A stop ends
   // the pushes at once (a server that had not received all of its shard keeps its
-  // values), their connections' connect and hello included; only the renewal of a data
-  // session (after a server restart) is a control call the stop does not cut short.
+  // values), the opening of their connections included.
   [[nodiscard]] virtual absl::Status InitGroup(const std::string& group, absl::Span<const float> flat,
                                                std::stop_token stop = {}) = 0;
   // Deterministic initialization on the servers, independent of the server count.
