@@ -702,18 +702,39 @@ TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
   EXPECT_NEAR(*reduced, std::sqrt(10.0), 1e-6);  // ten gradients of 1
 }
 
+// A client of job "test" on `cluster` (worker 0 of 1, a 60 s timeout) with its job
+// configured and group "g" of `numel` float32 registered (SGD); nullptr after a failure.
+std::unique_ptr<Client> ConfiguredClient(const testing::TestCluster& cluster, int64_t numel = 10) {
+  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok() || !(*client)->ConfigureJob({}).ok()) return nullptr;
+  auto layout = (*client)->RegisterGroup("g", {{"w", {numel}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  return layout.ok() ? *std::move(client) : nullptr;
+}
+
+// Runs `call` on a thread, checks that it still waits after `stuck_for`, asks its stop
+// and returns its outcome; fails the test when the stop did not end it within 10 s.
+absl::Status StopWhileItWaits(const std::function<absl::Status(std::stop_token)>& call,
+                              absl::Duration stuck_for = absl::Milliseconds(200)) {
+  std::stop_source source;
+  auto outcome = std::async(std::launch::async, [&] { return call(source.get_token()); });
+  EXPECT_EQ(outcome.wait_for(absl::ToChronoMilliseconds(stuck_for)), std::future_status::timeout) << "not stuck";
+  source.request_stop();
+  EXPECT_EQ(outcome.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "the stop did not end it";
+  return outcome.get();
+}
+
 // Every control call a client makes takes a stop token: against a server that stopped
 // answering (SIGSTOP here; a hung host, a partition), a stop ends the call at once,
 // rather than at the client's timeout (60 s here) or, for calls whose work grows with the
 // model, keepalive's verdict. Once the server answers again the client serves on.
 TEST(StoppedCallTest, AStopEndsAControlCallToAServerThatStoppedAnswering) {
   testing::TestCluster cluster(2, "tok", ::testing::TempDir());
-  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
-  ASSERT_TRUE(client.ok()) << client.status();
-  Client& c = **client;
-  ASSERT_TRUE(c.ConfigureJob({}).ok());
+  const std::unique_ptr<Client> client = ConfiguredClient(cluster);
+  ASSERT_NE(client, nullptr);
+  Client& c = *client;
   const SgdOptions sgd{.lr = 0.5};
-  ASSERT_TRUE(c.RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, sgd).ok());
   const ClientOptions status_options{
       .servers = cluster.addresses(), .token = cluster.token(), .timeout = absl::Seconds(60)};
   const std::map<std::string, std::function<absl::Status(std::stop_token)>> calls = {
@@ -734,12 +755,7 @@ TEST(StoppedCallTest, AStopEndsAControlCallToAServerThatStoppedAnswering) {
   absl::Cleanup resume = [&] { cluster.Resume(0); };
   for (const auto& [name, call] : calls) {
     SCOPED_TRACE(name);
-    std::stop_source source;
-    auto outcome = std::async(std::launch::async, [&] { return call(source.get_token()); });
-    EXPECT_EQ(outcome.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout) << "not stuck";
-    source.request_stop();
-    ASSERT_EQ(outcome.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "the stop did not end it";
-    const absl::Status status = outcome.get();
+    const absl::Status status = StopWhileItWaits(call);
     EXPECT_TRUE(absl::IsCancelled(status)) << status;
     EXPECT_THAT(std::string(status.message()),
                 HasSubstr(absl::StrCat("server ", cluster.addresses()[0], ": the call was stopped")));
@@ -758,12 +774,10 @@ TEST(StoppedCallTest, AStopEndsAControlCallToAServerThatStoppedAnswering) {
 // other servers at once (server 1 stopped), and an initial push.
 TEST(StoppedCallTest, AWaitHookRunsOnTheCallingThreadAndStopsTheCall) {
   testing::TestCluster cluster(2, "tok", ::testing::TempDir());
-  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
-  ASSERT_TRUE(client.ok()) << client.status();
-  Client& c = **client;
-  ASSERT_TRUE(c.ConfigureJob({}).ok());
+  const std::unique_ptr<Client> client = ConfiguredClient(cluster);
+  ASSERT_NE(client, nullptr);
+  Client& c = *client;
   const SgdOptions sgd{.lr = 0.5};
-  ASSERT_TRUE(c.RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, sgd).ok());
   const std::vector<float> values(10, 1.0f);
   struct Case {
     std::string name;
@@ -811,24 +825,17 @@ TEST(StoppedCallTest, AWaitHookRunsOnTheCallingThreadAndStopsTheCall) {
 // other server took its shard. The push made again lands everywhere.
 TEST(StoppedCallTest, AStopEndsAnInitialPushAndTheServerItCutKeepsItsValues) {
   testing::TestCluster cluster(2, "tok", ::testing::TempDir());
-  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
-  ASSERT_TRUE(client.ok()) << client.status();
-  Client& c = **client;
-  ASSERT_TRUE(c.ConfigureJob({}).ok());
   constexpr int64_t kNumel = int64_t{8} << 20;  // 16 MiB per server: more than a socket holds
-  auto layout = c.RegisterGroup("g", {{"w", {kNumel}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  const std::unique_ptr<Client> client = ConfiguredClient(cluster, kNumel);
+  ASSERT_NE(client, nullptr);
+  Client& c = *client;
   std::vector<float> params(kNumel, -1.0f);
   ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);  // connections open
   ASSERT_TRUE(cluster.Pause(0));
   absl::Cleanup resume = [&] { cluster.Resume(0); };
   const std::vector<float> ones(kNumel, 1.0f);
-  std::stop_source source;
-  auto pushed = std::async(std::launch::async, [&] { return c.InitGroup("g", ones, source.get_token()); });
-  EXPECT_EQ(pushed.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout) << "not stuck";
-  source.request_stop();
-  ASSERT_EQ(pushed.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "the stop did not end it";
-  const absl::Status status = pushed.get();
+  const absl::Status status =
+      StopWhileItWaits([&](std::stop_token stop) { return c.InitGroup("g", ones, stop); }, absl::Milliseconds(300));
   EXPECT_TRUE(absl::IsCancelled(status)) << status;
   EXPECT_THAT(std::string(status.message()),
               HasSubstr(absl::StrCat("server ", cluster.addresses()[0], ": the push-init of group 'g' was stopped")));
@@ -977,18 +984,15 @@ TEST(ClientShutdownTest, DestroyingAClientCancelsItsTransfersInFlight) {
 // timeout (65 s here).
 TEST(ClientShutdownTest, DestroyingAClientDoesNotWaitForAConnectionBeingOpened) {
   testing::TestCluster cluster(2, "tok", ::testing::TempDir());
-  auto client = cluster.Connect({.worker_rank = 0, .num_workers = 1, .job = "test", .timeout = absl::Seconds(60)});
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
-  auto layout = (*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
-  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::unique_ptr<Client> client = ConfiguredClient(cluster);
+  ASSERT_NE(client, nullptr);
   ASSERT_TRUE(cluster.Pause(0));
   absl::Cleanup resume = [&] { cluster.Resume(0); };
-  std::vector<float> params((*layout)->padded_numel());
-  auto gathered = (*client)->Gather("g", 0, DType::kFloat32, AsBytes(params));  // its first transfer
+  std::vector<float> params(10);
+  auto gathered = client->Gather("g", 0, DType::kFloat32, AsBytes(params));  // its first transfer
   EXPECT_EQ(gathered.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout) << "not stuck";
   const absl::Time start = absl::Now();
-  client->reset();
+  client.reset();
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
   const absl::StatusOr<int64_t> gather = gathered.get();
   EXPECT_TRUE(absl::IsCancelled(gather.status())) << gather.status();
