@@ -10,8 +10,8 @@
 // Per group it keeps the checkpoint load its last gather's state came from, or its last
 // initial push went into (transport/data_protocol.h), and its scatters name that load: a
 // server that holds another load's state refuses the gradient (Aborted) instead of
-// taking a gradient of the replaced state for the loaded one. A gather whose parts come from different loads
-// fails with Aborted (Completion).
+// taking a gradient of the replaced state for the loaded one. A gather whose parts come
+// from different loads fails with Aborted (Completion).
 //
 //   DataTransfers transfers(options, endpoints, {open_nccl_channel, open_session});
 //   auto version = transfers.Gather("mlp", 0, DType::kFloat32, per_server_slices).get();
@@ -114,8 +114,8 @@ class DataTransfers {
   // Runs `work` on a thread of its own, counted so that the destructor can wait for it.
   template <typename Work>
   void RunAside(Work work);
-  // The header of a request to `group`; a scatter's names the load of the group's last
-  // gather, when there was one.
+  // The header of a request to `group`; a scatter's names the load the group's last
+  // gather or push held (RecordLoadHeld), when there was one.
   transport::RequestHeader HeaderFor(transport::DataOp op, const std::string& group, int64_t version,
                                      DType dtype) const;
   // The caller's buffer for `group` holds the state of `load_id` (a gather, a push).

@@ -4,8 +4,9 @@
 // thread about every kWaitSlice for as long as it waits for its servers, holding none of
 // the client's locks; `hook` may ask the call's std::stop_source to stop. For callers
 // that must notice something only their own thread sees: Python runs its signal
-// handlers (Ctrl-C) on the main thread only. Objects nest (the innermost one's hook is called); each must be destroyed on its
-// thread, in reverse order of construction. Not copyable.
+// handlers (Ctrl-C) on the main thread only. Objects nest (the innermost one's hook is
+// called); each must be destroyed on its thread, in reverse order of construction. Not
+// copyable.
 //
 //   std::stop_source stop;
 //   flatshard::WhileWaiting watch([&] { if (InterruptPending()) stop.request_stop(); });
