@@ -409,10 +409,11 @@ TEST(InitGroupTest, UnpaddedAndPaddedValuesLandAlikeOnEveryShard) {
     };
     for (size_t g = 0; g < groups.size(); ++g) {
       const std::string name = absl::StrCat("g", g);
-      auto layout = workers[0]->RegisterGroup(name, groups[g], /*align=*/g == 0 ? 0 : 4, SgdOptions{.lr = 0.1});
+      const int64_t align = g == 0 ? 0 : 4;
+      auto layout = workers[0]->RegisterGroup(name, groups[g], align, SgdOptions{.lr = 0.1});
       ASSERT_TRUE(layout.ok()) << layout.status();
       for (int rank = 1; rank < replicas; ++rank) {
-        ASSERT_TRUE(workers[rank]->RegisterGroup(name, groups[g], g == 0 ? 0 : 4, SgdOptions{.lr = 0.1}).ok());
+        ASSERT_TRUE(workers[rank]->RegisterGroup(name, groups[g], align, SgdOptions{.lr = 0.1}).ok());
       }
       const FlatLayout& l = **layout;
       ASSERT_EQ(l.shard_padding(2), g == 0 ? l.shard_numel() : 1);
@@ -420,8 +421,9 @@ TEST(InitGroupTest, UnpaddedAndPaddedValuesLandAlikeOnEveryShard) {
       // What a gather must give: the values at the tensors' elements, zeros elsewhere.
       std::vector<float> expected(l.padded_numel(), 0.0f);
       for (const TensorPiece& piece : l.MapRange(0, l.padded_numel())) {
-        for (int64_t k = 0; k < piece.numel; ++k)
+        for (int64_t k = 0; k < piece.numel; ++k) {
           expected[piece.flat_offset + k] = 1.5f + static_cast<float>(piece.flat_offset + k);
+        }
       }
       std::vector<float> unpadded(expected.begin(), expected.begin() + l.unpadded_numel());
       std::vector<float> padded = expected;
