@@ -43,6 +43,11 @@ class Connection {
 
   // Unblocks a Send or Recv in progress on another thread; later calls fail.
   virtual void Shutdown() = 0;
+  // Ends what this side sends (a Send in progress and later ones fail), leaving it
+  // receiving: the peer reads the end of the stream (PeerClosed) and may still answer.
+  // For a request to be dropped where the peer may be moving its bytes itself (into
+  // this process's GPU memory): the answer, or the peer's close, says when it let go.
+  virtual void CloseSend() = 0;
 
   // For an idle connection (no bytes expected): whether the peer has closed or reset its
   // end, so that a request sent now would fail. Does not block; reads nothing.

@@ -44,6 +44,7 @@ class LoopbackConnection final : public Connection {
   }
   absl::Status SetTimeout(absl::Duration) override { return absl::OkStatus(); }
   void Shutdown() override {}
+  void CloseSend() override {}
   bool PeerClosed() override { return false; }
   bool PollReadable(absl::Duration) override { return read_ < bytes_.size(); }
   std::string peer() const override { return "loopback"; }

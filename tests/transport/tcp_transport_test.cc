@@ -206,6 +206,34 @@ TEST(TcpTransportTest, PeerClosedSeesAClosedPeerButNotPendingData) {
   EXPECT_TRUE(closed);
 }
 
+// CloseSend ends only what its side sends: the peer sees the close, and still answers
+// what it read before, which arrives.
+TEST(TcpTransportTest, CloseSendEndsTheStreamOneWayAndTheAnswerStillArrives) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  const std::vector<uint8_t> request = RandomBytes(64, 13);
+  ASSERT_TRUE(pair.client->Send({Bytes(request)}).ok());
+  pair.client->CloseSend();
+  EXPECT_FALSE(pair.client->Send({Bytes(request)}).ok());  // its sends fail from now on
+  std::vector<uint8_t> read(request.size());
+  ASSERT_TRUE(pair.server->Recv(Bytes(read)).ok());  // what was sent before arrives
+  EXPECT_EQ(read, request);
+  bool closed = false;
+  for (int i = 0; i < 100 && !closed; ++i) {
+    closed = pair.server->PeerClosed();
+    if (!closed) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(closed);
+  const std::vector<uint8_t> answer = RandomBytes(1 << 20, 14);  // more than one segment
+  std::thread answering([&] { EXPECT_TRUE(pair.server->Send({Bytes(answer)}).ok()); });
+  std::vector<uint8_t> got(answer.size());
+  EXPECT_TRUE(pair.client->Recv(Bytes(got)).ok());
+  answering.join();
+  EXPECT_EQ(got, answer);
+  pair.server.reset();
+  EXPECT_TRUE(absl::IsUnavailable(pair.client->Recv(Bytes(got))));  // then the peer's close
+}
+
 TEST(TcpTransportTest, PollReadableWaitsForBytesForAtMostItsWindow) {
   Pair pair = Connected();
   ASSERT_NE(pair.server, nullptr);

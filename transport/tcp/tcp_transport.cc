@@ -157,6 +157,7 @@ class TcpConnection final : public Connection {
   }
 
   void Shutdown() override { shutdown(fd_, SHUT_RDWR); }
+  void CloseSend() override { shutdown(fd_, SHUT_WR); }
 
   bool PeerClosed() override {
     pollfd pfd{fd_, POLLIN | POLLRDHUP, 0};
