@@ -44,17 +44,27 @@ namespace {
 
 absl::Status StoppedStatus() { return absl::CancelledError("the transfer was stopped"); }
 
-// `task`, ended by a stop asked of `stop` (Submit).
-DataTask StopWith(std::stop_token stop, DataTask task) {
+// `task`, ended by a stop asked of `stop` as `cut` says (Submit).
+DataTask StopWith(std::stop_token stop, StopCut cut, DataTask task) {
   if (!stop.stop_possible()) return task;
+  if (cut == StopCut::kSend) {
+    // Whether or not the request was written (Submit's two parts), the task goes on: its
+    // write fails, or it reads the server's answer or close.
+    return [stop = std::move(stop), task = std::move(task)](absl::StatusOr<transport::Connection*> conn) {
+      if (!conn.ok()) return task(conn.status());
+      transport::Connection* const ending = *conn;
+      const std::stop_callback close_send(stop, [ending] { ending->CloseSend(); });
+      return task(conn) && !stop.stop_requested();
+    };
+  }
   return [stop = std::move(stop), task = std::move(task)](absl::StatusOr<transport::Connection*> conn) {
     if (!conn.ok()) return task(conn.status());
     if (stop.stop_requested()) {
       task(StoppedStatus());
       return false;  // a request may have been written on it (Submit's two parts)
     }
-    transport::Connection* const cut = *conn;
-    const std::stop_callback shut_down(stop, [cut] { cut->Shutdown(); });
+    transport::Connection* const ending = *conn;
+    const std::stop_callback shut_down(stop, [ending] { ending->Shutdown(); });
     return task(conn) && !stop.stop_requested();
   };
 }
@@ -91,12 +101,12 @@ absl::Status DataChannel::CancelledStatus() {
   return absl::CancelledError("the data channel was cancelled (its client is going away)");
 }
 
-void DataChannel::Submit(DataTask task, std::stop_token stop) {
+void DataChannel::Submit(DataTask task, std::stop_token stop, StopCut cut) {
   absl::MutexLock lock(&mu_);
-  tasks_.push_back({StopWith(stop, std::move(task)), stop});
+  tasks_.push_back({StopWith(stop, cut, std::move(task)), stop});
 }
 
-void DataChannel::Submit(RequestWriter write, DataTask task, std::stop_token stop) {
+void DataChannel::Submit(RequestWriter write, DataTask task, std::stop_token stop, StopCut cut) {
   ConnectionThread* idle = nullptr;
   {
     absl::MutexLock lock(&mu_);
@@ -112,7 +122,7 @@ void DataChannel::Submit(RequestWriter write, DataTask task, std::stop_token sto
       }
     }
     if (idle == nullptr) {
-      tasks_.push_back({StopWith(stop, WriteThen(std::move(write), std::move(task))), stop});
+      tasks_.push_back({StopWith(stop, cut, WriteThen(std::move(write), std::move(task))), stop});
       return;
     }
   }
@@ -125,9 +135,9 @@ void DataChannel::Submit(RequestWriter write, DataTask task, std::stop_token sto
   absl::MutexLock lock(&mu_);
   idle->lent = false;
   if (closed) {
-    tasks_.push_back({StopWith(stop, WriteThen(std::move(write), std::move(task))), stop});
+    tasks_.push_back({StopWith(stop, cut, WriteThen(std::move(write), std::move(task))), stop});
   } else {
-    idle->handoff = ConnectionThread::Handoff{StopWith(stop, std::move(task)), std::move(write_status)};
+    idle->handoff = ConnectionThread::Handoff{StopWith(stop, cut, std::move(task)), std::move(write_status)};
   }
 }
 

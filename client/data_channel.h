@@ -55,22 +55,35 @@ using RequestWriter = std::function<absl::Status(transport::Connection&)>;
 // and the connection is closed.
 DataTask WriteThen(RequestWriter write, DataTask task);
 
+// How a stop reaches a request under way (DataChannel::Submit).
+enum class StopCut {
+  // Its connection is shut down: its sends and receives fail at once, and the server
+  // drops the request. For requests whose bytes this process moves itself (TCP).
+  kConnection,
+  // Only what it sends is ended (Connection::CloseSend): the server drops the request
+  // unless it has begun to move its bytes, and the task reads its answer, or the
+  // server's close, as usual. For requests whose bytes the server moves itself (into
+  // or out of this process's GPU memory: CUDA IPC, NCCL), so that the request ends only
+  // once the server has let go of the buffer; a server that stopped answering holds it
+  // until the connection's timeout.
+  kSend,
+};
+
 class DataChannel {
  public:
   DataChannel(DataSession session, SessionOpener renew, int connections, absl::Duration timeout);
   ~DataChannel();  // runs the queued tasks (with Cancelled, after Cancel), then joins the threads
 
-  // A stop asked of `stop` (from any thread) ends the request at once: not yet begun, its
-  // task runs with Cancelled instead of a connection (nothing is written); under way, its
-  // connection is shut down, so that its sends and receives fail (the server drops the
-  // request), and closed after; the connect or hello of a connection opened for it ends
-  // too, and so does a session renewal for it. The task itself says what a stopped
-  // request reports. Nothing costs more when `stop` cannot stop.
-  void Submit(DataTask task, std::stop_token stop = {});
+  // A stop asked of `stop` (from any thread) ends the request: not yet begun, its task
+  // runs with Cancelled instead of a connection (nothing is written); under way, `cut`
+  // says how (its connection is closed after); the connect or hello of a connection
+  // opened for it ends too, and so does a session renewal for it. The task itself says
+  // what a stopped request reports. Nothing costs more when `stop` cannot stop.
+  void Submit(DataTask task, std::stop_token stop = {}, StopCut cut = StopCut::kConnection);
   // `write` the request, then `task` (which reads the answer) on the same connection, as
   // Submit(WriteThen(write, task)) does, except that `write` runs on this thread when a
   // connection is idle (then only `task` runs on its thread).
-  void Submit(RequestWriter write, DataTask task, std::stop_token stop = {});
+  void Submit(RequestWriter write, DataTask task, std::stop_token stop = {}, StopCut cut = StopCut::kConnection);
   // For its owner's destruction: the tasks not yet started, and those submitted later,
   // run with Cancelled instead of a connection, and the connections of those under way
   // (being opened included) are shut down (their sends and receives fail at once; the

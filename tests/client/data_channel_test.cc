@@ -19,16 +19,28 @@
 namespace flatshard::client_internal {
 namespace {
 
+// What an EchoDataServer does with a request.
+enum class Echo {
+  kAnswer,  // answers it at once
+  // Answers only the hello and holds every request, as a server does while a gather
+  // waits for a version, until the client closes the connection.
+  kHold,
+  // Does not even answer the hello (a server that hangs).
+  kHoldHello,
+  // Holds it until the client closes what it sends (CloseSend), then answers it, as a
+  // CUDA IPC server that was copying when the client stopped: the copy ends, then the
+  // answer goes.
+  kAnswerOnClose,
+};
+
 // A data server on 127.0.0.1 that takes any hello and answers each request with OK and
-// the request's own version, so every answer names its request. With
-// `answers_per_connection` > 0 it closes a connection after that many answers; with
-// `silent`, it answers only the hello and holds every request, as a server does while a
-// gather waits for a version, until the client closes the connection; with `mute`, it
-// does not even answer the hello (a server that hangs).
+// the request's own version, so every answer names its request, or holds it as `echo`
+// says. With `answers_per_connection` > 0 it closes a connection after that many
+// answers.
 class EchoDataServer {
  public:
-  explicit EchoDataServer(int answers_per_connection = 0, bool silent = false, bool mute = false)
-      : answers_per_connection_(answers_per_connection), silent_(silent), mute_(mute) {
+  explicit EchoDataServer(int answers_per_connection = 0, Echo echo = Echo::kAnswer)
+      : answers_per_connection_(answers_per_connection), echo_(echo) {
     listener_ = *transport::ListenTcp("127.0.0.1", 0);
     accepting_ = std::thread([this] {
       while (true) {
@@ -49,26 +61,29 @@ class EchoDataServer {
 
   DataSession session() const { return {absl::StrCat("127.0.0.1:", listener_->port()), "token"}; }
   int accepted() const { return accepted_.load(); }
-  int held() const { return held_.load(); }  // requests a silent server holds or held
+  int held() const { return held_.load(); }  // requests it holds or held (Echo)
 
  private:
   void Serve(transport::Connection& conn) {
     for (int answered = 0; answers_per_connection_ == 0 || answered <= answers_per_connection_; ++answered) {
       absl::StatusOr<transport::Request> request = transport::RecvRequest(conn);
       if (!request.ok() || !transport::DrainPayload(conn, request->payload_bytes).ok()) return;
-      if ((silent_ && answered > 0) || mute_) {
+      if ((echo_ == Echo::kHold && answered > 0) || echo_ == Echo::kHoldHello) {
         ++held_;
         while (transport::RecvRequest(conn).ok()) {
         }
         return;
+      }
+      if (echo_ == Echo::kAnswerOnClose && answered > 0) {
+        ++held_;
+        while (!conn.PeerClosed()) absl::SleepFor(absl::Milliseconds(5));
       }
       if (!transport::SendResponse(conn, absl::OkStatus(), request->version, {}).ok()) return;
     }  // the hello's answer is the first
   }
 
   const int answers_per_connection_;
-  const bool silent_;
-  const bool mute_;
+  const Echo echo_;
   std::unique_ptr<transport::Listener> listener_;
   std::atomic<int> accepted_ = 0;
   std::atomic<int> held_ = 0;
@@ -83,10 +98,10 @@ struct Outcome {
   absl::StatusOr<int64_t> version;
 };
 
-// Submits a request named `version` in two parts, which a stop asked of `stop` ends;
-// the future has what happened. A `write_error` replaces the write.
+// Submits a request named `version` in two parts, which a stop asked of `stop` ends as
+// `cut` says; the future has what happened. A `write_error` replaces the write.
 std::future<Outcome> Request(DataChannel& channel, int64_t version, absl::Status write_error = absl::OkStatus(),
-                             std::stop_token stop = {}) {
+                             std::stop_token stop = {}, StopCut cut = StopCut::kConnection) {
   auto outcome = std::make_shared<Outcome>();
   auto done = std::make_shared<std::promise<Outcome>>();
   std::future<Outcome> result = done->get_future();
@@ -112,7 +127,7 @@ std::future<Outcome> Request(DataChannel& channel, int64_t version, absl::Status
     done->set_value(*outcome);
     return usable;
   };
-  channel.Submit(std::move(write), std::move(read), stop);
+  channel.Submit(std::move(write), std::move(read), stop, cut);
   return result;
 }
 
@@ -205,7 +220,7 @@ TEST(DataChannelTest, DestroyingTheChannelRunsWhatWasSubmitted) {
 // connection shut down; the ones queued behind it, and those submitted later, run with
 // Cancelled and are never sent.
 TEST(DataChannelTest, CancelShutsTheTransfersUnderWayAndFailsTheRest) {
-  EchoDataServer server(/*answers_per_connection=*/0, /*silent=*/true);
+  EchoDataServer server(/*answers_per_connection=*/0, Echo::kHold);
   DataChannel channel(server.session(), nullptr, 1, absl::Seconds(60));
   std::future<Outcome> held = Request(channel, 1);
   std::future<Outcome> queued = Request(channel, 2);
@@ -224,7 +239,7 @@ TEST(DataChannelTest, CancelShutsTheTransfersUnderWayAndFailsTheRest) {
 // connection shut down, while the other request held beside it waits on; one whose stop
 // came before it was submitted is never sent.
 TEST(DataChannelTest, AStopEndsItsOwnRequestOnly) {
-  EchoDataServer server(/*answers_per_connection=*/0, /*silent=*/true);
+  EchoDataServer server(/*answers_per_connection=*/0, Echo::kHold);
   DataChannel channel(server.session(), nullptr, 2, absl::Seconds(60));
   std::stop_source stop, other;
   std::future<Outcome> held = Request(channel, 1, absl::OkStatus(), stop.get_token());
@@ -244,11 +259,36 @@ TEST(DataChannelTest, AStopEndsItsOwnRequestOnly) {
   EXPECT_FALSE(Finished(beside).version.ok());
 }
 
+// A stop that closes only what its request sends (StopCut::kSend, for requests whose
+// bytes the server moves itself) lets the request end when the server says so: one the
+// server was working on reads the server's answer, one the server drops when it sees the
+// close (a CUDA IPC gather that waited for its version) ends with the server's close; a
+// request stopped before it was sent is never sent.
+TEST(DataChannelTest, AStopThatClosesTheSendingSideEndsWithTheServersAnswerOrClose) {
+  EchoDataServer answering(/*answers_per_connection=*/0, Echo::kAnswerOnClose);
+  EchoDataServer dropping(/*answers_per_connection=*/0, Echo::kHold);
+  DataChannel answered_channel(answering.session(), nullptr, 1, absl::Seconds(60));
+  DataChannel dropped_channel(dropping.session(), nullptr, 1, absl::Seconds(60));
+  std::stop_source stop;
+  std::future<Outcome> answered = Request(answered_channel, 1, absl::OkStatus(), stop.get_token(), StopCut::kSend);
+  std::future<Outcome> dropped = Request(dropped_channel, 2, absl::OkStatus(), stop.get_token(), StopCut::kSend);
+  for (int i = 0; i < 2000 && answering.held() + dropping.held() < 2; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(answering.held() + dropping.held(), 2);
+  EXPECT_EQ(answered.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  stop.request_stop();
+  EXPECT_EQ(Finished(answered).version.value_or(-1), 1);             // the answer, not the stop
+  const absl::StatusOr<int64_t> closed = Finished(dropped).version;  // not the 60 s timeout
+  EXPECT_TRUE(absl::IsUnavailable(closed.status())) << closed.status();
+  std::future<Outcome> never = Request(answered_channel, 3, absl::OkStatus(), stop.get_token(), StopCut::kSend);
+  EXPECT_FALSE(Finished(never).version.ok());
+  EXPECT_EQ(answering.held(), 1);
+}
+
 // A stop, and Cancel, reach a request whose connection is still being opened: the
 // server (hung) took the connection but never answers its hello, and the request ends at
 // once rather than at the channel's timeout.
 TEST(DataChannelTest, AStopOrCancelEndsARequestWhoseConnectionIsBeingOpened) {
-  EchoDataServer server(/*answers_per_connection=*/0, /*silent=*/false, /*mute=*/true);
+  EchoDataServer server(/*answers_per_connection=*/0, Echo::kHoldHello);
   DataChannel channel(server.session(), nullptr, 2, absl::Seconds(60));
   std::stop_source stop;
   std::future<Outcome> stopped = Request(channel, 1, absl::OkStatus(), stop.get_token());
