@@ -173,20 +173,20 @@ class ClientImpl final : public Client {
     return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncInitGroup, request, &response, stop);
   }
 
-  std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version,
-                                              DType dtype, absl::Span<std::byte> out) override {
+  std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version, DType dtype,
+                                              absl::Span<std::byte> out, std::stop_token stop) override {
     absl::StatusOr<std::vector<absl::Span<std::byte>>> parts = Split(group, dtype, out);
     if (!parts.ok()) return ReadyFuture<absl::StatusOr<int64_t>>(parts.status());
-    return transfers_->Gather(group, min_version, dtype, *std::move(parts), ReplicaServers());
+    return transfers_->Gather(group, min_version, dtype, *std::move(parts), ReplicaServers(), std::move(stop));
   }
 
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
-                                    absl::Span<const std::byte> grad) override {
+                                    absl::Span<const std::byte> grad, std::stop_token stop) override {
     absl::StatusOr<std::vector<absl::Span<std::byte>>> parts =
         Split(group, dtype, absl::MakeSpan(const_cast<std::byte*>(grad.data()), grad.size()));
     if (!parts.ok()) return ReadyFuture<absl::Status>(parts.status());
     sent_.Record(group, step);
-    return transfers_->Scatter(group, step, dtype, *std::move(parts), ReplicaServers());
+    return transfers_->Scatter(group, step, dtype, *std::move(parts), ReplicaServers(), std::move(stop));
   }
 
   std::vector<std::string> DataPlanes() const override { return transfers_->PlaneNames(); }

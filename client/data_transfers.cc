@@ -57,31 +57,31 @@ void DataTransfers::RunAside(Work work) {
   }).detach();
 }
 
-std::future<absl::StatusOr<int64_t>> DataTransfers::Gather(
-    const std::string& group, int64_t min_version, DType dtype,
-    std::vector<absl::Span<std::byte>> parts, std::vector<int> servers) {
+std::future<absl::StatusOr<int64_t>> DataTransfers::Gather(const std::string& group, int64_t min_version, DType dtype,
+                                                           std::vector<absl::Span<std::byte>> parts,
+                                                           std::vector<int> servers, std::stop_token stop) {
   auto done = std::make_shared<Completion<absl::StatusOr<int64_t>>>(
       static_cast<int>(servers.size()), /*same_version=*/false,
       [this, group](uint64_t load_id) { RecordLoadHeld(group, load_id); });
   std::future<absl::StatusOr<int64_t>> gathered = done->future();
   const int device = DeviceOf(parts[servers.front()].data());
   if (device >= 0) {
-    DeviceTransfer(transport::DataOp::kGather, group, min_version, dtype, std::move(parts), servers, device, done);
+    DeviceTransfer(transport::DataOp::kGather, group, min_version, dtype, std::move(parts), servers, device, stop,
+                   done);
   } else {
-    HostGather(group, min_version, dtype, std::move(parts), std::move(servers), done);
+    HostGather(group, min_version, dtype, std::move(parts), std::move(servers), std::move(stop), done);
   }
   return gathered;
 }
 
-std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64_t step,
-                                                 DType dtype,
-                                                 std::vector<absl::Span<std::byte>> parts,
-                                                 std::vector<int> servers) {
+std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64_t step, DType dtype,
+                                                 std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
+                                                 std::stop_token stop) {
   const int device = DeviceOf(parts[servers.front()].data());
-  if (device < 0) return HostScatter(group, step, dtype, parts, servers);
+  if (device < 0) return HostScatter(group, step, dtype, parts, servers, stop);
   auto done = std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()));
   std::future<absl::Status> scattered = done->future();
-  DeviceTransfer(transport::DataOp::kScatter, group, step, dtype, std::move(parts), servers, device, done);
+  DeviceTransfer(transport::DataOp::kScatter, group, step, dtype, std::move(parts), servers, device, stop, done);
   return scattered;
 }
 
@@ -185,6 +185,13 @@ absl::Status DataTransfers::AtServer(int server, const absl::Status& status) con
                       absl::StrCat("server ", servers_[server].address, ": ", status.message()));
 }
 
+absl::Status DataTransfers::RequestFailure(int server, const absl::Status& status, transport::DataOp op,
+                                           const std::string& group, const std::stop_token& stop) const {
+  if (!stop.stop_requested()) return AtServer(server, status);
+  return AtServer(server, absl::CancelledError(
+                              absl::StrCat("the ", transport::DataOpName(op), " of group '", group, "' was stopped")));
+}
+
 // A new NCCL link with server i on `device`: the OpenNcclChannel RPC, then the join.
 absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, int device) {
   auto open_channel = [&](const std::string& unique_id) {
@@ -198,25 +205,19 @@ absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, in
 // One request to server i: `send` then `send_tail` is its payload, `receive` its response
 // payload's destination; it finishes `completion`, and `keep_alive` is held until then.
 // A request of at most kWriteOnSubmitBytes leaves from this thread when a connection is
-// idle. A stop asked of `stop` ends it (DataChannel::Submit), Cancelled.
+// idle. A stop asked of `stop` ends it as `cut` says (DataChannel::Submit), Cancelled.
 template <typename Result>
 void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int i, transport::DataOp op,
                               const std::string& group, int64_t version, DType dtype, absl::Span<const std::byte> send,
                               absl::Span<const std::byte> send_tail, absl::Span<std::byte> receive,
-                              std::shared_ptr<const void> keep_alive, std::stop_token stop) {
+                              std::shared_ptr<const void> keep_alive, std::stop_token stop, StopCut cut) {
   const transport::RequestHeader header = HeaderFor(op, group, version, dtype);
   RequestWriter write = [=, this](transport::Connection& conn) {
     return transport::SendRequest(conn, header, options_.job, group, send, send_tail);
   };
   DataTask read = [=, this, hold = std::move(keep_alive)](absl::StatusOr<transport::Connection*> conn) {
     (void)hold;
-    auto fail = [&](const absl::Status& status) {
-      if (!stop.stop_requested()) return completion->Finish(AtServer(i, status), 0);
-      // Whatever failed after a stop failed because of it (the connection was shut down).
-      completion->Finish(AtServer(i, absl::CancelledError(absl::StrCat("the ", transport::DataOpName(op), " of group '",
-                                                                       group, "' was stopped"))),
-                         0);
-    };
+    auto fail = [&](const absl::Status& status) { completion->Finish(RequestFailure(i, status, op, group, stop), 0); };
     if (!conn.ok()) {
       fail(conn.status());
       return true;
@@ -234,26 +235,23 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
     return true;
   };
   if (send.size() + send_tail.size() <= kWriteOnSubmitBytes) {
-    channels_[i]->Submit(std::move(write), std::move(read), stop);
+    channels_[i]->Submit(std::move(write), std::move(read), stop, cut);
   } else {
-    channels_[i]->Submit(WriteThen(std::move(write), std::move(read)), stop);
+    channels_[i]->Submit(WriteThen(std::move(write), std::move(read)), stop, cut);
   }
 }
 
-// One request per server in `servers`, each on its data channel, finishing `completion`:
-// `sends[i]` is server i's payload, or `receives[i]` its response payload's destination;
-// `keep_alive` is held until each has finished (what `sends` points into).
+// A CUDA IPC request (`op`) to each server in `servers` on its data channel, finishing
+// `completion`: `targets[i]` is server i's IpcTarget, which `keep_alive` holds until each
+// has finished. The server copies into or out of the caller's GPU memory itself, so a
+// stop closes only what the request sends (StopCut::kSend).
 template <typename Result>
-void DataTransfers::Submit(const std::shared_ptr<Completion<Result>>& completion,
-                           transport::DataOp op, const std::string& group, int64_t version,
-                           DType dtype, const std::vector<absl::Span<const std::byte>>& sends,
-                           const std::vector<absl::Span<std::byte>>& receives,
-                           const std::vector<int>& servers,
-                           std::shared_ptr<const void> keep_alive) {
+void DataTransfers::SubmitIpc(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
+                              const std::string& group, int64_t version, DType dtype,
+                              const std::vector<absl::Span<const std::byte>>& targets, const std::vector<int>& servers,
+                              const std::shared_ptr<const void>& keep_alive, const std::stop_token& stop) {
   for (int i : servers) {
-    SubmitOne(completion, i, op, group, version, dtype,
-              sends.empty() ? absl::Span<const std::byte>() : sends[i], {},
-              receives.empty() ? absl::Span<std::byte>() : receives[i], keep_alive);
+    SubmitOne(completion, i, op, group, version, dtype, targets[i], {}, {}, keep_alive, stop, StopCut::kSend);
   }
 }
 
@@ -294,23 +292,28 @@ std::pair<absl::StatusOr<transport::Response>, bool> DataTransfers::NcclTransfer
 }
 
 // NCCL transfers with `servers`, each on its data channel, finishing `completion`.
+// A stop closes only what a request sends (StopCut::kSend): the server drops one that
+// waits for its version; NCCL bytes under way move to their end.
 template <typename Result>
-void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& completion,
-                               transport::DataOp op, const std::string& group, int64_t version,
-                               DType dtype, const std::vector<absl::Span<std::byte>>& parts,
-                               const std::vector<int>& servers, int device) {
+void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
+                               const std::string& group, int64_t version, DType dtype,
+                               const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,
+                               int device, const std::stop_token& stop) {
   for (int i : servers) {
     const absl::Span<std::byte> part = parts[i];
-    channels_[i]->Submit([=, this](absl::StatusOr<transport::Connection*> conn) {
-      if (!conn.ok()) {
-        completion->Finish(AtServer(i, conn.status()), 0);
-        return true;
-      }
-      auto [result, usable] = NcclTransfer(i, **conn, op, group, version, dtype, part, device);
-      const transport::Response answer = result.value_or(transport::Response{});
-      completion->Finish(result.ok() ? absl::OkStatus() : AtServer(i, result.status()), answer.version, answer.load_id);
-      return usable;
-    });
+    channels_[i]->Submit(
+        [=, this](absl::StatusOr<transport::Connection*> conn) {
+          if (!conn.ok()) {
+            completion->Finish(RequestFailure(i, conn.status(), op, group, stop), 0);
+            return true;
+          }
+          auto [result, usable] = NcclTransfer(i, **conn, op, group, version, dtype, part, device);
+          const transport::Response answer = result.value_or(transport::Response{});
+          completion->Finish(result.ok() ? absl::OkStatus() : RequestFailure(i, result.status(), op, group, stop),
+                             answer.version, answer.load_id);
+          return usable;
+        },
+        stop, StopCut::kSend);
   }
 }
 
@@ -319,7 +322,7 @@ void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& comple
 // gather answers the lowest version it got and the load its parts came from.
 transport::Response DataTransfers::StagedTransfer(transport::DataOp op, const std::string& group, int64_t version,
                                                   DType dtype, const std::vector<absl::Span<std::byte>>& parts,
-                                                  const std::vector<int>& servers) {
+                                                  const std::vector<int>& servers, const std::stop_token& stop) {
   const bool gather = op == transport::DataOp::kGather;
   std::vector<StagingBuffer> staging(num_servers());
   // Every request has finished on every return path below: the buffers go back then.
@@ -343,10 +346,10 @@ transport::Response DataTransfers::StagedTransfer(transport::DataOp op, const st
   }
   // Await, here and below: the caller is waiting for this thread, which should see the
   // host transfer end without waiting to be woken itself.
-  if (!gather) return failed(Await(HostScatter(group, version, dtype, staged, servers)));
+  if (!gather) return failed(Await(HostScatter(group, version, dtype, staged, servers, stop)));
   auto gathered = std::make_shared<Completion<absl::StatusOr<int64_t>>>(static_cast<int>(servers.size()));
   std::future<absl::StatusOr<int64_t>> min_version = gathered->future();
-  HostGather(group, version, dtype, staged, servers, gathered);
+  HostGather(group, version, dtype, staged, servers, stop, gathered);
   absl::StatusOr<int64_t> result = Await(min_version);
   if (!result.ok()) return failed(result.status());
   for (int i : servers) {
@@ -363,7 +366,8 @@ transport::Response DataTransfers::StagedTransfer(transport::DataOp op, const st
 template <typename Result>
 void DataTransfers::DeviceTransfer(transport::DataOp op, const std::string& group, int64_t version, DType dtype,
                                    std::vector<absl::Span<std::byte>> parts, const std::vector<int>& servers,
-                                   int device, const std::shared_ptr<Completion<Result>>& done) {
+                                   int device, const std::stop_token& stop,
+                                   const std::shared_ptr<Completion<Result>>& done) {
   const std::byte* base = parts[servers.front()].data();
   absl::StatusOr<IpcExport> exported = ExportForIpc(base);
   std::vector<int> ipc_servers, nccl_servers, tcp_servers;
@@ -395,12 +399,12 @@ void DataTransfers::DeviceTransfer(transport::DataOp op, const std::string& grou
                                        ? transport::DataOp::kIpcGather
                                        : transport::DataOp::kIpcScatter;
   // The IPC targets must outlive the requests, which finish `done`.
-  Submit(done, ipc_op, group, version, dtype, target_bytes, {}, ipc_servers, targets);
-  SubmitNccl(done, op, group, version, dtype, parts, nccl_servers, device);
+  SubmitIpc(done, ipc_op, group, version, dtype, target_bytes, ipc_servers, targets, stop);
+  SubmitNccl(done, op, group, version, dtype, parts, nccl_servers, device, stop);
   if (tcp_servers.empty()) return;
   RunAside([=, this, parts = std::move(parts)] {
     UseDevice(device);  // the staging copies' device, on this new thread
-    const transport::Response staged = StagedTransfer(op, group, version, dtype, parts, tcp_servers);
+    const transport::Response staged = StagedTransfer(op, group, version, dtype, parts, tcp_servers, stop);
     for (size_t k = 0; k < tcp_servers.size(); ++k) done->Finish(staged.status, staged.version, staged.load_id);
   });
 }
@@ -411,7 +415,7 @@ void DataTransfers::DeviceTransfer(transport::DataOp op, const std::string& grou
 // gathered again whole. As for any gather, different servers' parts may hold different
 // versions (async jobs); `done` completes with the lowest.
 void DataTransfers::HostGather(const std::string& group, int64_t min_version, DType dtype,
-                               std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
+                               std::vector<absl::Span<std::byte>> parts, std::vector<int> servers, std::stop_token stop,
                                const std::shared_ptr<Completion<absl::StatusOr<int64_t>>>& done) {
   using Result = absl::StatusOr<int64_t>;
   struct SplitPart {
@@ -425,7 +429,7 @@ void DataTransfers::HostGather(const std::string& group, int64_t min_version, DT
         SplitFor(parts[i].size(), options_.gather_split_bytes));
     const int count = static_cast<int>(ranges->size());
     if (count == 1) {
-      SubmitOne(done, i, transport::DataOp::kGather, group, min_version, dtype, {}, {}, parts[i], nullptr);
+      SubmitOne(done, i, transport::DataOp::kGather, group, min_version, dtype, {}, {}, parts[i], nullptr, stop);
       continue;
     }
     auto completion = std::make_shared<Completion<Result>>(count, /*same_version=*/true);
@@ -433,11 +437,12 @@ void DataTransfers::HostGather(const std::string& group, int64_t min_version, DT
     for (const transport::ByteRange& range : *ranges) {
       SubmitOne(completion, i, transport::DataOp::kGatherRange, group, min_version, dtype,
                 absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&range), sizeof(range)), {},
-                parts[i].subspan(range.offset, range.bytes), ranges);
+                parts[i].subspan(range.offset, range.bytes), ranges, stop);
     }
   }
   if (split.empty()) return;
-  RunAside([this, group, min_version, dtype, parts = std::move(parts), split = std::move(split), done]() mutable {
+  RunAside([this, group, min_version, dtype, parts = std::move(parts), split = std::move(split), stop = std::move(stop),
+            done]() mutable {
     // Every part is waited for, even after an error: its requests write into `parts`.
     for (SplitPart& part : split) {
       Result gathered = part.gathered.get();
@@ -446,7 +451,7 @@ void DataTransfers::HostGather(const std::string& group, int64_t min_version, DT
         answered = std::make_shared<Completion<Result>>(1);
         std::future<Result> whole = answered->future();
         SubmitOne(answered, part.server, transport::DataOp::kGather, group, min_version, dtype, {}, {},
-                  parts[part.server], nullptr);
+                  parts[part.server], nullptr, stop);
         gathered = whole.get();
       }
       done->Finish(gathered.status(), gathered.value_or(0), answered->load_id());
@@ -457,10 +462,9 @@ void DataTransfers::HostGather(const std::string& group, int64_t min_version, DT
 // A scatter from host memory. A server's part of scatter_split_bytes or more goes in
 // parts over several of its connections at once; the server takes the contribution
 // when the last part has arrived.
-std::future<absl::Status> DataTransfers::HostScatter(const std::string& group, int64_t step,
-                                                     DType dtype,
+std::future<absl::Status> DataTransfers::HostScatter(const std::string& group, int64_t step, DType dtype,
                                                      const std::vector<absl::Span<std::byte>>& parts,
-                                                     const std::vector<int>& servers) {
+                                                     const std::vector<int>& servers, const std::stop_token& stop) {
   std::vector<std::vector<transport::ByteRange>> ranges(num_servers());
   int requests = 0;
   for (int i : servers) {
@@ -472,14 +476,14 @@ std::future<absl::Status> DataTransfers::HostScatter(const std::string& group, i
     const absl::Span<const std::byte> part = parts[i];
     const uint32_t count = static_cast<uint32_t>(ranges[i].size());
     if (count == 1) {
-      SubmitOne(completion, i, transport::DataOp::kScatter, group, step, dtype, part, {}, {}, nullptr);
+      SubmitOne(completion, i, transport::DataOp::kScatter, group, step, dtype, part, {}, {}, nullptr, stop);
       continue;
     }
     for (uint32_t k = 0; k < count; ++k) {
       auto head = std::make_shared<const transport::ScatterPart>(transport::ScatterPart{k, count});
       SubmitOne(completion, i, transport::DataOp::kScatterPart, group, step, dtype,
                 absl::MakeConstSpan(reinterpret_cast<const std::byte*>(head.get()), sizeof(*head)),
-                part.subspan(ranges[i][k].offset, ranges[i][k].bytes), {}, head);
+                part.subspan(ranges[i][k].offset, ranges[i][k].bytes), {}, head, stop);
     }
   }
   return completion->future();

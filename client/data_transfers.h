@@ -88,14 +88,16 @@ class DataTransfers {
   // memory), each that server's shard in `dtype`, for the servers in `servers` (in
   // rank order; the others' entries are ignored: a hybrid-sharded job's worker moves its
   // buffer with its replica group only). The buffer must stay valid until the future
-  // is ready. Errors name the server.
-  std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version,
-                                              DType dtype,
-                                              std::vector<absl::Span<std::byte>> parts,
-                                              std::vector<int> servers);
+  // is ready. Errors name the server. A stop asked of `stop` ends the requests
+  // (DataChannel::Submit), Cancelled: those on TCP at once (StopCut::kConnection), those
+  // whose bytes a server or NCCL moves in GPU memory once it has let go of the buffer
+  // (StopCut::kSend; an NCCL operation under way first ends).
+  std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version, DType dtype,
+                                              std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
+                                              std::stop_token stop);
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
-                                    std::vector<absl::Span<std::byte>> parts,
-                                    std::vector<int> servers);
+                                    std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
+                                    std::stop_token stop);
   // Initial values, one shard per server, sent from where they lie. Blocks until every
   // push has ended. A stop asked of `stop` ends them at once (DataChannel::Submit),
   // Cancelled: a server that had not received all of its shard keeps its values (it
@@ -125,39 +127,45 @@ class DataTransfers {
   absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device);
   std::vector<transport::ByteRange> SplitFor(size_t bytes, int64_t split_bytes) const;
   absl::Status AtServer(int server, const absl::Status& status) const;
+  // What a `op` request to server i that failed with `status` reports: Cancelled, naming
+  // the transfer, after a stop asked of `stop` (whatever failed then failed because of
+  // it: the connection was shut down), else `status` (AtServer).
+  absl::Status RequestFailure(int server, const absl::Status& status, transport::DataOp op, const std::string& group,
+                              const std::stop_token& stop) const;
 
   // The transfers below finish `done` once per server in `servers`.
   void HostGather(const std::string& group, int64_t min_version, DType dtype, std::vector<absl::Span<std::byte>> parts,
-                  std::vector<int> servers, const std::shared_ptr<Completion<absl::StatusOr<int64_t>>>& done);
+                  std::vector<int> servers, std::stop_token stop,
+                  const std::shared_ptr<Completion<absl::StatusOr<int64_t>>>& done);
   std::future<absl::Status> HostScatter(const std::string& group, int64_t step, DType dtype,
                                         const std::vector<absl::Span<std::byte>>& parts,
-                                        const std::vector<int>& servers);
+                                        const std::vector<int>& servers, const std::stop_token& stop);
   template <typename Result>
   void DeviceTransfer(transport::DataOp op, const std::string& group, int64_t version, DType dtype,
                       std::vector<absl::Span<std::byte>> parts, const std::vector<int>& servers, int device,
-                      const std::shared_ptr<Completion<Result>>& done);
+                      const std::stop_token& stop, const std::shared_ptr<Completion<Result>>& done);
   // Returns the outcome for all of `servers` (a gather's lowest version and its load).
   transport::Response StagedTransfer(transport::DataOp op, const std::string& group, int64_t version, DType dtype,
-                                     const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers);
+                                     const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,
+                                     const std::stop_token& stop);
   std::pair<absl::StatusOr<transport::Response>, bool> NcclTransfer(int server, transport::Connection& conn,
                                                                     transport::DataOp op, const std::string& group,
                                                                     int64_t version, DType dtype,
                                                                     absl::Span<std::byte> part, int device);
   template <typename Result>
-  void SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
-                  const std::string& group, int64_t version, DType dtype,
-                  const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,
-                  int device);
+  void SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op, const std::string& group,
+                  int64_t version, DType dtype, const std::vector<absl::Span<std::byte>>& parts,
+                  const std::vector<int>& servers, int device, const std::stop_token& stop);
   template <typename Result>
-  void Submit(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op, const std::string& group,
-              int64_t version, DType dtype, const std::vector<absl::Span<const std::byte>>& sends,
-              const std::vector<absl::Span<std::byte>>& receives, const std::vector<int>& servers,
-              std::shared_ptr<const void> keep_alive);
+  void SubmitIpc(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op, const std::string& group,
+                 int64_t version, DType dtype, const std::vector<absl::Span<const std::byte>>& targets,
+                 const std::vector<int>& servers, const std::shared_ptr<const void>& keep_alive,
+                 const std::stop_token& stop);
   template <typename Result>
   void SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int server, transport::DataOp op,
                  const std::string& group, int64_t version, DType dtype, absl::Span<const std::byte> send,
                  absl::Span<const std::byte> send_tail, absl::Span<std::byte> receive,
-                 std::shared_ptr<const void> keep_alive, std::stop_token stop = {});
+                 std::shared_ptr<const void> keep_alive, std::stop_token stop, StopCut cut = StopCut::kConnection);
 
   const ClientOptions options_;
   const std::vector<ServerEndpoint> servers_;

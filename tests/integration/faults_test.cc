@@ -856,6 +856,57 @@ TEST(StoppedCallTest, AStopEndsAnInitialPushAndTheServerItCutKeepsItsValues) {
   EXPECT_EQ(params, twos);
 }
 
+// A stop ends a gather waiting for a version that does not come, and a scatter to a
+// server that stopped reading (SIGSTOP), at once rather than at the client's timeout
+// (60 s), both split over two connections per server (16 MiB parts). The server the
+// scatter was cut from drops what it had received, the other took its part, and the
+// scatter sent again completes the step with the values one full gradient gives.
+// Transfers whose stop came first are never sent.
+TEST(StoppedTransferTest, AStopEndsAGatherWaitingForAVersionAndAScatterToAStoppedServer) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  constexpr int64_t kNumel = int64_t{8} << 20;  // 16 MiB per server: more than a socket holds
+  const std::unique_ptr<Client> client = ConfiguredClient(cluster, kNumel);
+  ASSERT_NE(client, nullptr);
+  Client& c = *client;
+  std::vector<float> params(kNumel, -1.0f);
+  const std::vector<float> grad(kNumel, 1.0f);
+  std::stop_source early;
+  early.request_stop();
+  const absl::StatusOr<int64_t> unsent = c.Gather("g", 0, DType::kFloat32, AsBytes(params), early.get_token()).get();
+  EXPECT_TRUE(absl::IsCancelled(unsent.status())) << unsent.status();
+  EXPECT_EQ(params[0], -1.0f);
+  const absl::Status unsent_scatter = c.Scatter("g", 0, DType::kFloat32, AsBytes(grad), early.get_token()).get();
+  EXPECT_TRUE(absl::IsCancelled(unsent_scatter)) << unsent_scatter;
+
+  const absl::Status gathered = StopWhileItWaits([&](std::stop_token stop) {
+    return c.Gather("g", 1, DType::kFloat32, AsBytes(params), stop).get().status();  // no step comes
+  });
+  EXPECT_TRUE(absl::IsCancelled(gathered)) << gathered;
+  EXPECT_THAT(std::string(gathered.message()), HasSubstr("of group 'g' was stopped"));
+
+  ASSERT_TRUE(cluster.Pause(0));
+  absl::Cleanup resume = [&] { cluster.Resume(0); };
+  const absl::Status scattered = StopWhileItWaits(
+      [&](std::stop_token stop) { return c.Scatter("g", 0, DType::kFloat32, AsBytes(grad), stop).get(); },
+      absl::Milliseconds(300));
+  EXPECT_TRUE(absl::IsCancelled(scattered)) << scattered;
+  EXPECT_THAT(std::string(scattered.message()), HasSubstr(absl::StrCat("server ", cluster.addresses()[0],
+                                                                       ": the scatter-part of group 'g' was stopped")));
+  std::move(resume).Invoke();
+  EXPECT_EQ(c.WaitVersion("g", 0).value_or(-1), 0);  // server 0 did not step
+  // Server 0 may still be dropping the cut scatter ("already being received"); server 1
+  // took its part and applied the step: it answers AlreadyExists.
+  absl::Status again = c.Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       absl::IsFailedPrecondition(again) && absl::Now() < until;
+       again = c.Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get()) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  ASSERT_EQ(c.Gather("g", 1, DType::kFloat32, AsBytes(params)).get().value_or(-1), 1);
+  EXPECT_EQ(std::count(params.begin(), params.end(), -0.5f), kNumel);  // 0 - 0.5 * 1, once
+}
+
 // Polls server 0 of `cluster` for up to 10 s until it has ended (answered or dropped)
 // `expected` requests of each name (an RPC's full method, a data op's name) and has no
 // data connection open; returns what it saw last, and open connections as "connections".
@@ -909,10 +960,10 @@ TEST(AbandonedWaitTest, AServerEndsTheWaitsOfACallerThatWentAway) {
 }
 
 // The same for a GPU worker's gather from a --memory=device server, over CUDA IPC (one
-// GPU) and NCCL (as between nodes): once the worker has gone, the server stops waiting
-// for the version and writes nothing into its buffer. Before, the server held the
-// request (and its connection) until the client's timeout, 60 s here.
-TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatWentAway) {
+// GPU) and NCCL (as between nodes): once the worker has stopped the gather, or gone, the
+// server stops waiting for the version and writes nothing into its buffer. Before, the
+// server held the request (and its connection) until the client's timeout, 60 s here.
+TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatStoppedOrWentAway) {
   if (!testing::HaveGpu()) GTEST_SKIP() << "device gathers need a CUDA build and a CUDA device";
   const bool nccl = testing::HaveNccl();
   for (const DevicePlane plane : {DevicePlane::kCudaIpc, DevicePlane::kNccl}) {
@@ -928,13 +979,19 @@ TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatWentAway) {
     auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
     ASSERT_TRUE(layout.ok()) << layout.status();
     testing::DeviceBytes device((*layout)->padded_numel() * 4);
-    auto gathered = (*client)->Gather("g", 1, DType::kFloat32, device.span());  // worker 1 never sends
-    absl::SleepFor(absl::Milliseconds(500));                                    // the gather waits on the server
+    const absl::Status stopped = StopWhileItWaits(
+        [&](std::stop_token stop) {
+          return (*client)->Gather("g", 1, DType::kFloat32, device.span(), stop).get().status();
+        },
+        absl::Milliseconds(500));  // worker 1 never sends: the gather waits on the server until the stop
+    EXPECT_TRUE(absl::IsCancelled(stopped)) << stopped;
+    auto gathered = (*client)->Gather("g", 1, DType::kFloat32, device.span());
+    absl::SleepFor(absl::Milliseconds(500));
     client->reset();
     EXPECT_TRUE(absl::IsCancelled(gathered.get().status()));
     const std::string op = plane == DevicePlane::kNccl ? "nccl-gather" : "ipc-gather";
-    std::map<std::string, uint64_t> ended = AwaitEnded(cluster, {{op, 1}});
-    EXPECT_EQ(ended[op], 1u);
+    std::map<std::string, uint64_t> ended = AwaitEnded(cluster, {{op, 2}});
+    EXPECT_EQ(ended[op], 2u);
     EXPECT_EQ(ended["connections"], 0u);
     std::vector<uint32_t> bits((*layout)->padded_numel());
     device.Download(AsBytes(bits));

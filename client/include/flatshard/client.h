@@ -10,11 +10,11 @@
 // waits for them to let go of their buffers: the futures it returned become ready,
 // Cancelled unless they were done (a scatter cut after its last byte reached a server
 // may still count there), and stay valid, whether or not they were waited for first.
-// The calls that take a std::stop_token (all but the transfers and the checkpoint
-// calls, which CancelCheckpointCalls reaches) end at once, Cancelled, when its
-// std::stop_source is asked to stop from another thread (a Ctrl-C handler, say), also
-// against a server that stopped answering; a stopped call may have taken effect on some
-// servers, as one that timed out, and may be made again.
+// The calls that take a std::stop_token (all but the checkpoint calls, which
+// CancelCheckpointCalls reaches) end at once, Cancelled, when its std::stop_source is
+// asked to stop from another thread (a Ctrl-C handler, say), also against a server that
+// stopped answering; a stopped call may have taken effect on some servers, as one that
+// timed out, and may be made again (Gather and Scatter say what a stop does to them).
 //
 //   auto client = flatshard::Client::Connect({.servers = {"127.0.0.1:7070"}, .num_workers = 2});
 //   (*client)->ConfigureJob({});
@@ -230,9 +230,15 @@ class Client {
   // Aborted when the servers answered from the states of two checkpoint loads (one was
   // committing, or did not commit everywhere): gather again. The Client remembers which
   // load the gathered state came from, for this group's next Scatter.
-  virtual std::future<absl::StatusOr<int64_t>> Gather(const std::string& group,
-                                                      int64_t min_version, DType dtype,
-                                                      absl::Span<std::byte> out) = 0;
+  // A stop asked of `stop` ends the transfer, Cancelled, the wait for min_version
+  // included: over TCP at once (the requests not yet sent are not sent, the connections
+  // of those under way are shut down); over CUDA IPC and NCCL, where the servers and NCCL
+  // move the bytes themselves, once none of them still touches the buffer (a server that
+  // stopped waiting at the stop, or finished its copy; an NCCL operation under way first
+  // ends). The future is then ready and the buffer the caller's again; a stopped
+  // gather's `out` may hold part of the bytes.
+  virtual std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version, DType dtype,
+                                                      absl::Span<std::byte> out, std::stop_token stop = {}) = 0;
 
   // Sends this worker's full flat gradient (padded_numel() elements of `dtype`) for
   // `step`: each server receives its slice. Ready once every server holds it; it does
@@ -242,8 +248,11 @@ class Client {
   // this group's last Gather (or InitGroup): Aborted when a load replaced that state since
   // (even at the same version): gather the loaded state and compute the gradient again.
   // Without a Gather or InitGroup of the group by this Client, it is not checked.
+  // A stop ends it as it ends a Gather; a server that had received all of the gradient
+  // before the stop may have taken it (send it again: AlreadyExists there), the others
+  // drop what they had received.
   virtual std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
-                                            absl::Span<const std::byte> grad) = 0;
+                                            absl::Span<const std::byte> grad, std::stop_token stop = {}) = 0;
 
   // Per server, the data plane a device buffer on this thread's current GPU would use:
   // "cuda-ipc", "nccl" or "tcp" (see DevicePlane). Host buffers always use "tcp".
