@@ -172,13 +172,14 @@ class Orphans {
   std::vector<std::pair<AnyFuture, py::object>> orphans_;
 };
 
-// A Gather (its version) or a Scatter (0) in flight. The buffer stays referenced until
-// a wait() has seen the transfer done, or, if this is dropped first, by the client's
-// Orphans. wait() and done() may be called any number of times, from any thread.
+// A Gather (its version) or a Scatter (0) in flight, which `stop` (the source of the
+// token it was started with) ends. The buffer stays referenced until a wait() has seen
+// the transfer done, or, if this is dropped first, by the client's Orphans. wait(),
+// done() and cancel() may be called any number of times, from any thread.
 class Pending {
  public:
-  Pending(AnyFuture future, py::object keep, std::shared_ptr<Orphans> orphans)
-      : future_(std::move(future)), keep_(std::move(keep)), orphans_(std::move(orphans)) {}
+  Pending(AnyFuture future, std::stop_source stop, py::object keep, std::shared_ptr<Orphans> orphans)
+      : future_(std::move(future)), stop_(std::move(stop)), keep_(std::move(keep)), orphans_(std::move(orphans)) {}
   ~Pending() {
     if (keep_ && !Ready(future_)) orphans_->Adopt(future_, std::move(keep_));
   }
@@ -187,8 +188,9 @@ class Pending {
 
   // Waits (GIL released; flatshard::AwaitFor, so a small transfer is seen as it
   // completes) and returns the version; raises on failure. Python's signals are looked at
-  // every 50 ms meanwhile: Ctrl-C raises KeyboardInterrupt at once, while the transfer
-  // goes on (bounded by the client's timeout) with its buffer still referenced here.
+  // every 50 ms meanwhile: Ctrl-C (or another exception a signal handler raises) stops
+  // the transfer (Cancel) and raises KeyboardInterrupt at once; the buffer stays
+  // referenced here until the transfer has ended.
   int64_t Wait() {
     bool interrupted = false;
     {
@@ -206,7 +208,10 @@ class Pending {
           },
           future_);
     }
-    if (interrupted) throw py::error_already_set();
+    if (interrupted) {
+      Cancel();
+      throw py::error_already_set();
+    }
     absl::StatusOr<int64_t> result = int64_t{0};  // a scatter's
     if (const auto* gather = std::get_if<GatherFuture>(&future_)) {
       result = gather->get();
@@ -217,9 +222,13 @@ class Pending {
     return Check(std::move(result));
   }
   bool Done() const { return Ready(future_); }
+  // Stops the transfer (Client::Gather says how soon); wait() then raises CancelledError,
+  // unless it had finished.
+  void Cancel() { stop_.request_stop(); }
 
  private:
   const AnyFuture future_;
+  std::stop_source stop_;
   py::object keep_;
   const std::shared_ptr<Orphans> orphans_;
 };
@@ -348,14 +357,18 @@ class PyClient {
                                   const py::object& out) {
     const absl::Span<std::byte> bytes = AnyBytes(out, true);
     orphans_->Reap();
-    return std::make_unique<Pending>(client_->Gather(name, min_version, ToDType(dtype), bytes).share(), out, orphans_);
+    std::stop_source stop;
+    return std::make_unique<Pending>(
+        client_->Gather(name, min_version, ToDType(dtype), bytes, stop.get_token()).share(), stop, out, orphans_);
   }
 
   std::unique_ptr<Pending> Scatter(const std::string& name, int64_t step, const std::string& dtype,
                                    const py::object& grad) {
     const absl::Span<std::byte> bytes = AnyBytes(grad, false);
     orphans_->Reap();
-    return std::make_unique<Pending>(client_->Scatter(name, step, ToDType(dtype), bytes).share(), grad, orphans_);
+    std::stop_source stop;
+    return std::make_unique<Pending>(client_->Scatter(name, step, ToDType(dtype), bytes, stop.get_token()).share(),
+                                     stop, grad, orphans_);
   }
 
   int64_t WaitVersion(const std::string& name, int64_t min_version) {
@@ -504,7 +517,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("protocol_revision") = flatshard::kProtocolRevision;
   py::class_<Pending>(m, "Pending")
       .def("wait", &Pending::Wait, "Waits for the transfer; returns the version (gather) or 0.")
-      .def("done", &Pending::Done, "True once the transfer has finished.");
+      .def("done", &Pending::Done, "True once the transfer has finished.")
+      .def("cancel", &Pending::Cancel, "Stops the transfer; wait() then raises CancelledError unless it had finished.");
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string, std::string, int,
                     int64_t, int64_t, double, double>(),

@@ -195,10 +195,10 @@ class Transfer:
     """A gather or scatter in flight; ``wait()`` returns its result (or raises its error),
     as often as it is called; ``done()`` says whether it has finished. A small transfer's
     wait() watches for it for up to 200 us before sleeping (flatshard::Await in the C++
-    client), which sees it finish tens of microseconds sooner. Ctrl-C in wait() raises
-    KeyboardInterrupt at once; the transfer goes on, its buffer held, and a later wait()
-    returns its result. Dropped unfinished, it does not wait: the client holds the buffer
-    until the transfer ends, or cancels it when the client itself goes."""
+    client), which sees it finish tens of microseconds sooner. Ctrl-C in wait() cancels
+    the transfer and raises KeyboardInterrupt at once. Dropped unfinished, it does not
+    wait: the client holds the buffer until the transfer ends, or cancels it when the
+    client itself goes."""
 
     def __init__(self, pending, finish):
         self._pending = pending
@@ -209,6 +209,15 @@ class Transfer:
 
     def done(self):
         return self._pending.done()
+
+    def cancel(self):
+        """Stops the transfer: one waiting for a version stops waiting, bytes moving over
+        TCP stop at once (over CUDA IPC or NCCL, once the bytes under way have moved).
+        wait() then raises flatshard.CancelledError, unless it had finished; the buffer
+        is the caller's again once done() is true. A cancelled gather's buffer may hold
+        part of the bytes; a cancelled scatter may have reached some servers (sent again,
+        it is AlreadyExistsError there)."""
+        self._pending.cancel()
 
 
 class Client:
@@ -237,8 +246,8 @@ class Client:
     answering, without waiting for ``timeout``: the call is cancelled (a save, load or
     export keeps nothing of itself; any other may have taken effect on some servers, as
     one that timed out, and may be made again; a server that had not received all of its
-    init_group shard keeps its values), except a transfer's wait(), which leaves the
-    transfer going on.
+    init_group shard keeps its values); in a transfer's wait(), it cancels the transfer
+    (Transfer.cancel).
     """
 
     def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,

@@ -407,6 +407,10 @@ class ShardedModule(torch.nn.Module):
             except BaseException as e:  # noqa: BLE001 (raised below)
                 if error is None or isinstance(e, flatshard.AbortedError):
                     error = e
+                if isinstance(e, KeyboardInterrupt):  # the rest need not finish either
+                    for other in self._groups:
+                        if other.pending_scatter is not None:
+                            other.pending_scatter.cancel()
         if error is not None:
             raise error
         for group in self._groups:

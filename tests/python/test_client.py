@@ -329,20 +329,30 @@ class ClientTest(unittest.TestCase):
             c.export_state_dict(out, kind="full")  # the servers serve on
             self.assertEqual(os.listdir(out), ["model.safetensors"])
 
-    def test_ctrl_c_interrupts_a_gather_waiting_for_a_version(self):
+    def test_ctrl_c_or_a_cancel_stops_a_gather_waiting_for_a_version(self):
         c = self.client(job="gather-interrupted", timeout=60.0)
         c.configure_job()
         c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
         c.init_group("g", values(3))
         pending = c.gather_async("g", min_version=1)  # no step comes: it waits up to 60 s
         self.assert_ctrl_c_ends(pending.wait, within=30.0)
-        # The gather went on, into its buffer, which the transfer still holds: the step it
-        # waits for completes it.
+        stopped = "the gather of group 'g' was stopped"
+        with self.assertRaisesRegex(flatshard.CancelledError, stopped):  # at once, not in 60 s
+            pending.wait()
+        self.assertTrue(pending.done())
+        pending = c.gather_async("g", min_version=1)
+        time.sleep(0.2)
         self.assertFalse(pending.done())
-        c.scatter("g", values(4), step=0)
-        flat, version = pending.wait()
+        start = time.monotonic()
+        pending.cancel()
+        with self.assertRaisesRegex(flatshard.CancelledError, stopped):
+            pending.wait()
+        self.assertLess(time.monotonic() - start, 30.0)
+        before, _ = c.gather_flat("g")
+        c.scatter("g", values(4), step=0)  # the client and the servers serve on
+        flat, version = c.gather_flat("g", min_version=1)
         self.assertEqual(version, 1)
-        np.testing.assert_array_equal(flat, c.gather_flat("g")[0])
+        self.assertFalse(np.array_equal(flat, before))
 
     def test_ctrl_c_stops_a_wait_for_a_version_or_a_norm(self):
         c = self.client(job="waits-interrupted", timeout=60.0)

@@ -13,8 +13,10 @@ import contextlib
 import math
 import multiprocessing
 import os
+import signal
 import tempfile
 import threading
+import time
 import unittest
 
 import numpy as np
@@ -257,15 +259,20 @@ class ParityTest(unittest.TestCase):
                            device="cuda", memory=memory)
 
 
+def one_worker_mlp_on(cluster, job):
+    """(client, ShardedModule of the MLP with SGD) of a one-worker job on `cluster`."""
+    import flatshard.torch
+    client = flatshard.Client(cluster.addresses, token=cluster.token, job=job)
+    client.configure_job()
+    return client, flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
+                                                 auto_wrap_min_params=200)
+
+
 @contextlib.contextmanager
 def one_worker_mlp(job):
-    """(client, ShardedModule of the MLP with SGD) of a one-worker job on 2 servers."""
-    import flatshard.torch
+    """one_worker_mlp_on a cluster of 2 servers of its own."""
     with flatshard.LocalCluster(servers=2, memory=MEMORY) as cluster:
-        client = flatshard.Client(cluster.addresses, token=cluster.token, job=job)
-        client.configure_job()
-        yield client, flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
-                                                    auto_wrap_min_params=200)
+        yield one_worker_mlp_on(cluster, job)
 
 
 class Failed:
@@ -378,6 +385,34 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             self.assertEqual(sent.count(victim), 2)
             self.assertEqual(model.version, 1)
             state = model.state_dict()
+        self.assert_matches_sgd(state, steps=1)
+
+    def test_ctrl_c_in_a_step_cancels_its_scatters_and_the_retry_completes_it(self):
+        with flatshard.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            client, model = one_worker_mlp_on(cluster, "interrupted")
+            self.assertGreater(len(model.groups), 1)
+            x, y = make_data("mlp")
+            loss = F.mse_loss(model(x), y)
+            # Every group's scatter (sent as backward reaches it) waits for server 0's
+            # answer, up to the client's 30 s each: Ctrl-C in the first wait cancels the
+            # others too.
+            cluster.pause(0)
+            loss.backward()
+            timer = threading.Timer(0.3, signal.pthread_kill, args=(threading.get_ident(), signal.SIGINT))
+            try:
+                start = time.monotonic()
+                timer.start()
+                with self.assertRaises(KeyboardInterrupt):
+                    model.step()
+                self.assertLess(time.monotonic() - start, 10.0)
+            finally:
+                timer.join()
+                cluster.resume(0)
+            self.assertEqual(model.version, 0)
+            model.step()  # sent again where the cancelled scatters had not arrived
+            self.assertEqual(model.version, 1)
+            state = model.state_dict()
+            del model, client
         self.assert_matches_sgd(state, steps=1)
 
     # An operator loads checkpoints while two workers train: back to version 0 while worker
