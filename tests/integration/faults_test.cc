@@ -819,41 +819,54 @@ TEST(StoppedCallTest, AWaitHookRunsOnTheCallingThreadAndStopsTheCall) {
   ASSERT_TRUE(c.ConfigureJob({}).ok());  // the client serves on
 }
 
+// Two servers and a client of them whose group "g" (ConfiguredClient) holds 16 MiB per
+// server: more than a socket holds, so a transfer to a server that stopped reading waits.
+class StoppedBigTransferTest : public ::testing::Test {
+ protected:
+  static constexpr int64_t kNumel = int64_t{8} << 20;
+  void SetUp() override { ASSERT_NE(client_, nullptr); }
+
+  testing::TestCluster cluster_{2, "tok", ::testing::TempDir()};
+  const std::unique_ptr<Client> client_ = ConfiguredClient(cluster_, kNumel);
+  std::vector<float> params_ = std::vector<float>(kNumel, -1.0f);
+};
+
+// Makes `send` again while a server refuses it as still being received (it is dropping
+// the transfer a stop cut), for up to 10 s; returns the last outcome.
+absl::Status SentAgain(const std::function<absl::Status()>& send) {
+  absl::Status sent = send();
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       absl::IsFailedPrecondition(sent) && absl::Now() < until; sent = send()) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return sent;
+}
+
 // A stop ends an InitGroup push to a server that stopped reading (SIGSTOP here) at once
 // rather than at the client's timeout (60 s): the push's connection is shut down, and the
 // server, running again, drops what it had received and keeps its values, while the
 // other server took its shard. The push made again lands everywhere.
-TEST(StoppedCallTest, AStopEndsAnInitialPushAndTheServerItCutKeepsItsValues) {
-  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
-  constexpr int64_t kNumel = int64_t{8} << 20;  // 16 MiB per server: more than a socket holds
-  const std::unique_ptr<Client> client = ConfiguredClient(cluster, kNumel);
-  ASSERT_NE(client, nullptr);
-  Client& c = *client;
-  std::vector<float> params(kNumel, -1.0f);
-  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);  // connections open
-  ASSERT_TRUE(cluster.Pause(0));
-  absl::Cleanup resume = [&] { cluster.Resume(0); };
+TEST_F(StoppedBigTransferTest, AStopEndsAnInitialPushAndTheServerItCutKeepsItsValues) {
+  Client& c = *client_;
+  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params_)).get().value_or(-1), 0);  // connections open
+  ASSERT_TRUE(cluster_.Pause(0));
+  absl::Cleanup resume = [&] { cluster_.Resume(0); };
   const std::vector<float> ones(kNumel, 1.0f);
   const absl::Status status =
       StopWhileItWaits([&](std::stop_token stop) { return c.InitGroup("g", ones, stop); }, absl::Milliseconds(300));
   EXPECT_TRUE(absl::IsCancelled(status)) << status;
   EXPECT_THAT(std::string(status.message()),
-              HasSubstr(absl::StrCat("server ", cluster.addresses()[0], ": the push-init of group 'g' was stopped")));
+              HasSubstr(absl::StrCat("server ", cluster_.addresses()[0], ": the push-init of group 'g' was stopped")));
   std::move(resume).Invoke();
-  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);
+  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params_)).get().value_or(-1), 0);
   const size_t half = kNumel / 2;
-  EXPECT_EQ(std::count(params.begin(), params.begin() + half, 0.0f), half) << "server 0 took part of the push";
-  EXPECT_EQ(std::count(params.begin() + half, params.end(), 1.0f), half) << "server 1 did not take its shard";
-  // Server 0 may still be dropping the cut push ("already being received").
+  EXPECT_EQ(std::count(params_.begin(), params_.begin() + half, 0.0f), half) << "server 0 took part of the push";
+  EXPECT_EQ(std::count(params_.begin() + half, params_.end(), 1.0f), half) << "server 1 did not take its shard";
   const std::vector<float> twos(kNumel, 2.0f);
-  absl::Status again = c.InitGroup("g", twos);
-  for (const absl::Time until = absl::Now() + absl::Seconds(10);
-       absl::IsFailedPrecondition(again) && absl::Now() < until; again = c.InitGroup("g", twos)) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  const absl::Status again = SentAgain([&] { return c.InitGroup("g", twos); });
   ASSERT_TRUE(again.ok()) << again;
-  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params)).get().value_or(-1), 0);
-  EXPECT_EQ(params, twos);
+  ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(params_)).get().value_or(-1), 0);
+  EXPECT_EQ(params_, twos);
 }
 
 // A stop ends a gather waiting for a version that does not come, and a scatter to a
@@ -862,49 +875,38 @@ TEST(StoppedCallTest, AStopEndsAnInitialPushAndTheServerItCutKeepsItsValues) {
 // scatter was cut from drops what it had received, the other took its part, and the
 // scatter sent again completes the step with the values one full gradient gives.
 // Transfers whose stop came first are never sent.
-TEST(StoppedTransferTest, AStopEndsAGatherWaitingForAVersionAndAScatterToAStoppedServer) {
-  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
-  constexpr int64_t kNumel = int64_t{8} << 20;  // 16 MiB per server: more than a socket holds
-  const std::unique_ptr<Client> client = ConfiguredClient(cluster, kNumel);
-  ASSERT_NE(client, nullptr);
-  Client& c = *client;
-  std::vector<float> params(kNumel, -1.0f);
+TEST_F(StoppedBigTransferTest, AStopEndsAGatherWaitingForAVersionAndAScatterToAStoppedServer) {
+  Client& c = *client_;
   const std::vector<float> grad(kNumel, 1.0f);
   std::stop_source early;
   early.request_stop();
-  const absl::StatusOr<int64_t> unsent = c.Gather("g", 0, DType::kFloat32, AsBytes(params), early.get_token()).get();
+  const absl::StatusOr<int64_t> unsent = c.Gather("g", 0, DType::kFloat32, AsBytes(params_), early.get_token()).get();
   EXPECT_TRUE(absl::IsCancelled(unsent.status())) << unsent.status();
-  EXPECT_EQ(params[0], -1.0f);
+  EXPECT_EQ(params_[0], -1.0f);
   const absl::Status unsent_scatter = c.Scatter("g", 0, DType::kFloat32, AsBytes(grad), early.get_token()).get();
   EXPECT_TRUE(absl::IsCancelled(unsent_scatter)) << unsent_scatter;
 
   const absl::Status gathered = StopWhileItWaits([&](std::stop_token stop) {
-    return c.Gather("g", 1, DType::kFloat32, AsBytes(params), stop).get().status();  // no step comes
+    return c.Gather("g", 1, DType::kFloat32, AsBytes(params_), stop).get().status();  // no step comes
   });
   EXPECT_TRUE(absl::IsCancelled(gathered)) << gathered;
   EXPECT_THAT(std::string(gathered.message()), HasSubstr("of group 'g' was stopped"));
 
-  ASSERT_TRUE(cluster.Pause(0));
-  absl::Cleanup resume = [&] { cluster.Resume(0); };
+  ASSERT_TRUE(cluster_.Pause(0));
+  absl::Cleanup resume = [&] { cluster_.Resume(0); };
   const absl::Status scattered = StopWhileItWaits(
       [&](std::stop_token stop) { return c.Scatter("g", 0, DType::kFloat32, AsBytes(grad), stop).get(); },
       absl::Milliseconds(300));
   EXPECT_TRUE(absl::IsCancelled(scattered)) << scattered;
-  EXPECT_THAT(std::string(scattered.message()), HasSubstr(absl::StrCat("server ", cluster.addresses()[0],
+  EXPECT_THAT(std::string(scattered.message()), HasSubstr(absl::StrCat("server ", cluster_.addresses()[0],
                                                                        ": the scatter-part of group 'g' was stopped")));
   std::move(resume).Invoke();
   EXPECT_EQ(c.WaitVersion("g", 0).value_or(-1), 0);  // server 0 did not step
-  // Server 0 may still be dropping the cut scatter ("already being received"); server 1
-  // took its part and applied the step: it answers AlreadyExists.
-  absl::Status again = c.Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
-  for (const absl::Time until = absl::Now() + absl::Seconds(10);
-       absl::IsFailedPrecondition(again) && absl::Now() < until;
-       again = c.Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get()) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  // Server 1 took its part and applied the step: it answers AlreadyExists.
+  const absl::Status again = SentAgain([&] { return c.Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get(); });
   EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
-  ASSERT_EQ(c.Gather("g", 1, DType::kFloat32, AsBytes(params)).get().value_or(-1), 1);
-  EXPECT_EQ(std::count(params.begin(), params.end(), -0.5f), kNumel);  // 0 - 0.5 * 1, once
+  ASSERT_EQ(c.Gather("g", 1, DType::kFloat32, AsBytes(params_)).get().value_or(-1), 1);
+  EXPECT_EQ(std::count(params_.begin(), params_.end(), -0.5f), kNumel);  // 0 - 0.5 * 1, once
 }
 
 // Polls server 0 of `cluster` for up to 10 s until it has ended (answered or dropped)
