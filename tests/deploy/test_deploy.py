@@ -1,9 +1,11 @@
 """The deployment files against the server they start: every flag they pass is one the
 built flatshard-server defines (a renamed flag would otherwise break deployments
-silently), and the Kubernetes StatefulSet renders, pod by pod, a consistent server
+silently), the Kubernetes StatefulSet renders, pod by pod, a consistent server
 command line: its rank is its ordinal, its --listen is its own entry of --cluster, the
 cluster list has one entry per replica that the headless Service resolves, and the files
-it names are where the volumes are mounted.
+it names are where the volumes are mounted; and the Docker image installs every shared
+library the binaries it copies load (a library linked later, and not added there, would
+otherwise stop the image's server at start).
 
 Environment: FLATSHARD_SERVER_PATH (the built server), FLATSHARD_SOURCE_DIR.
 """
@@ -33,6 +35,42 @@ def flags_of(arguments):
             name, _, value = argument[2:].partition("=")
             flags[name] = value
     return flags
+
+
+def owning_package(path):
+    """The Debian package that installed `path`, or None. dpkg records a library under
+    /lib or /usr/lib (merged on Debian 12), whichever its package ships."""
+    for candidate in {path, path.removeprefix("/usr"), "/usr" + path}:
+        found = subprocess.run(["dpkg-query", "-S", candidate], capture_output=True, text=True)
+        if found.returncode == 0:
+            return found.stdout.split(":", 1)[0]
+    return None
+
+
+def installed_with(packages):
+    """`packages` and what they depend on (Depends, Pre-Depends; of alternatives, the
+    first, which apt picks), as installed here."""
+    seen, todo = set(), list(packages)
+    while todo:
+        package = todo.pop()
+        if package in seen:
+            continue
+        seen.add(package)
+        fields = subprocess.run(["dpkg-query", "-W", "-f=${Depends}, ${Pre-Depends}", package],
+                                capture_output=True, text=True, check=True).stdout
+        for dependency in fields.split(","):
+            name = dependency.split("|")[0].strip().split(" ")[0].split(":")[0]
+            if name:
+                todo.append(name)
+    return seen
+
+
+def base_image_packages():
+    """What debian:12 holds before the Dockerfile installs anything: the packages of
+    priority required, and apt."""
+    listing = subprocess.run(["dpkg-query", "-W", "-f=${Package} ${Priority}\n"],
+                             capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.endswith(" required")] + ["apt"]
 
 
 class DeployTest(unittest.TestCase):
@@ -95,6 +133,24 @@ class DeployTest(unittest.TestCase):
         volumes = {v["name"]: v for v in pod["volumes"]}
         self.assertEqual(volumes["token"]["secret"]["secretName"], "flatshard-token")
         self.assertEqual([t["metadata"]["name"] for t in spec["volumeClaimTemplates"]], ["checkpoints"])
+
+    def test_docker_image_installs_every_library_its_binaries_load(self):
+        with open(os.path.join(SOURCE, "docker", "Dockerfile.cpu")) as dockerfile:
+            runtime = dockerfile.read().rsplit("\nFROM ", 1)[1]  # the last stage: the image
+        install = re.search(r"apt-get install ((?:[^&\\]|\\\n)*)", runtime).group(1)
+        listed = [word for word in install.replace("\\\n", " ").split() if not word.startswith("-")]
+        copied = re.search(r"^COPY --from=build (.*) /usr/local/bin/$", runtime, re.MULTILINE).group(1).split()
+        self.assertEqual([os.path.basename(path) for path in copied], ["flatshard-server", "flatshard"])
+        available = installed_with(listed + base_image_packages())
+        for binary in (SERVER, os.path.join(os.path.dirname(SERVER), "flatshard")):
+            loaded = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+            self.assertNotIn("not found", loaded, binary)
+            for path in re.findall(r"=> (/\S+)", loaded):
+                if path.startswith("/usr/local/cuda"):
+                    continue  # the CUDA runtime of a CUDA build; the image is built without CUDA
+                package = owning_package(path)
+                self.assertIsNotNone(package, f"{binary} loads {path}, which no Debian package installed")
+                self.assertTrue(package in available, f"{binary} loads {path} from {package}, which the image lacks")
 
 
 if __name__ == "__main__":
