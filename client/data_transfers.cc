@@ -293,7 +293,8 @@ std::pair<absl::StatusOr<transport::Response>, bool> DataTransfers::NcclTransfer
 
 // NCCL transfers with `servers`, each on its data channel, finishing `completion`.
 // A stop closes only what a request sends (StopCut::kSend): the server drops one that
-// waits for its version; NCCL bytes under way move to their end.
+// waits for its version; NCCL bytes under way move to their end. One stopped before it
+// begins opens no NCCL link.
 template <typename Result>
 void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
                                const std::string& group, int64_t version, DType dtype,
@@ -303,7 +304,7 @@ void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& comple
     const absl::Span<std::byte> part = parts[i];
     channels_[i]->Submit(
         [=, this](absl::StatusOr<transport::Connection*> conn) {
-          if (!conn.ok()) {
+          if (!conn.ok() || stop.stop_requested()) {
             completion->Finish(RequestFailure(i, conn.status(), op, group, stop), 0);
             return true;
           }
