@@ -49,7 +49,8 @@ def owning_package(path):
 
 def installed_with(packages):
     """`packages` and what they depend on (Depends, Pre-Depends; of alternatives, the
-    first, which apt picks), as installed here."""
+    first, which apt picks), as installed here (a package dpkg does not know here adds
+    nothing: no library the binaries load here can come from it)."""
     seen, todo = set(), list(packages)
     while todo:
         package = todo.pop()
@@ -57,7 +58,7 @@ def installed_with(packages):
             continue
         seen.add(package)
         fields = subprocess.run(["dpkg-query", "-W", "-f=${Depends}, ${Pre-Depends}", package],
-                                capture_output=True, text=True, check=True).stdout
+                                capture_output=True, text=True).stdout
         for dependency in fields.split(","):
             name = dependency.split("|")[0].strip().split(" ")[0].split(":")[0]
             if name:

@@ -51,11 +51,19 @@ TEST(CheckpointDeadlineTest, CallsThatGrowWithTheModelOutlastThePerCallTimeout) 
   auto quick = ConnectWith(cluster, {.timeout = timeout});
   ASSERT_TRUE(quick.ok()) << quick.status();
   ASSERT_TRUE((*quick)->ConfigureJob({}).ok());
+  // Each call begins with small ones the timeout does bound (a save's and a load's status
+  // fetch), which a loaded machine can make run out: a call that ends DeadlineExceeded
+  // is made again, a few times. One that the timeout bounded as a whole would end so
+  // every time.
   auto timed = [&](const char* what, const std::function<absl::Status()>& call) {
-    const absl::Time start = absl::Now();
-    const absl::Status status = call();
-    const absl::Duration took = absl::Now() - start;
-    std::cout << what << ": " << status << " in " << took << "\n";
+    absl::Status status;
+    absl::Duration took;
+    for (int attempt = 0; attempt < 5 && (attempt == 0 || absl::IsDeadlineExceeded(status)); ++attempt) {
+      const absl::Time start = absl::Now();
+      status = call();
+      took = absl::Now() - start;
+      std::cout << what << ": " << status << " in " << took << "\n";
+    }
     EXPECT_TRUE(status.ok()) << what << ": " << status;
     longest = std::max(longest, took);
   };
