@@ -2,6 +2,7 @@
 
 #include <optional>
 
+#include "client/either_stop.h"
 #include "core/status_macros.h"
 #include "flatshard/await.h"
 #include "transport/data_protocol.h"
@@ -147,15 +148,13 @@ bool DataChannel::HasWork(const ConnectionThread& thread) const {
 
 absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open(std::stop_token stop) {
   // Either stop ends the connect and the hello.
-  std::stop_source either;
-  auto pass_on = [&either] { either.request_stop(); };
-  const std::stop_callback<decltype(pass_on)> asked(stop, pass_on), cancelled(cancel_.get_token(), pass_on);
+  const EitherStop either(stop, cancel_.get_token());
   DataSession session;
   {
     absl::MutexLock lock(&session_mu_);
     session = session_;
   }
-  absl::StatusOr<std::unique_ptr<transport::Connection>> conn = Hello(session, either.get_token());
+  absl::StatusOr<std::unique_ptr<transport::Connection>> conn = Hello(session, either.token());
   // Refused (the server does not know the session) or unreachable (it may have come back
   // on another data port): the server restarted, or is down. Unless another connection
   // has renewed the session meanwhile, ask the control plane for a new one; while the
@@ -168,11 +167,11 @@ absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open(std::st
     if (session_.token != session.token) renewed = session_;
   }
   if (renewed.token.empty()) {
-    FLATSHARD_ASSIGN_OR_RETURN(renewed, renew_(either.get_token()));
+    FLATSHARD_ASSIGN_OR_RETURN(renewed, renew_(either.token()));
     absl::MutexLock lock(&session_mu_);
     session_ = renewed;
   }
-  return Hello(renewed, either.get_token());
+  return Hello(renewed, either.token());
 }
 
 absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Hello(const DataSession& session,
