@@ -72,8 +72,8 @@ class ClientImpl final : public Client {
     transfers_ = std::make_unique<client_internal::DataTransfers>(
         options_, std::move(endpoints),
         client_internal::ControlCalls{
-            .open_nccl_channel = [this](int server,
-                                        const std::string& unique_id) { return OpenNcclChannel(server, unique_id); },
+            .open_nccl_channel = [this](int server, const std::string& unique_id,
+                                        std::stop_token stop) { return OpenNcclChannel(server, unique_id, stop); },
             .open_session = [this](int server, std::stop_token stop) { return OpenSession(server, stop); },
         });
     return absl::OkStatus();
@@ -327,13 +327,14 @@ class ClientImpl final : public Client {
     return client_internal::DataSession{response.data_address(), response.session_token()};
   }
 
-  absl::StatusOr<uint64_t> OpenNcclChannel(int server, const std::string& unique_id) {
+  absl::StatusOr<uint64_t> OpenNcclChannel(int server, const std::string& unique_id, std::stop_token stop) {
     v1::OpenNcclChannelRequest request;
     request.set_unique_id(unique_id);
     request.set_worker_rank(options_.worker_rank);
     v1::OpenNcclChannelResponse response;
     FLATSHARD_RETURN_IF_ERROR(
-        control_->Call(server, &v1::Flatshard::Stub::PrepareAsyncOpenNcclChannel, request, &response));
+        control_->Call(server, &v1::Flatshard::Stub::PrepareAsyncOpenNcclChannel, request, &response,
+                       absl::ZeroDuration(), nullptr, std::move(stop)));
     return response.channel();
   }
 

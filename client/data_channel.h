@@ -58,14 +58,15 @@ DataTask WriteThen(RequestWriter write, DataTask task);
 // How a stop reaches a request under way (DataChannel::Submit).
 enum class StopCut {
   // Its connection is shut down: its sends and receives fail at once, and the server
-  // drops the request. For requests whose bytes this process moves itself (TCP).
+  // drops the request. For requests whose bytes this process moves itself (TCP, and
+  // NCCL, whose task aborts its own NCCL operation on the stop).
   kConnection,
   // Only what it sends is ended (Connection::CloseSend): the server drops the request
   // unless it has begun to move its bytes, and the task reads its answer, or the
   // server's close, as usual. For requests whose bytes the server moves itself (into
-  // or out of this process's GPU memory: CUDA IPC, NCCL), so that the request ends only
-  // once the server has let go of the buffer; a server that stopped answering holds it
-  // until the connection's timeout.
+  // or out of this process's GPU memory: CUDA IPC), so that the request ends only once
+  // the server has let go of the buffer; a server that stopped answering holds it until
+  // the connection's timeout.
   kSend,
 };
 

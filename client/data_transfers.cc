@@ -7,6 +7,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "client/device_memory.h"
+#include "client/either_stop.h"
 #include "client/wait_hook.h"
 #include "core/status_macros.h"
 #include "flatshard/await.h"
@@ -26,7 +27,8 @@ DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> 
                     options_.max_in_flight * static_cast<int>(servers_.size())) {
   for (int i = 0; i < num_servers(); ++i) {
     nccl_links_.push_back(std::make_unique<NcclLinks>(
-        options_.max_in_flight, [this, i](int device) { return OpenLink(i, device); }));
+        options_.max_in_flight,
+        [this, i](int device, const std::stop_token& stop) { return OpenLink(i, device, stop); }));
     channels_.push_back(std::make_unique<DataChannel>(
         servers_[i].session, [this, i](std::stop_token stop) { return calls_.open_session(i, stop); },
         options_.max_in_flight, options_.timeout + absl::Seconds(5)));
@@ -34,7 +36,7 @@ DataTransfers::DataTransfers(ClientOptions options, std::vector<ServerEndpoint> 
 }
 
 DataTransfers::~DataTransfers() {
-  destroying_.store(true);
+  destroying_.request_stop();
   for (const std::unique_ptr<DataChannel>& channel : channels_) channel->Cancel();
   absl::MutexLock lock(&aside_mu_);
   aside_mu_.Await(absl::Condition(
@@ -177,7 +179,7 @@ void DataTransfers::RecordLoadHeld(const std::string& group, uint64_t load_id) {
 }
 
 absl::Status DataTransfers::AtServer(int server, const absl::Status& status) const {
-  if (destroying_.load()) {  // the failure is the cut connection's, whatever it says
+  if (destroying_.stop_requested()) {  // the failure is the cut connection's, whatever it says
     return absl::CancelledError(
         absl::StrCat("server ", servers_[server].address, ": the client was destroyed with this transfer in flight"));
   }
@@ -192,13 +194,13 @@ absl::Status DataTransfers::RequestFailure(int server, const absl::Status& statu
                               absl::StrCat("the ", transport::DataOpName(op), " of group '", group, "' was stopped")));
 }
 
-// A new NCCL link with server i on `device`: the OpenNcclChannel RPC, then the join.
-absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, int device) {
-  auto open_channel = [&](const std::string& unique_id) {
-    return calls_.open_nccl_channel(server, unique_id);
-  };
+// A new NCCL link with server i on `device`: the OpenNcclChannel RPC, then the join; a
+// stop asked of `stop` ends either.
+absl::StatusOr<std::shared_ptr<NcclLink>> DataTransfers::OpenLink(int server, int device,
+                                                                  const std::stop_token& stop) {
+  auto open_channel = [&](const std::string& unique_id) { return calls_.open_nccl_channel(server, unique_id, stop); };
   FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<NcclLink> link,
-                             NcclLink::Open(device, options_.timeout, open_channel));
+                             NcclLink::Open(device, options_.timeout, open_channel, stop));
   return std::shared_ptr<NcclLink>(std::move(link));
 }
 
@@ -257,32 +259,37 @@ void DataTransfers::SubmitIpc(const std::shared_ptr<Completion<Result>>& complet
 
 // One NCCL transfer with server i on its data connection `conn`: the request, the
 // server's ready answer, the bytes, its done answer. Returns the done answer (or why
-// there is none) and whether `conn` is still usable.
+// there is none) and whether `conn` is still usable. A stop asked of `stop` aborts the
+// link's join or its operation under way.
 std::pair<absl::StatusOr<transport::Response>, bool> DataTransfers::NcclTransfer(
     int server, transport::Connection& conn, transport::DataOp op, const std::string& group, int64_t version,
-    DType dtype, absl::Span<std::byte> part, int device) {
+    DType dtype, absl::Span<std::byte> part, int device, const std::stop_token& stop) {
   const bool gather = op == transport::DataOp::kGather;
   for (int attempt = 0;; ++attempt) {
     // This transfer's own link: others with this server run beside it on theirs.
-    absl::StatusOr<NcclLinks::Lease> lease = nccl_links_[server]->Acquire(device);
+    absl::StatusOr<NcclLinks::Lease> lease = nccl_links_[server]->Acquire(device, stop);
     if (!lease.ok()) return {lease.status(), true};
     NcclLink& link = **lease;
     const transport::RequestHeader header =
         HeaderFor(gather ? transport::DataOp::kNcclGather : transport::DataOp::kNcclScatter, group, version, dtype);
     const transport::NcclTarget target{link.channel(), part.size()};
+    // Until the ready answer is read, the request may have reached the server, which then
+    // moves its bytes on the link: one given up in between is abandoned, not reused.
     absl::Status sent = transport::SendRequest(
         conn, header, options_.job, group,
         absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target)));
-    if (!sent.ok()) return {sent, false};
-    absl::StatusOr<transport::Response> ready = transport::RecvResponse(conn, {});
-    if (!ready.ok()) return {ready.status(), false};
+    absl::StatusOr<transport::Response> ready = sent.ok() ? transport::RecvResponse(conn, {}) : sent;
+    if (!ready.ok()) {
+      link.Abandon();
+      return {ready.status(), false};
+    }
     if (absl::IsNotFound(ready->status) && attempt == 0) {
       lease->Drop();  // the server closed the channel after a failure: reopen
       continue;
     }
     if (!ready->status.ok()) return {ready->status, true};
-    absl::Status moved = gather ? link.Recv(part.data(), part.size(), options_.timeout)
-                                : link.Send(part.data(), part.size(), options_.timeout);
+    absl::Status moved = gather ? link.Recv(part.data(), part.size(), options_.timeout, stop)
+                                : link.Send(part.data(), part.size(), options_.timeout, stop);
     if (!moved.ok()) return {moved, false};  // the server answers done with its own error
     absl::StatusOr<transport::Response> done = transport::RecvResponse(conn, {});
     if (!done.ok()) return {done.status(), false};
@@ -291,10 +298,12 @@ std::pair<absl::StatusOr<transport::Response>, bool> DataTransfers::NcclTransfer
   }
 }
 
-// NCCL transfers with `servers`, each on its data channel, finishing `completion`.
-// A stop closes only what a request sends (StopCut::kSend): the server drops one that
-// waits for its version; NCCL bytes under way move to their end. One stopped before it
-// begins opens no NCCL link.
+// NCCL transfers with `servers`, each on its data channel, finishing `completion`. The
+// bytes move between this process's NCCL and the server's, never through the server's
+// hands into this buffer, so a stop, or the destruction, ends a request at once: its
+// connection is shut down (StopCut::kConnection; the server drops a request waiting for
+// its version) and its NCCL join or operation is aborted, after which NCCL no longer
+// touches the buffer. One stopped before it begins opens no NCCL link.
 template <typename Result>
 void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op,
                                const std::string& group, int64_t version, DType dtype,
@@ -308,13 +317,15 @@ void DataTransfers::SubmitNccl(const std::shared_ptr<Completion<Result>>& comple
             completion->Finish(RequestFailure(i, conn.status(), op, group, stop), 0);
             return true;
           }
-          auto [result, usable] = NcclTransfer(i, **conn, op, group, version, dtype, part, device);
+          const EitherStop stopped_or_destroyed(stop, destroying_.get_token());
+          auto [result, usable] =
+              NcclTransfer(i, **conn, op, group, version, dtype, part, device, stopped_or_destroyed.token());
           const transport::Response answer = result.value_or(transport::Response{});
           completion->Finish(result.ok() ? absl::OkStatus() : RequestFailure(i, result.status(), op, group, stop),
                              answer.version, answer.load_id);
           return usable;
         },
-        stop, StopCut::kSend);
+        stop);
   }
 }
 

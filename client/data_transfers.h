@@ -18,7 +18,6 @@
 #ifndef FLATSHARD_CLIENT_DATA_TRANSFERS_H_
 #define FLATSHARD_CLIENT_DATA_TRANSFERS_H_
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <future>
@@ -66,8 +65,8 @@ struct InitShard {
 
 // The control-plane calls the data plane makes, on server `server`.
 struct ControlCalls {
-  // OpenNcclChannel: hands the server `unique_id`, returns its channel.
-  std::function<absl::StatusOr<uint64_t>(int server, const std::string& unique_id)>
+  // OpenNcclChannel: hands the server `unique_id`, returns its channel; a stop ends it.
+  std::function<absl::StatusOr<uint64_t>(int server, const std::string& unique_id, std::stop_token stop)>
       open_nccl_channel;
   // OpenSession: a new data session, for a server that restarted; a stop ends it.
   std::function<absl::StatusOr<DataSession>(int server, std::stop_token stop)> open_session;
@@ -81,7 +80,7 @@ class DataTransfers {
   // Cancels the transfers in flight (DataChannel::Cancel: those queued are not sent, the
   // connections of those under way are shut down) and waits for them to end: the futures
   // this object returned become ready, Cancelled unless they were done, and stay valid.
-  // A transfer in an NCCL operation ends with it (bounded by the NCCL timeout).
+  // NCCL links being joined and NCCL operations under way are aborted.
   ~DataTransfers();
 
   // `parts`: indexed by server rank, consecutive slices of one buffer (host or device
@@ -89,9 +88,10 @@ class DataTransfers {
   // rank order; the others' entries are ignored: a hybrid-sharded job's worker moves its
   // buffer with its replica group only). The buffer must stay valid until the future
   // is ready. Errors name the server. A stop asked of `stop` ends the requests
-  // (DataChannel::Submit), Cancelled: those on TCP at once (StopCut::kConnection), those
-  // whose bytes a server or NCCL moves in GPU memory once it has let go of the buffer
-  // (StopCut::kSend; an NCCL operation under way first ends).
+  // (DataChannel::Submit), Cancelled: those on TCP and NCCL at once (StopCut::kConnection;
+  // an NCCL link being joined, or an NCCL operation under way, is aborted), those whose
+  // bytes a server moves in this process's GPU memory (CUDA IPC) once it has let go of
+  // the buffer (StopCut::kSend).
   std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version, DType dtype,
                                               std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
                                               std::stop_token stop);
@@ -124,7 +124,7 @@ class DataTransfers {
   void RecordLoadHeld(const std::string& group, uint64_t load_id);
   bool IpcReachable(int server, int device) const;
   Plane PlaneFor(int server, int device, bool exportable) const;
-  absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device);
+  absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device, const std::stop_token& stop);
   std::vector<transport::ByteRange> SplitFor(size_t bytes, int64_t split_bytes) const;
   absl::Status AtServer(int server, const absl::Status& status) const;
   // What a `op` request to server i that failed with `status` reports: Cancelled, naming
@@ -151,7 +151,8 @@ class DataTransfers {
   std::pair<absl::StatusOr<transport::Response>, bool> NcclTransfer(int server, transport::Connection& conn,
                                                                     transport::DataOp op, const std::string& group,
                                                                     int64_t version, DType dtype,
-                                                                    absl::Span<std::byte> part, int device);
+                                                                    absl::Span<std::byte> part, int device,
+                                                                    const std::stop_token& stop);
   template <typename Result>
   void SubmitNccl(const std::shared_ptr<Completion<Result>>& completion, transport::DataOp op, const std::string& group,
                   int64_t version, DType dtype, const std::vector<absl::Span<std::byte>>& parts,
@@ -171,7 +172,8 @@ class DataTransfers {
   const std::vector<ServerEndpoint> servers_;
   const ControlCalls calls_;
   const bool nccl_loads_;  // some server offers NCCL and NCCL loads in this process
-  std::atomic<bool> destroying_{false};  // the destructor has begun: transfers fail Cancelled
+  // Asked to stop when the destructor begins: transfers fail Cancelled, NCCL waits end.
+  std::stop_source destroying_;
   // Host staging for device buffers sent over TCP: as many as can be in flight at once.
   StagingPool staging_pool_;
   absl::Mutex aside_mu_;

@@ -8,10 +8,13 @@
 // A lease gives its link back when it ends: kept for the next transfer unless it failed
 // (its communicator was aborted) or the lease was told to drop it (the server closed the
 // channel). Links are opened without the pool's lock (opening is an RPC and a collective
-// join). Thread-safe. A template so that the tests can lend fakes.
+// join, which the caller's stop token ends). Thread-safe. A template so that the tests
+// can lend fakes.
 //
-//   LinkPool<NcclLink> pool(2, [&](int device) { return OpenLink(server, device); });
-//   FLATSHARD_ASSIGN_OR_RETURN(auto lease, pool.Acquire(device));
+//   LinkPool<NcclLink> pool(2, [&](int device, const std::stop_token& stop) {
+//     return OpenLink(server, device, stop);
+//   });
+//   FLATSHARD_ASSIGN_OR_RETURN(auto lease, pool.Acquire(device, stop));
 //   lease->Send(...);   // the link is this caller's until `lease` ends
 #ifndef FLATSHARD_CLIENT_LINK_POOL_H_
 #define FLATSHARD_CLIENT_LINK_POOL_H_
@@ -19,6 +22,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <stop_token>
 #include <utility>
 #include <vector>
 
@@ -31,9 +35,10 @@ namespace flatshard::client_internal {
 template <typename Link>
 class LinkPool {
  public:
-  using Opener = std::function<absl::StatusOr<std::shared_ptr<Link>>(int device)>;
+  using Opener = std::function<absl::StatusOr<std::shared_ptr<Link>>(int device, const std::stop_token& stop)>;
 
-  // Keeps at most `max_idle` idle links (at least 1); `open` makes a link on a device.
+  // Keeps at most `max_idle` idle links (at least 1); `open` makes a link on a device,
+  // ending Cancelled once a stop is asked of `stop`.
   LinkPool(int max_idle, Opener open) : max_idle_(std::max(1, max_idle)), open_(std::move(open)) {}
 
   class Lease {
@@ -57,9 +62,9 @@ class LinkPool {
     bool drop_ = false;
   };
 
-  // An idle, healthy link on `device`, or a newly opened one (the opener's error if that
-  // fails). Idle links on other devices are closed: a worker moved to another GPU.
-  absl::StatusOr<Lease> Acquire(int device) {
+  // An idle, healthy link on `device`, or one opened with `stop` (the opener's error if
+  // that fails). Idle links on other devices are closed: a worker moved to another GPU.
+  absl::StatusOr<Lease> Acquire(int device, const std::stop_token& stop = {}) {
     {
       absl::MutexLock lock(&mu_);
       std::erase_if(idle_, [device](const std::shared_ptr<Link>& link) {
@@ -71,7 +76,7 @@ class LinkPool {
         return Lease(this, std::move(link));
       }
     }
-    absl::StatusOr<std::shared_ptr<Link>> opened = open_(device);
+    absl::StatusOr<std::shared_ptr<Link>> opened = open_(device, stop);
     if (!opened.ok()) return opened.status();
     return Lease(this, *std::move(opened));
   }

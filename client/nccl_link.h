@@ -4,7 +4,9 @@
 // a time in the order its requests arrive, so one caller uses a link from sending a
 // request until its transfer is done (client/link_pool.h lends links so). A transfer
 // that fails aborts the communicator (failed() turns true) and the client opens a new
-// link. In a build without CUDA, Available() is false and Open is FailedPrecondition.
+// link. A stop asked of the token a call takes ends its wait at once, Cancelled, the
+// communicator aborted (failed()), so that NCCL no longer touches the call's buffer. In
+// a build without CUDA, Available() is false and Open is FailedPrecondition.
 // Thread-safe.
 #ifndef FLATSHARD_CLIENT_NCCL_LINK_H_
 #define FLATSHARD_CLIENT_NCCL_LINK_H_
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stop_token>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -25,10 +28,12 @@ class NcclLink {
   // Whether NCCL loads in this process.
   static bool Available();
   // Makes an ncclUniqueId, has `open_channel` (the OpenNcclChannel RPC) give it to the
-  // server, and joins the communicator on `device` within `timeout`.
+  // server, and joins the communicator on `device` within `timeout`; a stop asked of
+  // `stop` ends the join (`open_channel` is the one to take it for the RPC).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<NcclLink>> Open(
       int device, absl::Duration timeout,
-      const std::function<absl::StatusOr<uint64_t>(const std::string& unique_id)>& open_channel);
+      const std::function<absl::StatusOr<uint64_t>(const std::string& unique_id)>& open_channel,
+      const std::stop_token& stop);
   ~NcclLink();
   NcclLink(const NcclLink&) = delete;
   NcclLink& operator=(const NcclLink&) = delete;
@@ -38,15 +43,19 @@ class NcclLink {
   bool failed() const;
 
   // Receives `bytes` from / sends them to the server on this link's stream and waits
-  // for the transfer, at most `timeout` (then the communicator is aborted).
-  [[nodiscard]] absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout);
-  [[nodiscard]] absl::Status Send(const void* src, size_t bytes, absl::Duration timeout);
+  // for the transfer, at most `timeout` or until a stop is asked of `stop` (then the
+  // communicator is aborted).
+  [[nodiscard]] absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout, const std::stop_token& stop);
+  [[nodiscard]] absl::Status Send(const void* src, size_t bytes, absl::Duration timeout, const std::stop_token& stop);
+  // Aborts the communicator (failed() turns true), for a link whose server may still
+  // move bytes on it for a request this process gave up before its own part began.
+  void Abandon();
 
  private:
   struct State;  // the communicator and stream, in CUDA builds
   NcclLink(int device, uint64_t channel, std::unique_ptr<State> state);
   // Waits for the transfer `enqueued` started; on any failure aborts the communicator.
-  absl::Status Complete(absl::Status enqueued, absl::Duration timeout);
+  absl::Status Complete(absl::Status enqueued, absl::Duration timeout, const std::stop_token& stop);
 
   const int device_;
   const uint64_t channel_;

@@ -5,8 +5,9 @@
 # $OUT/device-check.tar.gz after each command, so that a run stopped at its time limit
 # still brings back what ran. Steps: any of tests, training, bench, ipc-wait (the CUDA IPC
 # rows waited for by get() and by Await, alternated), kernels-bench, safetensors, python,
-# integration-device, integration-pinned (the whole integration suite with every server
-# on that tier; default: tests training bench).
+# stops (device transfers that a stop or the client's end cuts short, and the waits a
+# server ends for a caller that went), integration-device, integration-pinned (the whole
+# integration suite with every server on that tier; default: tests training bench).
 set -uo pipefail
 carry=$PWD/.devcarry
 out=/tmp/device-check
@@ -40,6 +41,9 @@ for step in ${steps[*]}; do
       run server_cuda_test "$carry/bin/server_cuda_test" ;;
     training)
       run integration_training "$carry/bin/integration_test" --gtest_filter='Training*' ;;
+    stops)
+      run integration_stops "$carry/bin/integration_test" \
+        --gtest_filter='StoppedNccl*:AbandonedWait*:ClientShutdown*:StoppedBigTransfer*' ;;
     bench)
       run gpu_planes_bench "$carry/bin/gpu_planes_bench" ;;
     ipc-wait)

@@ -93,7 +93,7 @@ absl::StatusOr<std::string> NcclCommunicator::NewUniqueId() {
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
-    const std::string& unique_id, int nranks, int rank, absl::Duration timeout) {
+    const std::string& unique_id, int nranks, int rank, absl::Duration timeout, std::stop_token stop) {
   FLATSHARD_ASSIGN_OR_RETURN(const NcclApi* api, LoadedApi());
   if (unique_id.size() != sizeof(ncclUniqueId)) {
     return absl::InvalidArgumentError(absl::StrCat("an NCCL unique id has ", sizeof(ncclUniqueId),
@@ -110,11 +110,17 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   FLATSHARD_RETURN_IF_ERROR(
       FromNccl(api->init_rank_config(&comm, nranks, id, rank, &config), "ncclCommInitRankConfig"));
   std::unique_ptr<NcclCommunicator> communicator(new NcclCommunicator(comm, nranks, rank));
-  FLATSHARD_RETURN_IF_ERROR(communicator->WaitReady(timeout));
+  FLATSHARD_RETURN_IF_ERROR(communicator->WaitReady(timeout, stop));
   return communicator;
 }
 
-absl::Status NcclCommunicator::WaitReady(absl::Duration timeout) {
+absl::Status NcclCommunicator::AbortStopped() {
+  Abort();
+  return absl::CancelledError(
+      absl::StrCat("NCCL rank ", rank_, " of ", nranks_, ": stopped while it waited; communicator aborted"));
+}
+
+absl::Status NcclCommunicator::WaitReady(absl::Duration timeout, const std::stop_token& stop) {
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
     ncclResult_t state = ncclSuccess;
@@ -125,6 +131,7 @@ absl::Status NcclCommunicator::WaitReady(absl::Duration timeout) {
       Abort();
       return FromNccl(state, "NCCL communicator");
     }
+    if (stop.stop_requested()) return AbortStopped();
     if (absl::Now() > deadline) {
       Abort();
       return absl::DeadlineExceededError(absl::StrCat(
@@ -151,9 +158,9 @@ absl::Status NcclCommunicator::Recv(void* buffer, size_t bytes, int peer, cudaSt
   return FromNccl(Api().recv(buffer, bytes, ncclUint8, peer, AsComm(comm_), stream), "ncclRecv");
 }
 
-absl::Status NcclCommunicator::Wait(cudaStream_t stream, absl::Duration timeout) {
+absl::Status NcclCommunicator::Wait(cudaStream_t stream, absl::Duration timeout, const std::stop_token& stop) {
   if (failed_) return absl::FailedPreconditionError("the NCCL communicator was aborted");
-  FLATSHARD_RETURN_IF_ERROR(WaitReady(timeout));  // a non-blocking group may still be in progress
+  FLATSHARD_RETURN_IF_ERROR(WaitReady(timeout, stop));  // a non-blocking group may still be in progress
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
     const cudaError_t done = cudaStreamQuery(stream);
@@ -168,6 +175,7 @@ absl::Status NcclCommunicator::Wait(cudaStream_t stream, absl::Duration timeout)
       Abort();
       return FromNccl(state, "NCCL transfer");
     }
+    if (stop.stop_requested()) return AbortStopped();
     if (absl::Now() > deadline) {
       Abort();
       return absl::DeadlineExceededError(absl::StrCat("NCCL transfer on rank ", rank_, " of ", nranks_,
@@ -194,7 +202,7 @@ NcclCommunicator::~NcclCommunicator() {
     Abort();
     return;
   }
-  if (WaitReady(absl::Seconds(10)).ok()) Api().destroy(AsComm(comm_));
+  if (WaitReady(absl::Seconds(10), {}).ok()) Api().destroy(AsComm(comm_));
 }
 
 }  // namespace flatshard::kernels::cuda

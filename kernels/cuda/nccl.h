@@ -6,7 +6,10 @@
 // Every blocking step has a deadline: communicators are created non-blocking and
 // polled, and a wait that runs out (a dead or absent peer) aborts the communicator
 // (ncclCommAbort) and returns DeadlineExceeded, so a request fails with a status rather
-// than hanging the process. Asynchronous NCCL errors are checked while waiting.
+// than hanging the process. A wait also ends, the communicator aborted, Cancelled, once a
+// stop is asked of its std::stop_token (the caller gave up, or is going away): once it
+// returns, NCCL touches none of its buffers. Asynchronous NCCL errors are checked while
+// waiting.
 // A communicator is used by one thread at a time (its owner serializes calls).
 //
 //   std::string id = *NcclCommunicator::NewUniqueId();      // rank 0, sent over gRPC
@@ -19,6 +22,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <stop_token>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -35,9 +39,10 @@ class NcclCommunicator {
   // A fresh ncclUniqueId (128 bytes) for rank 0 to hand to the other ranks.
   [[nodiscard]] static absl::StatusOr<std::string> NewUniqueId();
   // Joins communicator `unique_id` as `rank` of `nranks` on the current device, waiting
-  // at most `timeout` for the other ranks.
+  // at most `timeout` for the other ranks, or until a stop is asked of `stop`
+  // (Cancelled).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(
-      const std::string& unique_id, int nranks, int rank, absl::Duration timeout);
+      const std::string& unique_id, int nranks, int rank, absl::Duration timeout, std::stop_token stop = {});
   ~NcclCommunicator();  // finalizes and destroys, or aborts if it failed
 
   // Enqueue point-to-point transfers on `stream` (between GroupStart/GroupEnd, several
@@ -49,8 +54,9 @@ class NcclCommunicator {
   [[nodiscard]] absl::Status Send(const void* buffer, size_t bytes, int peer, cudaStream_t stream);
   [[nodiscard]] absl::Status Recv(void* buffer, size_t bytes, int peer, cudaStream_t stream);
   // Waits until `stream` has finished its work, checking NCCL's asynchronous errors;
-  // aborts the communicator and returns DeadlineExceeded after `timeout`.
-  [[nodiscard]] absl::Status Wait(cudaStream_t stream, absl::Duration timeout);
+  // aborts the communicator and returns DeadlineExceeded after `timeout`, Cancelled once
+  // a stop is asked of `stop` (the transfers under way end unfinished).
+  [[nodiscard]] absl::Status Wait(cudaStream_t stream, absl::Duration timeout, const std::stop_token& stop = {});
 
   // Aborts every operation in flight; the communicator is unusable afterwards.
   void Abort();
@@ -59,8 +65,10 @@ class NcclCommunicator {
 
  private:
   NcclCommunicator(void* comm, int nranks, int rank) : comm_(comm), nranks_(nranks), rank_(rank) {}
-  // Polls until the communicator's pending work (init, group end) is done.
-  absl::Status WaitReady(absl::Duration timeout);
+  // Polls until the communicator's pending work (init, group end) is done; ends as Wait.
+  absl::Status WaitReady(absl::Duration timeout, const std::stop_token& stop);
+  // Aborts the communicator; the Cancelled status of a wait that `stop` ended.
+  absl::Status AbortStopped();
 
   void* comm_;  // ncclComm_t
   int nranks_;

@@ -212,7 +212,7 @@ class Transfer:
 
     def cancel(self):
         """Stops the transfer: one waiting for a version stops waiting, bytes moving over
-        TCP stop at once (over CUDA IPC or NCCL, once the bytes under way have moved).
+        TCP or NCCL stop at once (over CUDA IPC, once the bytes under way have moved).
         wait() then raises flatshard.CancelledError, unless it had finished; the buffer
         is the caller's again once done() is true. A cancelled gather's buffer may hold
         part of the bytes; a cancelled scatter may have reached some servers (sent again,

@@ -1,11 +1,14 @@
 // LinkPool with fake links: one transfer per link at a time, reuse of healthy links,
-// failed and dropped links replaced, a device change, the idle bound.
+// failed and dropped links replaced, a device change, the idle bound, a stop reaching a
+// link being opened.
 #include "client/link_pool.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <set>
+#include <stop_token>
 #include <thread>
 #include <vector>
 
@@ -24,14 +27,20 @@ struct FakeLink {
 class LinkPoolTest : public ::testing::Test {
  protected:
   LinkPool<FakeLink> MakePool(int max_idle) {
-    return LinkPool<FakeLink>(max_idle, [this](int device) -> absl::StatusOr<std::shared_ptr<FakeLink>> {
-      if (refuse_) return absl::UnavailableError("the server refused the channel");
-      ++opened_;
-      return std::make_shared<FakeLink>(device);
-    });
+    return LinkPool<FakeLink>(
+        max_idle, [this](int device, const std::stop_token& stop) -> absl::StatusOr<std::shared_ptr<FakeLink>> {
+          if (refuse_) return absl::UnavailableError("the server refused the channel");
+          while (hang_ && !stop.stop_requested()) {  // a join whose server never comes
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+          if (stop.stop_requested()) return absl::CancelledError("the join was stopped");
+          ++opened_;
+          return std::make_shared<FakeLink>(device);
+        });
   }
   std::atomic<int> opened_{0};
   bool refuse_ = false;
+  std::atomic<bool> hang_{false};
 };
 
 TEST_F(LinkPoolTest, TransfersAtOnceGetTheirOwnLinksWhichAreThenReused) {
@@ -100,6 +109,25 @@ TEST_F(LinkPoolTest, IdleLinksBeyondTheBoundCloseAndOpenErrorsPassThrough) {
     EXPECT_EQ(c.status().message(), "the server refused the channel");
   }
   EXPECT_EQ(pool.idle_links(), 2);
+}
+
+TEST_F(LinkPoolTest, AStopEndsALinkBeingOpenedAndTheNextOpensAfresh) {
+  auto pool = MakePool(2);
+  hang_ = true;
+  std::stop_source stop;
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    stop.request_stop();
+  });
+  auto stopped = pool.Acquire(0, stop.get_token());
+  stopper.join();
+  ASSERT_EQ(stopped.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(stopped.status().message(), "the join was stopped");
+  EXPECT_EQ(pool.idle_links(), 0);
+  hang_ = false;
+  auto opened = pool.Acquire(0, std::stop_source().get_token());
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ(opened_, 1);
 }
 
 TEST_F(LinkPoolTest, NoLinkIsLentToTwoTransfersAtOnce) {

@@ -1002,6 +1002,50 @@ TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatStoppedOrWentAwa
   if (!nccl) GTEST_SKIP() << "CUDA IPC checked; NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
 }
 
+// An NCCL gather from a --memory=device server that stopped answering (SIGSTOP: a hung
+// host) ends at once on a stop, whether it was opening its link (the OpenNcclChannel
+// call) or waiting for the server's answer on a link it had: the bytes would move
+// between this process's NCCL and the server's, so once the worker's NCCL is aborted
+// nothing else holds its buffer. Before, the first ran to the client's timeout (60 s
+// here) and the second to its connection's (65 s). Once the server answers again it
+// drops the request given up and the worker gathers on a fresh link.
+TEST(StoppedNcclTest, AStopEndsAnNcclGatherToAServerThatStoppedAnswering) {
+  if (!testing::HaveGpu()) GTEST_SKIP() << "NCCL gathers need a CUDA build and a CUDA device";
+  if (!testing::HaveNccl()) GTEST_SKIP() << "NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
+  testing::SetNcclHost(testing::kNcclServers);
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), "", {{"--memory=device"}});
+  testing::SetNcclHost(testing::kNcclWorkers);
+  auto client = cluster.Connect({.worker_rank = 0,
+                                 .num_workers = 1,
+                                 .job = "test",
+                                 .timeout = absl::Seconds(60),
+                                 .device_plane = DevicePlane::kNccl});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> host((*layout)->padded_numel());
+  ASSERT_TRUE((*client)->Gather("g", 0, DType::kFloat32, AsBytes(host)).get().ok());  // opens a data connection
+  testing::DeviceBytes device((*layout)->padded_numel() * 4);
+  auto gather = [&](std::stop_token stop) {
+    return (*client)->Gather("g", 0, DType::kFloat32, device.span(), stop).get().status();
+  };
+  for (const char* phase : {"opening its link", "waiting for the ready answer"}) {
+    SCOPED_TRACE(phase);
+    ASSERT_TRUE(cluster.Pause(0));
+    const absl::Status stopped = StopWhileItWaits(gather, absl::Milliseconds(500));
+    cluster.Resume(0);
+    EXPECT_TRUE(absl::IsCancelled(stopped)) << stopped;
+    const absl::Time start = absl::Now();
+    const absl::Status again = gather({});
+    EXPECT_TRUE(again.ok()) << again;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(20)) << "the gather after the stop waited for a timeout";
+  }
+  std::vector<uint32_t> bits((*layout)->padded_numel());
+  device.Download(AsBytes(bits));
+  EXPECT_EQ(bits[0], 0u) << "the gathers after the stops did not land";
+}
+
 // Destroying a client whose gather waits for a version that does not come (a worker
 // stopped with Ctrl-C while another is stuck) cancels it at once, rather than wait for
 // the server's answer until the client's timeout (60 s here); the server serves on.

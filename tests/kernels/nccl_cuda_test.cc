@@ -1,7 +1,8 @@
 // NCCL communicator set-up, transfers and teardown, with NCCL loaded at run time. One GPU
 // allows only a single-rank communicator (NCCL refuses two ranks on one device): it
 // sends a buffer to itself and receives it back. A two-rank communicator whose peer
-// never comes is aborted at its deadline with DeadlineExceeded instead of hanging.
+// never comes is aborted at its deadline with DeadlineExceeded, or at a stop with
+// Cancelled, instead of hanging.
 // Skips, with the reason, without a CUDA device or without libnccl.
 #include "kernels/cuda/nccl.h"
 
@@ -9,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <stop_token>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -69,6 +72,27 @@ TEST_F(NcclTest, AMissingPeerIsADeadlineNotAHang) {
   ASSERT_FALSE(comm.ok());
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded) << comm.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+// A stop asked from another thread (a worker's Ctrl-C, its client going away) ends the
+// join at once, the communicator aborted, instead of at its 60 s deadline.
+TEST_F(NcclTest, AStopEndsAJoinWhosePeerNeverComes) {
+  absl::StatusOr<std::string> id = NcclCommunicator::NewUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::stop_source stop;
+  std::thread stopper([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    stop.request_stop();
+  });
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm =
+      NcclCommunicator::Create(*id, 2, 0, absl::Seconds(60), stop.get_token());
+  const absl::Duration took = absl::Now() - start;
+  stopper.join();
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kCancelled) << comm.status();
+  EXPECT_GE(took, absl::Milliseconds(250));
+  EXPECT_LT(took, absl::Seconds(20));
 }
 
 TEST_F(NcclTest, MalformedArgumentsAreRefused) {

@@ -231,12 +231,12 @@ class Client {
   // committing, or did not commit everywhere): gather again. The Client remembers which
   // load the gathered state came from, for this group's next Scatter.
   // A stop asked of `stop` ends the transfer, Cancelled, the wait for min_version
-  // included: over TCP at once (the requests not yet sent are not sent, the connections
-  // of those under way are shut down); over CUDA IPC and NCCL, where the servers and NCCL
-  // move the bytes themselves, once none of them still touches the buffer (a server that
-  // stopped waiting at the stop, or finished its copy; an NCCL operation under way first
-  // ends). The future is then ready and the buffer the caller's again; a stopped
-  // gather's `out` may hold part of the bytes.
+  // included: over TCP and NCCL at once (the requests not yet sent are not sent, the
+  // connections of those under way are shut down, and an NCCL link being opened or an
+  // NCCL operation under way is aborted); over CUDA IPC, where the servers move the bytes
+  // themselves, once none of them still touches the buffer (a server that stopped
+  // waiting at the stop, or finished its copy). The future is then ready and the buffer
+  // the caller's again; a stopped gather's `out` may hold part of the bytes.
   virtual std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version, DType dtype,
                                                       absl::Span<std::byte> out, std::stop_token stop = {}) = 0;
 
