@@ -30,7 +30,11 @@ class LinkPoolTest : public ::testing::Test {
     return LinkPool<FakeLink>(
         max_idle, [this](int device, const std::stop_token& stop) -> absl::StatusOr<std::shared_ptr<FakeLink>> {
           if (refuse_) return absl::UnavailableError("the server refused the channel");
-          while (hang_ && !stop.stop_requested()) {  // a join whose server never comes
+          // A join whose server never comes: it ends at the stop, or at its own deadline
+          // when no stop reaches it.
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          while (hang_ && !stop.stop_requested()) {
+            if (std::chrono::steady_clock::now() > deadline) return absl::DeadlineExceededError("no stop came");
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
           }
           if (stop.stop_requested()) return absl::CancelledError("the join was stopped");
@@ -121,7 +125,7 @@ TEST_F(LinkPoolTest, AStopEndsALinkBeingOpenedAndTheNextOpensAfresh) {
   });
   auto stopped = pool.Acquire(0, stop.get_token());
   stopper.join();
-  ASSERT_EQ(stopped.status().code(), absl::StatusCode::kCancelled);
+  ASSERT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
   EXPECT_EQ(stopped.status().message(), "the join was stopped");
   EXPECT_EQ(pool.idle_links(), 0);
   hang_ = false;
