@@ -93,7 +93,7 @@ absl::StatusOr<std::string> NcclCommunicator::NewUniqueId() {
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
-    const std::string& unique_id, int nranks, int rank, absl::Duration timeout, std::stop_token stop) {
+    const std::string& unique_id, int nranks, int rank, absl::Duration timeout, const std::stop_token& stop) {
   FLATSHARD_ASSIGN_OR_RETURN(const NcclApi* api, LoadedApi());
   if (unique_id.size() != sizeof(ncclUniqueId)) {
     return absl::InvalidArgumentError(absl::StrCat("an NCCL unique id has ", sizeof(ncclUniqueId),

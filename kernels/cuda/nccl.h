@@ -42,7 +42,7 @@ class NcclCommunicator {
   // at most `timeout` for the other ranks, or until a stop is asked of `stop`
   // (Cancelled).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(
-      const std::string& unique_id, int nranks, int rank, absl::Duration timeout, std::stop_token stop = {});
+      const std::string& unique_id, int nranks, int rank, absl::Duration timeout, const std::stop_token& stop = {});
   ~NcclCommunicator();  // finalizes and destroys, or aborts if it failed
 
   // Enqueue point-to-point transfers on `stream` (between GroupStart/GroupEnd, several
