@@ -404,8 +404,9 @@ bool DataServer::ServeNccl(Connection& conn, const Request& request) {
   if (!transport::SendResponse(conn, absl::OkStatus(), ready.version, {}, ready.load_id).ok()) return false;
   // A worker that closed its end gave the request up (stopped, or gone) and moves no
   // bytes for it: ours would only wait for it until the timeout, holding the channel.
+  // Finish watches for that too while the bytes move (also a shutdown's).
   if (conn.PeerClosed()) return false;
-  absl::StatusOr<StateStamp> done = nccl_.Finish(transfer);
+  absl::StatusOr<StateStamp> done = nccl_.Finish(transfer, [&conn] { return conn.PeerClosed(); });
   const StateStamp answered = done.value_or(StateStamp{});
   return transport::SendResponse(conn, done.status(), answered.version, {}, answered.load_id).ok();
 }

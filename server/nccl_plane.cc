@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <stop_token>
 #include <thread>
 #include <vector>
 
@@ -51,6 +52,7 @@ struct Channel {
 
 struct NcclPlane::State {
   int device = 0;
+  std::stop_source closing;  // asked by ~NcclPlane: a join still waiting for its worker ends
   absl::Mutex mu;
   uint64_t next_id ABSL_GUARDED_BY(mu) = 1;
   std::map<uint64_t, std::shared_ptr<Channel>> channels ABSL_GUARDED_BY(mu);
@@ -111,7 +113,11 @@ NcclPlane::NcclPlane(Registry& registry, StepDriver& driver, ServerStats& stats,
                      absl::Duration timeout)
     : registry_(registry), driver_(driver), stats_(stats), timeout_(timeout) {}
 
-NcclPlane::~NcclPlane() = default;
+NcclPlane::~NcclPlane() {
+#if FLATSHARD_HAVE_CUDA
+  if (state_ != nullptr) state_->closing.request_stop();  // before the channels join their joiners
+#endif
+}
 
 absl::Status NcclPlane::Start(MemoryTier tier) {
 #if FLATSHARD_HAVE_CUDA
@@ -170,13 +176,13 @@ absl::StatusOr<uint64_t> NcclPlane::Open(const std::string& unique_id, int worke
   Channel* joining = channel.get();
   const int device = state_->device;
   const absl::Duration timeout = timeout_;
-  joining->joiner = std::thread([joining, unique_id, device, timeout] {
+  joining->joiner = std::thread([joining, unique_id, device, timeout, closing = state_->closing.get_token()] {
     joining->join_status = [&]() -> absl::Status {
       FLATSHARD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
       FLATSHARD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&joining->stream, cudaStreamNonBlocking));
       FLATSHARD_ASSIGN_OR_RETURN(
           joining->comm,
-          kc::NcclCommunicator::Create(unique_id, 2, transport::kNcclServerRank, timeout));
+          kc::NcclCommunicator::Create(unique_id, 2, transport::kNcclServerRank, timeout, closing));
       return absl::OkStatus();
     }();
     joining->joined.Notify();
@@ -243,7 +249,8 @@ absl::StatusOr<std::pair<std::shared_ptr<NcclPlane::Transfer>, StateStamp>> Nccl
 #endif
 }
 
-absl::StatusOr<StateStamp> NcclPlane::Finish(const std::shared_ptr<Transfer>& transfer) {
+absl::StatusOr<StateStamp> NcclPlane::Finish(const std::shared_ptr<Transfer>& transfer,
+                                              const CallerGone& caller_gone) {
 #if FLATSHARD_HAVE_CUDA
   Channel& channel = transfer->channel();
   const transport::Request& request = transfer->request();
@@ -258,11 +265,11 @@ absl::StatusOr<StateStamp> NcclPlane::Finish(const std::shared_ptr<Transfer>& tr
                    : channel.comm->Recv(transfer->slot()->buffer.data(), transfer->bytes, kWorker,
                                         channel.stream);
   }
-  if (moved.ok()) moved = channel.comm->Wait(channel.stream, timeout_);
+  if (moved.ok()) moved = channel.comm->Wait(channel.stream, timeout_, {}, caller_gone);
   if (!moved.ok()) {
     channel.comm->Abort();
     transfer->CloseChannel();
-    ++stats_.errors;
+    if (!absl::IsCancelled(moved)) ++stats_.errors;  // a worker that gave up is no error of ours
     return absl::Status(moved.code(), absl::StrCat("NCCL channel ", channel.id, " (worker ",
                                                    channel.worker_rank, "): ", moved.message(),
                                                    "; channel closed"));
@@ -283,6 +290,7 @@ absl::StatusOr<StateStamp> NcclPlane::Finish(const std::shared_ptr<Transfer>& tr
   return transfer->group().state();
 #else
   (void)transfer;
+  (void)caller_gone;
   return Off();
 #endif
 }

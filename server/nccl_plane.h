@@ -12,12 +12,13 @@
 //
 // A gather stages the shard in the gather dtype (the version stays whole while it is
 // sent) and sends it; a scatter receives into the worker's device staging slot and
-// commits it (exactly-once, versions, clipping and hybrid sharding as on the other planes). Each channel
-// has its own CUDA stream and moves one transfer at a time, in request order. A
-// transfer that fails or outlasts `timeout` (a dead worker) aborts that channel's
-// communicator and closes the channel; the worker opens another, and every other
-// channel keeps serving. Off (every call FailedPrecondition) in a build without CUDA,
-// on a server whose memory is not the device, or where NCCL does not load.
+// commits it (exactly-once, versions, clipping and hybrid sharding as on the other
+// planes). Each channel has its own CUDA stream and moves one transfer at a time, in
+// request order. A transfer that fails or outlasts `timeout` (a dead worker), or whose
+// worker gave it up (closed its connection), aborts that channel's communicator and
+// closes the channel; the worker opens another, and every other channel keeps serving.
+// Off (every call FailedPrecondition) in a build without CUDA, on a server whose memory
+// is not the device, or where NCCL does not load.
 // Thread-safe.
 #ifndef FLATSHARD_SERVER_NCCL_PLANE_H_
 #define FLATSHARD_SERVER_NCCL_PLANE_H_
@@ -41,7 +42,7 @@ class NcclPlane {
  public:
   // `timeout` bounds a channel's join and each transfer's wait for the worker.
   NcclPlane(Registry& registry, StepDriver& driver, ServerStats& stats, absl::Duration timeout);
-  ~NcclPlane();  // closes every channel
+  ~NcclPlane();  // closes every channel, ending the joins in progress
 
   // Turns the plane on when `tier` is the device and NCCL loads; otherwise it stays off
   // (not an error: workers then use another plane).
@@ -63,8 +64,12 @@ class NcclPlane {
   // gather's wait for its version ends Cancelled once `caller_gone` says the worker went.
   [[nodiscard]] absl::StatusOr<std::pair<std::shared_ptr<Transfer>, StateStamp>> Begin(
       const transport::Request& request, const transport::NcclTarget& target, const CallerGone& caller_gone = nullptr);
-  // Moves the bytes and commits a scatter; returns the done answer's state.
-  [[nodiscard]] absl::StatusOr<StateStamp> Finish(const std::shared_ptr<Transfer>& transfer);
+  // Moves the bytes and commits a scatter; returns the done answer's state. Ends
+  // Cancelled, the channel closed, once `caller_gone` (asked every 0.1 s) says the
+  // worker gave the request up: its NCCL will not do its half, and the wait would
+  // otherwise last `timeout`. Dropping the transfer then gives a scatter's slot back.
+  [[nodiscard]] absl::StatusOr<StateStamp> Finish(const std::shared_ptr<Transfer>& transfer,
+                                                  const CallerGone& caller_gone = nullptr);
 
  private:
   struct State;  // channels, in CUDA builds

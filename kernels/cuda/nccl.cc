@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -77,6 +78,27 @@ ncclComm_t AsComm(void* comm) { return static_cast<ncclComm_t>(comm); }
 
 }  // namespace
 
+class NcclCommunicator::WaitEnd {
+ public:
+  // `peer_gone` (null: none) outlives the wait.
+  WaitEnd(std::stop_token stop, const PeerGone* peer_gone) : stop_(std::move(stop)), peer_gone_(peer_gone) {}
+
+  // Empty while the wait goes on; otherwise why it ends.
+  absl::string_view Why() {
+    if (stop_.stop_requested()) return "stopped while it waited";
+    if (peer_gone_ == nullptr || *peer_gone_ == nullptr) return {};
+    const absl::Time now = absl::Now();
+    if (now < next_peer_check_) return {};
+    next_peer_check_ = now + kPeerCheck;
+    return (*peer_gone_)() ? "the other side gave the transfer up" : absl::string_view();
+  }
+
+ private:
+  const std::stop_token stop_;
+  const PeerGone* const peer_gone_;
+  absl::Time next_peer_check_ = absl::Now() + kPeerCheck;  // a quick transfer costs no check
+};
+
 absl::StatusOr<std::string> NcclVersion() {
   FLATSHARD_ASSIGN_OR_RETURN(const NcclApi* api, LoadedApi());
   int version = 0;
@@ -110,17 +132,17 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   FLATSHARD_RETURN_IF_ERROR(
       FromNccl(api->init_rank_config(&comm, nranks, id, rank, &config), "ncclCommInitRankConfig"));
   std::unique_ptr<NcclCommunicator> communicator(new NcclCommunicator(comm, nranks, rank));
-  FLATSHARD_RETURN_IF_ERROR(communicator->WaitReady(timeout, stop));
+  WaitEnd end(stop, nullptr);
+  FLATSHARD_RETURN_IF_ERROR(communicator->WaitReady(timeout, end));
   return communicator;
 }
 
-absl::Status NcclCommunicator::AbortStopped() {
+absl::Status NcclCommunicator::AbortEarly(absl::string_view why) {
   Abort();
-  return absl::CancelledError(
-      absl::StrCat("NCCL rank ", rank_, " of ", nranks_, ": stopped while it waited; communicator aborted"));
+  return absl::CancelledError(absl::StrCat("NCCL rank ", rank_, " of ", nranks_, ": ", why, "; communicator aborted"));
 }
 
-absl::Status NcclCommunicator::WaitReady(absl::Duration timeout, const std::stop_token& stop) {
+absl::Status NcclCommunicator::WaitReady(absl::Duration timeout, WaitEnd& end) {
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
     ncclResult_t state = ncclSuccess;
@@ -131,7 +153,7 @@ absl::Status NcclCommunicator::WaitReady(absl::Duration timeout, const std::stop
       Abort();
       return FromNccl(state, "NCCL communicator");
     }
-    if (stop.stop_requested()) return AbortStopped();
+    if (const absl::string_view why = end.Why(); !why.empty()) return AbortEarly(why);
     if (absl::Now() > deadline) {
       Abort();
       return absl::DeadlineExceededError(absl::StrCat(
@@ -158,9 +180,11 @@ absl::Status NcclCommunicator::Recv(void* buffer, size_t bytes, int peer, cudaSt
   return FromNccl(Api().recv(buffer, bytes, ncclUint8, peer, AsComm(comm_), stream), "ncclRecv");
 }
 
-absl::Status NcclCommunicator::Wait(cudaStream_t stream, absl::Duration timeout, const std::stop_token& stop) {
+absl::Status NcclCommunicator::Wait(cudaStream_t stream, absl::Duration timeout, const std::stop_token& stop,
+                                    const PeerGone& peer_gone) {
   if (failed_) return absl::FailedPreconditionError("the NCCL communicator was aborted");
-  FLATSHARD_RETURN_IF_ERROR(WaitReady(timeout, stop));  // a non-blocking group may still be in progress
+  WaitEnd end(stop, &peer_gone);
+  FLATSHARD_RETURN_IF_ERROR(WaitReady(timeout, end));  // a non-blocking group may still be in progress
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
     const cudaError_t done = cudaStreamQuery(stream);
@@ -175,7 +199,7 @@ absl::Status NcclCommunicator::Wait(cudaStream_t stream, absl::Duration timeout,
       Abort();
       return FromNccl(state, "NCCL transfer");
     }
-    if (stop.stop_requested()) return AbortStopped();
+    if (const absl::string_view why = end.Why(); !why.empty()) return AbortEarly(why);
     if (absl::Now() > deadline) {
       Abort();
       return absl::DeadlineExceededError(absl::StrCat("NCCL transfer on rank ", rank_, " of ", nranks_,
@@ -202,7 +226,8 @@ NcclCommunicator::~NcclCommunicator() {
     Abort();
     return;
   }
-  if (WaitReady(absl::Seconds(10), {}).ok()) Api().destroy(AsComm(comm_));
+  WaitEnd never({}, nullptr);
+  if (WaitReady(absl::Seconds(10), never).ok()) Api().destroy(AsComm(comm_));
 }
 
 }  // namespace flatshard::kernels::cuda

@@ -3,6 +3,7 @@
 // dtypes. The parameters must equal a single-process computation of the same math
 // bit for bit. Hybrid sharding: 4 servers in 2 replica groups, 4 workers, the same.
 #include <grpcpp/grpcpp.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "client/cluster_status.h"
 #include "core/flat_buffer.h"
 #include "core/float_bits.h"
+#include "core/status_macros.h"
 #include "kernels/kernels.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/gpu_worker.h"
@@ -28,6 +30,7 @@
 namespace flatshard {
 namespace {
 
+using ::testing::HasSubstr;
 using testing::DeviceBytes;
 using testing::HaveGpu;
 using testing::HaveNccl;
@@ -518,6 +521,48 @@ TEST(TrainingIntegrationTest, GpuWorkersOverNcclMatchSingleProcessBitwise) {
 }
 
 #if FLATSHARD_HAVE_CUDA
+// A worker of job "test" that speaks the NCCL plane to server 0 of `cluster` by hand, for
+// group "g" of `shard_bytes` per server: it opens channels (the OpenNcclChannel call) and
+// begins requests (sends one and reads its ready answer), then does what a test asks of
+// its NCCL, or nothing.
+class HandNcclWorker {
+ public:
+  HandNcclWorker(const testing::TestCluster& cluster, uint64_t shard_bytes)
+      : stub_(v1::Flatshard::NewStub(
+            grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()))),
+        token_(cluster.token()),
+        shard_bytes_(shard_bytes) {}
+
+  absl::StatusOr<uint64_t> Open(const std::string& unique_id) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token_);
+    v1::OpenNcclChannelRequest request;
+    request.set_unique_id(unique_id);
+    v1::OpenNcclChannelResponse response;
+    grpc::Status status = stub_->OpenNcclChannel(&ctx, request, &response);
+    if (!status.ok()) return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+    return response.channel();
+  }
+
+  // The ready answer's status; `version`: a gather's least version, a scatter's step.
+  absl::Status Begin(transport::Connection& conn, transport::DataOp op, uint64_t channel, int64_t version = 0) const {
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(op);
+    header.version = version;
+    header.timeout_ms = 10000;
+    const transport::NcclTarget target{channel, shard_bytes_};
+    FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(
+        conn, header, "test", "g", absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target))));
+    FLATSHARD_ASSIGN_OR_RETURN(transport::Response ready, transport::RecvResponse(conn, {}));
+    return ready.status;
+  }
+
+ private:
+  std::unique_ptr<v1::Flatshard::Stub> stub_;
+  std::string token_;
+  uint64_t shard_bytes_;
+};
+
 // A worker that opens a channel and never joins, and one that vanishes in the middle of
 // a scatter: each request fails with a status within --nccl_timeout, the channel is
 // closed, nothing of the scatter is kept, and the server serves on.
@@ -534,59 +579,37 @@ TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsSer
   ASSERT_TRUE((*client)->ConfigureJob({}).ok());
   auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
   ASSERT_TRUE(layout.ok()) << layout.status();
-  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
-  auto open = [&](const std::string& unique_id) -> absl::StatusOr<uint64_t> {
-    grpc::ClientContext ctx;
-    ctx.AddMetadata("authorization", "Bearer tok");
-    v1::OpenNcclChannelRequest request;
-    request.set_unique_id(unique_id);
-    v1::OpenNcclChannelResponse response;
-    grpc::Status status = stub->OpenNcclChannel(&ctx, request, &response);
-    if (!status.ok()) return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-    return response.channel();
-  };
-  // Sends an NCCL request and reads the ready answer.
-  auto begin = [&](transport::Connection& conn, transport::DataOp op, uint64_t channel) {
-    transport::RequestHeader header;
-    header.op = static_cast<uint8_t>(op);
-    header.timeout_ms = 10000;
-    const transport::NcclTarget target{channel, static_cast<uint64_t>((*layout)->shard_numel() * 4)};
-    absl::Status sent = transport::SendRequest(
-        conn, header, "test", "g", absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&target), sizeof(target)));
-    if (!sent.ok()) return sent;
-    auto ready = transport::RecvResponse(conn, {});
-    return ready.ok() ? ready->status : ready.status();
-  };
-  EXPECT_EQ(open("short").status().code(), absl::StatusCode::kInvalidArgument);
+  HandNcclWorker worker(cluster, (*layout)->shard_numel() * 4);
+  EXPECT_EQ(worker.Open("short").status().code(), absl::StatusCode::kInvalidArgument);
 
   // Opened, never joined: the server gives up joining after 5 s.
-  auto never_joined = open(*kernels::cuda::NcclCommunicator::NewUniqueId());
+  auto never_joined = worker.Open(*kernels::cuda::NcclCommunicator::NewUniqueId());
   ASSERT_TRUE(never_joined.ok()) << never_joined.status();
   {
     auto conn = cluster.RawDataConnection(0);
     ASSERT_TRUE(conn.ok()) << conn.status();
-    const absl::Status refused = begin(**conn, transport::DataOp::kNcclGather, *never_joined);
+    const absl::Status refused = worker.Begin(**conn, transport::DataOp::kNcclGather, *never_joined);
     EXPECT_EQ(refused.code(), absl::StatusCode::kDeadlineExceeded) << refused;
     EXPECT_NE(refused.message().find("could not join"), std::string::npos) << refused;
   }
 
   // Joined, then silent after the ready answer of a scatter.
   const std::string unique_id = *kernels::cuda::NcclCommunicator::NewUniqueId();
-  auto channel = open(unique_id);
+  auto channel = worker.Open(unique_id);
   ASSERT_TRUE(channel.ok()) << channel.status();
   auto comm = kernels::cuda::NcclCommunicator::Create(unique_id, 2, 1, absl::Seconds(20));
   ASSERT_TRUE(comm.ok()) << comm.status();
   {
     auto conn = cluster.RawDataConnection(0);
     ASSERT_TRUE(conn.ok()) << conn.status();
-    ASSERT_TRUE(begin(**conn, transport::DataOp::kNcclScatter, *channel).ok());
+    ASSERT_TRUE(worker.Begin(**conn, transport::DataOp::kNcclScatter, *channel).ok());
     const absl::Time start = absl::Now();
     auto done = transport::RecvResponse(**conn, {});  // the worker never sends
     ASSERT_TRUE(done.ok()) << done.status();
     EXPECT_EQ(done->status.code(), absl::StatusCode::kDeadlineExceeded) << done->status;
     EXPECT_NE(done->status.message().find("channel closed"), std::string::npos) << done->status;
     EXPECT_LT(absl::Now() - start, absl::Seconds(15));
-    const absl::Status closed = begin(**conn, transport::DataOp::kNcclGather, *channel);
+    const absl::Status closed = worker.Begin(**conn, transport::DataOp::kNcclGather, *channel);
     EXPECT_EQ(closed.code(), absl::StatusCode::kNotFound) << closed;
   }
   (*comm)->Abort();
@@ -599,6 +622,70 @@ TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsSer
   ASSERT_TRUE(version.ok()) << version.status();
   EXPECT_EQ(*version, 1);
   EXPECT_EQ(params[0], -1.0f);  // 0 - lr * 1
+}
+
+// A worker that gives an NCCL scatter up after its ready answer (stopped: it closes its
+// data connection and aborts its NCCL) frees its slot at once: its resend of the step over
+// TCP is taken, where before the server's half waited for it until --nccl_timeout (60 s
+// here) and refused the resend as "already being received" until then. And a server told
+// to stop while its half of a transfer waits for a silent worker, with another channel
+// whose worker never joins, exits without waiting for either (before: up to 60 s each).
+TEST(TrainingIntegrationTest, AnNcclScatterGivenUpFreesItsSlotAndWaitsForWorkersDoNotHoldTheServersExit) {
+  if (!HaveGpu()) GTEST_SKIP() << "NCCL needs a CUDA build and a CUDA device";
+  if (!HaveNccl()) GTEST_SKIP() << "NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
+  SetNcclHost(kNcclServers);
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), "", {{"--memory=device", "--nccl_timeout=60s"}});
+  SetNcclHost(kNcclWorkers);
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  HandNcclWorker worker(cluster, (*layout)->shard_numel() * 4);
+  // A joined channel: `unique_id`'s, with this process's communicator as the worker's rank.
+  auto joined = [&]() -> absl::StatusOr<std::pair<uint64_t, std::unique_ptr<kernels::cuda::NcclCommunicator>>> {
+    FLATSHARD_ASSIGN_OR_RETURN(const std::string unique_id, kernels::cuda::NcclCommunicator::NewUniqueId());
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t channel, worker.Open(unique_id));
+    FLATSHARD_ASSIGN_OR_RETURN(auto comm, kernels::cuda::NcclCommunicator::Create(unique_id, 2, 1, absl::Seconds(20)));
+    return std::make_pair(channel, std::move(comm));
+  };
+
+  auto given_up = joined();
+  ASSERT_TRUE(given_up.ok()) << given_up.status();
+  {
+    auto conn = cluster.RawDataConnection(0);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    ASSERT_TRUE(worker.Begin(**conn, transport::DataOp::kNcclScatter, given_up->first).ok());
+  }  // closed: the worker gave the scatter up
+  given_up->second->Abort();
+  std::vector<float> grad((*layout)->padded_numel(), 1.0f);
+  const absl::Time start = absl::Now();
+  absl::Status sent = (*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
+  while (absl::IsFailedPrecondition(sent) && absl::Now() - start < absl::Seconds(30)) {
+    EXPECT_THAT(std::string(sent.message()), HasSubstr("already being received"));
+    absl::SleepFor(absl::Milliseconds(50));
+    sent = (*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
+  }
+  ASSERT_TRUE(sent.ok()) << sent;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "the server's half waited for the worker that gave up";
+  std::vector<float> params((*layout)->padded_numel());
+  auto version = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params)).get();
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 1);
+  EXPECT_EQ(params[0], -1.0f);  // 0 - lr * 1, once
+
+  auto silent = joined();
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  auto conn = cluster.RawDataConnection(0);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  ASSERT_TRUE(worker.Begin(**conn, transport::DataOp::kNcclScatter, silent->first, 1).ok());  // never sends
+  ASSERT_TRUE(worker.Open(*kernels::cuda::NcclCommunicator::NewUniqueId()).ok());          // never joined
+  client->reset();
+  absl::SleepFor(absl::Milliseconds(300));  // the server's half of the scatter waits
+  const auto [status, took] = cluster.Terminate(0, absl::Seconds(150));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_LT(took, absl::Seconds(20));
+  silent->second->Abort();
 }
 #endif
 

@@ -2,18 +2,20 @@
 // allows only a single-rank communicator (NCCL refuses two ranks on one device): it
 // sends a buffer to itself and receives it back. A two-rank communicator whose peer
 // never comes is aborted at its deadline with DeadlineExceeded, or at a stop with
-// Cancelled, instead of hanging.
+// Cancelled, instead of hanging; so is a wait whose other side gave the transfer up.
 // Skips, with the reason, without a CUDA device or without libnccl.
 #include "kernels/cuda/nccl.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <random>
 #include <stop_token>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_memory.h"
@@ -93,6 +95,45 @@ TEST_F(NcclTest, AStopEndsAJoinWhosePeerNeverComes) {
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kCancelled) << comm.status();
   EXPECT_GE(took, absl::Milliseconds(250));
   EXPECT_LT(took, absl::Seconds(20));
+}
+
+// A wait whose other side gave the transfer up (PeerGone: its request's connection
+// closed) ends Cancelled at the next check instead of at its deadline, asking at most
+// every kPeerCheck; work found finished is OK however gone the peer is. The unfinished
+// work is a host function that blocks the stream until released (one GPU has no peer).
+TEST_F(NcclTest, AWaitEndsOnceThePeerIsGoneAndAsksAtMostEveryPeerCheck) {
+  absl::StatusOr<std::string> id = NcclCommunicator::NewUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> comm = NcclCommunicator::Create(*id, 1, 0, absl::Seconds(30));
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const PeerGone always_gone = [] { return true; };
+  EXPECT_TRUE((*comm)->Wait(stream, absl::Seconds(30), {}, always_gone).ok()) << "an idle stream is finished work";
+
+  absl::Notification release;
+  ASSERT_EQ(cudaLaunchHostFunc(
+                stream, [](void* released) { static_cast<absl::Notification*>(released)->WaitForNotification(); },
+                &release),
+            cudaSuccess);
+  std::atomic<int> asked = 0;
+  const absl::Time start = absl::Now();
+  const PeerGone gone_after_300ms = [&] {
+    ++asked;
+    return absl::Now() - start > absl::Milliseconds(300);
+  };
+  const absl::Status waited = (*comm)->Wait(stream, absl::Seconds(60), {}, gone_after_300ms);
+  const absl::Duration took = absl::Now() - start;
+  release.Notify();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(waited.code(), absl::StatusCode::kCancelled) << waited;
+  EXPECT_NE(waited.message().find("the other side gave the transfer up"), std::string::npos) << waited;
+  EXPECT_GE(took, absl::Milliseconds(300));
+  EXPECT_LT(took, absl::Seconds(20));
+  EXPECT_LE(asked.load(), took / kPeerCheck + 1) << "asked more often than every kPeerCheck";
+  EXPECT_FALSE((*comm)->Wait(stream, absl::Seconds(1)).ok()) << "the wait aborted the communicator";
+  comm->reset();
+  cudaStreamDestroy(stream);
 }
 
 TEST_F(NcclTest, MalformedArgumentsAreRefused) {
