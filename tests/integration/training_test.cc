@@ -563,65 +563,109 @@ class HandNcclWorker {
   uint64_t shard_bytes_;
 };
 
+// One --memory=device server with job "test" (1 worker) and group "g" (SGD, lr 1), a TCP
+// client of worker 0, and a HandNcclWorker to the server.
+class TrainingHandNcclTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "NCCL needs a CUDA build and a CUDA device";
+    if (!HaveNccl()) GTEST_SKIP() << "NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
+  }
+
+  // Starts the server with --nccl_timeout=`nccl_timeout`.
+  void Start(const std::string& nccl_timeout) {
+    SetNcclHost(kNcclServers);
+    cluster_ = std::make_unique<testing::TestCluster>(
+        1, "tok", ::testing::TempDir(), "",
+        std::vector<std::vector<std::string>>{{"--memory=device", "--nccl_timeout=" + nccl_timeout}});
+    SetNcclHost(kNcclWorkers);
+    auto client = cluster_->Connect(0, 1);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+    ASSERT_TRUE(client_->ConfigureJob({}).ok());
+    auto layout = client_->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    layout_ = *layout;
+    worker_ = std::make_unique<HandNcclWorker>(*cluster_, layout_->shard_numel() * 4);
+  }
+
+  // A channel the server joins with this process's communicator as the worker's rank.
+  absl::StatusOr<std::pair<uint64_t, std::unique_ptr<kernels::cuda::NcclCommunicator>>> Joined() {
+    FLATSHARD_ASSIGN_OR_RETURN(const std::string unique_id, kernels::cuda::NcclCommunicator::NewUniqueId());
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t channel, worker_->Open(unique_id));
+    FLATSHARD_ASSIGN_OR_RETURN(auto comm, kernels::cuda::NcclCommunicator::Create(unique_id, 2, 1, absl::Seconds(20)));
+    return std::make_pair(channel, std::move(comm));
+  }
+
+  // Worker 0's step 0 over TCP, a gradient of ones; OK, or the first refusal that is not
+  // "already being received" (retried until `patience` runs out).
+  absl::Status ScatterStep0(absl::Duration patience) {
+    std::vector<float> grad(layout_->padded_numel(), 1.0f);
+    const absl::Time deadline = absl::Now() + patience;
+    for (;;) {
+      const absl::Status sent = client_->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
+      if (!absl::IsFailedPrecondition(sent) || absl::Now() > deadline) return sent;
+      EXPECT_THAT(std::string(sent.message()), HasSubstr("already being received"));
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
+
+  // Version 1 holds step 0 applied once: 0 - lr * 1.
+  void ExpectStep0AppliedOnce() {
+    std::vector<float> params(layout_->padded_numel());
+    auto version = client_->Gather("g", 1, DType::kFloat32, AsBytes(params)).get();
+    ASSERT_TRUE(version.ok()) << version.status();
+    EXPECT_EQ(*version, 1);
+    EXPECT_EQ(params[0], -1.0f);
+  }
+
+  std::unique_ptr<testing::TestCluster> cluster_;
+  std::unique_ptr<Client> client_;
+  const FlatLayout* layout_ = nullptr;
+  std::unique_ptr<HandNcclWorker> worker_;
+};
+
 // A worker that opens a channel and never joins, and one that vanishes in the middle of
 // a scatter: each request fails with a status within --nccl_timeout, the channel is
 // closed, nothing of the scatter is kept, and the server serves on.
-TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsServing) {
-  if (!HaveGpu()) GTEST_SKIP() << "NCCL needs a CUDA build and a CUDA device";
-  if (!HaveNccl()) GTEST_SKIP() << "NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
-  SetNcclHost(kNcclServers);
+TEST_F(TrainingHandNcclTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsServing) {
   // 5 s: long enough for the server's join (NCCL's set-up) on a busy machine; seen
   // taking over 2 s with the integration suite running in 6 processes on one GPU.
-  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), "", {{"--memory=device", "--nccl_timeout=5s"}});
-  SetNcclHost(kNcclWorkers);
-  auto client = cluster.Connect(0, 1);
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
-  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
-  ASSERT_TRUE(layout.ok()) << layout.status();
-  HandNcclWorker worker(cluster, (*layout)->shard_numel() * 4);
-  EXPECT_EQ(worker.Open("short").status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_NO_FATAL_FAILURE(Start("5s"));
+  EXPECT_EQ(worker_->Open("short").status().code(), absl::StatusCode::kInvalidArgument);
 
   // Opened, never joined: the server gives up joining after 5 s.
-  auto never_joined = worker.Open(*kernels::cuda::NcclCommunicator::NewUniqueId());
+  auto never_joined = worker_->Open(*kernels::cuda::NcclCommunicator::NewUniqueId());
   ASSERT_TRUE(never_joined.ok()) << never_joined.status();
   {
-    auto conn = cluster.RawDataConnection(0);
+    auto conn = cluster_->RawDataConnection(0);
     ASSERT_TRUE(conn.ok()) << conn.status();
-    const absl::Status refused = worker.Begin(**conn, transport::DataOp::kNcclGather, *never_joined);
+    const absl::Status refused = worker_->Begin(**conn, transport::DataOp::kNcclGather, *never_joined);
     EXPECT_EQ(refused.code(), absl::StatusCode::kDeadlineExceeded) << refused;
     EXPECT_NE(refused.message().find("could not join"), std::string::npos) << refused;
   }
 
   // Joined, then silent after the ready answer of a scatter.
-  const std::string unique_id = *kernels::cuda::NcclCommunicator::NewUniqueId();
-  auto channel = worker.Open(unique_id);
-  ASSERT_TRUE(channel.ok()) << channel.status();
-  auto comm = kernels::cuda::NcclCommunicator::Create(unique_id, 2, 1, absl::Seconds(20));
-  ASSERT_TRUE(comm.ok()) << comm.status();
+  auto silent = Joined();
+  ASSERT_TRUE(silent.ok()) << silent.status();
   {
-    auto conn = cluster.RawDataConnection(0);
+    auto conn = cluster_->RawDataConnection(0);
     ASSERT_TRUE(conn.ok()) << conn.status();
-    ASSERT_TRUE(worker.Begin(**conn, transport::DataOp::kNcclScatter, *channel).ok());
+    ASSERT_TRUE(worker_->Begin(**conn, transport::DataOp::kNcclScatter, silent->first).ok());
     const absl::Time start = absl::Now();
     auto done = transport::RecvResponse(**conn, {});  // the worker never sends
     ASSERT_TRUE(done.ok()) << done.status();
     EXPECT_EQ(done->status.code(), absl::StatusCode::kDeadlineExceeded) << done->status;
     EXPECT_NE(done->status.message().find("channel closed"), std::string::npos) << done->status;
     EXPECT_LT(absl::Now() - start, absl::Seconds(15));
-    const absl::Status closed = worker.Begin(**conn, transport::DataOp::kNcclGather, *channel);
+    const absl::Status closed = worker_->Begin(**conn, transport::DataOp::kNcclGather, silent->first);
     EXPECT_EQ(closed.code(), absl::StatusCode::kNotFound) << closed;
   }
-  (*comm)->Abort();
+  silent->second->Abort();
   // Nothing of that scatter was kept: worker 0 sends step 0 again, over TCP, and it applies.
-  std::vector<float> grad((*layout)->padded_numel(), 1.0f);
-  const absl::Status sent = (*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
+  const absl::Status sent = ScatterStep0(absl::ZeroDuration());
   ASSERT_TRUE(sent.ok()) << sent;
-  std::vector<float> params((*layout)->padded_numel());
-  auto version = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params)).get();
-  ASSERT_TRUE(version.ok()) << version.status();
-  EXPECT_EQ(*version, 1);
-  EXPECT_EQ(params[0], -1.0f);  // 0 - lr * 1
+  ExpectStep0AppliedOnce();
 }
 
 // A worker that gives an NCCL scatter up after its ready answer (stopped: it closes its
@@ -630,59 +674,31 @@ TEST(TrainingIntegrationTest, DeadNcclPeersFailTheirRequestsAndTheServerKeepsSer
 // here) and refused the resend as "already being received" until then. And a server told
 // to stop while its half of a transfer waits for a silent worker, with another channel
 // whose worker never joins, exits without waiting for either (before: up to 60 s each).
-TEST(TrainingIntegrationTest, AnNcclScatterGivenUpFreesItsSlotAndWaitsForWorkersDoNotHoldTheServersExit) {
-  if (!HaveGpu()) GTEST_SKIP() << "NCCL needs a CUDA build and a CUDA device";
-  if (!HaveNccl()) GTEST_SKIP() << "NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
-  SetNcclHost(kNcclServers);
-  testing::TestCluster cluster(1, "tok", ::testing::TempDir(), "", {{"--memory=device", "--nccl_timeout=60s"}});
-  SetNcclHost(kNcclWorkers);
-  auto client = cluster.Connect(0, 1);
-  ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
-  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
-  ASSERT_TRUE(layout.ok()) << layout.status();
-  HandNcclWorker worker(cluster, (*layout)->shard_numel() * 4);
-  // A joined channel: `unique_id`'s, with this process's communicator as the worker's rank.
-  auto joined = [&]() -> absl::StatusOr<std::pair<uint64_t, std::unique_ptr<kernels::cuda::NcclCommunicator>>> {
-    FLATSHARD_ASSIGN_OR_RETURN(const std::string unique_id, kernels::cuda::NcclCommunicator::NewUniqueId());
-    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t channel, worker.Open(unique_id));
-    FLATSHARD_ASSIGN_OR_RETURN(auto comm, kernels::cuda::NcclCommunicator::Create(unique_id, 2, 1, absl::Seconds(20)));
-    return std::make_pair(channel, std::move(comm));
-  };
-
-  auto given_up = joined();
+TEST_F(TrainingHandNcclTest, AnNcclScatterGivenUpFreesItsSlotAndWaitsForWorkersDoNotHoldTheServersExit) {
+  ASSERT_NO_FATAL_FAILURE(Start("60s"));
+  auto given_up = Joined();
   ASSERT_TRUE(given_up.ok()) << given_up.status();
   {
-    auto conn = cluster.RawDataConnection(0);
+    auto conn = cluster_->RawDataConnection(0);
     ASSERT_TRUE(conn.ok()) << conn.status();
-    ASSERT_TRUE(worker.Begin(**conn, transport::DataOp::kNcclScatter, given_up->first).ok());
+    ASSERT_TRUE(worker_->Begin(**conn, transport::DataOp::kNcclScatter, given_up->first).ok());
   }  // closed: the worker gave the scatter up
   given_up->second->Abort();
-  std::vector<float> grad((*layout)->padded_numel(), 1.0f);
   const absl::Time start = absl::Now();
-  absl::Status sent = (*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
-  while (absl::IsFailedPrecondition(sent) && absl::Now() - start < absl::Seconds(30)) {
-    EXPECT_THAT(std::string(sent.message()), HasSubstr("already being received"));
-    absl::SleepFor(absl::Milliseconds(50));
-    sent = (*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get();
-  }
+  const absl::Status sent = ScatterStep0(absl::Seconds(30));
   ASSERT_TRUE(sent.ok()) << sent;
   EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "the server's half waited for the worker that gave up";
-  std::vector<float> params((*layout)->padded_numel());
-  auto version = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(params)).get();
-  ASSERT_TRUE(version.ok()) << version.status();
-  EXPECT_EQ(*version, 1);
-  EXPECT_EQ(params[0], -1.0f);  // 0 - lr * 1, once
+  ExpectStep0AppliedOnce();
 
-  auto silent = joined();
+  auto silent = Joined();
   ASSERT_TRUE(silent.ok()) << silent.status();
-  auto conn = cluster.RawDataConnection(0);
+  auto conn = cluster_->RawDataConnection(0);
   ASSERT_TRUE(conn.ok()) << conn.status();
-  ASSERT_TRUE(worker.Begin(**conn, transport::DataOp::kNcclScatter, silent->first, 1).ok());  // never sends
-  ASSERT_TRUE(worker.Open(*kernels::cuda::NcclCommunicator::NewUniqueId()).ok());          // never joined
-  client->reset();
+  ASSERT_TRUE(worker_->Begin(**conn, transport::DataOp::kNcclScatter, silent->first, 1).ok());  // never sends
+  ASSERT_TRUE(worker_->Open(*kernels::cuda::NcclCommunicator::NewUniqueId()).ok());             // never joined
+  client_.reset();
   absl::SleepFor(absl::Milliseconds(300));  // the server's half of the scatter waits
-  const auto [status, took] = cluster.Terminate(0, absl::Seconds(150));
+  const auto [status, took] = cluster_->Terminate(0, absl::Seconds(150));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_LT(took, absl::Seconds(20));
   silent->second->Abort();
