@@ -7,6 +7,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "client/device_memory.h"
+#include "client/early_answer.h"
 #include "client/either_stop.h"
 #include "client/wait_hook.h"
 #include "core/status_macros.h"
@@ -288,13 +289,19 @@ std::pair<absl::StatusOr<transport::Response>, bool> DataTransfers::NcclTransfer
       continue;
     }
     if (!ready->status.ok()) return {ready->status, true};
-    absl::Status moved = gather ? link.Recv(part.data(), part.size(), options_.timeout, stop)
-                                : link.Send(part.data(), part.size(), options_.timeout, stop);
-    if (!moved.ok()) return {moved, false};  // the server answers done with its own error
-    absl::StatusOr<transport::Response> done = transport::RecvResponse(conn, {});
-    if (!done.ok()) return {done.status(), false};
-    if (!done->status.ok()) return {done->status, true};
-    return {*done, true};
+    // A server whose half failed, or that went away, answers or closes before ours is
+    // done: that ends ours (which would wait for it until the timeout), and says why.
+    EarlyAnswer done(conn);
+    const std::function<bool()> server_failed = [&done] { return done.Failed(); };
+    absl::Status moved = gather ? link.Recv(part.data(), part.size(), options_.timeout, stop, server_failed)
+                                : link.Send(part.data(), part.size(), options_.timeout, stop, server_failed);
+    // Ours failed first: the server answers done with its own error, not worth waiting for.
+    if (!moved.ok() && !done.has_answer()) return {moved, false};
+    absl::StatusOr<transport::Response> answer = done.Take();
+    if (!answer.ok()) return {answer.status(), false};
+    if (!answer->status.ok()) return {answer->status, true};
+    if (!moved.ok()) return {moved, false};
+    return {*answer, true};
   }
 }
 

@@ -54,14 +54,18 @@ NcclLink::~NcclLink() {
 
 bool NcclLink::failed() const { return state_->failed; }
 
-absl::Status NcclLink::Recv(void* dst, size_t bytes, absl::Duration timeout, const std::stop_token& stop) {
+absl::Status NcclLink::Recv(void* dst, size_t bytes, absl::Duration timeout, const std::stop_token& stop,
+                            const std::function<bool()>& server_failed) {
   kc::ScopedDevice on_device(device_);
-  return Complete(state_->comm->Recv(dst, bytes, transport::kNcclServerRank, state_->stream), timeout, stop);
+  return Complete(state_->comm->Recv(dst, bytes, transport::kNcclServerRank, state_->stream), timeout, stop,
+                  server_failed);
 }
 
-absl::Status NcclLink::Send(const void* src, size_t bytes, absl::Duration timeout, const std::stop_token& stop) {
+absl::Status NcclLink::Send(const void* src, size_t bytes, absl::Duration timeout, const std::stop_token& stop,
+                            const std::function<bool()>& server_failed) {
   kc::ScopedDevice on_device(device_);
-  return Complete(state_->comm->Send(src, bytes, transport::kNcclServerRank, state_->stream), timeout, stop);
+  return Complete(state_->comm->Send(src, bytes, transport::kNcclServerRank, state_->stream), timeout, stop,
+                  server_failed);
 }
 
 void NcclLink::Abandon() {
@@ -70,8 +74,9 @@ void NcclLink::Abandon() {
   state_->failed = true;
 }
 
-absl::Status NcclLink::Complete(absl::Status enqueued, absl::Duration timeout, const std::stop_token& stop) {
-  if (enqueued.ok()) enqueued = state_->comm->Wait(state_->stream, timeout, stop);
+absl::Status NcclLink::Complete(absl::Status enqueued, absl::Duration timeout, const std::stop_token& stop,
+                                const std::function<bool()>& server_failed) {
+  if (enqueued.ok()) enqueued = state_->comm->Wait(state_->stream, timeout, stop, server_failed);
   if (!enqueued.ok()) Abandon();
   return enqueued;
 }
@@ -92,10 +97,11 @@ NcclLink::NcclLink(int device, uint64_t channel, std::unique_ptr<State> state)
     : device_(device), channel_(channel), state_(std::move(state)) {}
 NcclLink::~NcclLink() = default;
 bool NcclLink::failed() const { return true; }
-absl::Status NcclLink::Recv(void*, size_t, absl::Duration, const std::stop_token&) {
+absl::Status NcclLink::Recv(void*, size_t, absl::Duration, const std::stop_token&, const std::function<bool()>&) {
   return absl::FailedPreconditionError("this client was built without CUDA");
 }
-absl::Status NcclLink::Send(const void*, size_t, absl::Duration, const std::stop_token&) {
+absl::Status NcclLink::Send(const void*, size_t, absl::Duration, const std::stop_token&,
+                            const std::function<bool()>&) {
   return absl::FailedPreconditionError("this client was built without CUDA");
 }
 void NcclLink::Abandon() {}

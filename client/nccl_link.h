@@ -5,7 +5,8 @@
 // request until its transfer is done (client/link_pool.h lends links so). A transfer
 // that fails aborts the communicator (failed() turns true) and the client opens a new
 // link. A stop asked of the token a call takes ends its wait at once, Cancelled, the
-// communicator aborted (failed()), so that NCCL no longer touches the call's buffer. In
+// communicator aborted (failed()), so that NCCL no longer touches the call's buffer; so
+// does the server's half failing, as the caller's `server_failed` tells. In
 // a build without CUDA, Available() is false and Open is FailedPrecondition.
 // Thread-safe.
 #ifndef FLATSHARD_CLIENT_NCCL_LINK_H_
@@ -43,10 +44,13 @@ class NcclLink {
   bool failed() const;
 
   // Receives `bytes` from / sends them to the server on this link's stream and waits
-  // for the transfer, at most `timeout` or until a stop is asked of `stop` (then the
-  // communicator is aborted).
-  [[nodiscard]] absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout, const std::stop_token& stop);
-  [[nodiscard]] absl::Status Send(const void* src, size_t bytes, absl::Duration timeout, const std::stop_token& stop);
+  // for the transfer, at most `timeout`, until a stop is asked of `stop`, or until
+  // `server_failed` (asked every 0.1 s; empty: never) says the server's half will not
+  // come (then the communicator is aborted, Cancelled).
+  [[nodiscard]] absl::Status Recv(void* dst, size_t bytes, absl::Duration timeout, const std::stop_token& stop,
+                                  const std::function<bool()>& server_failed = nullptr);
+  [[nodiscard]] absl::Status Send(const void* src, size_t bytes, absl::Duration timeout, const std::stop_token& stop,
+                                  const std::function<bool()>& server_failed = nullptr);
   // Aborts the communicator (failed() turns true), for a link whose server may still
   // move bytes on it for a request this process gave up before its own part began.
   void Abandon();
@@ -55,7 +59,8 @@ class NcclLink {
   struct State;  // the communicator and stream, in CUDA builds
   NcclLink(int device, uint64_t channel, std::unique_ptr<State> state);
   // Waits for the transfer `enqueued` started; on any failure aborts the communicator.
-  absl::Status Complete(absl::Status enqueued, absl::Duration timeout, const std::stop_token& stop);
+  absl::Status Complete(absl::Status enqueued, absl::Duration timeout, const std::stop_token& stop,
+                        const std::function<bool()>& server_failed);
 
   const int device_;
   const uint64_t channel_;
