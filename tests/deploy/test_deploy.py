@@ -3,9 +3,10 @@ built flatshard-server defines (a renamed flag would otherwise break deployments
 silently), the Kubernetes StatefulSet renders, pod by pod, a consistent server
 command line: its rank is its ordinal, its --listen is its own entry of --cluster, the
 cluster list has one entry per replica that the headless Service resolves, and the files
-it names are where the volumes are mounted; and the Docker image installs every shared
-library the binaries it copies load (a library linked later, and not added there, would
-otherwise stop the image's server at start).
+it names are where the volumes are mounted; and the Docker images (CPU and CUDA) install
+every shared library the binaries they copy load (a library linked later, and not added
+there, would otherwise stop the image's server at start), the CUDA one with one CUDA
+version throughout and the NCCL the server loads.
 
 Environment: FLATSHARD_SERVER_PATH (the built server), FLATSHARD_SOURCE_DIR.
 """
@@ -135,24 +136,73 @@ class DeployTest(unittest.TestCase):
         self.assertEqual(volumes["token"]["secret"]["secretName"], "flatshard-token")
         self.assertEqual([t["metadata"]["name"] for t in spec["volumeClaimTemplates"]], ["checkpoints"])
 
-    def test_docker_image_installs_every_library_its_binaries_load(self):
-        with open(os.path.join(SOURCE, "docker", "Dockerfile.cpu")) as dockerfile:
-            runtime = dockerfile.read().rsplit("\nFROM ", 1)[1]  # the last stage: the image
-        install = re.search(r"apt-get install ((?:[^&\\]|\\\n)*)", runtime).group(1)
-        listed = [word for word in install.replace("\\\n", " ").split() if not word.startswith("-")]
+    def runtime_stage(self, name):
+        """The last stage of docker/`name` (the image): its text, the packages it installs
+        beside docker/runtime-packages, and the CUDA runtime's version ("13.0") where
+        those name one. Checks that it installs the runtime packages and copies both
+        binaries."""
+        with open(os.path.join(SOURCE, "docker", name)) as dockerfile:
+            runtime = dockerfile.read().rsplit("\nFROM ", 1)[1]
+        self.assertIn("COPY docker/runtime-packages /tmp/\n", runtime, name)
+        extra = re.search(r"xargs apt-get install ([^<]*)< /tmp/runtime-packages", runtime).group(1)
+        extra = [word for word in extra.split() if not word.startswith("-")]
         copied = re.search(r"^COPY --from=build (.*) /usr/local/bin/$", runtime, re.MULTILINE).group(1).split()
-        self.assertEqual([os.path.basename(path) for path in copied], ["flatshard-server", "flatshard"])
-        available = installed_with(listed + base_image_packages())
+        self.assertEqual([os.path.basename(path) for path in copied], ["flatshard-server", "flatshard"], name)
+        self.assertIn('RUN ! ldd /usr/local/bin/flatshard-server /usr/local/bin/flatshard | grep "not found"',
+                      runtime, name)
+        cudart = [re.fullmatch(r"cuda-cudart-(\d+)-(\d+)", word) for word in extra]
+        versions = [f"{m.group(1)}.{m.group(2)}" for m in cudart if m]
+        return runtime, extra, versions[0] if versions else None
+
+    def assert_image_has_every_library(self, name, extra, cuda_version):
+        """Every shared library the two binaries built here load comes from a Debian
+        package the image installs (docker/runtime-packages and `extra`, with what they
+        depend on), or is the CUDA runtime of the image's `cuda_version` (None: the image
+        has no CUDA, and the binaries built here may not load it)."""
+        with open(os.path.join(SOURCE, "docker", "runtime-packages")) as listing:
+            packages = listing.read().split()
+        available = installed_with(packages + extra + base_image_packages())
         for binary in (SERVER, os.path.join(os.path.dirname(SERVER), "flatshard")):
             loaded = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
             self.assertNotIn("not found", loaded, binary)
             for path in re.findall(r"=> (/\S+)", loaded):
                 if path.startswith("/usr/local/cuda"):
-                    continue  # the CUDA runtime of a CUDA build; the image is built without CUDA
+                    if cuda_version is None:
+                        continue  # the CUDA runtime of a CUDA build; this image is built without CUDA
+                    toolkit = re.search(r"/cuda-(\d+\.\d+)/", os.path.realpath(path))
+                    self.assertIsNotNone(toolkit, f"{binary} loads {path} from no versioned CUDA toolkit")
+                    self.assertEqual(toolkit.group(1), cuda_version, f"{name} installs another CUDA runtime")
+                    self.assertRegex(os.path.basename(path), r"^libcudart\.so\.\d+$",
+                                     f"{binary} loads {path}, which {name} lacks")
+                    continue
                 package = owning_package(path)
                 self.assertIsNotNone(package, f"{binary} loads {path}, which no Debian package installed")
-                self.assertTrue(package in available, f"{binary} loads {path} from {package}, which the image lacks")
+                self.assertTrue(package in available, f"{binary} loads {path} from {package}, which {name} lacks")
 
+    def test_cpu_image_installs_every_library_its_binaries_load(self):
+        runtime, extra, cuda_version = self.runtime_stage("Dockerfile.cpu")
+        self.assertEqual((extra, cuda_version), ([], None))
+        self.assertNotIn("cuda", runtime.lower())
+        self.assert_image_has_every_library("Dockerfile.cpu", extra, None)
+
+    def test_cuda_image_installs_every_library_its_binaries_load_and_nccl(self):
+        runtime, extra, cuda_version = self.runtime_stage("Dockerfile.cuda")
+        self.assertIsNotNone(cuda_version, "Dockerfile.cuda installs no cuda-cudart-X-Y")
+        with open(os.path.join(SOURCE, "docker", "Dockerfile.cuda")) as dockerfile:
+            build = dockerfile.read().rsplit("\nFROM ", 1)[0]
+        # One CUDA version throughout: the compiler, the headers the build links, the
+        # runtime the image installs and the directory the loader is told of.
+        dashed = cuda_version.replace(".", "-")
+        self.assertIn(f"-DCMAKE_CUDA_COMPILER=/usr/local/cuda-{cuda_version}/bin/nvcc", build)
+        self.assertIn(f"cuda-nvcc-{dashed} cuda-cudart-dev-{dashed}", build)
+        self.assertIn(f"/usr/local/cuda-{cuda_version}/targets/x86_64-linux/lib", runtime)
+        self.assertIn("-DFLATSHARD_CUDA=ON", build)
+        # NCCL is loaded at run time by the name kernels/cuda/nccl.cc asks for.
+        with open(os.path.join(SOURCE, "kernels", "cuda", "nccl.cc")) as source:
+            self.assertIn('"libnccl.so.2"', source.read())
+        self.assertIn("libnccl2", extra)
+        self.assertIn("libnccl-dev", build)
+        self.assert_image_has_every_library("Dockerfile.cuda", extra, cuda_version)
 
 if __name__ == "__main__":
     unittest.main()
