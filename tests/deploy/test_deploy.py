@@ -150,6 +150,11 @@ class DeployTest(unittest.TestCase):
         self.assertEqual([os.path.basename(path) for path in copied], ["flatshard-server", "flatshard"], name)
         self.assertIn('RUN ! ldd /usr/local/bin/flatshard-server /usr/local/bin/flatshard | grep "not found"',
                       runtime, name)
+        # The build stage configures build/ afresh: a build tree of this checkout must not
+        # be copied in (its CMakeCache.txt names this machine's paths).
+        with open(os.path.join(SOURCE, ".dockerignore")) as ignore:
+            ignored = ignore.read().split()
+        self.assertLessEqual({"build", "build-*", ".devcarry"}, set(ignored))
         cudart = [re.fullmatch(r"cuda-cudart-(\d+)-(\d+)", word) for word in extra]
         versions = [f"{m.group(1)}.{m.group(2)}" for m in cudart if m]
         return runtime, extra, versions[0] if versions else None
