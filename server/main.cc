@@ -56,12 +56,12 @@ ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(2),
           "writes, say) get to finish before they are cancelled; requests waiting for other "
           "workers end at once, and open connections with no call do not wait for it");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "HOST:PORT where Prometheus scrapes /metrics over plain HTTP (port 0 picks one; empty: no "
-          "metrics); scrapes present --metrics_token_file's token, or else --auth_token_file's, as "
-          "basic auth's password");
+          "HOST:PORT where Prometheus scrapes /metrics (port 0 picks one; empty: no metrics), over HTTPS "
+          "with --tls_cert_file's certificate, plain HTTP without; scrapes present --metrics_token_file's "
+          "token, or else --auth_token_file's, as basic auth's password");
 ABSL_FLAG(std::string, metrics_token_file, "",
-          "file holding the token scrapes of /metrics present (needed with TLS and a cluster token, "
-          "which must not cross the network in clear; empty: the cluster token, if any)");
+          "file holding the token scrapes of /metrics present, so that the scraper never holds the "
+          "cluster token (empty: the cluster token, if any)");
 ABSL_FLAG(std::string, log_level, "info",
           "debug (every RPC and data-plane error), info (jobs, groups, checkpoints, start and stop), "
           "warning (refused requests an operator should see) or error");
@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
   spdlog::info("serving as rank {} of {}: control {} (gRPC), data port {} (TCP), memory {}, {}, {}{}, flatshard {}",
                options.rank, options.cluster.size(), options.listen, server.data_port(), options.memory,
                options.auth_token.empty() ? "no auth" : "token auth", options.tls.enabled() ? "TLS" : "plaintext gRPC",
-               options.metrics_listen.empty() ? "" : ", metrics http://" + server.metrics_address() + "/metrics",
+               options.metrics_listen.empty() ? "" : ", metrics " + server.metrics_url(),
                std::string(flatshard::FlatshardVersion()));
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);

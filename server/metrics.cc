@@ -202,7 +202,7 @@ class MetricsEndpoint::Collector : public prometheus::Collectable {
 };
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
-    const std::string& address, const std::string& auth_token,
+    const std::string& address, const std::string& auth_token, const TlsOptions& tls,
     std::function<std::optional<v1::ServerStatus>()> status) {
   std::string host;
   int port = 0;
@@ -210,17 +210,29 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     return absl::InvalidArgumentError(absl::StrCat("--metrics_listen=", address, ": ", split.message()));
   }
   std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint());
+  // Behind the relay civetweb takes plain HTTP from this host only.
+  const std::string exposer_host = tls.enabled() ? "127.0.0.1" : host;
   try {
     // civetweb: one listening socket; port 0 picks a free one.
-    endpoint->exposer_ = std::make_unique<prometheus::Exposer>(
-        std::vector<std::string>{"listening_ports", absl::StrCat(host, ":", port), "num_threads", "2"});
+    endpoint->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", absl::StrCat(exposer_host, ":", tls.enabled() ? 0 : port), "num_threads", "2"});
   } catch (const std::exception& error) {
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", address, " (address in use or not local): ", error.what()));
   }
   const std::vector<int> ports = endpoint->exposer_->GetListeningPorts();
   if (ports.empty()) return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", address));
+  endpoint->exposer_address_ = absl::StrCat(exposer_host, ":", ports.front());
   endpoint->port_ = ports.front();
+  if (tls.enabled()) {
+    absl::StatusOr<std::unique_ptr<HttpsRelay>> relay = HttpsRelay::Start(host, port, tls, ports.front());
+    if (!relay.ok()) {
+      return absl::Status(relay.status().code(),
+                          absl::StrCat("cannot serve metrics on ", address, ": ", relay.status().message()));
+    }
+    endpoint->relay_ = *std::move(relay);
+    endpoint->port_ = endpoint->relay_->port();
+  }
   endpoint->address_ = absl::StrCat(host, ":", endpoint->port_);
   if (!auth_token.empty()) {
     endpoint->exposer_->RegisterAuth(
@@ -234,14 +246,19 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   return endpoint;
 }
 
+std::string MetricsEndpoint::url() const {
+  return absl::StrCat(relay_ != nullptr ? "https://" : "http://", address_, "/metrics");
+}
+
 MetricsEndpoint::~MetricsEndpoint() {
+  relay_.reset();  // no scrape reaches civetweb any more
   // civetweb's listener polls in 2 s quanta before it sees that it is stopping; a
   // connection wakes it at once, so the server stops without that wait.
   std::atomic<bool> stopped{false};
   std::thread waker([&] {
     std::string host;
     int port = 0;
-    if (!transport::SplitHostPort(address_, host, port).ok()) return;
+    if (!transport::SplitHostPort(exposer_address_, host, port).ok()) return;
     if (host == "0.0.0.0") host = "127.0.0.1";
     while (!stopped.load()) {
       (void)transport::ConnectTcp(host, port, absl::Milliseconds(100));

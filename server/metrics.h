@@ -1,14 +1,16 @@
-// Metrics: a server's counters and gauges for Prometheus, served over HTTP at /metrics on
-// --metrics_listen by prometheus-cpp's Exposer (civetweb). Every scrape reads what the
-// GetStatus RPC answers (v1::ServerStatus, through `status`; none yet: an empty scrape),
-// so the two never disagree and nothing is counted twice. With a cluster token, a scrape must present it as the
+// Metrics: a server's counters and gauges for Prometheus, served at /metrics on
+// --metrics_listen by prometheus-cpp's Exposer (civetweb): over HTTPS with this server's
+// certificate when its control plane speaks TLS (an HttpsRelay in front of an Exposer on
+// 127.0.0.1), plain HTTP otherwise. Every scrape reads what the GetStatus RPC answers
+// (v1::ServerStatus, through `status`; none yet: an empty scrape), so the two never
+// disagree and nothing is counted twice. With a token, a scrape must present it as the
 // password of HTTP basic auth (any user name); otherwise the endpoint is open, so bind it
 // where only the scraper reaches. No tensor bytes are ever exposed.
 //
 // Thread-safe: scrapes run on the Exposer's threads and only call `status`.
 //
-//   FLATSHARD_ASSIGN_OR_RETURN(auto metrics,
-//                              MetricsEndpoint::Start("0.0.0.0:9400", token, [&] { return service.Status(); }));
+//   FLATSHARD_ASSIGN_OR_RETURN(auto metrics, MetricsEndpoint::Start("0.0.0.0:9400", token, tls,
+//                                                                   [&] { return service.Status(); }));
 #ifndef FLATSHARD_SERVER_METRICS_H_
 #define FLATSHARD_SERVER_METRICS_H_
 
@@ -20,6 +22,8 @@
 
 #include "absl/status/statusor.h"
 #include "proto/flatshard.pb.h"
+#include "server/https_relay.h"
+#include "server/tls.h"
 
 namespace prometheus {
 class Exposer;
@@ -36,11 +40,12 @@ std::vector<prometheus::MetricFamily> StatusMetrics(const v1::ServerStatus& stat
 
 class MetricsEndpoint {
  public:
-  // Serves StatusMetrics(status()) at http://`address`/metrics (HOST:PORT; port 0 picks
-  // one). Unavailable when `address` cannot be bound; InvalidArgument when it is not
-  // HOST:PORT. Scrapes present `auth_token` (when not empty) as basic auth's password.
+  // Serves StatusMetrics(status()) at `address`/metrics (HOST:PORT; port 0 picks one),
+  // over HTTPS when `tls` is enabled. Unavailable when `address` cannot be bound;
+  // InvalidArgument when it is not HOST:PORT. Scrapes present `auth_token` (when not
+  // empty) as basic auth's password.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
-      const std::string& address, const std::string& auth_token,
+      const std::string& address, const std::string& auth_token, const TlsOptions& tls,
       std::function<std::optional<v1::ServerStatus>()> status);
   ~MetricsEndpoint();  // stops serving; waits for scrapes in progress
   MetricsEndpoint(const MetricsEndpoint&) = delete;
@@ -48,6 +53,8 @@ class MetricsEndpoint {
 
   int port() const { return port_; }
   const std::string& address() const { return address_; }  // HOST:port(), as bound
+  // The scrape URL: http(s)://address()/metrics.
+  std::string url() const;
 
  private:
   class Collector;
@@ -55,6 +62,8 @@ class MetricsEndpoint {
 
   std::shared_ptr<Collector> collector_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string exposer_address_;          // where civetweb listens: address_, or 127.0.0.1 behind the relay
+  std::unique_ptr<HttpsRelay> relay_;    // with TLS
   int port_ = 0;
   std::string address_;
 };

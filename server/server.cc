@@ -66,13 +66,6 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   } else if (!options.metrics_token.empty()) {
     return absl::InvalidArgumentError("--metrics_token_file without --metrics_listen: no metrics to protect");
   }
-  if (!options.metrics_listen.empty() && options.tls.enabled() && !options.auth_token.empty() &&
-      options.metrics_token.empty()) {
-    return absl::InvalidArgumentError(
-        "--metrics_listen with --tls_cert_file: scrapes would present the cluster token over plain HTTP (the "
-        "metrics endpoint has no TLS), which the control plane keeps off the network; give them a token of "
-        "their own with --metrics_token_file");
-  }
   std::error_code unreadable;  // a symlink loop, say: not a directory either
   if (!options.checkpoint_root.empty() && !std::filesystem::is_directory(options.checkpoint_root, unreadable)) {
     return absl::InvalidArgumentError(
@@ -133,7 +126,7 @@ absl::Status Server::Start() {
   if (!options_.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> metrics = MetricsEndpoint::Start(
         options_.metrics_listen, options_.metrics_token.empty() ? options_.auth_token : options_.metrics_token,
-        [this]() -> std::optional<v1::ServerStatus> {
+        options_.tls, [this]() -> std::optional<v1::ServerStatus> {
           FlatshardService* service = serving_.load();
           if (service == nullptr) return std::nullopt;
           return service->Status();

@@ -87,6 +87,7 @@ class Server {
   int data_port() const { return data_ ? data_->port() : 0; }
   // Where /metrics is served (HOST:PORT as bound); empty without --metrics_listen.
   std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
+  std::string metrics_url() const { return metrics_ ? metrics_->url() : ""; }  // http(s)://.../metrics
 
  private:
   // The tier of --memory (host when invalid: Start() refuses such options anyway).

@@ -1,7 +1,7 @@
 // TLS on the control plane (server/tls.h): a cluster started with certificates trains a
 // clipped step (its servers call each other over TLS for the norm), clients that speak
-// plaintext or trust another CA are refused with a hint, and bad TLS files stop a server
-// at start-up. The certificates are made by the openssl command line for each run.
+// plaintext or trust another CA are refused with a hint, the metrics endpoint speaks
+// HTTPS, and bad TLS files stop a server at start-up. The certificates are made by the openssl command line for each run.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,10 +9,13 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/cluster_status.h"
 #include "tests/integration/test_cluster.h"
+#include "tests/run_command.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace flatshard {
 namespace {
@@ -123,19 +126,58 @@ TEST_F(TlsTest, PlaintextAndUntrustingClientsAreRefusedAndTheServerKeepsServing)
   EXPECT_TRUE((*client)->ConfigureJob({}).ok());
 }
 
-// The metrics endpoint speaks plain HTTP: beside a TLS control plane, scrapes must not
-// carry the cluster token, so a server with both and no --metrics_token_file refuses to
-// start; with one, or with no cluster token to leak, it starts.
-TEST_F(TlsTest, MetricsBesideTlsNeedATokenOfTheirOwn) {
-  std::ofstream(File("cluster-token")) << "cluster\n";
-  std::ofstream(File("metrics-token")) << "scrapes\n";
+// Beside a TLS control plane the metrics endpoint speaks HTTPS with the server's
+// certificate (server/https_relay.h), so scrapes may carry the cluster token: one that
+// checks the certificate against the CA gets the metrics with the token and 401 without;
+// a scraper trusting another CA, and a plain-HTTP request, get nothing; the endpoint
+// serves on after them, and a stopping server does not wait for a scraper that hangs.
+TEST_F(TlsTest, MetricsAreServedOverHttpsWithTheServersCertificate) {
   std::vector<std::string> flags = ServerTls();
   flags.push_back("--metrics_listen=127.0.0.1:0");
-  EXPECT_FALSE(testing::RefusesToStart(flags)) << "no cluster token: nothing to leak";
-  flags.push_back("--auth_token_file=" + File("cluster-token"));
-  EXPECT_TRUE(testing::RefusesToStart(flags)) << "the cluster token in clear";
-  flags.push_back("--metrics_token_file=" + File("metrics-token"));
-  EXPECT_FALSE(testing::RefusesToStart(flags)) << "a token of their own";
+  TestCluster cluster(1, "tls-token", ::testing::TempDir(), "", {flags});
+  const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token(),
+                                            .tls_ca_file = File("ca.pem")});
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0].status();
+  const std::string address = statuses[0]->metrics_address();
+  const std::string port = address.substr(address.rfind(':') + 1);
+  // `openssl s_client` sends a GET (with basic auth for `token` unless empty) to the
+  // endpoint, checking its certificate against `ca`: its exit code and the answer.
+  auto scrape = [&](const std::string& ca, const std::string& token) {
+    const std::string auth =
+        token.empty() ? "" : absl::StrCat("Authorization: Basic ", absl::Base64Escape("prometheus:" + token), "\\r\\n");
+    return testing::RunCommand(absl::StrCat("printf 'GET /metrics HTTP/1.0\\r\\n", auth,
+                                            "\\r\\n' | timeout 20 openssl s_client -quiet -connect 127.0.0.1:", port,
+                                            " -CAfile '", ca, "' -verify_return_error -verify_ip 127.0.0.1 2>/dev/null"));
+  };
+  const auto [served, metrics] = scrape(File("ca.pem"), cluster.token());
+  EXPECT_EQ(served, 0);
+  EXPECT_TRUE(absl::StartsWith(metrics, "HTTP/1.1 200")) << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, "\nflatshard_uptime_seconds ")) << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, "flatshard_server_info{")) << metrics;
+  const auto [refused, unauthorized] = scrape(File("ca.pem"), "");
+  EXPECT_TRUE(absl::StartsWith(unauthorized, "HTTP/1.1 401")) << unauthorized;
+  const auto [untrusted, nothing] = scrape(File("other-ca.pem"), cluster.token());
+  EXPECT_NE(untrusted, 0) << "a certificate the scraper's CA did not sign was accepted";
+  EXPECT_FALSE(absl::StrContains(nothing, "flatshard_")) << nothing;
+  {
+    auto plain = transport::ConnectTcp("127.0.0.1", std::stoi(port), absl::Seconds(5));
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    ASSERT_TRUE((*plain)->SetTimeout(absl::Seconds(10)).ok());
+    const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
+    (void)(*plain)->Send({absl::MakeConstSpan(reinterpret_cast<const std::byte*>(request.data()), request.size())});
+    std::byte first;
+    EXPECT_FALSE((*plain)->Recv(absl::MakeSpan(&first, 1)).ok()) << "plain HTTP was answered";
+  }
+  const auto [again, metrics_again] = scrape(File("ca.pem"), cluster.token());
+  EXPECT_TRUE(absl::StartsWith(metrics_again, "HTTP/1.1 200")) << metrics_again;
+  // A server told to stop cuts a scraper that never finishes its handshake rather than
+  // wait for its 10 s timeout.
+  auto idle = transport::ConnectTcp("127.0.0.1", std::stoi(port), absl::Seconds(5));
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  absl::SleepFor(absl::Milliseconds(200));  // accepted, in its handshake
+  const auto [status, took] = cluster.Terminate(0, absl::Seconds(30));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_LT(took, absl::Seconds(5));
 }
 
 TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {

@@ -247,6 +247,11 @@ absl::Status SplitHostPort(absl::string_view address, std::string& host, int& po
 }
 
 absl::StatusOr<std::unique_ptr<Listener>> ListenTcp(absl::string_view host, int port) {
+  FLATSHARD_ASSIGN_OR_RETURN(const auto listening, ListenTcpSocket(host, port));
+  return std::make_unique<TcpListener>(listening.first, listening.second);
+}
+
+absl::StatusOr<std::pair<int, int>> ListenTcpSocket(absl::string_view host, int port) {
   FLATSHARD_ASSIGN_OR_RETURN(sockaddr_in addr, ResolveIpv4(host, port));
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return ErrnoStatus("socket", errno);
@@ -264,7 +269,7 @@ absl::StatusOr<std::unique_ptr<Listener>> ListenTcp(absl::string_view host, int 
   }
   socklen_t len = sizeof(addr);
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  return std::make_unique<TcpListener>(fd, ntohs(addr.sin_port));
+  return std::make_pair(fd, static_cast<int>(ntohs(addr.sin_port)));
 }
 
 absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, int port, absl::Duration timeout,

@@ -11,6 +11,7 @@
 #include <memory>
 #include <stop_token>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -26,6 +27,9 @@ namespace flatshard::transport {
 // Binds and listens on host:port (port 0 picks a free port). Returns Unavailable with
 // errno's text if the address cannot be bound.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Listener>> ListenTcp(absl::string_view host, int port);
+// The same, as a listening socket the caller owns (closes), for a server that speaks
+// another protocol over it (TLS): its descriptor and the port bound.
+[[nodiscard]] absl::StatusOr<std::pair<int, int>> ListenTcpSocket(absl::string_view host, int port);
 
 // Connects to host:port within `timeout` (absl::InfiniteDuration(): the kernel's own
 // limit). Returns Unavailable (refused, unreachable, not resolved) or DeadlineExceeded;
