@@ -15,6 +15,7 @@
 #include "client/cluster_status.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/run_command.h"
+#include "tests/test_certificates.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard {
@@ -28,17 +29,7 @@ class TlsTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/flatshard-tls-", getpid()));
     std::filesystem::create_directories(*dir_);
-    const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes";
-    const std::string script = absl::StrCat(
-        "set -e; cd '", *dir_, "'\n",
-        "openssl req -x509 ", key, " -keyout ca.key -out ca.pem -days 2 -subj /CN=flatshard-test-ca\n",
-        "openssl req -x509 ", key, " -keyout other-ca.key -out other-ca.pem -days 2 -subj /CN=other-ca\n",
-        "openssl req ", key, " -keyout server.key -out server.csr -subj /CN=127.0.0.1\n",
-        "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > san.cnf\n",
-        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 ",
-        "-extfile san.cnf -out server.pem\n");
-    std::ofstream(File("make-certificates.sh")) << script;
-    ASSERT_EQ(std::system(absl::StrCat("bash '", File("make-certificates.sh"), "' 2>/dev/null").c_str()), 0)
+    ASSERT_TRUE(testing::MakeTestCertificates(*dir_))
         << "openssl could not make the test certificates";
   }
   static void TearDownTestSuite() {

@@ -1,0 +1,34 @@
+// MakeTestCertificates: TLS files for tests, made by the openssl command line into an
+// existing directory `dir`: a CA (ca.pem, ca.key), a certificate for 127.0.0.1 and
+// localhost signed by it (server.pem) with its key (server.key; server.csr is the
+// request), and an unrelated CA (other-ca.pem, other-ca.key). P-256 keys, valid for two
+// days. Returns whether openssl made them all.
+#ifndef FLATSHARD_TESTS_TEST_CERTIFICATES_H_
+#define FLATSHARD_TESTS_TEST_CERTIFICATES_H_
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace flatshard::testing {
+
+inline bool MakeTestCertificates(const std::string& dir) {
+  const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes";
+  const std::string script = absl::StrCat(
+      "set -e; cd '", dir, "'\n",
+      "openssl req -x509 ", key, " -keyout ca.key -out ca.pem -days 2 -subj /CN=flatshard-test-ca\n",
+      "openssl req -x509 ", key, " -keyout other-ca.key -out other-ca.pem -days 2 -subj /CN=other-ca\n",
+      "openssl req ", key, " -keyout server.key -out server.csr -subj /CN=127.0.0.1\n",
+      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > san.cnf\n",
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 ",
+      "-extfile san.cnf -out server.pem\n");
+  const std::string path = absl::StrCat(dir, "/make-certificates.sh");
+  std::ofstream(path) << script;
+  return std::system(absl::StrCat("bash '", path, "' 2>/dev/null").c_str()) == 0;
+}
+
+}  // namespace flatshard::testing
+
+#endif  // FLATSHARD_TESTS_TEST_CERTIFICATES_H_
