@@ -109,19 +109,34 @@ bool SslWriteAll(SSL* ssl, const char* data, size_t size) {
 
 absl::StatusOr<std::unique_ptr<HttpsRelay>> HttpsRelay::Start(const std::string& host, int port,
                                                               const TlsOptions& tls, int backend_port) {
-  FLATSHARD_ASSIGN_OR_RETURN(SSL_CTX * context, ServerContext(tls));
-  absl::StatusOr<std::pair<int, int>> listening = transport::ListenTcpSocket(host, port);
-  if (!listening.ok()) {
-    SSL_CTX_free(context);
-    return listening.status();
-  }
-  std::unique_ptr<HttpsRelay> relay(new HttpsRelay(context, listening->first, listening->second, backend_port));
+  FLATSHARD_ASSIGN_OR_RETURN(SSL_CTX * made, ServerContext(tls));
+  Context context(made, SSL_CTX_free);
+  FLATSHARD_ASSIGN_OR_RETURN(const auto listening, transport::ListenTcpSocket(host, port));
+  std::unique_ptr<HttpsRelay> relay(
+      new HttpsRelay(std::move(context), tls, listening.first, listening.second, backend_port));
   relay->acceptor_ = std::thread([relay = relay.get()] { relay->AcceptLoop(); });
   return relay;
 }
 
-HttpsRelay::HttpsRelay(ssl_ctx_st* context, int listen_fd, int port, int backend_port)
-    : context_(context), listen_fd_(listen_fd), port_(port), backend_port_(backend_port) {}
+HttpsRelay::HttpsRelay(Context context, const TlsOptions& tls, int listen_fd, int port, int backend_port)
+    : context_(std::move(context)),
+      tls_(tls),
+      next_reload_(absl::Now() + tls.reload_interval),
+      listen_fd_(listen_fd),
+      port_(port),
+      backend_port_(backend_port) {}
+
+HttpsRelay::Context HttpsRelay::CurrentContext() {
+  if (!tls_.reloads() || absl::Now() < next_reload_) return context_;
+  next_reload_ = absl::Now() + tls_.reload_interval;
+  absl::StatusOr<TlsOptions> read = ReloadTls(tls_);  // a pair that does not go together keeps the old
+  if (!read.ok() || (read->cert_chain == tls_.cert_chain && read->private_key == tls_.private_key)) return context_;
+  absl::StatusOr<SSL_CTX*> made = ServerContext(*read);
+  if (!made.ok()) return context_;
+  context_ = Context(*made, SSL_CTX_free);
+  tls_ = *std::move(read);
+  return context_;
+}
 
 HttpsRelay::~HttpsRelay() {
   {
@@ -136,7 +151,6 @@ HttpsRelay::~HttpsRelay() {
     mu_.Await(absl::Condition(+[](std::set<int>* open) { return open->empty(); }, &open_));
   }
   close(listen_fd_);
-  SSL_CTX_free(context_);
 }
 
 void HttpsRelay::AcceptLoop() {
@@ -161,19 +175,20 @@ void HttpsRelay::AcceptLoop() {
       absl::SleepFor(absl::Milliseconds(100));  // out of descriptors or memory: the peer waits
       continue;
     }
+    Context context = CurrentContext();  // before the lock: it may read the files
     absl::MutexLock lock(&mu_);
     if (stopping_ || open_.size() >= kMaxConnections) {
       close(fd);
       continue;
     }
     open_.insert(fd);
-    std::thread([this, fd] { Serve(fd); }).detach();
+    std::thread([this, fd, context = std::move(context)] { Serve(fd, context); }).detach();
   }
 }
 
-void HttpsRelay::Serve(int fd) {
+void HttpsRelay::Serve(int fd, const Context& context) {
   SetTimeouts(fd, kIoTimeout);
-  SSL* ssl = SSL_new(context_);
+  SSL* ssl = SSL_new(context.get());
   int backend = -1;
   if (ssl != nullptr && SSL_set_fd(ssl, fd) == 1 && SSL_accept(ssl) == 1) {
     // The request head (a scrape is a GET: nothing follows it).

@@ -5,7 +5,9 @@
 // key, reads one HTTP request head, passes it to the endpoint at 127.0.0.1:`backend_port`
 // with the sending side then closed, and relays the endpoint's answer back until the
 // endpoint closes (it answers one request per connection). A client that does not speak
-// TLS gets a handshake failure and nothing else.
+// TLS gets a handshake failure and nothing else. With tls.reloads(), a connection that
+// comes reload_interval or more after the last check has the files read again first, and
+// a new pair that goes together serves it and the ones after (server/tls.h).
 //
 // Up to kMaxConnections are served at once, each on a thread of its own with kIoTimeout
 // per read or write; a connection past that is closed at once. The destructor stops
@@ -47,12 +49,18 @@ class HttpsRelay {
   int port() const { return port_; }
 
  private:
-  HttpsRelay(ssl_ctx_st* context, int listen_fd, int port, int backend_port);
+  using Context = std::shared_ptr<ssl_ctx_st>;
+  HttpsRelay(Context context, const TlsOptions& tls, int listen_fd, int port, int backend_port);
   void AcceptLoop();
-  // Relays one connection (its descriptor, registered in open_); closes it.
-  void Serve(int fd);
+  // The context for the next connection: the current one, or one of the files read again.
+  Context CurrentContext();
+  // Relays one connection (its descriptor, registered in open_) with `context`; closes it.
+  void Serve(int fd, const Context& context);
 
-  ssl_ctx_st* const context_;
+  // The acceptor thread's: the context new connections get, from `tls_`'s pair.
+  Context context_;
+  TlsOptions tls_;
+  absl::Time next_reload_;
   const int listen_fd_;
   const int port_;
   const int backend_port_;

@@ -32,6 +32,9 @@ ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate (chain) of this server: the gRPC control plane then speaks TLS; it "
           "must name the host of --listen (empty: plaintext)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Minutes(5),
+          "how often --tls_cert_file and --tls_key_file are read again, so that a renewed certificate "
+          "is served without a restart; replace both files at once (0: never)");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM CA bundle the other servers' certificates are checked against (empty: the "
           "system's roots)");
@@ -141,6 +144,9 @@ int main(int argc, char** argv) {
     }
     *file.pem = *std::move(text);
   }
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
   if (absl::Status valid = flatshard::server::ValidateServerOptions(options); !valid.ok()) {
     return Fail(std::string(valid.message()));
   }

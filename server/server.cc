@@ -40,6 +40,11 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   }
   FLATSHARD_RETURN_IF_ERROR(ParseMemoryTier(options.memory).status());
   FLATSHARD_RETURN_IF_ERROR(ValidateTls(options.tls));
+  if (options.tls.reload_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--tls_reload_interval=",
+                                                   absl::FormatDuration(options.tls.reload_interval),
+                                                   ": an interval is >= 0 (0: never)"));
+  }
   if (options.threads < 0 || options.compute_threads < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--threads=", options.threads, ", --compute_threads=",
                                                    options.compute_threads, ": thread counts are >= 0"));

@@ -2,12 +2,19 @@
 
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <openssl/bio.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
+#include <algorithm>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
+#include "core/file.h"
+#include "core/status_macros.h"
 
 namespace flatshard::server {
 namespace {
@@ -66,8 +73,30 @@ absl::Status ValidateTls(const TlsOptions& tls) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<TlsOptions> ReloadTls(const TlsOptions& tls) {
+  TlsOptions reloaded = tls;
+  for (const auto& [path, pem] : {std::pair{&tls.cert_file, &reloaded.cert_chain},
+                                  std::pair{&tls.key_file, &reloaded.private_key}}) {
+    absl::StatusOr<std::string> text = ReadFileToString(*path);
+    if (!text.ok()) return absl::UnavailableError(absl::StrCat("cannot read ", *path, ": ", text.status().message()));
+    *pem = *std::move(text);
+  }
+  FLATSHARD_RETURN_IF_ERROR(ValidateTls(reloaded));
+  return reloaded;
+}
+
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls) {
   if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  if (tls.reloads()) {
+    // gRPC re-reads both files each interval and keeps the last pair that went together.
+    auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        tls.key_file, tls.cert_file,
+        static_cast<unsigned int>(std::max<int64_t>(1, absl::ToInt64Seconds(tls.reload_interval))));
+    grpc::experimental::TlsServerCredentialsOptions options(files);
+    options.watch_identity_key_cert_pairs();
+    options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    return grpc::experimental::TlsServerCredentials(options);
+  }
   grpc::SslServerCredentialsOptions options;
   options.pem_key_cert_pairs.push_back({tls.private_key, tls.cert_chain});
   return grpc::SslServerCredentials(options);

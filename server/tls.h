@@ -5,6 +5,14 @@
 // subject alternative name), since that is the name clients and peers dial. Without a
 // certificate the control plane is plaintext, as before.
 //
+// A renewed certificate is served without a restart: with a reload interval, the control
+// plane (gRPC's file watcher) and the metrics endpoint re-read the certificate and key
+// files that often and take a new pair for the handshakes that follow. Replace both
+// files at once (a renamed directory or symlink, as Kubernetes and cert-manager do): the
+// metrics endpoint ignores a pair whose key is not the certificate's, but gRPC 1.51's
+// watcher takes it, and refuses new control-plane handshakes until the files go
+// together again (connections already open carry on). The CA bundle is read once.
+//
 // The data plane stays plain TCP, for speed: a data connection is accepted only with a
 // session token the server issued over this control plane, so with TLS the token never
 // crosses the network in the clear, but the tensor bytes do (run it on a trusted
@@ -20,6 +28,8 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace grpc {
 class ServerCredentials;
@@ -33,17 +43,31 @@ struct TlsOptions {
   std::string cert_chain;   // this server's certificate (then its intermediates); empty: no TLS
   std::string private_key;  // the certificate's key
   std::string root_certs;   // CAs that sign the peers' certificates; empty: the system's
+  // Where cert_chain and private_key were read, and how often to read them again (zero,
+  // or no files: never).
+  std::string cert_file = {};
+  std::string key_file = {};
+  absl::Duration reload_interval = absl::ZeroDuration();
 
   bool enabled() const { return !cert_chain.empty(); }
+  bool reloads() const {
+    return enabled() && !cert_file.empty() && !key_file.empty() && reload_interval > absl::ZeroDuration();
+  }
 };
+
+// The certificate chain and key as `tls`'s files hold them now: `tls` with cert_chain and
+// private_key read again. InvalidArgument (as ValidateTls) for a pair that does not go
+// together, Unavailable for a file that cannot be read.
+[[nodiscard]] absl::StatusOr<TlsOptions> ReloadTls(const TlsOptions& tls);
 
 // InvalidArgument naming the flag unless: certificate and key are given together and
 // parse, the key is the certificate's, and a CA bundle (only with a certificate) holds
 // at least one certificate.
 [[nodiscard]] absl::Status ValidateTls(const TlsOptions& tls);
 
-// What the control plane serves with (TLS when enabled, plaintext otherwise), and what
-// this server calls its peers with. Preconditions: ValidateTls(tls) is OK.
+// What the control plane serves with (TLS when enabled, plaintext otherwise; the files
+// watched when tls.reloads()), and what this server calls its peers with.
+// Preconditions: ValidateTls(tls) is OK.
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls);
 std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls);
 

@@ -1,7 +1,8 @@
 // MakeTestCertificates: TLS files for tests, made by the openssl command line into an
 // existing directory `dir`: a CA (ca.pem, ca.key), a certificate for 127.0.0.1 and
 // localhost signed by it (server.pem) with its key (server.key; server.csr is the
-// request), and an unrelated CA (other-ca.pem, other-ca.key). P-256 keys, valid for two
+// request), a second one as if renewed (server2.pem, server2.key: another key and
+// serial), and an unrelated CA (other-ca.pem, other-ca.key). P-256 keys, valid for two
 // days. Returns whether openssl made them all.
 #ifndef FLATSHARD_TESTS_TEST_CERTIFICATES_H_
 #define FLATSHARD_TESTS_TEST_CERTIFICATES_H_
@@ -20,10 +21,12 @@ inline bool MakeTestCertificates(const std::string& dir) {
       "set -e; cd '", dir, "'\n",
       "openssl req -x509 ", key, " -keyout ca.key -out ca.pem -days 2 -subj /CN=flatshard-test-ca\n",
       "openssl req -x509 ", key, " -keyout other-ca.key -out other-ca.pem -days 2 -subj /CN=other-ca\n",
-      "openssl req ", key, " -keyout server.key -out server.csr -subj /CN=127.0.0.1\n",
       "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > san.cnf\n",
-      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 ",
-      "-extfile san.cnf -out server.pem\n");
+      "for name in server server2; do\n",
+      "  openssl req ", key, " -keyout $name.key -out $name.csr -subj /CN=127.0.0.1\n",
+      "  openssl x509 -req -in $name.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 ",
+      "-extfile san.cnf -out $name.pem\n",
+      "done\n");
   const std::string path = absl::StrCat(dir, "/make-certificates.sh");
   std::ofstream(path) << script;
   return std::system(absl::StrCat("bash '", path, "' 2>/dev/null").c_str()) == 0;

@@ -171,6 +171,67 @@ TEST_F(TlsTest, MetricsAreServedOverHttpsWithTheServersCertificate) {
   EXPECT_LT(took, absl::Seconds(5));
 }
 
+// A certificate renewed on disk (both files replaced at once, through a symlink as a
+// Kubernetes secret's are) is served by the control plane and the metrics endpoint
+// within a reload interval, without a restart, and clients carry on. A renewal whose key
+// is not its certificate's is ignored by the metrics endpoint; the control plane (gRPC's
+// file watcher, which does not check the pair) would refuse new handshakes until the
+// files go together again, which server/tls.h says.
+TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
+  const std::string live = File("live");
+  // live -> `version`, a directory holding `cert` and `key` as cert.pem and key.pem.
+  auto publish = [&](const std::string& version, const std::string& cert, const std::string& key) {
+    std::filesystem::create_directories(File(version));
+    std::filesystem::copy_file(File(cert), File(version + "/cert.pem"));
+    std::filesystem::copy_file(File(key), File(version + "/key.pem"));
+    std::filesystem::create_symlink(version, live + ".new");
+    std::filesystem::rename(live + ".new", live);  // atomic: no reader sees one file of each
+  };
+  publish("v1", "server.pem", "server.key");
+  std::vector<std::string> flags = {"--tls_cert_file=" + live + "/cert.pem", "--tls_key_file=" + live + "/key.pem",
+                                    "--tls_ca_file=" + File("ca.pem"), "--tls_reload_interval=1s",
+                                    "--metrics_listen=127.0.0.1:0"};
+  EXPECT_TRUE(testing::RefusesToStart({flags[0], flags[1], "--tls_reload_interval=-1s"}));
+  TestCluster cluster(1, "tls-token", ::testing::TempDir(), "", {flags});
+  const ClientOptions trusting{.servers = cluster.addresses(), .token = cluster.token(),
+                               .timeout = absl::Seconds(10), .tls_ca_file = File("ca.pem")};
+  auto client = cluster.Connect(trusting);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token(),
+                                            .tls_ca_file = File("ca.pem")});
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0].status();
+  const std::string control = cluster.addresses()[0];
+  const std::string metrics = statuses[0]->metrics_address();
+  // The serial of the certificate `address` presents in a handshake checked against the CA.
+  auto presented = [&](const std::string& address) {
+    return testing::RunCommand(absl::StrCat("timeout 20 openssl s_client -connect ", address,
+                                            " -alpn h2 -CAfile '", File("ca.pem"), "' -verify_return_error "
+                                            "</dev/null 2>/dev/null | openssl x509 -noout -serial"))
+        .second;
+  };
+  auto serial_of = [&](const std::string& cert) {
+    return testing::RunCommand(absl::StrCat("openssl x509 -noout -serial -in '", File(cert), "'")).second;
+  };
+  const std::string first = serial_of("server.pem"), renewed = serial_of("server2.pem");
+  ASSERT_NE(first, renewed);
+  EXPECT_EQ(presented(control), first);
+  EXPECT_EQ(presented(metrics), first);
+
+  publish("v2", "server2.pem", "server2.key");
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while ((presented(control) != renewed || presented(metrics) != renewed) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(presented(control), renewed);
+  EXPECT_EQ(presented(metrics), renewed);
+  EXPECT_TRUE((*client)->ConfigureJob({}).ok()) << "the client connected before the renewal";
+  EXPECT_TRUE(Client::Connect(trusting).ok()) << "a client connecting after it";
+
+  publish("v3", "server.pem", "server2.key");  // a key that is not the certificate's
+  absl::SleepFor(absl::Seconds(3));             // three reload intervals
+  EXPECT_EQ(presented(metrics), renewed);
+}
+
 TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {
   const std::string cert = "--tls_cert_file=" + File("server.pem");
   EXPECT_TRUE(testing::RefusesToStart({cert})) << "a certificate without its key";
