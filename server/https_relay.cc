@@ -108,33 +108,30 @@ bool SslWriteAll(SSL* ssl, const char* data, size_t size) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HttpsRelay>> HttpsRelay::Start(const std::string& host, int port,
-                                                              const TlsOptions& tls, int backend_port) {
-  FLATSHARD_ASSIGN_OR_RETURN(SSL_CTX * made, ServerContext(tls));
+                                                              const TlsOptions& tls, const TlsFiles* files,
+                                                              int backend_port) {
+  FLATSHARD_ASSIGN_OR_RETURN(SSL_CTX * made, ServerContext(files != nullptr ? files->current() : tls));
   Context context(made, SSL_CTX_free);
   FLATSHARD_ASSIGN_OR_RETURN(const auto listening, transport::ListenTcpSocket(host, port));
   std::unique_ptr<HttpsRelay> relay(
-      new HttpsRelay(std::move(context), tls, listening.first, listening.second, backend_port));
+      new HttpsRelay(std::move(context), files, listening.first, listening.second, backend_port));
   relay->acceptor_ = std::thread([relay = relay.get()] { relay->AcceptLoop(); });
   return relay;
 }
 
-HttpsRelay::HttpsRelay(Context context, const TlsOptions& tls, int listen_fd, int port, int backend_port)
+HttpsRelay::HttpsRelay(Context context, const TlsFiles* files, int listen_fd, int port, int backend_port)
     : context_(std::move(context)),
-      tls_(tls),
-      next_reload_(absl::Now() + tls.reload_interval),
+      files_(files),
+      generation_(files != nullptr ? files->generation() : 0),
       listen_fd_(listen_fd),
       port_(port),
       backend_port_(backend_port) {}
 
 HttpsRelay::Context HttpsRelay::CurrentContext() {
-  if (!tls_.reloads() || absl::Now() < next_reload_) return context_;
-  next_reload_ = absl::Now() + tls_.reload_interval;
-  absl::StatusOr<TlsOptions> read = ReloadTls(tls_);  // a pair that does not go together keeps the old
-  if (!read.ok() || (read->cert_chain == tls_.cert_chain && read->private_key == tls_.private_key)) return context_;
-  absl::StatusOr<SSL_CTX*> made = ServerContext(*read);
-  if (!made.ok()) return context_;
-  context_ = Context(*made, SSL_CTX_free);
-  tls_ = *std::move(read);
+  if (files_ == nullptr || files_->generation() == generation_) return context_;
+  generation_ = files_->generation();
+  absl::StatusOr<SSL_CTX*> made = ServerContext(files_->current());  // validated: OpenSSL takes it
+  if (made.ok()) context_ = Context(*made, SSL_CTX_free);
   return context_;
 }
 

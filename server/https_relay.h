@@ -5,9 +5,8 @@
 // key, reads one HTTP request head, passes it to the endpoint at 127.0.0.1:`backend_port`
 // with the sending side then closed, and relays the endpoint's answer back until the
 // endpoint closes (it answers one request per connection). A client that does not speak
-// TLS gets a handshake failure and nothing else. With tls.reloads(), a connection that
-// comes reload_interval or more after the last check has the files read again first, and
-// a new pair that goes together serves it and the ones after (server/tls.h).
+// TLS gets a handshake failure and nothing else. With TlsFiles, each connection gets
+// their current pair (server/tls_files.h).
 //
 // Up to kMaxConnections are served at once, each on a thread of its own with kIoTimeout
 // per read or write; a connection past that is closed at once. The destructor stops
@@ -27,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/tls.h"
+#include "server/tls_files.h"
 
 struct ssl_ctx_st;  // OpenSSL's SSL_CTX
 
@@ -39,9 +39,11 @@ class HttpsRelay {
   static constexpr size_t kMaxRequestHead = 16 << 10;
 
   // Unavailable when HOST:PORT cannot be bound (port 0 picks one); InvalidArgument when
-  // OpenSSL refuses `tls` (enabled; ValidateTls checks it first).
+  // OpenSSL refuses `tls` (enabled; ValidateTls checks it first). `files` (null: `tls`
+  // for good) outlive the relay.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<HttpsRelay>> Start(const std::string& host, int port,
-                                                                       const TlsOptions& tls, int backend_port);
+                                                                       const TlsOptions& tls, const TlsFiles* files,
+                                                                       int backend_port);
   ~HttpsRelay();
   HttpsRelay(const HttpsRelay&) = delete;
   HttpsRelay& operator=(const HttpsRelay&) = delete;
@@ -50,17 +52,18 @@ class HttpsRelay {
 
  private:
   using Context = std::shared_ptr<ssl_ctx_st>;
-  HttpsRelay(Context context, const TlsOptions& tls, int listen_fd, int port, int backend_port);
+  HttpsRelay(Context context, const TlsFiles* files, int listen_fd, int port, int backend_port);
   void AcceptLoop();
-  // The context for the next connection: the current one, or one of the files read again.
+  // The context for the next connection: of the files' current pair.
   Context CurrentContext();
   // Relays one connection (its descriptor, registered in open_) with `context`; closes it.
   void Serve(int fd, const Context& context);
 
-  // The acceptor thread's: the context new connections get, from `tls_`'s pair.
+  // The acceptor thread's: the context new connections get, of `files_`' pair of
+  // generation `generation_`.
   Context context_;
-  TlsOptions tls_;
-  absl::Time next_reload_;
+  const TlsFiles* const files_;
+  uint64_t generation_ = 0;
   const int listen_fd_;
   const int port_;
   const int backend_port_;

@@ -34,7 +34,8 @@ ABSL_FLAG(std::string, tls_cert_file, "",
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
 ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Minutes(5),
           "how often --tls_cert_file and --tls_key_file are read again, so that a renewed certificate "
-          "is served without a restart; replace both files at once (0: never)");
+          "is served without a restart; a key that is not the certificate's is ignored until it is "
+          "(0: never)");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM CA bundle the other servers' certificates are checked against (empty: the "
           "system's roots)");

@@ -202,7 +202,7 @@ class MetricsEndpoint::Collector : public prometheus::Collectable {
 };
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
-    const std::string& address, const std::string& auth_token, const TlsOptions& tls,
+    const std::string& address, const std::string& auth_token, const TlsOptions& tls, const TlsFiles* tls_files,
     std::function<std::optional<v1::ServerStatus>()> status) {
   std::string host;
   int port = 0;
@@ -225,7 +225,7 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   endpoint->exposer_address_ = absl::StrCat(exposer_host, ":", ports.front());
   endpoint->port_ = ports.front();
   if (tls.enabled()) {
-    absl::StatusOr<std::unique_ptr<HttpsRelay>> relay = HttpsRelay::Start(host, port, tls, ports.front());
+    absl::StatusOr<std::unique_ptr<HttpsRelay>> relay = HttpsRelay::Start(host, port, tls, tls_files, ports.front());
     if (!relay.ok()) {
       return absl::Status(relay.status().code(),
                           absl::StrCat("cannot serve metrics on ", address, ": ", relay.status().message()));

@@ -24,6 +24,7 @@
 #include "proto/flatshard.pb.h"
 #include "server/https_relay.h"
 #include "server/tls.h"
+#include "server/tls_files.h"
 
 namespace prometheus {
 class Exposer;
@@ -41,11 +42,12 @@ std::vector<prometheus::MetricFamily> StatusMetrics(const v1::ServerStatus& stat
 class MetricsEndpoint {
  public:
   // Serves StatusMetrics(status()) at `address`/metrics (HOST:PORT; port 0 picks one),
-  // over HTTPS when `tls` is enabled. Unavailable when `address` cannot be bound;
+  // over HTTPS when `tls` is enabled (with `tls_files`' current pair when not null; they
+  // outlive the endpoint). Unavailable when `address` cannot be bound;
   // InvalidArgument when it is not HOST:PORT. Scrapes present `auth_token` (when not
   // empty) as basic auth's password.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
-      const std::string& address, const std::string& auth_token, const TlsOptions& tls,
+      const std::string& address, const std::string& auth_token, const TlsOptions& tls, const TlsFiles* tls_files,
       std::function<std::optional<v1::ServerStatus>()> status);
   ~MetricsEndpoint();  // stops serving; waits for scrapes in progress
   MetricsEndpoint(const MetricsEndpoint&) = delete;

@@ -127,11 +127,19 @@ absl::Status Server::Start() {
   FLATSHARD_RETURN_IF_ERROR(nccl_.Start(memory_tier()));
   data_ = std::make_unique<DataServer>(registry_, driver_, ipc_, nccl_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
+  if (options_.tls.reloads()) {
+    absl::StatusOr<std::unique_ptr<TlsFiles>> files = TlsFiles::Start(options_.tls);
+    if (!files.ok()) {
+      data_->Stop();
+      return files.status();
+    }
+    tls_files_ = *std::move(files);
+  }
   std::string metrics_address;
   if (!options_.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> metrics = MetricsEndpoint::Start(
         options_.metrics_listen, options_.metrics_token.empty() ? options_.auth_token : options_.metrics_token,
-        options_.tls, [this]() -> std::optional<v1::ServerStatus> {
+        options_.tls, tls_files_.get(), [this]() -> std::optional<v1::ServerStatus> {
           FlatshardService* service = serving_.load();
           if (service == nullptr) return std::nullopt;
           return service->Status();
@@ -165,7 +173,7 @@ absl::Status Server::Start() {
   // and take half of the connections. It must fail instead, as the data port does.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   AcceptKeepalive(builder);  // clients and peers ping while their checkpoint calls run
-  builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls), &control_port_);
+  builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls, tls_files_.get()), &control_port_);
   builder.RegisterService(service_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs));

@@ -32,6 +32,7 @@
 #include "server/stats.h"
 #include "server/step_driver.h"
 #include "server/tls.h"
+#include "server/tls_files.h"
 
 namespace grpc {
 class Server;
@@ -107,6 +108,9 @@ class Server {
   IpcPlane ipc_;
   NcclPlane nccl_;
   std::unique_ptr<DataServer> data_;
+  // The certificate and key the control plane and metrics present, kept current from
+  // their files (with --tls_reload_interval); outlives both.
+  std::unique_ptr<TlsFiles> tls_files_;
   std::unique_ptr<FlatshardService> service_;
   // The service once it is made: the metrics endpoint starts before it (the service
   // names the endpoint's address) and serves empty scrapes until then.

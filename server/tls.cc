@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/file.h"
 #include "core/status_macros.h"
+#include "server/tls_files.h"
 
 namespace flatshard::server {
 namespace {
@@ -85,14 +86,14 @@ absl::StatusOr<TlsOptions> ReloadTls(const TlsOptions& tls) {
   return reloaded;
 }
 
-std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls) {
+std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files) {
   if (!tls.enabled()) return grpc::InsecureServerCredentials();
-  if (tls.reloads()) {
-    // gRPC re-reads both files each interval and keeps the last pair that went together.
-    auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-        tls.key_file, tls.cert_file,
+  if (files != nullptr) {
+    // The watched file holds the key, then the chain: gRPC reads each from it.
+    auto watcher = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        files->watched_path(), files->watched_path(),
         static_cast<unsigned int>(std::max<int64_t>(1, absl::ToInt64Seconds(tls.reload_interval))));
-    grpc::experimental::TlsServerCredentialsOptions options(files);
+    grpc::experimental::TlsServerCredentialsOptions options(watcher);
     options.watch_identity_key_cert_pairs();
     options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
     return grpc::experimental::TlsServerCredentials(options);

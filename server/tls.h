@@ -5,13 +5,11 @@
 // subject alternative name), since that is the name clients and peers dial. Without a
 // certificate the control plane is plaintext, as before.
 //
-// A renewed certificate is served without a restart: with a reload interval, the control
-// plane (gRPC's file watcher) and the metrics endpoint re-read the certificate and key
-// files that often and take a new pair for the handshakes that follow. Replace both
-// files at once (a renamed directory or symlink, as Kubernetes and cert-manager do): the
-// metrics endpoint ignores a pair whose key is not the certificate's, but gRPC 1.51's
-// watcher takes it, and refuses new control-plane handshakes until the files go
-// together again (connections already open carry on). The CA bundle is read once.
+// A renewed certificate is served without a restart: with a reload interval, the
+// certificate and key files are read again that often (server/tls_files.h), and a new
+// pair that goes together is presented by the control plane and the metrics endpoint in
+// the handshakes that follow; a pair that does not (one file replaced before the other,
+// a wrong key) is ignored until it does. The CA bundle is read once.
 //
 // The data plane stays plain TCP, for speed: a data connection is accepted only with a
 // session token the server issued over this control plane, so with TLS the token never
@@ -65,10 +63,11 @@ struct TlsOptions {
 // at least one certificate.
 [[nodiscard]] absl::Status ValidateTls(const TlsOptions& tls);
 
-// What the control plane serves with (TLS when enabled, plaintext otherwise; the files
-// watched when tls.reloads()), and what this server calls its peers with.
+// What the control plane serves with (TLS when enabled, plaintext otherwise; with
+// `files`, their current pair, watched), and what this server calls its peers with.
 // Preconditions: ValidateTls(tls) is OK.
-std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls);
+class TlsFiles;
+std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files = nullptr);
 std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls);
 
 }  // namespace flatshard::server

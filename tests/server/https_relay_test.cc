@@ -11,12 +11,12 @@
 #include <fstream>
 #include <memory>
 #include <random>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/file.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "tests/run_command.h"
@@ -27,11 +27,7 @@
 namespace flatshard::server {
 namespace {
 
-std::string ReadFile(const std::string& path) {
-  std::stringstream text;
-  text << std::ifstream(path).rdbuf();
-  return text.str();
-}
+std::string ReadFile(const std::string& path) { return ReadFileToString(path).value_or(""); }
 
 // Accepts connections on 127.0.0.1 one at a time; reads each request until its client
 // closes its sending side, keeps it, answers `answer` and closes.
@@ -103,7 +99,7 @@ TEST_F(HttpsRelayTest, TheRequestAndALongAnswerCrossIntact) {
   std::string answer = "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n";
   for (int i = 0; i < (1 << 20); ++i) answer.push_back(static_cast<char>('a' + rng() % 26));
   FakeEndpoint endpoint(answer);
-  auto relay = HttpsRelay::Start("127.0.0.1", 0, tls_, endpoint.port());
+  auto relay = HttpsRelay::Start("127.0.0.1", 0, tls_, nullptr, endpoint.port());
   ASSERT_TRUE(relay.ok()) << relay.status();
   const std::string request = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Basic cDp0b2s=\r\n\r\n";
   const auto [exit_code, got] = Fetch((*relay)->port(), request);
@@ -115,7 +111,7 @@ TEST_F(HttpsRelayTest, TheRequestAndALongAnswerCrossIntact) {
 
 TEST_F(HttpsRelayTest, ConnectionsPastTheLimitAreClosedAndTheRelayServesOnceOthersGo) {
   FakeEndpoint endpoint("HTTP/1.1 200 OK\r\n\r\nok");
-  auto relay = HttpsRelay::Start("127.0.0.1", 0, tls_, endpoint.port());
+  auto relay = HttpsRelay::Start("127.0.0.1", 0, tls_, nullptr, endpoint.port());
   ASSERT_TRUE(relay.ok()) << relay.status();
   const int port = (*relay)->port();
   std::vector<std::unique_ptr<transport::Connection>> silent;  // held in their handshakes
@@ -143,7 +139,7 @@ TEST_F(HttpsRelayTest, ConnectionsPastTheLimitAreClosedAndTheRelayServesOnceOthe
 
 TEST_F(HttpsRelayTest, AKeyThatIsNotTheCertificatesIsRefused) {
   const TlsOptions mismatched{.cert_chain = tls_.cert_chain, .private_key = ReadFile(File("ca.key")), .root_certs = ""};
-  auto relay = HttpsRelay::Start("127.0.0.1", 0, mismatched, 1);
+  auto relay = HttpsRelay::Start("127.0.0.1", 0, mismatched, nullptr, 1);
   EXPECT_EQ(relay.status().code(), absl::StatusCode::kInvalidArgument) << relay.status();
 }
 

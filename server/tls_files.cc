@@ -1,0 +1,85 @@
+#include "server/tls_files.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/status_macros.h"
+
+namespace flatshard::server {
+namespace {
+
+absl::Status ErrnoError(absl::string_view what) {
+  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Start(const TlsOptions& tls) {
+  const int fd = memfd_create("flatshard-tls", MFD_CLOEXEC);
+  if (fd < 0) return ErrnoError("memfd_create for the TLS files");
+  std::unique_ptr<TlsFiles> files(new TlsFiles(tls, fd));
+  {
+    absl::MutexLock lock(&files->mu_);
+    FLATSHARD_RETURN_IF_ERROR(files->Publish(tls));
+  }
+  files->reloader_ = std::thread([files = files.get()] {
+    while (!files->stopping_.WaitForNotificationWithTimeout(files->initial_.reload_interval)) files->Reload();
+  });
+  return files;
+}
+
+TlsFiles::TlsFiles(const TlsOptions& tls, int fd)
+    : initial_(tls), fd_(fd), watched_path_(absl::StrCat("/proc/self/fd/", fd)), current_(tls) {}
+
+TlsFiles::~TlsFiles() {
+  stopping_.Notify();
+  if (reloader_.joinable()) reloader_.join();
+  close(fd_);
+}
+
+TlsOptions TlsFiles::current() const {
+  absl::MutexLock lock(&mu_);
+  return current_;
+}
+
+uint64_t TlsFiles::generation() const {
+  absl::MutexLock lock(&mu_);
+  return generation_;
+}
+
+bool TlsFiles::Reload() {
+  absl::StatusOr<TlsOptions> read = ReloadTls(initial_);  // Unavailable or InvalidArgument: keep the last pair
+  if (!read.ok()) return false;
+  absl::MutexLock lock(&mu_);
+  if (read->cert_chain == current_.cert_chain && read->private_key == current_.private_key) return false;
+  if (!Publish(*read).ok()) return false;
+  current_ = *std::move(read);
+  ++generation_;
+  return true;
+}
+
+absl::Status TlsFiles::Publish(const TlsOptions& tls) {
+  const int fresh = memfd_create("flatshard-tls", MFD_CLOEXEC);
+  if (fresh < 0) return ErrnoError("memfd_create for the TLS files");
+  const std::string pem = tls.private_key + "\n" + tls.cert_chain;
+  // A later modification time than the file it replaces, at whole seconds (what a
+  // watcher compares), so that one reading across the replacement reads again.
+  modified_ = std::max(modified_ + 1, time(nullptr));
+  const timespec times[2] = {{0, UTIME_OMIT}, {modified_, 0}};
+  const bool written = write(fresh, pem.data(), pem.size()) == static_cast<ssize_t>(pem.size()) &&
+                       futimens(fresh, times) == 0 && dup2(fresh, fd_) == fd_;
+  const absl::Status status = written ? absl::OkStatus() : ErrnoError("writing the TLS files");
+  close(fresh);
+  return status;
+}
+
+}  // namespace flatshard::server
