@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/file.h"
 #include "core/status_macros.h"
 
 namespace flatshard::server {
@@ -30,6 +31,11 @@ absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Start(const TlsOptions& tls)
   {
     absl::MutexLock lock(&files->mu_);
     FLATSHARD_RETURN_IF_ERROR(files->Publish(tls));
+  }
+  // gRPC reads it by path, through /proc.
+  if (absl::StatusOr<std::string> back = ReadFileToString(files->watched_path()); !back.ok() || back->empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--tls_reload_interval: cannot read back ", files->watched_path(), " (is /proc mounted?); 0 turns reloads off"));
   }
   files->reloader_ = std::thread([files = files.get()] {
     while (!files->stopping_.WaitForNotificationWithTimeout(files->initial_.reload_interval)) files->Reload();

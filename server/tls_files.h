@@ -35,7 +35,7 @@ namespace flatshard::server {
 class TlsFiles {
  public:
   // Precondition: tls.reloads() and ValidateTls(tls) is OK. Internal when the watched
-  // file cannot be made.
+  // file cannot be made, FailedPrecondition when it cannot be read by its path (no /proc).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<TlsFiles>> Start(const TlsOptions& tls);
   ~TlsFiles();  // stops the thread; the watched file goes with the process's descriptor
   TlsFiles(const TlsFiles&) = delete;
