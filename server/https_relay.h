@@ -13,7 +13,7 @@
 // accepting, cuts the connections in progress and waits for their threads.
 // Thread-safe.
 //
-//   FLATSHARD_ASSIGN_OR_RETURN(auto relay, HttpsRelay::Start("0.0.0.0", 7072, tls, endpoint_port));
+//   FLATSHARD_ASSIGN_OR_RETURN(auto relay, HttpsRelay::Start("0.0.0.0", 7072, tls, files, endpoint_port));
 #ifndef FLATSHARD_SERVER_HTTPS_RELAY_H_
 #define FLATSHARD_SERVER_HTTPS_RELAY_H_
 
