@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "server/tls_files.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::server {

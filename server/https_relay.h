@@ -26,11 +26,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/tls.h"
-#include "server/tls_files.h"
 
 struct ssl_ctx_st;  // OpenSSL's SSL_CTX
 
 namespace flatshard::server {
+
+class TlsFiles;  // server/tls_files.h
 
 class HttpsRelay {
  public:

@@ -14,6 +14,8 @@
 #include "absl/time/clock.h"
 #include "proto/cluster_info.h"
 #include "server/auth.h"
+#include "server/https_relay.h"
+#include "server/tls_files.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::server {

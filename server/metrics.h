@@ -22,9 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "proto/flatshard.pb.h"
-#include "server/https_relay.h"
 #include "server/tls.h"
-#include "server/tls_files.h"
 
 namespace prometheus {
 class Exposer;
@@ -32,6 +30,8 @@ struct MetricFamily;
 }  // namespace prometheus
 
 namespace flatshard::server {
+
+class HttpsRelay;  // server/https_relay.h
 
 // The metric families that `status` gives, all named flatshard_*: traffic and request
 // counters (by data plane), data connections, uptime, the cluster check, and per job

@@ -10,11 +10,8 @@
 #include <openssl/x509.h>
 
 #include <algorithm>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/file.h"
-#include "core/status_macros.h"
 #include "server/tls_files.h"
 
 namespace flatshard::server {
@@ -72,18 +69,6 @@ absl::Status ValidateTls(const TlsOptions& tls) {
     return absl::InvalidArgumentError("--tls_ca_file holds no PEM certificate");
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<TlsOptions> ReloadTls(const TlsOptions& tls) {
-  TlsOptions reloaded = tls;
-  for (const auto& [path, pem] : {std::pair{&tls.cert_file, &reloaded.cert_chain},
-                                  std::pair{&tls.key_file, &reloaded.private_key}}) {
-    absl::StatusOr<std::string> text = ReadFileToString(*path);
-    if (!text.ok()) return absl::UnavailableError(absl::StrCat("cannot read ", *path, ": ", text.status().message()));
-    *pem = *std::move(text);
-  }
-  FLATSHARD_RETURN_IF_ERROR(ValidateTls(reloaded));
-  return reloaded;
 }
 
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files) {

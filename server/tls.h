@@ -26,7 +26,6 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace grpc {
@@ -35,6 +34,8 @@ class ChannelCredentials;
 }  // namespace grpc
 
 namespace flatshard::server {
+
+class TlsFiles;  // server/tls_files.h
 
 // PEM texts, as read from --tls_cert_file, --tls_key_file and --tls_ca_file.
 struct TlsOptions {
@@ -53,11 +54,6 @@ struct TlsOptions {
   }
 };
 
-// The certificate chain and key as `tls`'s files hold them now: `tls` with cert_chain and
-// private_key read again. InvalidArgument (as ValidateTls) for a pair that does not go
-// together, Unavailable for a file that cannot be read.
-[[nodiscard]] absl::StatusOr<TlsOptions> ReloadTls(const TlsOptions& tls);
-
 // InvalidArgument naming the flag unless: certificate and key are given together and
 // parse, the key is the certificate's, and a CA bundle (only with a certificate) holds
 // at least one certificate.
@@ -66,7 +62,6 @@ struct TlsOptions {
 // What the control plane serves with (TLS when enabled, plaintext otherwise; with
 // `files`, their current pair, watched), and what this server calls its peers with.
 // Preconditions: ValidateTls(tls) is OK.
-class TlsFiles;
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files = nullptr);
 std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls);
 

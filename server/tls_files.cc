@@ -22,6 +22,21 @@ absl::Status ErrnoError(absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
+// `tls` with cert_chain and private_key as its files hold them now. InvalidArgument (as
+// ValidateTls) for a pair that does not go together, Unavailable for a file that cannot
+// be read.
+absl::StatusOr<TlsOptions> ReadAgain(const TlsOptions& tls) {
+  TlsOptions read = tls;
+  for (const auto& [path, pem] : {std::pair{&tls.cert_file, &read.cert_chain},
+                                  std::pair{&tls.key_file, &read.private_key}}) {
+    absl::StatusOr<std::string> text = ReadFileToString(*path);
+    if (!text.ok()) return absl::UnavailableError(absl::StrCat("cannot read ", *path, ": ", text.status().message()));
+    *pem = *std::move(text);
+  }
+  FLATSHARD_RETURN_IF_ERROR(ValidateTls(read));
+  return read;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Start(const TlsOptions& tls) {
@@ -63,7 +78,7 @@ uint64_t TlsFiles::generation() const {
 }
 
 bool TlsFiles::Reload() {
-  absl::StatusOr<TlsOptions> read = ReloadTls(initial_);  // Unavailable or InvalidArgument: keep the last pair
+  absl::StatusOr<TlsOptions> read = ReadAgain(initial_);  // Unavailable or InvalidArgument: keep the last pair
   if (!read.ok()) return false;
   absl::MutexLock lock(&mu_);
   if (read->cert_chain == current_.cert_chain && read->private_key == current_.private_key) return false;

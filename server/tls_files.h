@@ -42,7 +42,6 @@ class TlsFiles {
   TlsFiles& operator=(const TlsFiles&) = delete;
 
   const std::string& watched_path() const { return watched_path_; }
-  const TlsOptions& options() const { return initial_; }  // as given (the interval, the files)
   // The pair in use, and how many times it has changed.
   TlsOptions current() const;
   uint64_t generation() const;
