@@ -33,9 +33,9 @@ ABSL_FLAG(std::string, tls_cert_file, "",
           "must name the host of --listen (empty: plaintext)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
 ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Minutes(5),
-          "how often --tls_cert_file and --tls_key_file are read again, so that a renewed certificate "
-          "is served without a restart; a key that is not the certificate's is ignored until it is "
-          "(0: never)");
+          "how often --tls_cert_file, --tls_key_file and --tls_ca_file are read again, so that a renewed "
+          "certificate is served, and a new CA bundle checked against, without a restart; a key that is "
+          "not the certificate's, or a file that does not parse, is ignored until it is (0: never)");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM CA bundle the other servers' certificates are checked against (empty: the "
           "system's roots)");
@@ -147,6 +147,7 @@ int main(int argc, char** argv) {
   }
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
   if (absl::Status valid = flatshard::server::ValidateServerOptions(options); !valid.ok()) {
     return Fail(std::string(valid.message()));

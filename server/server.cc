@@ -83,7 +83,9 @@ Server::Server(ServerOptions options)
     : options_(std::move(options)),
       compute_pool_(std::make_shared<ComputePool>(options_.compute_threads)),
       registry_(options_.rank, static_cast<int>(options_.cluster.size()), memory_tier(), compute_pool_),
-      peers_(options_.cluster, options_.rank, options_.auth_token, PeerCredentials(options_.tls),
+      tls_files_(options_.tls.reloads() ? TlsFiles::Start(options_.tls) : nullptr),
+      peers_(options_.cluster, options_.rank, options_.auth_token,
+             PeerCredentials(options_.tls, tls_files_.ok() ? tls_files_->get() : nullptr),
              options_.peer_timeout),
       clip_(registry_, options_.rank, static_cast<int>(options_.cluster.size()),
             [this](int peer, const std::string& job, int64_t step, double partial, uint64_t epoch) {
@@ -113,6 +115,7 @@ Server::~Server() { Shutdown(); }
 
 absl::Status Server::Start() {
   FLATSHARD_RETURN_IF_ERROR(ValidateServerOptions(options_));
+  FLATSHARD_RETURN_IF_ERROR(tls_files_.status());
   std::string host;
   int port = 0;
   FLATSHARD_RETURN_IF_ERROR(transport::SplitHostPort(options_.listen, host, port));
@@ -127,19 +130,11 @@ absl::Status Server::Start() {
   FLATSHARD_RETURN_IF_ERROR(nccl_.Start(memory_tier()));
   data_ = std::make_unique<DataServer>(registry_, driver_, ipc_, nccl_, sessions_, stats_, options_.data);
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
-  if (options_.tls.reloads()) {
-    absl::StatusOr<std::unique_ptr<TlsFiles>> files = TlsFiles::Start(options_.tls);
-    if (!files.ok()) {
-      data_->Stop();
-      return files.status();
-    }
-    tls_files_ = *std::move(files);
-  }
   std::string metrics_address;
   if (!options_.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> metrics = MetricsEndpoint::Start(
         options_.metrics_listen, options_.metrics_token.empty() ? options_.auth_token : options_.metrics_token,
-        options_.tls, tls_files_.get(), [this]() -> std::optional<v1::ServerStatus> {
+        options_.tls, tls_files_->get(), [this]() -> std::optional<v1::ServerStatus> {
           FlatshardService* service = serving_.load();
           if (service == nullptr) return std::nullopt;
           return service->Status();
@@ -173,7 +168,7 @@ absl::Status Server::Start() {
   // and take half of the connections. It must fail instead, as the data port does.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   AcceptKeepalive(builder);  // clients and peers ping while their checkpoint calls run
-  builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls, tls_files_.get()), &control_port_);
+  builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls, tls_files_->get()), &control_port_);
   builder.RegisterService(service_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs));

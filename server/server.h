@@ -99,6 +99,10 @@ class Server {
   ServerOptions options_;
   const std::shared_ptr<const ComputePool> compute_pool_;  // the groups' CPU kernel threads
   Registry registry_;
+  // The certificate and key the control plane and metrics present, and the CA bundle
+  // the peer calls check against, kept current from their files (with
+  // --tls_reload_interval; null without): outlives their users. An error is Start()'s.
+  absl::StatusOr<std::unique_ptr<TlsFiles>> tls_files_;
   PeerClient peers_;
   ClipCoordinator clip_;
   ServerStats stats_;
@@ -108,9 +112,6 @@ class Server {
   IpcPlane ipc_;
   NcclPlane nccl_;
   std::unique_ptr<DataServer> data_;
-  // The certificate and key the control plane and metrics present, kept current from
-  // their files (with --tls_reload_interval); outlives both.
-  std::unique_ptr<TlsFiles> tls_files_;
   std::unique_ptr<FlatshardService> service_;
   // The service once it is made: the metrics endpoint starts before it (the service
   // names the endpoint's address) and serves empty scrapes until then.

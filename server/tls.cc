@@ -5,13 +5,17 @@
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
 #include <openssl/bio.h>
+#include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
 #include <algorithm>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "core/status_macros.h"
 #include "server/tls_files.h"
 
 namespace flatshard::server {
@@ -38,6 +42,31 @@ Cert FirstCertificate(const std::string& pem) {
   return Cert(bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr);
 }
 
+// InvalidArgument naming `flag` unless `pem` holds a certificate and every certificate
+// it begins parses (a file cut short, as one still being written is, ends in one that
+// does not).
+absl::Status CheckCertificates(const std::string& pem, absl::string_view flag) {
+  constexpr std::string_view kBegin = "-----BEGIN CERTIFICATE-----";
+  int begun = 0;
+  for (size_t at = pem.find(kBegin); at != std::string::npos; at = pem.find(kBegin, at + kBegin.size())) ++begun;
+  int parsed = 0;
+  if (auto bio = Read(pem)) {
+    while (Cert(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)) != nullptr) ++parsed;
+  }
+  ERR_clear_error();  // the end of the text, or the certificate that did not parse
+  if (begun == 0) return absl::InvalidArgumentError(absl::StrCat(flag, " holds no PEM certificate"));
+  if (parsed < begun) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": certificate ", parsed + 1, " of ", begun,
+                                                   " does not parse (a file cut short?)"));
+  }
+  return absl::OkStatus();
+}
+
+// How often gRPC's watchers read TlsFiles' files: as often as those are read.
+unsigned int ReloadSeconds(const TlsOptions& tls) {
+  return static_cast<unsigned int>(std::max<int64_t>(1, absl::ToInt64Seconds(tls.reload_interval)));
+}
+
 }  // namespace
 
 absl::Status ValidateTls(const TlsOptions& tls) {
@@ -51,10 +80,8 @@ absl::Status ValidateTls(const TlsOptions& tls) {
   if (tls.private_key.empty()) {
     return absl::InvalidArgumentError("--tls_cert_file needs --tls_key_file, the certificate's private key");
   }
+  FLATSHARD_RETURN_IF_ERROR(CheckCertificates(tls.cert_chain, "--tls_cert_file"));
   const Cert cert = FirstCertificate(tls.cert_chain);
-  if (cert == nullptr) {
-    return absl::InvalidArgumentError("--tls_cert_file holds no PEM certificate");
-  }
   auto key_bio = Read(tls.private_key);
   const std::unique_ptr<EVP_PKEY, KeyFree> key(
       key_bio ? PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr) : nullptr);
@@ -65,8 +92,8 @@ absl::Status ValidateTls(const TlsOptions& tls) {
     return absl::InvalidArgumentError(
         "--tls_key_file is not the private key of the certificate in --tls_cert_file");
   }
-  if (!tls.root_certs.empty() && FirstCertificate(tls.root_certs) == nullptr) {
-    return absl::InvalidArgumentError("--tls_ca_file holds no PEM certificate");
+  if (!tls.root_certs.empty() || !tls.ca_file.empty()) {
+    FLATSHARD_RETURN_IF_ERROR(CheckCertificates(tls.root_certs, "--tls_ca_file"));
   }
   return absl::OkStatus();
 }
@@ -76,8 +103,7 @@ std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls
   if (files != nullptr) {
     // The watched file holds the key, then the chain: gRPC reads each from it.
     auto watcher = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-        files->watched_path(), files->watched_path(),
-        static_cast<unsigned int>(std::max<int64_t>(1, absl::ToInt64Seconds(tls.reload_interval))));
+        files->watched_path(), files->watched_path(), ReloadSeconds(tls));
     grpc::experimental::TlsServerCredentialsOptions options(watcher);
     options.watch_identity_key_cert_pairs();
     options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
@@ -88,8 +114,17 @@ std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls
   return grpc::SslServerCredentials(options);
 }
 
-std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls) {
+std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls, const TlsFiles* files) {
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
+  if (files != nullptr && !files->watched_roots_path().empty()) {
+    auto watcher = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        files->watched_roots_path(), ReloadSeconds(tls));
+    grpc::experimental::TlsChannelCredentialsOptions options;
+    options.set_certificate_provider(watcher);
+    options.watch_root_certs();
+    options.set_certificate_verifier(std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
+    return grpc::experimental::TlsCredentials(options);
+  }
   grpc::SslCredentialsOptions options;
   options.pem_root_certs = tls.root_certs;  // empty: gRPC's default roots
   return grpc::SslCredentials(options);

@@ -9,7 +9,9 @@
 // certificate and key files are read again that often (server/tls_files.h), and a new
 // pair that goes together is presented by the control plane and the metrics endpoint in
 // the handshakes that follow; a pair that does not (one file replaced before the other,
-// a wrong key) is ignored until it does. The CA bundle is read once.
+// a wrong key) is ignored until it does. So is the CA bundle: the peer calls' handshakes
+// that follow a change check against the new one, so a CA can be rotated without a
+// restart (add the new CA to every bundle, renew the certificates, drop the old CA).
 //
 // The data plane stays plain TCP, for speed: a data connection is accepted only with a
 // session token the server issued over this control plane, so with TLS the token never
@@ -42,10 +44,11 @@ struct TlsOptions {
   std::string cert_chain;   // this server's certificate (then its intermediates); empty: no TLS
   std::string private_key;  // the certificate's key
   std::string root_certs;   // CAs that sign the peers' certificates; empty: the system's
-  // Where cert_chain and private_key were read, and how often to read them again (zero,
-  // or no files: never).
+  // Where cert_chain, private_key and root_certs were read, and how often to read them
+  // again (zero, or no certificate files: never).
   std::string cert_file = {};
   std::string key_file = {};
+  std::string ca_file = {};
   absl::Duration reload_interval = absl::ZeroDuration();
 
   bool enabled() const { return !cert_chain.empty(); }
@@ -54,16 +57,19 @@ struct TlsOptions {
   }
 };
 
-// InvalidArgument naming the flag unless: certificate and key are given together and
-// parse, the key is the certificate's, and a CA bundle (only with a certificate) holds
-// at least one certificate.
+// InvalidArgument naming the flag unless: certificate and key are given together, the
+// key parses and is the certificate's, every certificate of the chain parses, and a CA
+// bundle (only with a certificate; one given as ca_file) holds at least one certificate
+// and every one of them parses.
 [[nodiscard]] absl::Status ValidateTls(const TlsOptions& tls);
 
 // What the control plane serves with (TLS when enabled, plaintext otherwise; with
-// `files`, their current pair, watched), and what this server calls its peers with.
-// Preconditions: ValidateTls(tls) is OK.
+// `files`, their current pair, watched), and what this server calls its peers with
+// (checking the host name they are called by against their certificate, and the
+// certificate against the CA bundle: with `files` and a ca_file, their current one,
+// watched). Preconditions: ValidateTls(tls) is OK; `files` outlives what is returned.
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files = nullptr);
-std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls);
+std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls, const TlsFiles* files = nullptr);
 
 }  // namespace flatshard::server
 

@@ -22,35 +22,49 @@ absl::Status ErrnoError(absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
-// `tls` with cert_chain and private_key as its files hold them now. InvalidArgument (as
-// ValidateTls) for a pair that does not go together, Unavailable for a file that cannot
-// be read.
-absl::StatusOr<TlsOptions> ReadAgain(const TlsOptions& tls) {
-  TlsOptions read = tls;
-  for (const auto& [path, pem] : {std::pair{&tls.cert_file, &read.cert_chain},
-                                  std::pair{&tls.key_file, &read.private_key}}) {
-    absl::StatusOr<std::string> text = ReadFileToString(*path);
-    if (!text.ok()) return absl::UnavailableError(absl::StrCat("cannot read ", *path, ": ", text.status().message()));
-    *pem = *std::move(text);
+// `current` with its pair, then its CA bundle, replaced by what their files (`tls`'s)
+// hold now where that is valid (ValidateTls); a file that cannot be read changes nothing.
+TlsOptions ReadAgain(const TlsOptions& tls, TlsOptions current) {
+  const absl::StatusOr<std::string> chain = ReadFileToString(tls.cert_file);
+  const absl::StatusOr<std::string> key = ReadFileToString(tls.key_file);
+  if (chain.ok() && key.ok()) {
+    TlsOptions read = current;
+    read.cert_chain = *chain;
+    read.private_key = *key;
+    if (ValidateTls(read).ok()) current = std::move(read);
   }
-  FLATSHARD_RETURN_IF_ERROR(ValidateTls(read));
-  return read;
+  if (tls.ca_file.empty()) return current;
+  if (absl::StatusOr<std::string> roots = ReadFileToString(tls.ca_file); roots.ok()) {
+    TlsOptions read = current;
+    read.root_certs = *std::move(roots);
+    if (ValidateTls(read).ok()) current = std::move(read);
+  }
+  return current;
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Start(const TlsOptions& tls) {
-  const int fd = memfd_create("flatshard-tls", MFD_CLOEXEC);
-  if (fd < 0) return ErrnoError("memfd_create for the TLS files");
-  std::unique_ptr<TlsFiles> files(new TlsFiles(tls, fd));
+  Watched made[2];
+  for (int i = 0; i < (tls.ca_file.empty() ? 1 : 2); ++i) {
+    made[i].fd = memfd_create("flatshard-tls", MFD_CLOEXEC);
+    if (made[i].fd < 0) {
+      if (i == 1) close(made[0].fd);
+      return ErrnoError("memfd_create for the TLS files");
+    }
+    made[i].path = absl::StrCat("/proc/self/fd/", made[i].fd);
+  }
+  std::unique_ptr<TlsFiles> files(new TlsFiles(tls, made[0], made[1]));
   {
     absl::MutexLock lock(&files->mu_);
-    FLATSHARD_RETURN_IF_ERROR(files->Publish(tls));
+    FLATSHARD_RETURN_IF_ERROR(files->Publish(files->pair_, tls.private_key + "\n" + tls.cert_chain));
+    if (!tls.ca_file.empty()) FLATSHARD_RETURN_IF_ERROR(files->Publish(files->roots_, tls.root_certs));
   }
-  // gRPC reads it by path, through /proc.
-  if (absl::StatusOr<std::string> back = ReadFileToString(files->watched_path()); !back.ok() || back->empty()) {
+  // gRPC reads them by path, through /proc.
+  const std::string watched = files->watched_path();
+  if (absl::StatusOr<std::string> back = ReadFileToString(watched); !back.ok() || back->empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "--tls_reload_interval: cannot read back ", files->watched_path(), " (is /proc mounted?); 0 turns reloads off"));
+        "--tls_reload_interval: cannot read back ", watched, " (is /proc mounted?); 0 turns reloads off"));
   }
   files->reloader_ = std::thread([files = files.get()] {
     while (!files->stopping_.WaitForNotificationWithTimeout(files->initial_.reload_interval)) files->Reload();
@@ -58,13 +72,15 @@ absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Start(const TlsOptions& tls)
   return files;
 }
 
-TlsFiles::TlsFiles(const TlsOptions& tls, int fd)
-    : initial_(tls), fd_(fd), watched_path_(absl::StrCat("/proc/self/fd/", fd)), current_(tls) {}
+TlsFiles::TlsFiles(const TlsOptions& tls, Watched pair, Watched roots)
+    : initial_(tls), pair_(std::move(pair)), roots_(std::move(roots)), current_(tls) {}
 
 TlsFiles::~TlsFiles() {
   stopping_.Notify();
   if (reloader_.joinable()) reloader_.join();
-  close(fd_);
+  for (const Watched* file : {&pair_, &roots_}) {
+    if (file->fd >= 0) close(file->fd);
+  }
 }
 
 TlsOptions TlsFiles::current() const {
@@ -78,26 +94,32 @@ uint64_t TlsFiles::generation() const {
 }
 
 bool TlsFiles::Reload() {
-  absl::StatusOr<TlsOptions> read = ReadAgain(initial_);  // Unavailable or InvalidArgument: keep the last pair
-  if (!read.ok()) return false;
+  const TlsOptions read = ReadAgain(initial_, current());
   absl::MutexLock lock(&mu_);
-  if (read->cert_chain == current_.cert_chain && read->private_key == current_.private_key) return false;
-  if (!Publish(*read).ok()) return false;
-  current_ = *std::move(read);
-  ++generation_;
-  return true;
+  bool changed = false;
+  if ((read.cert_chain != current_.cert_chain || read.private_key != current_.private_key) &&
+      Publish(pair_, read.private_key + "\n" + read.cert_chain).ok()) {
+    current_.cert_chain = read.cert_chain;
+    current_.private_key = read.private_key;
+    changed = true;
+  }
+  if (read.root_certs != current_.root_certs && Publish(roots_, read.root_certs).ok()) {
+    current_.root_certs = read.root_certs;
+    changed = true;
+  }
+  if (changed) ++generation_;
+  return changed;
 }
 
-absl::Status TlsFiles::Publish(const TlsOptions& tls) {
+absl::Status TlsFiles::Publish(const Watched& file, const std::string& text) {
   const int fresh = memfd_create("flatshard-tls", MFD_CLOEXEC);
   if (fresh < 0) return ErrnoError("memfd_create for the TLS files");
-  const std::string pem = tls.private_key + "\n" + tls.cert_chain;
   // A later modification time than the file it replaces, at whole seconds (what a
   // watcher compares), so that one reading across the replacement reads again.
   modified_ = std::max(modified_ + 1, time(nullptr));
   const timespec times[2] = {{0, UTIME_OMIT}, {modified_, 0}};
-  const bool written = write(fresh, pem.data(), pem.size()) == static_cast<ssize_t>(pem.size()) &&
-                       futimens(fresh, times) == 0 && dup2(fresh, fd_) == fd_;
+  const bool written = write(fresh, text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
+                       futimens(fresh, times) == 0 && dup2(fresh, file.fd) == file.fd;
   const absl::Status status = written ? absl::OkStatus() : ErrnoError("writing the TLS files");
   close(fresh);
   return status;

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/cluster_status.h"
+#include "core/file.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/run_command.h"
 #include "tests/test_certificates.h"
@@ -242,6 +243,11 @@ TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {
                                        "--tls_ca_file=" + File("server.csr")}))
       << "a CA file without a certificate";
   EXPECT_TRUE(testing::RefusesToStart({"--tls_ca_file=" + File("ca.pem")})) << "a CA without a certificate";
+  const std::string other = ReadFileToString(File("other-ca.pem")).value_or("");
+  std::ofstream(File("cut-ca.pem")) << ReadFileToString(File("ca.pem")).value_or("") + other.substr(0, other.size() / 2);
+  EXPECT_TRUE(testing::RefusesToStart({cert, "--tls_key_file=" + File("server.key"),
+                                       "--tls_ca_file=" + File("cut-ca.pem")}))
+      << "a CA file cut short";
   EXPECT_TRUE(testing::RefusesToStart({cert, "--tls_key_file=" + File("missing.key")})) << "a missing file";
   EXPECT_FALSE(testing::RefusesToStart(ServerTls())) << "matching files must start";
 }
