@@ -82,6 +82,13 @@ std::vector<MetricFamily> StatusMetrics(const v1::ServerStatus& s) {
                    {"protocol", absl::StrCat(kProtocolRevision)},
                    {"nccl", s.nccl_version()},
                    {"tls", s.tls() ? "yes" : "no"}}));
+  if (s.tls()) {
+    Family expiry("flatshard_tls_certificate_expiry_timestamp_seconds",
+                  "When the TLS certificate chain presented now expires (its earliest notAfter), in seconds "
+                  "since the Unix epoch.",
+                  MetricType::Gauge);
+    add(expiry.Add(static_cast<double>(s.tls_expiry_unix_seconds())));
+  }
   Family uptime("flatshard_uptime_seconds", "Seconds since this server started.", MetricType::Gauge);
   add(uptime.Add(s.uptime_seconds()));
   Family agreed("flatshard_cluster_agreed",

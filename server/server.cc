@@ -147,6 +147,15 @@ absl::Status Server::Start() {
     metrics_address = metrics_->address();
   }
 
+  // The chain presented now: the renewed one once it is taken. (Both were validated.)
+  std::function<absl::Time()> tls_expiry;
+  if (const TlsFiles* files = tls_files_->get()) {
+    tls_expiry = [files] { return CertificateChainExpiry(files->current().cert_chain).value_or(absl::UnixEpoch()); };
+  } else if (options_.tls.enabled()) {
+    tls_expiry = [expiry = CertificateChainExpiry(options_.tls.cert_chain).value_or(absl::UnixEpoch())] {
+      return expiry;
+    };
+  }
   ServiceIdentity identity{.rank = options_.rank,
                            .cluster = options_.cluster,
                            .control_address = options_.listen,
@@ -155,6 +164,7 @@ absl::Status Server::Start() {
                            .gpu_uuid = ipc_.gpu_uuid(),
                            .auth_token = options_.auth_token,
                            .tls = options_.tls.enabled(),
+                           .tls_expiry = std::move(tls_expiry),
                            .compute_threads = compute_pool_->threads(),
                            .metrics_address = metrics_address};
   service_ = std::make_unique<FlatshardService>(std::move(identity), registry_, clip_, checkpoints_, sessions_,

@@ -11,6 +11,7 @@
 #include <openssl/x509.h>
 
 #include <algorithm>
+#include <ctime>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
@@ -96,6 +97,22 @@ absl::Status ValidateTls(const TlsOptions& tls) {
     FLATSHARD_RETURN_IF_ERROR(CheckCertificates(tls.root_certs, "--tls_ca_file"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<absl::Time> CertificateChainExpiry(const std::string& cert_chain) {
+  FLATSHARD_RETURN_IF_ERROR(CheckCertificates(cert_chain, "the certificate chain"));
+  absl::Time earliest = absl::InfiniteFuture();
+  auto bio = Read(cert_chain);
+  while (const Cert cert{bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr}) {
+    tm expires{};
+    if (ASN1_TIME_to_tm(X509_get0_notAfter(cert.get()), &expires) != 1) {
+      ERR_clear_error();
+      return absl::InvalidArgumentError("a certificate of the chain has no valid expiry date");
+    }
+    earliest = std::min(earliest, absl::FromTM(expires, absl::UTCTimeZone()));
+  }
+  ERR_clear_error();  // the end of the chain reads as an error
+  return earliest;
 }
 
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files) {

@@ -9,11 +9,14 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "core/file.h"
 #include "core/status_macros.h"
+#include "spdlog/spdlog.h"
 
 namespace flatshard::server {
 namespace {
@@ -22,24 +25,40 @@ absl::Status ErrnoError(absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
-// `current` with its pair, then its CA bundle, replaced by what their files (`tls`'s)
-// hold now where that is valid (ValidateTls); a file that cannot be read changes nothing.
-TlsOptions ReadAgain(const TlsOptions& tls, TlsOptions current) {
-  const absl::StatusOr<std::string> chain = ReadFileToString(tls.cert_file);
-  const absl::StatusOr<std::string> key = ReadFileToString(tls.key_file);
-  if (chain.ok() && key.ok()) {
-    TlsOptions read = current;
-    read.cert_chain = *chain;
-    read.private_key = *key;
-    if (ValidateTls(read).ok()) current = std::move(read);
+// What the files hold now: `current` with its pair, then its CA bundle, replaced by what
+// their files (`tls`'s) hold where that is valid (ValidateTls), and why what was not
+// taken was not (a file that cannot be read, or does not validate).
+struct ReadBack {
+  TlsOptions taken;
+  std::vector<std::string> refused;
+};
+
+ReadBack ReadAgain(const TlsOptions& tls, TlsOptions current) {
+  ReadBack back;
+  // Reads `files` into their places in `read` and takes it if it validates.
+  auto take = [&](const std::vector<std::pair<const std::string*, std::string*>>& files, TlsOptions& read) {
+    for (const auto& [path, pem] : files) {
+      absl::StatusOr<std::string> text = ReadFileToString(*path);
+      if (!text.ok()) {
+        back.refused.push_back(absl::StrCat("cannot read ", *path, ": ", text.status().message()));
+        return;
+      }
+      *pem = *std::move(text);
+    }
+    if (absl::Status valid = ValidateTls(read); !valid.ok()) {
+      back.refused.push_back(std::string(valid.message()));
+      return;
+    }
+    current = std::move(read);
+  };
+  TlsOptions pair = current;
+  take({{&tls.cert_file, &pair.cert_chain}, {&tls.key_file, &pair.private_key}}, pair);
+  if (!tls.ca_file.empty()) {
+    TlsOptions roots = current;
+    take({{&tls.ca_file, &roots.root_certs}}, roots);
   }
-  if (tls.ca_file.empty()) return current;
-  if (absl::StatusOr<std::string> roots = ReadFileToString(tls.ca_file); roots.ok()) {
-    TlsOptions read = current;
-    read.root_certs = *std::move(roots);
-    if (ValidateTls(read).ok()) current = std::move(read);
-  }
-  return current;
+  back.taken = std::move(current);
+  return back;
 }
 
 }  // namespace
@@ -94,18 +113,35 @@ uint64_t TlsFiles::generation() const {
 }
 
 bool TlsFiles::Reload() {
-  const TlsOptions read = ReadAgain(initial_, current());
+  const ReadBack back = ReadAgain(initial_, current());
+  const TlsOptions& read = back.taken;
   absl::MutexLock lock(&mu_);
-  bool changed = false;
-  if ((read.cert_chain != current_.cert_chain || read.private_key != current_.private_key) &&
-      Publish(pair_, read.private_key + "\n" + read.cert_chain).ok()) {
-    current_.cert_chain = read.cert_chain;
-    current_.private_key = read.private_key;
-    changed = true;
+  // Told once per reason, not every interval while the files stay as they are.
+  if (std::string refused = absl::StrJoin(back.refused, "; "); refused != last_refused_) {
+    if (!refused.empty()) spdlog::warn("TLS files not taken (the last good ones stay in use): {}", refused);
+    last_refused_ = std::move(refused);
   }
-  if (read.root_certs != current_.root_certs && Publish(roots_, read.root_certs).ok()) {
-    current_.root_certs = read.root_certs;
-    changed = true;
+  bool changed = false;
+  if (read.cert_chain != current_.cert_chain || read.private_key != current_.private_key) {
+    if (const absl::Status published = Publish(pair_, read.private_key + "\n" + read.cert_chain); published.ok()) {
+      current_.cert_chain = read.cert_chain;
+      current_.private_key = read.private_key;
+      changed = true;
+      const absl::StatusOr<absl::Time> expiry = CertificateChainExpiry(read.cert_chain);
+      spdlog::info("TLS: presenting the renewed certificate of {}, which expires {}", initial_.cert_file,
+                   expiry.ok() ? absl::FormatTime("%Y-%m-%d %H:%M UTC", *expiry, absl::UTCTimeZone()) : "(unknown)");
+    } else {
+      spdlog::warn("TLS: the renewed certificate could not be published: {}", std::string(published.message()));
+    }
+  }
+  if (read.root_certs != current_.root_certs) {
+    if (const absl::Status published = Publish(roots_, read.root_certs); published.ok()) {
+      current_.root_certs = read.root_certs;
+      changed = true;
+      spdlog::info("TLS: the peers' certificates are checked against the new CA bundle of {}", initial_.ca_file);
+    } else {
+      spdlog::warn("TLS: the new CA bundle could not be published: {}", std::string(published.message()));
+    }
   }
   if (changed) ++generation_;
   return changed;

@@ -16,6 +16,8 @@
 // parses, which is why it reads no operator file directly. The metrics endpoint's relay
 // takes current() when generation() moves.
 //
+// What it takes is logged (spdlog), and why it did not take files, once per reason.
+//
 // Thread-safe.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto files, TlsFiles::Start(tls));  // tls.reloads()
@@ -73,6 +75,7 @@ class TlsFiles {
   TlsOptions current_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   time_t modified_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_refused_ ABSL_GUARDED_BY(mu_);  // why the last read's files were not taken
   absl::Notification stopping_;
   std::thread reloader_;
 };

@@ -9,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/cli/human_bytes.h"
 #include "client/cli/latency_table.h"
 #include "client/cluster_status.h"
@@ -18,6 +20,19 @@
 namespace flatshard::cli {
 
 namespace {
+
+// `flatshard status` warns of certificates that expire sooner than this.
+constexpr absl::Duration kTlsExpiryWarning = absl::Hours(7 * 24);
+
+// How long a server's TLS certificate has left, as the table's tls column shows it: "no"
+// without TLS, hours under two days, days beyond, "expired".
+std::string TlsLeft(const v1::ServerStatus& s, absl::Time now) {
+  if (!s.tls()) return "no";
+  const absl::Duration left = absl::FromUnixSeconds(s.tls_expiry_unix_seconds()) - now;
+  if (left <= absl::ZeroDuration()) return "expired";
+  if (left < absl::Hours(48)) return absl::StrCat(absl::ToInt64Hours(left), "h");
+  return absl::StrCat(absl::ToInt64Hours(left) / 24, "d");
+}
 
 // A group's load id as the table shows it: hex, "-" for a group never loaded.
 std::string LoadName(uint64_t load_id) { return load_id == 0 ? "-" : absl::StrCat(absl::Hex(load_id)); }
@@ -72,7 +87,9 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
   };
   // held: the memory of its groups (each group's is in the table below); x-sent, x-recv:
   // a hybrid-sharded job's exchange between replica groups.
-  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-3s %7s %6s %10s %5s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
+  // tls: how long the certificate it presents has left.
+  const absl::Time now = absl::Now();
+  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-7s %7s %6s %10s %5s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
                          "address", "memory", "plane", "tls", "threads", "groups", "held", "conns", "sent", "received",
                          "x-sent", "x-recv", "gathers", "scatters", "errors");
   for (size_t i = 0; i < statuses.size(); ++i) {
@@ -85,11 +102,21 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
     const v1::ServerStatus& s = *statuses[i];
     int64_t held = 0;
     for (const v1::GroupStatus& g : s.groups()) held += g.bytes();
-    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-3s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
-                           s.control_address(), s.memory(), plane(s), s.tls() ? "yes" : "no", s.compute_threads(),
+    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-7s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
+                           s.control_address(), s.memory(), plane(s), TlsLeft(s, now), s.compute_threads(),
                            s.groups_size(), HumanBytes(held), s.open_data_connections(), HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), HumanBytes(s.exchange_bytes_sent()),
                            HumanBytes(s.exchange_bytes_received()), s.gathers(), s.scatters(), s.errors());
+  }
+  // Certificates that expire within a week: past expiry, no client or peer can connect.
+  for (const auto& status : statuses) {
+    if (!status.ok() || !status->tls()) continue;
+    const absl::Time expiry = absl::FromUnixSeconds(status->tls_expiry_unix_seconds());
+    if (expiry - now >= kTlsExpiryWarning) continue;
+    out << absl::StrFormat("\nserver %d: its TLS certificate %s %s: renew it (a server reads renewed files "
+                           "every --tls_reload_interval)\n",
+                           status->rank(), expiry <= now ? "expired" : "expires",
+                           absl::FormatTime("%Y-%m-%d %H:%M UTC", expiry, absl::UTCTimeZone()));
   }
   // Jobs as the first server that answered has them (every server has the same settings,
   // and the same norms once a step is done).

@@ -12,6 +12,8 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/cli/status_command.h"
 #include "client/cluster_status.h"
 #include "core/file.h"
 #include "tests/integration/test_cluster.h"
@@ -146,6 +148,14 @@ TEST_F(TlsTest, MetricsAreServedOverHttpsWithTheServersCertificate) {
   EXPECT_TRUE(absl::StartsWith(metrics, "HTTP/1.1 200")) << metrics;
   EXPECT_TRUE(absl::StrContains(metrics, "\nflatshard_uptime_seconds ")) << metrics;
   EXPECT_TRUE(absl::StrContains(metrics, "flatshard_server_info{")) << metrics;
+  // When the certificate expires: server.pem is valid for two days from its making.
+  const int64_t expiry = statuses[0]->tls_expiry_unix_seconds();
+  EXPECT_GT(absl::FromUnixSeconds(expiry), absl::Now() + absl::Hours(47));
+  EXPECT_LT(absl::FromUnixSeconds(expiry), absl::Now() + absl::Hours(48));
+  const std::string gauge = "\nflatshard_tls_certificate_expiry_timestamp_seconds ";
+  const size_t at = metrics.find(gauge);
+  ASSERT_NE(at, std::string::npos) << metrics;
+  EXPECT_EQ(std::strtod(metrics.c_str() + at + gauge.size(), nullptr), static_cast<double>(expiry)) << metrics;
   const auto [refused, unauthorized] = scrape(File("ca.pem"), "");
   EXPECT_TRUE(absl::StartsWith(unauthorized, "HTTP/1.1 401")) << unauthorized;
   const auto [untrusted, nothing] = scrape(File("other-ca.pem"), cluster.token());
@@ -216,6 +226,24 @@ TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   ASSERT_NE(first, renewed);
   EXPECT_EQ(presented(control), first);
   EXPECT_EQ(presented(metrics), first);
+  // What status says of it: two days left, a week being the warning's threshold.
+  auto expiry = [&] {
+    const auto status = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token(),
+                                            .tls_ca_file = File("ca.pem")})[0];
+    return status.ok() ? absl::FromUnixSeconds(status->tls_expiry_unix_seconds()) : absl::InfinitePast();
+  };
+  EXPECT_LT(expiry(), absl::Now() + absl::Hours(48));
+  std::ostringstream table, err;
+  const cli::StatusCommandOptions status_options{
+      .servers = cluster.addresses(), .token = cluster.token(), .tls_ca_file = File("ca.pem")};
+  EXPECT_EQ(cli::RunStatusCommand(status_options, table, err), 0) << err.str();
+  // rank, address, memory, plane, tls, ...
+  const std::string row = table.str().substr(table.str().find("\n0 ") + 1);
+  const std::vector<std::string> words = absl::StrSplit(row.substr(0, row.find('\n')), ' ', absl::SkipEmpty());
+  ASSERT_GE(words.size(), 5u) << table.str();
+  EXPECT_EQ(words[1], control);
+  EXPECT_EQ(words[4], "47h") << table.str();
+  EXPECT_TRUE(absl::StrContains(table.str(), "server 0: its TLS certificate expires 20")) << table.str();
 
   publish("v2", "server2.pem", "server2.key");
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
@@ -224,6 +252,7 @@ TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   }
   EXPECT_EQ(presented(control), renewed);
   EXPECT_EQ(presented(metrics), renewed);
+  EXPECT_GT(expiry(), absl::Now() + absl::Hours(71)) << "server2.pem is valid for three days";
   EXPECT_TRUE((*client)->ConfigureJob({}).ok()) << "the client connected before the renewal";
   EXPECT_TRUE(Client::Connect(trusting).ok()) << "a client connecting after it";
 

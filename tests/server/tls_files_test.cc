@@ -11,11 +11,18 @@
 
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <sstream>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/file.h"
 #include "proto/flatshard.grpc.pb.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
+#include "tests/run_command.h"
 #include "tests/scratch_dir.h"
 #include "tests/test_certificates.h"
 
@@ -30,7 +37,28 @@ time_t Modified(const std::string& path) {
   return info.st_mtime;
 }
 
+// What spdlog's default logger writes while it lives.
+class CapturedLog {
+ public:
+  CapturedLog() : previous_(spdlog::default_logger()) {
+    spdlog::set_default_logger(
+        std::make_shared<spdlog::logger>("captured", std::make_shared<spdlog::sinks::ostream_sink_mt>(text_)));
+  }
+  ~CapturedLog() { spdlog::set_default_logger(previous_); }
+  // What was written since the last call.
+  std::string Take() {
+    std::string taken = text_.str();
+    text_.str("");
+    return taken;
+  }
+
+ private:
+  std::ostringstream text_;
+  std::shared_ptr<spdlog::logger> previous_;
+};
+
 TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
+  CapturedLog log;
   const testing::ScratchDir dir("tls-files");
   ASSERT_TRUE(testing::MakeTestCertificates(dir.path()));
   auto file = [&](const std::string& name) { return absl::StrCat(dir.path(), "/", name); };
@@ -50,10 +78,14 @@ TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
   EXPECT_FALSE((*files)->Reload()) << "nothing changed";
   const time_t first = Modified(watched);
 
+  EXPECT_EQ(log.Take(), "");
   std::filesystem::copy_file(file("server2.pem"), file("cert.pem"), std::filesystem::copy_options::overwrite_existing);
   EXPECT_FALSE((*files)->Reload()) << "the certificate renewed before its key";
   EXPECT_EQ((*files)->current().cert_chain, tls.cert_chain);
   EXPECT_EQ(ReadFile(watched), tls.private_key + "\n" + tls.cert_chain);
+  EXPECT_TRUE(absl::StrContains(log.Take(), "not the private key")) << "told why";
+  EXPECT_FALSE((*files)->Reload());
+  EXPECT_EQ(log.Take(), "") << "told once, not every interval";
 
   std::filesystem::copy_file(file("server2.key"), file("key.pem"), std::filesystem::copy_options::overwrite_existing);
   EXPECT_TRUE((*files)->Reload());
@@ -61,10 +93,12 @@ TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
   EXPECT_EQ((*files)->current().cert_chain, ReadFile(file("server2.pem")));
   EXPECT_EQ(ReadFile(watched), ReadFile(file("server2.key")) + "\n" + ReadFile(file("server2.pem")));
   EXPECT_GT(Modified(watched), first) << "a watcher could not tell the files apart";
+  EXPECT_TRUE(absl::StrContains(log.Take(), "presenting the renewed certificate"));
 
   std::filesystem::remove(file("key.pem"));
   EXPECT_FALSE((*files)->Reload()) << "a key file that is gone";
   EXPECT_EQ((*files)->generation(), 1u);
+  EXPECT_TRUE(absl::StrContains(log.Take(), "cannot read"));
 }
 
 TEST(TlsFilesTest, ANewCaBundleIsTakenApartFromThePairAndOneCutShortIsNot) {
@@ -146,6 +180,32 @@ bool Handshakes(const std::shared_ptr<grpc::ChannelCredentials>& credentials, in
     if (state == GRPC_CHANNEL_READY) return true;
     if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || !channel->WaitForStateChange(state, deadline)) return false;
   }
+}
+
+// CertificateChainExpiry (server/tls.h) against `openssl x509 -enddate`: a chain
+// expires with its first certificate to.
+TEST(CertificateChainExpiryTest, IsTheEarliestNotAfterOfTheChain) {
+  const testing::ScratchDir dir("tls-expiry");
+  ASSERT_TRUE(testing::MakeTestCertificates(dir.path()));
+  auto file = [&](const std::string& name) { return absl::StrCat(dir.path(), "/", name); };
+  auto not_after = [&](const std::string& name) {
+    const auto [code, out] = testing::RunCommand(absl::StrCat("openssl x509 -noout -enddate -in '", file(name), "'"));
+    const std::string line(absl::StripTrailingAsciiWhitespace(out));
+    absl::Time time = absl::InfinitePast();
+    std::string error;
+    EXPECT_TRUE(code == 0 &&
+                absl::ParseTime("notAfter=%b %e %H:%M:%S %Y GMT", line, absl::UTCTimeZone(), &time, &error))
+        << out << error;
+    return time;
+  };
+  const absl::Time one_day = not_after("elsewhere.pem"), two_days = not_after("server.pem");
+  ASSERT_LT(one_day, two_days);
+  EXPECT_EQ(CertificateChainExpiry(ReadFile(file("server.pem"))).value_or(absl::InfinitePast()), two_days);
+  EXPECT_EQ(CertificateChainExpiry(ReadFile(file("server.pem")) + ReadFile(file("elsewhere.pem")))
+                .value_or(absl::InfinitePast()),
+            one_day)
+      << "an intermediate that expires first";
+  EXPECT_TRUE(absl::IsInvalidArgument(CertificateChainExpiry("no certificate").status()));
 }
 
 TEST(TlsFilesTest, PeerCallsCheckTheCaBundleOfTheMomentAndTheHostName) {
