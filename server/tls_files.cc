@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -35,15 +36,17 @@ struct ReadBack {
 
 ReadBack ReadAgain(const TlsOptions& tls, TlsOptions current) {
   ReadBack back;
-  // Reads `files` into their places in `read` and takes it if it validates.
-  auto take = [&](const std::vector<std::pair<const std::string*, std::string*>>& files, TlsOptions& read) {
+  // `current` with each (file, member) of `files` read into its member, taken if it validates.
+  using Member = std::string TlsOptions::*;
+  auto take = [&](std::initializer_list<std::pair<const std::string&, Member>> files) {
+    TlsOptions read = current;
     for (const auto& [path, pem] : files) {
-      absl::StatusOr<std::string> text = ReadFileToString(*path);
+      absl::StatusOr<std::string> text = ReadFileToString(path);
       if (!text.ok()) {
-        back.refused.push_back(absl::StrCat("cannot read ", *path, ": ", text.status().message()));
+        back.refused.push_back(absl::StrCat("cannot read ", path, ": ", text.status().message()));
         return;
       }
-      *pem = *std::move(text);
+      read.*pem = *std::move(text);
     }
     if (absl::Status valid = ValidateTls(read); !valid.ok()) {
       back.refused.push_back(std::string(valid.message()));
@@ -51,12 +54,8 @@ ReadBack ReadAgain(const TlsOptions& tls, TlsOptions current) {
     }
     current = std::move(read);
   };
-  TlsOptions pair = current;
-  take({{&tls.cert_file, &pair.cert_chain}, {&tls.key_file, &pair.private_key}}, pair);
-  if (!tls.ca_file.empty()) {
-    TlsOptions roots = current;
-    take({{&tls.ca_file, &roots.root_certs}}, roots);
-  }
+  take({{tls.cert_file, &TlsOptions::cert_chain}, {tls.key_file, &TlsOptions::private_key}});
+  if (!tls.ca_file.empty()) take({{tls.ca_file, &TlsOptions::root_certs}});
   back.taken = std::move(current);
   return back;
 }
