@@ -68,7 +68,7 @@ TEST(ReduceKernelTest, EqualsCastAccumulateScaleBitwiseAndFloat64WithinRounding)
           ASSERT_TRUE(Accumulate(grads[w].dtype, grads[w].data(), absl::MakeSpan(composed)).ok());
         }
         if (alpha != 1.0f) Scale(absl::MakeSpan(composed), alpha);
-        ASSERT_EQ(std::memcmp(got.data(), composed.data(), n * sizeof(float)), 0)
+        ASSERT_TRUE(n == 0 || std::memcmp(got.data(), composed.data(), n * sizeof(float)) == 0)  // no null to memcmp
             << workers << " workers, " << n << " elements, alpha " << alpha;
 
         for (size_t i = 0; i < n; ++i) {
