@@ -3,23 +3,34 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/file.h"
+#include "core/status_macros.h"
+#include "tls/certificates.h"
 
 namespace flatshard::client_internal {
 
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ControlPlaneCredentials(
-    const std::string& tls_ca_file) {
-  if (tls_ca_file.empty()) return grpc::InsecureChannelCredentials();
+absl::StatusOr<ControlCredentials> ControlPlaneCredentials(const std::string& tls_ca_file,
+                                                          absl::Duration reload_interval) {
+  if (tls_ca_file.empty()) return ControlCredentials{grpc::InsecureChannelCredentials(), nullptr};
+  if (reload_interval > absl::ZeroDuration()) {
+    absl::StatusOr<std::unique_ptr<tls::CaBundle>> bundle =
+        tls::CaBundle::Start(tls_ca_file, "tls_ca_file", reload_interval, /*reload_itself=*/true);
+    if (!bundle.ok()) {
+      if (!absl::IsFailedPrecondition(bundle.status())) return bundle.status();
+      return absl::FailedPreconditionError(
+          absl::StrCat(bundle.status().message(), "; tls_reload_interval=0 reads tls_ca_file once"));
+    }
+    std::shared_ptr<grpc::ChannelCredentials> credentials = (*bundle)->Credentials();
+    return ControlCredentials{std::move(credentials), *std::move(bundle)};
+  }
   absl::StatusOr<std::string> roots = ReadFileToString(tls_ca_file);
   if (!roots.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot read tls_ca_file=", tls_ca_file, ": ", roots.status().message()));
   }
-  if (!absl::StrContains(*roots, "-----BEGIN CERTIFICATE-----")) {
-    return absl::InvalidArgumentError(absl::StrCat("tls_ca_file=", tls_ca_file, " holds no PEM certificate"));
-  }
+  FLATSHARD_RETURN_IF_ERROR(tls::CheckCertificates(*roots, absl::StrCat("tls_ca_file=", tls_ca_file)));
   grpc::SslCredentialsOptions options;
   options.pem_root_certs = *std::move(roots);
-  return grpc::SslCredentials(options);
+  return ControlCredentials{grpc::SslCredentials(options), nullptr};
 }
 
 absl::Status WithUnreachableHint(const absl::Status& status, const std::string& tls_ca_file) {

@@ -5,7 +5,7 @@
 include(CMakePackageConfigHelpers)
 
 install(TARGETS flatshard-server flatshard RUNTIME DESTINATION bin)
-set(_flatshard_exported flatshard_client flatshard_core flatshard_transport flatshard_proto
+set(_flatshard_exported flatshard_client flatshard_core flatshard_transport flatshard_tls flatshard_proto
                          flatshard_proto_convert)
 set(_flatshard_cuda_dependency "")
 if(FLATSHARD_HAVE_CUDA)
@@ -34,6 +34,7 @@ find_dependency(absl CONFIG)
 find_dependency(nlohmann_json 3)
 find_dependency(Protobuf)
 find_dependency(gRPC CONFIG)
+find_dependency(OpenSSL)
 @_flatshard_cuda_dependency@
 include("${CMAKE_CURRENT_LIST_DIR}/flatshardTargets.cmake")
 ]])

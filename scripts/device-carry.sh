@@ -18,7 +18,7 @@ ldd "${binaries[@]}" | awk '/=> \//{print $3}' | sort -u |
 # What the device needs to compile the Python module for its own Python (3.12 there,
 # 3.11 here): the client's static libraries and the headers they expose.
 mkdir -p "$carry/static" "$carry/include/google" "$carry/include/proto"
-cp "$build_dir"/{client/libflatshard_client,core/libflatshard_core,transport/libflatshard_transport}.a \
+cp "$build_dir"/{client/libflatshard_client,core/libflatshard_core,transport/libflatshard_transport,tls/libflatshard_tls}.a \
    "$build_dir"/proto/libflatshard_proto{,_convert}.a \
    "$build_dir"/kernels/{libflatshard_kernels,cuda/libflatshard_kernels_cuda}.a "$carry/static/"
 strip --strip-debug "$carry"/static/*.a

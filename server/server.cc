@@ -12,6 +12,7 @@
 #include "proto/flatshard.grpc.pb.h"
 #include "proto/keepalive.h"
 #include "server/request_log.h"
+#include "tls/certificates.h"
 #include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -150,9 +151,11 @@ absl::Status Server::Start() {
   // The chain presented now: the renewed one once it is taken. (Both were validated.)
   std::function<absl::Time()> tls_expiry;
   if (const TlsFiles* files = tls_files_->get()) {
-    tls_expiry = [files] { return CertificateChainExpiry(files->current().cert_chain).value_or(absl::UnixEpoch()); };
+    tls_expiry = [files] {
+      return tls::CertificateChainExpiry(files->current().cert_chain).value_or(absl::UnixEpoch());
+    };
   } else if (options_.tls.enabled()) {
-    tls_expiry = [expiry = CertificateChainExpiry(options_.tls.cert_chain).value_or(absl::UnixEpoch())] {
+    tls_expiry = [expiry = tls::CertificateChainExpiry(options_.tls.cert_chain).value_or(absl::UnixEpoch())] {
       return expiry;
     };
   }

@@ -28,7 +28,6 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace grpc {
@@ -63,10 +62,6 @@ struct TlsOptions {
 // bundle (only with a certificate; one given as ca_file) holds at least one certificate
 // and every one of them parses.
 [[nodiscard]] absl::Status ValidateTls(const TlsOptions& tls);
-
-// When the first certificate of `cert_chain` to expire does (the earliest notAfter of
-// the chain: the leaf or an intermediate). InvalidArgument if a certificate does not parse.
-[[nodiscard]] absl::StatusOr<absl::Time> CertificateChainExpiry(const std::string& cert_chain);
 
 // What the control plane serves with (TLS when enabled, plaintext otherwise; with
 // `files`, their current pair, watched), and what this server calls its peers with

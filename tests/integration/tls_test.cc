@@ -41,6 +41,17 @@ class TlsTest : public ::testing::Test {
   }
 
   static std::string File(const std::string& name) { return absl::StrCat(*dir_, "/", name); }
+  // `link` -> `version`, a new directory holding `cert` and `key` as cert.pem and
+  // key.pem, swapped in at once (no reader sees one file of each), as the files of a
+  // Kubernetes secret are.
+  static void Publish(const std::string& link, const std::string& version, const std::string& cert,
+                      const std::string& key) {
+    std::filesystem::create_directories(File(version));
+    std::filesystem::copy_file(File(cert), File(version + "/cert.pem"));
+    std::filesystem::copy_file(File(key), File(version + "/key.pem"));
+    std::filesystem::create_symlink(version, File(link + ".new"));
+    std::filesystem::rename(File(link + ".new"), File(link));
+  }
   static std::vector<std::string> ServerTls() {
     return {"--tls_cert_file=" + File("server.pem"), "--tls_key_file=" + File("server.key"),
             "--tls_ca_file=" + File("ca.pem")};
@@ -189,13 +200,8 @@ TEST_F(TlsTest, MetricsAreServedOverHttpsWithTheServersCertificate) {
 // last good pair staying in use.
 TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   const std::string live = File("live");
-  // live -> `version`, a directory holding `cert` and `key` as cert.pem and key.pem.
   auto publish = [&](const std::string& version, const std::string& cert, const std::string& key) {
-    std::filesystem::create_directories(File(version));
-    std::filesystem::copy_file(File(cert), File(version + "/cert.pem"));
-    std::filesystem::copy_file(File(key), File(version + "/key.pem"));
-    std::filesystem::create_symlink(version, live + ".new");
-    std::filesystem::rename(live + ".new", live);  // atomic: no reader sees one file of each
+    Publish("live", version, cert, key);
   };
   publish("v1", "server.pem", "server.key");
   std::vector<std::string> flags = {"--tls_cert_file=" + live + "/cert.pem", "--tls_key_file=" + live + "/key.pem",
@@ -261,6 +267,38 @@ TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   EXPECT_EQ(presented(control), renewed);
   EXPECT_EQ(presented(metrics), renewed);
   EXPECT_TRUE(Client::Connect(trusting).ok());
+}
+
+// A CA rotation seen from a client: a CA added to its bundle after it connected is
+// trusted when it reconnects (here to a server restarted with a certificate that CA
+// signed), without a new client; a client that read its bundle once is refused.
+TEST_F(TlsTest, AClientTrustsACaAddedToItsBundleAfterItConnected) {
+  Publish("rotating", "rotating-v1", "server.pem", "server.key");
+  TestCluster cluster(1, "tls-token", ::testing::TempDir(), "",
+                      {{"--tls_cert_file=" + File("rotating/cert.pem"), "--tls_key_file=" + File("rotating/key.pem")}});
+  std::filesystem::copy_file(File("ca.pem"), File("client-bundle.pem"));
+  ClientOptions options{.servers = cluster.addresses(), .token = cluster.token(), .timeout = absl::Seconds(10),
+                        .tls_ca_file = File("client-bundle.pem")};
+  options.tls_reload_interval = absl::Seconds(1);
+  auto reloading = cluster.Connect(options);
+  ASSERT_TRUE(reloading.ok()) << reloading.status();
+  options.tls_reload_interval = absl::ZeroDuration();
+  auto read_once = cluster.Connect(options);
+  ASSERT_TRUE(read_once.ok()) << read_once.status();
+  ASSERT_TRUE((*reloading)->ConfigureJob({}).ok());
+
+  std::ofstream(File("client-bundle.pem"), std::ios::trunc)
+      << ReadFileToString(File("ca.pem")).value_or("") + ReadFileToString(File("other-ca.pem")).value_or("");
+  Publish("rotating", "rotating-v2", "other-server.pem", "other-server.key");
+  cluster.Restart(0);  // back with the other CA's certificate: the clients reconnect
+  absl::Status configured;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(40); absl::Now() < deadline;) {
+    if ((configured = (*reloading)->ConfigureJob({})).ok()) break;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_TRUE(configured.ok()) << configured;
+  const absl::Status refused = (*read_once)->ConfigureJob({});
+  EXPECT_TRUE(absl::IsUnavailable(refused)) << refused;
 }
 
 TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {

@@ -637,7 +637,15 @@ class TlsTest(unittest.TestCase):
         for name in ("weight", "bias"):
             np.testing.assert_allclose(params[name], init[name] - coef * grads[name].astype(np.float64),
                                        rtol=1e-5, atol=1e-6)
-        self.assertEqual(len(c.status()["servers"]), 2)
+        status = c.status()["servers"]
+        self.assertEqual(len(status), 2)
+        self.assertTrue(all(s["tls"] and int(s["tls_expiry_unix_seconds"]) > time.time() for s in status))
+        once = flatshard.Client(self.cluster.addresses, token=self.cluster.token, tls_ca_file=self.ca,
+                                tls_reload_interval=0)
+        self.assertEqual(once.version("g"), 1)
+        with self.assertRaisesRegex(flatshard.InvalidArgumentError, "tls_ca_file=.*holds no PEM certificate"):
+            flatshard.Client(self.cluster.addresses, token=self.cluster.token,
+                             tls_ca_file=os.path.join(self.dir.name, "server.csr"))
         with self.assertRaisesRegex(flatshard.UnavailableError, "needs tls_ca_file"):
             flatshard.Client(self.cluster.addresses, token=self.cluster.token, timeout=5.0)
 

@@ -84,6 +84,10 @@ struct ClientOptions {
   // PEM CA bundle the servers' certificates are checked against: the control plane then
   // speaks TLS (servers started with --tls_cert_file). Empty: plaintext gRPC.
   std::string tls_ca_file = {};
+  // How often tls_ca_file is read again, so that connections made later (a reconnection
+  // after an idle spell or a server's restart) trust a CA added to it since, as in a CA
+  // rotation; a file that does not parse is ignored. Zero: read once, at Connect.
+  absl::Duration tls_reload_interval = absl::Minutes(5);
 };
 
 struct JobOptions {

@@ -1,0 +1,98 @@
+// tls::CaBundle (tls/ca_bundle.h): a new bundle is taken, one cut short or gone is not;
+// its credentials check a server's certificate against the bundle of the moment and its
+// host name, through a CA's addition and removal.
+#include "tls/ca_bundle.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/file.h"
+#include "tests/scratch_dir.h"
+#include "tests/test_certificates.h"
+#include "tests/tls/tls_handshake.h"
+
+namespace flatshard::tls {
+namespace {
+
+std::string ReadFile(const std::string& path) { return ReadFileToString(path).value_or(""); }
+
+class CaBundleTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(testing::MakeTestCertificates(dir_.path()));
+    std::filesystem::copy_file(File("ca.pem"), File("bundle.pem"));
+  }
+  std::string File(const std::string& name) const { return absl::StrCat(dir_.path(), "/", name); }
+  void Write(const std::string& name, const std::string& text) const {
+    std::ofstream(File(name), std::ios::trunc) << text;
+  }
+
+  const testing::ScratchDir dir_{"ca-bundle"};
+};
+
+TEST_F(CaBundleTest, ANewBundleIsTakenAndOneCutShortOrGoneIsNot) {
+  auto bundle = CaBundle::Start(File("bundle.pem"), "tls_ca_file", absl::Hours(1), /*reload_itself=*/false);
+  ASSERT_TRUE(bundle.ok()) << bundle.status();
+  EXPECT_EQ((*bundle)->current(), ReadFile(File("ca.pem")));
+  EXPECT_EQ((*bundle)->Reload().value_or(true), false) << "nothing changed";
+
+  const std::string both = ReadFile(File("ca.pem")) + ReadFile(File("other-ca.pem"));
+  Write("bundle.pem", both);
+  EXPECT_EQ((*bundle)->Reload().value_or(false), true);
+  EXPECT_EQ((*bundle)->current(), both);
+
+  const std::string other = ReadFile(File("other-ca.pem"));
+  Write("bundle.pem", ReadFile(File("ca.pem")) + other.substr(0, other.size() / 2));  // being written
+  absl::StatusOr<bool> cut = (*bundle)->Reload();
+  EXPECT_TRUE(absl::IsInvalidArgument(cut.status())) << cut.status();
+  EXPECT_TRUE(absl::StrContains(cut.status().message(), "certificate 2 of 2 does not parse")) << cut.status();
+  std::filesystem::remove(File("bundle.pem"));
+  absl::StatusOr<bool> gone = (*bundle)->Reload();
+  EXPECT_TRUE(absl::StrContains(gone.status().message(), "cannot read tls_ca_file=")) << gone.status();
+  EXPECT_EQ((*bundle)->current(), both) << "the last good bundle stays";
+
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      CaBundle::Start(File("bundle.pem"), "tls_ca_file", absl::Hours(1), false).status()));
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(CaBundle::Start(File("server.csr"), "tls_ca_file", absl::Hours(1), false).status()))
+      << "no certificate";
+}
+
+TEST_F(CaBundleTest, CredentialsCheckTheBundleOfTheMomentAndTheHostName) {
+  auto bundle = CaBundle::Start(File("bundle.pem"), "tls_ca_file", absl::Seconds(1), /*reload_itself=*/true);
+  ASSERT_TRUE(bundle.ok()) << bundle.status();
+  const auto credentials = (*bundle)->Credentials();
+  const testing::TlsServer signed_by_ca(ReadFile(File("server.pem")), ReadFile(File("server.key")));
+  const testing::TlsServer signed_by_other(ReadFile(File("other-server.pem")), ReadFile(File("other-server.key")));
+  const testing::TlsServer another_host(ReadFile(File("elsewhere.pem")), ReadFile(File("elsewhere.key")));
+  ASSERT_TRUE(signed_by_ca.server && signed_by_other.server && another_host.server);
+
+  EXPECT_TRUE(testing::Handshakes(credentials, signed_by_ca.port));
+  EXPECT_FALSE(testing::Handshakes(credentials, signed_by_other.port)) << "a CA not in the bundle";
+  EXPECT_FALSE(testing::Handshakes(credentials, another_host.port)) << "a certificate for another host";
+
+  // The other CA joins the bundle: the same credentials trust it once the file is read
+  // again (every second here), without new credentials.
+  Write("bundle.pem", ReadFile(File("ca.pem")) + ReadFile(File("other-ca.pem")));
+  EXPECT_TRUE(testing::ComesToHandshake(credentials, signed_by_other.port, true)) << "the new bundle was not taken";
+  EXPECT_TRUE(testing::Handshakes(credentials, signed_by_ca.port));
+  EXPECT_FALSE(testing::Handshakes(credentials, another_host.port));
+
+  // A bundle cut short in the middle of its writing changes nothing.
+  const std::string other = ReadFile(File("other-ca.pem"));
+  Write("bundle.pem", other.substr(0, other.size() / 2));
+  absl::SleepFor(absl::Seconds(3));  // three reloads
+  EXPECT_TRUE(testing::Handshakes(credentials, signed_by_ca.port));
+
+  // Then the first CA leaves it.
+  Write("bundle.pem", other);
+  EXPECT_TRUE(testing::ComesToHandshake(credentials, signed_by_ca.port, false)) << "the old CA is still trusted";
+  EXPECT_TRUE(testing::Handshakes(credentials, signed_by_other.port));
+}
+
+}  // namespace
+}  // namespace flatshard::tls

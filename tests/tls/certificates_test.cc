@@ -1,0 +1,70 @@
+// tls/certificates.h: CheckCertificates takes whole bundles only, CheckKeyPair a
+// certificate's own key only, and CertificateChainExpiry matches `openssl x509
+// -enddate`: a chain expires with its first certificate to.
+#include "tls/certificates.h"
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/file.h"
+#include "tests/run_command.h"
+#include "tests/scratch_dir.h"
+#include "tests/test_certificates.h"
+
+namespace flatshard::tls {
+namespace {
+
+class CertificatesTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(testing::MakeTestCertificates(dir_.path())); }
+  std::string File(const std::string& name) const { return absl::StrCat(dir_.path(), "/", name); }
+  std::string Read(const std::string& name) const { return ReadFileToString(File(name)).value_or(""); }
+
+  const testing::ScratchDir dir_{"certificates"};
+};
+
+TEST_F(CertificatesTest, OnlyWholeCertificatesPass) {
+  const std::string both = Read("ca.pem") + Read("other-ca.pem");
+  EXPECT_TRUE(CheckCertificates(both, "bundle").ok());
+  EXPECT_TRUE(CheckCertificates(Read("server.key") + Read("server.pem"), "key then chain").ok())
+      << "other PEM blocks are passed over";
+  for (size_t cut : {both.size() - 30, both.size() / 2 + 40, size_t{40}}) {
+    const absl::Status status = CheckCertificates(both.substr(0, cut), "bundle");
+    EXPECT_TRUE(absl::IsInvalidArgument(status)) << cut;
+    EXPECT_TRUE(absl::StartsWith(status.message(), "bundle")) << status;
+  }
+  EXPECT_EQ(CheckCertificates(Read("server.csr"), "the CA file").message(), "the CA file holds no PEM certificate");
+}
+
+TEST_F(CertificatesTest, AKeyGoesWithItsCertificateOnly) {
+  EXPECT_TRUE(CheckKeyPair(Read("server.pem") + Read("ca.pem"), "chain", Read("server.key"), "key").ok());
+  EXPECT_EQ(CheckKeyPair(Read("server.pem"), "chain", Read("server2.key"), "key").message(),
+            "key is not the private key of the certificate in chain");
+  EXPECT_EQ(CheckKeyPair(Read("server.pem"), "chain", Read("server.pem"), "key").message(),
+            "key holds no unencrypted PEM private key");
+}
+
+TEST_F(CertificatesTest, AChainExpiresWithItsEarliestNotAfter) {
+  auto not_after = [&](const std::string& name) {
+    const auto [code, out] = testing::RunCommand(absl::StrCat("openssl x509 -noout -enddate -in '", File(name), "'"));
+    const std::string line(absl::StripTrailingAsciiWhitespace(out));
+    absl::Time time = absl::InfinitePast();
+    std::string error;
+    EXPECT_TRUE(code == 0 &&
+                absl::ParseTime("notAfter=%b %e %H:%M:%S %Y GMT", line, absl::UTCTimeZone(), &time, &error))
+        << out << error;
+    return time;
+  };
+  const absl::Time one_day = not_after("elsewhere.pem"), two_days = not_after("server.pem");
+  ASSERT_LT(one_day, two_days);
+  EXPECT_EQ(CertificateChainExpiry(Read("server.pem")).value_or(absl::InfinitePast()), two_days);
+  EXPECT_EQ(CertificateChainExpiry(Read("server.pem") + Read("elsewhere.pem")).value_or(absl::InfinitePast()),
+            one_day)
+      << "an intermediate that expires first";
+  EXPECT_TRUE(absl::IsInvalidArgument(CertificateChainExpiry("no certificate").status()));
+}
+
+}  // namespace
+}  // namespace flatshard::tls
