@@ -296,6 +296,10 @@ class ClientImpl final : public Client {
       return absl::InvalidArgumentError(
           absl::StrCat("scatter_split_bytes ", options.scatter_split_bytes, " is negative"));
     }
+    if (options.tls_reload_interval < absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tls_reload_interval ", absl::FormatDuration(options.tls_reload_interval), " is negative"));
+    }
     return absl::OkStatus();
   }
 

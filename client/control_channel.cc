@@ -2,9 +2,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/file.h"
 #include "core/status_macros.h"
-#include "tls/certificates.h"
 
 namespace flatshard::client_internal {
 
@@ -22,14 +20,8 @@ absl::StatusOr<ControlCredentials> ControlPlaneCredentials(const std::string& tl
     std::shared_ptr<grpc::ChannelCredentials> credentials = (*bundle)->Credentials();
     return ControlCredentials{std::move(credentials), *std::move(bundle)};
   }
-  absl::StatusOr<std::string> roots = ReadFileToString(tls_ca_file);
-  if (!roots.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot read tls_ca_file=", tls_ca_file, ": ", roots.status().message()));
-  }
-  FLATSHARD_RETURN_IF_ERROR(tls::CheckCertificates(*roots, absl::StrCat("tls_ca_file=", tls_ca_file)));
   grpc::SslCredentialsOptions options;
-  options.pem_root_certs = *std::move(roots);
+  FLATSHARD_ASSIGN_OR_RETURN(options.pem_root_certs, tls::ReadCaBundle(tls_ca_file, "tls_ca_file"));
   return ControlCredentials{grpc::SslCredentials(options), nullptr};
 }
 

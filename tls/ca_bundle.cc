@@ -14,10 +14,8 @@
 #include "tls/certificates.h"
 
 namespace flatshard::tls {
-namespace {
 
-// `file`'s bundle, if every certificate of it parses; InvalidArgument naming `what` otherwise.
-absl::StatusOr<std::string> ReadBundle(const std::string& file, const std::string& what) {
+absl::StatusOr<std::string> ReadCaBundle(const std::string& file, const std::string& what) {
   absl::StatusOr<std::string> pem = ReadFileToString(file);
   if (!pem.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, "=", file, ": ", pem.status().message()));
@@ -26,11 +24,9 @@ absl::StatusOr<std::string> ReadBundle(const std::string& file, const std::strin
   return pem;
 }
 
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<CaBundle>> CaBundle::Start(const std::string& file, const std::string& what,
                                                           absl::Duration interval, bool reload_itself) {
-  FLATSHARD_ASSIGN_OR_RETURN(std::string pem, ReadBundle(file, what));
+  FLATSHARD_ASSIGN_OR_RETURN(std::string pem, ReadCaBundle(file, what));
   FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<PublishedFile> published, PublishedFile::Create(pem));
   std::unique_ptr<CaBundle> bundle(new CaBundle(file, what, interval, std::move(pem), std::move(published)));
   if (reload_itself) {
@@ -60,7 +56,7 @@ std::string CaBundle::current() const {
 }
 
 absl::StatusOr<bool> CaBundle::Reload() {
-  FLATSHARD_ASSIGN_OR_RETURN(std::string pem, ReadBundle(file_, what_));
+  FLATSHARD_ASSIGN_OR_RETURN(std::string pem, ReadCaBundle(file_, what_));
   absl::MutexLock lock(&mu_);
   if (pem == current_) return false;
   FLATSHARD_RETURN_IF_ERROR(published_->Publish(pem));

@@ -33,6 +33,10 @@ class ChannelCredentials;
 
 namespace flatshard::tls {
 
+// `file`'s bundle, if every certificate of it parses; InvalidArgument naming `what` (the
+// flag or option that named the file) otherwise.
+[[nodiscard]] absl::StatusOr<std::string> ReadCaBundle(const std::string& file, const std::string& what);
+
 class CaBundle {
  public:
   // Reads `file`. InvalidArgument naming `what` (the flag or option that named the file)

@@ -443,6 +443,7 @@ TEST_F(FaultsTest, ConnectRefusesOptionsOutOfRangeBeforeCallingAnyServer) {
       {[](ClientOptions& o) { o.timeout = absl::ZeroDuration(); }, "timeout 0 is not positive"},
       {[](ClientOptions& o) { o.gather_split_bytes = -1; }, "gather_split_bytes -1 is negative"},
       {[](ClientOptions& o) { o.scatter_split_bytes = -2; }, "scatter_split_bytes -2 is negative"},
+      {[](ClientOptions& o) { o.tls_reload_interval = -absl::Seconds(1); }, "tls_reload_interval -1s is negative"},
   };
   for (const auto& [corrupt, message] : cases) {
     ClientOptions options = good;
