@@ -8,6 +8,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
 #include "server/tls_files.h"
@@ -28,6 +30,13 @@ absl::Status ValidateTls(const TlsOptions& tls) {
   }
   FLATSHARD_RETURN_IF_ERROR(tls::CheckCertificates(tls.cert_chain, "--tls_cert_file"));
   FLATSHARD_RETURN_IF_ERROR(tls::CheckKeyPair(tls.cert_chain, "--tls_cert_file", tls.private_key, "--tls_key_file"));
+  FLATSHARD_ASSIGN_OR_RETURN(const absl::Time expiry, tls::CertificateChainExpiry(tls.cert_chain));
+  if (expiry <= absl::Now()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_cert_file: a certificate of the chain expired ",
+                     absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", expiry, absl::UTCTimeZone()),
+                     ": no client or peer would accept it"));
+  }
   if (!tls.root_certs.empty() || !tls.ca_file.empty()) {
     FLATSHARD_RETURN_IF_ERROR(tls::CheckCertificates(tls.root_certs, "--tls_ca_file"));
   }

@@ -58,7 +58,8 @@ struct TlsOptions {
 };
 
 // InvalidArgument naming the flag unless: certificate and key are given together, the
-// key parses and is the certificate's, every certificate of the chain parses, and a CA
+// key parses and is the certificate's, every certificate of the chain parses and none
+// has expired, and a CA
 // bundle (only with a certificate; one given as ca_file) holds at least one certificate
 // and every one of them parses.
 [[nodiscard]] absl::Status ValidateTls(const TlsOptions& tls);

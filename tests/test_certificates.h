@@ -5,7 +5,8 @@
 // serial, valid for three days), an unrelated CA (other-ca.pem, other-ca.key) and a
 // certificate for 127.0.0.1 it signed (other-server.pem, other-server.key), and one the
 // first CA signed for another host (elsewhere.pem, elsewhere.key: DNS name
-// elsewhere.invalid, valid for one day). P-256 keys, valid for two days unless said.
+// elsewhere.invalid, valid for one day), and one for 127.0.0.1 that has expired
+// (expired.pem, expired.key). P-256 keys, valid for two days unless said.
 // Returns whether openssl made them all.
 #ifndef FLATSHARD_TESTS_TEST_CERTIFICATES_H_
 #define FLATSHARD_TESTS_TEST_CERTIFICATES_H_
@@ -26,7 +27,8 @@ inline bool MakeTestCertificates(const std::string& dir) {
       "openssl req -x509 ", key, " -keyout other-ca.key -out other-ca.pem -days 2 -subj /CN=other-ca\n",
       "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > san.cnf\n",
       "printf 'subjectAltName=DNS:elsewhere.invalid\\n' > elsewhere.cnf\n",
-      "for made in 'server ca san 2' 'server2 ca san 3' 'other-server other-ca san 2' 'elsewhere ca elsewhere 1'; do\n",
+      "for made in 'server ca san 2' 'server2 ca san 3' 'other-server other-ca san 2' 'elsewhere ca elsewhere 1' \\\n",
+      "            'expired ca san 0'; do\n",
       "  set -- $made\n",
       "  openssl req ", key, " -keyout $1.key -out $1.csr -subj /CN=$1\n",
       "  openssl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial -days $4 -extfile $3.cnf -out $1.pem\n",

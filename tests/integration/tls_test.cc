@@ -316,6 +316,9 @@ TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {
                                        "--tls_ca_file=" + File("cut-ca.pem")}))
       << "a CA file cut short";
   EXPECT_TRUE(testing::RefusesToStart({cert, "--tls_key_file=" + File("missing.key")})) << "a missing file";
+  EXPECT_TRUE(testing::RefusesToStart(
+      {"--tls_cert_file=" + File("expired.pem"), "--tls_key_file=" + File("expired.key")}))
+      << "an expired certificate";
   EXPECT_FALSE(testing::RefusesToStart(ServerTls())) << "matching files must start";
 }
 

@@ -91,6 +91,15 @@ TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
   EXPECT_GT(Modified(watched), first) << "a watcher could not tell the files apart";
   EXPECT_TRUE(absl::StrContains(log.Take(), "presenting the renewed certificate"));
 
+  // A renewal to a certificate that has expired is no renewal.
+  for (const char* name : {"expired.pem", "expired.key"}) {
+    std::filesystem::copy_file(file(name), file(absl::EndsWith(name, ".pem") ? "cert.pem" : "key.pem"),
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+  EXPECT_FALSE((*files)->Reload());
+  EXPECT_EQ((*files)->current().cert_chain, ReadFile(file("server2.pem")));
+  EXPECT_TRUE(absl::StrContains(log.Take(), "expired")) << "told why";
+
   std::filesystem::remove(file("key.pem"));
   EXPECT_FALSE((*files)->Reload()) << "a key file that is gone";
   EXPECT_EQ((*files)->generation(), 1u);
