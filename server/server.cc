@@ -151,9 +151,7 @@ absl::Status Server::Start() {
   // The chain presented now: the renewed one once it is taken. (Both were validated.)
   std::function<absl::Time()> tls_expiry;
   if (const TlsFiles* files = tls_files_->get()) {
-    tls_expiry = [files] {
-      return tls::CertificateChainExpiry(files->current().cert_chain).value_or(absl::UnixEpoch());
-    };
+    tls_expiry = [files] { return files->expiry(); };
   } else if (options_.tls.enabled()) {
     tls_expiry = [expiry = tls::CertificateChainExpiry(options_.tls.cert_chain).value_or(absl::UnixEpoch())] {
       return expiry;

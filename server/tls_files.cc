@@ -55,7 +55,11 @@ absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Start(const TlsOptions& tls)
 
 TlsFiles::TlsFiles(const TlsOptions& tls, std::unique_ptr<tls::PublishedFile> pair,
                    std::unique_ptr<tls::CaBundle> roots)
-    : initial_(tls), pair_(std::move(pair)), roots_(std::move(roots)), current_(tls) {
+    : initial_(tls),
+      pair_(std::move(pair)),
+      roots_(std::move(roots)),
+      current_(tls),
+      expiry_(tls::CertificateChainExpiry(tls.cert_chain).value_or(absl::UnixEpoch())) {  // validated
   if (roots_ != nullptr) current_.root_certs = roots_->current();
 }
 
@@ -72,6 +76,11 @@ TlsOptions TlsFiles::current() const {
 uint64_t TlsFiles::generation() const {
   absl::MutexLock lock(&mu_);
   return generation_;
+}
+
+absl::Time TlsFiles::expiry() const {
+  absl::MutexLock lock(&mu_);
+  return expiry_;
 }
 
 bool TlsFiles::Reload() {
@@ -93,9 +102,9 @@ bool TlsFiles::Reload() {
       current_.cert_chain = pair->cert_chain;
       current_.private_key = pair->private_key;
       changed = true;
-      const absl::StatusOr<absl::Time> expiry = tls::CertificateChainExpiry(pair->cert_chain);
+      expiry_ = tls::CertificateChainExpiry(pair->cert_chain).value_or(absl::UnixEpoch());  // validated
       spdlog::info("TLS: presenting the renewed certificate of {}, which expires {}", initial_.cert_file,
-                   expiry.ok() ? absl::FormatTime("%Y-%m-%d %H:%M UTC", *expiry, absl::UTCTimeZone()) : "(unknown)");
+                   absl::FormatTime("%Y-%m-%d %H:%M UTC", expiry_, absl::UTCTimeZone()));
     } else {
       spdlog::warn("TLS: the renewed certificate could not be published: {}", std::string(published.message()));
     }

@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "server/tls.h"
 #include "tls/ca_bundle.h"
 #include "tls/published_file.h"
@@ -54,6 +55,8 @@ class TlsFiles {
   // The pair and CA bundle in use, and how many times they have changed.
   TlsOptions current() const;
   uint64_t generation() const;
+  // When the pair in use expires: its chain's earliest notAfter.
+  absl::Time expiry() const;
   // Reads the files now (the thread does it every interval): whether anything changed.
   bool Reload();
 
@@ -65,6 +68,7 @@ class TlsFiles {
   const std::unique_ptr<tls::CaBundle> roots_;
   mutable absl::Mutex mu_;
   TlsOptions current_ ABSL_GUARDED_BY(mu_);  // its root_certs are roots_'
+  absl::Time expiry_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::string last_refused_ ABSL_GUARDED_BY(mu_);  // why the last read's files were not taken
   absl::Notification stopping_;

@@ -15,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/file.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -71,6 +72,8 @@ TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
   const std::string watched = (*files)->watched_path();
   EXPECT_EQ(ReadFile(watched), tls.private_key + "\n" + tls.cert_chain);
   EXPECT_EQ((*files)->generation(), 0u);
+  const absl::Time first_expiry = (*files)->expiry();  // two days from now
+  EXPECT_GT(first_expiry, absl::Now() + absl::Hours(47));
   EXPECT_FALSE((*files)->Reload()) << "nothing changed";
   const time_t first = Modified(watched);
 
@@ -90,6 +93,7 @@ TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
   EXPECT_EQ(ReadFile(watched), ReadFile(file("server2.key")) + "\n" + ReadFile(file("server2.pem")));
   EXPECT_GT(Modified(watched), first) << "a watcher could not tell the files apart";
   EXPECT_TRUE(absl::StrContains(log.Take(), "presenting the renewed certificate"));
+  EXPECT_GT((*files)->expiry(), first_expiry + absl::Hours(23)) << "server2.pem is valid for a day longer";
 
   // A renewal to a certificate that has expired is no renewal.
   for (const char* name : {"expired.pem", "expired.key"}) {
