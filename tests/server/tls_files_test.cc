@@ -54,6 +54,19 @@ class CapturedLog {
   std::shared_ptr<spdlog::logger> previous_;
 };
 
+// TLS options read from `cert_file`, `key_file` and `ca_file` (empty: none), as the server's
+// flags give them, reloaded every `interval`.
+TlsOptions ReadOptions(const std::string& cert_file, const std::string& key_file, const std::string& ca_file,
+                       absl::Duration interval) {
+  return {.cert_chain = ReadFile(cert_file),
+          .private_key = ReadFile(key_file),
+          .root_certs = ca_file.empty() ? "" : ReadFile(ca_file),
+          .cert_file = cert_file,
+          .key_file = key_file,
+          .ca_file = ca_file,
+          .reload_interval = interval};
+}
+
 TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
   CapturedLog log;
   const testing::ScratchDir dir("tls-files");
@@ -61,12 +74,7 @@ TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
   auto file = [&](const std::string& name) { return absl::StrCat(dir.path(), "/", name); };
   std::filesystem::copy_file(file("server.pem"), file("cert.pem"));
   std::filesystem::copy_file(file("server.key"), file("key.pem"));
-  const TlsOptions tls{.cert_chain = ReadFile(file("cert.pem")),
-                       .private_key = ReadFile(file("key.pem")),
-                       .root_certs = "",
-                       .cert_file = file("cert.pem"),
-                       .key_file = file("key.pem"),
-                       .reload_interval = absl::Hours(1)};  // the test reloads by hand
+  const TlsOptions tls = ReadOptions(file("cert.pem"), file("key.pem"), "", absl::Hours(1));  // reloaded by hand
   auto files = TlsFiles::Start(tls);
   ASSERT_TRUE(files.ok()) << files.status();
   const std::string watched = (*files)->watched_path();
@@ -116,13 +124,7 @@ TEST(TlsFilesTest, ANewCaBundleIsTakenApartFromThePairAndPeerCallsCheckAgainstIt
   auto file = [&](const std::string& name) { return absl::StrCat(dir.path(), "/", name); };
   std::filesystem::copy_file(file("server.pem"), file("cert.pem"));
   std::filesystem::copy_file(file("ca.pem"), file("bundle.pem"));
-  const TlsOptions tls{.cert_chain = ReadFile(file("cert.pem")),
-                       .private_key = ReadFile(file("server.key")),
-                       .root_certs = ReadFile(file("bundle.pem")),
-                       .cert_file = file("cert.pem"),
-                       .key_file = file("server.key"),
-                       .ca_file = file("bundle.pem"),
-                       .reload_interval = absl::Seconds(1)};
+  const TlsOptions tls = ReadOptions(file("cert.pem"), file("server.key"), file("bundle.pem"), absl::Seconds(1));
   ASSERT_TRUE(ValidateTls(tls).ok()) << ValidateTls(tls);
   auto files = TlsFiles::Start(tls);
   ASSERT_TRUE(files.ok()) << files.status();
@@ -151,12 +153,7 @@ TEST(TlsFilesTest, WithoutACaFileThePeersAreCheckedAgainstTheSystemsRoots) {
   const testing::ScratchDir dir("tls-files-no-ca");
   ASSERT_TRUE(testing::MakeTestCertificates(dir.path()));
   auto file = [&](const std::string& name) { return absl::StrCat(dir.path(), "/", name); };
-  const TlsOptions tls{.cert_chain = ReadFile(file("server.pem")),
-                       .private_key = ReadFile(file("server.key")),
-                       .root_certs = "",
-                       .cert_file = file("server.pem"),
-                       .key_file = file("server.key"),
-                       .reload_interval = absl::Hours(1)};
+  const TlsOptions tls = ReadOptions(file("server.pem"), file("server.key"), "", absl::Hours(1));
   auto files = TlsFiles::Start(tls);
   ASSERT_TRUE(files.ok()) << files.status();
   EXPECT_EQ((*files)->ca_bundle(), nullptr);
