@@ -310,7 +310,7 @@ class ClientImpl final : public Client {
     v1::ClusterInfo info;
     FLATSHARD_RETURN_IF_ERROR(client_internal::WithUnreachableHint(
         control_->Call(i, &v1::Flatshard::Stub::PrepareAsyncGetClusterInfo, v1::GetClusterInfoRequest(), &info),
-        options_.tls_ca_file));
+        options_));
     FLATSHARD_RETURN_IF_ERROR(CheckClusterInfo(info, options_.servers, i, "this client"));
     FLATSHARD_ASSIGN_OR_RETURN(client_internal::DataSession session, OpenSession(i));
     return client_internal::ServerEndpoint{

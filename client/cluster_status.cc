@@ -25,7 +25,7 @@ std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOpt
     if (called.ok()) {
       result.emplace_back(std::move(status));
     } else {
-      result.emplace_back(client_internal::WithUnreachableHint(called, options.tls_ca_file));
+      result.emplace_back(client_internal::WithUnreachableHint(called, options));
     }
   }
   return result;

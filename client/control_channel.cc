@@ -2,30 +2,72 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/file.h"
 #include "core/status_macros.h"
+#include "tls/certificates.h"
+#include "tls/credentials.h"
 
 namespace flatshard::client_internal {
+namespace {
 
-absl::StatusOr<ControlCredentials> ControlPlaneCredentials(const std::string& tls_ca_file,
-                                                          absl::Duration reload_interval) {
-  if (tls_ca_file.empty()) return ControlCredentials{grpc::InsecureChannelCredentials(), nullptr};
-  if (reload_interval > absl::ZeroDuration()) {
-    absl::StatusOr<std::unique_ptr<tls::CaBundle>> bundle =
-        tls::CaBundle::Start(tls_ca_file, "tls_ca_file", reload_interval, /*reload_itself=*/true);
-    if (!bundle.ok()) {
-      if (!absl::IsFailedPrecondition(bundle.status())) return bundle.status();
-      return absl::FailedPreconditionError(
-          absl::StrCat(bundle.status().message(), "; tls_reload_interval=0 reads tls_ca_file once"));
-    }
-    std::shared_ptr<grpc::ChannelCredentials> credentials = (*bundle)->Credentials();
-    return ControlCredentials{std::move(credentials), *std::move(bundle)};
+absl::StatusOr<ControlCredentials> Reloaded(const ClientOptions& options) {
+  auto files = std::make_unique<WatchedTlsFiles>();
+  FLATSHARD_ASSIGN_OR_RETURN(files->bundle, tls::CaBundle::Start(options.tls_ca_file, "tls_ca_file"));
+  if (!options.tls_cert_file.empty()) {
+    FLATSHARD_ASSIGN_OR_RETURN(files->pair, tls::KeyPair::Start(options.tls_cert_file, "tls_cert_file",
+                                                                options.tls_key_file, "tls_key_file"));
   }
-  grpc::SslCredentialsOptions options;
-  FLATSHARD_ASSIGN_OR_RETURN(options.pem_root_certs, tls::ReadCaBundle(tls_ca_file, "tls_ca_file"));
-  return ControlCredentials{grpc::SslCredentials(options), nullptr};
+  files->reloader = std::make_unique<tls::Reloader>(options.tls_reload_interval, [files = files.get()] {
+    (void)files->bundle->Reload();
+    if (files->pair != nullptr) (void)files->pair->Reload();
+  });
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      tls::WatchedChannelCredentials(files->bundle.get(), files->pair.get(), options.tls_reload_interval);
+  return ControlCredentials{std::move(credentials), std::move(files)};
 }
 
-absl::Status WithUnreachableHint(const absl::Status& status, const std::string& tls_ca_file) {
+absl::StatusOr<ControlCredentials> ReadOnce(const ClientOptions& options) {
+  grpc::SslCredentialsOptions ssl;
+  FLATSHARD_ASSIGN_OR_RETURN(ssl.pem_root_certs, tls::ReadCaBundle(options.tls_ca_file, "tls_ca_file"));
+  if (!options.tls_cert_file.empty()) {
+    for (const auto& [what, file, pem] : {std::tuple{"tls_cert_file", &options.tls_cert_file, &ssl.pem_cert_chain},
+                                          std::tuple{"tls_key_file", &options.tls_key_file, &ssl.pem_private_key}}) {
+      absl::StatusOr<std::string> text = ReadFileToString(*file);
+      if (!text.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, "=", *file, ": ", text.status().message()));
+      }
+      *pem = *std::move(text);
+    }
+    FLATSHARD_RETURN_IF_ERROR(tls::CheckIdentity(ssl.pem_cert_chain, absl::StrCat("tls_cert_file=", options.tls_cert_file),
+                                                 ssl.pem_private_key, absl::StrCat("tls_key_file=", options.tls_key_file))
+                                  .status());
+  }
+  return ControlCredentials{grpc::SslCredentials(ssl), nullptr};
+}
+
+}  // namespace
+
+absl::StatusOr<ControlCredentials> ControlPlaneCredentials(const ClientOptions& options) {
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_cert_file and tls_key_file go together: the client certificate and its private key");
+  }
+  if (options.tls_ca_file.empty()) {
+    if (!options.tls_cert_file.empty()) {
+      return absl::InvalidArgumentError(
+          "tls_cert_file needs tls_ca_file: a client certificate is presented over TLS, which is off without a CA "
+          "bundle");
+    }
+    return ControlCredentials{grpc::InsecureChannelCredentials(), nullptr};
+  }
+  if (options.tls_reload_interval <= absl::ZeroDuration()) return ReadOnce(options);
+  absl::StatusOr<ControlCredentials> reloaded = Reloaded(options);
+  if (!absl::IsFailedPrecondition(reloaded.status())) return reloaded;
+  return absl::FailedPreconditionError(
+      absl::StrCat(reloaded.status().message(), "; tls_reload_interval=0 reads the TLS files once"));
+}
+
+absl::Status WithUnreachableHint(const absl::Status& status, const ClientOptions& options) {
   if (!absl::IsUnavailable(status)) return status;
   // Refused: nothing listens there, which no TLS setting changes.
   if (absl::StrContains(status.message(), "Connection refused")) {
@@ -33,15 +75,23 @@ absl::Status WithUnreachableHint(const absl::Status& status, const std::string& 
                                                     " (nothing listens at that address: is flatshard-server running "
                                                     "there, with that --listen address?)"));
   }
-  return absl::Status(
-      status.code(),
-      absl::StrCat(status.message(),
-                   tls_ca_file.empty()
-                       ? " (this client speaks plaintext gRPC: a server started with "
-                         "--tls_cert_file needs tls_ca_file set here)"
-                       : absl::StrCat(" (this client speaks TLS and trusts tls_ca_file=", tls_ca_file,
-                                      ": the server must run with --tls_cert_file, and its "
-                                      "certificate be signed by that CA for the host dialed)")));
+  if (options.tls_ca_file.empty()) {
+    return absl::Status(status.code(), absl::StrCat(status.message(),
+                                                    " (this client speaks plaintext gRPC: a server started with "
+                                                    "--tls_cert_file needs tls_ca_file set here)"));
+  }
+  const std::string presented =
+      options.tls_cert_file.empty()
+          ? "presents no client certificate: a server started with --tls_client_ca_file needs tls_cert_file and "
+            "tls_key_file set here"
+          : absl::StrCat("presents tls_cert_file=", options.tls_cert_file,
+                         ": a server started with --tls_client_ca_file must trust its CA");
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(), " (this client speaks TLS and trusts tls_ca_file=",
+                                   options.tls_ca_file,
+                                   ": the server must run with --tls_cert_file, and its certificate be signed by "
+                                   "that CA for the host dialed; it ",
+                                   presented, ")"));
 }
 
 }  // namespace flatshard::client_internal

@@ -1,10 +1,13 @@
 // The gRPC channel credentials a client uses for the servers' control plane: TLS, with
 // the servers' certificates checked against the CA bundle in `tls_ca_file`, when that is
-// set; plaintext otherwise (server/tls.h says what each side needs). With a reload
-// interval the bundle is read again that often (tls/ca_bundle.h).
+// set, presenting the client certificate of `tls_cert_file` / `tls_key_file` to servers
+// that ask for one (--tls_client_ca_file); plaintext otherwise (server/tls.h says what
+// each side needs). With a reload interval the files are read again that often
+// (tls/ca_bundle.h, tls/key_pair.h), so that later connections trust a CA added to the
+// bundle and present a renewed certificate.
 //
-//   FLATSHARD_ASSIGN_OR_RETURN(auto credentials, ControlPlaneCredentials(options.tls_ca_file, interval));
-//   auto channel = grpc::CreateChannel(address, credentials.credentials);  // outlived by credentials.bundle
+//   FLATSHARD_ASSIGN_OR_RETURN(auto credentials, ControlPlaneCredentials(options));
+//   auto channel = grpc::CreateChannel(address, credentials.credentials);  // outlived by credentials.files
 #ifndef FLATSHARD_CLIENT_CONTROL_CHANNEL_H_
 #define FLATSHARD_CLIENT_CONTROL_CHANNEL_H_
 
@@ -15,25 +18,35 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
+#include "flatshard/client.h"
 #include "tls/ca_bundle.h"
+#include "tls/key_pair.h"
+#include "tls/reloader.h"
 
 namespace flatshard::client_internal {
 
-struct ControlCredentials {
-  std::shared_ptr<grpc::ChannelCredentials> credentials;
-  std::unique_ptr<tls::CaBundle> bundle;  // keeps the bundle current (null: read once, or no TLS)
+// The files a client's credentials watch, kept current while this lives.
+struct WatchedTlsFiles {
+  std::unique_ptr<tls::CaBundle> bundle;
+  std::unique_ptr<tls::KeyPair> pair;       // null without a client certificate
+  std::unique_ptr<tls::Reloader> reloader;  // last: stopped first
 };
 
-// InvalidArgument naming the file when it cannot be read or a certificate of it does not
-// parse; FailedPrecondition when reloads cannot be set up (no /proc).
-[[nodiscard]] absl::StatusOr<ControlCredentials> ControlPlaneCredentials(const std::string& tls_ca_file,
-                                                                         absl::Duration reload_interval);
+struct ControlCredentials {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::unique_ptr<WatchedTlsFiles> files;  // null: read once, or no TLS
+};
+
+// InvalidArgument naming the option when a file cannot be read or does not parse, a
+// certificate comes without its key (or the other way round), the key is not the
+// certificate's, a certificate has expired, or a client certificate is given without
+// tls_ca_file; FailedPrecondition when reloads cannot be set up (no /proc).
+[[nodiscard]] absl::StatusOr<ControlCredentials> ControlPlaneCredentials(const ClientOptions& options);
 
 // `status` from a server that could not be reached, with a hint at the likely cause:
 // nothing listening at its address, or a TLS setting that differs between this client
-// and the servers.
-absl::Status WithUnreachableHint(const absl::Status& status, const std::string& tls_ca_file);
+// (`options`) and the servers.
+absl::Status WithUnreachableHint(const absl::Status& status, const ClientOptions& options);
 
 }  // namespace flatshard::client_internal
 

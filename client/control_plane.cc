@@ -17,8 +17,7 @@ absl::Status FromGrpc(const grpc::Status& status, absl::string_view server) {
 }
 
 absl::StatusOr<std::unique_ptr<ControlPlane>> ControlPlane::Create(const ClientOptions& options) {
-  FLATSHARD_ASSIGN_OR_RETURN(ControlCredentials credentials,
-                             ControlPlaneCredentials(options.tls_ca_file, options.tls_reload_interval));
+  FLATSHARD_ASSIGN_OR_RETURN(ControlCredentials credentials, ControlPlaneCredentials(options));
   std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs;
   for (const std::string& address : options.servers) {
     grpc::ChannelArguments args;
@@ -26,16 +25,16 @@ absl::StatusOr<std::unique_ptr<ControlPlane>> ControlPlane::Create(const ClientO
     SetKeepalive(args, options.keepalive);
     stubs.push_back(v1::Flatshard::NewStub(grpc::CreateCustomChannel(address, credentials.credentials, args)));
   }
-  return std::unique_ptr<ControlPlane>(new ControlPlane(options, std::move(credentials.bundle), std::move(stubs)));
+  return std::unique_ptr<ControlPlane>(new ControlPlane(options, std::move(credentials.files), std::move(stubs)));
 }
 
-ControlPlane::ControlPlane(const ClientOptions& options, std::unique_ptr<tls::CaBundle> ca_bundle,
+ControlPlane::ControlPlane(const ClientOptions& options, std::unique_ptr<WatchedTlsFiles> tls_files,
                            std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs)
     : servers_(options.servers),
       token_(options.token),
       timeout_(options.timeout),
       model_timeout_(options.model_timeout),
-      ca_bundle_(std::move(ca_bundle)),
+      tls_files_(std::move(tls_files)),
       stubs_(std::move(stubs)) {}
 
 void ControlPlane::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {

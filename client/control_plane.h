@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/call_cancellation.h"
-#include "tls/ca_bundle.h"
+#include "client/control_channel.h"
 #include "core/status_macros.h"
 #include "flatshard/client.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -120,7 +120,7 @@ class ControlPlane {
   absl::Status Stopped(size_t server) const;
 
  private:
-  ControlPlane(const ClientOptions& options, std::unique_ptr<tls::CaBundle> ca_bundle,
+  ControlPlane(const ClientOptions& options, std::unique_ptr<WatchedTlsFiles> tls_files,
                std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs);
   // Waits for the one event of a call on `queue`, calling this thread's wait hook every
   // kWaitSlice meanwhile, then shuts `queue` down and drains it.
@@ -130,9 +130,9 @@ class ControlPlane {
   const std::string token_;
   const absl::Duration timeout_;
   const absl::Duration model_timeout_;
-  // tls_ca_file kept current (tls_reload_interval), for the channels' credentials:
+  // The TLS files kept current (tls_reload_interval), for the channels' credentials:
   // declared before the channels, which it outlives.
-  const std::unique_ptr<tls::CaBundle> ca_bundle_;
+  const std::unique_ptr<WatchedTlsFiles> tls_files_;
   const std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs_;
 };
 

@@ -274,7 +274,7 @@ class PyClient {
   PyClient(std::vector<std::string> servers, int worker_rank, int num_workers, std::string token, double timeout,
            std::string job, std::string device_plane, std::string tls_ca_file, int max_in_flight,
            int64_t gather_split_bytes, int64_t scatter_split_bytes, double model_timeout, double keepalive,
-           double tls_reload_interval) {
+           double tls_reload_interval, std::string tls_cert_file, std::string tls_key_file) {
     static const std::map<std::string, DevicePlane> kPlanes = {{"auto", DevicePlane::kAuto},
                                                                {"cuda-ipc", DevicePlane::kCudaIpc},
                                                                {"nccl", DevicePlane::kNccl},
@@ -297,6 +297,8 @@ class PyClient {
                           .gather_split_bytes = gather_split_bytes,
                           .scatter_split_bytes = scatter_split_bytes,
                           .tls_ca_file = std::move(tls_ca_file),
+                          .tls_cert_file = std::move(tls_cert_file),
+                          .tls_key_file = std::move(tls_key_file),
                           .tls_reload_interval = absl::Seconds(tls_reload_interval)};
     absl::StatusOr<std::unique_ptr<Client>> client = [&] {
       py::gil_scoped_release release;
@@ -523,11 +525,11 @@ PYBIND11_MODULE(_native, m) {
       .def("cancel", &Pending::Cancel, "Stops the transfer; wait() then raises CancelledError unless it had finished.");
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, int, int, std::string, double, std::string, std::string, std::string, int,
-                    int64_t, int64_t, double, double, double>(),
+                    int64_t, int64_t, double, double, double, std::string, std::string>(),
            py::arg("servers"), py::arg("worker_rank"), py::arg("num_workers"), py::arg("token"), py::arg("timeout"),
            py::arg("job"), py::arg("device_plane"), py::arg("tls_ca_file"), py::arg("max_in_flight"),
            py::arg("gather_split_bytes"), py::arg("scatter_split_bytes"), py::arg("model_timeout"),
-           py::arg("keepalive"), py::arg("tls_reload_interval"))
+           py::arg("keepalive"), py::arg("tls_reload_interval"), py::arg("tls_cert_file"), py::arg("tls_key_file"))
       .def("configure_job", &PyClient::ConfigureJob)
       .def("register_group", &PyClient::RegisterGroup)
       .def("init_group", &PyClient::InitGroup)

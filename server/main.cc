@@ -33,12 +33,15 @@ ABSL_FLAG(std::string, tls_cert_file, "",
           "must name the host of --listen (empty: plaintext)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
 ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Minutes(5),
-          "how often --tls_cert_file, --tls_key_file and --tls_ca_file are read again, so that a renewed "
-          "certificate is served, and a new CA bundle checked against, without a restart; a key that is "
-          "not the certificate's, or a file that does not parse, is ignored until it is (0: never)");
+          "how often --tls_cert_file, --tls_key_file, --tls_ca_file and --tls_client_ca_file are read again, "
+          "so that a renewed certificate is served, and a new CA bundle checked against, without a restart; "
+          "a key that is not the certificate's, or a file that does not parse, is ignored until it is (0: never)");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM CA bundle the other servers' certificates are checked against (empty: the "
           "system's roots)");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle that must have signed the certificate every caller (workers, commands, the other "
+          "servers) presents: mutual TLS, on top of the token (empty: no client certificate is asked for)");
 ABSL_FLAG(std::string, checkpoint_root, "", "directory that confines every checkpoint path");
 ABSL_FLAG(uint64_t, max_file_size, 5'000'000'000,
           "FULL checkpoints: split into model-0000i-of-0000N.safetensors above this many bytes");
@@ -136,7 +139,8 @@ int main(int argc, char** argv) {
     std::string* pem;
   } tls_files[] = {{"--tls_cert_file", absl::GetFlag(FLAGS_tls_cert_file), &options.tls.cert_chain},
                    {"--tls_key_file", absl::GetFlag(FLAGS_tls_key_file), &options.tls.private_key},
-                   {"--tls_ca_file", absl::GetFlag(FLAGS_tls_ca_file), &options.tls.root_certs}};
+                   {"--tls_ca_file", absl::GetFlag(FLAGS_tls_ca_file), &options.tls.root_certs},
+                   {"--tls_client_ca_file", absl::GetFlag(FLAGS_tls_client_ca_file), &options.tls.client_root_certs}};
   for (const auto& file : tls_files) {
     if (file.path.empty()) continue;
     absl::StatusOr<std::string> text = flatshard::ReadFileToString(file.path);
@@ -148,6 +152,7 @@ int main(int argc, char** argv) {
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
   if (absl::Status valid = flatshard::server::ValidateServerOptions(options); !valid.ok()) {
     return Fail(std::string(valid.message()));
@@ -176,7 +181,10 @@ int main(int argc, char** argv) {
   // LocalCluster (python/flatshard/local_cluster.py) waits for this line.
   spdlog::info("serving as rank {} of {}: control {} (gRPC), data port {} (TCP), memory {}, {}, {}{}, flatshard {}",
                options.rank, options.cluster.size(), options.listen, server.data_port(), options.memory,
-               options.auth_token.empty() ? "no auth" : "token auth", options.tls.enabled() ? "TLS" : "plaintext gRPC",
+               options.auth_token.empty() ? "no auth" : "token auth",
+               options.tls.requires_client_certificates() ? "mutual TLS"
+               : options.tls.enabled()                    ? "TLS"
+                                                          : "plaintext gRPC",
                options.metrics_listen.empty() ? "" : ", metrics " + server.metrics_url(),
                std::string(flatshard::FlatshardVersion()));
   int signal_number = 0;

@@ -165,6 +165,7 @@ absl::Status Server::Start() {
                            .gpu_uuid = ipc_.gpu_uuid(),
                            .auth_token = options_.auth_token,
                            .tls = options_.tls.enabled(),
+                           .tls_client_certificates = options_.tls.requires_client_certificates(),
                            .tls_expiry = std::move(tls_expiry),
                            .compute_threads = compute_pool_->threads(),
                            .metrics_address = metrics_address};

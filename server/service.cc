@@ -536,6 +536,7 @@ v1::ServerStatus FlatshardService::Status() {
   response->set_gpu_uuid(identity_.gpu_uuid);
   response->set_nccl_version(nccl_.version());
   response->set_tls(identity_.tls);
+  response->set_tls_client_certificates(identity_.tls_client_certificates);
   if (identity_.tls_expiry) response->set_tls_expiry_unix_seconds(absl::ToUnixSeconds(identity_.tls_expiry()));
   response->set_compute_threads(identity_.compute_threads);
   for (const auto& [name, settings] : registry_.jobs()) {

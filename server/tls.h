@@ -5,13 +5,20 @@
 // subject alternative name), since that is the name clients and peers dial. Without a
 // certificate the control plane is plaintext, as before.
 //
+// With a client CA bundle (--tls_client_ca_file) the control plane asks every caller for
+// a certificate and completes only handshakes whose certificate one of those CAs signed
+// for client use (mutual TLS); the cluster token is still asked for on every call. A
+// server presents its own certificate in its calls to its peers, so the bundle must
+// hold the CA of the servers' certificates too, and those must allow client
+// authentication (extendedKeyUsage clientAuth, or none): ValidateTls checks both.
+//
 // A renewed certificate is served without a restart: with a reload interval, the
 // certificate and key files are read again that often (server/tls_files.h), and a new
 // pair that goes together is presented by the control plane and the metrics endpoint in
 // the handshakes that follow; a pair that does not (one file replaced before the other,
-// a wrong key) is ignored until it does. So is the CA bundle: the peer calls' handshakes
-// that follow a change check against the new one, so a CA can be rotated without a
-// restart (add the new CA to every bundle, renew the certificates, drop the old CA).
+// a wrong key) is ignored until it does. So are the CA bundles: the handshakes that follow
+// a change check against the new one, so a CA can be rotated without a restart (add the
+// new CA to every bundle, renew the certificates, drop the old CA).
 //
 // The data plane stays plain TCP, for speed: a data connection is accepted only with a
 // session token the server issued over this control plane, so with TLS the token never
@@ -44,14 +51,18 @@ struct TlsOptions {
   std::string cert_chain;   // this server's certificate (then its intermediates); empty: no TLS
   std::string private_key;  // the certificate's key
   std::string root_certs;   // CAs that sign the peers' certificates; empty: the system's
-  // Where cert_chain, private_key and root_certs were read, and how often to read them
-  // again (zero, or no certificate files: never).
+  // CAs that sign the certificates every caller must present; empty: none is asked for.
+  std::string client_root_certs = {};
+  // Where cert_chain, private_key, root_certs and client_root_certs were read, and how
+  // often to read them again (zero, or no certificate files: never).
   std::string cert_file = {};
   std::string key_file = {};
   std::string ca_file = {};
+  std::string client_ca_file = {};
   absl::Duration reload_interval = absl::ZeroDuration();
 
   bool enabled() const { return !cert_chain.empty(); }
+  bool requires_client_certificates() const { return enabled() && (!client_root_certs.empty() || !client_ca_file.empty()); }
   bool reloads() const {
     return enabled() && !cert_file.empty() && !key_file.empty() && reload_interval > absl::ZeroDuration();
   }
@@ -59,16 +70,22 @@ struct TlsOptions {
 
 // InvalidArgument naming the flag unless: certificate and key are given together, the
 // key parses and is the certificate's, every certificate of the chain parses and none
-// has expired, and a CA
-// bundle (only with a certificate; one given as ca_file) holds at least one certificate
-// and every one of them parses.
+// has expired, a CA bundle (only with a certificate; one given as ca_file or
+// client_ca_file) holds at least one certificate and every one of them parses, and with
+// client CAs, this server's certificate verifies against them as a client's (its peers
+// would refuse it otherwise).
 [[nodiscard]] absl::Status ValidateTls(const TlsOptions& tls);
 
-// What the control plane serves with (TLS when enabled, plaintext otherwise; with
-// `files`, their current pair, watched), and what this server calls its peers with
-// (checking the host name they are called by against their certificate, and the
-// certificate against the CA bundle: with `files` and a ca_file, their current one,
-// watched). Preconditions: ValidateTls(tls) is OK; `files` outlives what is returned.
+// OK if tls.cert_chain verifies as a client's against tls.client_root_certs, as the
+// peers that ask for client certificates check it; InvalidArgument saying why not.
+[[nodiscard]] absl::Status CheckPeersAccept(const TlsOptions& tls);
+
+// What the control plane serves with (TLS when enabled, asking callers for a
+// certificate signed by the client CAs when there are any; plaintext otherwise), and
+// what this server calls its peers with (checking the host name they are called by
+// against their certificate, and the certificate against the CA bundle; presenting this
+// server's certificate when asked). With `files`, their current pair and bundles,
+// watched. Preconditions: ValidateTls(tls) is OK; `files` outlives what is returned.
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files = nullptr);
 std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls, const TlsFiles* files = nullptr);
 

@@ -5,29 +5,19 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/file.h"
 #include "core/status_macros.h"
 #include "spdlog/spdlog.h"
-#include "tls/certificates.h"
 
 namespace flatshard::server {
 namespace {
 
-// The key then the chain, as gRPC's watcher reads both from one file.
-std::string PairText(const TlsOptions& tls) { return tls.private_key + "\n" + tls.cert_chain; }
-
-// `current` with its pair as its files (`tls`'s) hold it now, if they can be read and go
-// together (ValidateTls); otherwise why not.
-absl::StatusOr<TlsOptions> ReadPair(const TlsOptions& tls, TlsOptions current) {
-  for (const auto& [path, pem] : {std::pair{&tls.cert_file, &current.cert_chain},
-                                  std::pair{&tls.key_file, &current.private_key}}) {
-    absl::StatusOr<std::string> text = ReadFileToString(*path);
-    if (!text.ok()) return absl::UnavailableError(absl::StrCat("cannot read ", *path, ": ", text.status().message()));
-    *pem = *std::move(text);
-  }
-  FLATSHARD_RETURN_IF_ERROR(ValidateTls(current));
-  return current;
+// `file`'s bundle kept current, or null without a file.
+absl::StatusOr<std::unique_ptr<tls::CaBundle>> OptionalBundle(const std::string& file, const std::string& flag) {
+  if (file.empty()) return nullptr;
+  return tls::CaBundle::Start(file, flag);
 }
+
+std::string When(absl::Time time) { return absl::FormatTime("%Y-%m-%d %H:%M UTC", time, absl::UTCTimeZone()); }
 
 }  // namespace
 
@@ -37,36 +27,37 @@ absl::StatusOr<std::unique_ptr<TlsFiles>> TlsFiles::Start(const TlsOptions& tls)
     return absl::FailedPreconditionError(
         absl::StrCat("--tls_reload_interval: ", status.message(), "; 0 turns reloads off"));
   };
-  absl::StatusOr<std::unique_ptr<tls::PublishedFile>> pair = tls::PublishedFile::Create(PairText(tls));
+  absl::StatusOr<std::unique_ptr<tls::KeyPair>> pair =
+      tls::KeyPair::Start(tls.cert_file, "--tls_cert_file", tls.key_file, "--tls_key_file");
   if (!pair.ok()) return hint(pair.status());
-  std::unique_ptr<tls::CaBundle> roots;
-  if (!tls.ca_file.empty()) {
-    absl::StatusOr<std::unique_ptr<tls::CaBundle>> bundle =
-        tls::CaBundle::Start(tls.ca_file, "--tls_ca_file", tls.reload_interval, /*reload_itself=*/false);
-    if (!bundle.ok()) return hint(bundle.status());
-    roots = *std::move(bundle);
-  }
-  std::unique_ptr<TlsFiles> files(new TlsFiles(tls, *std::move(pair), std::move(roots)));
-  files->reloader_ = std::thread([files = files.get()] {
-    while (!files->stopping_.WaitForNotificationWithTimeout(files->initial_.reload_interval)) files->Reload();
-  });
+  absl::StatusOr<std::unique_ptr<tls::CaBundle>> roots = OptionalBundle(tls.ca_file, "--tls_ca_file");
+  if (!roots.ok()) return hint(roots.status());
+  absl::StatusOr<std::unique_ptr<tls::CaBundle>> client_roots =
+      OptionalBundle(tls.client_ca_file, "--tls_client_ca_file");
+  if (!client_roots.ok()) return hint(client_roots.status());
+  std::unique_ptr<TlsFiles> files(
+      new TlsFiles(tls, *std::move(pair), *std::move(roots), *std::move(client_roots)));
+  // The files may have changed since `tls` was read from them: check what is in use.
+  FLATSHARD_RETURN_IF_ERROR(ValidateTls(files->current()));
+  files->reloader_ = std::make_unique<tls::Reloader>(tls.reload_interval, [files = files.get()] { files->Reload(); });
   return files;
 }
 
-TlsFiles::TlsFiles(const TlsOptions& tls, std::unique_ptr<tls::PublishedFile> pair,
-                   std::unique_ptr<tls::CaBundle> roots)
+TlsFiles::TlsFiles(const TlsOptions& tls, std::unique_ptr<tls::KeyPair> pair, std::unique_ptr<tls::CaBundle> roots,
+                   std::unique_ptr<tls::CaBundle> client_roots)
     : initial_(tls),
       pair_(std::move(pair)),
       roots_(std::move(roots)),
-      current_(tls),
-      expiry_(tls::CertificateChainExpiry(tls.cert_chain).value_or(absl::UnixEpoch())) {  // validated
+      client_roots_(std::move(client_roots)),
+      current_(tls) {
+  const tls::KeyPair::Pem pem = pair_->current();
+  current_.cert_chain = pem.cert_chain;
+  current_.private_key = pem.private_key;
   if (roots_ != nullptr) current_.root_certs = roots_->current();
+  if (client_roots_ != nullptr) current_.client_root_certs = client_roots_->current();
 }
 
-TlsFiles::~TlsFiles() {
-  stopping_.Notify();
-  if (reloader_.joinable()) reloader_.join();
-}
+TlsFiles::~TlsFiles() { reloader_.reset(); }
 
 TlsOptions TlsFiles::current() const {
   absl::MutexLock lock(&mu_);
@@ -78,17 +69,30 @@ uint64_t TlsFiles::generation() const {
   return generation_;
 }
 
-absl::Time TlsFiles::expiry() const {
-  absl::MutexLock lock(&mu_);
-  return expiry_;
-}
+absl::Time TlsFiles::expiry() const { return pair_->current().expiry; }
 
 bool TlsFiles::Reload() {
-  const absl::StatusOr<TlsOptions> pair = ReadPair(initial_, current());
+  // With client CAs, the pair and the client bundle must go together (CheckPeersAccept).
+  auto verifies = [this](const std::string& cert_chain, const std::string& client_root_certs) {
+    if (client_roots_ == nullptr) return absl::OkStatus();
+    TlsOptions options = initial_;
+    options.cert_chain = cert_chain;
+    options.client_root_certs = client_root_certs;
+    return CheckPeersAccept(options);
+  };
+  const absl::StatusOr<bool> client_roots_changed =
+      client_roots_ != nullptr ? client_roots_->Reload([&](const std::string& bundle) {
+        return verifies(pair_->current().cert_chain, bundle);
+      })
+                               : false;
+  const absl::StatusOr<bool> pair_changed = pair_->Reload([&](const tls::KeyPair::Pem& pem) {
+    return verifies(pem.cert_chain, client_roots_ != nullptr ? client_roots_->current() : "");
+  });
   const absl::StatusOr<bool> roots_changed = roots_ != nullptr ? roots_->Reload() : false;
+
   absl::MutexLock lock(&mu_);
   std::vector<std::string> refused;
-  for (const absl::Status& status : {pair.status(), roots_changed.status()}) {
+  for (const absl::Status& status : {pair_changed.status(), roots_changed.status(), client_roots_changed.status()}) {
     if (!status.ok()) refused.emplace_back(status.message());
   }
   // Told once per reason, not every interval while the files stay as they are.
@@ -97,22 +101,23 @@ bool TlsFiles::Reload() {
     last_refused_ = std::move(why);
   }
   bool changed = false;
-  if (pair.ok() && (pair->cert_chain != current_.cert_chain || pair->private_key != current_.private_key)) {
-    if (const absl::Status published = pair_->Publish(PairText(*pair)); published.ok()) {
-      current_.cert_chain = pair->cert_chain;
-      current_.private_key = pair->private_key;
-      changed = true;
-      expiry_ = tls::CertificateChainExpiry(pair->cert_chain).value_or(absl::UnixEpoch());  // validated
-      spdlog::info("TLS: presenting the renewed certificate of {}, which expires {}", initial_.cert_file,
-                   absl::FormatTime("%Y-%m-%d %H:%M UTC", expiry_, absl::UTCTimeZone()));
-    } else {
-      spdlog::warn("TLS: the renewed certificate could not be published: {}", std::string(published.message()));
-    }
+  if (pair_changed.value_or(false)) {
+    const tls::KeyPair::Pem pem = pair_->current();
+    current_.cert_chain = pem.cert_chain;
+    current_.private_key = pem.private_key;
+    spdlog::info("TLS: presenting the renewed certificate of {}, which expires {}", initial_.cert_file,
+                 When(pem.expiry));
+    changed = true;
   }
   if (roots_changed.value_or(false)) {
     current_.root_certs = roots_->current();
-    changed = true;
     spdlog::info("TLS: the peers' certificates are checked against the new CA bundle of {}", initial_.ca_file);
+    changed = true;
+  }
+  if (client_roots_changed.value_or(false)) {
+    current_.client_root_certs = client_roots_->current();
+    spdlog::info("TLS: callers' certificates are checked against the new CA bundle of {}", initial_.client_ca_file);
+    changed = true;
   }
   if (changed) ++generation_;
   return changed;

@@ -1,17 +1,18 @@
-// TlsFiles: the certificate chain and key a TLS server presents, and the CA bundle it
-// checks its peers against, kept current from the files it was given
-// (TlsOptions::cert_file, key_file, ca_file) without a restart. Every reload_interval a
-// thread reads them again. A new pair that goes together (ValidateTls) becomes the
-// current one; a pair that does not (one file replaced before the other, a wrong key, a
-// chain cut short) is ignored, and the last good pair stays. The CA bundle is a
-// tls::CaBundle (tls/ca_bundle.h: a new one is taken when every certificate of it
-// parses), taken independently of the pair.
+// TlsFiles: the certificate chain and key a TLS server presents, and the CA bundles it
+// checks its peers and its callers against, kept current from the files it was given
+// (TlsOptions::cert_file, key_file, ca_file, client_ca_file) without a restart. Every
+// reload_interval a thread reads them again. A new pair is a tls::KeyPair's (taken when
+// it makes an identity a peer would accept: the key is the certificate's, no certificate
+// cut short or expired); a new bundle a tls::CaBundle's (taken when every certificate of
+// it parses). With client CAs, a new pair must also verify against the client bundle in
+// use, and a new client bundle must verify the pair in use (CheckPeersAccept): the peers
+// would refuse this server's calls otherwise. What is not taken is ignored and the last
+// good files stay; a renewal that needs both (a pair of a new CA, and the bundle adding
+// it) is taken over two reads.
 //
-// The control plane's gRPC file watcher reads watched_path(): a file of this process
-// (tls/published_file.h, so the key is never written anywhere else) holding the current
-// key then chain. gRPC 1.51's watcher does not check that a key and certificate go
-// together, which is why it reads no operator file directly. The metrics endpoint's
-// relay takes current() when generation() moves.
+// The control plane's and peer calls' gRPC file watchers read the files the KeyPair and
+// CaBundles publish (tls/credentials.h); the metrics endpoint's relay takes current()
+// when generation() moves.
 //
 // What it takes is logged (spdlog), and why it did not take files, once per reason.
 //
@@ -26,33 +27,33 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "server/tls.h"
 #include "tls/ca_bundle.h"
-#include "tls/published_file.h"
+#include "tls/key_pair.h"
+#include "tls/reloader.h"
 
 namespace flatshard::server {
 
 class TlsFiles {
  public:
-  // Precondition: tls.reloads(). InvalidArgument for a CA file that does not parse,
-  // Internal when a watched file cannot be made, FailedPrecondition when it cannot be
-  // read by its path (no /proc).
+  // Precondition: tls.reloads(). InvalidArgument for files that cannot be read or do not
+  // parse, Internal when a published file cannot be made, FailedPrecondition when it
+  // cannot be read by its path (no /proc).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<TlsFiles>> Start(const TlsOptions& tls);
   ~TlsFiles();  // stops the thread
   TlsFiles(const TlsFiles&) = delete;
   TlsFiles& operator=(const TlsFiles&) = delete;
 
-  const std::string& watched_path() const { return pair_->path(); }
-  // The CA bundle of tls.ca_file; null without one (the peers are checked against the
-  // system's roots).
+  const tls::KeyPair& pair() const { return *pair_; }
+  // The CA bundles of tls.ca_file and tls.client_ca_file; null without one (peers are
+  // checked against the system's roots; callers present no certificate).
   const tls::CaBundle* ca_bundle() const { return roots_.get(); }
-  // The pair and CA bundle in use, and how many times they have changed.
+  const tls::CaBundle* client_roots() const { return client_roots_.get(); }
+  // The pair and CA bundles in use, and how many times they have changed.
   TlsOptions current() const;
   uint64_t generation() const;
   // When the pair in use expires: its chain's earliest notAfter.
@@ -61,18 +62,18 @@ class TlsFiles {
   bool Reload();
 
  private:
-  TlsFiles(const TlsOptions& tls, std::unique_ptr<tls::PublishedFile> pair, std::unique_ptr<tls::CaBundle> roots);
+  TlsFiles(const TlsOptions& tls, std::unique_ptr<tls::KeyPair> pair, std::unique_ptr<tls::CaBundle> roots,
+           std::unique_ptr<tls::CaBundle> client_roots);
 
   const TlsOptions initial_;
-  const std::unique_ptr<tls::PublishedFile> pair_;  // the key, then the chain; published under mu_
+  const std::unique_ptr<tls::KeyPair> pair_;
   const std::unique_ptr<tls::CaBundle> roots_;
+  const std::unique_ptr<tls::CaBundle> client_roots_;
   mutable absl::Mutex mu_;
-  TlsOptions current_ ABSL_GUARDED_BY(mu_);  // its root_certs are roots_'
-  absl::Time expiry_ ABSL_GUARDED_BY(mu_);
+  TlsOptions current_ ABSL_GUARDED_BY(mu_);  // its PEM texts are pair_'s and the bundles'
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::string last_refused_ ABSL_GUARDED_BY(mu_);  // why the last read's files were not taken
-  absl::Notification stopping_;
-  std::thread reloader_;
+  std::unique_ptr<tls::Reloader> reloader_;          // last: stopped first
 };
 
 }  // namespace flatshard::server

@@ -6,7 +6,12 @@
 // certificate for 127.0.0.1 it signed (other-server.pem, other-server.key), and one the
 // first CA signed for another host (elsewhere.pem, elsewhere.key: DNS name
 // elsewhere.invalid, valid for one day), and one for 127.0.0.1 that has expired
-// (expired.pem, expired.key). P-256 keys, valid for two days unless said.
+// (expired.pem, expired.key); for mutual TLS, client certificates (extendedKeyUsage
+// clientAuth, no host) the first CA signed (client.pem, client.key; client2.pem,
+// client2.key as if renewed, valid for three days) and the other CA signed
+// (other-client.pem, other-client.key), and a certificate for 127.0.0.1 that may not
+// prove a client (server-only.pem, server-only.key: extendedKeyUsage serverAuth). P-256
+// keys, valid for two days unless said; each certificate's common name is its file's.
 // Returns whether openssl made them all.
 #ifndef FLATSHARD_TESTS_TEST_CERTIFICATES_H_
 #define FLATSHARD_TESTS_TEST_CERTIFICATES_H_
@@ -27,8 +32,11 @@ inline bool MakeTestCertificates(const std::string& dir) {
       "openssl req -x509 ", key, " -keyout other-ca.key -out other-ca.pem -days 2 -subj /CN=other-ca\n",
       "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > san.cnf\n",
       "printf 'subjectAltName=DNS:elsewhere.invalid\\n' > elsewhere.cnf\n",
+      "printf 'extendedKeyUsage=clientAuth\\n' > client.cnf\n",
+      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth\\n' > server-only.cnf\n",
       "for made in 'server ca san 2' 'server2 ca san 3' 'other-server other-ca san 2' 'elsewhere ca elsewhere 1' \\\n",
-      "            'expired ca san 0'; do\n",
+      "            'expired ca san 0' 'client ca client 2' 'client2 ca client 3' 'other-client other-ca client 2' \\\n",
+      "            'server-only ca server-only 2'; do\n",
       "  set -- $made\n",
       "  openssl req ", key, " -keyout $1.key -out $1.csr -subj /CN=$1\n",
       "  openssl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial -days $4 -extfile $3.cnf -out $1.pem\n",

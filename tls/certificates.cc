@@ -5,6 +5,7 @@
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <openssl/x509_vfy.h>
 
 #include <algorithm>
 #include <ctime>
@@ -12,6 +13,7 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/status_macros.h"
 
 namespace flatshard::tls {
@@ -25,6 +27,15 @@ struct X509Free {
 };
 struct KeyFree {
   void operator()(EVP_PKEY* key) const { EVP_PKEY_free(key); }
+};
+struct StoreFree {
+  void operator()(X509_STORE* store) const { X509_STORE_free(store); }
+};
+struct StoreContextFree {
+  void operator()(X509_STORE_CTX* context) const { X509_STORE_CTX_free(context); }
+};
+struct StackFree {
+  void operator()(STACK_OF(X509) * certs) const { sk_X509_pop_free(certs, X509_free); }
 };
 using Cert = std::unique_ptr<X509, X509Free>;
 
@@ -90,6 +101,47 @@ absl::StatusOr<absl::Time> CertificateChainExpiry(const std::string& cert_chain)
     earliest = std::min(earliest, absl::FromTM(expires, absl::UTCTimeZone()));
   }
   return earliest;
+}
+
+absl::StatusOr<absl::Time> CheckIdentity(const std::string& cert_chain, absl::string_view chain_what,
+                                         const std::string& private_key, absl::string_view key_what) {
+  FLATSHARD_RETURN_IF_ERROR(CheckCertificates(cert_chain, chain_what));
+  FLATSHARD_RETURN_IF_ERROR(CheckKeyPair(cert_chain, chain_what, private_key, key_what));
+  FLATSHARD_ASSIGN_OR_RETURN(const absl::Time expiry, CertificateChainExpiry(cert_chain));
+  if (expiry <= absl::Now()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(chain_what, ": a certificate of the chain expired ",
+                     absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", expiry, absl::UTCTimeZone()),
+                     ": no client or peer would accept it"));
+  }
+  return expiry;
+}
+
+absl::Status CheckClientCertificate(const std::string& cert_chain, absl::string_view chain_what,
+                                    const std::string& roots, absl::string_view roots_what) {
+  const std::unique_ptr<X509_STORE, StoreFree> store(X509_STORE_new());
+  Certificates cas(roots);
+  while (const Cert ca = cas.Next()) X509_STORE_add_cert(store.get(), ca.get());  // takes a reference
+  Certificates chain(cert_chain);
+  const Cert leaf = chain.Next();
+  const std::unique_ptr<STACK_OF(X509), StackFree> intermediates(sk_X509_new_null());
+  while (Cert intermediate = chain.Next()) sk_X509_push(intermediates.get(), intermediate.release());
+  const std::unique_ptr<X509_STORE_CTX, StoreContextFree> context(X509_STORE_CTX_new());
+  int verified = 0;
+  int error = X509_V_ERR_UNSPECIFIED;
+  if (store && leaf && intermediates && context &&
+      X509_STORE_CTX_init(context.get(), store.get(), leaf.get(), intermediates.get()) == 1 &&
+      X509_STORE_CTX_set_default(context.get(), "ssl_client") == 1) {  // what a TLS server checks
+    verified = X509_verify_cert(context.get());
+    error = X509_STORE_CTX_get_error(context.get());
+  }
+  ERR_clear_error();
+  if (verified != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(chain_what, ": the certificate does not verify as a TLS client's "
+                                                   "against ", roots_what, " (", X509_verify_cert_error_string(error),
+                                                   ")"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace flatshard::tls

@@ -110,7 +110,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     err << "flatshard " << command << ": " << cut.status().message() << "\n";
     return 2;
   }
-  ClientOptions client_options = CommandClientOptions(options.servers, options.token, options.tls_ca_file, options.job);
+  ClientOptions client_options = CommandClientOptions(options.servers, options.token, options.tls, options.job);
   // How long the cut may wait for training to reach it (a version minutes ahead); the
   // save, load or export itself has no deadline (ClientOptions::model_timeout).
   client_options.timeout = absl::Minutes(10);

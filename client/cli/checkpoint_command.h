@@ -7,13 +7,15 @@
 #include <string>
 #include <vector>
 
+#include "client/cli/command_client.h"
+
 namespace flatshard::cli {
 
 struct CheckpointCommandOptions {
   std::string command;  // save, load, checkpoints, delete, export
   std::vector<std::string> servers;
   std::string token;
-  std::string tls_ca_file;  // TLS to the servers when set (ClientOptions::tls_ca_file)
+  CommandTls tls;
   std::string job = "default";
   std::string name;
   std::string kind = "sharded";

@@ -17,7 +17,7 @@ int RunDeleteJobCommand(const DeleteJobCommandOptions& options, std::ostream& ou
     err << "flatshard delete-job: --job is required (the job to delete)\n";
     return 2;
   }
-  auto client = Client::Connect(CommandClientOptions(options.servers, options.token, options.tls_ca_file, options.job));
+  auto client = Client::Connect(CommandClientOptions(options.servers, options.token, options.tls, options.job));
   if (!client.ok()) {
     err << "flatshard delete-job: " << client.status() << "\n";
     return 1;

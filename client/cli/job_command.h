@@ -9,13 +9,15 @@
 #include <string>
 #include <vector>
 
+#include "client/cli/command_client.h"
+
 namespace flatshard::cli {
 
 struct DeleteJobCommandOptions {
   std::vector<std::string> servers{};
   std::string token{};
   std::string job{};          // required: no default, so that no job is deleted by accident
-  std::string tls_ca_file{};  // TLS to the servers when set (ClientOptions::tls_ca_file)
+  CommandTls tls{};
 };
 
 // Returns 0 when the job was deleted, 1 when the cluster refused or no server had the

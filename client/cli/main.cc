@@ -42,6 +42,10 @@ ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (e
 ABSL_FLAG(std::string, tls_ca_file, "",
           "status, checkpoints: PEM CA bundle of servers started with --tls_cert_file (empty: "
           "plaintext gRPC)");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "status, checkpoints: PEM certificate presented to servers started with --tls_client_ca_file "
+          "(with --tls_key_file and --tls_ca_file)");
+ABSL_FLAG(std::string, tls_key_file, "", "status, checkpoints: PEM private key of --tls_cert_file");
 ABSL_FLAG(int, servers, 2, "local-cluster: number of servers");
 ABSL_FLAG(int, base_port, 7070, "local-cluster: server i listens on base_port+2i (data +1)");
 ABSL_FLAG(std::string, checkpoint_root, "", "local-cluster: passed to every server");
@@ -121,6 +125,13 @@ bool ReadToken(std::string& token) {
   return true;
 }
 
+// The --tls_* flags of the commands that call servers.
+flatshard::cli::CommandTls CommandTls() {
+  return {.ca_file = absl::GetFlag(FLAGS_tls_ca_file),
+          .cert_file = absl::GetFlag(FLAGS_tls_cert_file),
+          .key_file = absl::GetFlag(FLAGS_tls_key_file)};
+}
+
 int Status() {
   flatshard::cli::StatusCommandOptions options;
   options.servers = absl::StrSplit(absl::GetFlag(FLAGS_cluster), ',', absl::SkipEmpty());
@@ -130,7 +141,7 @@ int Status() {
     return 2;
   }
   if (!ReadToken(options.token)) return 2;
-  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  options.tls = CommandTls();
   return flatshard::cli::RunStatusCommand(options, std::cout, std::cerr);
 }
 
@@ -157,7 +168,7 @@ int Checkpoint(const std::string& command) {
   options.cut = absl::GetFlag(FLAGS_cut);
   options.chunk_mib = absl::GetFlag(FLAGS_chunk_mib);
   if (!ReadToken(options.token)) return 2;
-  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  options.tls = CommandTls();
   return flatshard::cli::RunCheckpointCommand(options, std::cout, std::cerr);
 }
 
@@ -166,7 +177,7 @@ int DeleteJob() {
   options.servers = absl::StrSplit(absl::GetFlag(FLAGS_cluster), ',', absl::SkipEmpty());
   options.job = absl::GetFlag(FLAGS_job);  // no default here: see the flag
   if (!ReadToken(options.token)) return 2;
-  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  options.tls = CommandTls();
   return flatshard::cli::RunDeleteJobCommand(options, std::cout, std::cerr);
 }
 

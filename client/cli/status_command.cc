@@ -25,13 +25,15 @@ namespace {
 constexpr absl::Duration kTlsExpiryWarning = absl::Hours(7 * 24);
 
 // How long a server's TLS certificate has left, as the table's tls column shows it: "no"
-// without TLS, hours under two days, days beyond, "expired".
+// without TLS, hours under two days, days beyond, "expired"; then "+mtls" when it asks
+// callers for certificates.
 std::string TlsLeft(const v1::ServerStatus& s, absl::Time now) {
   if (!s.tls()) return "no";
   const absl::Duration left = absl::FromUnixSeconds(s.tls_expiry_unix_seconds()) - now;
-  if (left <= absl::ZeroDuration()) return "expired";
-  if (left < absl::Hours(48)) return absl::StrCat(absl::ToInt64Hours(left), "h");
-  return absl::StrCat(absl::ToInt64Hours(left) / 24, "d");
+  const std::string mutual = s.tls_client_certificates() ? "+mtls" : "";
+  if (left <= absl::ZeroDuration()) return "expired" + mutual;
+  if (left < absl::Hours(48)) return absl::StrCat(absl::ToInt64Hours(left), "h", mutual);
+  return absl::StrCat(absl::ToInt64Hours(left) / 24, "d", mutual);
 }
 
 // A group's load id as the table shows it: hex, "-" for a group never loaded.
@@ -64,8 +66,9 @@ void ReportSplitLoads(const std::vector<absl::StatusOr<v1::ServerStatus>>& statu
 }  // namespace
 
 int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std::ostream& err) {
-  const auto statuses = FetchClusterStatus(
-      {.servers = options.servers, .token = options.token, .timeout = options.timeout, .tls_ca_file = options.tls_ca_file});
+  ClientOptions client_options{.servers = options.servers, .token = options.token, .timeout = options.timeout};
+  options.tls.ApplyTo(client_options);
+  const auto statuses = FetchClusterStatus(client_options);
   int exit_code = 0;
   if (options.json) {
     for (const auto& status : statuses) {
@@ -87,9 +90,9 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
   };
   // held: the memory of its groups (each group's is in the table below); x-sent, x-recv:
   // a hybrid-sharded job's exchange between replica groups.
-  // tls: how long the certificate it presents has left.
+  // tls: how long the certificate it presents has left (+mtls: it asks callers for theirs).
   const absl::Time now = absl::Now();
-  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-7s %7s %6s %10s %5s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
+  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-9s %7s %6s %10s %5s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
                          "address", "memory", "plane", "tls", "threads", "groups", "held", "conns", "sent", "received",
                          "x-sent", "x-recv", "gathers", "scatters", "errors");
   for (size_t i = 0; i < statuses.size(); ++i) {
@@ -102,7 +105,7 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
     const v1::ServerStatus& s = *statuses[i];
     int64_t held = 0;
     for (const v1::GroupStatus& g : s.groups()) held += g.bytes();
-    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-7s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
+    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-9s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
                            s.control_address(), s.memory(), plane(s), TlsLeft(s, now), s.compute_threads(),
                            s.groups_size(), HumanBytes(held), s.open_data_connections(), HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), HumanBytes(s.exchange_bytes_sent()),

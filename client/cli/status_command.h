@@ -8,13 +8,14 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "client/cli/command_client.h"
 
 namespace flatshard::cli {
 
 struct StatusCommandOptions {
   std::vector<std::string> servers = {};
   std::string token = {};
-  std::string tls_ca_file = {};  // TLS to the servers when set (ClientOptions::tls_ca_file)
+  CommandTls tls = {};
   bool json = false;
   absl::Duration timeout = absl::Seconds(5);
 };

@@ -228,9 +228,12 @@ class Client:
     (through host memory); see ClientOptions::device_plane in the C++ client.
 
     ``tls_ca_file``: the PEM CA bundle of servers started with --tls_cert_file (the
-    control plane then speaks TLS); None for plaintext servers. It is read again every
-    ``tls_reload_interval`` seconds (0: once), so that reconnections trust a CA added to
-    it since (a CA rotation); a file that does not parse is ignored.
+    control plane then speaks TLS); None for plaintext servers. ``tls_cert_file`` and
+    ``tls_key_file``: the certificate (and its key) this client presents to servers
+    started with --tls_client_ca_file. They are read again every ``tls_reload_interval``
+    seconds (0: once), so that reconnections trust a CA added to the bundle since (a CA
+    rotation) and present a renewed certificate; files that do not parse, or a key that
+    is not the certificate's, are ignored.
 
     ``max_in_flight``: transfers at once per server (1-64): how many gathers can be
     prefetched while others run. ``gather_split_bytes``: a gather's part from one server
@@ -255,7 +258,8 @@ class Client:
     def __init__(self, servers, worker_rank=0, num_workers=1, token=None, timeout=30.0,
                  job="default", device_plane="auto", tls_ca_file=None, max_in_flight=2,
                  gather_split_bytes=16 << 20, scatter_split_bytes=16 << 20,
-                 model_timeout=None, keepalive=15.0, tls_reload_interval=300.0):
+                 model_timeout=None, keepalive=15.0, tls_reload_interval=300.0,
+                 tls_cert_file=None, tls_key_file=None):
         self._native = _native.Client(list(servers), int(worker_rank), int(num_workers),
                                       token or "", float(timeout), job, device_plane,
                                       os.fspath(tls_ca_file) if tls_ca_file else "",
@@ -263,11 +267,15 @@ class Client:
                                       int(scatter_split_bytes),
                                       float("inf") if model_timeout is None
                                       else float(model_timeout),
-                                      float(keepalive), float(tls_reload_interval))
+                                      float(keepalive), float(tls_reload_interval),
+                                      os.fspath(tls_cert_file) if tls_cert_file else "",
+                                      os.fspath(tls_key_file) if tls_key_file else "")
         self.servers = list(servers)
         self._token = token
         self._timeout = timeout
-        self._tls_ca_file = tls_ca_file
+        # What a second client of these servers needs (ShardedModule's barrier).
+        self._tls = dict(tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
+                         tls_key_file=tls_key_file, tls_reload_interval=tls_reload_interval)
         self.worker_rank = worker_rank
         self.num_workers = num_workers
         self.job = job

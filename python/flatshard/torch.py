@@ -219,7 +219,7 @@ class ShardedModule(torch.nn.Module):
         c = self._client
         return flatshard.Client(c.servers, c.worker_rank, c.num_workers, token=c._token,
                                 timeout=c._timeout, job=f"{c.job}.{self._name}.barrier",
-                                tls_ca_file=c._tls_ca_file, max_in_flight=1)
+                                max_in_flight=1, **c._tls)
 
     def delete_job(self):
         """When training is over (every worker done with the module): deletes the job on

@@ -1,7 +1,8 @@
 // TLS on the control plane (server/tls.h): a cluster started with certificates trains a
 // clipped step (its servers call each other over TLS for the norm), clients that speak
 // plaintext or trust another CA are refused with a hint, the metrics endpoint speaks
-// HTTPS, and bad TLS files stop a server at start-up. The certificates are made by the openssl command line for each run.
+// HTTPS, mutual TLS serves only callers with a certificate of its client CAs, and bad
+// TLS files stop a server at start-up. The certificates are made by the openssl command line for each run.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -62,27 +63,32 @@ class TlsTest : public ::testing::Test {
 
 std::string* TlsTest::dir_ = nullptr;
 
+// Registers a group with `client` and takes one clipped step, checked against torch's
+// clip_grad_norm_: each server's share of the norm reaches the other over a peer call,
+// or the step never ends.
+void ExpectAClippedStep(Client& client) {
+  ASSERT_TRUE(client.ConfigureJob({.max_grad_norm = 1.0}).ok());
+  auto layout = client.RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE(client.InitGroupFromSeed("g", 3).ok());
+  std::vector<float> before((*layout)->padded_numel()), after(before.size());
+  ASSERT_TRUE(client.Gather("g", 0, DType::kFloat32, AsBytes(before)).get().ok());
+  std::vector<float> grad(before.size(), 0.0f);
+  std::fill_n(grad.begin(), 1000, 0.5f);  // norm 0.5 * sqrt(1000) ~ 15.8: clipped to 1
+  ASSERT_TRUE(client.Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  auto version = client.Gather("g", 1, DType::kFloat32, AsBytes(after)).get();
+  ASSERT_TRUE(version.ok()) << version.status();
+  const double coef = 1.0 / (0.5 * std::sqrt(1000.0) + 1e-6);
+  for (int i = 0; i < 1000; ++i) {
+    ASSERT_NEAR(after[i], before[i] - 0.5 * coef, 1e-6) << i;
+  }
+}
+
 TEST_F(TlsTest, ClusterTrainsAClippedStepOverTls) {
   TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {ServerTls(), ServerTls()});
   auto client = cluster.Connect({.timeout = absl::Seconds(20), .tls_ca_file = File("ca.pem")});
   ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
-  auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
-  ASSERT_TRUE(layout.ok()) << layout.status();
-  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 3).ok());
-  std::vector<float> before((*layout)->padded_numel()), after(before.size());
-  ASSERT_TRUE((*client)->Gather("g", 0, DType::kFloat32, AsBytes(before)).get().ok());
-
-  // Each server's share of the norm reaches the other over TLS, or the step never ends.
-  std::vector<float> grad(before.size(), 0.0f);
-  std::fill_n(grad.begin(), 1000, 0.5f);  // norm 0.5 * sqrt(1000) ~ 15.8: clipped to 1
-  ASSERT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
-  auto version = (*client)->Gather("g", 1, DType::kFloat32, AsBytes(after)).get();
-  ASSERT_TRUE(version.ok()) << version.status();
-  const double coef = 1.0 / (0.5 * std::sqrt(1000.0) + 1e-6);  // torch's clip_grad_norm_
-  for (int i = 0; i < 1000; ++i) {
-    ASSERT_NEAR(after[i], before[i] - 0.5 * coef, 1e-6) << i;
-  }
+  ExpectAClippedStep(**client);
 
   // The servers also checked each other over TLS at start-up.
   const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token(),
@@ -241,7 +247,7 @@ TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   EXPECT_LT(expiry(), absl::Now() + absl::Hours(48));
   std::ostringstream table, err;
   const cli::StatusCommandOptions status_options{
-      .servers = cluster.addresses(), .token = cluster.token(), .tls_ca_file = File("ca.pem")};
+      .servers = cluster.addresses(), .token = cluster.token(), .tls = {.ca_file = File("ca.pem")}};
   EXPECT_EQ(cli::RunStatusCommand(status_options, table, err), 0) << err.str();
   // rank, address, memory, plane, tls, ...
   const std::string row = table.str().substr(table.str().find("\n0 ") + 1);
@@ -299,6 +305,79 @@ TEST_F(TlsTest, AClientTrustsACaAddedToItsBundleAfterItConnected) {
   EXPECT_TRUE(configured.ok()) << configured;
   const absl::Status refused = (*read_once)->ConfigureJob({});
   EXPECT_TRUE(absl::IsUnavailable(refused)) << refused;
+}
+
+// Mutual TLS (--tls_client_ca_file): callers must present a certificate a CA of the
+// bundle signed for client use; the servers present theirs in their calls to each other.
+TEST_F(TlsTest, WithClientCasOnlyCallersPresentingACertificateOfThemAreServed) {
+  std::vector<std::string> flags = ServerTls();
+  flags.push_back("--tls_client_ca_file=" + File("ca.pem"));
+  TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {flags, flags});
+  const ClientOptions presenting{.servers = cluster.addresses(),
+                                 .token = cluster.token(),
+                                 .timeout = absl::Seconds(20),
+                                 .tls_ca_file = File("ca.pem"),
+                                 .tls_cert_file = File("client.pem"),
+                                 .tls_key_file = File("client.key")};
+  auto client = cluster.Connect(presenting);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ExpectAClippedStep(**client);
+
+  ClientOptions bare = presenting;
+  bare.tls_cert_file = bare.tls_key_file = "";
+  absl::StatusOr<std::unique_ptr<Client>> refused = Client::Connect(bare);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "presents no client certificate: a server started with "
+                                                            "--tls_client_ca_file needs tls_cert_file"))
+      << refused.status();
+  ClientOptions other_ca = presenting;
+  other_ca.tls_cert_file = File("other-client.pem");
+  other_ca.tls_key_file = File("other-client.key");
+  refused = Client::Connect(other_ca);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "must trust its CA")) << refused.status();
+  ClientOptions half = presenting;
+  half.tls_key_file = "";
+  EXPECT_TRUE(absl::IsInvalidArgument(Client::Connect(half).status()));
+  ClientOptions wrong_key = presenting;
+  wrong_key.tls_key_file = File("server.key");
+  for (absl::Duration interval : {absl::ZeroDuration(), absl::Minutes(5)}) {  // read once, and kept current
+    wrong_key.tls_reload_interval = interval;
+    refused = Client::Connect(wrong_key);
+    EXPECT_TRUE(absl::IsInvalidArgument(refused.status()) &&
+                absl::StrContains(refused.status().message(), "tls_key_file=" + File("server.key") +
+                                                                  " is not the private key of the certificate"))
+        << refused.status();
+  }
+  ClientOptions plaintext = presenting;
+  plaintext.tls_ca_file = "";
+  EXPECT_TRUE(absl::IsInvalidArgument(Client::Connect(plaintext).status())) << "a client certificate without TLS";
+
+  // The commands present theirs too, and show that the servers ask for one; the cluster
+  // serves on after the refusals.
+  std::ostringstream table, err;
+  const cli::StatusCommandOptions status_options{
+      .servers = cluster.addresses(),
+      .token = cluster.token(),
+      .tls = {.ca_file = File("ca.pem"), .cert_file = File("client.pem"), .key_file = File("client.key")}};
+  EXPECT_EQ(cli::RunStatusCommand(status_options, table, err), 0) << err.str();
+  EXPECT_TRUE(absl::StrContains(table.str(), "h+mtls ")) << table.str();
+  for (const auto& status : FetchClusterStatus(presenting)) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_TRUE(status->tls_client_certificates());
+  }
+  EXPECT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
+
+  // A server whose own certificate its peers would refuse does not start, and says why.
+  const auto [code, output] = testing::RunCommand(absl::StrCat(
+      "timeout 20 ", FLATSHARD_SERVER_PATH, " --listen=127.0.0.1:1 --tls_cert_file=", File("server-only.pem"),
+      " --tls_key_file=", File("server-only.key"), " --tls_client_ca_file=", File("ca.pem"), " 2>&1"));
+  EXPECT_EQ(code, 2) << output;
+  EXPECT_TRUE(absl::StrContains(output, "unsuitable certificate purpose")) << output;
+  EXPECT_TRUE(testing::RefusesToStart({"--tls_cert_file=" + File("server.pem"), "--tls_key_file=" + File("server.key"),
+                                       "--tls_client_ca_file=" + File("other-ca.pem")}))
+      << "a client bundle that does not sign the servers' certificates";
+  EXPECT_TRUE(testing::RefusesToStart({"--tls_client_ca_file=" + File("ca.pem")})) << "without a certificate";
 }
 
 TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {

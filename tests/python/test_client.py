@@ -600,7 +600,8 @@ class LocalClusterTest(unittest.TestCase):
 class TlsTest(unittest.TestCase):
     """Servers started with --tls_cert_file: the Python client connects with tls_ca_file,
     trains a clipped step (the servers exchange the norm over TLS) and reads the status;
-    a plaintext client is refused."""
+    a plaintext client is refused. With --tls_client_ca_file, a client presents
+    tls_cert_file (ShardedModule's own clients too), and one without is refused."""
 
     def setUp(self):
         self.dir = tempfile.TemporaryDirectory()
@@ -614,6 +615,10 @@ class TlsTest(unittest.TestCase):
             f.write("subjectAltName=IP:127.0.0.1\n")
         run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
             "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", "server.pem")
+        # A client certificate for mutual TLS.
+        run("req", *key, "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=worker")
+        run("x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-out", "client.pem")
         self.ca = os.path.join(self.dir.name, "ca.pem")
         self.cluster = flatshard.LocalCluster(servers=2, server_args=[
             f"--tls_cert_file={self.dir.name}/server.pem", f"--tls_key_file={self.dir.name}/server.key",
@@ -648,6 +653,33 @@ class TlsTest(unittest.TestCase):
                              tls_ca_file=os.path.join(self.dir.name, "server.csr"))
         with self.assertRaisesRegex(flatshard.UnavailableError, "needs tls_ca_file"):
             flatshard.Client(self.cluster.addresses, token=self.cluster.token, timeout=5.0)
+
+    def test_mutual_tls(self):
+        import flatshard.torch
+        d = self.dir.name
+        with flatshard.LocalCluster(servers=2, server_args=[
+                f"--tls_cert_file={d}/server.pem", f"--tls_key_file={d}/server.key",
+                f"--tls_ca_file={self.ca}", f"--tls_client_ca_file={self.ca}"]) as cluster:
+            c = flatshard.Client(cluster.addresses, token=cluster.token, tls_ca_file=self.ca,
+                                 tls_cert_file=f"{d}/client.pem", tls_key_file=f"{d}/client.key")
+            c.configure_job()
+            self.assertTrue(all(s["tls_client_certificates"] for s in c.status()["servers"]))
+            # ShardedModule's start-up barrier is a client of its own: it presents the
+            # same certificate.
+            linear = torch.nn.Linear(4, 3)
+            expected = {k: v.detach().clone() for k, v in linear.state_dict().items()}
+            model = flatshard.torch.ShardedModule(linear, c, flatshard.SGD(lr=0.1))
+            state = model.state_dict()
+            self.assertEqual(sorted(state), ["bias", "weight"])
+            for name, value in expected.items():
+                torch.testing.assert_close(state[name], value, rtol=0, atol=0)
+            self.assertGreater(model.delete_job(), 0)
+            with self.assertRaisesRegex(flatshard.UnavailableError, "presents no client certificate"):
+                flatshard.Client(cluster.addresses, token=cluster.token, tls_ca_file=self.ca,
+                                 timeout=5.0)
+            with self.assertRaisesRegex(flatshard.InvalidArgumentError, "go together"):
+                flatshard.Client(cluster.addresses, token=cluster.token, tls_ca_file=self.ca,
+                                 tls_cert_file=f"{d}/client.pem")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 // file's content, modified later; a pair that does not go together and a file that
 // cannot be read leave the last good pair, and the log says why once. A new CA bundle is
 // taken apart from the pair, and the peer calls' credentials (PeerCredentials) check
-// against it.
+// against it. With client CAs, the control plane takes callers those CAs signed, peer
+// calls present the server's certificate, and a pair and a client bundle that would not
+// verify each other are not taken.
 #include "server/tls_files.h"
 
 #include <gtest/gtest.h>
@@ -77,7 +79,7 @@ TEST(TlsFilesTest, ARenewedPairIsTakenAndOneThatDoesNotGoTogetherIsNot) {
   const TlsOptions tls = ReadOptions(file("cert.pem"), file("key.pem"), "", absl::Hours(1));  // reloaded by hand
   auto files = TlsFiles::Start(tls);
   ASSERT_TRUE(files.ok()) << files.status();
-  const std::string watched = (*files)->watched_path();
+  const std::string watched = (*files)->pair().watched_path();
   EXPECT_EQ(ReadFile(watched), tls.private_key + "\n" + tls.cert_chain);
   EXPECT_EQ((*files)->generation(), 0u);
   const absl::Time first_expiry = (*files)->expiry();  // two days from now
@@ -145,8 +147,63 @@ TEST(TlsFilesTest, ANewCaBundleIsTakenApartFromThePairAndPeerCallsCheckAgainstIt
   EXPECT_EQ((*files)->generation(), generation + 1);
   EXPECT_EQ((*files)->current().root_certs, both);
   EXPECT_EQ((*files)->current().cert_chain, tls.cert_chain);
-  EXPECT_EQ(ReadFile((*files)->watched_path()), tls.private_key + "\n" + tls.cert_chain);
+  EXPECT_EQ(ReadFile((*files)->pair().watched_path()), tls.private_key + "\n" + tls.cert_chain);
   EXPECT_TRUE(testing::ComesToHandshake(credentials, signed_by_other.port, true)) << "the peer calls' bundle";
+}
+
+TEST(TlsFilesTest, WithClientCasPeersPresentTheServersCertificateWhichTheClientBundleMustSign) {
+  CapturedLog log;
+  const testing::ScratchDir dir("tls-files-clients");
+  ASSERT_TRUE(testing::MakeTestCertificates(dir.path()));
+  auto file = [&](const std::string& name) { return absl::StrCat(dir.path(), "/", name); };
+  auto use = [&](const std::string& from, const std::string& to) {
+    std::filesystem::copy_file(file(from), file(to), std::filesystem::copy_options::overwrite_existing);
+  };
+  use("server.pem", "cert.pem");
+  use("server.key", "key.pem");
+  use("ca.pem", "clients.pem");
+  TlsOptions tls = ReadOptions(file("cert.pem"), file("key.pem"), file("ca.pem"), absl::Seconds(1));
+  tls.client_ca_file = file("clients.pem");
+  tls.client_root_certs = ReadFile(file("clients.pem"));
+  ASSERT_TRUE(ValidateTls(tls).ok()) << ValidateTls(tls);
+  auto files = TlsFiles::Start(tls);
+  ASSERT_TRUE(files.ok()) << files.status();
+  testing::TlsServer control(ServerCredentials(tls, files->get()));
+  ASSERT_TRUE(control.server);
+  auto presenting = [&](const std::string& name) {  // none for ""
+    return name.empty() ? testing::ClientCredentials(ReadFile(file("ca.pem")))
+                        : testing::ClientCredentials(ReadFile(file("ca.pem")), ReadFile(file(name + ".pem")),
+                                                     ReadFile(file(name + ".key")));
+  };
+  EXPECT_EQ(testing::PresentedName(presenting("client"), control), "client");
+  EXPECT_EQ(testing::PresentedName(presenting(""), control), "(refused)") << "no client certificate";
+  EXPECT_EQ(testing::PresentedName(PeerCredentials(tls, files->get()), control), "server") << "a peer's call";
+
+  // A renewal that may not prove a client, and a client bundle that does not sign the
+  // pair in use: neither is taken (the peers would refuse this server's calls).
+  use("server-only.pem", "cert.pem");
+  use("server-only.key", "key.pem");
+  std::ofstream(file("clients.pem"), std::ios::trunc) << ReadFile(file("other-ca.pem"));
+  (*files)->Reload();  // or the thread did, a second at most before
+  EXPECT_EQ((*files)->current().cert_chain, tls.cert_chain);
+  EXPECT_EQ((*files)->current().client_root_certs, tls.client_root_certs);
+  const std::string told = log.Take();
+  EXPECT_TRUE(absl::StrContains(told, "unsuitable certificate purpose")) << told;
+  EXPECT_TRUE(absl::StrContains(told, "unable to get local issuer certificate")) << told;
+  EXPECT_EQ((*files)->generation(), 0u);
+
+  // A CA added to the client bundle: callers it signed are taken without a restart.
+  use("server.pem", "cert.pem");
+  use("server.key", "key.pem");
+  std::ofstream(file("clients.pem"), std::ios::trunc) << ReadFile(file("ca.pem")) + ReadFile(file("other-ca.pem"));
+  (*files)->Reload();
+  EXPECT_EQ((*files)->generation(), 1u);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (testing::PresentedName(presenting("other-client"), control) != "other-client" && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(testing::PresentedName(presenting("other-client"), control), "other-client");
+  EXPECT_TRUE(absl::StrContains(log.Take(), "callers' certificates are checked against the new CA bundle"));
 }
 
 TEST(TlsFilesTest, WithoutACaFileThePeersAreCheckedAgainstTheSystemsRoots) {

@@ -1,6 +1,7 @@
-// tls::CaBundle (tls/ca_bundle.h): a new bundle is taken, one cut short or gone is not;
-// its credentials check a server's certificate against the bundle of the moment and its
-// host name, through a CA's addition and removal.
+// tls::CaBundle (tls/ca_bundle.h): a new bundle is taken, one cut short, gone or refused
+// by its owner's check is not; credentials watching it (tls/credentials.h) check a
+// server's certificate against the bundle of the moment and its host name, through a
+// CA's addition and removal (reloaded by a tls::Reloader).
 #include "tls/ca_bundle.h"
 
 #include <gtest/gtest.h>
@@ -14,6 +15,8 @@
 #include "tests/scratch_dir.h"
 #include "tests/test_certificates.h"
 #include "tests/tls/tls_handshake.h"
+#include "tls/credentials.h"
+#include "tls/reloader.h"
 
 namespace flatshard::tls {
 namespace {
@@ -35,13 +38,16 @@ class CaBundleTest : public ::testing::Test {
 };
 
 TEST_F(CaBundleTest, ANewBundleIsTakenAndOneCutShortOrGoneIsNot) {
-  auto bundle = CaBundle::Start(File("bundle.pem"), "tls_ca_file", absl::Hours(1), /*reload_itself=*/false);
+  auto bundle = CaBundle::Start(File("bundle.pem"), "tls_ca_file");
   ASSERT_TRUE(bundle.ok()) << bundle.status();
   EXPECT_EQ((*bundle)->current(), ReadFile(File("ca.pem")));
   EXPECT_EQ((*bundle)->Reload().value_or(true), false) << "nothing changed";
 
   const std::string both = ReadFile(File("ca.pem")) + ReadFile(File("other-ca.pem"));
   Write("bundle.pem", both);
+  auto refuse = [](const std::string&) { return absl::FailedPreconditionError("not this one"); };
+  EXPECT_EQ((*bundle)->Reload(refuse).status().message(), "not this one");
+  EXPECT_EQ((*bundle)->current(), ReadFile(File("ca.pem"))) << "refused by its owner";
   EXPECT_EQ((*bundle)->Reload().value_or(false), true);
   EXPECT_EQ((*bundle)->current(), both);
 
@@ -55,17 +61,15 @@ TEST_F(CaBundleTest, ANewBundleIsTakenAndOneCutShortOrGoneIsNot) {
   EXPECT_TRUE(absl::StrContains(gone.status().message(), "cannot read tls_ca_file=")) << gone.status();
   EXPECT_EQ((*bundle)->current(), both) << "the last good bundle stays";
 
-  EXPECT_TRUE(absl::IsInvalidArgument(
-      CaBundle::Start(File("bundle.pem"), "tls_ca_file", absl::Hours(1), false).status()));
-  EXPECT_TRUE(
-      absl::IsInvalidArgument(CaBundle::Start(File("server.csr"), "tls_ca_file", absl::Hours(1), false).status()))
-      << "no certificate";
+  EXPECT_TRUE(absl::IsInvalidArgument(CaBundle::Start(File("bundle.pem"), "tls_ca_file").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(CaBundle::Start(File("server.csr"), "tls_ca_file").status())) << "no certificate";
 }
 
 TEST_F(CaBundleTest, CredentialsCheckTheBundleOfTheMomentAndTheHostName) {
-  auto bundle = CaBundle::Start(File("bundle.pem"), "tls_ca_file", absl::Seconds(1), /*reload_itself=*/true);
+  auto bundle = CaBundle::Start(File("bundle.pem"), "tls_ca_file");
   ASSERT_TRUE(bundle.ok()) << bundle.status();
-  const auto credentials = (*bundle)->Credentials();
+  const Reloader reloader(absl::Seconds(1), [&] { (void)(*bundle)->Reload(); });
+  const auto credentials = WatchedChannelCredentials(bundle->get(), nullptr, absl::Seconds(1));
   const testing::TlsServer signed_by_ca(ReadFile(File("server.pem")), ReadFile(File("server.key")));
   const testing::TlsServer signed_by_other(ReadFile(File("other-server.pem")), ReadFile(File("other-server.key")));
   const testing::TlsServer another_host(ReadFile(File("elsewhere.pem")), ReadFile(File("elsewhere.key")));

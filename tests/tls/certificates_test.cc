@@ -1,6 +1,7 @@
 // tls/certificates.h: CheckCertificates takes whole bundles only, CheckKeyPair a
-// certificate's own key only, and CertificateChainExpiry matches `openssl x509
-// -enddate`: a chain expires with its first certificate to.
+// certificate's own key only, CertificateChainExpiry matches `openssl x509 -enddate`: a
+// chain expires with its first certificate to, CheckIdentity refuses an expired
+// certificate, and CheckClientCertificate checks the signer and the key usage.
 #include "tls/certificates.h"
 
 #include <gtest/gtest.h>
@@ -64,6 +65,32 @@ TEST_F(CertificatesTest, AChainExpiresWithItsEarliestNotAfter) {
             one_day)
       << "an intermediate that expires first";
   EXPECT_TRUE(absl::IsInvalidArgument(CertificateChainExpiry("no certificate").status()));
+}
+
+TEST_F(CertificatesTest, AnIdentityIsAKeyAndItsUnexpiredCertificate) {
+  const absl::StatusOr<absl::Time> expiry = CheckIdentity(Read("server.pem"), "cert", Read("server.key"), "key");
+  ASSERT_TRUE(expiry.ok()) << expiry.status();
+  EXPECT_EQ(*expiry, CertificateChainExpiry(Read("server.pem")).value_or(absl::InfinitePast()));
+  EXPECT_EQ(CheckIdentity(Read("server.pem"), "cert", Read("server2.key"), "key").status().message(),
+            "key is not the private key of the certificate in cert");
+  const absl::Status expired = CheckIdentity(Read("expired.pem"), "cert", Read("expired.key"), "key").status();
+  EXPECT_TRUE(absl::StartsWith(expired.message(), "cert: a certificate of the chain expired ")) << expired;
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      CheckIdentity(Read("server.pem").substr(0, 100), "cert", Read("server.key"), "key").status()));
+}
+
+TEST_F(CertificatesTest, AClientCertificateMustBeSignedByABundleCaForClientUse) {
+  const std::string both = Read("ca.pem") + Read("other-ca.pem");
+  for (const char* good : {"client.pem", "other-client.pem", "server.pem"}) {  // server.pem: no key usage named
+    EXPECT_TRUE(CheckClientCertificate(Read(good), good, both, "bundle").ok()) << good;
+  }
+  const absl::Status unknown = CheckClientCertificate(Read("other-client.pem"), "cert", Read("ca.pem"), "bundle");
+  EXPECT_TRUE(absl::StartsWith(unknown.message(), "cert: the certificate does not verify as a TLS client's against "
+                                                  "bundle (unable to get local issuer certificate"))
+      << unknown;
+  const absl::Status server_only = CheckClientCertificate(Read("server-only.pem"), "cert", both, "bundle");
+  EXPECT_TRUE(absl::StrContains(server_only.message(), "(unsuitable certificate purpose)")) << server_only;
+  EXPECT_TRUE(absl::IsInvalidArgument(CheckClientCertificate(Read("expired.pem"), "cert", both, "bundle")));
 }
 
 }  // namespace

@@ -84,9 +84,15 @@ struct ClientOptions {
   // PEM CA bundle the servers' certificates are checked against: the control plane then
   // speaks TLS (servers started with --tls_cert_file). Empty: plaintext gRPC.
   std::string tls_ca_file = {};
-  // How often tls_ca_file is read again, so that connections made later (a reconnection
-  // after an idle spell or a server's restart) trust a CA added to it since, as in a CA
-  // rotation; a file that does not parse is ignored. Zero: read once, at Connect.
+  // PEM certificate (chain) and private key this client presents to servers that ask
+  // for one (started with --tls_client_ca_file): both or neither, and with tls_ca_file.
+  std::string tls_cert_file = {};
+  std::string tls_key_file = {};
+  // How often the TLS files are read again, so that connections made later (a
+  // reconnection after an idle spell or a server's restart) trust a CA added to
+  // tls_ca_file since, as in a CA rotation, and present a renewed client certificate;
+  // files that do not parse, or a key that is not the certificate's, are ignored. Zero:
+  // read once, at Connect.
   absl::Duration tls_reload_interval = absl::Minutes(5);
 };
 

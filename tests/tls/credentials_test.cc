@@ -1,0 +1,93 @@
+// tls/credentials.h with client certificates (mutual TLS): channel credentials present
+// the key pair's certificate to a server that asks for one, and its renewal once the
+// files are read again; server credentials ask every client for a certificate the
+// client bundle of the moment signed.
+#include "tls/credentials.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "core/file.h"
+#include "tests/scratch_dir.h"
+#include "tests/test_certificates.h"
+#include "tests/tls/tls_handshake.h"
+#include "tls/reloader.h"
+
+namespace flatshard::tls {
+namespace {
+
+class CredentialsTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(testing::MakeTestCertificates(dir_.path())); }
+  std::string File(const std::string& name) const { return absl::StrCat(dir_.path(), "/", name); }
+  std::string Read(const std::string& name) const { return ReadFileToString(File(name)).value_or(""); }
+  void Use(const std::string& from, const std::string& to) const {
+    std::filesystem::copy_file(File(from), File(to), std::filesystem::copy_options::overwrite_existing);
+  }
+  // Credentials trusting ca.pem and presenting `name`.pem (none for "").
+  std::shared_ptr<grpc::ChannelCredentials> Presenting(const std::string& name) const {
+    return name.empty() ? testing::ClientCredentials(Read("ca.pem"))
+                        : testing::ClientCredentials(Read("ca.pem"), Read(name + ".pem"), Read(name + ".key"));
+  }
+
+  const testing::ScratchDir dir_{"credentials"};
+};
+
+TEST_F(CredentialsTest, AClientPresentsItsCertificateAndItsRenewal) {
+  Use("client.pem", "cert.pem");
+  Use("client.key", "key.pem");
+  auto bundle = CaBundle::Start(File("ca.pem"), "tls_ca_file");
+  auto pair = KeyPair::Start(File("cert.pem"), "tls_cert_file", File("key.pem"), "tls_key_file");
+  ASSERT_TRUE(bundle.ok() && pair.ok()) << bundle.status() << pair.status();
+  const Reloader reloader(absl::Seconds(1), [&] { (void)(*pair)->Reload(); });
+  const auto credentials = WatchedChannelCredentials(bundle->get(), pair->get(), absl::Seconds(1));
+
+  testing::TlsServer asking(Read("server.pem"), Read("server.key"), Read("ca.pem"));
+  testing::TlsServer not_asking(Read("server.pem"), Read("server.key"));
+  testing::TlsServer asking_other_ca(Read("server.pem"), Read("server.key"), Read("other-ca.pem"));
+  ASSERT_TRUE(asking.server && not_asking.server && asking_other_ca.server);
+  EXPECT_EQ(testing::PresentedName(credentials, asking), "client");
+  EXPECT_EQ(testing::PresentedName(credentials, not_asking), "(none)");
+  EXPECT_EQ(testing::PresentedName(credentials, asking_other_ca), "(refused)");
+  EXPECT_EQ(testing::PresentedName(WatchedChannelCredentials(bundle->get(), nullptr, absl::Seconds(1)), asking),
+            "(refused)")
+      << "no certificate";
+
+  Use("client2.pem", "cert.pem");
+  Use("client2.key", "key.pem");
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (testing::PresentedName(credentials, asking) != "client2" && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(testing::PresentedName(credentials, asking), "client2") << "the renewal was not presented";
+}
+
+TEST_F(CredentialsTest, AServerTakesClientsTheBundleOfTheMomentSigned) {
+  std::filesystem::copy_file(File("ca.pem"), File("clients.pem"));
+  auto pair = KeyPair::Start(File("server.pem"), "--tls_cert_file", File("server.key"), "--tls_key_file");
+  auto clients = CaBundle::Start(File("clients.pem"), "--tls_client_ca_file");
+  ASSERT_TRUE(pair.ok() && clients.ok()) << pair.status() << clients.status();
+  const Reloader reloader(absl::Seconds(1), [&] { (void)(*clients)->Reload(); });
+  testing::TlsServer server(WatchedServerCredentials(**pair, clients->get(), absl::Seconds(1)));
+  ASSERT_TRUE(server.server);
+
+  EXPECT_EQ(testing::PresentedName(Presenting("client"), server), "client");
+  EXPECT_EQ(testing::PresentedName(Presenting("server"), server), "server") << "a server calling its peer";
+  EXPECT_EQ(testing::PresentedName(Presenting(""), server), "(refused)") << "no certificate";
+  EXPECT_EQ(testing::PresentedName(Presenting("other-client"), server), "(refused)") << "a CA not in the bundle";
+  EXPECT_EQ(testing::PresentedName(Presenting("server-only"), server), "(refused)") << "not for client use";
+
+  std::ofstream(File("clients.pem"), std::ios::trunc) << Read("ca.pem") + Read("other-ca.pem");
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (testing::PresentedName(Presenting("other-client"), server) != "other-client" && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(testing::PresentedName(Presenting("other-client"), server), "other-client") << "the new bundle";
+  EXPECT_EQ(testing::PresentedName(Presenting("client"), server), "client");
+}
+
+}  // namespace
+}  // namespace flatshard::tls
