@@ -2,9 +2,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/file.h"
 #include "core/status_macros.h"
-#include "tls/certificates.h"
 #include "tls/credentials.h"
 
 namespace flatshard::client_internal {
@@ -30,17 +28,10 @@ absl::StatusOr<ControlCredentials> ReadOnce(const ClientOptions& options) {
   grpc::SslCredentialsOptions ssl;
   FLATSHARD_ASSIGN_OR_RETURN(ssl.pem_root_certs, tls::ReadCaBundle(options.tls_ca_file, "tls_ca_file"));
   if (!options.tls_cert_file.empty()) {
-    for (const auto& [what, file, pem] : {std::tuple{"tls_cert_file", &options.tls_cert_file, &ssl.pem_cert_chain},
-                                          std::tuple{"tls_key_file", &options.tls_key_file, &ssl.pem_private_key}}) {
-      absl::StatusOr<std::string> text = ReadFileToString(*file);
-      if (!text.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, "=", *file, ": ", text.status().message()));
-      }
-      *pem = *std::move(text);
-    }
-    FLATSHARD_RETURN_IF_ERROR(tls::CheckIdentity(ssl.pem_cert_chain, absl::StrCat("tls_cert_file=", options.tls_cert_file),
-                                                 ssl.pem_private_key, absl::StrCat("tls_key_file=", options.tls_key_file))
-                                  .status());
+    FLATSHARD_ASSIGN_OR_RETURN(tls::KeyPair::Pem pair, tls::KeyPair::Read(options.tls_cert_file, "tls_cert_file",
+                                                                          options.tls_key_file, "tls_key_file"));
+    ssl.pem_cert_chain = std::move(pair.cert_chain);
+    ssl.pem_private_key = std::move(pair.private_key);
   }
   return ControlCredentials{grpc::SslCredentials(ssl), nullptr};
 }

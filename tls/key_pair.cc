@@ -14,8 +14,10 @@ namespace {
 // The key then the chain, as gRPC's watcher reads both from one file.
 std::string WatchedText(const KeyPair::Pem& pem) { return pem.private_key + "\n" + pem.cert_chain; }
 
-absl::StatusOr<KeyPair::Pem> ReadPair(const std::string& cert_file, const std::string& cert_what,
-                                      const std::string& key_file, const std::string& key_what) {
+}  // namespace
+
+absl::StatusOr<KeyPair::Pem> KeyPair::Read(const std::string& cert_file, const std::string& cert_what,
+                                           const std::string& key_file, const std::string& key_what) {
   KeyPair::Pem pem;
   for (const auto& [file, what, text] :
        {std::tuple{&cert_file, &cert_what, &pem.cert_chain}, std::tuple{&key_file, &key_what, &pem.private_key}}) {
@@ -30,11 +32,9 @@ absl::StatusOr<KeyPair::Pem> ReadPair(const std::string& cert_file, const std::s
   return pem;
 }
 
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<KeyPair>> KeyPair::Start(const std::string& cert_file, const std::string& cert_what,
                                                         const std::string& key_file, const std::string& key_what) {
-  FLATSHARD_ASSIGN_OR_RETURN(Pem pem, ReadPair(cert_file, cert_what, key_file, key_what));
+  FLATSHARD_ASSIGN_OR_RETURN(Pem pem, Read(cert_file, cert_what, key_file, key_what));
   FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<PublishedFile> published, PublishedFile::Create(WatchedText(pem)));
   return std::unique_ptr<KeyPair>(
       new KeyPair(cert_file, cert_what, key_file, key_what, std::move(pem), std::move(published)));
@@ -55,7 +55,7 @@ KeyPair::Pem KeyPair::current() const {
 }
 
 absl::StatusOr<bool> KeyPair::Reload(const std::function<absl::Status(const Pem&)>& accept) {
-  FLATSHARD_ASSIGN_OR_RETURN(Pem pem, ReadPair(cert_file_, cert_what_, key_file_, key_what_));
+  FLATSHARD_ASSIGN_OR_RETURN(Pem pem, Read(cert_file_, cert_what_, key_file_, key_what_));
   if (const Pem in_use = current(); pem.cert_chain == in_use.cert_chain && pem.private_key == in_use.private_key) {
     return false;
   }

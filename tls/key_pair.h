@@ -34,6 +34,11 @@ class KeyPair {
     std::string private_key;
     absl::Time expiry;  // the chain's earliest notAfter
   };
+  // The files' pair, if it makes an identity (tls::CheckIdentity); InvalidArgument naming
+  // `cert_what` or `key_what` (the flags or options that named them) otherwise, or when
+  // one cannot be read.
+  [[nodiscard]] static absl::StatusOr<Pem> Read(const std::string& cert_file, const std::string& cert_what,
+                                                const std::string& key_file, const std::string& key_what);
 
   // Reads both files. InvalidArgument naming `cert_what` or `key_what` (the flags or
   // options that named them) when one cannot be read or they make no identity;
