@@ -312,7 +312,9 @@ TEST_F(TlsTest, AClientTrustsACaAddedToItsBundleAfterItConnected) {
 TEST_F(TlsTest, WithClientCasOnlyCallersPresentingACertificateOfThemAreServed) {
   std::vector<std::string> flags = ServerTls();
   flags.push_back("--tls_client_ca_file=" + File("ca.pem"));
-  TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {flags, flags});
+  std::vector<std::string> read_once = flags;  // server 1: the files read once, not watched
+  read_once.push_back("--tls_reload_interval=0");
+  TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {flags, read_once});
   const ClientOptions presenting{.servers = cluster.addresses(),
                                  .token = cluster.token(),
                                  .timeout = absl::Seconds(20),
