@@ -3,15 +3,30 @@
 #include <grpcpp/server_context.h>
 #include <spdlog/spdlog.h>
 
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "server/log.h"
 
 namespace flatshard::server {
 namespace {
+
+// The caller as the log names it: its address, then, with mutual TLS, the names its
+// certificate gives (subject alternative names, or the common name).
+std::string Caller(const grpc::ServerContextBase& context) {
+  std::string caller = context.peer();
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return caller;
+  std::vector<std::string> names;
+  for (const grpc::string_ref& name : auth->GetPeerIdentity()) names.emplace_back(name.data(), name.size());
+  return absl::StrCat(caller, " (", absl::StrJoin(names, ","), ")");
+}
 
 class RequestLog : public grpc::experimental::Interceptor {
  public:
@@ -27,7 +42,7 @@ class RequestLog : public grpc::experimental::Interceptor {
       const spdlog::level::level_enum level = WorthAWarning(code) ? spdlog::level::warn : spdlog::level::debug;
       if (spdlog::should_log(level)) {
         const double ms = absl::ToDoubleMilliseconds(took);
-        const std::string peer = info_->server_context()->peer();
+        const std::string peer = Caller(*info_->server_context());
         if (status.ok()) {
           spdlog::log(level, "rpc {} from {}: OK in {:.1f} ms", info_->method(), peer, ms);
         } else {

@@ -1,7 +1,8 @@
 // RequestLog: a gRPC server interceptor that times every control-plane call into
 // `latencies` (by method, "flatshard.v1.Flatshard/GetStatus": from its arrival to its
 // status sent) and logs its outcome (server/log.h): at debug every call with its method,
-// peer, code and time; at warning the refusals WorthAWarning picks, whatever the level.
+// peer (with mutual TLS, also the names its client certificate gives), code and time; at
+// warning the refusals WorthAWarning picks, whatever the level.
 // Thread-safe: one interceptor per call; `latencies` must outlive the gRPC server.
 //
 //   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;

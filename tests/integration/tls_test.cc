@@ -314,7 +314,9 @@ TEST_F(TlsTest, WithClientCasOnlyCallersPresentingACertificateOfThemAreServed) {
   flags.push_back("--tls_client_ca_file=" + File("ca.pem"));
   std::vector<std::string> read_once = flags;  // server 1: the files read once, not watched
   read_once.push_back("--tls_reload_interval=0");
-  TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {flags, read_once});
+  std::vector<std::string> logging = flags;  // server 0: every call in its log
+  logging.insert(logging.end(), {"--log_level=debug", "--log_file=" + File("mtls-0.log")});
+  TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {logging, read_once});
   const ClientOptions presenting{.servers = cluster.addresses(),
                                  .token = cluster.token(),
                                  .timeout = absl::Seconds(20),
@@ -369,6 +371,10 @@ TEST_F(TlsTest, WithClientCasOnlyCallersPresentingACertificateOfThemAreServed) {
     EXPECT_TRUE(status->tls_client_certificates());
   }
   EXPECT_TRUE((*client)->ConfigureJob({.max_grad_norm = 1.0}).ok());
+  // The log names each caller by its certificate (client.pem's common name is "client").
+  const std::string log = ReadFileToString(File("mtls-0.log")).value_or("");
+  EXPECT_TRUE(absl::StrContains(log, "rpc /flatshard.v1.Flatshard/ConfigureJob from ipv4:127.0.0.1:")) << log;
+  EXPECT_TRUE(absl::StrContains(log, " (client): OK in ")) << log;
 
   // A server whose own certificate its peers would refuse does not start, and says why.
   const auto [code, output] = testing::RunCommand(absl::StrCat(
