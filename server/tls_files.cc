@@ -72,6 +72,7 @@ uint64_t TlsFiles::generation() const {
 absl::Time TlsFiles::expiry() const { return pair_->current().expiry; }
 
 bool TlsFiles::Reload() {
+  absl::MutexLock reloading(&reload_mu_);
   // With client CAs, the pair and the client bundle must go together (CheckPeersAccept).
   auto verifies = [this](const std::string& cert_chain, const std::string& client_root_certs) {
     if (client_roots_ == nullptr) return absl::OkStatus();

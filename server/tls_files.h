@@ -58,8 +58,9 @@ class TlsFiles {
   uint64_t generation() const;
   // When the pair in use expires: its chain's earliest notAfter.
   absl::Time expiry() const;
-  // Reads the files now (the thread does it every interval): whether anything changed.
-  bool Reload();
+  // Reads the files now (the thread does it every interval; one read at a time):
+  // whether anything changed.
+  bool Reload() ABSL_LOCKS_EXCLUDED(reload_mu_, mu_);
 
  private:
   TlsFiles(const TlsOptions& tls, std::unique_ptr<tls::KeyPair> pair, std::unique_ptr<tls::CaBundle> roots,
@@ -69,7 +70,8 @@ class TlsFiles {
   const std::unique_ptr<tls::KeyPair> pair_;
   const std::unique_ptr<tls::CaBundle> roots_;
   const std::unique_ptr<tls::CaBundle> client_roots_;
-  mutable absl::Mutex mu_;
+  absl::Mutex reload_mu_;  // held through a Reload: KeyPair's and CaBundle's are one at a time
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(reload_mu_);
   TlsOptions current_ ABSL_GUARDED_BY(mu_);  // its PEM texts are pair_'s and the bundles'
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::string last_refused_ ABSL_GUARDED_BY(mu_);  // why the last read's files were not taken
