@@ -3,10 +3,18 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "tls/certificates.h"
 #include "tls/credentials.h"
 
 namespace flatshard::client_internal {
 namespace {
+
+// tls::CheckClientUse for the client certificate of `cert_file`: one that may not prove a
+// client is refused at Connect, and not taken as a renewal, rather than refused by every
+// server's handshake.
+absl::Status UsableByAClient(const std::string& cert_file, const tls::KeyPair::Pem& pair) {
+  return tls::CheckClientUse(pair.cert_chain, absl::StrCat("tls_cert_file=", cert_file));
+}
 
 absl::StatusOr<ControlCredentials> Reloaded(const ClientOptions& options) {
   auto files = std::make_unique<WatchedTlsFiles>();
@@ -14,11 +22,15 @@ absl::StatusOr<ControlCredentials> Reloaded(const ClientOptions& options) {
   if (!options.tls_cert_file.empty()) {
     FLATSHARD_ASSIGN_OR_RETURN(files->pair, tls::KeyPair::Start(options.tls_cert_file, "tls_cert_file",
                                                                 options.tls_key_file, "tls_key_file"));
+    FLATSHARD_RETURN_IF_ERROR(UsableByAClient(options.tls_cert_file, files->pair->current()));
   }
-  files->reloader = std::make_unique<tls::Reloader>(options.tls_reload_interval, [files = files.get()] {
-    (void)files->bundle->Reload();
-    if (files->pair != nullptr) (void)files->pair->Reload();
-  });
+  files->reloader = std::make_unique<tls::Reloader>(
+      options.tls_reload_interval, [files = files.get(), cert_file = options.tls_cert_file] {
+        (void)files->bundle->Reload();
+        if (files->pair != nullptr) {
+          (void)files->pair->Reload([&](const tls::KeyPair::Pem& pem) { return UsableByAClient(cert_file, pem); });
+        }
+      });
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       tls::WatchedChannelCredentials(files->bundle.get(), files->pair.get(), options.tls_reload_interval);
   return ControlCredentials{std::move(credentials), std::move(files)};
@@ -30,6 +42,7 @@ absl::StatusOr<ControlCredentials> ReadOnce(const ClientOptions& options) {
   if (!options.tls_cert_file.empty()) {
     FLATSHARD_ASSIGN_OR_RETURN(tls::KeyPair::Pem pair, tls::KeyPair::Read(options.tls_cert_file, "tls_cert_file",
                                                                           options.tls_key_file, "tls_key_file"));
+    FLATSHARD_RETURN_IF_ERROR(UsableByAClient(options.tls_cert_file, pair));
     ssl.pem_cert_chain = std::move(pair.cert_chain);
     ssl.pem_private_key = std::move(pair.private_key);
   }

@@ -6,6 +6,7 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 #include <openssl/x509_vfy.h>
+#include <openssl/x509v3.h>
 
 #include <algorithm>
 #include <ctime>
@@ -115,6 +116,19 @@ absl::StatusOr<absl::Time> CheckIdentity(const std::string& cert_chain, absl::st
                      ": no client or peer would accept it"));
   }
   return expiry;
+}
+
+absl::Status CheckClientUse(const std::string& cert_chain, absl::string_view what) {
+  const Cert cert = Certificates(cert_chain).Next();
+  // X509_PURPOSE_SSL_CLIENT: the purpose a TLS server verifies a client's certificate for.
+  const bool usable = cert != nullptr && X509_check_purpose(cert.get(), X509_PURPOSE_SSL_CLIENT, 0) == 1;
+  ERR_clear_error();
+  if (!usable) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the certificate may not prove a TLS client (its extendedKeyUsage lacks clientAuth): servers that "
+              "ask for client certificates refuse it"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckClientCertificate(const std::string& cert_chain, absl::string_view chain_what,

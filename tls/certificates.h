@@ -37,6 +37,12 @@ namespace flatshard::tls {
 [[nodiscard]] absl::StatusOr<absl::Time> CheckIdentity(const std::string& cert_chain, absl::string_view chain_what,
                                                        const std::string& private_key, absl::string_view key_what);
 
+// OK if the first certificate of `cert_chain` may prove a TLS client (its extended key
+// usage names clientAuth, or it has none); otherwise InvalidArgument naming `what`: a
+// server that asks for client certificates would refuse it, whoever signed it.
+// Precondition: CheckCertificates(cert_chain) is OK.
+[[nodiscard]] absl::Status CheckClientUse(const std::string& cert_chain, absl::string_view what);
+
 // OK if the first certificate of `cert_chain` (with the rest of the chain as its
 // intermediates) verifies against the CAs of `roots` as a TLS client's, as a server that
 // asks for client certificates checks it: signed by one of them, in its validity period,

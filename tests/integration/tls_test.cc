@@ -356,6 +356,16 @@ TEST_F(TlsTest, WithClientCasOnlyCallersPresentingACertificateOfThemAreServed) {
   ClientOptions plaintext = presenting;
   plaintext.tls_ca_file = "";
   EXPECT_TRUE(absl::IsInvalidArgument(Client::Connect(plaintext).status())) << "a client certificate without TLS";
+  ClientOptions server_only = presenting;
+  server_only.tls_cert_file = File("server-only.pem");
+  server_only.tls_key_file = File("server-only.key");
+  for (absl::Duration interval : {absl::ZeroDuration(), absl::Minutes(5)}) {
+    server_only.tls_reload_interval = interval;
+    refused = Client::Connect(server_only);
+    EXPECT_TRUE(absl::IsInvalidArgument(refused.status()) &&
+                absl::StrContains(refused.status().message(), "lacks clientAuth"))
+        << refused.status();
+  }
 
   // The commands present theirs too, and show that the servers ask for one; the cluster
   // serves on after the refusals.

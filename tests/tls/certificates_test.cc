@@ -1,7 +1,7 @@
 // tls/certificates.h: CheckCertificates takes whole bundles only, CheckKeyPair a
 // certificate's own key only, CertificateChainExpiry matches `openssl x509 -enddate`: a
 // chain expires with its first certificate to, CheckIdentity refuses an expired
-// certificate, and CheckClientCertificate checks the signer and the key usage.
+// certificate, CheckClientUse the key usage and CheckClientCertificate the signer too.
 #include "tls/certificates.h"
 
 #include <gtest/gtest.h>
@@ -77,6 +77,15 @@ TEST_F(CertificatesTest, AnIdentityIsAKeyAndItsUnexpiredCertificate) {
   EXPECT_TRUE(absl::StartsWith(expired.message(), "cert: a certificate of the chain expired ")) << expired;
   EXPECT_TRUE(absl::IsInvalidArgument(
       CheckIdentity(Read("server.pem").substr(0, 100), "cert", Read("server.key"), "key").status()));
+}
+
+TEST_F(CertificatesTest, OnlyACertificateForClientUseMayProveAClient) {
+  for (const char* good : {"client.pem", "server.pem"}) {  // server.pem: no key usage named
+    EXPECT_TRUE(CheckClientUse(Read(good), good).ok()) << good;
+  }
+  EXPECT_EQ(CheckClientUse(Read("server-only.pem"), "cert").message(),
+            "cert: the certificate may not prove a TLS client (its extendedKeyUsage lacks clientAuth): servers that "
+            "ask for client certificates refuse it");
 }
 
 TEST_F(CertificatesTest, AClientCertificateMustBeSignedByABundleCaForClientUse) {
