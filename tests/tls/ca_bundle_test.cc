@@ -7,13 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
-#include "core/file.h"
-#include "tests/scratch_dir.h"
-#include "tests/test_certificates.h"
+#include "tests/tls/certificates_dir.h"
 #include "tests/tls/tls_handshake.h"
 #include "tls/credentials.h"
 #include "tls/reloader.h"
@@ -21,38 +17,30 @@
 namespace flatshard::tls {
 namespace {
 
-std::string ReadFile(const std::string& path) { return ReadFileToString(path).value_or(""); }
-
-class CaBundleTest : public ::testing::Test {
+class CaBundleTest : public testing::CertificatesDir {
  protected:
   void SetUp() override {
-    ASSERT_TRUE(testing::MakeTestCertificates(dir_.path()));
-    std::filesystem::copy_file(File("ca.pem"), File("bundle.pem"));
+    CertificatesDir::SetUp();
+    Use("ca.pem", "bundle.pem");
   }
-  std::string File(const std::string& name) const { return absl::StrCat(dir_.path(), "/", name); }
-  void Write(const std::string& name, const std::string& text) const {
-    std::ofstream(File(name), std::ios::trunc) << text;
-  }
-
-  const testing::ScratchDir dir_{"ca-bundle"};
 };
 
 TEST_F(CaBundleTest, ANewBundleIsTakenAndOneCutShortOrGoneIsNot) {
   auto bundle = CaBundle::Start(File("bundle.pem"), "tls_ca_file");
   ASSERT_TRUE(bundle.ok()) << bundle.status();
-  EXPECT_EQ((*bundle)->current(), ReadFile(File("ca.pem")));
+  EXPECT_EQ((*bundle)->current(), Read("ca.pem"));
   EXPECT_EQ((*bundle)->Reload().value_or(true), false) << "nothing changed";
 
-  const std::string both = ReadFile(File("ca.pem")) + ReadFile(File("other-ca.pem"));
+  const std::string both = Read("ca.pem") + Read("other-ca.pem");
   Write("bundle.pem", both);
   auto refuse = [](const std::string&) { return absl::FailedPreconditionError("not this one"); };
   EXPECT_EQ((*bundle)->Reload(refuse).status().message(), "not this one");
-  EXPECT_EQ((*bundle)->current(), ReadFile(File("ca.pem"))) << "refused by its owner";
+  EXPECT_EQ((*bundle)->current(), Read("ca.pem")) << "refused by its owner";
   EXPECT_EQ((*bundle)->Reload().value_or(false), true);
   EXPECT_EQ((*bundle)->current(), both);
 
-  const std::string other = ReadFile(File("other-ca.pem"));
-  Write("bundle.pem", ReadFile(File("ca.pem")) + other.substr(0, other.size() / 2));  // being written
+  const std::string other = Read("other-ca.pem");
+  Write("bundle.pem", Read("ca.pem") + other.substr(0, other.size() / 2));  // being written
   absl::StatusOr<bool> cut = (*bundle)->Reload();
   EXPECT_TRUE(absl::IsInvalidArgument(cut.status())) << cut.status();
   EXPECT_TRUE(absl::StrContains(cut.status().message(), "certificate 2 of 2 does not parse")) << cut.status();
@@ -70,9 +58,9 @@ TEST_F(CaBundleTest, CredentialsCheckTheBundleOfTheMomentAndTheHostName) {
   ASSERT_TRUE(bundle.ok()) << bundle.status();
   const Reloader reloader(absl::Seconds(1), [&] { (void)(*bundle)->Reload(); });
   const auto credentials = WatchedChannelCredentials(bundle->get(), nullptr, absl::Seconds(1));
-  const testing::TlsServer signed_by_ca(ReadFile(File("server.pem")), ReadFile(File("server.key")));
-  const testing::TlsServer signed_by_other(ReadFile(File("other-server.pem")), ReadFile(File("other-server.key")));
-  const testing::TlsServer another_host(ReadFile(File("elsewhere.pem")), ReadFile(File("elsewhere.key")));
+  const testing::TlsServer signed_by_ca(Read("server.pem"), Read("server.key"));
+  const testing::TlsServer signed_by_other(Read("other-server.pem"), Read("other-server.key"));
+  const testing::TlsServer another_host(Read("elsewhere.pem"), Read("elsewhere.key"));
   ASSERT_TRUE(signed_by_ca.server && signed_by_other.server && another_host.server);
 
   EXPECT_TRUE(testing::Handshakes(credentials, signed_by_ca.port));
@@ -81,13 +69,13 @@ TEST_F(CaBundleTest, CredentialsCheckTheBundleOfTheMomentAndTheHostName) {
 
   // The other CA joins the bundle: the same credentials trust it once the file is read
   // again (every second here), without new credentials.
-  Write("bundle.pem", ReadFile(File("ca.pem")) + ReadFile(File("other-ca.pem")));
+  Write("bundle.pem", Read("ca.pem") + Read("other-ca.pem"));
   EXPECT_TRUE(testing::ComesToHandshake(credentials, signed_by_other.port, true)) << "the new bundle was not taken";
   EXPECT_TRUE(testing::Handshakes(credentials, signed_by_ca.port));
   EXPECT_FALSE(testing::Handshakes(credentials, another_host.port));
 
   // A bundle cut short in the middle of its writing changes nothing.
-  const std::string other = ReadFile(File("other-ca.pem"));
+  const std::string other = Read("other-ca.pem");
   Write("bundle.pem", other.substr(0, other.size() / 2));
   absl::SleepFor(absl::Seconds(3));  // three reloads
   EXPECT_TRUE(testing::Handshakes(credentials, signed_by_ca.port));

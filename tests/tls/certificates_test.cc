@@ -9,22 +9,13 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/file.h"
 #include "tests/run_command.h"
-#include "tests/scratch_dir.h"
-#include "tests/test_certificates.h"
+#include "tests/tls/certificates_dir.h"
 
 namespace flatshard::tls {
 namespace {
 
-class CertificatesTest : public ::testing::Test {
- protected:
-  void SetUp() override { ASSERT_TRUE(testing::MakeTestCertificates(dir_.path())); }
-  std::string File(const std::string& name) const { return absl::StrCat(dir_.path(), "/", name); }
-  std::string Read(const std::string& name) const { return ReadFileToString(File(name)).value_or(""); }
-
-  const testing::ScratchDir dir_{"certificates"};
-};
+class CertificatesTest : public testing::CertificatesDir {};
 
 TEST_F(CertificatesTest, OnlyWholeCertificatesPass) {
   const std::string both = Read("ca.pem") + Read("other-ca.pem");

@@ -6,34 +6,23 @@
 
 #include <gtest/gtest.h>
 
-#include <filesystem>
-#include <fstream>
+#include <memory>
+#include <string>
 
-#include "absl/strings/str_cat.h"
-#include "core/file.h"
-#include "tests/scratch_dir.h"
-#include "tests/test_certificates.h"
+#include "tests/tls/certificates_dir.h"
 #include "tests/tls/tls_handshake.h"
 #include "tls/reloader.h"
 
 namespace flatshard::tls {
 namespace {
 
-class CredentialsTest : public ::testing::Test {
+class CredentialsTest : public testing::CertificatesDir {
  protected:
-  void SetUp() override { ASSERT_TRUE(testing::MakeTestCertificates(dir_.path())); }
-  std::string File(const std::string& name) const { return absl::StrCat(dir_.path(), "/", name); }
-  std::string Read(const std::string& name) const { return ReadFileToString(File(name)).value_or(""); }
-  void Use(const std::string& from, const std::string& to) const {
-    std::filesystem::copy_file(File(from), File(to), std::filesystem::copy_options::overwrite_existing);
-  }
   // Credentials trusting ca.pem and presenting `name`.pem (none for "").
   std::shared_ptr<grpc::ChannelCredentials> Presenting(const std::string& name) const {
     return name.empty() ? testing::ClientCredentials(Read("ca.pem"))
                         : testing::ClientCredentials(Read("ca.pem"), Read(name + ".pem"), Read(name + ".key"));
   }
-
-  const testing::ScratchDir dir_{"credentials"};
 };
 
 TEST_F(CredentialsTest, AClientPresentsItsCertificateAndItsRenewal) {
@@ -66,7 +55,7 @@ TEST_F(CredentialsTest, AClientPresentsItsCertificateAndItsRenewal) {
 }
 
 TEST_F(CredentialsTest, AServerTakesClientsTheBundleOfTheMomentSigned) {
-  std::filesystem::copy_file(File("ca.pem"), File("clients.pem"));
+  Use("ca.pem", "clients.pem");
   auto pair = KeyPair::Start(File("server.pem"), "--tls_cert_file", File("server.key"), "--tls_key_file");
   auto clients = CaBundle::Start(File("clients.pem"), "--tls_client_ca_file");
   ASSERT_TRUE(pair.ok() && clients.ok()) << pair.status() << clients.status();
@@ -80,7 +69,7 @@ TEST_F(CredentialsTest, AServerTakesClientsTheBundleOfTheMomentSigned) {
   EXPECT_EQ(testing::PresentedName(Presenting("other-client"), server), "(refused)") << "a CA not in the bundle";
   EXPECT_EQ(testing::PresentedName(Presenting("server-only"), server), "(refused)") << "not for client use";
 
-  std::ofstream(File("clients.pem"), std::ios::trunc) << Read("ca.pem") + Read("other-ca.pem");
+  Write("clients.pem", Read("ca.pem") + Read("other-ca.pem"));
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (testing::PresentedName(Presenting("other-client"), server) != "other-client" && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(200));

@@ -8,31 +8,23 @@
 #include <filesystem>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
 #include "core/file.h"
-#include "tests/scratch_dir.h"
-#include "tests/test_certificates.h"
+#include "tests/tls/certificates_dir.h"
 
 namespace flatshard::tls {
 namespace {
 
-class KeyPairTest : public ::testing::Test {
+class KeyPairTest : public testing::CertificatesDir {
  protected:
   void SetUp() override {
-    ASSERT_TRUE(testing::MakeTestCertificates(dir_.path()));
+    CertificatesDir::SetUp();
     Use("client.pem", "cert.pem");
     Use("client.key", "key.pem");
-  }
-  std::string File(const std::string& name) const { return absl::StrCat(dir_.path(), "/", name); }
-  std::string Read(const std::string& name) const { return ReadFileToString(File(name)).value_or(""); }
-  void Use(const std::string& from, const std::string& to) const {
-    std::filesystem::copy_file(File(from), File(to), std::filesystem::copy_options::overwrite_existing);
   }
   absl::StatusOr<std::unique_ptr<KeyPair>> Start() const {
     return KeyPair::Start(File("cert.pem"), "tls_cert_file", File("key.pem"), "tls_key_file");
   }
 
-  const testing::ScratchDir dir_{"key-pair"};
 };
 
 TEST_F(KeyPairTest, ARenewedPairIsTakenOnceBothFilesAreWritten) {
