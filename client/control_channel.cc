@@ -32,7 +32,7 @@ absl::StatusOr<ControlCredentials> Reloaded(const ClientOptions& options) {
         }
       });
   std::shared_ptr<grpc::ChannelCredentials> credentials =
-      tls::WatchedChannelCredentials(files->bundle.get(), files->pair.get(), options.tls_reload_interval);
+      tls::WatchedChannelCredentials(files->bundle.get(), files->pair.get());
   return ControlCredentials{std::move(credentials), std::move(files)};
 }
 

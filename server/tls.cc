@@ -49,7 +49,7 @@ absl::Status CheckPeersAccept(const TlsOptions& tls) {
 
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files) {
   if (!tls.enabled()) return grpc::InsecureServerCredentials();
-  if (files != nullptr) return tls::WatchedServerCredentials(files->pair(), files->client_roots(), tls.reload_interval);
+  if (files != nullptr) return tls::WatchedServerCredentials(files->pair(), files->client_roots());
   grpc::SslServerCredentialsOptions options(tls.requires_client_certificates()
                                                 ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
                                                 : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
@@ -60,7 +60,7 @@ std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls
 
 std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls, const TlsFiles* files) {
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
-  if (files != nullptr) return tls::WatchedChannelCredentials(files->ca_bundle(), &files->pair(), tls.reload_interval);
+  if (files != nullptr) return tls::WatchedChannelCredentials(files->ca_bundle(), &files->pair());
   grpc::SslCredentialsOptions options;
   options.pem_root_certs = tls.root_certs;  // empty: gRPC's default roots
   options.pem_private_key = tls.private_key;

@@ -7,7 +7,6 @@
 #include <grpcpp/security/tls_certificate_verifier.h>
 #include <grpcpp/security/tls_credentials_options.h>
 
-#include <algorithm>
 #include <string>
 
 namespace flatshard::tls {
@@ -15,20 +14,18 @@ namespace {
 
 // A watcher of what `identity` and `roots` publish (either may be null).
 std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> Watcher(const KeyPair* identity,
-                                                                            const CaBundle* roots,
-                                                                            absl::Duration refresh) {
+                                                                            const CaBundle* roots) {
   const std::string pair = identity != nullptr ? identity->watched_path() : "";
   return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
       pair, pair, roots != nullptr ? roots->watched_path() : "",
-      static_cast<unsigned int>(std::max<int64_t>(1, absl::ToInt64Seconds(refresh))));
+      static_cast<unsigned int>(absl::ToInt64Seconds(kWatcherRefresh)));
 }
 
 }  // namespace
 
-std::shared_ptr<grpc::ChannelCredentials> WatchedChannelCredentials(const CaBundle* roots, const KeyPair* identity,
-                                                                    absl::Duration refresh) {
+std::shared_ptr<grpc::ChannelCredentials> WatchedChannelCredentials(const CaBundle* roots, const KeyPair* identity) {
   grpc::experimental::TlsChannelCredentialsOptions options;
-  options.set_certificate_provider(Watcher(identity, roots, refresh));
+  options.set_certificate_provider(Watcher(identity, roots));
   if (roots != nullptr) options.watch_root_certs();  // otherwise gRPC's default roots
   if (identity != nullptr) options.watch_identity_key_cert_pairs();
   options.set_certificate_verifier(std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
@@ -36,9 +33,8 @@ std::shared_ptr<grpc::ChannelCredentials> WatchedChannelCredentials(const CaBund
 }
 
 std::shared_ptr<grpc::ServerCredentials> WatchedServerCredentials(const KeyPair& identity,
-                                                                  const CaBundle* client_roots,
-                                                                  absl::Duration refresh) {
-  grpc::experimental::TlsServerCredentialsOptions options(Watcher(&identity, client_roots, refresh));
+                                                                  const CaBundle* client_roots) {
+  grpc::experimental::TlsServerCredentialsOptions options(Watcher(&identity, client_roots));
   options.watch_identity_key_cert_pairs();
   if (client_roots != nullptr) {
     options.watch_root_certs();

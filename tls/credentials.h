@@ -1,8 +1,9 @@
 // gRPC credentials over files kept current (tls/ca_bundle.h, tls/key_pair.h): gRPC's
-// certificate watchers read their published files every `refresh`, so the handshakes
-// that follow a Reload use what it took, and connections already open carry on.
+// certificate watchers read their published files every kWatcherRefresh (a small read of
+// a memfd), so the handshakes that start a second after a Reload use what it took, and
+// connections already open carry on.
 //
-//   auto channel = grpc::CreateChannel(address, WatchedChannelCredentials(bundle.get(), pair.get(), interval));
+//   auto channel = grpc::CreateChannel(address, WatchedChannelCredentials(bundle.get(), pair.get()));
 #ifndef FLATSHARD_TLS_CREDENTIALS_H_
 #define FLATSHARD_TLS_CREDENTIALS_H_
 
@@ -19,19 +20,19 @@ class ServerCredentials;
 
 namespace flatshard::tls {
 
+inline constexpr absl::Duration kWatcherRefresh = absl::Seconds(1);
+
 // Credentials of a TLS client that checks the host name a server is dialed by against
 // its certificate, and the certificate against `roots` (null: the system's roots), and
 // presents `identity` to a server that asks for a client certificate (null: none).
 // Precondition: at least one is not null; both outlive what is returned.
-std::shared_ptr<grpc::ChannelCredentials> WatchedChannelCredentials(const CaBundle* roots, const KeyPair* identity,
-                                                                    absl::Duration refresh);
+std::shared_ptr<grpc::ChannelCredentials> WatchedChannelCredentials(const CaBundle* roots, const KeyPair* identity);
 
 // Credentials of a TLS server presenting `identity`; with `client_roots`, it asks every
 // client for a certificate and completes only handshakes whose certificate those CAs
 // signed. Precondition: both outlive what is returned.
 std::shared_ptr<grpc::ServerCredentials> WatchedServerCredentials(const KeyPair& identity,
-                                                                  const CaBundle* client_roots,
-                                                                  absl::Duration refresh);
+                                                                  const CaBundle* client_roots);
 
 }  // namespace flatshard::tls
 

@@ -57,7 +57,7 @@ TEST_F(CaBundleTest, CredentialsCheckTheBundleOfTheMomentAndTheHostName) {
   auto bundle = CaBundle::Start(File("bundle.pem"), "tls_ca_file");
   ASSERT_TRUE(bundle.ok()) << bundle.status();
   const Reloader reloader(absl::Seconds(1), [&] { (void)(*bundle)->Reload(); });
-  const auto credentials = WatchedChannelCredentials(bundle->get(), nullptr, absl::Seconds(1));
+  const auto credentials = WatchedChannelCredentials(bundle->get(), nullptr);
   const testing::TlsServer signed_by_ca(Read("server.pem"), Read("server.key"));
   const testing::TlsServer signed_by_other(Read("other-server.pem"), Read("other-server.key"));
   const testing::TlsServer another_host(Read("elsewhere.pem"), Read("elsewhere.key"));

@@ -32,7 +32,7 @@ TEST_F(CredentialsTest, AClientPresentsItsCertificateAndItsRenewal) {
   auto pair = KeyPair::Start(File("cert.pem"), "tls_cert_file", File("key.pem"), "tls_key_file");
   ASSERT_TRUE(bundle.ok() && pair.ok()) << bundle.status() << pair.status();
   const Reloader reloader(absl::Seconds(1), [&] { (void)(*pair)->Reload(); });
-  const auto credentials = WatchedChannelCredentials(bundle->get(), pair->get(), absl::Seconds(1));
+  const auto credentials = WatchedChannelCredentials(bundle->get(), pair->get());
 
   testing::TlsServer asking(Read("server.pem"), Read("server.key"), Read("ca.pem"));
   testing::TlsServer not_asking(Read("server.pem"), Read("server.key"));
@@ -41,7 +41,7 @@ TEST_F(CredentialsTest, AClientPresentsItsCertificateAndItsRenewal) {
   EXPECT_EQ(testing::PresentedName(credentials, asking), "client");
   EXPECT_EQ(testing::PresentedName(credentials, not_asking), "(none)");
   EXPECT_EQ(testing::PresentedName(credentials, asking_other_ca), "(refused)");
-  EXPECT_EQ(testing::PresentedName(WatchedChannelCredentials(bundle->get(), nullptr, absl::Seconds(1)), asking),
+  EXPECT_EQ(testing::PresentedName(WatchedChannelCredentials(bundle->get(), nullptr), asking),
             "(refused)")
       << "no certificate";
 
@@ -60,7 +60,7 @@ TEST_F(CredentialsTest, AServerTakesClientsTheBundleOfTheMomentSigned) {
   auto clients = CaBundle::Start(File("clients.pem"), "--tls_client_ca_file");
   ASSERT_TRUE(pair.ok() && clients.ok()) << pair.status() << clients.status();
   const Reloader reloader(absl::Seconds(1), [&] { (void)(*clients)->Reload(); });
-  testing::TlsServer server(WatchedServerCredentials(**pair, clients->get(), absl::Seconds(1)));
+  testing::TlsServer server(WatchedServerCredentials(**pair, clients->get()));
   ASSERT_TRUE(server.server);
 
   EXPECT_EQ(testing::PresentedName(Presenting("client"), server), "client");
