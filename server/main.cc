@@ -35,7 +35,8 @@ ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
 ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Minutes(5),
           "how often --tls_cert_file, --tls_key_file, --tls_ca_file and --tls_client_ca_file are read again, "
           "so that a renewed certificate is served, and a new CA bundle checked against, without a restart; "
-          "a key that is not the certificate's, or a file that does not parse, is ignored until it is (0: never)");
+          "a key that is not the certificate's, or a file that does not parse, is ignored until it is (0: never); "
+          "SIGHUP reads them at once");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM CA bundle the other servers' certificates are checked against (empty: the "
           "system's roots)");
@@ -166,12 +167,15 @@ int main(int argc, char** argv) {
   // Past a file size limit (`ulimit -f`, LimitFSIZE=) a checkpoint write fails with EFBIG,
   // which the save reports as RESOURCE_EXHAUSTED, instead of SIGXFSZ killing the server.
   signal(SIGXFSZ, SIG_IGN);
-  // Block the stop signals in every thread; the main thread waits for them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // Block the stop signals and SIGHUP in every thread; the main thread waits for them.
+  // SIGHUP (systemctl reload) reads the TLS files again at once, where it used to end the
+  // server as its default action does.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   flatshard::server::Server server(options);
   if (absl::Status started = server.Start(); !started.ok()) {
@@ -188,7 +192,9 @@ int main(int argc, char** argv) {
                options.metrics_listen.empty() ? "" : ", metrics " + server.metrics_url(),
                std::string(flatshard::FlatshardVersion()));
   int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  while (sigwait(&signals, &signal_number) == 0 && signal_number == SIGHUP) {
+    spdlog::info("SIGHUP: {}", server.ReloadTls());
+  }
   spdlog::info("{}: shutting down", strsignal(signal_number));
   server.Shutdown();
   spdlog::info("stopped");

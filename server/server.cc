@@ -237,6 +237,14 @@ std::string Server::cluster_check() const {
   return cluster_check_;
 }
 
+std::string Server::ReloadTls() {
+  if (!options_.tls.enabled()) return "no TLS files to read (plaintext gRPC)";
+  TlsFiles* files = tls_files_.ok() ? tls_files_->get() : nullptr;
+  if (files == nullptr) return "the TLS files are read once (--tls_reload_interval=0): restart to take new ones";
+  return files->Reload() ? "the TLS files were read again and their changes taken"
+                         : "the TLS files were read again: nothing new taken";
+}
+
 void Server::Shutdown() {
   if (!stopping_.HasBeenNotified()) stopping_.Notify();
   if (cluster_check_thread_.joinable()) cluster_check_thread_.join();

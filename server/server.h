@@ -82,6 +82,9 @@ class Server {
 
   [[nodiscard]] absl::Status Start();
   void Shutdown();
+  // Reads the TLS files again now, as every --tls_reload_interval does (SIGHUP): what was
+  // done, for the log (TlsFiles logs what it took and why it took nothing).
+  std::string ReloadTls();
   int control_port() const { return control_port_; }
   // "checking", "agreed" or "mismatch: ..." (see ClusterInfo in the proto).
   std::string cluster_check() const;

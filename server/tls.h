@@ -13,7 +13,8 @@
 // authentication (extendedKeyUsage clientAuth, or none): ValidateTls checks both.
 //
 // A renewed certificate is served without a restart: with a reload interval, the
-// certificate and key files are read again that often (server/tls_files.h), and a new
+// certificate and key files are read again that often, and at once on SIGHUP
+// (server/tls_files.h), and a new
 // pair that goes together is presented by the control plane and the metrics endpoint in
 // the handshakes that follow; a pair that does not (one file replaced before the other,
 // a wrong key) is ignored until it does. So are the CA bundles: the handshakes that follow

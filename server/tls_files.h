@@ -58,8 +58,8 @@ class TlsFiles {
   uint64_t generation() const;
   // When the pair in use expires: its chain's earliest notAfter.
   absl::Time expiry() const;
-  // Reads the files now (the thread does it every interval; one read at a time):
-  // whether anything changed.
+  // Reads the files now (the thread does it every interval, Server::ReloadTls on SIGHUP;
+  // one read at a time): whether anything changed.
   bool Reload() ABSL_LOCKS_EXCLUDED(reload_mu_, mu_);
 
  private:

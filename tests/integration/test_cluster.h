@@ -264,6 +264,10 @@ class TestCluster {
   void Resume(int rank) const {
     if (pids_[rank] > 0) kill(pids_[rank], SIGCONT);
   }
+  // Sends `signal` to server `rank`.
+  void Signal(int rank, int signal) const {
+    if (pids_[rank] > 0) kill(pids_[rank], signal);
+  }
 
   const std::vector<std::string>& addresses() const { return addresses_; }
   // The flags that point the `flatshard` command at these servers: --cluster and

@@ -53,6 +53,16 @@ class TlsTest : public ::testing::Test {
     std::filesystem::create_symlink(version, File(link + ".new"));
     std::filesystem::rename(File(link + ".new"), File(link));
   }
+  // The serial of the certificate `address` presents in a handshake checked against the CA.
+  static std::string Presented(const std::string& address) {
+    return testing::RunCommand(absl::StrCat("timeout 20 openssl s_client -connect ", address,
+                                            " -alpn h2 -CAfile '", File("ca.pem"), "' -verify_return_error "
+                                            "</dev/null 2>/dev/null | openssl x509 -noout -serial"))
+        .second;
+  }
+  static std::string SerialOf(const std::string& cert) {
+    return testing::RunCommand(absl::StrCat("openssl x509 -noout -serial -in '", File(cert), "'")).second;
+  }
   static std::vector<std::string> ServerTls() {
     return {"--tls_cert_file=" + File("server.pem"), "--tls_key_file=" + File("server.key"),
             "--tls_ca_file=" + File("ca.pem")};
@@ -224,17 +234,8 @@ TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   ASSERT_TRUE(statuses[0].ok()) << statuses[0].status();
   const std::string control = cluster.addresses()[0];
   const std::string metrics = statuses[0]->metrics_address();
-  // The serial of the certificate `address` presents in a handshake checked against the CA.
-  auto presented = [&](const std::string& address) {
-    return testing::RunCommand(absl::StrCat("timeout 20 openssl s_client -connect ", address,
-                                            " -alpn h2 -CAfile '", File("ca.pem"), "' -verify_return_error "
-                                            "</dev/null 2>/dev/null | openssl x509 -noout -serial"))
-        .second;
-  };
-  auto serial_of = [&](const std::string& cert) {
-    return testing::RunCommand(absl::StrCat("openssl x509 -noout -serial -in '", File(cert), "'")).second;
-  };
-  const std::string first = serial_of("server.pem"), renewed = serial_of("server2.pem");
+  auto presented = [&](const std::string& address) { return Presented(address); };
+  const std::string first = SerialOf("server.pem"), renewed = SerialOf("server2.pem");
   ASSERT_NE(first, renewed);
   EXPECT_EQ(presented(control), first);
   EXPECT_EQ(presented(metrics), first);
@@ -273,6 +274,36 @@ TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   EXPECT_EQ(presented(control), renewed);
   EXPECT_EQ(presented(metrics), renewed);
   EXPECT_TRUE(Client::Connect(trusting).ok());
+}
+
+// SIGHUP (systemctl reload) reads the TLS files at once: a renewal is served within a
+// second or two, not at the next reload interval (an hour here). A plaintext server
+// carries on after one, where the signal's default action would have ended it.
+TEST_F(TlsTest, SighupTakesRenewedFilesAtOnce) {
+  Publish("hup", "hup-v1", "server.pem", "server.key");
+  TestCluster cluster(1, "tls-token", ::testing::TempDir(), "",
+                      {{"--tls_cert_file=" + File("hup/cert.pem"), "--tls_key_file=" + File("hup/key.pem"),
+                        "--tls_reload_interval=1h"}});
+  ASSERT_TRUE(cluster.Connect({.timeout = absl::Seconds(10), .tls_ca_file = File("ca.pem")}).ok());
+  const std::string control = cluster.addresses()[0];
+  EXPECT_EQ(Presented(control), SerialOf("server.pem"));
+  Publish("hup", "hup-v2", "server2.pem", "server2.key");
+  absl::SleepFor(absl::Seconds(2));
+  EXPECT_EQ(Presented(control), SerialOf("server.pem")) << "taken before the interval without a SIGHUP";
+  cluster.Signal(0, SIGHUP);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (Presented(control) != SerialOf("server2.pem") && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(Presented(control), SerialOf("server2.pem"));
+  EXPECT_LT(absl::Now(), deadline - absl::Seconds(15)) << "within a few seconds of the signal";
+
+  TestCluster plaintext(1, "tls-token", ::testing::TempDir(), "");
+  auto client = plaintext.Connect({.timeout = absl::Seconds(10)});
+  ASSERT_TRUE(client.ok()) << client.status();
+  plaintext.Signal(0, SIGHUP);
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_TRUE((*client)->ConfigureJob({}).ok()) << "the server is gone after a SIGHUP";
 }
 
 // A CA rotation seen from a client: a CA added to its bundle after it connected is
