@@ -48,20 +48,18 @@ TlsFiles::TlsFiles(const TlsOptions& tls, std::unique_ptr<tls::KeyPair> pair, st
     : initial_(tls),
       pair_(std::move(pair)),
       roots_(std::move(roots)),
-      client_roots_(std::move(client_roots)),
-      current_(tls) {
-  const tls::KeyPair::Pem pem = pair_->current();
-  current_.cert_chain = pem.cert_chain;
-  current_.private_key = pem.private_key;
-  if (roots_ != nullptr) current_.root_certs = roots_->current();
-  if (client_roots_ != nullptr) current_.client_root_certs = client_roots_->current();
-}
+      client_roots_(std::move(client_roots)) {}
 
 TlsFiles::~TlsFiles() { reloader_.reset(); }
 
 TlsOptions TlsFiles::current() const {
-  absl::MutexLock lock(&mu_);
-  return current_;
+  TlsOptions options = initial_;
+  const tls::KeyPair::Pem pem = pair_->current();
+  options.cert_chain = pem.cert_chain;
+  options.private_key = pem.private_key;
+  if (roots_ != nullptr) options.root_certs = roots_->current();
+  if (client_roots_ != nullptr) options.client_root_certs = client_roots_->current();
+  return options;
 }
 
 uint64_t TlsFiles::generation() const {
@@ -103,20 +101,15 @@ bool TlsFiles::Reload() {
   }
   bool changed = false;
   if (pair_changed.value_or(false)) {
-    const tls::KeyPair::Pem pem = pair_->current();
-    current_.cert_chain = pem.cert_chain;
-    current_.private_key = pem.private_key;
     spdlog::info("TLS: presenting the renewed certificate of {}, which expires {}", initial_.cert_file,
-                 When(pem.expiry));
+                 When(pair_->current().expiry));
     changed = true;
   }
   if (roots_changed.value_or(false)) {
-    current_.root_certs = roots_->current();
     spdlog::info("TLS: the peers' certificates are checked against the new CA bundle of {}", initial_.ca_file);
     changed = true;
   }
   if (client_roots_changed.value_or(false)) {
-    current_.client_root_certs = client_roots_->current();
     spdlog::info("TLS: callers' certificates are checked against the new CA bundle of {}", initial_.client_ca_file);
     changed = true;
   }

@@ -53,7 +53,8 @@ class TlsFiles {
   // checked against the system's roots; callers present no certificate).
   const tls::CaBundle* ca_bundle() const { return roots_.get(); }
   const tls::CaBundle* client_roots() const { return client_roots_.get(); }
-  // The pair and CA bundles in use, and how many times they have changed.
+  // The pair and CA bundles in use (as the options were given, with their PEM texts),
+  // and how many times they have changed.
   TlsOptions current() const;
   uint64_t generation() const;
   // When the pair in use expires: its chain's earliest notAfter.
@@ -72,7 +73,6 @@ class TlsFiles {
   const std::unique_ptr<tls::CaBundle> client_roots_;
   absl::Mutex reload_mu_;  // held through a Reload: KeyPair's and CaBundle's are one at a time
   mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(reload_mu_);
-  TlsOptions current_ ABSL_GUARDED_BY(mu_);  // its PEM texts are pair_'s and the bundles'
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::string last_refused_ ABSL_GUARDED_BY(mu_);  // why the last read's files were not taken
   std::unique_ptr<tls::Reloader> reloader_;          // last: stopped first
