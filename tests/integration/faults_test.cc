@@ -981,7 +981,8 @@ TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatStoppedOrWentAwa
     ASSERT_TRUE((*client)->ConfigureJob({}).ok());
     auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
     ASSERT_TRUE(layout.ok()) << layout.status();
-    testing::DeviceBytes device((*layout)->padded_numel() * 4);
+    const int64_t padded_numel = (*layout)->padded_numel();  // the layout goes with the client
+    testing::DeviceBytes device(padded_numel * 4);
     const absl::Status stopped = StopWhileItWaits(
         [&](std::stop_token stop) {
           return (*client)->Gather("g", 1, DType::kFloat32, device.span(), stop).get().status();
@@ -996,7 +997,7 @@ TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatStoppedOrWentAwa
     std::map<std::string, uint64_t> ended = AwaitEnded(cluster, {{op, 2}});
     EXPECT_EQ(ended[op], 2u);
     EXPECT_EQ(ended["connections"], 0u);
-    std::vector<uint32_t> bits((*layout)->padded_numel());
+    std::vector<uint32_t> bits(padded_numel);
     device.Download(AsBytes(bits));
     EXPECT_EQ(bits[0], 0xA5A5A5A5u) << "the abandoned gather wrote into the buffer";
   }

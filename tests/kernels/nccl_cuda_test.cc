@@ -100,7 +100,10 @@ TEST_F(NcclTest, AStopEndsAJoinWhosePeerNeverComes) {
 // A wait whose other side gave the transfer up (PeerGone: its request's connection
 // closed) ends Cancelled at the next check instead of at its deadline, asking at most
 // every kPeerCheck; work found finished is OK however gone the peer is. The unfinished
-// work is a host function that blocks the stream until released (one GPU has no peer).
+// work is a host function that blocks the stream (one GPU has no peer) until the check
+// says the peer went: the abort that follows frees device memory, which waits for every
+// stream of the device, as a real transfer's kernels end once NCCL aborts them. (Seen on
+// an H100: released only after the wait, the abort waited for it, and the test hung.)
 TEST_F(NcclTest, AWaitEndsOnceThePeerIsGoneAndAsksAtMostEveryPeerCheck) {
   absl::StatusOr<std::string> id = NcclCommunicator::NewUniqueId();
   ASSERT_TRUE(id.ok()) << id.status();
@@ -113,18 +116,22 @@ TEST_F(NcclTest, AWaitEndsOnceThePeerIsGoneAndAsksAtMostEveryPeerCheck) {
 
   absl::Notification release;
   ASSERT_EQ(cudaLaunchHostFunc(
-                stream, [](void* released) { static_cast<absl::Notification*>(released)->WaitForNotification(); },
+                stream,
+                [](void* released) {  // bounded: a wait that never ends fails the test, not hangs it
+                  static_cast<absl::Notification*>(released)->WaitForNotificationWithTimeout(absl::Seconds(30));
+                },
                 &release),
             cudaSuccess);
   std::atomic<int> asked = 0;
   const absl::Time start = absl::Now();
   const PeerGone gone_after_300ms = [&] {
     ++asked;
-    return absl::Now() - start > absl::Milliseconds(300);
+    const bool gone = absl::Now() - start > absl::Milliseconds(300);
+    if (gone && !release.HasBeenNotified()) release.Notify();
+    return gone;
   };
   const absl::Status waited = (*comm)->Wait(stream, absl::Seconds(60), {}, gone_after_300ms);
   const absl::Duration took = absl::Now() - start;
-  release.Notify();
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   EXPECT_EQ(waited.code(), absl::StatusCode::kCancelled) << waited;
   EXPECT_NE(waited.message().find("the other side gave the transfer up"), std::string::npos) << waited;
