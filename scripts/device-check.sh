@@ -25,10 +25,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 steps=("${@:-tests training bench}")
 status=0
 pack() { [[ -z "${OUT:-}" ]] || tar -czf "$OUT/device-check.tar.gz" -C "$out" .; }
+# One command may take $STEP_LIMIT seconds (default 300): a test that hangs costs that,
+# not the rest of the lease (seen: one hung test took a whole 510-second call). Servers it
+# left behind (a test killed mid-way does not stop its cluster) are killed after it.
+step_limit=${STEP_LIMIT:-300}
 run() {  # name, command...
   local name=$1; shift
   echo "== $name"
-  "$@" >"$out/$name.log" 2>&1; local rc=$?
+  timeout -k 5 "$step_limit" "$@" >"$out/$name.log" 2>&1; local rc=$?
+  [[ $rc != 124 && $rc != 137 ]] || echo "== $name: killed after ${step_limit}s" | tee -a "$out/$name.log"
+  pkill -KILL -f "^($carry|/work/main/build)/bin/flatshard-server" || true
   tail -n 25 "$out/$name.log"
   echo "== $name: exit $rc"
   [[ $rc == 0 ]] || status=1
