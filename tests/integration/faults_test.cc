@@ -11,6 +11,7 @@
 #include <future>
 #include <limits>
 #include <map>
+#include <memory>
 #include <stop_token>
 
 #include "absl/cleanup/cleanup.h"
@@ -982,6 +983,16 @@ TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatStoppedOrWentAwa
     auto layout = (*client)->RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
     ASSERT_TRUE(layout.ok()) << layout.status();
     const int64_t padded_numel = (*layout)->padded_numel();  // the layout goes with the client
+    // Two gathers at once first: over NCCL each opens a link (a join, which can take
+    // seconds), so that the two below find theirs joined and reach the server's wait for
+    // the version within their 500 ms; the stops would otherwise cut joins instead.
+    std::vector<std::unique_ptr<testing::DeviceBytes>> warm;
+    std::vector<std::future<absl::StatusOr<int64_t>>> warmed;
+    for (int i = 0; i < 2; ++i) {
+      warm.push_back(std::make_unique<testing::DeviceBytes>(padded_numel * 4));
+      warmed.push_back((*client)->Gather("g", 0, DType::kFloat32, warm.back()->span()));
+    }
+    for (auto& future : warmed) ASSERT_EQ(future.get().value_or(-1), 0);
     testing::DeviceBytes device(padded_numel * 4);
     const absl::Status stopped = StopWhileItWaits(
         [&](std::stop_token stop) {
@@ -994,8 +1005,8 @@ TEST(AbandonedWaitTest, AServerEndsTheDeviceGathersOfACallerThatStoppedOrWentAwa
     client->reset();
     EXPECT_TRUE(absl::IsCancelled(gathered.get().status()));
     const std::string op = plane == DevicePlane::kNccl ? "nccl-gather" : "ipc-gather";
-    std::map<std::string, uint64_t> ended = AwaitEnded(cluster, {{op, 2}});
-    EXPECT_EQ(ended[op], 2u);
+    std::map<std::string, uint64_t> ended = AwaitEnded(cluster, {{op, 4}});
+    EXPECT_EQ(ended[op], 4u);  // the two warm-ups, the stopped one, the one whose client went
     EXPECT_EQ(ended["connections"], 0u);
     std::vector<uint32_t> bits(padded_numel);
     device.Download(AsBytes(bits));
