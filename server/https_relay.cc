@@ -33,7 +33,8 @@ std::string OpenSslError() {
   return text;
 }
 
-// A server context with `tls`'s certificate chain (leaf first) and key, TLS 1.2 or later.
+// A server context with `tls`'s certificate chain (leaf first) and key, TLS 1.2 or later,
+// asking clients for a certificate of tls.client_root_certs with metrics_client_certificates.
 absl::StatusOr<SSL_CTX*> ServerContext(const TlsOptions& tls) {
   SSL_CTX* context = SSL_CTX_new(TLS_server_method());
   if (context == nullptr) return absl::InternalError(absl::StrCat("SSL_CTX_new: ", OpenSslError()));
@@ -60,6 +61,21 @@ absl::StatusOr<SSL_CTX*> ServerContext(const TlsOptions& tls) {
   const bool key_used = key != nullptr && SSL_CTX_use_PrivateKey(context, key) == 1;
   EVP_PKEY_free(key);
   if (!key_used || SSL_CTX_check_private_key(context) != 1) return refuse("the key of --tls_key_file");
+  if (tls.metrics_client_certificates) {
+    // Handshakes end unless the client presents a certificate these CAs signed for client
+    // use (OpenSSL's server side verifies with the ssl_client purpose).
+    X509_STORE* store = SSL_CTX_get_cert_store(context);
+    BIO* bundle = BIO_new_mem_buf(tls.client_root_certs.data(), static_cast<int>(tls.client_root_certs.size()));
+    int added = 0;
+    for (X509* ca; bundle != nullptr && (ca = PEM_read_bio_X509(bundle, nullptr, nullptr, nullptr)) != nullptr;) {
+      added += X509_STORE_add_cert(store, ca) == 1 ? 1 : 0;
+      X509_free(ca);
+    }
+    BIO_free(bundle);
+    ERR_clear_error();  // the end of the bundle reads as an error
+    if (added == 0) return refuse("the CAs of --tls_client_ca_file");
+    SSL_CTX_set_verify(context, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+  }
   return context;
 }
 

@@ -5,8 +5,9 @@
 // key, reads one HTTP request head, passes it to the endpoint at 127.0.0.1:`backend_port`
 // with the sending side then closed, and relays the endpoint's answer back until the
 // endpoint closes (it answers one request per connection). A client that does not speak
-// TLS gets a handshake failure and nothing else. With TlsFiles, each connection gets
-// their current pair (server/tls_files.h).
+// TLS gets a handshake failure and nothing else; so does one without a certificate of the
+// client CAs where TlsOptions::metrics_client_certificates asks for one. With TlsFiles,
+// each connection gets their current pair and client CAs (server/tls_files.h).
 //
 // Up to kMaxConnections are served at once, each on a thread of its own with kIoTimeout
 // per read or write; a connection past that is closed at once. The destructor stops

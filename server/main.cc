@@ -70,6 +70,9 @@ ABSL_FLAG(std::string, metrics_listen, "",
 ABSL_FLAG(std::string, metrics_token_file, "",
           "file holding the token scrapes of /metrics present, so that the scraper never holds the "
           "cluster token (empty: the cluster token, if any)");
+ABSL_FLAG(bool, metrics_client_certificates, false,
+          "with --tls_client_ca_file: scrapes of /metrics must also present a certificate those CAs signed "
+          "for client use, as every control-plane caller does (the metrics token is still asked for)");
 ABSL_FLAG(std::string, log_level, "info",
           "debug (every RPC and data-plane error), info (jobs, groups, checkpoints, start and stop), "
           "warning (refused requests an operator should see) or error");
@@ -155,6 +158,7 @@ int main(int argc, char** argv) {
   options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
+  options.tls.metrics_client_certificates = absl::GetFlag(FLAGS_metrics_client_certificates);
   if (absl::Status valid = flatshard::server::ValidateServerOptions(options); !valid.ok()) {
     return Fail(std::string(valid.message()));
   }
@@ -189,7 +193,10 @@ int main(int argc, char** argv) {
                options.tls.requires_client_certificates() ? "mutual TLS"
                : options.tls.enabled()                    ? "TLS"
                                                           : "plaintext gRPC",
-               options.metrics_listen.empty() ? "" : ", metrics " + server.metrics_url(),
+               options.metrics_listen.empty() ? ""
+               : options.tls.metrics_client_certificates
+                   ? ", metrics " + server.metrics_url() + " (client certificates)"
+                   : ", metrics " + server.metrics_url(),
                std::string(flatshard::FlatshardVersion()));
   int signal_number = 0;
   while (sigwait(&signals, &signal_number) == 0 && signal_number == SIGHUP) {

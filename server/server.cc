@@ -69,8 +69,10 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
       return absl::InvalidArgumentError(
           absl::StrCat("--metrics_listen=", options.metrics_listen, ": ", split.message()));
     }
-  } else if (!options.metrics_token.empty()) {
-    return absl::InvalidArgumentError("--metrics_token_file without --metrics_listen: no metrics to protect");
+  } else if (!options.metrics_token.empty() || options.tls.metrics_client_certificates) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        options.metrics_token.empty() ? "--metrics_client_certificates" : "--metrics_token_file",
+        " without --metrics_listen: no metrics to protect"));
   }
   std::error_code unreadable;  // a symlink loop, say: not a directory either
   if (!options.checkpoint_root.empty() && !std::filesystem::is_directory(options.checkpoint_root, unreadable)) {

@@ -15,10 +15,10 @@ namespace flatshard::server {
 absl::Status ValidateTls(const TlsOptions& tls) {
   if (!tls.enabled()) {
     if (!tls.private_key.empty() || !tls.root_certs.empty() || !tls.client_root_certs.empty() ||
-        !tls.client_ca_file.empty()) {
+        !tls.client_ca_file.empty() || tls.metrics_client_certificates) {
       return absl::InvalidArgumentError(
-          "--tls_key_file, --tls_ca_file and --tls_client_ca_file need --tls_cert_file (TLS is off without a "
-          "certificate)");
+          "--tls_key_file, --tls_ca_file, --tls_client_ca_file and --metrics_client_certificates need "
+          "--tls_cert_file (TLS is off without a certificate)");
     }
     return absl::OkStatus();
   }
@@ -33,6 +33,9 @@ absl::Status ValidateTls(const TlsOptions& tls) {
   if (tls.requires_client_certificates()) {
     FLATSHARD_RETURN_IF_ERROR(tls::CheckCertificates(tls.client_root_certs, "--tls_client_ca_file"));
     FLATSHARD_RETURN_IF_ERROR(CheckPeersAccept(tls));
+  } else if (tls.metrics_client_certificates) {
+    return absl::InvalidArgumentError(
+        "--metrics_client_certificates needs --tls_client_ca_file, the CAs that sign the scrapes' certificates");
   }
   return absl::OkStatus();
 }

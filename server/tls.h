@@ -10,7 +10,9 @@
 // for client use (mutual TLS); the cluster token is still asked for on every call. A
 // server presents its own certificate in its calls to its peers, so the bundle must
 // hold the CA of the servers' certificates too, and those must allow client
-// authentication (extendedKeyUsage clientAuth, or none): ValidateTls checks both.
+// authentication (extendedKeyUsage clientAuth, or none): ValidateTls checks both. With
+// metrics_client_certificates the metrics endpoint asks its scrapes for one as well (and
+// still for the metrics token).
 //
 // A renewed certificate is served without a restart: with a reload interval, the
 // certificate and key files are read again that often, and at once on SIGHUP
@@ -54,6 +56,9 @@ struct TlsOptions {
   std::string root_certs;   // CAs that sign the peers' certificates; empty: the system's
   // CAs that sign the certificates every caller must present; empty: none is asked for.
   std::string client_root_certs = {};
+  // Whether scrapes of the metrics endpoint must present such a certificate too
+  // (--metrics_client_certificates); needs client CAs.
+  bool metrics_client_certificates = false;
   // Where cert_chain, private_key, root_certs and client_root_certs were read, and how
   // often to read them again (zero, or no certificate files: never).
   std::string cert_file = {};
@@ -74,7 +79,7 @@ struct TlsOptions {
 // has expired, a CA bundle (only with a certificate; one given as ca_file or
 // client_ca_file) holds at least one certificate and every one of them parses, and with
 // client CAs, this server's certificate verifies against them as a client's (its peers
-// would refuse it otherwise).
+// would refuse it otherwise). Metrics client certificates need client CAs.
 [[nodiscard]] absl::Status ValidateTls(const TlsOptions& tls);
 
 // OK if tls.cert_chain verifies as a client's against tls.client_root_certs, as the

@@ -63,6 +63,22 @@ class TlsTest : public ::testing::Test {
   static std::string SerialOf(const std::string& cert) {
     return testing::RunCommand(absl::StrCat("openssl x509 -noout -serial -in '", File(cert), "'")).second;
   }
+  // `openssl s_client` sends a GET of /metrics (with basic auth for `token` unless empty)
+  // to 127.0.0.1:`port`, checking its certificate against `ca` and presenting the client
+  // certificate `identity`.pem (empty: none): its exit code and the answer.
+  static std::pair<int, std::string> Scrape(const std::string& port, const std::string& ca, const std::string& token,
+                                            const std::string& identity = "") {
+    const std::string auth =
+        token.empty() ? "" : absl::StrCat("Authorization: Basic ", absl::Base64Escape("prometheus:" + token), "\\r\\n");
+    const std::string presented =
+        identity.empty()
+            ? ""
+            : absl::StrCat(" -cert '", File(identity + ".pem"), "' -key '", File(identity + ".key"), "'");
+    return testing::RunCommand(absl::StrCat("printf 'GET /metrics HTTP/1.0\\r\\n", auth,
+                                            "\\r\\n' | timeout 20 openssl s_client -quiet -connect 127.0.0.1:", port,
+                                            " -CAfile '", ca, "' -verify_return_error -verify_ip 127.0.0.1", presented,
+                                            " 2>/dev/null"));
+  }
   static std::vector<std::string> ServerTls() {
     return {"--tls_cert_file=" + File("server.pem"), "--tls_key_file=" + File("server.key"),
             "--tls_ca_file=" + File("ca.pem")};
@@ -161,15 +177,7 @@ TEST_F(TlsTest, MetricsAreServedOverHttpsWithTheServersCertificate) {
   ASSERT_TRUE(statuses[0].ok()) << statuses[0].status();
   const std::string address = statuses[0]->metrics_address();
   const std::string port = address.substr(address.rfind(':') + 1);
-  // `openssl s_client` sends a GET (with basic auth for `token` unless empty) to the
-  // endpoint, checking its certificate against `ca`: its exit code and the answer.
-  auto scrape = [&](const std::string& ca, const std::string& token) {
-    const std::string auth =
-        token.empty() ? "" : absl::StrCat("Authorization: Basic ", absl::Base64Escape("prometheus:" + token), "\\r\\n");
-    return testing::RunCommand(absl::StrCat("printf 'GET /metrics HTTP/1.0\\r\\n", auth,
-                                            "\\r\\n' | timeout 20 openssl s_client -quiet -connect 127.0.0.1:", port,
-                                            " -CAfile '", ca, "' -verify_return_error -verify_ip 127.0.0.1 2>/dev/null"));
-  };
+  auto scrape = [&](const std::string& ca, const std::string& token) { return Scrape(port, ca, token); };
   const auto [served, metrics] = scrape(File("ca.pem"), cluster.token());
   EXPECT_EQ(served, 0);
   EXPECT_TRUE(absl::StartsWith(metrics, "HTTP/1.1 200")) << metrics;
@@ -427,6 +435,43 @@ TEST_F(TlsTest, WithClientCasOnlyCallersPresentingACertificateOfThemAreServed) {
                                        "--tls_client_ca_file=" + File("other-ca.pem")}))
       << "a client bundle that does not sign the servers' certificates";
   EXPECT_TRUE(testing::RefusesToStart({"--tls_client_ca_file=" + File("ca.pem")})) << "without a certificate";
+}
+
+// --metrics_client_certificates: scrapes of /metrics present a certificate of the client
+// CAs too (and still the token); the flag needs client CAs and metrics to protect.
+TEST_F(TlsTest, MetricsClientCertificatesAreAskedOfScrapesToo) {
+  std::vector<std::string> flags = ServerTls();
+  flags.insert(flags.end(), {"--tls_client_ca_file=" + File("ca.pem"), "--metrics_listen=127.0.0.1:0",
+                             "--metrics_client_certificates", "--log_file=" + File("metrics-mtls.log")});
+  TestCluster cluster(1, "tls-token", ::testing::TempDir(), "", {flags});
+  const auto statuses = FetchClusterStatus({.servers = cluster.addresses(),
+                                            .token = cluster.token(),
+                                            .tls_ca_file = File("ca.pem"),
+                                            .tls_cert_file = File("client.pem"),
+                                            .tls_key_file = File("client.key")});
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0].status();
+  const std::string address = statuses[0]->metrics_address();
+  const std::string port = address.substr(address.rfind(':') + 1);
+  const auto [served, metrics] = Scrape(port, File("ca.pem"), cluster.token(), "client");
+  EXPECT_EQ(served, 0);
+  EXPECT_TRUE(absl::StartsWith(metrics, "HTTP/1.1 200")) << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, "\nflatshard_uptime_seconds ")) << metrics;
+  const auto [unauthorized_code, unauthorized] = Scrape(port, File("ca.pem"), "", "client");
+  EXPECT_TRUE(absl::StartsWith(unauthorized, "HTTP/1.1 401")) << unauthorized;
+  for (const char* identity : {"", "other-client", "server-only"}) {
+    const auto [code, answer] = Scrape(port, File("ca.pem"), cluster.token(), identity);
+    EXPECT_FALSE(absl::StrContains(answer, "HTTP/1.1")) << "answered a scrape presenting '" << identity << "'";
+  }
+  const std::string log = ReadFileToString(File("metrics-mtls.log")).value_or("");
+  EXPECT_TRUE(absl::StrContains(log, "/metrics (client certificates)")) << log;
+
+  const std::vector<std::string> tls = ServerTls();
+  EXPECT_TRUE(
+      testing::RefusesToStart({tls[0], tls[1], "--metrics_listen=127.0.0.1:0", "--metrics_client_certificates"}))
+      << "without client CAs";
+  EXPECT_TRUE(testing::RefusesToStart({tls[0], tls[1], "--tls_client_ca_file=" + File("ca.pem"),
+                                       "--metrics_client_certificates"}))
+      << "without metrics";
 }
 
 TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {

@@ -82,12 +82,18 @@ class HttpsRelayTest : public ::testing::Test {
   std::string File(const std::string& name) const { return absl::StrCat(dir_.path(), "/", name); }
 
   // What `openssl s_client`, trusting ca.pem and checking that the certificate names
-  // 127.0.0.1, gets for `request` at 127.0.0.1:`port`; its exit code and the answer.
-  std::pair<int, std::string> Fetch(int port, const std::string& request) const {
+  // 127.0.0.1, gets for `request` at 127.0.0.1:`port`, presenting the client certificate
+  // `identity`.pem (empty: none); its exit code and the answer.
+  std::pair<int, std::string> Fetch(int port, const std::string& request, const std::string& identity = "") const {
     std::ofstream(File("request")) << request;
+    const std::string presented =
+        identity.empty()
+            ? ""
+            : absl::StrCat(" -cert '", File(identity + ".pem"), "' -key '", File(identity + ".key"), "'");
     return testing::RunCommand(absl::StrCat("timeout 20 openssl s_client -quiet -connect 127.0.0.1:", port,
                                             " -CAfile '", File("ca.pem"), "' -verify_return_error ",
-                                            "-verify_ip 127.0.0.1 < '", File("request"), "' 2>/dev/null"));
+                                            "-verify_ip 127.0.0.1", presented, " < '", File("request"),
+                                            "' 2>/dev/null"));
   }
 
   const testing::ScratchDir dir_{"https-relay"};
@@ -135,6 +141,32 @@ TEST_F(HttpsRelayTest, ConnectionsPastTheLimitAreClosedAndTheRelayServesOnceOthe
   }
   EXPECT_EQ(served.first, 0);
   EXPECT_EQ(served.second, "HTTP/1.1 200 OK\r\n\r\nok");
+}
+
+// With metrics_client_certificates, only a client presenting a certificate of the client
+// CAs for client use gets through to the endpoint: not one without a certificate, one of
+// another CA, or one for serverAuth only. A bundle with no certificate is refused.
+TEST_F(HttpsRelayTest, WithClientCertificatesOnlyClientsOfTheClientCasReachTheEndpoint) {
+  FakeEndpoint endpoint("HTTP/1.1 200 OK\r\n\r\nok");
+  TlsOptions mutual = tls_;
+  mutual.client_root_certs = ReadFile(File("ca.pem"));
+  mutual.metrics_client_certificates = true;
+  auto relay = HttpsRelay::Start("127.0.0.1", 0, mutual, nullptr, endpoint.port());
+  ASSERT_TRUE(relay.ok()) << relay.status();
+  const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
+  for (const char* refused : {"", "other-client", "server-only"}) {
+    const auto [code, answer] = Fetch((*relay)->port(), request, refused);
+    EXPECT_EQ(answer, "") << "served presenting '" << refused << "'";
+  }
+  EXPECT_TRUE(endpoint.requests().empty());
+  const auto [served, answer] = Fetch((*relay)->port(), request, "client");
+  EXPECT_EQ(served, 0);
+  EXPECT_EQ(answer, "HTTP/1.1 200 OK\r\n\r\nok");
+  EXPECT_EQ(endpoint.requests(), std::vector<std::string>{request});
+
+  mutual.client_root_certs = "not a certificate";
+  EXPECT_EQ(HttpsRelay::Start("127.0.0.1", 0, mutual, nullptr, endpoint.port()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(HttpsRelayTest, AKeyThatIsNotTheCertificatesIsRefused) {
