@@ -3,7 +3,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <openssl/err.h>
-#include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <poll.h>
 #include <pthread.h>
@@ -18,65 +17,20 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "server/tls_files.h"
+#include "tls/tls_connection.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::server {
 namespace {
 
-// The first error OpenSSL queued, as text (and the queue cleared).
-std::string OpenSslError() {
-  const unsigned long code = ERR_get_error();
-  ERR_clear_error();
-  if (code == 0) return "unknown error";
-  char text[256];
-  ERR_error_string_n(code, text, sizeof(text));
-  return text;
-}
-
-// A server context with `tls`'s certificate chain (leaf first) and key, TLS 1.2 or later,
-// asking clients for a certificate of tls.client_root_certs with metrics_client_certificates.
-absl::StatusOr<SSL_CTX*> ServerContext(const TlsOptions& tls) {
-  SSL_CTX* context = SSL_CTX_new(TLS_server_method());
-  if (context == nullptr) return absl::InternalError(absl::StrCat("SSL_CTX_new: ", OpenSslError()));
-  auto refuse = [&](absl::string_view what) {
-    const std::string why = OpenSslError();
-    SSL_CTX_free(context);
-    return absl::InvalidArgumentError(absl::StrCat("metrics over TLS: ", what, ": ", why));
-  };
-  SSL_CTX_set_min_proto_version(context, TLS1_2_VERSION);
-  BIO* chain = BIO_new_mem_buf(tls.cert_chain.data(), static_cast<int>(tls.cert_chain.size()));
-  X509* leaf = chain != nullptr ? PEM_read_bio_X509(chain, nullptr, nullptr, nullptr) : nullptr;
-  const bool used = leaf != nullptr && SSL_CTX_use_certificate(context, leaf) == 1;
-  X509_free(leaf);
-  // The intermediates after the leaf; the context owns each one added.
-  for (X509* intermediate; used && (intermediate = PEM_read_bio_X509(chain, nullptr, nullptr, nullptr)) != nullptr;) {
-    if (SSL_CTX_add0_chain_cert(context, intermediate) != 1) X509_free(intermediate);
-  }
-  BIO_free(chain);
-  ERR_clear_error();  // the end of the chain reads as an error
-  if (!used) return refuse("the certificate of --tls_cert_file");
-  BIO* key_pem = BIO_new_mem_buf(tls.private_key.data(), static_cast<int>(tls.private_key.size()));
-  EVP_PKEY* key = key_pem != nullptr ? PEM_read_bio_PrivateKey(key_pem, nullptr, nullptr, nullptr) : nullptr;
-  BIO_free(key_pem);
-  const bool key_used = key != nullptr && SSL_CTX_use_PrivateKey(context, key) == 1;
-  EVP_PKEY_free(key);
-  if (!key_used || SSL_CTX_check_private_key(context) != 1) return refuse("the key of --tls_key_file");
-  if (tls.metrics_client_certificates) {
-    // Handshakes end unless the client presents a certificate these CAs signed for client
-    // use (OpenSSL's server side verifies with the ssl_client purpose).
-    X509_STORE* store = SSL_CTX_get_cert_store(context);
-    BIO* bundle = BIO_new_mem_buf(tls.client_root_certs.data(), static_cast<int>(tls.client_root_certs.size()));
-    int added = 0;
-    for (X509* ca; bundle != nullptr && (ca = PEM_read_bio_X509(bundle, nullptr, nullptr, nullptr)) != nullptr;) {
-      added += X509_STORE_add_cert(store, ca) == 1 ? 1 : 0;
-      X509_free(ca);
-    }
-    BIO_free(bundle);
-    ERR_clear_error();  // the end of the bundle reads as an error
-    if (added == 0) return refuse("the CAs of --tls_client_ca_file");
-    SSL_CTX_set_verify(context, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
-  }
-  return context;
+// A server context with `tls`'s certificate chain and key (tls::ServerContext), asking
+// scrapes for a certificate of the client CAs with metrics_client_certificates.
+absl::StatusOr<tls::SslContext> MetricsContext(const TlsOptions& tls) {
+  absl::StatusOr<tls::SslContext> context = tls::ServerContext(
+      tls.cert_chain, "--tls_cert_file", tls.private_key, "--tls_key_file",
+      tls.metrics_client_certificates ? tls.client_root_certs : "", "--tls_client_ca_file");
+  if (context.ok()) return context;
+  return absl::Status(context.status().code(), absl::StrCat("metrics over TLS: ", context.status().message()));
 }
 
 void SetTimeouts(int fd, absl::Duration timeout) {
@@ -127,8 +81,7 @@ bool SslWriteAll(SSL* ssl, const char* data, size_t size) {
 absl::StatusOr<std::unique_ptr<HttpsRelay>> HttpsRelay::Start(const std::string& host, int port,
                                                               const TlsOptions& tls, const TlsFiles* files,
                                                               int backend_port) {
-  FLATSHARD_ASSIGN_OR_RETURN(SSL_CTX * made, ServerContext(files != nullptr ? files->current() : tls));
-  Context context(made, SSL_CTX_free);
+  FLATSHARD_ASSIGN_OR_RETURN(Context context, MetricsContext(files != nullptr ? files->current() : tls));
   FLATSHARD_ASSIGN_OR_RETURN(const auto listening, transport::ListenTcpSocket(host, port));
   std::unique_ptr<HttpsRelay> relay(
       new HttpsRelay(std::move(context), files, listening.first, listening.second, backend_port));
@@ -147,8 +100,8 @@ HttpsRelay::HttpsRelay(Context context, const TlsFiles* files, int listen_fd, in
 HttpsRelay::Context HttpsRelay::CurrentContext() {
   if (files_ == nullptr || files_->generation() == generation_) return context_;
   generation_ = files_->generation();
-  absl::StatusOr<SSL_CTX*> made = ServerContext(files_->current());  // validated: OpenSSL takes it
-  if (made.ok()) context_ = Context(*made, SSL_CTX_free);
+  absl::StatusOr<Context> made = MetricsContext(files_->current());  // validated: OpenSSL takes it
+  if (made.ok()) context_ = *std::move(made);
   return context_;
 }
 

@@ -179,6 +179,8 @@ class TcpConnection final : public Connection {
 
   std::string peer() const override { return peer_; }
 
+  int fd() const { return fd_; }
+
  private:
   const int fd_;
   const std::string peer_;
@@ -270,6 +272,11 @@ absl::StatusOr<std::pair<int, int>> ListenTcpSocket(absl::string_view host, int 
   socklen_t len = sizeof(addr);
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   return std::make_pair(fd, static_cast<int>(ntohs(addr.sin_port)));
+}
+
+int SocketOf(const Connection& conn) {
+  const auto* tcp = dynamic_cast<const TcpConnection*>(&conn);
+  return tcp != nullptr ? tcp->fd() : -1;
 }
 
 absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, int port, absl::Duration timeout,

@@ -40,6 +40,11 @@ inline constexpr absl::Duration kConnectStopCheck = absl::Milliseconds(50);
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> ConnectTcp(absl::string_view host, int port,
                                                                      absl::Duration timeout, std::stop_token stop = {});
 
+// The socket of a connection ConnectTcp or a TCP listener made, for a layer over it (TLS)
+// that moves bytes on it itself while the connection keeps it (and its timeouts,
+// Shutdown, CloseSend, PeerClosed); -1 for another kind of connection.
+int SocketOf(const Connection& conn);
+
 // `count` distinct loopback ports that were free a moment ago: all are bound to port 0
 // at once (so none is handed out twice), then released for servers to bind. For tests,
 // benchmarks and local development clusters; another process may take one meanwhile.
