@@ -328,7 +328,12 @@ class ClientImpl final : public Client {
     v1::OpenSessionResponse response;
     FLATSHARD_RETURN_IF_ERROR(control_->Call(server, &v1::Flatshard::Stub::PrepareAsyncOpenSession, request, &response,
                                              absl::ZeroDuration(), nullptr, stop));
-    return client_internal::DataSession{response.data_address(), response.session_token()};
+    if (response.data_tls() && !control_->data_tls()) {  // only a TLS control plane offers it
+      return absl::FailedPreconditionError(absl::StrCat("server ", options_.servers[server],
+                                                        ": its data plane speaks TLS; set tls_ca_file"));
+    }
+    return client_internal::DataSession{response.data_address(), response.session_token(),
+                                        response.data_tls() ? control_->data_tls() : transport::SecureLayer()};
   }
 
   absl::StatusOr<uint64_t> OpenNcclChannel(int server, const std::string& unique_id, std::stop_token stop) {

@@ -5,6 +5,7 @@
 #include "core/status_macros.h"
 #include "tls/certificates.h"
 #include "tls/credentials.h"
+#include "tls/tls_connection.h"
 
 namespace flatshard::client_internal {
 namespace {
@@ -14,6 +15,16 @@ namespace {
 // server's handshake.
 absl::Status UsableByAClient(const std::string& cert_file, const tls::KeyPair::Pem& pair) {
   return tls::CheckClientUse(pair.cert_chain, absl::StrCat("tls_cert_file=", cert_file));
+}
+
+// A data connection wrapped in TLS, trusting the CAs of `roots` and presenting `pair` (a
+// client certificate; empty: none).
+absl::StatusOr<std::unique_ptr<transport::Connection>> DataTls(std::unique_ptr<transport::Connection> tcp,
+                                                               const std::string& host, const std::string& roots,
+                                                               const tls::KeyPair::Pem& pair) {
+  FLATSHARD_ASSIGN_OR_RETURN(tls::SslContext context,
+                             tls::ClientContext(roots, pair.cert_chain, pair.private_key, "tls_ca_file"));
+  return tls::ClientSide(std::move(tcp), std::move(context), host);
 }
 
 absl::StatusOr<ControlCredentials> Reloaded(const ClientOptions& options) {
@@ -33,20 +44,30 @@ absl::StatusOr<ControlCredentials> Reloaded(const ClientOptions& options) {
       });
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       tls::WatchedChannelCredentials(files->bundle.get(), files->pair.get());
-  return ControlCredentials{std::move(credentials), std::move(files)};
+  transport::SecureLayer data_tls = [files = files.get()](std::unique_ptr<transport::Connection> tcp,
+                                                          const std::string& host) {
+    return DataTls(std::move(tcp), host, files->bundle->current(),
+                   files->pair != nullptr ? files->pair->current() : tls::KeyPair::Pem{});
+  };
+  return ControlCredentials{std::move(credentials), std::move(files), std::move(data_tls)};
 }
 
 absl::StatusOr<ControlCredentials> ReadOnce(const ClientOptions& options) {
   grpc::SslCredentialsOptions ssl;
   FLATSHARD_ASSIGN_OR_RETURN(ssl.pem_root_certs, tls::ReadCaBundle(options.tls_ca_file, "tls_ca_file"));
+  tls::KeyPair::Pem pair;
   if (!options.tls_cert_file.empty()) {
-    FLATSHARD_ASSIGN_OR_RETURN(tls::KeyPair::Pem pair, tls::KeyPair::Read(options.tls_cert_file, "tls_cert_file",
-                                                                          options.tls_key_file, "tls_key_file"));
+    FLATSHARD_ASSIGN_OR_RETURN(pair, tls::KeyPair::Read(options.tls_cert_file, "tls_cert_file", options.tls_key_file,
+                                                        "tls_key_file"));
     FLATSHARD_RETURN_IF_ERROR(UsableByAClient(options.tls_cert_file, pair));
-    ssl.pem_cert_chain = std::move(pair.cert_chain);
-    ssl.pem_private_key = std::move(pair.private_key);
+    ssl.pem_cert_chain = pair.cert_chain;
+    ssl.pem_private_key = pair.private_key;
   }
-  return ControlCredentials{grpc::SslCredentials(ssl), nullptr};
+  transport::SecureLayer data_tls = [roots = ssl.pem_root_certs, pair = std::move(pair)](
+                                        std::unique_ptr<transport::Connection> tcp, const std::string& host) {
+    return DataTls(std::move(tcp), host, roots, pair);
+  };
+  return ControlCredentials{grpc::SslCredentials(ssl), nullptr, std::move(data_tls)};
 }
 
 }  // namespace
@@ -62,7 +83,7 @@ absl::StatusOr<ControlCredentials> ControlPlaneCredentials(const ClientOptions& 
           "tls_cert_file needs tls_ca_file: a client certificate is presented over TLS, which is off without a CA "
           "bundle");
     }
-    return ControlCredentials{grpc::InsecureChannelCredentials(), nullptr};
+    return ControlCredentials{grpc::InsecureChannelCredentials(), nullptr, nullptr};
   }
   if (options.tls_reload_interval <= absl::ZeroDuration()) return ReadOnce(options);
   absl::StatusOr<ControlCredentials> reloaded = Reloaded(options);

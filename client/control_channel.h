@@ -22,6 +22,7 @@
 #include "tls/ca_bundle.h"
 #include "tls/key_pair.h"
 #include "tls/reloader.h"
+#include "transport/data_protocol.h"
 
 namespace flatshard::client_internal {
 
@@ -35,6 +36,10 @@ struct WatchedTlsFiles {
 struct ControlCredentials {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   std::unique_ptr<WatchedTlsFiles> files;  // null: read once, or no TLS
+  // Wraps a data connection to a server whose data plane speaks TLS (--tls_data_plane),
+  // checking its certificate and presenting the client's as the credentials do, with the
+  // files in use when it is made; empty without TLS. Valid while `files` lives.
+  transport::SecureLayer data_tls;
 };
 
 // InvalidArgument naming the option when a file cannot be read or does not parse, a

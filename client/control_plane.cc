@@ -25,16 +25,17 @@ absl::StatusOr<std::unique_ptr<ControlPlane>> ControlPlane::Create(const ClientO
     SetKeepalive(args, options.keepalive);
     stubs.push_back(v1::Flatshard::NewStub(grpc::CreateCustomChannel(address, credentials.credentials, args)));
   }
-  return std::unique_ptr<ControlPlane>(new ControlPlane(options, std::move(credentials.files), std::move(stubs)));
+  return std::unique_ptr<ControlPlane>(new ControlPlane(options, std::move(credentials), std::move(stubs)));
 }
 
-ControlPlane::ControlPlane(const ClientOptions& options, std::unique_ptr<WatchedTlsFiles> tls_files,
+ControlPlane::ControlPlane(const ClientOptions& options, ControlCredentials credentials,
                            std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs)
     : servers_(options.servers),
       token_(options.token),
       timeout_(options.timeout),
       model_timeout_(options.model_timeout),
-      tls_files_(std::move(tls_files)),
+      tls_files_(std::move(credentials.files)),
+      data_tls_(std::move(credentials.data_tls)),
       stubs_(std::move(stubs)) {}
 
 void ControlPlane::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {

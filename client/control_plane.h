@@ -119,8 +119,12 @@ class ControlPlane {
   // Cancelled: a call to `server` ended by its stop token.
   absl::Status Stopped(size_t server) const;
 
+  // What wraps data connections to a server whose data plane speaks TLS (ControlCredentials::
+  // data_tls); empty without TLS. Valid while this lives.
+  const transport::SecureLayer& data_tls() const { return data_tls_; }
+
  private:
-  ControlPlane(const ClientOptions& options, std::unique_ptr<WatchedTlsFiles> tls_files,
+  ControlPlane(const ClientOptions& options, ControlCredentials credentials,
                std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs);
   // Waits for the one event of a call on `queue`, calling this thread's wait hook every
   // kWaitSlice meanwhile, then shuts `queue` down and drains it.
@@ -133,6 +137,7 @@ class ControlPlane {
   // The TLS files kept current (tls_reload_interval), for the channels' credentials:
   // declared before the channels, which it outlives.
   const std::unique_ptr<WatchedTlsFiles> tls_files_;
+  const transport::SecureLayer data_tls_;  // over tls_files_
   const std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs_;
 };
 

@@ -176,7 +176,7 @@ absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Open(std::st
 
 absl::StatusOr<std::unique_ptr<transport::Connection>> DataChannel::Hello(const DataSession& session,
                                                                           std::stop_token stop) const {
-  return transport::OpenDataConnection(session.data_address, session.token, timeout_, std::move(stop));
+  return transport::OpenDataConnection(session.data_address, session.token, timeout_, std::move(stop), session.secure);
 }
 
 void DataChannel::Run(ConnectionThread& self) {

@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "transport/data_protocol.h"
 #include "transport/transport.h"
 
 namespace flatshard::client_internal {
@@ -39,6 +40,7 @@ namespace flatshard::client_internal {
 struct DataSession {
   std::string data_address;
   std::string token;
+  transport::SecureLayer secure = {};  // its data plane speaks TLS: what wraps the connections
 };
 // Opens a new session with the server (the OpenSession RPC); a stop asked of `stop` ends
 // it.

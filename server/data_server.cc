@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "server/log.h"
+#include "tls/tls_connection.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::server {
@@ -76,6 +77,13 @@ void DataServer::AcceptLoop() {
       if (absl::IsCancelled(conn.status())) return;
       continue;  // transient (e.g. out of fds, after Accept's pause): keep serving
     }
+    if (options_.secure) {  // no I/O: the handshake comes with the hello, in the connection's thread
+      conn = options_.secure(*std::move(conn));
+      if (!conn.ok()) {
+        CountError(nullptr, conn.status());
+        continue;
+      }
+    }
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
     const uint64_t id = next_id_++;
@@ -114,7 +122,10 @@ void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) 
 bool DataServer::Authenticate(Connection& conn) {
   if (!conn.SetTimeout(options_.hello_timeout).ok()) return false;
   absl::StatusOr<Request> hello = transport::RecvRequest(conn);
-  if (!hello.ok()) return false;  // silent or garbage peer
+  if (!hello.ok()) {  // silent or garbage peer; one refused by TLS is an operator's concern (another CA, say)
+    if (tls::IsHandshakeFailure(hello.status())) CountError(nullptr, absl::UnauthenticatedError(hello.status().message()));
+    return false;
+  }
   if (hello->op != DataOp::kHello || hello->payload_bytes > transport::kMaxTokenBytes) {
     const absl::Status refused = absl::UnauthenticatedError("the first request must be a hello with a session token");
     CountError(nullptr, refused);

@@ -1,4 +1,5 @@
-// DataServer: the server side of the TCP data plane. Accepts connections, requires a
+// DataServer: the server side of the TCP data plane. Accepts connections (wrapped in TLS
+// with DataServerOptions::secure: the handshake, then the hello), requires a
 // kHello with a valid session token first (within hello_timeout, or the connection is
 // closed), then serves gather (whole shards or byte ranges of them), scatter (whole or
 // in parts) and init
@@ -22,6 +23,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -47,6 +49,10 @@ struct DataServerOptions {
   absl::Duration io_timeout = absl::Seconds(60);    // silence inside a request
   absl::Duration idle_timeout = absl::Hours(24);    // silence between requests
   int64_t max_drain_bytes = int64_t{256} << 20;     // larger refused payloads close the connection
+  // Wraps each accepted connection before its hello (TLS: tls::ServerSide with the
+  // context of the moment); empty: plain TCP. A connection it refuses is closed.
+  std::function<absl::StatusOr<std::unique_ptr<transport::Connection>>(std::unique_ptr<transport::Connection>)>
+      secure = {};
 };
 
 class DataServer {

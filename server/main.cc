@@ -73,6 +73,10 @@ ABSL_FLAG(std::string, metrics_token_file, "",
 ABSL_FLAG(bool, metrics_client_certificates, false,
           "with --tls_client_ca_file: scrapes of /metrics must also present a certificate those CAs signed "
           "for client use, as every control-plane caller does (the metrics token is still asked for)");
+ABSL_FLAG(bool, tls_data_plane, false,
+          "with --tls_cert_file: the data plane speaks TLS too (the same certificate, and client certificates "
+          "asked for with --tls_client_ca_file): tensor bytes and session tokens no longer cross the network in "
+          "the clear, at a cost in throughput (bench/RESULTS.md)");
 ABSL_FLAG(std::string, log_level, "info",
           "debug (every RPC and data-plane error), info (jobs, groups, checkpoints, start and stop), "
           "warning (refused requests an operator should see) or error");
@@ -159,6 +163,7 @@ int main(int argc, char** argv) {
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   options.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
   options.tls.metrics_client_certificates = absl::GetFlag(FLAGS_metrics_client_certificates);
+  options.tls.data_plane = absl::GetFlag(FLAGS_tls_data_plane);
   if (absl::Status valid = flatshard::server::ValidateServerOptions(options); !valid.ok()) {
     return Fail(std::string(valid.message()));
   }
@@ -187,8 +192,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   // LocalCluster (python/flatshard/local_cluster.py) waits for this line.
-  spdlog::info("serving as rank {} of {}: control {} (gRPC), data port {} (TCP), memory {}, {}, {}{}, flatshard {}",
-               options.rank, options.cluster.size(), options.listen, server.data_port(), options.memory,
+  spdlog::info("serving as rank {} of {}: control {} (gRPC), data port {} ({}), memory {}, {}, {}{}, flatshard {}",
+               options.rank, options.cluster.size(), options.listen, server.data_port(),
+               options.tls.data_plane ? "TLS" : "TCP", options.memory,
                options.auth_token.empty() ? "no auth" : "token auth",
                options.tls.requires_client_certificates() ? "mutual TLS"
                : options.tls.enabled()                    ? "TLS"

@@ -161,7 +161,7 @@ absl::StatusOr<PeerClient::Session> PeerClient::OpenSession(int peer) {
   FLATSHARD_RETURN_IF_ERROR(Retried(peer, [&](grpc::ClientContext& ctx) {
     return stubs_[peer]->OpenSession(&ctx, request, &response);
   }));
-  return Session{response.session_token(), response.data_address()};
+  return Session{response.session_token(), response.data_address(), response.data_tls()};
 }
 
 absl::Status PeerClient::CheckAgreement(int peer, absl::Duration timeout) {

@@ -72,6 +72,7 @@ class PeerClient {
   struct Session {
     std::string token;
     std::string data_address;
+    bool tls = false;  // its data plane speaks TLS
   };
   [[nodiscard]] absl::StatusOr<Session> OpenSession(int peer);
 

@@ -102,7 +102,10 @@ Server::Server(ServerOptions options)
             // OpenSession is given up on after peer_timeout.
             FLATSHARD_ASSIGN_OR_RETURN(
                 std::unique_ptr<transport::Connection> conn,
-                transport::OpenDataConnection(session.data_address, session.token, options_.peer_timeout));
+                transport::OpenDataConnection(
+                    session.data_address, session.token, options_.peer_timeout, {},
+                    session.tls ? PeerDataTls(options_.tls, tls_files_.ok() ? tls_files_->get() : nullptr)
+                                : transport::SecureLayer()));
             // A request may wait up to peer_timeout (the peer reaching the step)
             // before it is answered.
             FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(options_.peer_timeout + absl::Seconds(10)));
@@ -131,7 +134,9 @@ absl::Status Server::Start() {
   }
   FLATSHARD_RETURN_IF_ERROR(ipc_.Start(memory_tier()));
   FLATSHARD_RETURN_IF_ERROR(nccl_.Start(memory_tier()));
-  data_ = std::make_unique<DataServer>(registry_, driver_, ipc_, nccl_, sessions_, stats_, options_.data);
+  DataServerOptions data_options = options_.data;
+  if (options_.tls.data_plane) data_options.secure = DataServerTls(options_.tls, tls_files_->get());
+  data_ = std::make_unique<DataServer>(registry_, driver_, ipc_, nccl_, sessions_, stats_, std::move(data_options));
   FLATSHARD_RETURN_IF_ERROR(data_->Start(data_host, data_port));
   std::string metrics_address;
   if (!options_.metrics_listen.empty()) {
@@ -168,6 +173,7 @@ absl::Status Server::Start() {
                            .auth_token = options_.auth_token,
                            .tls = options_.tls.enabled(),
                            .tls_client_certificates = options_.tls.requires_client_certificates(),
+                           .data_tls = options_.tls.data_plane,
                            .tls_expiry = std::move(tls_expiry),
                            .compute_threads = compute_pool_->threads(),
                            .metrics_address = metrics_address};

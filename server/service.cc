@@ -216,6 +216,7 @@ grpc::Status FlatshardService::OpenSession(grpc::ServerContext* ctx, const v1::O
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   response->set_session_token(sessions_.Issue());
   response->set_data_address(identity_.data_address);
+  response->set_data_tls(identity_.data_tls);
   return grpc::Status::OK;
 }
 
@@ -537,6 +538,7 @@ v1::ServerStatus FlatshardService::Status() {
   response->set_nccl_version(nccl_.version());
   response->set_tls(identity_.tls);
   response->set_tls_client_certificates(identity_.tls_client_certificates);
+  response->set_data_tls(identity_.data_tls);
   if (identity_.tls_expiry) response->set_tls_expiry_unix_seconds(absl::ToUnixSeconds(identity_.tls_expiry()));
   response->set_compute_threads(identity_.compute_threads);
   for (const auto& [name, settings] : registry_.jobs()) {

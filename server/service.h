@@ -34,6 +34,7 @@ struct ServiceIdentity {
   std::string auth_token;  // empty: no authentication
   bool tls = false;        // the control plane speaks TLS
   bool tls_client_certificates = false;  // and asks every caller for a certificate
+  bool data_tls = false;                 // the data plane speaks TLS too
   // With TLS: when the certificate chain presented now expires (server/tls.h).
   std::function<absl::Time()> tls_expiry = {};
   int compute_threads = 1;  // the CPU tiers' kernel threads (server/compute_pool.h)

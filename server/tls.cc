@@ -9,16 +9,17 @@
 #include "server/tls_files.h"
 #include "tls/certificates.h"
 #include "tls/credentials.h"
+#include "tls/tls_connection.h"
 
 namespace flatshard::server {
 
 absl::Status ValidateTls(const TlsOptions& tls) {
   if (!tls.enabled()) {
     if (!tls.private_key.empty() || !tls.root_certs.empty() || !tls.client_root_certs.empty() ||
-        !tls.client_ca_file.empty() || tls.metrics_client_certificates) {
+        !tls.client_ca_file.empty() || tls.metrics_client_certificates || tls.data_plane) {
       return absl::InvalidArgumentError(
-          "--tls_key_file, --tls_ca_file, --tls_client_ca_file and --metrics_client_certificates need "
-          "--tls_cert_file (TLS is off without a certificate)");
+          "--tls_key_file, --tls_ca_file, --tls_client_ca_file, --metrics_client_certificates and "
+          "--tls_data_plane need --tls_cert_file (TLS is off without a certificate)");
     }
     return absl::OkStatus();
   }
@@ -69,6 +70,35 @@ std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls,
   options.pem_private_key = tls.private_key;
   options.pem_cert_chain = tls.cert_chain;
   return grpc::SslCredentials(options);
+}
+
+namespace {
+
+// The TLS files in use.
+TlsOptions Current(const TlsOptions& tls, const TlsFiles* files) { return files != nullptr ? files->current() : tls; }
+
+}  // namespace
+
+DataConnectionLayer DataServerTls(const TlsOptions& tls, const TlsFiles* files) {
+  return [tls, files](std::unique_ptr<transport::Connection> tcp)
+             -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
+    const TlsOptions now = Current(tls, files);
+    FLATSHARD_ASSIGN_OR_RETURN(
+        tls::SslContext context,
+        tls::ServerContext(now.cert_chain, "--tls_cert_file", now.private_key, "--tls_key_file",
+                           now.requires_client_certificates() ? now.client_root_certs : "", "--tls_client_ca_file"));
+    return tls::ServerSide(std::move(tcp), std::move(context));
+  };
+}
+
+transport::SecureLayer PeerDataTls(const TlsOptions& tls, const TlsFiles* files) {
+  return [tls, files](std::unique_ptr<transport::Connection> tcp,
+                      const std::string& host) -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
+    const TlsOptions now = Current(tls, files);
+    FLATSHARD_ASSIGN_OR_RETURN(tls::SslContext context,
+                               tls::ClientContext(now.root_certs, now.cert_chain, now.private_key, "--tls_ca_file"));
+    return tls::ClientSide(std::move(tcp), std::move(context), host);
+  };
 }
 
 }  // namespace flatshard::server

@@ -23,10 +23,14 @@
 // a change check against the new one, so a CA can be rotated without a restart (add the
 // new CA to every bundle, renew the certificates, drop the old CA).
 //
-// The data plane stays plain TCP, for speed: a data connection is accepted only with a
-// session token the server issued over this control plane, so with TLS the token never
-// crosses the network in the clear, but the tensor bytes do (run it on a trusted
-// network, or under IPsec or WireGuard).
+// The data plane stays plain TCP by default, for speed: a data connection is accepted
+// only with a session token the server issued over this control plane, so with TLS the
+// token never crosses the network in the clear, but the tensor bytes and the session
+// token in the hello do (run it on a trusted network, or under IPsec or WireGuard). With
+// data_plane (--tls_data_plane) its connections speak TLS too (tls/tls_connection.h),
+// with this server's certificate, checked by clients and peers as the control plane's
+// is, and asking for client certificates as the control plane does; renewals and CA
+// changes reach the connections opened after them.
 //
 //   TlsOptions tls{.cert_chain = pem, .private_key = key_pem, .root_certs = ca_pem};
 //   FLATSHARD_RETURN_IF_ERROR(ValidateTls(tls));
@@ -34,11 +38,15 @@
 #ifndef FLATSHARD_SERVER_TLS_H_
 #define FLATSHARD_SERVER_TLS_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "transport/data_protocol.h"
+#include "transport/transport.h"
 
 namespace grpc {
 class ServerCredentials;
@@ -59,6 +67,10 @@ struct TlsOptions {
   // Whether scrapes of the metrics endpoint must present such a certificate too
   // (--metrics_client_certificates); needs client CAs.
   bool metrics_client_certificates = false;
+  // Whether the data plane speaks TLS too (--tls_data_plane, tls/tls_connection.h): its
+  // connections complete a handshake before their hello, with the same certificate and,
+  // with client CAs, asking for a client certificate as the control plane does.
+  bool data_plane = false;
   // Where cert_chain, private_key, root_certs and client_root_certs were read, and how
   // often to read them again (zero, or no certificate files: never).
   std::string cert_file = {};
@@ -94,6 +106,17 @@ struct TlsOptions {
 // watched. Preconditions: ValidateTls(tls) is OK; `files` outlives what is returned.
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsOptions& tls, const TlsFiles* files = nullptr);
 std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls, const TlsFiles* files = nullptr);
+
+// The data plane's TLS (tls.data_plane): what wraps each connection the data server
+// accepts (this server's certificate; asking for a client certificate of the client CAs
+// when there are any), and what wraps this server's connections to its peers' data
+// planes (checked as PeerCredentials checks their control planes; presenting this
+// server's certificate when asked). Each connection gets the files in use when it is
+// made: `files`' current ones, or `tls`'s. Preconditions as above.
+using DataConnectionLayer =
+    std::function<absl::StatusOr<std::unique_ptr<transport::Connection>>(std::unique_ptr<transport::Connection>)>;
+DataConnectionLayer DataServerTls(const TlsOptions& tls, const TlsFiles* files = nullptr);
+transport::SecureLayer PeerDataTls(const TlsOptions& tls, const TlsFiles* files = nullptr);
 
 }  // namespace flatshard::server
 

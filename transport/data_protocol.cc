@@ -160,12 +160,15 @@ absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> pa
 
 absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(absl::string_view data_address,
                                                                absl::string_view session_token, absl::Duration timeout,
-                                                               std::stop_token stop) {
+                                                               std::stop_token stop, const SecureLayer& secure) {
   std::string host;
   int port = 0;
   FLATSHARD_RETURN_IF_ERROR(SplitHostPort(data_address, host, port));
   FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, ConnectTcp(host, port, timeout, stop));
   FLATSHARD_RETURN_IF_ERROR(conn->SetTimeout(timeout));
+  if (secure) {
+    FLATSHARD_ASSIGN_OR_RETURN(conn, secure(std::move(conn), host));
+  }
   absl::StatusOr<Response> response;
   {
     Connection* const cut = conn.get();

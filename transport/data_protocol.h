@@ -26,6 +26,7 @@
 #define FLATSHARD_TRANSPORT_DATA_PROTOCOL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stop_token>
@@ -206,14 +207,23 @@ struct Response {
 [[nodiscard]] absl::StatusOr<Response> RecvResponse(Connection& conn,
                                                     absl::Span<std::byte> payload_dest);
 
-// Connects to the data plane at `data_address` ("host:port", from OpenSession) and
-// presents `session_token` (kHello); every later Send/Recv times out after `timeout`.
-// Errors: transport errors, the server's refusal of the token, or Cancelled at once when
-// a stop is asked of `stop` (the connect, or the wait for the hello's answer, ends).
+// Wraps a new TCP connection to `host` in a secure layer (TLS, tls/tls_connection.h)
+// that does its handshake on the first Send or Recv, so that a timeout or Shutdown ends
+// that too.
+using SecureLayer = std::function<absl::StatusOr<std::unique_ptr<Connection>>(std::unique_ptr<Connection> tcp,
+                                                                             const std::string& host)>;
+
+// Connects to the data plane at `data_address` ("host:port", from OpenSession), wrapped
+// in `secure` unless it is empty (a server whose data plane speaks TLS), and presents
+// `session_token` (kHello); every later Send/Recv times out after `timeout`. Errors:
+// transport errors (a failed handshake among them), the server's refusal of the token,
+// or Cancelled at once when a stop is asked of `stop` (the connect, or the handshake and
+// the wait for the hello's answer, ends).
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(absl::string_view data_address,
                                                                              absl::string_view session_token,
                                                                              absl::Duration timeout,
-                                                                             std::stop_token stop = {});
+                                                                             std::stop_token stop = {},
+                                                                             const SecureLayer& secure = nullptr);
 
 // Reads and throws away `bytes` bytes (a refused request's payload), in bounded chunks.
 // InvalidArgument for a negative count; transport errors as Connection::Recv returns them.

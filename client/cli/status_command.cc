@@ -26,11 +26,11 @@ constexpr absl::Duration kTlsExpiryWarning = absl::Hours(7 * 24);
 
 // How long a server's TLS certificate has left, as the table's tls column shows it: "no"
 // without TLS, hours under two days, days beyond, "expired"; then "+mtls" when it asks
-// callers for certificates.
+// callers for certificates, and "+data" when its data plane speaks TLS too.
 std::string TlsLeft(const v1::ServerStatus& s, absl::Time now) {
   if (!s.tls()) return "no";
   const absl::Duration left = absl::FromUnixSeconds(s.tls_expiry_unix_seconds()) - now;
-  const std::string mutual = s.tls_client_certificates() ? "+mtls" : "";
+  const std::string mutual = absl::StrCat(s.tls_client_certificates() ? "+mtls" : "", s.data_tls() ? "+data" : "");
   if (left <= absl::ZeroDuration()) return "expired" + mutual;
   if (left < absl::Hours(48)) return absl::StrCat(absl::ToInt64Hours(left), "h", mutual);
   return absl::StrCat(absl::ToInt64Hours(left) / 24, "d", mutual);
@@ -90,9 +90,10 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
   };
   // held: the memory of its groups (each group's is in the table below); x-sent, x-recv:
   // a hybrid-sharded job's exchange between replica groups.
-  // tls: how long the certificate it presents has left (+mtls: it asks callers for theirs).
+  // tls: how long the certificate it presents has left (+mtls: it asks callers for theirs;
+  // +data: its data plane speaks TLS too).
   const absl::Time now = absl::Now();
-  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-9s %7s %6s %10s %5s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
+  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-13s %7s %6s %10s %5s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
                          "address", "memory", "plane", "tls", "threads", "groups", "held", "conns", "sent", "received",
                          "x-sent", "x-recv", "gathers", "scatters", "errors");
   for (size_t i = 0; i < statuses.size(); ++i) {
@@ -105,7 +106,7 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
     const v1::ServerStatus& s = *statuses[i];
     int64_t held = 0;
     for (const v1::GroupStatus& g : s.groups()) held += g.bytes();
-    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-9s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
+    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-13s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
                            s.control_address(), s.memory(), plane(s), TlsLeft(s, now), s.compute_threads(),
                            s.groups_size(), HumanBytes(held), s.open_data_connections(), HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), HumanBytes(s.exchange_bytes_sent()),

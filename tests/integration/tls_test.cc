@@ -3,6 +3,7 @@
 // plaintext or trust another CA are refused with a hint, the metrics endpoint speaks
 // HTTPS, mutual TLS serves only callers with a certificate of its client CAs, and bad
 // TLS files stop a server at start-up. The certificates are made by the openssl command line for each run.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,6 +21,8 @@
 #include "tests/integration/test_cluster.h"
 #include "tests/run_command.h"
 #include "tests/test_certificates.h"
+#include "tls/tls_connection.h"
+#include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard {
@@ -472,6 +475,99 @@ TEST_F(TlsTest, MetricsClientCertificatesAreAskedOfScrapesToo) {
   EXPECT_TRUE(testing::RefusesToStart({tls[0], tls[1], "--tls_client_ca_file=" + File("ca.pem"),
                                        "--metrics_client_certificates"}))
       << "without metrics";
+}
+
+// --tls_data_plane (with mutual TLS): a hybrid-sharded step crosses the data plane in TLS,
+// from workers (one reading its TLS files once, one keeping them current) to servers and
+// between the servers' replica groups (their exchange), to the bits the plain data plane
+// gives; the data port then takes no plaintext, and no TLS handshake from a client that
+// does not trust its certificate or has no certificate of the client CAs; the status
+// says so. The flag needs a certificate.
+TEST_F(TlsTest, WithTlsDataPlaneAHybridStepCrossesTheDataPlaneInTls) {
+  std::vector<std::string> flags = ServerTls();
+  flags.insert(flags.end(), {"--tls_client_ca_file=" + File("ca.pem"), "--tls_data_plane"});
+  std::vector<std::string> read_once = flags;
+  read_once.push_back("--tls_reload_interval=0");
+  flags.push_back("--log_file=" + File("data-tls-0.log"));
+  TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {flags, read_once});
+  std::unique_ptr<Client> workers[2];
+  for (int w = 0; w < 2; ++w) {
+    auto client = cluster.Connect({.worker_rank = w,
+                                   .num_workers = 2,
+                                   .job = "test",
+                                   .timeout = absl::Seconds(20),
+                                   .tls_ca_file = File("ca.pem"),
+                                   .tls_cert_file = File("client.pem"),
+                                   .tls_key_file = File("client.key"),
+                                   .tls_reload_interval = w == 0 ? absl::ZeroDuration() : absl::Minutes(5)});
+    ASSERT_TRUE(client.ok()) << client.status();
+    workers[w] = *std::move(client);
+    ASSERT_TRUE(workers[w]->ConfigureJob({.replicas = 2}).ok());
+    ASSERT_TRUE(workers[w]->RegisterGroup("g", {{"w", {1 << 20}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  }
+  const size_t numel = 1 << 20;  // one replica group of one server each: a whole shard per server
+  for (int w = 0; w < 2; ++w) {
+    const std::vector<float> grad(numel, w == 0 ? 1.0f : 3.0f);
+    ASSERT_TRUE(workers[w]->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  }
+  for (int w = 0; w < 2; ++w) {
+    std::vector<float> params(numel, 7.0f);
+    auto version = workers[w]->Gather("g", 1, DType::kFloat32, AsBytes(params)).get();
+    ASSERT_TRUE(version.ok()) << version.status();
+    EXPECT_EQ(params, std::vector<float>(numel, -1.0f)) << "worker " << w;  // -0.5 * (1 + 3) / 2
+  }
+  const ClientOptions status_options{.servers = cluster.addresses(),
+                                     .token = cluster.token(),
+                                     .tls_ca_file = File("ca.pem"),
+                                     .tls_cert_file = File("client.pem"),
+                                     .tls_key_file = File("client.key")};
+  const auto statuses = FetchClusterStatus(status_options);
+  for (const auto& status : statuses) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_TRUE(status->data_tls());
+    EXPECT_GE(status->exchange_bytes_sent(), static_cast<int64_t>(numel * 2)) << "no exchange between the servers";
+  }
+  std::ostringstream table, err;
+  const cli::StatusCommandOptions command{
+      .servers = cluster.addresses(),
+      .token = cluster.token(),
+      .tls = {.ca_file = File("ca.pem"), .cert_file = File("client.pem"), .key_file = File("client.key")}};
+  EXPECT_EQ(cli::RunStatusCommand(command, table, err), 0) << err.str();
+  EXPECT_TRUE(absl::StrContains(table.str(), "h+mtls+data ")) << table.str();
+
+  // The data port, directly: a hello (its token made up) in plaintext, or over TLS that
+  // does not trust the server, or without a client certificate, gets no answer; with
+  // both, the handshake completes and the token is judged.
+  const std::string data_address = statuses[0]->data_address();
+  auto over = [&](const std::string& ca, const std::string& identity) -> transport::SecureLayer {
+    return [=](std::unique_ptr<transport::Connection> tcp, const std::string& host) {
+      const std::string chain = identity.empty() ? "" : ReadFileToString(File(identity + ".pem")).value_or("");
+      const std::string key = identity.empty() ? "" : ReadFileToString(File(identity + ".key")).value_or("");
+      auto context = tls::ClientContext(ReadFileToString(File(ca)).value_or(""), chain, key, "the test");
+      if (!context.ok()) return absl::StatusOr<std::unique_ptr<transport::Connection>>(context.status());
+      return tls::ClientSide(std::move(tcp), *context, host);
+    };
+  };
+  const std::string made_up(32, 'x');
+  const size_t log_before = ReadFileToString(File("data-tls-0.log")).value_or("").size();
+  absl::StatusOr<std::unique_ptr<transport::Connection>> opened =
+      transport::OpenDataConnection(data_address, made_up, absl::Seconds(10));
+  EXPECT_TRUE(absl::IsUnavailable(opened.status())) << opened.status();
+  opened = transport::OpenDataConnection(data_address, made_up, absl::Seconds(10), {}, over("other-ca.pem", "client"));
+  EXPECT_THAT(std::string(opened.status().message()), ::testing::HasSubstr("certificate verify failed"))
+      << opened.status();
+  opened = transport::OpenDataConnection(data_address, made_up, absl::Seconds(10), {}, over("ca.pem", ""));
+  EXPECT_TRUE(absl::IsUnavailable(opened.status())) << opened.status();
+  opened = transport::OpenDataConnection(data_address, made_up, absl::Seconds(10), {}, over("ca.pem", "client"));
+  EXPECT_TRUE(absl::IsUnauthenticated(opened.status())) << opened.status();
+  EXPECT_THAT(std::string(opened.status().message()), ::testing::HasSubstr("invalid data-plane session token"));
+  // The server's log says why it refused the handshakes (not a plaintext hello, which
+  // is garbage to it as any stray bytes are).
+  const std::string log = ReadFileToString(File("data-tls-0.log")).value_or("").substr(log_before);
+  EXPECT_THAT(log, ::testing::HasSubstr("data plane: UNAUTHENTICATED: TLS handshake with 127.0.0.1:")) << log;
+  EXPECT_THAT(log, ::testing::HasSubstr("peer did not return a certificate")) << log;
+
+  EXPECT_TRUE(testing::RefusesToStart({"--tls_data_plane"})) << "without a certificate";
 }
 
 TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {
