@@ -4,11 +4,13 @@
 //   Adam step (params/s)         vs  STREAM-like triad bandwidth / 28 bytes per parameter
 //   small-gather latency p50     vs  a gRPC unary call that does no work (p50), and a
 //                                   bare TCP round trip of the same bytes
+//   gather / scatter over TLS    vs  the same over the plain TCP data plane (--tls_data_plane)
 // Servers run in this process (the same code as flatshard-server), workers are threads
 // with their own Client, all on 127.0.0.1.
 //
 //   build/bin/cluster_bench [--quick] [--sections=data --shapes=1x1,4x1]
 #include <fcntl.h>
+#include <unistd.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
@@ -46,6 +48,7 @@
 #include "server/compute_pool.h"
 #include "server/server.h"
 #include "server/shard_compute.h"
+#include "tests/test_certificates.h"
 #include "transport/tcp/tcp_transport.h"
 
 ABSL_FLAG(bool, quick, false, "fewer configurations and shorter runs");
@@ -59,8 +62,9 @@ ABSL_FLAG(std::vector<std::string>, shapes, {},
           "hybrid: 2x2/R2); empty: all");
 ABSL_FLAG(std::vector<std::string>, one_to_one_mib, std::vector<std::string>({"4", "64", "256"}),
           "data section: the group sizes (MiB) of the 1 server x 1 worker rows");
-ABSL_FLAG(std::vector<std::string>, sections, std::vector<std::string>({"data", "optimizer", "latency", "checkpoints"}),
-          "which tables to print: data, optimizer, latency, checkpoints");
+ABSL_FLAG(std::vector<std::string>, sections,
+          std::vector<std::string>({"data", "optimizer", "latency", "checkpoints", "tls"}),
+          "which tables to print: data, optimizer, latency, checkpoints, tls");
 
 extern char** environ;
 
@@ -70,9 +74,18 @@ namespace {
 struct Cluster {
   std::vector<std::unique_ptr<server::Server>> servers;
   std::vector<std::string> addresses;
+  std::string tls_ca_file;  // with a TLS data plane: what clients trust
 };
 
-std::unique_ptr<Cluster> StartCluster(int num_servers, const std::string& checkpoint_root = "") {
+// TLS for the tls section: the test certificates (tests/test_certificates.h) in a
+// directory of their own, and servers' options whose data plane speaks TLS with them.
+struct BenchTls {
+  std::string dir;
+  server::TlsOptions options;
+};
+
+std::unique_ptr<Cluster> StartCluster(int num_servers, const std::string& checkpoint_root = "",
+                                      const BenchTls* tls = nullptr) {
   auto cluster = std::make_unique<Cluster>();
   const std::vector<int> ports = *transport::PickFreeLoopbackPorts(2 * num_servers);
   for (int i = 0; i < num_servers; ++i) cluster->addresses.push_back(absl::StrCat("127.0.0.1:", ports[2 * i]));
@@ -83,6 +96,10 @@ std::unique_ptr<Cluster> StartCluster(int num_servers, const std::string& checkp
     options.rank = i;
     options.cluster = cluster->addresses;
     options.checkpoint_root = checkpoint_root;
+    if (tls != nullptr) {
+      options.tls = tls->options;
+      cluster->tls_ca_file = tls->dir + "/ca.pem";
+    }
     cluster->servers.push_back(std::make_unique<server::Server>(options));
     if (absl::Status started = cluster->servers.back()->Start(); !started.ok()) {
       std::cerr << "cluster_bench: " << started << "\n";
@@ -100,6 +117,7 @@ std::unique_ptr<Client> Connect(const Cluster& cluster, int rank, int workers, c
   options.job = job;
   options.gather_split_bytes = absl::GetFlag(FLAGS_gather_split_bytes);
   options.scatter_split_bytes = absl::GetFlag(FLAGS_scatter_split_bytes);
+  options.tls_ca_file = cluster.tls_ca_file;
   auto client = Client::Connect(options);
   if (!client.ok()) {
     std::cerr << "cluster_bench: " << client.status() << "\n";
@@ -123,8 +141,8 @@ const FlatLayout* Register(Client& client, const std::string& group, int64_t num
 
 // Aggregate bytes/s of `workers` threads each gathering a shared group of `bytes` from
 // `servers` servers for `seconds`.
-double GatherThroughput(int servers, int workers, int64_t bytes, double seconds) {
-  auto cluster = StartCluster(servers);
+double GatherThroughput(int servers, int workers, int64_t bytes, double seconds, const BenchTls* tls = nullptr) {
+  auto cluster = StartCluster(servers, "", tls);
   const int64_t numel = bytes / 4;
   std::atomic<int64_t> moved{0};
   std::barrier start(workers);
@@ -155,8 +173,8 @@ double GatherThroughput(int servers, int workers, int64_t bytes, double seconds)
 // Aggregate bytes/s of `workers` threads each scattering full gradients of `bytes` step
 // after step (each worker in a job of its own, so no one waits for another; the
 // server reduces and runs the optimizer as in training).
-double ScatterThroughput(int servers, int workers, int64_t bytes, double seconds) {
-  auto cluster = StartCluster(servers);
+double ScatterThroughput(int servers, int workers, int64_t bytes, double seconds, const BenchTls* tls = nullptr) {
+  auto cluster = StartCluster(servers, "", tls);
   const int64_t numel = bytes / 4;
   std::atomic<int64_t> moved{0};
   std::barrier start(workers);
@@ -603,6 +621,47 @@ void DataPlane(bool quick, double seconds, const std::vector<std::string>& shape
   }
 }
 
+// Gather and scatter throughput with the data plane in TLS (--tls_data_plane: AES-GCM in
+// OpenSSL, one TLS connection per transfer in flight) against the plain TCP data plane,
+// alternated twice per row; returns false if the certificates could not be made.
+bool TlsDataPlane(double seconds) {
+  BenchTls tls;
+  tls.dir = absl::StrCat(std::filesystem::temp_directory_path().string(), "/cluster-bench-tls-", getpid());
+  std::filesystem::create_directories(tls.dir);
+  const bool made = testing::MakeTestCertificates(tls.dir);
+  auto read = [&](const char* name) {
+    std::ifstream in(tls.dir + "/" + name);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  tls.options = {.cert_chain = read("server.pem"), .private_key = read("server.key"), .root_certs = read("ca.pem")};
+  tls.options.data_plane = true;
+  if (!made) {
+    std::filesystem::remove_all(tls.dir);
+    return false;
+  }
+  std::printf("\n%-8s %7s %7s %8s %10s %14s %8s\n", "op", "servers", "workers", "group", "TLS GB/s", "plain GB/s",
+              "ratio");
+  for (const auto& [servers, workers] : {std::pair{1, 1}, std::pair{2, 2}}) {
+    const int64_t bytes = int64_t{64} << 20;
+    for (const std::string op : {"gather", "scatter"}) {
+      auto run = [&](const BenchTls* with) {
+        return op == "gather" ? GatherThroughput(servers, workers, bytes, seconds, with)
+                              : ScatterThroughput(servers, workers, bytes, seconds, with);
+      };
+      double secure = 0, plain = 0;
+      for (int round = 0; round < 2; ++round) {
+        plain += run(nullptr);
+        secure += run(&tls);
+      }
+      std::printf("%-8s %7d %7d %8s %10.2f %14.2f %7.2fx\n", op.c_str(), servers, workers, Mib(bytes).c_str(),
+                  secure / 2e9, plain / 2e9, secure / plain);
+      std::fflush(stdout);
+    }
+  }
+  std::filesystem::remove_all(tls.dir);
+  return true;
+}
+
 }  // namespace
 }  // namespace flatshard::bench
 
@@ -643,5 +702,9 @@ int main(int argc, char** argv) {
   }
   if (wanted("latency")) Latency(quick ? 300 : 2000);
   if (wanted("checkpoints")) Checkpoints(quick ? (int64_t{64} << 20) : (int64_t{512} << 20));
+  if (wanted("tls") && !TlsDataPlane(seconds)) {
+    std::fprintf(stderr, "cluster_bench: openssl could not make the certificates of the tls section\n");
+    return 1;
+  }
   return 0;
 }
