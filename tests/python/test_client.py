@@ -659,11 +659,13 @@ class TlsTest(unittest.TestCase):
         d = self.dir.name
         with flatshard.LocalCluster(servers=2, server_args=[
                 f"--tls_cert_file={d}/server.pem", f"--tls_key_file={d}/server.key",
-                f"--tls_ca_file={self.ca}", f"--tls_client_ca_file={self.ca}"]) as cluster:
+                f"--tls_ca_file={self.ca}", f"--tls_client_ca_file={self.ca}",
+                "--tls_data_plane"]) as cluster:
             c = flatshard.Client(cluster.addresses, token=cluster.token, tls_ca_file=self.ca,
                                  tls_cert_file=f"{d}/client.pem", tls_key_file=f"{d}/client.key")
             c.configure_job()
-            self.assertTrue(all(s["tls_client_certificates"] for s in c.status()["servers"]))
+            # The data plane speaks TLS too: the state dict below crosses it.
+            self.assertTrue(all(s["tls_client_certificates"] and s["data_tls"] for s in c.status()["servers"]))
             # ShardedModule's start-up barrier is a client of its own: it presents the
             # same certificate.
             linear = torch.nn.Linear(4, 3)
