@@ -15,6 +15,9 @@
 // address or DNS subject alternative name); a server asks the client for a certificate
 // only when it was given client CAs (then one they signed for client use, or no
 // handshake). TLS 1.2 or later. Writes never raise SIGPIPE (send with MSG_NOSIGNAL).
+// Records go out through a 256 KiB buffer that each Send flushes before it returns, and
+// come in 256 KiB reads ahead (PollReadable counts what was read ahead): OpenSSL would
+// otherwise make a system call per 16 KiB record written and two per record read.
 //
 // Contexts are immutable once made and shared between connections (thread-safe); a
 // connection is used by one sender and one receiver, not at once (transport.h).
