@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "tests/tls/certificates_dir.h"
+#include "tests/transport/random_bytes.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::tls {
@@ -26,19 +27,8 @@ namespace {
 
 using ::testing::HasSubstr;
 using transport::Connection;
-
-absl::Span<const std::byte> Bytes(const std::vector<uint8_t>& data) {
-  return absl::MakeConstSpan(reinterpret_cast<const std::byte*>(data.data()), data.size());
-}
-absl::Span<std::byte> Bytes(std::vector<uint8_t>& data) {
-  return absl::MakeSpan(reinterpret_cast<std::byte*>(data.data()), data.size());
-}
-std::vector<uint8_t> RandomBytes(size_t size, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<uint8_t> data(size);
-  for (uint8_t& b : data) b = static_cast<uint8_t>(rng());
-  return data;
-}
+using testing::Bytes;
+using testing::RandomBytes;
 
 class TlsConnectionTest : public testing::CertificatesDir {
  protected:
