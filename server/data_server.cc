@@ -123,7 +123,9 @@ bool DataServer::Authenticate(Connection& conn) {
   if (!conn.SetTimeout(options_.hello_timeout).ok()) return false;
   absl::StatusOr<Request> hello = transport::RecvRequest(conn);
   if (!hello.ok()) {  // silent or garbage peer; one refused by TLS is an operator's concern (another CA, say)
-    if (tls::IsHandshakeFailure(hello.status())) CountError(nullptr, absl::UnauthenticatedError(hello.status().message()));
+    if (tls::IsHandshakeFailure(hello.status())) {
+      CountError(nullptr, absl::UnauthenticatedError(hello.status().message()));
+    }
     return false;
   }
   if (hello->op != DataOp::kHello || hello->payload_bytes > transport::kMaxTokenBytes) {

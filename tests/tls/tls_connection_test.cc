@@ -51,7 +51,9 @@ class TlsConnectionTest : public testing::CertificatesDir {
     auto tcp_server = (*listener)->Accept();
     EXPECT_TRUE(tcp_client.ok() && tcp_server.ok());
     if (!tcp_client.ok() || !tcp_server.ok()) return pair;
-    for (Connection* conn : {tcp_client->get(), tcp_server->get()}) EXPECT_TRUE(conn->SetTimeout(absl::Seconds(20)).ok());
+    for (Connection* conn : {tcp_client->get(), tcp_server->get()}) {
+      EXPECT_TRUE(conn->SetTimeout(absl::Seconds(20)).ok());
+    }
     auto server_context = ServerContext(Read("server.pem"), "server.pem", Read("server.key"), "server.key",
                                         client_ca.empty() ? "" : Read(client_ca), client_ca);
     auto client_context = ClientContext(Read(ca), identity.empty() ? "" : Read(identity + ".pem"),
@@ -216,7 +218,8 @@ TEST_F(TlsConnectionTest, APlaintextPeerAndBadArgumentsAreRefused) {
   auto server = ServerSide(*std::move(accepted), *context);
   ASSERT_TRUE(server.ok());
   const std::string hello = "GET / HTTP/1.0\r\n\r\n";
-  ASSERT_TRUE((*plain)->Send({absl::MakeConstSpan(reinterpret_cast<const std::byte*>(hello.data()), hello.size())}).ok());
+  const auto hello_bytes = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(hello.data()), hello.size());
+  ASSERT_TRUE((*plain)->Send({hello_bytes}).ok());
   std::vector<uint8_t> got(4);
   const absl::Status refused = (*server)->Recv(Bytes(got));
   EXPECT_TRUE(absl::IsUnavailable(refused)) << refused;
