@@ -3,11 +3,12 @@
 # benchmarks from the binaries scripts/device-carry.sh put in .devcarry/, logs under
 # /tmp/device-check and, with $OUT set (the device tool), packed into
 # $OUT/device-check.tar.gz after each command, so that a run stopped at its time limit
-# still brings back what ran. Steps: any of tests, training, bench, ipc-wait (the CUDA IPC
-# rows waited for by get() and by Await, alternated), kernels-bench, safetensors, python,
-# stops (device transfers that a stop or the client's end cuts short, and the waits a
-# server ends for a caller that went or for its own shutdown), integration-device, integration-pinned (the whole
-# integration suite with every server on that tier; default: tests training bench).
+# still brings back what ran. Steps: any of tests, training (with GPU workers over a TLS
+# data plane too), bench, ipc-wait (the CUDA IPC rows waited for by get() and by Await,
+# alternated), kernels-bench, safetensors, python, stops (device transfers that a stop or
+# the client's end cuts short, and the waits a server ends for a caller that went or for
+# its own shutdown), integration-device, integration-pinned (the whole integration suite
+# with every server on that tier; default: tests training bench).
 set -uo pipefail
 carry=$PWD/.devcarry
 out=/tmp/device-check
@@ -46,7 +47,7 @@ for step in ${steps[*]}; do
       run kernels_cuda_test "$carry/bin/kernels_cuda_test"
       run server_cuda_test "$carry/bin/server_cuda_test" ;;
     training)
-      run integration_training "$carry/bin/integration_test" --gtest_filter='Training*' ;;
+      run integration_training "$carry/bin/integration_test" --gtest_filter='Training*:TlsTest.*Gpu*' ;;
     stops)
       run integration_stops "$carry/bin/integration_test" \
         --gtest_filter='StoppedNccl*:AbandonedWait*:ClientShutdown*:StoppedBigTransfer*:*NcclScatterGivenUp*' ;;

@@ -18,6 +18,7 @@
 #include "client/cli/status_command.h"
 #include "client/cluster_status.h"
 #include "core/file.h"
+#include "tests/integration/gpu_worker.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/run_command.h"
 #include "tests/test_certificates.h"
@@ -568,6 +569,53 @@ TEST_F(TlsTest, WithTlsDataPlaneAHybridStepCrossesTheDataPlaneInTls) {
   EXPECT_THAT(log, ::testing::HasSubstr("peer did not return a certificate")) << log;
 
   EXPECT_TRUE(testing::RefusesToStart({"--tls_data_plane"})) << "without a certificate";
+}
+
+// --tls_data_plane with a --memory=device server: GPU workers' CUDA IPC and NCCL requests,
+// and their answers, cross the TLS data connection (a gather waiting there for its
+// version, NCCL's early-answer polls), while the bytes move GPU to GPU outside it; the
+// values are those a host gather over TLS sees. Skipped without a GPU.
+TEST_F(TlsTest, WithTlsDataPlaneGpuWorkersTransferOverCudaIpcAndNccl) {
+  if (!testing::HaveGpu()) GTEST_SKIP() << "GPU workers need a CUDA build and a CUDA device";
+  for (const DevicePlane plane : {DevicePlane::kCudaIpc, DevicePlane::kNccl}) {
+    if (plane == DevicePlane::kNccl && !testing::HaveNccl()) continue;  // said below
+    const bool nccl = plane == DevicePlane::kNccl;
+    SCOPED_TRACE(nccl ? "NCCL" : "CUDA IPC");
+    std::vector<std::string> flags = ServerTls();
+    flags.insert(flags.end(), {"--memory=device", "--tls_data_plane"});
+    if (nccl) testing::SetNcclHost(testing::kNcclServers);
+    TestCluster cluster(1, "tls-token", ::testing::TempDir(), "", {flags});
+    if (nccl) testing::SetNcclHost(testing::kNcclWorkers);
+    auto client = cluster.Connect({.worker_rank = 0,
+                                   .num_workers = 1,
+                                   .job = "test",
+                                   .timeout = absl::Seconds(20),
+                                   .device_plane = plane,
+                                   .tls_ca_file = File("ca.pem")});
+    ASSERT_TRUE(client.ok()) << client.status();
+    Client& c = **client;
+    ASSERT_TRUE(c.ConfigureJob({}).ok());
+    auto layout = c.RegisterGroup("g", {{"w", {1000}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    ASSERT_TRUE(c.InitGroupFromSeed("g", 3).ok());
+    const int64_t numel = (*layout)->padded_numel();
+    std::vector<float> before(numel), after(numel), landed(numel);
+    ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, AsBytes(before)).get().value_or(-1), 0);  // host, over TLS
+    testing::DeviceBytes params(numel * 4), next(numel * 4), grad(numel * 4);
+    ASSERT_EQ(c.Gather("g", 0, DType::kFloat32, params.span()).get().value_or(-1), 0);
+    EXPECT_EQ(c.DataPlanes(), std::vector<std::string>{nccl ? "nccl" : "cuda-ipc"});
+    params.Download(AsBytes(landed));
+    EXPECT_EQ(landed, before);
+    auto waiting = c.Gather("g", 1, DType::kFloat32, next.span());  // waits on the server for the step
+    grad.Upload(AsBytes(std::vector<float>(numel, 1.0f)));
+    ASSERT_TRUE(c.Scatter("g", 0, DType::kFloat32, grad.span()).get().ok());
+    ASSERT_EQ(waiting.get().value_or(-1), 1);
+    ASSERT_EQ(c.Gather("g", 1, DType::kFloat32, AsBytes(after)).get().value_or(-1), 1);
+    next.Download(AsBytes(landed));
+    EXPECT_EQ(landed, after);
+    for (int64_t i = 0; i < 1000; ++i) ASSERT_EQ(after[i], before[i] - 0.5f) << i;
+  }
+  if (!testing::HaveNccl()) GTEST_SKIP() << "CUDA IPC checked; NCCL does not load here (set FLATSHARD_NCCL_LIBRARY)";
 }
 
 TEST_F(TlsTest, MismatchedTlsFilesStopTheServerAtStartUp) {
