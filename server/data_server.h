@@ -23,7 +23,6 @@
 
 #include <array>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -51,8 +50,7 @@ struct DataServerOptions {
   int64_t max_drain_bytes = int64_t{256} << 20;     // larger refused payloads close the connection
   // Wraps each accepted connection before its hello (TLS: tls::ServerSide with the
   // context of the moment); empty: plain TCP. A connection it refuses is closed.
-  std::function<absl::StatusOr<std::unique_ptr<transport::Connection>>(std::unique_ptr<transport::Connection>)>
-      secure = {};
+  transport::SecureAcceptedLayer secure = {};
 };
 
 class DataServer {

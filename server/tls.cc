@@ -79,7 +79,7 @@ TlsOptions Current(const TlsOptions& tls, const TlsFiles* files) { return files 
 
 }  // namespace
 
-DataConnectionLayer DataServerTls(const TlsOptions& tls, const TlsFiles* files) {
+transport::SecureAcceptedLayer DataServerTls(const TlsOptions& tls, const TlsFiles* files) {
   return [tls, files](std::unique_ptr<transport::Connection> tcp)
              -> absl::StatusOr<std::unique_ptr<transport::Connection>> {
     const TlsOptions now = Current(tls, files);

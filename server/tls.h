@@ -113,9 +113,7 @@ std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const TlsOptions& tls,
 // planes (checked as PeerCredentials checks their control planes; presenting this
 // server's certificate when asked). Each connection gets the files in use when it is
 // made: `files`' current ones, or `tls`'s. Preconditions as above.
-using DataConnectionLayer =
-    std::function<absl::StatusOr<std::unique_ptr<transport::Connection>>(std::unique_ptr<transport::Connection>)>;
-DataConnectionLayer DataServerTls(const TlsOptions& tls, const TlsFiles* files = nullptr);
+transport::SecureAcceptedLayer DataServerTls(const TlsOptions& tls, const TlsFiles* files = nullptr);
 transport::SecureLayer PeerDataTls(const TlsOptions& tls, const TlsFiles* files = nullptr);
 
 }  // namespace flatshard::server

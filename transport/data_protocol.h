@@ -212,6 +212,9 @@ struct Response {
 // that too.
 using SecureLayer = std::function<absl::StatusOr<std::unique_ptr<Connection>>(std::unique_ptr<Connection> tcp,
                                                                              const std::string& host)>;
+// The same for a connection a data server accepted (no host to check).
+using SecureAcceptedLayer =
+    std::function<absl::StatusOr<std::unique_ptr<Connection>>(std::unique_ptr<Connection> tcp)>;
 
 // Connects to the data plane at `data_address` ("host:port", from OpenSession), wrapped
 // in `secure` unless it is empty (a server whose data plane speaks TLS), and presents

@@ -83,6 +83,26 @@ class TlsTest : public ::testing::Test {
                                             " -CAfile '", ca, "' -verify_return_error -verify_ip 127.0.0.1", presented,
                                             " 2>/dev/null"));
   }
+  // Options of a client of `cluster` trusting ca.pem and presenting client.pem.
+  static ClientOptions Presenting(const TestCluster& cluster) {
+    return {.servers = cluster.addresses(),
+            .token = cluster.token(),
+            .timeout = absl::Seconds(20),
+            .tls_ca_file = File("ca.pem"),
+            .tls_cert_file = File("client.pem"),
+            .tls_key_file = File("client.key")};
+  }
+  // The table `flatshard status` prints for `cluster`, presenting client.pem (a failure
+  // of the command fails the test).
+  static std::string StatusTable(const TestCluster& cluster) {
+    std::ostringstream table, err;
+    const cli::StatusCommandOptions options{
+        .servers = cluster.addresses(),
+        .token = cluster.token(),
+        .tls = {.ca_file = File("ca.pem"), .cert_file = File("client.pem"), .key_file = File("client.key")}};
+    EXPECT_EQ(cli::RunStatusCommand(options, table, err), 0) << err.str();
+    return table.str();
+  }
   static std::vector<std::string> ServerTls() {
     return {"--tls_cert_file=" + File("server.pem"), "--tls_key_file=" + File("server.key"),
             "--tls_ca_file=" + File("ca.pem")};
@@ -360,12 +380,7 @@ TEST_F(TlsTest, WithClientCasOnlyCallersPresentingACertificateOfThemAreServed) {
   std::vector<std::string> logging = flags;  // server 0: every call in its log
   logging.insert(logging.end(), {"--log_level=debug", "--log_file=" + File("mtls-0.log")});
   TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {logging, read_once});
-  const ClientOptions presenting{.servers = cluster.addresses(),
-                                 .token = cluster.token(),
-                                 .timeout = absl::Seconds(20),
-                                 .tls_ca_file = File("ca.pem"),
-                                 .tls_cert_file = File("client.pem"),
-                                 .tls_key_file = File("client.key")};
+  const ClientOptions presenting = Presenting(cluster);
   auto client = cluster.Connect(presenting);
   ASSERT_TRUE(client.ok()) << client.status();
   ExpectAClippedStep(**client);
@@ -412,13 +427,8 @@ TEST_F(TlsTest, WithClientCasOnlyCallersPresentingACertificateOfThemAreServed) {
 
   // The commands present theirs too, and show that the servers ask for one; the cluster
   // serves on after the refusals.
-  std::ostringstream table, err;
-  const cli::StatusCommandOptions status_options{
-      .servers = cluster.addresses(),
-      .token = cluster.token(),
-      .tls = {.ca_file = File("ca.pem"), .cert_file = File("client.pem"), .key_file = File("client.key")}};
-  EXPECT_EQ(cli::RunStatusCommand(status_options, table, err), 0) << err.str();
-  EXPECT_TRUE(absl::StrContains(table.str(), "h+mtls ")) << table.str();
+  const std::string table = StatusTable(cluster);
+  EXPECT_TRUE(absl::StrContains(table, "h+mtls ")) << table;
   for (const auto& status : FetchClusterStatus(presenting)) {
     ASSERT_TRUE(status.ok()) << status.status();
     EXPECT_TRUE(status->tls_client_certificates());
@@ -448,11 +458,7 @@ TEST_F(TlsTest, MetricsClientCertificatesAreAskedOfScrapesToo) {
   flags.insert(flags.end(), {"--tls_client_ca_file=" + File("ca.pem"), "--metrics_listen=127.0.0.1:0",
                              "--metrics_client_certificates", "--log_file=" + File("metrics-mtls.log")});
   TestCluster cluster(1, "tls-token", ::testing::TempDir(), "", {flags});
-  const auto statuses = FetchClusterStatus({.servers = cluster.addresses(),
-                                            .token = cluster.token(),
-                                            .tls_ca_file = File("ca.pem"),
-                                            .tls_cert_file = File("client.pem"),
-                                            .tls_key_file = File("client.key")});
+  const auto statuses = FetchClusterStatus(Presenting(cluster));
   ASSERT_TRUE(statuses[0].ok()) << statuses[0].status();
   const std::string address = statuses[0]->metrics_address();
   const std::string port = address.substr(address.rfind(':') + 1);
@@ -493,14 +499,12 @@ TEST_F(TlsTest, WithTlsDataPlaneAHybridStepCrossesTheDataPlaneInTls) {
   TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {flags, read_once});
   std::unique_ptr<Client> workers[2];
   for (int w = 0; w < 2; ++w) {
-    auto client = cluster.Connect({.worker_rank = w,
-                                   .num_workers = 2,
-                                   .job = "test",
-                                   .timeout = absl::Seconds(20),
-                                   .tls_ca_file = File("ca.pem"),
-                                   .tls_cert_file = File("client.pem"),
-                                   .tls_key_file = File("client.key"),
-                                   .tls_reload_interval = w == 0 ? absl::ZeroDuration() : absl::Minutes(5)});
+    ClientOptions options = Presenting(cluster);
+    options.worker_rank = w;
+    options.num_workers = 2;
+    options.job = "test";
+    options.tls_reload_interval = w == 0 ? absl::ZeroDuration() : absl::Minutes(5);
+    auto client = cluster.Connect(options);
     ASSERT_TRUE(client.ok()) << client.status();
     workers[w] = *std::move(client);
     ASSERT_TRUE(workers[w]->ConfigureJob({.replicas = 2}).ok());
@@ -517,24 +521,14 @@ TEST_F(TlsTest, WithTlsDataPlaneAHybridStepCrossesTheDataPlaneInTls) {
     ASSERT_TRUE(version.ok()) << version.status();
     EXPECT_EQ(params, std::vector<float>(numel, -1.0f)) << "worker " << w;  // -0.5 * (1 + 3) / 2
   }
-  const ClientOptions status_options{.servers = cluster.addresses(),
-                                     .token = cluster.token(),
-                                     .tls_ca_file = File("ca.pem"),
-                                     .tls_cert_file = File("client.pem"),
-                                     .tls_key_file = File("client.key")};
-  const auto statuses = FetchClusterStatus(status_options);
+  const auto statuses = FetchClusterStatus(Presenting(cluster));
   for (const auto& status : statuses) {
     ASSERT_TRUE(status.ok()) << status.status();
     EXPECT_TRUE(status->data_tls());
     EXPECT_GE(status->exchange_bytes_sent(), static_cast<int64_t>(numel * 2)) << "no exchange between the servers";
   }
-  std::ostringstream table, err;
-  const cli::StatusCommandOptions command{
-      .servers = cluster.addresses(),
-      .token = cluster.token(),
-      .tls = {.ca_file = File("ca.pem"), .cert_file = File("client.pem"), .key_file = File("client.key")}};
-  EXPECT_EQ(cli::RunStatusCommand(command, table, err), 0) << err.str();
-  EXPECT_TRUE(absl::StrContains(table.str(), "h+mtls+data ")) << table.str();
+  const std::string table = StatusTable(cluster);
+  EXPECT_TRUE(absl::StrContains(table, "h+mtls+data ")) << table;
 
   // The data port, directly: a hello (its token made up) in plaintext, or over TLS that
   // does not trust the server, or without a client certificate, gets no answer; with
