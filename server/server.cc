@@ -82,6 +82,10 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   return absl::OkStatus();
 }
 
+std::string AdvertisedDataAddress(absl::string_view listen_host, absl::string_view data_host, int data_port) {
+  return absl::StrCat(data_host == "0.0.0.0" ? listen_host : data_host, ":", data_port);
+}
+
 Server::Server(ServerOptions options)
     : options_(std::move(options)),
       compute_pool_(std::make_shared<ComputePool>(options_.compute_threads)),
@@ -167,7 +171,7 @@ absl::Status Server::Start() {
   ServiceIdentity identity{.rank = options_.rank,
                            .cluster = options_.cluster,
                            .control_address = options_.listen,
-                           .data_address = absl::StrCat(data_host, ":", data_->port()),
+                           .data_address = AdvertisedDataAddress(host, data_host, data_->port()),
                            .memory = options_.memory,
                            .gpu_uuid = ipc_.gpu_uuid(),
                            .auth_token = options_.auth_token,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "server/auth.h"
@@ -74,6 +75,12 @@ struct ServerOptions {
 // control plane; FailedPrecondition for --memory=pinned|device in a build without CUDA or
 // on a machine without a GPU.
 [[nodiscard]] absl::Status ValidateServerOptions(const ServerOptions& options);
+
+// The data-plane address clients and peer servers are told to connect to (OpenSession,
+// GetStatus): the --data_listen host with the port bound, except that a --data_listen
+// host of 0.0.0.0 (every interface) is replaced by the --listen host, the address this
+// server is reached at: told 0.0.0.0, a client on another node would connect to itself.
+std::string AdvertisedDataAddress(absl::string_view listen_host, absl::string_view data_host, int data_port);
 
 class Server {
  public:
