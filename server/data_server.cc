@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -86,16 +88,45 @@ void DataServer::AcceptLoop() {
     }
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
+    if (static_cast<int>(awaiting_hello_.size()) >= options_.max_hellos) {
+      // Its thread sees its Recv fail and ends; a client's hello would have come by now.
+      connections_.at(*awaiting_hello_.begin())->Shutdown();
+      awaiting_hello_.erase(awaiting_hello_.begin());
+      CountRefusedConnection(absl::StrCat(options_.max_hellos, " connections were waiting for their hello (",
+                                          "--max_data_hellos): the longest waiting closed"));
+    }
     const uint64_t id = next_id_++;
     connections_[id] = conn->get();
-    std::thread([this, id, c = std::move(*conn)]() mutable { ServeConnection(id, std::move(c)); })
-        .detach();
+    awaiting_hello_.insert(id);
+    try {
+      std::thread([this, id, c = std::move(*conn)]() mutable { ServeConnection(id, std::move(c)); }).detach();
+    } catch (const std::system_error& error) {  // out of threads: the connection (moved in) is closed
+      connections_.erase(id);
+      awaiting_hello_.erase(id);
+      CountRefusedConnection(absl::StrCat("no thread to serve a connection: ", error.what()));
+    }
   }
+}
+
+void DataServer::CountRefusedConnection(absl::string_view why) {
+  ++stats_.errors;
+  ++refused_unlogged_;
+  const absl::Time now = absl::Now();
+  if (now - refusal_logged_ < kRefusalLogPeriod) return;
+  spdlog::warn("data plane: {} connection(s) closed before their hello since the last such line; the last: {}",
+               refused_unlogged_, std::string(why));
+  refused_unlogged_ = 0;
+  refusal_logged_ = now;
 }
 
 void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) {
   ++stats_.open_data_connections;
-  if (Authenticate(*conn)) {
+  const bool authenticated = Authenticate(*conn);
+  {
+    absl::MutexLock lock(&mu_);
+    awaiting_hello_.erase(id);
+  }
+  if (authenticated) {
     while (true) {
       if (!conn->SetTimeout(options_.idle_timeout).ok()) break;
       absl::StatusOr<Request> request = transport::RecvRequest(*conn);

@@ -11,7 +11,11 @@
 // into the group's staging slot and gather bytes are sent straight from the version's
 // snapshot. A refused request gets a precise status and the connection stays usable
 // when its stream is still in sync; garbage frames close it. Nothing a peer sends can
-// crash the server or stop it from serving others.
+// crash the server or stop it from serving others: at most max_hellos connections wait
+// for their hello at once, and a connection past that closes the one that has waited
+// longest (a flood of silent connections cannot use up the server's threads, and a
+// client's hello, which follows its connect at once, still gets through); a thread that
+// cannot be started closes its connection.
 //
 // Start/Stop from one thread; the rest is internal.
 //
@@ -26,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -48,6 +53,7 @@ struct DataServerOptions {
   absl::Duration io_timeout = absl::Seconds(60);    // silence inside a request
   absl::Duration idle_timeout = absl::Hours(24);    // silence between requests
   int64_t max_drain_bytes = int64_t{256} << 20;     // larger refused payloads close the connection
+  int max_hellos = 1024;                             // connections waiting for their hello at once
   // Wraps each accepted connection before its hello (TLS: tls::ServerSide with the
   // context of the moment); empty: plain TCP. A connection it refuses is closed.
   transport::SecureAcceptedLayer secure = {};
@@ -93,6 +99,9 @@ class DataServer {
   // Counts a request answered with an error (ServerStats::errors) and logs it
   // (server/log.h WorthAWarning); `request` is null before one was read.
   void CountError(const transport::Request* request, const absl::Status& status);
+  // A connection closed before its hello: counted as an error, and logged at most every
+  // kRefusalLogPeriod with how many there were (a flood must not flood the log too).
+  void CountRefusedConnection(absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Refuses a request whose payload is still on the wire: drains it when small enough.
   bool Refuse(transport::Connection& conn, const transport::Request& request,
               const absl::Status& status);
@@ -114,6 +123,10 @@ class DataServer {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, transport::Connection*> connections_ ABSL_GUARDED_BY(mu_);
+  std::set<uint64_t> awaiting_hello_ ABSL_GUARDED_BY(mu_);  // ids, oldest first
+  static constexpr absl::Duration kRefusalLogPeriod = absl::Seconds(10);
+  int64_t refused_unlogged_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time refusal_logged_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 }  // namespace flatshard::server

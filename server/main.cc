@@ -22,6 +22,10 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC control-plane address HOST:PORT");
 ABSL_FLAG(std::string, data_listen, "", "TCP data-plane address HOST:PORT (default: control port + 1)");
+ABSL_FLAG(int, max_data_hellos, 1024,
+          "data-plane connections that may wait for their hello (and TLS handshake) at once; a connection "
+          "past that closes the one that has waited longest, so a flood of silent connections cannot use up "
+          "the server's threads while clients, whose hello follows their connect, still get through");
 ABSL_FLAG(int, rank, 0, "this server's rank: its index in --cluster");
 ABSL_FLAG(std::string, cluster, "",
           "every server's control address in rank order, comma-separated; the same list on "
@@ -125,6 +129,7 @@ int main(int argc, char** argv) {
     options.checkpoint_root = root.string();
   }
   options.threads = absl::GetFlag(FLAGS_threads);
+  options.data.max_hellos = absl::GetFlag(FLAGS_max_data_hellos);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.nccl_timeout = absl::GetFlag(FLAGS_nccl_timeout);
   options.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);

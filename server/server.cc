@@ -46,6 +46,10 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                                    absl::FormatDuration(options.tls.reload_interval),
                                                    ": an interval is >= 0 (0: never)"));
   }
+  if (options.data.max_hellos < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_data_hellos=", options.data.max_hellos, ": at least one connection must get to say hello"));
+  }
   if (options.threads < 0 || options.compute_threads < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--threads=", options.threads, ", --compute_threads=",
                                                    options.compute_threads, ": thread counts are >= 0"));

@@ -68,9 +68,10 @@ struct ServerOptions {
 };
 
 // InvalidArgument naming the flag for: a rank outside the cluster, a duplicate address,
-// --listen not equal to cluster[rank], an unknown memory tier, negative thread counts, a
-// timeout that is not positive, a negative shutdown grace, TLS files that do not go
-// together (server/tls.h), a metrics token or metrics client certificates without
+// --listen not equal to cluster[rank], an unknown memory tier, negative thread counts,
+// --max_data_hellos below 1, a timeout that is not positive, a negative shutdown grace,
+// TLS files that do not go together (server/tls.h), a metrics token or metrics client
+// certificates without
 // metrics, or metrics whose scrapes would carry the cluster token in clear next to a TLS
 // control plane; FailedPrecondition for --memory=pinned|device in a build without CUDA or
 // on a machine without a GPU.

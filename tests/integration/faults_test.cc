@@ -9,10 +9,13 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
 #include <stop_token>
+#include <string>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "client/cluster_status.h"
@@ -20,6 +23,7 @@
 #include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/gpu_worker.h"
 #include "tests/integration/test_cluster.h"
+#include "tests/scratch_dir.h"
 #include "transport/data_protocol.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -387,6 +391,58 @@ TEST_F(FaultsTest, SilentClientIsDisconnected) {
   EXPECT_FALSE(conn->Recv(absl::MakeSpan(&byte, 1)).ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(9));  // closed by the server's hello timeout
   ExpectStepCompletes(0);
+}
+
+// Connections that never say hello hold a thread each until the hello timeout: past
+// --max_data_hellos of them, each new connection closes the one that has waited longest,
+// so a flood of them neither exhausts the server's threads nor keeps clients out (their
+// hello follows their connect at once). The log says so, once per 10 s however many.
+TEST(DataPlaneFloodTest, SilentConnectionsPastMaxDataHellosCloseTheLongestWaitingAndClientsGetThrough) {
+  EXPECT_TRUE(testing::RefusesToStart({"--max_data_hellos=0"}));
+  const testing::ScratchDir scratch("data-plane-flood");
+  const std::string log = scratch.path() + "/server.log";
+  testing::TestCluster cluster(1, "flood-token", ::testing::TempDir(), "",
+                               {{"--max_data_hellos=3", "--log_file=" + log}});
+  {
+    auto setup = cluster.Connect(0, 1);
+    ASSERT_TRUE(setup.ok()) << setup.status();
+    ASSERT_TRUE((*setup)->ConfigureJob({}).ok());
+    ASSERT_TRUE((*setup)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+    ASSERT_TRUE((*setup)->InitGroupFromSeed("g", 1).ok());
+  }
+  std::vector<std::unique_ptr<transport::Connection>> silent;
+  for (int i = 0; i < 3; ++i) {
+    auto conn = cluster.RawDataConnection(0, /*hello=*/false);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    silent.push_back(*std::move(conn));
+    absl::SleepFor(absl::Milliseconds(50));  // accepted in this order
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+  for (const auto& conn : silent) EXPECT_FALSE(conn->PeerClosed()) << "within the limit, all wait";
+  auto fourth = cluster.RawDataConnection(0, /*hello=*/false);
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  std::byte byte;
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(silent[0]->Recv(absl::MakeSpan(&byte, 1)).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "closed by the fourth, not by the 5 s hello timeout";
+  EXPECT_FALSE(silent[1]->PeerClosed());
+  EXPECT_FALSE(silent[2]->PeerClosed());
+
+  // A client connecting now, three silent connections still waiting, gets through.
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{}).ok());  // its layout
+  std::vector<float> params(10);
+  const absl::StatusOr<int64_t> version = (*client)->Gather("g", 0, DType::kFloat32, AsBytes(params)).get();
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 0);
+  EXPECT_TRUE(silent[1]->PeerClosed()) << "the client's connection closed the longest waiting";
+
+  std::ifstream in(log);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("warning: data plane: 1 connection(s) closed before their hello since the last such "
+                              "line; the last: 3 connections were waiting for their hello (--max_data_hellos)"));
+  EXPECT_EQ(text.find("closed before their hello"), text.rfind("closed before their hello")) << "one line per 10 s";
 }
 
 TEST_F(FaultsTest, GatherOfAFutureVersionTimesOut) {
