@@ -110,13 +110,10 @@ void DataServer::AcceptLoop() {
 
 void DataServer::CountRefusedConnection(absl::string_view why) {
   ++stats_.errors;
-  ++refused_unlogged_;
-  const absl::Time now = absl::Now();
-  if (now - refusal_logged_ < kRefusalLogPeriod) return;
-  spdlog::warn("data plane: {} connection(s) closed before their hello since the last such line; the last: {}",
-               refused_unlogged_, std::string(why));
-  refused_unlogged_ = 0;
-  refusal_logged_ = now;
+  if (const std::optional<int64_t> held_back = warnings_.Admit("connection closed before its hello")) {
+    spdlog::warn("data plane: a connection closed before its hello: {}{}", std::string(why),
+                 LogThrottle::HeldBack(*held_back));
+  }
 }
 
 void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) {
@@ -205,13 +202,18 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
 void DataServer::CountError(const Request* request, const absl::Status& status) {
   ++stats_.errors;
   const spdlog::level::level_enum level = WorthAWarning(status.code()) ? spdlog::level::warn : spdlog::level::debug;
-  if (!spdlog::should_log(level)) return;
+  std::optional<int64_t> held_back = 0;
+  if (level == spdlog::level::warn) {
+    held_back = warnings_.Admit(absl::StrCat(request == nullptr ? "connection" : transport::DataOpName(request->op),
+                                             " ", absl::StatusCodeToString(status.code())));
+  }
+  if (!held_back.has_value() || !spdlog::should_log(level)) return;
   if (request == nullptr) {
-    spdlog::log(level, "data plane: {}", status.ToString());
+    spdlog::log(level, "data plane: {}{}", status.ToString(), LogThrottle::HeldBack(*held_back));
   } else {
-    spdlog::log(level, "data plane: {} of group '{}/{}' by worker {} at version {}: {}",
+    spdlog::log(level, "data plane: {} of group '{}/{}' by worker {} at version {}: {}{}",
                 transport::DataOpName(request->op), request->job, request->group, request->worker_rank,
-                request->version, status.ToString());
+                request->version, status.ToString(), LogThrottle::HeldBack(*held_back));
   }
 }
 

@@ -39,6 +39,7 @@
 #include "absl/time/time.h"
 #include "server/auth.h"
 #include "server/ipc_plane.h"
+#include "server/log_throttle.h"
 #include "server/nccl_plane.h"
 #include "server/registry.h"
 #include "server/stats.h"
@@ -97,11 +98,11 @@ class DataServer {
   bool ServeIpc(transport::Connection& conn, const transport::Request& request);
   bool ServeNccl(transport::Connection& conn, const transport::Request& request);
   // Counts a request answered with an error (ServerStats::errors) and logs it
-  // (server/log.h WorthAWarning); `request` is null before one was read.
+  // (server/log.h WorthAWarning; warnings through warnings_, per op and code); `request` is
+  // null before one was read.
   void CountError(const transport::Request* request, const absl::Status& status);
-  // A connection closed before its hello: counted as an error, and logged at most every
-  // kRefusalLogPeriod with how many there were (a flood must not flood the log too).
-  void CountRefusedConnection(absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A connection closed before its hello: counted as an error and logged as CountError does.
+  void CountRefusedConnection(absl::string_view why);
   // Refuses a request whose payload is still on the wire: drains it when small enough.
   bool Refuse(transport::Connection& conn, const transport::Request& request,
               const absl::Status& status);
@@ -124,9 +125,7 @@ class DataServer {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, transport::Connection*> connections_ ABSL_GUARDED_BY(mu_);
   std::set<uint64_t> awaiting_hello_ ABSL_GUARDED_BY(mu_);  // ids, oldest first
-  static constexpr absl::Duration kRefusalLogPeriod = absl::Seconds(10);
-  int64_t refused_unlogged_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time refusal_logged_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  LogThrottle warnings_;
 };
 
 }  // namespace flatshard::server

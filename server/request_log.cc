@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,8 @@ std::string Caller(const grpc::ServerContextBase& context) {
 
 class RequestLog : public grpc::experimental::Interceptor {
  public:
-  RequestLog(grpc::experimental::ServerRpcInfo* info, NamedLatencies& latencies) : info_(info), latencies_(latencies) {}
+  RequestLog(grpc::experimental::ServerRpcInfo* info, NamedLatencies& latencies, LogThrottle& warnings)
+      : info_(info), latencies_(latencies), warnings_(warnings) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
@@ -40,14 +42,18 @@ class RequestLog : public grpc::experimental::Interceptor {
       const grpc::Status status = methods->GetSendStatus();
       const absl::StatusCode code = static_cast<absl::StatusCode>(status.error_code());  // the same numbers
       const spdlog::level::level_enum level = WorthAWarning(code) ? spdlog::level::warn : spdlog::level::debug;
-      if (spdlog::should_log(level)) {
+      std::optional<int64_t> held_back = 0;
+      if (level == spdlog::level::warn) {
+        held_back = warnings_.Admit(absl::StrCat("rpc ", info_->method(), " ", absl::StatusCodeToString(code)));
+      }
+      if (held_back.has_value() && spdlog::should_log(level)) {
         const double ms = absl::ToDoubleMilliseconds(took);
         const std::string peer = Caller(*info_->server_context());
         if (status.ok()) {
           spdlog::log(level, "rpc {} from {}: OK in {:.1f} ms", info_->method(), peer, ms);
         } else {
-          spdlog::log(level, "rpc {} from {}: {} in {:.1f} ms: {}", info_->method(), peer,
-                      absl::StatusCodeToString(code), ms, status.error_message());
+          spdlog::log(level, "rpc {} from {}: {} in {:.1f} ms: {}{}", info_->method(), peer,
+                      absl::StatusCodeToString(code), ms, status.error_message(), LogThrottle::HeldBack(*held_back));
         }
       }
     }
@@ -57,13 +63,14 @@ class RequestLog : public grpc::experimental::Interceptor {
  private:
   grpc::experimental::ServerRpcInfo* const info_;
   NamedLatencies& latencies_;
+  LogThrottle& warnings_;
   const LatencyClock::time_point start_ = LatencyClock::now();
 };
 
 }  // namespace
 
 grpc::experimental::Interceptor* RequestLogFactory::CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) {
-  return new RequestLog(info, latencies_);
+  return new RequestLog(info, latencies_, warnings_);
 }
 
 }  // namespace flatshard::server

@@ -2,7 +2,8 @@
 // `latencies` (by method, "flatshard.v1.Flatshard/GetStatus": from its arrival to its
 // status sent) and logs its outcome (server/log.h): at debug every call with its method,
 // peer (with mutual TLS, also the names its client certificate gives), code and time; at
-// warning the refusals WorthAWarning picks, whatever the level.
+// warning the refusals WorthAWarning picks, whatever the level, at most LogThrottle's
+// burst per method and code every period (a fleet retrying with a wrong token).
 // Thread-safe: one interceptor per call; `latencies` must outlive the gRPC server.
 //
 //   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
@@ -14,6 +15,7 @@
 #include <grpcpp/support/server_interceptor.h>
 
 #include "server/latency_histogram.h"
+#include "server/log_throttle.h"
 
 namespace flatshard::server {
 
@@ -24,6 +26,7 @@ class RequestLogFactory : public grpc::experimental::ServerInterceptorFactoryInt
 
  private:
   NamedLatencies& latencies_;
+  LogThrottle warnings_;  // the calls' interceptors share it
 };
 
 }  // namespace flatshard::server

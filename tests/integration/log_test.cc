@@ -1,7 +1,9 @@
 // The server's log (server/log.h) as an operator reads it: --log_file gets one line per
 // event with the rank and level, --log_level filters them, the refusals an operator should
-// see are warnings at any level, and a bad level or file stops the server at start-up.
+// see are warnings at any level (a burst of each kind per period), and a bad level or file
+// stops the server at start-up.
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -10,6 +12,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "proto/flatshard.grpc.pb.h"
+#include "server/log_throttle.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/scratch_dir.h"
 
@@ -79,6 +83,42 @@ TEST(LogTest, ABadLevelOrFileStopsTheServer) {
   const testing::ScratchDir scratch("server-log-file");
   std::ofstream(scratch.path() + "/plain") << "not a directory\n";
   EXPECT_TRUE(testing::RefusesToStart({"--log_file=" + scratch.path() + "/plain/server.log"}));
+}
+
+// Calls refused for a wrong token, over and over (a fleet of workers given the wrong one),
+// and data connections refused at their hello: each kind logs a burst of warnings per
+// period and holds the rest back, rather than a line per refusal.
+TEST(LogTest, AFloodOfRefusalsLogsABurstOfEachKind) {
+  const testing::ScratchDir scratch("server-log-flood");
+  const std::string file = scratch.path() + "/flood.log";
+  constexpr int kRefusals = 3 * server::LogThrottle::kBurst;
+  {
+    testing::TestCluster cluster(1, "log-token", ::testing::TempDir(), "", {{"--log_file=" + file}});
+    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
+    for (int i = 0; i < kRefusals; ++i) {
+      grpc::ClientContext context;
+      context.AddMetadata("authorization", "Bearer not-the-token");
+      v1::ServerStatus status;
+      ASSERT_EQ(stub->GetStatus(&context, v1::GetStatusRequest(), &status).error_code(),
+                grpc::StatusCode::UNAUTHENTICATED);
+    }
+    for (int i = 0; i < kRefusals; ++i) {
+      auto conn = cluster.RawDataConnection(0, /*hello=*/true, "not-a-session-token");
+      ASSERT_TRUE(conn.ok()) << conn.status();
+      std::byte byte;
+      EXPECT_FALSE((*conn)->Recv(absl::MakeSpan(&byte, 1)).ok()) << "the server closes it";
+    }
+  }  // the server stops
+  const std::string log = ReadAll(file);
+  auto lines_with = [&](const std::string& text) {
+    int lines = 0;
+    for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++lines;
+    return lines;
+  };
+  EXPECT_EQ(lines_with("warning: rpc /flatshard.v1.Flatshard/GetStatus from ipv4:127.0.0.1:"),
+            server::LogThrottle::kBurst)
+      << log;
+  EXPECT_EQ(lines_with("warning: data plane: UNAUTHENTICATED"), server::LogThrottle::kBurst) << log;
 }
 
 }  // namespace
