@@ -176,6 +176,13 @@ std::vector<MetricFamily> StatusMetrics(const v1::ServerStatus& s) {
               "Control-plane RPCs by method, from their arrival to their status sent.", MetricType::Histogram);
   for (const v1::NamedLatency& rpc : s.rpc_seconds()) rpcs.Add(rpc.seconds(), {{"method", rpc.name()}});
   add(rpcs);
+  Family rpc_errors("flatshard_rpc_errors_total",
+                    "Control-plane RPCs answered with an error, by method and code (UNAUTHENTICATED: a wrong token).",
+                    MetricType::Counter);
+  for (const v1::RpcErrorCount& error : s.rpc_errors()) {
+    rpc_errors.Add(static_cast<double>(error.count()), {{"method", error.method()}, {"code", error.code()}});
+  }
+  add(rpc_errors);
 
   Family staged("flatshard_staged_load_bytes",
                 "Memory of checkpoint loads read here and waiting for their commit (until --staged_load_timeout).",

@@ -31,16 +31,19 @@ std::string Caller(const grpc::ServerContextBase& context) {
 
 class RequestLog : public grpc::experimental::Interceptor {
  public:
-  RequestLog(grpc::experimental::ServerRpcInfo* info, NamedLatencies& latencies, LogThrottle& warnings)
-      : info_(info), latencies_(latencies), warnings_(warnings) {}
+  RequestLog(grpc::experimental::ServerRpcInfo* info, NamedLatencies& latencies, RpcErrorCounts& errors,
+             LogThrottle& warnings)
+      : info_(info), latencies_(latencies), errors_(errors), warnings_(warnings) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       const absl::Duration took = absl::FromChrono(LatencyClock::now() - start_);
-      latencies_.For(absl::StripPrefix(info_->method(), "/")).Record(took);
+      const absl::string_view method = absl::StripPrefix(info_->method(), "/");
+      latencies_.For(method).Record(took);
       const grpc::Status status = methods->GetSendStatus();
       const absl::StatusCode code = static_cast<absl::StatusCode>(status.error_code());  // the same numbers
+      if (!status.ok()) errors_.Add(method, code);
       const spdlog::level::level_enum level = WorthAWarning(code) ? spdlog::level::warn : spdlog::level::debug;
       std::optional<int64_t> held_back = 0;
       if (level == spdlog::level::warn) {
@@ -63,6 +66,7 @@ class RequestLog : public grpc::experimental::Interceptor {
  private:
   grpc::experimental::ServerRpcInfo* const info_;
   NamedLatencies& latencies_;
+  RpcErrorCounts& errors_;
   LogThrottle& warnings_;
   const LatencyClock::time_point start_ = LatencyClock::now();
 };
@@ -70,7 +74,7 @@ class RequestLog : public grpc::experimental::Interceptor {
 }  // namespace
 
 grpc::experimental::Interceptor* RequestLogFactory::CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) {
-  return new RequestLog(info, latencies_, warnings_);
+  return new RequestLog(info, latencies_, errors_, warnings_);
 }
 
 }  // namespace flatshard::server

@@ -199,7 +199,7 @@ absl::Status Server::Start() {
   builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls, tls_files_->get()), &control_port_);
   builder.RegisterService(service_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs));
+  interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs, stats_.rpc_errors));
   interceptors.push_back(calls_.Interceptors());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(16 << 20);

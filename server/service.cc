@@ -586,6 +586,7 @@ v1::ServerStatus FlatshardService::Status() {
   response->set_open_data_connections(stats_.open_data_connections.load());
   stats_.data_requests.ToProto(response->mutable_data_request_seconds());
   stats_.rpcs.ToProto(response->mutable_rpc_seconds());
+  stats_.rpc_errors.ToProto(response->mutable_rpc_errors());
   response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   response->set_cluster_check(cluster_check_());
   for (const ProgressRow& row : checkpoints_.Progress()) {

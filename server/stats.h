@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "server/latency_histogram.h"
+#include "server/rpc_errors.h"
 
 namespace flatshard::server {
 
@@ -29,6 +30,7 @@ struct ServerStats {
   // By data-plane op (transport::DataOpName) and by RPC method ("flatshard.v1.Flatshard/GetStatus").
   NamedLatencies data_requests;
   NamedLatencies rpcs;
+  RpcErrorCounts rpc_errors;  // the RPCs of `rpcs` that ended with an error
 };
 
 }  // namespace flatshard::server

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "server/log_throttle.h"
 #include "tests/integration/test_cluster.h"
@@ -108,6 +109,15 @@ TEST(LogTest, AFloodOfRefusalsLogsABurstOfEachKind) {
       std::byte byte;
       EXPECT_FALSE((*conn)->Recv(absl::MakeSpan(&byte, 1)).ok()) << "the server closes it";
     }
+    // The status counts every refused call, by method and code.
+    const absl::StatusOr<v1::ServerStatus> status =
+        FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()})[0];
+    ASSERT_TRUE(status.ok()) << status.status();
+    ASSERT_EQ(status->rpc_errors_size(), 1) << status->DebugString();
+    EXPECT_EQ(status->rpc_errors(0).method(), "flatshard.v1.Flatshard/GetStatus");
+    EXPECT_EQ(status->rpc_errors(0).code(), "UNAUTHENTICATED");
+    EXPECT_EQ(status->rpc_errors(0).count(), kRefusals);
+    EXPECT_EQ(status->errors(), kRefusals) << "the data plane's refused hellos";
   }  // the server stops
   const std::string log = ReadAll(file);
   auto lines_with = [&](const std::string& text) {

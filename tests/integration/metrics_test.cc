@@ -3,6 +3,7 @@
 // whose metrics address is taken or malformed refuses to start.
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -24,6 +25,7 @@
 #include "absl/strings/strip.h"
 #include "client/cluster_status.h"
 #include "proto/cluster_info.h"
+#include "proto/flatshard.grpc.pb.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/scratch_dir.h"
 
@@ -114,6 +116,15 @@ TEST(MetricsTest, AScrapeSaysWhatTheStatusSaysAndAsksForTheToken) {
                     .ok());
   }
   ASSERT_TRUE((*client)->WaitVersion("g", 2).ok());
+  for (const std::string& address : cluster.addresses()) {  // refused calls, counted by method and code
+    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    for (int i = 0; i < 3; ++i) {
+      grpc::ClientContext context;
+      context.AddMetadata("authorization", "Bearer not-the-token");
+      v1::ServerStatus refused;
+      ASSERT_FALSE(stub->GetStatus(&context, v1::GetStatusRequest(), &refused).ok());
+    }
+  }
 
   // A data request's latency is recorded once its answer is sent, so the last scatter's
   // may come just after the worker has its answer: wait until every server's histograms
@@ -210,6 +221,9 @@ TEST(MetricsTest, AScrapeSaysWhatTheStatusSaysAndAsksForTheToken) {
     EXPECT_EQ(rpcs["flatshard.v1.Flatshard/RegisterGroup"], 1u) << server;
     EXPECT_EQ(rpcs["flatshard.v1.Flatshard/ConfigureJob"], 1u) << server;
     EXPECT_EQ(value("flatshard_rpc_duration_seconds_count{method=\"flatshard.v1.Flatshard/RegisterGroup\"}"), 1)
+        << server;
+    EXPECT_EQ(value("flatshard_rpc_errors_total{method=\"flatshard.v1.Flatshard/GetStatus\",code=\"UNAUTHENTICATED\"}"),
+              3)
         << server;
 
     EXPECT_THAT(Scrape(port, ""), ::testing::StartsWith("HTTP/1.1 401")) << server;
