@@ -118,11 +118,8 @@ void DataServer::CountRefusedConnection(absl::string_view why) {
 
 void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) {
   ++stats_.open_data_connections;
-  const bool authenticated = Authenticate(*conn);
-  {
-    absl::MutexLock lock(&mu_);
-    awaiting_hello_.erase(id);
-  }
+  const bool authenticated = Authenticate(*conn, id);
+  (void)LeaveHelloWait(id);  // refused: it waits no more either
   if (authenticated) {
     while (true) {
       if (!conn->SetTimeout(options_.idle_timeout).ok()) break;
@@ -147,7 +144,12 @@ void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) 
   conn.reset();  // close the socket before Stop() may return
 }
 
-bool DataServer::Authenticate(Connection& conn) {
+bool DataServer::LeaveHelloWait(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  return awaiting_hello_.erase(id) == 1;
+}
+
+bool DataServer::Authenticate(Connection& conn, uint64_t id) {
   if (!conn.SetTimeout(options_.hello_timeout).ok()) return false;
   absl::StatusOr<Request> hello = transport::RecvRequest(conn);
   if (!hello.ok()) {  // silent or garbage peer; one refused by TLS is an operator's concern (another CA, say)
@@ -172,6 +174,8 @@ bool DataServer::Authenticate(Connection& conn) {
     (void)transport::SendResponse(conn, refused, 0, {});
     return false;
   }
+  // Closed meanwhile as the longest waiting (a race a flood alone makes): it is not told to go on.
+  if (!LeaveHelloWait(id)) return false;
   return transport::SendResponse(conn, absl::OkStatus(), 0, {}).ok();
 }
 

@@ -76,8 +76,12 @@ class DataServer {
  private:
   void AcceptLoop();
   void ServeConnection(uint64_t id, std::unique_ptr<transport::Connection> conn);
-  // Returns false when the connection must be closed.
-  bool Authenticate(transport::Connection& conn);
+  // Returns false when the connection must be closed. Connection `id` leaves the hello
+  // wait before it is told it may go on.
+  bool Authenticate(transport::Connection& conn, uint64_t id);
+  // Takes connection `id` off the connections waiting for their hello: false if it was
+  // not (closed as the longest waiting, or taken off already).
+  bool LeaveHelloWait(uint64_t id);
   bool ServeRequest(transport::Connection& conn, const transport::Request& request);
   bool ServeGather(transport::Connection& conn, const transport::Request& request);
   bool ServeReceive(transport::Connection& conn, const transport::Request& request);

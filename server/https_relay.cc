@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -149,7 +150,12 @@ void HttpsRelay::AcceptLoop() {
       continue;
     }
     open_.insert(fd);
-    std::thread([this, fd, context = std::move(context)] { Serve(fd, context); }).detach();
+    try {
+      std::thread([this, fd, context = std::move(context)] { Serve(fd, context); }).detach();
+    } catch (const std::system_error&) {  // out of threads: this scrape fails, the server goes on
+      open_.erase(fd);
+      close(fd);
+    }
   }
 }
 

@@ -3,8 +3,8 @@
 // time (every line is written at once). Each kind of line, as the caller names it ("rpc
 // /flatshard.v1.Flatshard/GetStatus UNAUTHENTICATED"), gets at most `burst` lines per
 // `period`; the lines past that are held back and counted, and the next line of that kind
-// let through says how many were. The error counters (ServerStats::errors) still count
-// every refusal.
+// let through says how many were. The error counters (ServerStats::errors, rpc_errors)
+// still count every refusal.
 // Kinds come from small fixed sets (methods x codes, data ops x codes): one entry is kept
 // per kind for the life of the server. Thread-safe.
 //
