@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/cli/human_bytes.h"
@@ -121,6 +122,21 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                            "every --tls_reload_interval)\n",
                            status->rank(), expiry <= now ? "expired" : "expires",
                            absl::FormatTime("%Y-%m-%d %H:%M UTC", expiry, absl::UTCTimeZone()));
+  }
+  // Calls refused for their credentials: someone holds a wrong token or certificate.
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    int64_t refused = 0;
+    std::vector<std::string> methods;
+    for (const v1::RpcErrorCount& error : status->rpc_errors()) {
+      if (error.code() != "UNAUTHENTICATED" && error.code() != "PERMISSION_DENIED") continue;
+      refused += error.count();
+      methods.push_back(absl::StrCat(absl::StripPrefix(error.method(), "flatshard.v1.Flatshard/"), " ", error.count()));
+    }
+    if (refused == 0) continue;
+    out << absl::StrFormat("\nserver %d: %d calls refused for their credentials since it started (%s): a client or "
+                           "peer with a wrong token or certificate? Its log names the callers.\n",
+                           status->rank(), refused, absl::StrJoin(methods, ", "));
   }
   // Jobs as the first server that answered has them (every server has the same settings,
   // and the same norms once a step is done).

@@ -1,8 +1,10 @@
 // `flatshard status` (client/cli/status_command.h) against real servers: the table and
-// the JSON describe every server (memory, plane, TLS, kernel threads, groups), and a
-// server that does not answer makes it fail while the others are still listed.
+// the JSON describe every server (memory, plane, TLS, kernel threads, groups, calls
+// refused for their credentials), and a server that does not answer makes it fail while
+// the others are still listed.
 #include "client/cli/status_command.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -19,6 +21,9 @@
 
 namespace flatshard {
 namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 // The whitespace-separated words of the first line of `text` whose first two words
 // are `first` and `second`; empty when there is none.
@@ -54,9 +59,18 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   ASSERT_TRUE(scattered.get().ok());
   for (auto* worker : {&*hybrid, &*second}) ASSERT_TRUE((*worker)->WaitVersion("h", 1).ok());
 
+  // A caller with a wrong token, twice, at server 1.
+  const auto wrong = FetchClusterStatus({.servers = {cluster.addresses()[1]}, .token = "not-the-token"});
+  ASSERT_EQ(wrong[0].status().code(), absl::StatusCode::kUnauthenticated);
+  ASSERT_FALSE(FetchClusterStatus({.servers = {cluster.addresses()[1]}, .token = "not-the-token"})[0].ok());
+
   cli::StatusCommandOptions options{.servers = cluster.addresses(), .token = cluster.token()};
   std::ostringstream table, err;
   ASSERT_EQ(cli::RunStatusCommand(options, table, err), 0) << err.str();
+  EXPECT_THAT(table.str(), HasSubstr("\nserver 1: 2 calls refused for their credentials since it started (GetStatus "
+                                     "2): a client or peer with a wrong token or certificate?"))
+      << table.str();
+  EXPECT_THAT(table.str(), Not(HasSubstr("server 0: "))) << table.str();
   const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()});
   for (const auto& status : statuses) ASSERT_TRUE(status.ok()) << status.status();
   // job, workers, mode, replicas, max_norm, skip_inf, last_norm, skipped
