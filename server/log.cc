@@ -5,11 +5,33 @@
 #include <spdlog/spdlog.h>
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <utility>
 
+#include <grpc/support/log.h>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "server/log_throttle.h"
 
 namespace flatshard::server {
+namespace {
+
+// gRPC's own lines (a failed TLS handshake on the control port, say: one per connection of
+// a scanner) as the server's, throttled per place in gRPC's source.
+void LogGrpcLine(gpr_log_func_args* args) {
+  static LogThrottle throttle;
+  const absl::string_view file = args->file == nullptr ? "" : args->file;
+  const absl::string_view base = file.substr(file.rfind('/') + 1);  // npos + 1 == 0: all of it
+  const std::optional<int64_t> held_back = throttle.Admit(absl::StrCat(file, ":", args->line));
+  if (!held_back.has_value()) return;
+  spdlog::log(args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn : spdlog::level::debug,
+              "grpc: {} ({}:{}){}", args->message == nullptr ? "" : args->message, std::string(base), args->line,
+              LogThrottle::HeldBack(*held_back));
+}
+
+}  // namespace
 
 absl::Status ConfigureLogging(const LogOptions& options) {
   spdlog::level::level_enum level;
@@ -37,6 +59,7 @@ absl::Status ConfigureLogging(const LogOptions& options) {
   logger->set_level(level);
   logger->flush_on(spdlog::level::trace);  // every line at once: events are few, and a crash loses none
   spdlog::set_default_logger(std::move(logger));
+  gpr_set_log_function(&LogGrpcLine);
   return absl::OkStatus();
 }
 

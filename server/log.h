@@ -5,6 +5,9 @@
 // that failed), warning (a request refused for a reason an operator should see, memory
 // dropped on a timeout), info (jobs, groups and checkpoints coming and going; start and
 // stop), debug (every RPC with its outcome and time, every data-plane error).
+// gRPC's own lines (GRPC_VERBOSITY: errors by default, such as a failed TLS handshake on
+// the control port) come to the same log once ConfigureLogging ran, as warnings (errors)
+// or debug lines, at most LogThrottle's burst from one place in gRPC per period.
 // The daemon calls ConfigureLogging once at start-up, before any thread logs; the
 // server library then logs through spdlog (spdlog::info(...)), which is thread-safe.
 // Without ConfigureLogging (unit tests) spdlog's own default logger prints at info.

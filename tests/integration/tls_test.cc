@@ -18,6 +18,7 @@
 #include "client/cli/status_command.h"
 #include "client/cluster_status.h"
 #include "core/file.h"
+#include "server/log_throttle.h"
 #include "tests/integration/gpu_worker.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/run_command.h"
@@ -185,6 +186,45 @@ TEST_F(TlsTest, PlaintextAndUntrustingClientsAreRefusedAndTheServerKeepsServing)
   auto client = Client::Connect(trusting);
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_TRUE((*client)->ConfigureJob({}).ok());
+}
+
+// gRPC's own lines, such as a failed handshake on the TLS control port, go to the
+// server's log, not its stderr: as warnings with the rank, at most a burst per period
+// however many connections a scanner opens.
+TEST_F(TlsTest, GrpcsOwnLinesGoToTheServersLogThrottled) {
+  std::vector<std::string> flags = ServerTls();
+  flags.push_back("--log_file=" + File("grpc-lines.log"));
+  std::filesystem::remove(File("grpc-lines.log"));
+  {
+    TestCluster cluster(1, "tls-token", ::testing::TempDir(), "", {flags});
+    std::string host;
+    int port = 0;
+    ASSERT_TRUE(transport::SplitHostPort(cluster.addresses()[0], host, port).ok());
+    const std::string not_tls = "GET / HTTP/1.0\r\n\r\n";
+    for (int i = 0; i < 3 * server::LogThrottle::kBurst; ++i) {
+      auto conn = transport::ConnectTcp(host, port, absl::Seconds(5));
+      ASSERT_TRUE(conn.ok()) << conn.status();
+      ASSERT_TRUE((*conn)->SetTimeout(absl::Seconds(10)).ok());
+      ASSERT_TRUE((*conn)->Send({absl::MakeConstSpan(reinterpret_cast<const std::byte*>(not_tls.data()),
+                                                     not_tls.size())})
+                      .ok());
+      std::byte byte;
+      while ((*conn)->Recv(absl::MakeSpan(&byte, 1)).ok()) {
+      }  // until the server closes it
+    }
+    const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token(),
+                                              .tls_ca_file = File("ca.pem")});
+    ASSERT_TRUE(statuses[0].ok()) << "the server serves on: " << statuses[0].status();
+  }
+  const std::string log = ReadFileToString(File("grpc-lines.log")).value_or("");
+  int handshakes = 0;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (!absl::StrContains(line, "grpc: Handshake failed")) continue;
+    ++handshakes;
+    EXPECT_THAT(line, ::testing::HasSubstr(" rank 0 warning: grpc: Handshake failed with fatal error SSL_ERROR_SSL"));
+    EXPECT_THAT(line, ::testing::HasSubstr("(ssl_transport_security.cc:"));
+  }
+  EXPECT_EQ(handshakes, server::LogThrottle::kBurst) << log;
 }
 
 // Beside a TLS control plane the metrics endpoint speaks HTTPS with the server's
