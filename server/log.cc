@@ -4,6 +4,9 @@
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,17 +21,25 @@
 namespace flatshard::server {
 namespace {
 
+// Whether gRPC's lines go to spdlog: from ConfigureLogging until the process exits (gRPC's
+// globals may log while they are destroyed, after spdlog's registry is).
+std::atomic<bool> grpc_to_spdlog{false};
+
 // gRPC's own lines (a failed TLS handshake on the control port, say: one per connection of
 // a scanner) as the server's, throttled per place in gRPC's source.
 void LogGrpcLine(gpr_log_func_args* args) {
-  static LogThrottle throttle;
+  static LogThrottle* const throttle = new LogThrottle;  // never destroyed: gRPC may log at exit
   const absl::string_view file = args->file == nullptr ? "" : args->file;
   const absl::string_view base = file.substr(file.rfind('/') + 1);  // npos + 1 == 0: all of it
-  const std::optional<int64_t> held_back = throttle.Admit(absl::StrCat(file, ":", args->line));
+  const char* const message = args->message == nullptr ? "" : args->message;
+  if (!grpc_to_spdlog.load()) {
+    std::fprintf(stderr, "grpc: %s (%s:%d)\n", message, std::string(base).c_str(), args->line);
+    return;
+  }
+  const std::optional<int64_t> held_back = throttle->Admit(absl::StrCat(file, ":", args->line));
   if (!held_back.has_value()) return;
   spdlog::log(args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn : spdlog::level::debug,
-              "grpc: {} ({}:{}){}", args->message == nullptr ? "" : args->message, std::string(base), args->line,
-              LogThrottle::HeldBack(*held_back));
+              "grpc: {} ({}:{}){}", message, std::string(base), args->line, LogThrottle::HeldBack(*held_back));
 }
 
 }  // namespace
@@ -59,6 +70,8 @@ absl::Status ConfigureLogging(const LogOptions& options) {
   logger->set_level(level);
   logger->flush_on(spdlog::level::trace);  // every line at once: events are few, and a crash loses none
   spdlog::set_default_logger(std::move(logger));
+  // The exit handler runs before spdlog's registry (made above) is destroyed.
+  if (!grpc_to_spdlog.exchange(true)) std::atexit([] { grpc_to_spdlog.store(false); });
   gpr_set_log_function(&LogGrpcLine);
   return absl::OkStatus();
 }
