@@ -86,33 +86,32 @@ void DataServer::AcceptLoop() {
         continue;
       }
     }
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return;
-    if (static_cast<int>(awaiting_hello_.size()) >= options_.max_hellos) {
-      // Its thread sees its Recv fail and ends; a client's hello would have come by now.
-      connections_.at(*awaiting_hello_.begin())->Shutdown();
-      awaiting_hello_.erase(awaiting_hello_.begin());
-      CountRefusedConnection(absl::StrCat(options_.max_hellos, " connections were waiting for their hello (",
-                                          "--max_data_hellos): the longest waiting closed"));
+    absl::Status evicted, unserved;  // counted (and logged) once the lock is released
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      if (static_cast<int>(awaiting_hello_.size()) >= options_.max_hellos) {
+        // Its thread sees its Recv fail and ends; a client's hello would have come by now.
+        connections_.at(*awaiting_hello_.begin())->Shutdown();
+        awaiting_hello_.erase(awaiting_hello_.begin());
+        evicted = absl::ResourceExhaustedError(absl::StrCat(
+            options_.max_hellos, " connections were waiting for their hello (--max_data_hellos): the longest waiting "
+            "closed"));
+      }
+      const uint64_t id = next_id_++;
+      connections_[id] = conn->get();
+      awaiting_hello_.insert(id);
+      try {
+        std::thread([this, id, c = std::move(*conn)]() mutable { ServeConnection(id, std::move(c)); }).detach();
+      } catch (const std::system_error& error) {  // out of threads: the connection (moved in) is closed
+        connections_.erase(id);
+        awaiting_hello_.erase(id);
+        unserved = absl::ResourceExhaustedError(absl::StrCat("no thread to serve a connection: ", error.what()));
+      }
     }
-    const uint64_t id = next_id_++;
-    connections_[id] = conn->get();
-    awaiting_hello_.insert(id);
-    try {
-      std::thread([this, id, c = std::move(*conn)]() mutable { ServeConnection(id, std::move(c)); }).detach();
-    } catch (const std::system_error& error) {  // out of threads: the connection (moved in) is closed
-      connections_.erase(id);
-      awaiting_hello_.erase(id);
-      CountRefusedConnection(absl::StrCat("no thread to serve a connection: ", error.what()));
+    for (const absl::Status& refused : {evicted, unserved}) {
+      if (!refused.ok()) CountError(nullptr, refused);
     }
-  }
-}
-
-void DataServer::CountRefusedConnection(absl::string_view why) {
-  ++stats_.errors;
-  if (const std::optional<int64_t> held_back = warnings_.Admit("connection closed before its hello")) {
-    spdlog::warn("data plane: a connection closed before its hello: {}{}", std::string(why),
-                 LogThrottle::HeldBack(*held_back));
   }
 }
 

@@ -103,10 +103,8 @@ class DataServer {
   bool ServeNccl(transport::Connection& conn, const transport::Request& request);
   // Counts a request answered with an error (ServerStats::errors) and logs it
   // (server/log.h WorthAWarning; warnings through warnings_, per op and code); `request` is
-  // null before one was read.
+  // null for a connection refused or closed before its first request.
   void CountError(const transport::Request* request, const absl::Status& status);
-  // A connection closed before its hello: counted as an error and logged as CountError does.
-  void CountRefusedConnection(absl::string_view why);
   // Refuses a request whose payload is still on the wire: drains it when small enough.
   bool Refuse(transport::Connection& conn, const transport::Request& request,
               const absl::Status& status);

@@ -30,7 +30,7 @@ class RpcErrorCounts {
 
  private:
   mutable absl::Mutex mu_;
-  std::map<std::pair<std::string, std::string>, int64_t, std::less<>> counts_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, int64_t> counts_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace flatshard::server

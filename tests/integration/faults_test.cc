@@ -440,8 +440,8 @@ TEST(DataPlaneFloodTest, SilentConnectionsPastMaxDataHellosCloseTheLongestWaitin
 
   std::ifstream in(log);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_THAT(text, HasSubstr("warning: data plane: a connection closed before its hello: 3 connections were waiting "
-                              "for their hello (--max_data_hellos): the longest waiting closed\n"));
+  EXPECT_THAT(text, HasSubstr("warning: data plane: RESOURCE_EXHAUSTED: 3 connections were waiting for their hello "
+                              "(--max_data_hellos): the longest waiting closed\n"));
 }
 
 TEST_F(FaultsTest, GatherOfAFutureVersionTimesOut) {
