@@ -49,8 +49,10 @@ using SessionOpener = std::function<absl::StatusOr<DataSession>(std::stop_token 
 // Runs with a ready, authenticated connection, or with the error that prevented one.
 // Returns false if it left the connection unusable (it is then closed).
 using DataTask = std::function<bool(absl::StatusOr<transport::Connection*>)>;
-// Writes a request on a ready connection. May run on the submitting thread, so it must
-// not block for long: a request whose payload fits the socket's buffer.
+// Writes a request on a ready connection; an error is what the request ends with (the
+// server's refusal, when it answered before closing the connection under the write). May
+// run on the submitting thread, so it must not block for long: a request whose payload
+// fits the socket's buffer.
 using RequestWriter = std::function<absl::Status(transport::Connection&)>;
 
 // `write` then `task`, as one DataTask: `task` gets the error instead when `write` fails,

@@ -216,7 +216,11 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
                               std::shared_ptr<const void> keep_alive, std::stop_token stop, StopCut cut) {
   const transport::RequestHeader header = HeaderFor(op, group, version, dtype);
   RequestWriter write = [=, this](transport::Connection& conn) {
-    return transport::SendRequest(conn, header, options_.job, group, send, send_tail);
+    const absl::Status sent = transport::SendRequest(conn, header, options_.job, group, send, send_tail);
+    if (sent.ok()) return sent;
+    // Refused at once (a payload too large for the server to read and drop): its answer.
+    absl::StatusOr<transport::Response> refused = transport::AnswerToFailedSend(conn, sent);
+    return refused.ok() ? refused->status : sent;
   };
   DataTask read = [=, this, hold = std::move(keep_alive)](absl::StatusOr<transport::Connection*> conn) {
     (void)hold;

@@ -188,7 +188,8 @@ absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Gr
       absl::MutexLock active_lock(&link.active_mu);
       link.active = nullptr;
     }
-    if (transported.ok()) {
+    if (!transported.ok()) link.conn.reset();  // unusable
+    if (transported.ok() || !verdict.ok()) {
       // Held or applied already: its answer to an earlier send was lost (peers that
       // answered are not sent it again), so it is counted now, as the receiver counted
       // it when it took it.
@@ -196,8 +197,7 @@ absl::Status StepDriver::SendTo(const Send& send, transport::DataOp op, const Gr
       if (delivered) stats_.exchange_bytes_sent += static_cast<int64_t>(send.bytes.size());
       return delivered ? absl::OkStatus() : verdict;
     }
-    // The connection is unusable; an idle one may just have gone stale: one more try.
-    link.conn.reset();
+    // No answer: an idle connection may just have gone stale, so one more try.
     if (!reused || attempt > 0) return transported;
   }
 }
@@ -213,7 +213,11 @@ absl::Status StepDriver::SendOn(transport::Connection& conn, transport::DataOp o
   header.timeout_ms = absl::ToInt64Milliseconds(timeout_);
   header.flags = transport::kRequestLoadKnown;
   header.load_id = round.load_epoch;
-  FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(conn, header, group.job(), group.name(), bytes));
+  if (absl::Status sent = transport::SendRequest(conn, header, group.job(), group.name(), bytes); !sent.ok()) {
+    absl::StatusOr<transport::Response> refused = transport::AnswerToFailedSend(conn, sent);
+    if (refused.ok()) verdict = refused->status;
+    return sent;
+  }
   FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(conn, {}));
   verdict = response.status;
   return absl::OkStatus();

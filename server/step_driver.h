@@ -123,7 +123,8 @@ class StepDriver {
   absl::StatusOr<CommitOutcome> Deliver(Group& group, int64_t step, CommitOutcome what);
   absl::Status SendTo(const Send& send, transport::DataOp op, const Group& group, const ExchangeRound& round);
   // Sends and sets `verdict` to the peer's answer; returns the transport's error (the
-  // connection is then unusable).
+  // connection is then unusable), with `verdict` still set when the peer refused the
+  // request before it closed the connection (a chunk too large for it to read and drop).
   absl::Status SendOn(transport::Connection& conn, transport::DataOp op, const Group& group, const ExchangeRound& round,
                       absl::Span<const std::byte> bytes, absl::Status& verdict) const;
   // Sends again what `step` still waits for from this server after a failure: a claim

@@ -158,6 +158,15 @@ absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> pa
   return Response{absl::OkStatus(), header.version, header.load_id};
 }
 
+absl::StatusOr<Response> AnswerToFailedSend(Connection& conn, const absl::Status& sent) {
+  // A reset arrives after the bytes sent before it: once the send has failed, an answer
+  // is there in full or not at all, and reading it does not block.
+  if (!absl::IsUnavailable(sent) || !conn.PollReadable(absl::ZeroDuration())) return sent;
+  absl::StatusOr<Response> answer = RecvResponse(conn, {});
+  if (!answer.ok() || answer->status.ok()) return sent;
+  return answer;
+}
+
 absl::StatusOr<std::unique_ptr<Connection>> OpenDataConnection(absl::string_view data_address,
                                                                absl::string_view session_token, absl::Duration timeout,
                                                                std::stop_token stop, const SecureLayer& secure) {

@@ -207,6 +207,13 @@ struct Response {
 [[nodiscard]] absl::StatusOr<Response> RecvResponse(Connection& conn,
                                                     absl::Span<std::byte> payload_dest);
 
+// For a SendRequest on `conn` that failed with `sent`: the answer the peer sent before
+// it closed the connection, when one is there to read now, else `sent`. A data server
+// refuses a request whose payload is too large to read and drop by answering at once and
+// closing, which fails the send (a reset); its answer says why. An OK answer is not a
+// refusal and is not returned. The connection is unusable either way.
+[[nodiscard]] absl::StatusOr<Response> AnswerToFailedSend(Connection& conn, const absl::Status& sent);
+
 // Wraps a new TCP connection to `host` in a secure layer (TLS, tls/tls_connection.h)
 // that does its handshake on the first Send or Recv, so that a timeout or Shutdown ends
 // that too.

@@ -444,6 +444,32 @@ TEST(DataPlaneFloodTest, SilentConnectionsPastMaxDataHellosCloseTheLongestWaitin
                               "(--max_data_hellos): the longest waiting closed\n"));
 }
 
+// A server reads and drops the payload of a request it refuses up to 256 MiB; a larger
+// one it answers at once and then closes, which resets the worker's send. The worker
+// reads that answer: it gets the server's error, not the reset, and trains on.
+TEST(RefusedBigPayloadTest, TheWorkerGetsTheServersErrorNotTheResetOfItsSend) {
+  testing::TestCluster cluster(1, "big-payload-token", ::testing::TempDir());
+  // One scatter request of the whole 288 MiB shard.
+  auto client = cluster.Connect(
+      {.num_workers = 1, .job = "big", .timeout = absl::Seconds(60), .scatter_split_bytes = 0});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  constexpr int64_t kNumel = int64_t{72} << 20;
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {kNumel}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  const std::vector<float> grad(kNumel, 1.0f);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const absl::Status future = (*client)->Scatter("g", 3, DType::kFloat32, AsBytes(grad)).get();
+    EXPECT_EQ(future.code(), absl::StatusCode::kFailedPrecondition) << future;
+    EXPECT_THAT(std::string(future.message()), HasSubstr("expected step 0")) << future;
+  }
+  ASSERT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  EXPECT_EQ(*(*client)->WaitVersion("g", 1), 1);
+  std::vector<float> params(kNumel, -1.0f);
+  ASSERT_TRUE((*client)->Gather("g", 1, DType::kFloat32, AsBytes(params)).get().ok());
+  EXPECT_EQ(params.front(), -0.5f);
+  EXPECT_EQ(params.back(), -0.5f);
+}
+
 TEST_F(FaultsTest, GatherOfAFutureVersionTimesOut) {
   ClientOptions options{.servers = cluster_.addresses(), .token = cluster_.token(),
                         .job = "test", .timeout = absl::Milliseconds(300)};

@@ -524,6 +524,30 @@ TEST_F(TlsTest, MetricsClientCertificatesAreAskedOfScrapesToo) {
       << "without metrics";
 }
 
+// As RefusedBigPayloadTest (faults_test.cc), over a TLS data plane: a server refuses a
+// scatter too large to read and drop by answering at once and closing, and the worker,
+// its send reset, reads that answer through TLS.
+TEST_F(TlsTest, WithTlsDataPlaneARefusalOfAPayloadTooLargeToDrainReachesTheWorker) {
+  std::vector<std::string> flags = ServerTls();
+  flags.push_back("--tls_data_plane");
+  TestCluster cluster(1, "tls-token", ::testing::TempDir(), "", {flags});
+  ClientOptions options = Presenting(cluster);
+  options.job = "big";
+  options.timeout = absl::Seconds(60);
+  options.scatter_split_bytes = 0;  // one request of the whole 288 MiB shard
+  auto client = cluster.Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  constexpr int64_t kNumel = int64_t{72} << 20;
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {kNumel}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  const std::vector<float> grad(kNumel, 1.0f);
+  const absl::Status future = (*client)->Scatter("g", 3, DType::kFloat32, AsBytes(grad)).get();
+  EXPECT_EQ(future.code(), absl::StatusCode::kFailedPrecondition) << future;
+  EXPECT_THAT(std::string(future.message()), ::testing::HasSubstr("expected step 0")) << future;
+  ASSERT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  EXPECT_EQ(*(*client)->WaitVersion("g", 1), 1);
+}
+
 // --tls_data_plane (with mutual TLS): a hybrid-sharded step crosses the data plane in TLS,
 // from workers (one reading its TLS files once, one keeping them current) to servers and
 // between the servers' replica groups (their exchange), to the bits the plain data plane

@@ -9,11 +9,13 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::transport {
 namespace {
@@ -269,6 +271,57 @@ TEST(DataProtocolTest, ErrorResponseCarriesCodeMessageAndVersionButNoPayload) {
   EXPECT_EQ(response->version, 5);
   EXPECT_EQ(dest, std::string(10, '#'));
   EXPECT_EQ(conn.unread(), 0u);  // the payload was not sent
+}
+
+// A data server refuses a request whose payload is too large to read and drop by
+// answering at once and closing; the close resets the sender's send, and the answer is
+// still there to read after it. A peer that closes without answering leaves the send's
+// error.
+TEST(DataProtocolTest, AnAnswerSentBeforeACloseUnderASendIsReadOnceTheSendFails) {
+  absl::StatusOr<std::unique_ptr<Listener>> listener = ListenTcp("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  const std::vector<std::byte> payload(64 << 20);  // far more than the sockets buffer
+  for (const bool answer : {true, false}) {
+    std::thread server([&] {
+      absl::StatusOr<std::unique_ptr<Connection>> conn = (*listener)->Accept();
+      ASSERT_TRUE(conn.ok()) << conn.status();
+      ASSERT_TRUE(RecvRequest(**conn).ok());
+      if (answer) {
+        ASSERT_TRUE(SendResponse(**conn, absl::FailedPreconditionError("step 3 is stale"), 5, {}).ok());
+      }
+    });  // closes with the payload unread: a reset
+    absl::StatusOr<std::unique_ptr<Connection>> conn = ConnectTcp("127.0.0.1", (*listener)->port(), absl::Seconds(10));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    const absl::Status sent = SendRequest(**conn, GatherHeader(), "job", "g", payload);
+    server.join();
+    ASSERT_TRUE(absl::IsUnavailable(sent)) << sent;
+    absl::StatusOr<Response> refused = AnswerToFailedSend(**conn, sent);
+    if (answer) {
+      ASSERT_TRUE(refused.ok()) << refused.status();
+      EXPECT_TRUE(absl::IsFailedPrecondition(refused->status)) << refused->status;
+      EXPECT_EQ(refused->status.message(), "step 3 is stale");
+    } else {
+      EXPECT_EQ(refused.status(), sent);
+    }
+  }
+}
+
+TEST(DataProtocolTest, OnlyARefusalAfterALostConnectionIsTakenForTheAnswerToAFailedSend) {
+  LoopbackConnection refusal;
+  ASSERT_TRUE(SendResponse(refusal, absl::NotFoundError("no group"), 0, {}).ok());
+  const absl::Status timed_out = absl::DeadlineExceededError("send: timed out");
+  EXPECT_EQ(AnswerToFailedSend(refusal, timed_out).status(), timed_out) << "a peer that stopped reading";
+  EXPECT_EQ(refusal.unread(), sizeof(ResponseHeader) + 8) << "nothing read";
+  const absl::Status reset = absl::UnavailableError("send: Connection reset by peer");
+  absl::StatusOr<Response> answer = AnswerToFailedSend(refusal, reset);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_TRUE(absl::IsNotFound(answer->status)) << answer->status;
+
+  LoopbackConnection ok;
+  ASSERT_TRUE(SendResponse(ok, absl::OkStatus(), 0, {}).ok());
+  EXPECT_EQ(AnswerToFailedSend(ok, reset).status(), reset) << "an OK answer refuses nothing";
+  LoopbackConnection nothing;
+  EXPECT_EQ(AnswerToFailedSend(nothing, reset).status(), reset);
 }
 
 TEST(DataProtocolTest, LongErrorMessagesAreTruncatedToTheLimit) {
