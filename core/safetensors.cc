@@ -15,20 +15,23 @@
 namespace flatshard {
 namespace {
 
-using Json = nlohmann::ordered_json;
+using Json = nlohmann::json;
 
 constexpr uint64_t kMaxHeaderBytes = 100 << 20;  // the safetensors library's own limit
 
+// The header's JSON, entry by entry in the tensors' order: a JSON object built whole
+// would look up each name among those before it (ordered_json), quadratic in the tensors
+// of a model wrapped module by module.
 std::string Serialize(const std::vector<SafetensorsTensor>& tensors,
                       const std::map<std::string, std::string>& metadata) {
-  Json header = Json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string json = "{";
+  if (!metadata.empty()) absl::StrAppend(&json, "\"__metadata__\":", Json(metadata).dump());
   for (const SafetensorsTensor& t : tensors) {
-    header[t.name] = {{"dtype", SafetensorsDTypeName(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {t.begin, t.end}}};
+    absl::StrAppend(&json, json.size() > 1 ? "," : "", Json(t.name).dump(), ":{\"dtype\":\"",
+                    SafetensorsDTypeName(t.dtype), "\",\"shape\":", Json(t.shape).dump(), ",\"data_offsets\":[",
+                    t.begin, ",", t.end, "]}");
   }
-  std::string json = header.dump();
+  json += "}";
   json.append((8 - json.size() % 8) % 8, ' ');
   std::string bytes(8, '\0');
   const uint64_t length = json.size();
@@ -57,6 +60,7 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Build(
   header.data_size_ = offset;
   header.tensors_ = std::move(tensors);
   header.metadata_ = std::move(metadata);
+  header.Index();
   return header;
 }
 
@@ -146,28 +150,32 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view byt
     }
     header.tensors_.push_back(std::move(t));
   }
-  // The data must be covered exactly: no overlap, no hole, nothing past the end.
-  std::vector<const SafetensorsTensor*> by_offset;
-  for (const auto& t : header.tensors_) by_offset.push_back(&t);
-  std::sort(by_offset.begin(), by_offset.end(),
-            [](const auto* a, const auto* b) { return a->begin < b->begin || (a->begin == b->begin && a->end < b->end); });
+  // In the order of their bytes, which must cover the data exactly: no overlap, no hole,
+  // nothing past the end.
+  std::sort(header.tensors_.begin(), header.tensors_.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+    return a.begin < b.begin || (a.begin == b.begin && a.end < b.end);
+  });
   uint64_t cursor = 0;
-  for (const SafetensorsTensor* t : by_offset) {
-    if (t->begin != cursor) return bad(absl::StrCat("tensor '", t->name, "' leaves a hole or overlaps at byte ", cursor));
-    cursor = t->end;
+  for (const SafetensorsTensor& t : header.tensors_) {
+    if (t.begin != cursor) return bad(absl::StrCat("tensor '", t.name, "' leaves a hole or overlaps at byte ", cursor));
+    cursor = t.end;
   }
   header.data_size_ = cursor;
+  header.Index();
   if (header.file_size() != file_size) {
     return bad(absl::StrCat("the tensors need ", header.file_size(), " bytes but the file has ", file_size));
   }
   return header;
 }
 
+void SafetensorsHeader::Index() {
+  by_name_.clear();
+  for (size_t i = 0; i < tensors_.size(); ++i) by_name_.emplace(tensors_[i].name, i);
+}
+
 const SafetensorsTensor* SafetensorsHeader::Find(absl::string_view name) const {
-  for (const SafetensorsTensor& t : tensors_) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
+  const auto found = by_name_.find(name);
+  return found == by_name_.end() ? nullptr : &tensors_[found->second];
 }
 
 }  // namespace flatshard

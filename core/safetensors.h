@@ -11,12 +11,14 @@
 #define FLATSHARD_CORE_SAFETENSORS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
 
@@ -56,14 +58,19 @@ class SafetensorsHeader {
   }
   uint64_t data_start() const { return bytes_.size(); }
   uint64_t file_size() const { return data_start() + data_size_; }
+  // Built: in the order given; read: in the order of their bytes in the file.
   const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // The tensor named `name`, or nullptr; O(log n).
   const SafetensorsTensor* Find(absl::string_view name) const;
 
  private:
+  void Index();  // fills by_name_ from tensors_
+
   std::string bytes_;
   uint64_t data_size_ = 0;
   std::vector<SafetensorsTensor> tensors_;
+  std::map<std::string, size_t, std::less<>> by_name_;  // index into tensors_
   std::map<std::string, std::string> metadata_;
 };
 

@@ -82,6 +82,53 @@ std::string FileWithHeader(const std::string& json, size_t data_bytes) {
   return bytes + json + std::string(data_bytes, '\0');
 }
 
+// A model wrapped module by module has tens of thousands of tensors: the header is
+// built and read in time that grows with them, not with their square (ordered_json looked
+// each name up among all before it). Names that JSON must escape come back as they were.
+TEST(SafetensorsTest, ManyTensorsAndEscapedNamesBuildAndReadBackInTheOrderOfTheirBytes) {
+  std::vector<SafetensorsTensor> tensors;
+  for (int i = 0; i < 30000; ++i) {
+    tensors.push_back({absl::StrCat("layers.", i, i % 2 == 0 ? ".weight" : ".bias"),
+                       i % 3 == 0 ? DType::kBFloat16 : DType::kFloat32, {1 + i % 5, 2}});
+  }
+  tensors.push_back({"q\"uo\\te\n\xc3\xa9", DType::kFloat16, {3}});
+  auto built = SafetensorsHeader::Build(tensors, {{"format", "pt"}});
+  ASSERT_TRUE(built.ok()) << built.status();
+  const std::string bytes(reinterpret_cast<const char*>(built->bytes().data()), built->bytes().size());
+  auto read = SafetensorsHeader::Parse(bytes, built->file_size(), "many.safetensors");
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->metadata(), built->metadata());
+  ASSERT_EQ(read->tensors().size(), tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const SafetensorsTensor& want = built->tensors()[i];
+    const SafetensorsTensor& got = read->tensors()[i];
+    ASSERT_EQ(got.name, want.name) << i;
+    EXPECT_EQ(got.dtype, want.dtype) << i;
+    EXPECT_EQ(got.shape, want.shape) << i;
+    EXPECT_EQ(got.begin, want.begin) << i;
+    EXPECT_EQ(got.end, want.end) << i;
+    ASSERT_EQ(read->Find(want.name), &got) << i;
+    ASSERT_EQ(built->Find(want.name), &want) << i;
+  }
+  EXPECT_EQ(read->Find("layers.0"), nullptr);
+
+  // Another writer's header may list the tensors in any order; they read back in the
+  // order of their bytes.
+  const std::string path = Path("reordered.safetensors");
+  WriteBytes(path, FileWithHeader(R"({"z":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                  R"("a":{"dtype":"F32","shape":[2],"data_offsets":[12,20]},)"
+                                  R"("m":{"dtype":"F64","shape":[1],"data_offsets":[4,12]}})",
+                                  20));
+  auto reordered = SafetensorsHeader::Read(path);
+  ASSERT_TRUE(reordered.ok()) << reordered.status();
+  ASSERT_EQ(reordered->tensors().size(), 3u);
+  EXPECT_EQ(reordered->tensors()[0].name, "z");
+  EXPECT_EQ(reordered->tensors()[1].name, "m");
+  EXPECT_EQ(reordered->tensors()[2].name, "a");
+  EXPECT_EQ(reordered->Find("a")->begin, 12u);
+}
+
+
 TEST(SafetensorsTest, DamagedFilesAreRefusedNamingTheProblem) {
   struct Case {
     std::string bytes;
