@@ -13,6 +13,11 @@ namespace {
 constexpr uint64_t kHugePage = uint64_t{2} << 20;
 // Bytes gathered before a direct write: large enough for the disk to stream.
 constexpr uint64_t kBlockBytes = uint64_t{16} << 20;
+// Whole pages of a run fewer than this go through the page cache with its edges: an
+// O_DIRECT write waits for the disk, ~0.1 ms even for one page, while a buffered one is a
+// copy (Close's fsync writes them all at once). A FULL save of a model of many small
+// tensors writes one short run per tensor and server.
+constexpr uint64_t kMinDirectBytes = uint64_t{1} << 20;
 }  // namespace
 
 DirectIoBuffer::~DirectIoBuffer() { std::free(data_); }
@@ -83,7 +88,9 @@ absl::Status DirectFileWriter::WriteOut() {
                      : absl::OkStatus();
   };
   const uint64_t direct_lo = AlignUp(lo), direct_hi = AlignDown(hi);
-  if (!direct_.has_value() || direct_lo >= direct_hi) return buffered(lo, hi);
+  if (!direct_.has_value() || direct_lo >= direct_hi || direct_hi - direct_lo < kMinDirectBytes) {
+    return buffered(lo, hi);
+  }
   FLATSHARD_RETURN_IF_ERROR(buffered(lo, direct_lo));
   if (!direct_->WriteAt(direct_lo, absl::MakeConstSpan(block + (direct_lo - base_), direct_hi - direct_lo)).ok()) {
     // A file system that opens with O_DIRECT but refuses the write (some FUSE and network

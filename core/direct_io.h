@@ -7,7 +7,8 @@
 // ranges, through O_DIRECT where it can. Consecutive writes form a run, gathered into
 // 16 MiB blocks aligned with the file; a block's whole 4 KiB pages go out with O_DIRECT,
 // the partial pages at a run's two ends through the page cache (another writer may own
-// the rest of such a page; the page cache merges both). Where the file system refuses
+// the rest of such a page; the page cache merges both), and so does all of a run's part
+// of a block with less than 1 MiB of whole pages (a small tensor's piece). Where the file system refuses
 // O_DIRECT (at open, or at a write), the rest goes through the page cache.
 // Not thread-safe; movable.
 //
