@@ -348,18 +348,20 @@ void CheckpointStore::AbandonPart(const std::string& name, const std::string& sa
 
 void CheckpointStore::RemoveIfAbandoned(const std::string& name, const std::string& save_id) {
   const std::string dir = SaveDir(name, save_id);
+  bool abandoned = false;  // a server marked its part failed (asked first: parts are large)
+  for (int rank = 0; rank < num_servers_ && !abandoned; ++rank) {
+    abandoned = Exists(absl::StrCat(dir, "/failed-", rank, ".json"));
+  }
+  if (!abandoned) return;
   int parts = 0;  // the most any part or marker says; the cluster's size if none does
-  bool abandoned = false;
   for (int rank = 0; rank < num_servers_; ++rank) {
     for (const char* kind : {"part", "failed"}) {
       absl::StatusOr<Json> found = ReadJson(absl::StrCat(dir, "/", kind, "-", rank, ".json"));
       if (!found.ok() || !found->is_object()) continue;
-      abandoned |= kind[0] == 'f';
       const Json servers = found->value("servers", Json(0));
       if (servers.is_number_integer()) parts = std::max(parts, servers.get<int>());
     }
   }
-  if (!abandoned) return;
   if (parts <= 0 || parts > num_servers_) parts = num_servers_;
   for (int rank = 0; rank < parts; ++rank) {
     if (!Exists(absl::StrCat(dir, "/part-", rank, ".json")) && !Exists(absl::StrCat(dir, "/failed-", rank, ".json"))) {
