@@ -159,8 +159,9 @@ absl::StatusOr<Response> RecvResponse(Connection& conn, absl::Span<std::byte> pa
 }
 
 absl::StatusOr<Response> AnswerToFailedSend(Connection& conn, const absl::Status& sent) {
-  // A reset arrives after the bytes sent before it: once the send has failed, an answer
-  // is there in full or not at all, and reading it does not block.
+  // A reset arrives after the bytes sent before it: once it has failed the send, an
+  // answer sent before is there in full (one cut short would wait for the rest until the
+  // connection's timeout).
   if (!absl::IsUnavailable(sent) || !conn.PollReadable(absl::ZeroDuration())) return sent;
   absl::StatusOr<Response> answer = RecvResponse(conn, {});
   if (!answer.ok() || answer->status.ok()) return sent;
