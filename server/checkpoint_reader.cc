@@ -56,7 +56,7 @@ struct CheckpointReader::Task {
   OpenedFile* file;
   size_t first_extent, last_extent;
   uint64_t begin, end;
-  std::vector<const Request*> requests;
+  std::vector<const Request*> requests;  // those that need its bytes, sorted by their begin
 };
 
 std::unique_ptr<DirectIoBuffer> ReadBufferPool::Take() {
@@ -154,16 +154,25 @@ absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer)
     cached = false;
   }
   const std::vector<FileExtent>& extents = file.manifest->extents;
+  // The requests come sorted by their first byte and the extents in order: those before
+  // `first_open` end before the extent at hand, and an extent looks at the requests from
+  // there to the first that begins past it (a file of 100000 small tensors has as many
+  // extents and requests).
+  const std::vector<const Request*>& requests = task.requests;
+  size_t first_open = 0;
   for (size_t i = task.first_extent; i <= task.last_extent; ++i) {
     const FileExtent& e = extents[i];
     const uint64_t end = e.offset + e.length;
+    while (first_open < requests.size() && requests[first_open]->end <= e.offset) ++first_open;
+    const absl::Span<const Request* const> open = absl::MakeConstSpan(requests).subspan(first_open);
     // From the page cache straight into the destination where a single fp32 request
     // takes the whole extent, verified there: one copy fewer.
     if (cached && read_to <= e.offset) {
       const Request* whole = nullptr;
       int overlapping = 0;
-      for (const Request* request : task.requests) {
-        if (request->begin >= end || request->end <= e.offset) continue;
+      for (const Request* request : open) {
+        if (request->begin >= end) break;
+        if (request->end <= e.offset) continue;
         ++overlapping;
         if (request->dtype == DType::kFloat32 && request->begin <= e.offset && end <= request->end &&
             (e.offset - request->begin) % sizeof(float) == 0) {
@@ -212,7 +221,8 @@ absl::Status CheckpointReader::Execute(const Task& task, DirectIoBuffer& buffer)
       }
     }
     if (Xxh3(absl::MakeConstSpan(data + (e.offset - base), e.length)) != e.xxh3) return CorruptExtent(file.path, e);
-    for (const Request* request : task.requests) {
+    for (const Request* request : open) {
+      if (request->begin >= end) break;
       const uint64_t lo = std::max(request->begin, e.offset);
       const uint64_t hi = std::min(request->end, end);
       if (lo >= hi) continue;

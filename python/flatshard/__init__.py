@@ -167,6 +167,7 @@ class GroupLayout:
         self.shard_numel = info["shard_numel"]
         self.num_shards = info["num_shards"]
         self.names = [t["name"] for t in self.tensors]
+        self._known = set(self.names)
 
     def views(self, flat):
         """Per-tensor views (registered shapes) into a flat buffer."""
@@ -176,7 +177,7 @@ class GroupLayout:
     def flatten(self, values, dtype, what):
         """One padded flat buffer of `dtype` from {name: array}, checking names, shapes, dtypes."""
         missing = [n for n in self.names if n not in values]
-        extra = [n for n in values if n not in self.names]
+        extra = [n for n in values if n not in self._known]
         if missing or extra:
             raise InvalidArgumentError(f"{what}: missing tensors {missing}, unknown tensors {extra}")
         flat = np.zeros(self.padded_numel, dtype=_NUMPY[dtype])

@@ -113,6 +113,21 @@ class ClientTest(unittest.TestCase):
             with self.assertRaises(flatshard.AlreadyExistsError):
                 resent.wait()
 
+    def test_a_group_of_many_small_tensors_trains_by_name(self):
+        # A model left in one group: 20000 named tensors, each value where its name says.
+        c = self.client(job="many-tensors")
+        c.configure_job()
+        names = [f"layers.{i}.scale" for i in range(20000)]
+        c.register_group("root", [(n, (3,), "float32") for n in names], flatshard.SGD(lr=0.5))
+        init = {n: np.full(3, i, np.float32) for i, n in enumerate(names)}
+        c.init_group("root", init)
+        grads = {n: np.full(3, i % 7, np.float32) for i, n in enumerate(names)}
+        c.scatter("root", grads, step=0)
+        params = c.gather("root", min_version=1)
+        self.assertEqual(len(params), len(names))
+        for i, n in enumerate(names):
+            np.testing.assert_array_equal(params[n], init[n] - 0.5 * grads[n], err_msg=n)
+
     def test_gathers_in_16_bit_are_exact_casts_and_torch_tensors_are_accepted(self):
         c = self.client(job="cast")
         c.configure_job()
@@ -525,6 +540,10 @@ class ErrorTest(unittest.TestCase):
             self.c.scatter("g", bad_dtype, step=0)
         with self.assertRaises(flatshard.InvalidArgumentError):
             self.c.gather("g", dtype="int8")
+        misnamed = {"weight": np.zeros((4, 3), np.float32), "bais": np.zeros(4, np.float32)}
+        with self.assertRaises(flatshard.InvalidArgumentError) as e:
+            self.c.scatter("g", misnamed, step=0)
+        self.assertIn("missing tensors ['bias'], unknown tensors ['bais']", str(e.exception))
         with self.assertRaises(flatshard.InvalidArgumentError) as e:
             self.c.register_group("h", [("w", (2,), "float32")], flatshard.SGD(lr=-1.0))
         self.assertEqual(e.exception.code, 3)

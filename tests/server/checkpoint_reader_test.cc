@@ -116,6 +116,39 @@ TEST(CheckpointReaderTest, DeliversExactlyTheWrittenBytesWarmAndCold) {
   }
 }
 
+// A file of many small tensors (a model wrapped in one group): an extent and a request
+// per tensor, all in one task, beside requests that straddle extents and one that spans
+// them all; each gets exactly its bytes (the task's requests are swept in order as its
+// extents go by).
+TEST(CheckpointReaderTest, ManySmallRequestsAmongManyExtentsEachGetTheirBytes) {
+  const std::string dir = FreshDir();
+  constexpr size_t kTensors = 20000, kNumel = 16;
+  WrittenFile file = Write(dir, "small.safetensors", kTensors * kNumel, kNumel, 7);
+  ReadBufferPool pool;
+  CheckpointReader reader(dir, {{"small.safetensors", file.manifest}}, pool,
+                          ReaderOptions{.threads = 2, .task_bytes = uint64_t{64} << 20});
+  std::vector<std::vector<float>> tensors(kTensors, std::vector<float>(kNumel, -7));
+  for (size_t t = 0; t < kTensors; ++t) {
+    ASSERT_TRUE(reader.Add("small.safetensors", 24 + 4 * t * kNumel, DType::kFloat32, kNumel, tensors[t].data()).ok());
+  }
+  std::vector<std::vector<float>> straddling(100, std::vector<float>(kNumel, -7));
+  for (size_t s = 0; s < straddling.size(); ++s) {
+    const size_t first = (s * 197 + 5) * kNumel + kNumel / 2;  // half of one tensor, half of the next
+    ASSERT_TRUE(reader.Add("small.safetensors", 24 + 4 * first, DType::kFloat32, kNumel, straddling[s].data()).ok());
+  }
+  std::vector<float> all(kTensors * kNumel, -7);
+  ASSERT_TRUE(reader.Add("small.safetensors", 24, DType::kFloat32, all.size(), all.data()).ok());
+  ASSERT_TRUE(reader.Run(nullptr).ok());
+  for (size_t t = 0; t < kTensors; ++t) {
+    ASSERT_TRUE(std::equal(tensors[t].begin(), tensors[t].end(), file.values.begin() + t * kNumel)) << "tensor " << t;
+  }
+  for (size_t s = 0; s < straddling.size(); ++s) {
+    const size_t first = (s * 197 + 5) * kNumel + kNumel / 2;
+    ASSERT_TRUE(std::equal(straddling[s].begin(), straddling[s].end(), file.values.begin() + first)) << "straddling " << s;
+  }
+  EXPECT_EQ(all, file.values);
+}
+
 TEST(CheckpointReaderTest, ConvertsHalfPrecisionToFloat) {
   const std::string dir = FreshDir();
   std::vector<uint16_t> bf16 = {0x3f80, 0xc000, 0x7f80, 0x0001, 0x4049};
