@@ -53,10 +53,20 @@ std::string BeingSaved(const std::string& name, int rank) {
                       " is still writing or committing its part)");
 }
 
-absl::StatusOr<Json> ReadJson(const std::string& path) {
+// The keys whose values a summary of a manifest or part leaves out: each file's extents
+// and each group's tensors, MBs for a model of many tensors, where only its kind, job,
+// save, servers, sizes or versions are wanted (a listing, a commit's checks).
+constexpr absl::string_view kBulkKeys[] = {"extents", "tensors"};
+
+// `path` as JSON; with `skip`, the values of those keys (at any depth) are left out.
+absl::StatusOr<Json> ReadJson(const std::string& path, absl::Span<const absl::string_view> skip = {}) {
   FLATSHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   try {
-    return Json::parse(text);
+    if (skip.empty()) return Json::parse(text);
+    return Json::parse(text, [skip](int, Json::parse_event_t event, Json& parsed) {
+      return event != Json::parse_event_t::key ||
+             std::find(skip.begin(), skip.end(), parsed.get_ref<const std::string&>()) == skip.end();
+    });
   } catch (const Json::parse_error& error) {
     return absl::DataLossError(absl::StrCat("'", path, "' is not valid JSON: ", error.what()));
   }
@@ -320,7 +330,7 @@ void CheckpointStore::ReapFinishedSaves() {
 int CheckpointStore::PartsExpected(const std::string& dir) const {
   // A hybrid-sharded job's checkpoint has one part per server of a replica group; every
   // part says how many (this server's is there when it asks).
-  absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
+  absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"), kBulkKeys);
   const bool said = own.ok() && own->is_object() && own->contains("servers") && own->at("servers").is_number_integer();
   const int64_t servers = said ? own->at("servers").get<int64_t>() : num_servers_;
   return servers >= 1 && servers <= num_servers_ ? static_cast<int>(servers) : num_servers_;
@@ -356,7 +366,7 @@ void CheckpointStore::RemoveIfAbandoned(const std::string& name, const std::stri
   int parts = 0;  // the most any part or marker says; the cluster's size if none does
   for (int rank = 0; rank < num_servers_; ++rank) {
     for (const char* kind : {"part", "failed"}) {
-      absl::StatusOr<Json> found = ReadJson(absl::StrCat(dir, "/", kind, "-", rank, ".json"));
+      absl::StatusOr<Json> found = ReadJson(absl::StrCat(dir, "/", kind, "-", rank, ".json"), kBulkKeys);
       if (!found.ok() || !found->is_object()) continue;
       const Json servers = found->value("servers", Json(0));
       if (servers.is_number_integer()) parts = std::max(parts, servers.get<int>());
@@ -559,7 +569,7 @@ absl::Status CheckpointStore::Commit(const std::string& name, const std::string&
 absl::Status CheckpointStore::UnlessCommittedMeanwhile(const std::string& name, const std::string& save_id,
                                                        const absl::Status& status) const {
   if (status.ok() || absl::IsAlreadyExists(status) || root_.empty()) return status;
-  absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(root_, "/", name, "/", kManifest));
+  absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(root_, "/", name, "/", kManifest), kBulkKeys);
   if (!manifest.ok() || !manifest->is_object() || manifest->value("save_id", Json("")) == save_id) return status;
   return CommittedByAnotherSave(name, save_id);
 }
@@ -570,7 +580,7 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
   if (Exists(final_dir)) {
     // Committed: by this save (a server sharing this root, or a retried commit), or by
     // another one, which leaves this save nothing to do but clear its files.
-    absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(final_dir, "/", kManifest));
+    absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(final_dir, "/", kManifest), kBulkKeys);
     if (manifest.ok() && manifest->is_object() && manifest->value("save_id", Json("")) == save_id) {
       return absl::OkStatus();
     }
@@ -645,7 +655,7 @@ namespace {
 // Checkpoint `name` in `root` as its manifest describes it; nullopt without a manifest of
 // the right shape (loading it says what is wrong).
 std::optional<CheckpointInfo> CompleteCheckpoint(const std::string& root, const std::string& name) {
-  absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(root, "/", name, "/", kManifest));
+  absl::StatusOr<Json> manifest = ReadJson(absl::StrCat(root, "/", name, "/", kManifest), kBulkKeys);
   if (!manifest.ok()) return std::nullopt;
   CheckpointInfo info;
   info.name = name;
