@@ -583,9 +583,9 @@ void ManyGroupCheckpoints(int groups) {
   constexpr int64_t kWeight = 64 * 64, kBias = 64;
   for (int g = 0; g < groups; ++g) {
     const std::string name = absl::StrCat("layer", g);
-    Check(many->RegisterGroup(name, {{name + ".weight", {64, 64}, DType::kFloat32}, {name + ".bias", {kBias}, DType::kFloat32}},
-                              0, AdamOptions{})
-              .status());
+    const std::vector<TensorSpec> tensors = {{name + ".weight", {64, 64}, DType::kFloat32},
+                                             {name + ".bias", {kBias}, DType::kFloat32}};
+    Check(many->RegisterGroup(name, tensors, 0, AdamOptions{}).status());
     Check(many->InitGroupFromSeed(name, g));
   }
   const int64_t numel = groups * (kWeight + kBias);
@@ -611,7 +611,8 @@ void ManyGroupCheckpoints(int groups) {
       std::sort(v.begin(), v.end());
       return v[v.size() / 2];
     };
-    for (auto [what, rates, anchors] : {std::tuple{"save", &save_many, &save_one}, std::tuple{"load", &load_many, &load_one}}) {
+    for (auto [what, rates, anchors] :
+         {std::tuple{"save", &save_many, &save_one}, std::tuple{"load", &load_many, &load_one}}) {
       const double rate = median(*rates), base = median(*anchors);
       std::printf("%-40s %10.2f %10.2f %7.2fx\n", absl::StrCat(what, " ", name, " (optimizer too)").c_str(), rate / 1e9,
                   base / 1e9, rate / base);

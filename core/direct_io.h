@@ -8,8 +8,8 @@
 // 16 MiB blocks aligned with the file; a block's whole 4 KiB pages go out with O_DIRECT,
 // the partial pages at a run's two ends through the page cache (another writer may own
 // the rest of such a page; the page cache merges both), and so does all of a run's part
-// of a block with less than 1 MiB of whole pages (a small tensor's piece). Where the file system refuses
-// O_DIRECT (at open, or at a write), the rest goes through the page cache.
+// of a block with less than 1 MiB of whole pages (a small tensor's piece). Where the file
+// system refuses O_DIRECT (at open, or at a write), the rest goes through the page cache.
 // Not thread-safe; movable.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(DirectFileWriter writer, DirectFileWriter::Open(path, size, true));

@@ -144,7 +144,8 @@ TEST(CheckpointReaderTest, ManySmallRequestsAmongManyExtentsEachGetTheirBytes) {
   }
   for (size_t s = 0; s < straddling.size(); ++s) {
     const size_t first = (s * 197 + 5) * kNumel + kNumel / 2;
-    ASSERT_TRUE(std::equal(straddling[s].begin(), straddling[s].end(), file.values.begin() + first)) << "straddling " << s;
+    ASSERT_TRUE(std::equal(straddling[s].begin(), straddling[s].end(), file.values.begin() + first))
+        << "straddling " << s;
   }
   EXPECT_EQ(all, file.values);
 }
