@@ -1,11 +1,10 @@
 #include "client/cluster_status.h"
 
-#include <google/protobuf/util/json_util.h>
-
 #include <nlohmann/json.hpp>
 
 #include "client/control_channel.h"
 #include "client/control_plane.h"
+#include "client/proto_json.h"
 #include "proto/flatshard.grpc.pb.h"
 
 namespace flatshard {
@@ -40,14 +39,11 @@ std::string ClusterStatusJson(const std::vector<std::string>& servers,
       out.push_back({{"address", servers[i]}, {"error", std::string(statuses[i].status().message())}});
       continue;
     }
-    std::string text;
-    google::protobuf::util::JsonPrintOptions print;
-    print.always_print_primitive_fields = true;
-    print.preserve_proto_field_names = true;
-    (void)google::protobuf::util::MessageToJsonString(*statuses[i], &text, print);
-    out.push_back(nlohmann::json::parse(text));
+    out.push_back(ProtoToJson(*statuses[i]));
   }
-  return nlohmann::json{{"servers", out}}.dump(indent);
+  // Strings that are not UTF-8 (a server's error message may quote any bytes) are
+  // replaced, not thrown over.
+  return nlohmann::json{{"servers", out}}.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace flatshard
