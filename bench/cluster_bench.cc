@@ -40,6 +40,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/command_line.h"
 #include "flatshard/await.h"
@@ -730,6 +731,12 @@ int main(int argc, char** argv) {
       "cluster_bench [--quick] [--sections=data,optimizer,latency,checkpoints] [--shapes=1x1,2x2/R2]: ratios "
       "against anchors measured in the same run");
   flatshard::ParseCommandLineOrExit(argc, argv, "cluster_bench");
+  // As flatshard-server runs (--mutex_deadlock_detection off); FLATSHARD_BENCH_DEADLOCK_DETECTION=1
+  // measures with Abseil's lock-order checks, the default of a build without NDEBUG (Debian's).
+  const char* detection = std::getenv("FLATSHARD_BENCH_DEADLOCK_DETECTION");
+  absl::SetMutexDeadlockDetectionMode(detection != nullptr && std::string(detection) == "1"
+                                          ? absl::OnDeadlockCycle::kAbort
+                                          : absl::OnDeadlockCycle::kIgnore);
   const bool quick = absl::GetFlag(FLAGS_quick);
   const double seconds = quick ? 0.4 : absl::GetFlag(FLAGS_seconds);
 

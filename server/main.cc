@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "core/command_line.h"
 #include "core/file.h"
 #include "proto/cluster_info.h"
@@ -85,6 +86,9 @@ ABSL_FLAG(std::string, log_level, "info",
           "debug (every RPC and data-plane error), info (jobs, groups, checkpoints, start and stop), "
           "warning (refused requests an operator should see) or error");
 ABSL_FLAG(std::string, log_file, "", "append the log to this file (empty: stderr)");
+ABSL_FLAG(bool, mutex_deadlock_detection, false,
+          "check every lock taken against a process-wide graph of lock order and abort on a cycle (a "
+          "debugging aid, on in the tests' clusters: every lock then waits on one global lock)");
 
 namespace {
 
@@ -110,6 +114,12 @@ int main(int argc, char** argv) {
   const std::vector<std::string> positional =
       flatshard::ParseCommandLineOrExit(argc, argv, "flatshard-server");
   if (!positional.empty()) return Fail("unexpected argument '" + positional[0] + "'");
+  // Abseil built without NDEBUG (Debian's) checks lock order on every Mutex::Lock under
+  // one process-wide lock: 3.5x the cost of an uncontended lock on one thread and 20x on
+  // two threads taking their own locks (bench/RESULTS.md). A debugging aid, off unless asked.
+  absl::SetMutexDeadlockDetectionMode(absl::GetFlag(FLAGS_mutex_deadlock_detection)
+                                          ? absl::OnDeadlockCycle::kAbort
+                                          : absl::OnDeadlockCycle::kIgnore);
 
   flatshard::server::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);

@@ -49,8 +49,12 @@ inline pid_t SpawnProcess(const std::string& path, std::vector<std::string> args
   return pid;
 }
 
-// Starts flatshard-server with `args`; returns its pid, or -1.
-inline pid_t SpawnServer(std::vector<std::string> args) { return SpawnProcess(FLATSHARD_SERVER_PATH, std::move(args)); }
+// Starts flatshard-server with `args`; returns its pid, or -1. Every lock the server takes
+// is checked for lock-order cycles (--mutex_deadlock_detection, which `args` may turn off).
+inline pid_t SpawnServer(std::vector<std::string> args) {
+  args.insert(args.begin(), "--mutex_deadlock_detection");
+  return SpawnProcess(FLATSHARD_SERVER_PATH, std::move(args));
+}
 
 // SIGTERM, then SIGKILL after 5 s; reaps the process.
 inline void StopServer(pid_t pid) {
