@@ -31,7 +31,7 @@ absl::Status DirectorySink::Open(const std::string& file, uint64_t size, bool ex
         absl::StrCat("checkpoint file '", file, "': ", size, " bytes is beyond any file's size"));
   }
   FLATSHARD_ASSIGN_OR_RETURN(DirectFileWriter opened, DirectFileWriter::Open(dir_ + "/" + file, size, exclusive));
-  open_.insert_or_assign(file, OpenFile{std::move(opened), size});
+  open_.insert_or_assign(file, OpenFile{std::move(opened), size, false, Xxh3Stream()});
   if (exclusive) extents_.erase(file);
   return absl::OkStatus();
 }
@@ -46,8 +46,21 @@ absl::Status DirectorySink::Write(const std::string& file, uint64_t offset, absl
                                                    " bytes at offset ", offset, " run past its ",
                                                    it->second.size, " bytes"));
   }
-  FLATSHARD_RETURN_IF_ERROR(it->second.writer.Write(offset, data));
-  if (!data.empty()) extents_[file].push_back({offset, data.size(), Xxh3(data)});
+  OpenFile& open = it->second;
+  FLATSHARD_RETURN_IF_ERROR(open.writer.Write(offset, data));
+  if (data.empty()) return absl::OkStatus();
+  std::vector<FileExtent>& extents = extents_[file];
+  if (open.extending && extents.back().offset + extents.back().length == offset &&
+      extents.back().length + data.size() <= kMaxExtentBytes) {
+    open.tail.Update(data);
+    extents.back().length += data.size();
+    extents.back().xxh3 = open.tail.Digest();
+    return absl::OkStatus();
+  }
+  open.tail.Reset();
+  open.tail.Update(data);
+  extents.push_back({offset, data.size(), open.tail.Digest()});
+  open.extending = true;
   return absl::OkStatus();
 }
 

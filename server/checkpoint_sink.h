@@ -45,12 +45,18 @@ class CheckpointSink {
 
 // Files directly under `dir` (a name ValidateCheckpointName refuses is InvalidArgument;
 // so are a size no file can have, a write past the file's size or to a file not open: the
-// bytes may come from a peer, WriteCheckpointPart), written through DirectFileWriter (O_DIRECT for whole pages, the page cache for the
-// partial pages other servers share) and fsync'd on Close. Every write is hashed as it is
-// written: extents() are this writer's (offset, length, XXH3) per file, for the manifest,
-// so that no one re-reads the files to checksum them.
+// bytes may come from a peer, WriteCheckpointPart), written through DirectFileWriter
+// (O_DIRECT for whole pages, the page cache for the partial pages other servers share)
+// and fsync'd on Close. Every write is hashed as it is written: extents() are this
+// writer's (offset, length, XXH3) per file, for the manifest, so that no one re-reads the
+// files to checksum them. A write that continues the file's last extent joins it while
+// the extent stays within kMaxExtentBytes: a shard of 100000 small tensors is a few
+// extents, not one per tensor (each costs manifest bytes and a check at load), and a
+// load reads at most that many bytes it does not need at either end of a range.
 class DirectorySink final : public CheckpointSink {
  public:
+  static constexpr uint64_t kMaxExtentBytes = uint64_t{4} << 20;
+
   explicit DirectorySink(std::string dir) : dir_(std::move(dir)) {}
   absl::Status Open(const std::string& file, uint64_t size, bool exclusive) override;
   absl::Status Write(const std::string& file, uint64_t offset, absl::Span<const std::byte> data) override;
@@ -63,6 +69,10 @@ class DirectorySink final : public CheckpointSink {
   struct OpenFile {
     DirectFileWriter writer;
     uint64_t size = 0;
+    // Hashes the file's last extent while writes extend it (false: that extent was
+    // written before this Open, its bytes are not in `tail`).
+    bool extending = false;
+    Xxh3Stream tail;
   };
   std::map<std::string, OpenFile> open_;
   std::map<std::string, std::vector<FileExtent>> extents_;

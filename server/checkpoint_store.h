@@ -22,7 +22,8 @@
 //
 // Atomicity: each save of a checkpoint is written into a directory of its own,
 // "<root>/.<name>.partial/<save id>/"; every server leaves a part-<rank>.json there with
-// the extents it wrote (offset, length, XXH3 of each write; server/file_extents.h);
+// the extents it wrote (offset, length, XXH3 of each run of contiguous writes of at most
+// 4 MiB; server/file_extents.h);
 // Commit (on one server, after all have saved) checks the parts and that the extents tile
 // every file, writes manifest.json last (fsync + rename) and renames the directory to
 // "<root>/<name>". A crash at any point leaves earlier checkpoints intact and the partial

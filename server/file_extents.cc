@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <new>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/numbers.h"
@@ -17,6 +18,28 @@
 namespace flatshard::server {
 
 uint64_t Xxh3(absl::Span<const std::byte> bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
+
+struct Xxh3Stream::State {
+  XXH3_state_t* xxh;
+};
+
+void Xxh3Stream::Free::operator()(State* state) const {
+  XXH3_freeState(state->xxh);
+  delete state;
+}
+
+Xxh3Stream::Xxh3Stream() : state_(new State{XXH3_createState()}) {
+  if (state_->xxh == nullptr) throw std::bad_alloc();
+  Reset();
+}
+
+void Xxh3Stream::Reset() { (void)XXH3_64bits_reset(state_->xxh); }
+
+void Xxh3Stream::Update(absl::Span<const std::byte> bytes) {
+  (void)XXH3_64bits_update(state_->xxh, bytes.data(), bytes.size());
+}
+
+uint64_t Xxh3Stream::Digest() const { return XXH3_64bits_digest(state_->xxh); }
 
 nlohmann::json ExtentsToJson(const std::vector<FileExtent>& extents) {
   nlohmann::json json = nlohmann::json::array();

@@ -37,8 +37,10 @@ absl::Span<const std::byte> AsBytes(const std::vector<float>& v) {
   return {reinterpret_cast<const std::byte*>(v.data()), v.size() * sizeof(float)};
 }
 
-// A file written the way saves write: a 24-byte "header", then `values` in slices of
-// `slice` floats, each slice its own extent.
+// A file written the way saves write (through DirectorySink): a 24-byte "header", then
+// `values` in slices of `slice` floats. Its manifest lists the header and each slice as an
+// extent of its own, as a FULL checkpoint lists the interleaved pieces of several servers
+// (DirectorySink joins one writer's contiguous writes; the reader takes any tiling).
 struct WrittenFile {
   std::vector<float> values;
   ManifestFile manifest;
@@ -62,7 +64,12 @@ WrittenFile Write(const std::string& dir, const std::string& name, size_t count,
   }
   EXPECT_TRUE(sink.Close(name).ok());
   written.manifest.bytes = header.size() + count * sizeof(float);
-  written.manifest.extents = sink.extents().at(name);
+  written.manifest.extents.push_back({0, header.size(), Xxh3(header)});
+  for (size_t done = 0; done < count; done += slice) {
+    const auto bytes =
+        AsBytes(written.values).subspan(done * sizeof(float), std::min(slice, count - done) * sizeof(float));
+    written.manifest.extents.push_back({header.size() + done * sizeof(float), bytes.size(), Xxh3(bytes)});
+  }
   EXPECT_TRUE(SortAndCheckTiling(written.manifest.extents, written.manifest.bytes, name).ok());
   return written;
 }

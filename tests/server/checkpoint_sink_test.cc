@@ -8,8 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/scratch_dir.h"
@@ -51,6 +55,52 @@ TEST(CheckpointSinkTest, WritesOutsideAnOpenFileAreRefusedAndTheFileStaysWhole) 
   EXPECT_EQ(std::filesystem::file_size(dir.path() + "/f"), 12u);
   ASSERT_EQ(sink.extents().at("f").size(), 1u);
   EXPECT_EQ(sink.extents().at("f")[0].offset, 4u);
+}
+
+// Each extent DirectorySink reports matches the bytes on disk in that range (XXH3 of the
+// file read back); writes that continue the last extent join it up to kMaxExtentBytes; a
+// gap, a write elsewhere or a file opened again starts a new one; the extents tile what
+// was written.
+TEST(CheckpointSinkTest, ContiguousWritesJoinOneExtentUpToItsBound) {
+  const testing::ScratchDir dir("sink-extents");
+  constexpr uint64_t kMax = DirectorySink::kMaxExtentBytes;
+  std::mt19937_64 rng(5);
+  std::vector<std::byte> bytes(3 * kMax);
+  for (std::byte& b : bytes) b = static_cast<std::byte>(rng());
+  auto piece = [&](uint64_t at, uint64_t length) { return absl::MakeConstSpan(bytes.data() + at, length); };
+
+  DirectorySink sink(dir.path());
+  ASSERT_TRUE(sink.Open("f", bytes.size(), true).ok());
+  for (uint64_t at = 0; at < 1000; at += 10) ASSERT_TRUE(sink.Write("f", at, piece(at, 10)).ok());  // one extent
+  ASSERT_TRUE(sink.Write("f", 2000, piece(2000, 100)).ok());                                    // a gap
+  ASSERT_TRUE(sink.Write("f", 1000, piece(1000, 1000)).ok());                                   // back, before it
+  const uint64_t big = kMax / 2 + 1;  // two of them overrun the bound: the second starts anew
+  for (uint64_t at = 2100; at + big <= 2100 + 3 * big; at += big) ASSERT_TRUE(sink.Write("f", at, piece(at, big)).ok());
+  const uint64_t end = 2100 + 3 * big;
+  ASSERT_TRUE(sink.Close("f").ok());
+  // Opened again (another writer's range, say): a write right after the last extent is
+  // not joined to it, whose bytes this Open never saw.
+  ASSERT_TRUE(sink.Open("f", bytes.size(), false).ok());
+  ASSERT_TRUE(sink.Write("f", end, piece(end, 7)).ok());
+  ASSERT_TRUE(sink.Close("f").ok());
+
+  const std::vector<std::pair<uint64_t, uint64_t>> expected = {
+      {0, 1000}, {2000, 100}, {1000, 1000}, {2100, big}, {2100 + big, big}, {2100 + 2 * big, big}, {end, 7}};
+  const std::vector<FileExtent>& extents = sink.extents().at("f");
+  ASSERT_EQ(extents.size(), expected.size());
+  std::ifstream in(dir.path() + "/f", std::ios::binary);
+  std::vector<char> on_disk((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(on_disk.size(), bytes.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(extents[i].offset, expected[i].first) << i;
+    EXPECT_EQ(extents[i].length, expected[i].second) << i;
+    EXPECT_LE(extents[i].length, kMax);
+    const auto disk = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(on_disk.data()) + extents[i].offset,
+                                          extents[i].length);
+    EXPECT_EQ(extents[i].xxh3, Xxh3(disk)) << i;
+  }
+  std::vector<FileExtent> sorted = extents;
+  EXPECT_TRUE(SortAndCheckTiling(sorted, end + 7, "f").ok());
 }
 
 }  // namespace
