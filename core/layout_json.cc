@@ -68,7 +68,7 @@ absl::StatusOr<FlatLayout> ParseLayoutSpecJson(absl::string_view text) {
   Json root;
   try {
     root = Json::parse(text);
-  } catch (const Json::parse_error& error) {
+  } catch (const Json::exception& error) {  // parse_error, or out_of_range for a number like 1e999
     return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", error.what()));
   }
   if (!root.is_object()) return absl::InvalidArgumentError("spec: must be a JSON object");

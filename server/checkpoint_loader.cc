@@ -62,7 +62,7 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
     FLATSHARD_ASSIGN_OR_RETURN(const std::string text, reader.ReadWhole(file));
     try {
       return &json_files.emplace(file, Json::parse(text)).first->second;
-    } catch (const Json::parse_error& error) {
+    } catch (const Json::exception& error) {  // parse_error, or out_of_range for a number like 1e999
       return absl::DataLossError(absl::StrCat("'", reader.path(file), "' is not valid JSON: ", error.what()));
     }
   };

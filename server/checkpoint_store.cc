@@ -67,7 +67,7 @@ absl::StatusOr<Json> ReadJson(const std::string& path, absl::Span<const absl::st
       return event != Json::parse_event_t::key ||
              std::find(skip.begin(), skip.end(), parsed.get_ref<const std::string&>()) == skip.end();
     });
-  } catch (const Json::parse_error& error) {
+  } catch (const Json::exception& error) {  // parse_error, or out_of_range for a number like 1e999
     return absl::DataLossError(absl::StrCat("'", path, "' is not valid JSON: ", error.what()));
   }
 }

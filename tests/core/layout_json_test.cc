@@ -44,6 +44,7 @@ void ExpectError(const char* text, const std::string& part) {
 
 TEST(LayoutJsonTest, ErrorsNameTheField) {
   ExpectError("{", "malformed JSON");
+  ExpectError(R"({"servers": 1e999, "tensors": []})", "malformed JSON");  // out_of_range, not parse_error
   ExpectError("[]", "spec: must be a JSON object");
   ExpectError(R"({"tensors": []})", "servers: missing");
   ExpectError(R"({"servers": "2", "tensors": []})", "servers: must be an integer");

@@ -362,6 +362,20 @@ TEST(CheckpointStoreTest, ManifestsOfTheWrongShapeAreRefusedAndListingSkipsThem)
     manifest[path.parent_pointer()].erase(path.back());
     expect_refused(manifest, absl::StrCat("without ", pointer));
   }
+  // Numbers no double holds are malformed JSON (nlohmann throws out_of_range for them, not
+  // parse_error), for the load and for the listing.
+  for (const char* number : {"1e999", "-2E400"}) {
+    const std::string name = absl::StrCat("bad-", index++);
+    std::filesystem::copy(root + "/good", root + "/" + name, std::filesystem::copy_options::recursive);
+    nlohmann::json manifest = good;
+    manifest["/groups/0/version"_json_pointer] = "@number@";
+    std::string text = manifest.dump();
+    text.replace(text.find("\"@number@\""), 10, number);
+    std::ofstream(root + "/" + name + "/manifest.json", std::ios::trunc) << text;
+    const absl::Status loaded = cluster.Load(name);
+    EXPECT_TRUE(absl::IsDataLoss(loaded)) << number << ": " << loaded;
+    EXPECT_THAT(std::string(loaded.message()), HasSubstr(name)) << number;
+  }
   ExpectBitwiseEqual(cluster.Collect(1), before);
   auto list = cluster.store(0).List();
   ASSERT_TRUE(list.ok()) << list.status();
@@ -394,7 +408,8 @@ TEST(CheckpointStoreTest, PartDescriptionsOfTheWrongShapeAreRefused) {
     ASSERT_TRUE(cluster.store(rank).Save("torn", CheckpointKind::kSharded, false, "job", versions,
                                          absl::InfiniteFuture()).ok());
   }
-  for (const char* part : {R"([1, 2])", R"({"files": [5], "extents": {}})", R"({"files": [], "kind": 7})"}) {
+  for (const char* part : {R"([1, 2])", R"({"files": [5], "extents": {}})", R"({"files": [], "kind": 7})",
+                           R"({"files": [], "servers": 1e999})"}) {
     std::ofstream(root + "/.torn.partial/unnamed/part-1.json", std::ios::trunc) << part;
     const absl::Status committed = cluster.store(0).Commit("torn");
     EXPECT_TRUE(absl::IsDataLoss(committed) || absl::IsFailedPrecondition(committed)) << part << ": " << committed;
