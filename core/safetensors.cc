@@ -39,6 +39,207 @@ std::string Serialize(const std::vector<SafetensorsTensor>& tensors,
   return bytes + json;
 }
 
+
+// The header's JSON read as it is parsed (nlohmann's SAX interface), straight into
+// tensors and metadata: a DOM of a header of 100000 tensors cost more to build and free
+// than everything else a load does with it. The first problem is kept and the rest of the
+// text only parsed, so that malformed JSON is reported as such wherever it is; failed()
+// and error() say whether and what.
+class HeaderReader final : public nlohmann::json_sax<Json> {
+ public:
+  HeaderReader(std::vector<SafetensorsTensor>& tensors, std::map<std::string, std::string>& metadata)
+      : tensors_(tensors), metadata_(metadata) {}
+
+  bool failed() const { return !syntax_error_.empty() || !error_.empty(); }
+  const std::string& error() const { return syntax_error_.empty() ? error_ : syntax_error_; }
+
+  bool null() override { return failed() || Scalar(); }
+  bool boolean(bool) override { return failed() || Scalar(); }
+  bool number_integer(number_integer_t value) override {
+    return failed() || (value < 0 ? Scalar() : Count(static_cast<uint64_t>(value)));
+  }
+  bool number_unsigned(number_unsigned_t value) override { return failed() || Count(value); }
+  bool number_float(number_float_t, const string_t&) override { return failed() || Scalar(); }
+  bool binary(binary_t&) override { return failed() || Scalar(); }
+
+  bool string(string_t& value) override {
+    if (failed() || skip_ > 0) return true;
+    if (at_ == At::kMetadata) {
+      metadata_[key_] = std::move(value);
+      return true;
+    }
+    if (at_ == At::kTensor && field_ == Field::kDtype) {
+      absl::StatusOr<DType> dtype = ParseDType(value);
+      if (!dtype.ok()) return Fail(absl::StrCat("tensor '", tensor_.name, "': ", dtype.status().message()));
+      tensor_.dtype = *dtype;
+      has_dtype_ = true;
+      return true;
+    }
+    return Scalar();
+  }
+
+  bool start_object(std::size_t) override {
+    if (failed()) return true;
+    if (skip_ > 0 || (at_ == At::kTensor && field_ == Field::kOther)) return Skip();
+    switch (at_) {
+      case At::kStart:
+        at_ = At::kTop;
+        return true;
+      case At::kTop:
+        if (key_ == "__metadata__") {
+          at_ = At::kMetadata;
+          return true;
+        }
+        at_ = At::kTensor;
+        tensor_ = SafetensorsTensor();
+        tensor_.name = key_;
+        has_dtype_ = has_shape_ = false;
+        offsets_ = 0;
+        return true;
+      default:
+        return Scalar();
+    }
+  }
+
+  bool key(string_t& key) override {
+    if (failed()) return true;
+    if (skip_ > 0) return true;
+    if (at_ == At::kTensor) {
+      field_ = key == "dtype" ? Field::kDtype
+               : key == "shape" ? Field::kShape
+               : key == "data_offsets" ? Field::kOffsets
+                                       : Field::kOther;
+    } else {
+      key_ = std::move(key);
+    }
+    return true;
+  }
+
+  bool end_object() override {
+    if (failed()) return true;
+    if (skip_ > 0) return Unskip();
+    if (at_ == At::kMetadata) {
+      at_ = At::kTop;
+    } else if (at_ == At::kTensor) {
+      if (!has_dtype_ || !has_shape_ || offsets_ != 2) return Fail(NeedsFields());
+      absl::StatusOr<int64_t> numel = ShapeNumel(tensor_.shape, tensor_.name);
+      // The byte count must not wrap around: 2^61 float64 elements are not 0 bytes.
+      const SafetensorsTensor& t = tensor_;
+      if (!numel.ok() || static_cast<uint64_t>(*numel) > std::numeric_limits<uint64_t>::max() / DTypeSize(t.dtype) ||
+          t.end < t.begin || t.end - t.begin != static_cast<uint64_t>(*numel) * DTypeSize(t.dtype)) {
+        return Fail(absl::StrCat("tensor '", t.name, "': data_offsets [", t.begin, ", ", t.end,
+                                 "] do not match its shape and dtype"));
+      }
+      tensors_.push_back(std::move(tensor_));
+      at_ = At::kTop;
+    } else {
+      at_ = At::kEnd;
+    }
+    return true;
+  }
+
+  bool start_array(std::size_t) override {
+    if (failed()) return true;
+    if (skip_ > 0 || (at_ == At::kTensor && field_ == Field::kOther)) return Skip();
+    if (at_ == At::kTensor && field_ == Field::kShape && !in_array_) {
+      tensor_.shape.clear();
+      has_shape_ = in_array_ = true;
+      return true;
+    }
+    if (at_ == At::kTensor && field_ == Field::kOffsets && !in_array_) {
+      offsets_ = 0;
+      in_array_ = true;
+      return true;
+    }
+    return Scalar();
+  }
+
+  bool end_array() override {
+    if (failed()) return true;
+    if (skip_ > 0) return Unskip();
+    in_array_ = false;
+    return true;
+  }
+
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& error) override {
+    syntax_error_ = absl::StrCat("malformed JSON header: ", error.what());
+    return false;
+  }
+
+ private:
+  enum class At { kStart, kTop, kMetadata, kTensor, kEnd };
+  enum class Field { kDtype, kShape, kOffsets, kOther };
+
+  std::string NeedsFields() const {
+    return absl::StrCat("tensor '", tensor_.name, "' needs dtype, shape and data_offsets [begin, end]");
+  }
+  bool Fail(std::string error) {
+    error_ = std::move(error);
+    return true;  // parse on: the text may be malformed further on
+  }
+  bool Skip() {
+    ++skip_;
+    return true;
+  }
+  bool Unskip() {
+    --skip_;
+    return true;
+  }
+
+  // A non-negative integer: a dimension or an offset where one belongs.
+  bool Count(uint64_t value) {
+    if (skip_ > 0) return true;
+    if (at_ == At::kTensor && in_array_ && field_ == Field::kShape) {
+      if (value > uint64_t{std::numeric_limits<int64_t>::max()}) return Scalar();
+      tensor_.shape.push_back(static_cast<int64_t>(value));
+      return true;
+    }
+    if (at_ == At::kTensor && in_array_ && field_ == Field::kOffsets) {
+      if (offsets_ == 2) return Fail(NeedsFields());
+      (offsets_++ == 0 ? tensor_.begin : tensor_.end) = value;
+      return true;
+    }
+    return Scalar();
+  }
+
+  // Any other value: fine in a field of a tensor nobody reads, wrong anywhere else.
+  bool Scalar() {
+    if (skip_ > 0 || (at_ == At::kTensor && field_ == Field::kOther && !in_array_)) return true;
+    switch (at_) {
+      case At::kStart:
+        return Fail("the header is not a JSON object");
+      case At::kTop:
+        return Fail(key_ == "__metadata__" ? "__metadata__ is not an object" : NeedsFields(key_));
+      case At::kMetadata:
+        return Fail(absl::StrCat("__metadata__['", key_, "'] is not a string"));
+      case At::kTensor:
+        if (in_array_ && field_ == Field::kShape) return Fail(absl::StrCat("tensor '", tensor_.name, "': bad shape"));
+        if (in_array_ && field_ == Field::kOffsets) {
+          return Fail(absl::StrCat("tensor '", tensor_.name, "': bad data_offsets"));
+        }
+        return Fail(NeedsFields());
+      case At::kEnd:
+        break;
+    }
+    return Fail("the header is not a JSON object");
+  }
+  static std::string NeedsFields(const std::string& name) {
+    return absl::StrCat("tensor '", name, "' needs dtype, shape and data_offsets [begin, end]");
+  }
+
+  std::vector<SafetensorsTensor>& tensors_;
+  std::map<std::string, std::string>& metadata_;
+  std::string error_;         // the first problem with the header's contents
+  std::string syntax_error_;  // or with its JSON
+  At at_ = At::kStart;
+  std::string key_;  // the key at the top level or in __metadata__
+  Field field_ = Field::kOther;
+  SafetensorsTensor tensor_;
+  bool has_dtype_ = false, has_shape_ = false, in_array_ = false;
+  int offsets_ = 0;  // data_offsets read
+  int skip_ = 0;     // depth inside a value nobody reads
+};
+
 }  // namespace
 
 absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Build(
@@ -99,57 +300,11 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view byt
   };
   FLATSHARD_ASSIGN_OR_RETURN(const uint64_t header_size, HeaderSize(bytes, file_size, path));
   if (bytes.size() != header_size) return bad("the header bytes given do not match the header length");
-  const absl::string_view json_text = bytes.substr(8);
-  Json json;
-  try {
-    json = Json::parse(json_text);
-  } catch (const Json::parse_error& error) {
-    return bad(absl::StrCat("malformed JSON header: ", error.what()));
-  }
-  if (!json.is_object()) return bad("the header is not a JSON object");
-
   SafetensorsHeader header;
+  HeaderReader reader(header.tensors_, header.metadata_);
+  (void)Json::sax_parse(bytes.substr(8), &reader);
+  if (reader.failed()) return bad(reader.error());
   header.bytes_.assign(header_size, '\0');  // only the size matters for a parsed header
-  for (auto it = json.begin(); it != json.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      if (!it.value().is_object()) return bad("__metadata__ is not an object");
-      for (auto entry = it.value().begin(); entry != it.value().end(); ++entry) {
-        if (!entry.value().is_string()) return bad(absl::StrCat("__metadata__['", entry.key(), "'] is not a string"));
-        header.metadata_[entry.key()] = entry.value().get<std::string>();
-      }
-      continue;
-    }
-    const Json& entry = it.value();
-    SafetensorsTensor t;
-    t.name = it.key();
-    if (!entry.is_object() || !entry.contains("dtype") || !entry["dtype"].is_string() ||
-        !entry.contains("shape") || !entry["shape"].is_array() || !entry.contains("data_offsets") ||
-        !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
-      return bad(absl::StrCat("tensor '", t.name, "' needs dtype, shape and data_offsets [begin, end]"));
-    }
-    absl::StatusOr<DType> dtype = ParseDType(entry["dtype"].get<std::string>());
-    if (!dtype.ok()) return bad(absl::StrCat("tensor '", t.name, "': ", dtype.status().message()));
-    t.dtype = *dtype;
-    for (const Json& dim : entry["shape"]) {
-      if (!dim.is_number_integer() || dim.get<int64_t>() < 0) return bad(absl::StrCat("tensor '", t.name, "': bad shape"));
-      t.shape.push_back(dim.get<int64_t>());
-    }
-    for (const Json& offset : entry["data_offsets"]) {
-      if (!offset.is_number_unsigned() && !(offset.is_number_integer() && offset.get<int64_t>() >= 0)) {
-        return bad(absl::StrCat("tensor '", t.name, "': bad data_offsets"));
-      }
-    }
-    t.begin = entry["data_offsets"][0].get<uint64_t>();
-    t.end = entry["data_offsets"][1].get<uint64_t>();
-    absl::StatusOr<int64_t> numel = ShapeNumel(t.shape, t.name);
-    // The byte count must not wrap around: 2^61 float64 elements are not 0 bytes.
-    if (!numel.ok() || static_cast<uint64_t>(*numel) > std::numeric_limits<uint64_t>::max() / DTypeSize(t.dtype) ||
-        t.end < t.begin || t.end - t.begin != static_cast<uint64_t>(*numel) * DTypeSize(t.dtype)) {
-      return bad(absl::StrCat("tensor '", t.name, "': data_offsets [", t.begin, ", ", t.end,
-                              "] do not match its shape and dtype"));
-    }
-    header.tensors_.push_back(std::move(t));
-  }
   // In the order of their bytes, which must cover the data exactly: no overlap, no hole,
   // nothing past the end.
   std::sort(header.tensors_.begin(), header.tensors_.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
@@ -162,6 +317,13 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view byt
   }
   header.data_size_ = cursor;
   header.Index();
+  if (header.by_name_.size() != header.tensors_.size()) {
+    for (size_t i = 0; i < header.tensors_.size(); ++i) {
+      if (header.by_name_.at(header.tensors_[i].name) != i) {
+        return bad(absl::StrCat("tensor '", header.tensors_[i].name, "' is listed twice"));
+      }
+    }
+  }
   if (header.file_size() != file_size) {
     return bad(absl::StrCat("the tensors need ", header.file_size(), " bytes but the file has ", file_size));
   }

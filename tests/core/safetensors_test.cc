@@ -126,6 +126,25 @@ TEST(SafetensorsTest, ManyTensorsAndEscapedNamesBuildAndReadBackInTheOrderOfThei
   EXPECT_EQ(reordered->tensors()[1].name, "m");
   EXPECT_EQ(reordered->tensors()[2].name, "a");
   EXPECT_EQ(reordered->Find("a")->begin, 12u);
+
+  // Fields of a tensor the format does not define are passed over, however nested, and
+  // the fields may come in any order; __metadata__ may come anywhere.
+  const std::string extra = Path("extra.safetensors");
+  WriteBytes(extra, FileWithHeader(R"({"b":{"data_offsets":[8,10],"x":{"y":[1,{"z":[]}],"w":null},)"
+                                   R"("shape":[],"dtype":"BF16"},"__metadata__":{"format":"pt","k":"v"},)"
+                                   R"("a":{"dtype":"I64","shape":[1,1],"data_offsets":[0,8],"q":[[true]]}})",
+                                   10));
+  auto with_extra = SafetensorsHeader::Read(extra);
+  ASSERT_TRUE(with_extra.ok()) << with_extra.status();
+  ASSERT_EQ(with_extra->tensors().size(), 2u);
+  EXPECT_EQ(with_extra->tensors()[0].name, "a");
+  EXPECT_EQ(with_extra->tensors()[0].dtype, DType::kInt64);
+  EXPECT_EQ(with_extra->tensors()[0].shape, (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(with_extra->tensors()[1].name, "b");
+  EXPECT_EQ(with_extra->tensors()[1].dtype, DType::kBFloat16);
+  EXPECT_TRUE(with_extra->tensors()[1].shape.empty());
+  EXPECT_EQ(with_extra->tensors()[1].begin, 8u);
+  EXPECT_EQ(with_extra->metadata(), (std::map<std::string, std::string>{{"format", "pt"}, {"k", "v"}}));
 }
 
 
@@ -143,6 +162,27 @@ TEST(SafetensorsTest, DamagedFilesAreRefusedNamingTheProblem) {
       {FileWithHeader(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "do not match"},
       {FileWithHeader(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "hole"},
       {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2]}})", 8), "needs dtype, shape and data_offsets"},
+      {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]}})", 8), "needs dtype, shape"},
+      {FileWithHeader(R"({"a":{"dtype":7,"shape":[2],"data_offsets":[0,8]}})", 8), "needs dtype, shape"},
+      {FileWithHeader(R"({"a":[]})", 8), "tensor 'a' needs dtype, shape"},
+      {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2,-1],"data_offsets":[0,8]}})", 8), "tensor 'a': bad shape"},
+      {FileWithHeader(R"({"a":{"dtype":"F32","shape":[[2]],"data_offsets":[0,8]}})", 8), "tensor 'a': bad shape"},
+      {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,"8"]}})", 8), "bad data_offsets"},
+      {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8.0]}})", 8), "bad data_offsets"},
+      {FileWithHeader(R"([{"dtype":"F32"}])", 0), "the header is not a JSON object"},
+      {FileWithHeader(R"({"__metadata__":{"format":1}})", 0), "__metadata__['format'] is not a string"},
+      {FileWithHeader(R"({"__metadata__":"pt"})", 0), "__metadata__ is not an object"},
+      // A number no double holds: nlohmann's out_of_range, which the DOM parser threw.
+      {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8e999]}})", 8), "malformed JSON header"},
+      {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":-1E400}})", 8),
+       "malformed JSON header"},
+      // A problem with the contents first, the JSON malformed later: malformed it is.
+      {FileWithHeader(R"({"a":{"dtype":"F99","shape":[2],"data_offsets":[0,8]}} x)", 8), "malformed JSON header"},
+      // JSON allows a key twice; a header of tensors that tile the file must not.
+      {FileWithHeader(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                      16),
+       "tensor 'a' is listed twice"},
       {std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + "{}", "does not fit"},
       // 2^61 float64 elements are 2^64 bytes: 0 once wrapped around.
       {FileWithHeader(R"({"a":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})", 0),
