@@ -1,7 +1,5 @@
 #include "client/cluster_status.h"
 
-#include <nlohmann/json.hpp>
-
 #include "client/control_channel.h"
 #include "client/control_plane.h"
 #include "client/proto_json.h"
@@ -33,17 +31,25 @@ std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOpt
 std::string ClusterStatusJson(const std::vector<std::string>& servers,
                               const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses,
                               int indent) {
-  nlohmann::json out = nlohmann::json::array();
+  JsonWriter json(indent);
+  json.BeginObject();
+  json.Key("servers");
+  json.BeginArray();
   for (size_t i = 0; i < statuses.size(); ++i) {
-    if (!statuses[i].ok()) {
-      out.push_back({{"address", servers[i]}, {"error", std::string(statuses[i].status().message())}});
+    if (statuses[i].ok()) {
+      json.Message(*statuses[i]);
       continue;
     }
-    out.push_back(ProtoToJson(*statuses[i]));
+    json.BeginObject();
+    json.Key("address");
+    json.String(servers[i]);
+    json.Key("error");
+    json.String(statuses[i].status().message());
+    json.EndObject();
   }
-  // Strings that are not UTF-8 (a server's error message may quote any bytes) are
-  // replaced, not thrown over.
-  return nlohmann::json{{"servers", out}}.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+  json.EndArray();
+  json.EndObject();
+  return json.Take();
 }
 
 }  // namespace flatshard

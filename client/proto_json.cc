@@ -3,7 +3,8 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
-#include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -12,97 +13,159 @@ namespace flatshard {
 namespace {
 
 using google::protobuf::FieldDescriptor;
-using google::protobuf::Message;
 using google::protobuf::Reflection;
 
-nlohmann::json FloatingToJson(double value) {
-  if (std::isnan(value)) return "NaN";
-  if (std::isinf(value)) return value > 0 ? "Infinity" : "-Infinity";
-  return value;
-}
-
-// A float as the double its shortest decimal form reads as: 0.1f is 0.1, not
-// 0.100000001490116, as protobuf prints it.
-double ShortestDouble(float value) {
+// A double as JSON: its shortest decimal form that reads back to it, or the string proto3
+// uses for a value JSON has no number for.
+std::string DoubleText(double value) {
+  if (std::isnan(value)) return "\"NaN\"";
+  if (std::isinf(value)) return value > 0 ? "\"Infinity\"" : "\"-Infinity\"";
   char text[32];
-  const std::to_chars_result written = std::to_chars(text, text + sizeof(text) - 1, value);
-  *written.ptr = '\0';
-  return std::strtod(text, nullptr);
+  const std::to_chars_result written = std::to_chars(text, text + sizeof(text), value);
+  return std::string(text, written.ptr);
 }
 
-nlohmann::json EnumToJson(const FieldDescriptor& field, int number) {
-  const google::protobuf::EnumValueDescriptor* value = field.enum_type()->FindValueByNumber(number);
-  if (value == nullptr) return number;  // a value this build does not know
-  return value->name();
-}
-
-// One value of `field`: its only one, or the `index`th of a repeated field (index >= 0).
-nlohmann::json ValueToJson(const Message& message, const FieldDescriptor& field, int index) {
-  const Reflection& r = *message.GetReflection();
-  const bool repeated = index >= 0;
-  switch (field.cpp_type()) {
-    case FieldDescriptor::CPPTYPE_INT32:
-      return repeated ? r.GetRepeatedInt32(message, &field, index) : r.GetInt32(message, &field);
-    case FieldDescriptor::CPPTYPE_UINT32:
-      return repeated ? r.GetRepeatedUInt32(message, &field, index) : r.GetUInt32(message, &field);
-    case FieldDescriptor::CPPTYPE_INT64:
-      return absl::StrCat(repeated ? r.GetRepeatedInt64(message, &field, index) : r.GetInt64(message, &field));
-    case FieldDescriptor::CPPTYPE_UINT64:
-      return absl::StrCat(repeated ? r.GetRepeatedUInt64(message, &field, index) : r.GetUInt64(message, &field));
-    case FieldDescriptor::CPPTYPE_DOUBLE:
-      return FloatingToJson(repeated ? r.GetRepeatedDouble(message, &field, index) : r.GetDouble(message, &field));
-    case FieldDescriptor::CPPTYPE_FLOAT:
-      return FloatingToJson(
-          ShortestDouble(repeated ? r.GetRepeatedFloat(message, &field, index) : r.GetFloat(message, &field)));
-    case FieldDescriptor::CPPTYPE_BOOL:
-      return repeated ? r.GetRepeatedBool(message, &field, index) : r.GetBool(message, &field);
-    case FieldDescriptor::CPPTYPE_ENUM:
-      return EnumToJson(field, repeated ? r.GetRepeatedEnumValue(message, &field, index)
-                                        : r.GetEnumValue(message, &field));
-    case FieldDescriptor::CPPTYPE_STRING: {
-      std::string scratch;
-      const std::string& text = repeated ? r.GetRepeatedStringReference(message, &field, index, &scratch)
-                                         : r.GetStringReference(message, &field, &scratch);
-      return field.type() == FieldDescriptor::TYPE_BYTES ? absl::Base64Escape(text) : text;
-    }
-    case FieldDescriptor::CPPTYPE_MESSAGE:
-      return ProtoToJson(repeated ? r.GetRepeatedMessage(message, &field, index) : r.GetMessage(message, &field));
-  }
-  return nullptr;
-}
-
-// A map entry's key as the JSON object key: its text (bools as "true"/"false").
-std::string MapKey(const Message& entry) {
-  const FieldDescriptor& key = *entry.GetDescriptor()->map_key();
-  const nlohmann::json value = ValueToJson(entry, key, -1);
-  return value.is_string() ? value.get<std::string>() : value.dump();
+// A float likewise: 0.1f is 0.1, not 0.100000001490116.
+std::string FloatText(float value) {
+  if (!std::isfinite(value)) return DoubleText(value);
+  char text[32];
+  const std::to_chars_result written = std::to_chars(text, text + sizeof(text), value);
+  return std::string(text, written.ptr);
 }
 
 }  // namespace
 
-nlohmann::json ProtoToJson(const Message& message) {
-  const google::protobuf::Descriptor& descriptor = *message.GetDescriptor();
-  const Reflection& reflection = *message.GetReflection();
-  nlohmann::json out = nlohmann::json::object();
-  for (int i = 0; i < descriptor.field_count(); ++i) {
-    const FieldDescriptor& field = *descriptor.field(i);
-    if (field.is_map()) {
-      nlohmann::json& map = out[field.name()] = nlohmann::json::object();
-      const FieldDescriptor& value = *field.message_type()->map_value();
-      for (int j = 0; j < reflection.FieldSize(message, &field); ++j) {
-        const Message& entry = reflection.GetRepeatedMessage(message, &field, j);
-        map[MapKey(entry)] = ValueToJson(entry, value, -1);
-      }
-    } else if (field.is_repeated()) {
-      nlohmann::json& list = out[field.name()] = nlohmann::json::array();
-      const int size = reflection.FieldSize(message, &field);
-      list.get_ref<nlohmann::json::array_t&>().reserve(size);
-      for (int j = 0; j < size; ++j) list.push_back(ValueToJson(message, field, j));
-    } else if (reflection.HasField(message, &field) || !field.has_presence()) {
-      out[field.name()] = ValueToJson(message, field, -1);
-    }
+void JsonWriter::Raw(absl::string_view text) { out_.append(text.data(), text.size()); }
+
+void JsonWriter::BeforeValue() {
+  if (after_key_) {
+    after_key_ = false;
+    return;
   }
-  return out;
+  if (filled_.empty()) return;  // the text's one value
+  if (filled_.back()) out_ += ',';
+  filled_.back() = true;
+  if (indent_ >= 0) {
+    out_ += '\n';
+    out_.append(filled_.size() * static_cast<size_t>(indent_), ' ');
+  }
+}
+
+void JsonWriter::Open(char bracket) {
+  BeforeValue();
+  out_ += bracket;
+  filled_.push_back(false);
+}
+
+void JsonWriter::Close(char bracket) {
+  const bool filled = filled_.back();
+  filled_.pop_back();
+  if (filled && indent_ >= 0) {
+    out_ += '\n';
+    out_.append(filled_.size() * static_cast<size_t>(indent_), ' ');
+  }
+  out_ += bracket;
+}
+
+void JsonWriter::BeginObject() { Open('{'); }
+void JsonWriter::EndObject() { Close('}'); }
+void JsonWriter::BeginArray() { Open('['); }
+void JsonWriter::EndArray() { Close(']'); }
+
+void JsonWriter::Key(absl::string_view name) {
+  String(name);
+  Raw(indent_ >= 0 ? ": " : ":");
+  after_key_ = true;
+}
+
+void JsonWriter::String(absl::string_view text) {
+  BeforeValue();
+  // nlohmann's escaping, with bytes that are not UTF-8 replaced rather than thrown over.
+  Raw(nlohmann::json(std::string(text)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+void JsonWriter::Message(const google::protobuf::Message& message) {
+  BeginObject();
+  const google::protobuf::Descriptor& descriptor = *message.GetDescriptor();
+  for (int i = 0; i < descriptor.field_count(); ++i) Field(message, *descriptor.field(i));
+  EndObject();
+}
+
+void JsonWriter::Field(const google::protobuf::Message& message, const FieldDescriptor& field) {
+  const Reflection& reflection = *message.GetReflection();
+  if (field.is_map()) {
+    Key(field.name());
+    BeginObject();
+    const FieldDescriptor& key = *field.message_type()->map_key();
+    const FieldDescriptor& value = *field.message_type()->map_value();
+    for (int j = 0; j < reflection.FieldSize(message, &field); ++j) {
+      const google::protobuf::Message& entry = reflection.GetRepeatedMessage(message, &field, j);
+      const Reflection& r = *entry.GetReflection();
+      std::string scratch;
+      switch (key.cpp_type()) {  // keys are integers, bools or strings; JSON's are strings
+        case FieldDescriptor::CPPTYPE_STRING: Key(r.GetStringReference(entry, &key, &scratch)); break;
+        case FieldDescriptor::CPPTYPE_BOOL: Key(r.GetBool(entry, &key) ? "true" : "false"); break;
+        case FieldDescriptor::CPPTYPE_INT32: Key(absl::StrCat(r.GetInt32(entry, &key))); break;
+        case FieldDescriptor::CPPTYPE_UINT32: Key(absl::StrCat(r.GetUInt32(entry, &key))); break;
+        case FieldDescriptor::CPPTYPE_INT64: Key(absl::StrCat(r.GetInt64(entry, &key))); break;
+        case FieldDescriptor::CPPTYPE_UINT64: Key(absl::StrCat(r.GetUInt64(entry, &key))); break;
+        default: Key(""); break;  // no other type can be a map key
+      }
+      Value(entry, value, -1);
+    }
+    EndObject();
+  } else if (field.is_repeated()) {
+    Key(field.name());
+    BeginArray();
+    for (int j = 0; j < reflection.FieldSize(message, &field); ++j) Value(message, field, j);
+    EndArray();
+  } else if (reflection.HasField(message, &field) || !field.has_presence()) {
+    Key(field.name());
+    Value(message, field, -1);
+  }
+}
+
+// One value of `field`: its only one, or the `index`th of a repeated field (index >= 0).
+void JsonWriter::Value(const google::protobuf::Message& message, const FieldDescriptor& field, int index) {
+  const Reflection& r = *message.GetReflection();
+  const bool repeated = index >= 0;
+  auto number = [&](const std::string& text) {
+    BeforeValue();
+    Raw(text);
+  };
+  switch (field.cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+      return number(absl::StrCat(repeated ? r.GetRepeatedInt32(message, &field, index) : r.GetInt32(message, &field)));
+    case FieldDescriptor::CPPTYPE_UINT32:
+      return number(absl::StrCat(repeated ? r.GetRepeatedUInt32(message, &field, index) : r.GetUInt32(message, &field)));
+    case FieldDescriptor::CPPTYPE_INT64:  // as strings: a double (JavaScript's number) holds 53 bits
+      return number(absl::StrCat("\"", repeated ? r.GetRepeatedInt64(message, &field, index) : r.GetInt64(message, &field),
+                                 "\""));
+    case FieldDescriptor::CPPTYPE_UINT64:
+      return number(absl::StrCat(
+          "\"", repeated ? r.GetRepeatedUInt64(message, &field, index) : r.GetUInt64(message, &field), "\""));
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      return number(DoubleText(repeated ? r.GetRepeatedDouble(message, &field, index) : r.GetDouble(message, &field)));
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      return number(FloatText(repeated ? r.GetRepeatedFloat(message, &field, index) : r.GetFloat(message, &field)));
+    case FieldDescriptor::CPPTYPE_BOOL:
+      return number((repeated ? r.GetRepeatedBool(message, &field, index) : r.GetBool(message, &field)) ? "true"
+                                                                                                      : "false");
+    case FieldDescriptor::CPPTYPE_ENUM: {
+      const int value = repeated ? r.GetRepeatedEnumValue(message, &field, index) : r.GetEnumValue(message, &field);
+      const google::protobuf::EnumValueDescriptor* named = field.enum_type()->FindValueByNumber(value);
+      if (named == nullptr) return number(absl::StrCat(value));  // a value this build does not know
+      return String(named->name());
+    }
+    case FieldDescriptor::CPPTYPE_STRING: {
+      std::string scratch;
+      const std::string& text = repeated ? r.GetRepeatedStringReference(message, &field, index, &scratch)
+                                         : r.GetStringReference(message, &field, &scratch);
+      return String(field.type() == FieldDescriptor::TYPE_BYTES ? absl::Base64Escape(text) : text);
+    }
+    case FieldDescriptor::CPPTYPE_MESSAGE:
+      return Message(repeated ? r.GetRepeatedMessage(message, &field, index) : r.GetMessage(message, &field));
+  }
 }
 
 }  // namespace flatshard

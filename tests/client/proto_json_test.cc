@@ -3,6 +3,8 @@
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdlib>
 #include <limits>
 #include <memory>
@@ -131,6 +133,13 @@ uint64_t Seed(uint64_t fixed) {
   return seed != nullptr ? std::strtoull(seed, nullptr, 10) : fixed;
 }
 
+// `message` written by a JsonWriter with `indent`, parsed.
+nlohmann::json WrittenJson(const Message& message, int indent) {
+  JsonWriter writer(indent);
+  writer.Message(message);
+  return nlohmann::json::parse(writer.Take());
+}
+
 // Every message of flatshard.proto (status, requests with maps, enums, bytes, oneofs and
 // proto3 optionals), empty and randomly filled, prints as protobuf's printer does.
 TEST(ProtoJsonTest, EveryMessagePrintsAsTheLibrarysPrinter) {
@@ -142,14 +151,16 @@ TEST(ProtoJsonTest, EveryMessagePrintsAsTheLibrarysPrinter) {
     const google::protobuf::Descriptor* descriptor = file.message_type(i);
     const Message* prototype = google::protobuf::MessageFactory::generated_factory()->GetPrototype(descriptor);
     ASSERT_NE(prototype, nullptr) << descriptor->full_name();
-    EXPECT_EQ(ProtoToJson(*prototype), LibraryJson(*prototype)) << descriptor->full_name() << " empty";
+    EXPECT_EQ(WrittenJson(*prototype, -1), LibraryJson(*prototype)) << descriptor->full_name() << " empty";
     for (int round = 0; round < 20; ++round) {
       std::unique_ptr<Message> message(prototype->New());
       filler.Fill(*message, 0);
-      const nlohmann::json ours = ProtoToJson(*message);
       const nlohmann::json library = LibraryJson(*message);
-      EXPECT_EQ(ours, library) << descriptor->full_name() << " round " << round << " (seed " << seed
-                               << ")\nours:    " << ours.dump() << "\nlibrary: " << library.dump();
+      for (const int indent : {-1, 2}) {
+        const nlohmann::json ours = WrittenJson(*message, indent);
+        EXPECT_EQ(ours, library) << descriptor->full_name() << " round " << round << " indent " << indent << " (seed "
+                                 << seed << ")\nours:    " << ours.dump() << "\nlibrary: " << library.dump();
+      }
     }
   }
 }
@@ -165,7 +176,7 @@ TEST(ProtoJsonTest, AStatusKeepsItsNumbersExactly) {
   group->set_load_id(std::numeric_limits<uint64_t>::max());
   group->mutable_reduce_seconds()->add_upper_bounds_seconds(1e-5);
   group->mutable_reduce_seconds()->add_counts(3);
-  const nlohmann::json json = ProtoToJson(status);
+  const nlohmann::json json = WrittenJson(status, -1);
   EXPECT_EQ(json["bytes_received"], "4611686018427387904");
   EXPECT_EQ(json["jobs"][0]["last_grad_norm"], "Infinity");
   EXPECT_EQ(json["groups"][0]["load_id"], "18446744073709551615");
@@ -173,6 +184,59 @@ TEST(ProtoJsonTest, AStatusKeepsItsNumbersExactly) {
   EXPECT_EQ(json["groups"][0]["reduce_seconds"]["counts"], nlohmann::json::array({"3"}));
   EXPECT_EQ(json["groups"][0]["step_contributors"], nlohmann::json::array());
   EXPECT_EQ(json["rank"], 0);
+}
+
+// The layout of the text, as nlohmann's dump(indent) lays it out: one member or element
+// per line, indented per level, ": " after keys, empty objects and arrays as {} and [];
+// with indent -1 no whitespace at all. Fields in declaration order, as protobuf prints.
+TEST(ProtoJsonTest, IndentsAsNlohmannDoesAndWritesCompactTextWithoutSpaces) {
+  v1::StagedLoad load;
+  load.set_name("a \"b\"\n");
+  load.set_bytes(5);
+  load.set_age_seconds(0.25);
+  JsonWriter pretty(2);
+  pretty.BeginObject();
+  pretty.Key("load");
+  pretty.Message(load);
+  pretty.Key("empty");
+  pretty.BeginArray();
+  pretty.EndArray();
+  pretty.Key("list");
+  pretty.BeginArray();
+  pretty.String("x");
+  pretty.BeginObject();
+  pretty.EndObject();
+  pretty.EndArray();
+  pretty.EndObject();
+  EXPECT_EQ(pretty.Take(),
+            "{\n"
+            "  \"load\": {\n"
+            "    \"name\": \"a \\\"b\\\"\\n\",\n"
+            "    \"job\": \"\",\n"
+            "    \"load_id\": \"0\",\n"
+            "    \"bytes\": \"5\",\n"
+            "    \"age_seconds\": 0.25,\n"
+            "    \"expires_in_seconds\": 0\n"
+            "  },\n"
+            "  \"empty\": [],\n"
+            "  \"list\": [\n"
+            "    \"x\",\n"
+            "    {}\n"
+            "  ]\n"
+            "}");
+  JsonWriter compact(-1);
+  compact.Message(load);
+  EXPECT_EQ(compact.Take(),
+            R"({"name":"a \"b\"\n","job":"","load_id":"0","bytes":"5","age_seconds":0.25,"expires_in_seconds":0})");
+}
+
+// Bytes that are not UTF-8 (a server's message may quote any) become U+FFFD, not an
+// exception.
+TEST(ProtoJsonTest, StringsThatAreNotUtf8AreRepaired) {
+  JsonWriter json(-1);
+  json.String(std::string("ok \xff\xfe end"));
+  const nlohmann::json parsed = nlohmann::json::parse(json.Take());
+  EXPECT_EQ(parsed.get<std::string>(), "ok \xef\xbf\xbd\xef\xbf\xbd end");
 }
 
 }  // namespace
