@@ -8,6 +8,7 @@
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "server/checkpoint_writer.h"
+#include "server/json_fields.h"
 #include "server/shard_compute.h"
 
 namespace flatshard::server {
@@ -23,7 +24,8 @@ absl::StatusOr<std::map<std::string, ManifestFile>> ManifestFiles(const Json& ma
     const std::string path = entry.value("path", "");
     const std::string what = absl::StrCat("'", where, "/manifest.json' file '", path, "'");
     ManifestFile file;
-    file.bytes = entry.value("bytes", uint64_t{0});
+    FLATSHARD_ASSIGN_OR_RETURN(const int64_t bytes, NonNegativeInteger(entry, "bytes", 0, what));
+    file.bytes = static_cast<uint64_t>(bytes);
     FLATSHARD_ASSIGN_OR_RETURN(file.extents, ExtentsFromJson(entry.value("extents", Json()), what));
     if (absl::Status tiled = SortAndCheckTiling(file.extents, file.bytes, what); !tiled.ok()) {
       return absl::DataLossError(tiled.message());
@@ -42,16 +44,18 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
   }
   const CheckpointKind kind = *kind_or;
   const bool optimizer = manifest.value("optimizer", false);
-  if (kind == CheckpointKind::kLocal && manifest.value("servers", 0) != num_servers) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint '", name, "' is LOCAL from ", manifest.value("servers", 0), " servers; this cluster has ",
-        num_servers, " (save FULL or SHARDED to change the server count)"));
+  const std::string what = absl::StrCat("checkpoint '", name, "' manifest");
+  FLATSHARD_ASSIGN_OR_RETURN(const int64_t servers, NonNegativeInteger(manifest, "servers", 0, what));
+  if (kind == CheckpointKind::kLocal && servers != num_servers) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' is LOCAL from ", servers,
+                                                      " servers; this cluster has ", num_servers,
+                                                      " (save FULL or SHARDED to change the server count)"));
   }
   // A per-server root's manifest lists only this server's own files.
-  if (manifest.value("root", "") == "per-server" && manifest.value("rank", -1) != rank) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint '", name, "' in this server's root holds server ", manifest.value("rank", -1),
-        "'s part; this server is rank ", rank));
+  FLATSHARD_ASSIGN_OR_RETURN(const int64_t part_rank, NonNegativeInteger(manifest, "rank", -1, what));
+  if (manifest.value("root", "") == "per-server" && part_rank != rank) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' in this server's root holds server ",
+                                                      part_rank, "'s part; this server is rank ", rank));
   }
   const bool split_model = reader.lists("model.safetensors.index.json");
   const bool split_optimizer = reader.lists("optimizer.safetensors.index.json");
@@ -121,11 +125,12 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
     }
     const std::shared_ptr<Group>& group = *group_or;
     const FlatLayout& layout = group->layout();
-    if (spec.at("tensors") != TensorsJson(layout) || spec.value("align", int64_t{-1}) != layout.align()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint '", name, "' group '", group_name, "' does not match the registered group: checkpoint ",
-          spec.at("tensors").dump(), " align ", spec.value("align", int64_t{-1}), "; registered ",
-          TensorsJson(layout).dump(), " align ", layout.align()));
+    const std::string group_what = absl::StrCat("checkpoint '", name, "' group '", group_name, "'");
+    FLATSHARD_ASSIGN_OR_RETURN(const int64_t align, NonNegativeInteger(spec, "align", -1, group_what));
+    if (spec.at("tensors") != TensorsJson(layout) || align != layout.align()) {
+      return absl::FailedPreconditionError(absl::StrCat(group_what, " does not match the registered group: checkpoint ",
+                                                        spec.at("tensors").dump(), " align ", align, "; registered ",
+                                                        TensorsJson(layout).dump(), " align ", layout.align()));
     }
     std::vector<std::string> state_names;
     if (optimizer) {
@@ -138,8 +143,8 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
     }
     // Host buffers that a host-tier group adopts on commit (Group::Restore).
     LoadedShard loaded;
-    loaded.version = spec.value("version", int64_t{0});
-    loaded.optimizer_steps = spec.value("optimizer_steps", int64_t{0});
+    FLATSHARD_ASSIGN_OR_RETURN(loaded.version, NonNegativeInteger(spec, "version", 0, group_what));
+    FLATSHARD_ASSIGN_OR_RETURN(loaded.optimizer_steps, NonNegativeInteger(spec, "optimizer_steps", 0, group_what));
     loaded.momentum_initialized = spec.value("momentum_initialized", false);
     const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
     const std::string what = absl::StrCat("loading group '", group_name, "'");

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -25,6 +26,7 @@
 #include "server/checkpoint_sink.h"
 #include "server/checkpoint_writer.h"
 #include "server/file_extents.h"
+#include "server/json_fields.h"
 
 namespace flatshard::server {
 namespace {
@@ -663,11 +665,19 @@ std::optional<CheckpointInfo> CompleteCheckpoint(const std::string& root, const 
   try {  // nlohmann throws for a manifest of the wrong shape
     info.kind = manifest->value("kind", "");
     info.job = manifest->value("job", "");
-    info.servers = manifest->value("servers", 0);
+    const absl::StatusOr<int64_t> servers = NonNegativeInteger(*manifest, "servers", 0, name);
+    if (!servers.ok() || *servers > std::numeric_limits<int>::max()) return std::nullopt;
+    info.servers = static_cast<int>(*servers);
     info.optimizer = manifest->value("optimizer", false);
-    for (const auto& file : manifest->at("files")) info.bytes += file.value("bytes", int64_t{0});
+    for (const auto& file : manifest->at("files")) {
+      const absl::StatusOr<int64_t> bytes = NonNegativeInteger(file, "bytes", 0, name);
+      if (!bytes.ok()) return std::nullopt;
+      info.bytes += *bytes;
+    }
     for (const auto& group : manifest->at("groups")) {
-      info.versions[group.value("name", "")] = group.value("version", int64_t{0});
+      const absl::StatusOr<int64_t> version = NonNegativeInteger(group, "version", 0, name);
+      if (!version.ok()) return std::nullopt;
+      info.versions[group.value("name", "")] = *version;
     }
   } catch (const Json::exception&) {
     return std::nullopt;

@@ -339,6 +339,12 @@ TEST(CheckpointStoreTest, ManifestsOfTheWrongShapeAreRefusedAndListingSkipsThem)
       {"/files/0/path", 9},                 {"/files/0/bytes", -1},
       {"/files/0/extents", {{1}}},          {"/format", 1},
       {"/root", 0},
+      // Numbers of the right type but not a count: nlohmann would convert them (0.5 to 0,
+      // 1e30 by a conversion C++ leaves undefined) and a group would load at them.
+      {"/groups/0/version", -1},            {"/groups/0/version", 0.5},
+      {"/groups/0/optimizer_steps", 1e30},  {"/groups/0/optimizer_steps", -3},
+      {"/groups/0/align", 2.5},             {"/files/0/bytes", 1e300},
+      {"/servers", -2},
   };
   std::vector<std::string> removed = {"/groups", "/files", "/groups/0/tensors", "/groups/0/name", "/kind"};
   const Values before = cluster.Collect(1);
