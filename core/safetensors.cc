@@ -39,7 +39,6 @@ std::string Serialize(const std::vector<SafetensorsTensor>& tensors,
   return bytes + json;
 }
 
-
 // The header's JSON read as it is parsed (nlohmann's SAX interface), straight into
 // tensors and metadata: a DOM of a header of 100000 tensors cost more to build and free
 // than everything else a load does with it. The first problem is kept and the rest of the
@@ -102,8 +101,7 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
   }
 
   bool key(string_t& key) override {
-    if (failed()) return true;
-    if (skip_ > 0) return true;
+    if (failed() || skip_ > 0) return true;
     if (at_ == At::kTensor) {
       field_ = key == "dtype" ? Field::kDtype
                : key == "shape" ? Field::kShape
@@ -121,7 +119,7 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
     if (at_ == At::kMetadata) {
       at_ = At::kTop;
     } else if (at_ == At::kTensor) {
-      if (!has_dtype_ || !has_shape_ || offsets_ != 2) return Fail(NeedsFields());
+      if (!has_dtype_ || !has_shape_ || offsets_ != 2) return Fail(NeedsFields(tensor_.name));
       absl::StatusOr<int64_t> numel = ShapeNumel(tensor_.shape, tensor_.name);
       // The byte count must not wrap around: 2^61 float64 elements are not 0 bytes.
       const SafetensorsTensor& t = tensor_;
@@ -170,8 +168,8 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
   enum class At { kStart, kTop, kMetadata, kTensor, kEnd };
   enum class Field { kDtype, kShape, kOffsets, kOther };
 
-  std::string NeedsFields() const {
-    return absl::StrCat("tensor '", tensor_.name, "' needs dtype, shape and data_offsets [begin, end]");
+  static std::string NeedsFields(const std::string& name) {
+    return absl::StrCat("tensor '", name, "' needs dtype, shape and data_offsets [begin, end]");
   }
   bool Fail(std::string error) {
     error_ = std::move(error);
@@ -195,7 +193,7 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
       return true;
     }
     if (at_ == At::kTensor && in_array_ && field_ == Field::kOffsets) {
-      if (offsets_ == 2) return Fail(NeedsFields());
+      if (offsets_ == 2) return Fail(NeedsFields(tensor_.name));
       (offsets_++ == 0 ? tensor_.begin : tensor_.end) = value;
       return true;
     }
@@ -217,14 +215,11 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
         if (in_array_ && field_ == Field::kOffsets) {
           return Fail(absl::StrCat("tensor '", tensor_.name, "': bad data_offsets"));
         }
-        return Fail(NeedsFields());
+        return Fail(NeedsFields(tensor_.name));
       case At::kEnd:
         break;
     }
     return Fail("the header is not a JSON object");
-  }
-  static std::string NeedsFields(const std::string& name) {
-    return absl::StrCat("tensor '", name, "' needs dtype, shape and data_offsets [begin, end]");
   }
 
   std::vector<SafetensorsTensor>& tensors_;
