@@ -5,6 +5,7 @@
 //   small-gather latency p50     vs  a gRPC unary call that does no work (p50), and a
 //                                   bare TCP round trip of the same bytes
 //   gather / scatter over TLS    vs  the same over the plain TCP data plane (--tls_data_plane)
+//   status --json of many groups vs  protobuf's JSON printer joined by an nlohmann tree
 // Servers run in this process (the same code as flatshard-server), workers are threads
 // with their own Client, all on 127.0.0.1.
 //
@@ -35,6 +36,8 @@
 #include <tuple>
 #include <vector>
 
+#include <google/protobuf/util/json_util.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
@@ -42,12 +45,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/cluster_status.h"
 #include "core/command_line.h"
 #include "flatshard/await.h"
 #include "flatshard/client.h"
 #include "kernels/kernels.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "server/compute_pool.h"
+#include "server/latency_histogram.h"
 #include "server/server.h"
 #include "server/shard_compute.h"
 #include "tests/test_certificates.h"
@@ -391,6 +396,60 @@ void Latency(int samples) {
   row("small gather (1 KiB), get() vs gRPC no-op", "get", "grpc", "   (target <= 2x)");
   row("small gather, Await vs gRPC no-op", "await", "grpc", "");
   row("small gather, Await vs TCP round trip", "await", "tcp", "");
+}
+
+// `flatshard status --json` of a cluster of many groups, from statuses already fetched
+// (2 servers, `groups` groups each with its two latency histograms counted): the text
+// JsonWriter writes (client/proto_json.h) against the way it was made before, protobuf's
+// printer per server and an nlohmann tree to join them; medians of 3, interleaved.
+void StatusJson(int groups) {
+  std::vector<absl::StatusOr<v1::ServerStatus>> statuses;
+  server::LatencyHistogram histogram;
+  for (int i = 0; i < 40; ++i) histogram.Record(absl::Microseconds(37 * i));
+  for (int rank = 0; rank < 2; ++rank) {
+    v1::ServerStatus status;
+    status.set_rank(rank);
+    for (int g = 0; g < groups; ++g) {
+      v1::GroupStatus* group = status.add_groups();
+      group->set_job("default");
+      group->set_group(absl::StrCat("layer", g));
+      group->set_version(1000 + g);
+      group->set_shard_numel(2080);
+      group->set_optimizer("adamw");
+      histogram.ToProto(group->mutable_reduce_seconds());
+      histogram.ToProto(group->mutable_optimizer_seconds());
+    }
+    statuses.push_back(std::move(status));
+  }
+  const std::vector<std::string> servers = {"127.0.0.1:1", "127.0.0.1:2"};
+  auto library = [&] {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& status : statuses) {
+      std::string text;
+      google::protobuf::util::JsonPrintOptions print;
+      print.always_print_primitive_fields = true;
+      print.preserve_proto_field_names = true;
+      (void)google::protobuf::util::MessageToJsonString(*status, &text, print);
+      out.push_back(nlohmann::json::parse(text));
+    }
+    return nlohmann::json{{"servers", out}}.dump();
+  };
+  size_t bytes = 0;
+  std::vector<double> ours, theirs;
+  for (int run = 0; run < 3; ++run) {
+    absl::Time t0 = absl::Now();
+    bytes = ClusterStatusJson(servers, statuses, -1).size();
+    ours.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+    t0 = absl::Now();
+    (void)library().size();
+    theirs.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+  }
+  const double mb = static_cast<double>(bytes) / 1e6;
+  std::printf("\n%-40s %10s %10s %8s   (2 servers x %d groups, %.1f MB of JSON)\n", "status --json", "MB/s",
+              "protobuf", "ratio", groups, mb);
+  const double ours_s = Percentile(ours, 0.5), theirs_s = Percentile(theirs, 0.5);
+  std::printf("%-40s %10.1f %10.1f %7.2fx\n", "JsonWriter vs protobuf's printer + nlohmann", mb / ours_s,
+              mb / theirs_s, theirs_s / ours_s);
 }
 
 std::string Mib(int64_t bytes) { return absl::StrFormat("%g MiB", static_cast<double>(bytes) / (1 << 20)); }
@@ -766,7 +825,10 @@ int main(int argc, char** argv) {
                   bound / 1e6, adam / bound);
     }
   }
-  if (wanted("latency")) Latency(quick ? 300 : 2000);
+  if (wanted("latency")) {
+    Latency(quick ? 300 : 2000);
+    StatusJson(quick ? 2000 : 20000);
+  }
   if (wanted("checkpoints")) {
     Checkpoints(quick ? (int64_t{64} << 20) : (int64_t{512} << 20));
     ManyGroupCheckpoints(quick ? 1000 : 10000);

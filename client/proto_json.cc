@@ -2,7 +2,7 @@
 
 #include <charconv>
 #include <cmath>
-#include <cstdlib>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
@@ -15,22 +15,20 @@ namespace {
 using google::protobuf::FieldDescriptor;
 using google::protobuf::Reflection;
 
-// A double as JSON: its shortest decimal form that reads back to it, or the string proto3
-// uses for a value JSON has no number for.
-std::string DoubleText(double value) {
-  if (std::isnan(value)) return "\"NaN\"";
-  if (std::isinf(value)) return value > 0 ? "\"Infinity\"" : "\"-Infinity\"";
-  char text[32];
-  const std::to_chars_result written = std::to_chars(text, text + sizeof(text), value);
-  return std::string(text, written.ptr);
-}
-
-// A float likewise: 0.1f is 0.1, not 0.100000001490116.
-std::string FloatText(float value) {
-  if (!std::isfinite(value)) return DoubleText(value);
-  char text[32];
-  const std::to_chars_result written = std::to_chars(text, text + sizeof(text), value);
-  return std::string(text, written.ptr);
+// A double as JSON, appended to `out`: its shortest decimal form that reads back to it,
+// or the string proto3 uses for a value JSON has no number for. A float likewise, from
+// its own shortest form: 0.1f is 0.1, not 0.100000001490116.
+template <typename T>
+void AppendFloating(T value, std::string& out) {
+  if (std::isnan(value)) {
+    out += "\"NaN\"";
+  } else if (std::isinf(value)) {
+    out += value > 0 ? "\"Infinity\"" : "\"-Infinity\"";
+  } else {
+    char text[32];
+    const std::to_chars_result written = std::to_chars(text, text + sizeof(text), value);
+    out.append(text, written.ptr);
+  }
 }
 
 }  // namespace
@@ -80,6 +78,10 @@ void JsonWriter::Key(absl::string_view name) {
 
 void JsonWriter::String(absl::string_view text) {
   BeforeValue();
+  Quoted(text);
+}
+
+void JsonWriter::Quoted(absl::string_view text) {
   // nlohmann's escaping, with bytes that are not UTF-8 replaced rather than thrown over.
   Raw(nlohmann::json(std::string(text)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
 }
@@ -126,45 +128,50 @@ void JsonWriter::Field(const google::protobuf::Message& message, const FieldDesc
 }
 
 // One value of `field`: its only one, or the `index`th of a repeated field (index >= 0).
+// Numbers go straight into the text: a status has millions of them.
 void JsonWriter::Value(const google::protobuf::Message& message, const FieldDescriptor& field, int index) {
   const Reflection& r = *message.GetReflection();
   const bool repeated = index >= 0;
-  auto number = [&](const std::string& text) {
-    BeforeValue();
-    Raw(text);
-  };
+  if (field.cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+    return Message(repeated ? r.GetRepeatedMessage(message, &field, index) : r.GetMessage(message, &field));
+  }
+  BeforeValue();
   switch (field.cpp_type()) {
     case FieldDescriptor::CPPTYPE_INT32:
-      return number(absl::StrCat(repeated ? r.GetRepeatedInt32(message, &field, index) : r.GetInt32(message, &field)));
+      return absl::StrAppend(&out_,
+                             repeated ? r.GetRepeatedInt32(message, &field, index) : r.GetInt32(message, &field));
     case FieldDescriptor::CPPTYPE_UINT32:
-      return number(absl::StrCat(repeated ? r.GetRepeatedUInt32(message, &field, index) : r.GetUInt32(message, &field)));
+      return absl::StrAppend(&out_,
+                             repeated ? r.GetRepeatedUInt32(message, &field, index) : r.GetUInt32(message, &field));
     case FieldDescriptor::CPPTYPE_INT64:  // as strings: a double (JavaScript's number) holds 53 bits
-      return number(absl::StrCat("\"", repeated ? r.GetRepeatedInt64(message, &field, index) : r.GetInt64(message, &field),
-                                 "\""));
+      return absl::StrAppend(
+          &out_, "\"", repeated ? r.GetRepeatedInt64(message, &field, index) : r.GetInt64(message, &field), "\"");
     case FieldDescriptor::CPPTYPE_UINT64:
-      return number(absl::StrCat(
-          "\"", repeated ? r.GetRepeatedUInt64(message, &field, index) : r.GetUInt64(message, &field), "\""));
+      return absl::StrAppend(
+          &out_, "\"", repeated ? r.GetRepeatedUInt64(message, &field, index) : r.GetUInt64(message, &field), "\"");
     case FieldDescriptor::CPPTYPE_DOUBLE:
-      return number(DoubleText(repeated ? r.GetRepeatedDouble(message, &field, index) : r.GetDouble(message, &field)));
+      return AppendFloating(repeated ? r.GetRepeatedDouble(message, &field, index) : r.GetDouble(message, &field),
+                            out_);
     case FieldDescriptor::CPPTYPE_FLOAT:
-      return number(FloatText(repeated ? r.GetRepeatedFloat(message, &field, index) : r.GetFloat(message, &field)));
+      return AppendFloating(repeated ? r.GetRepeatedFloat(message, &field, index) : r.GetFloat(message, &field),
+                            out_);
     case FieldDescriptor::CPPTYPE_BOOL:
-      return number((repeated ? r.GetRepeatedBool(message, &field, index) : r.GetBool(message, &field)) ? "true"
-                                                                                                      : "false");
+      return Raw((repeated ? r.GetRepeatedBool(message, &field, index) : r.GetBool(message, &field)) ? "true"
+                                                                                                   : "false");
     case FieldDescriptor::CPPTYPE_ENUM: {
       const int value = repeated ? r.GetRepeatedEnumValue(message, &field, index) : r.GetEnumValue(message, &field);
       const google::protobuf::EnumValueDescriptor* named = field.enum_type()->FindValueByNumber(value);
-      if (named == nullptr) return number(absl::StrCat(value));  // a value this build does not know
-      return String(named->name());
+      if (named == nullptr) return absl::StrAppend(&out_, value);  // a value this build does not know
+      return Quoted(named->name());
     }
     case FieldDescriptor::CPPTYPE_STRING: {
       std::string scratch;
       const std::string& text = repeated ? r.GetRepeatedStringReference(message, &field, index, &scratch)
                                          : r.GetStringReference(message, &field, &scratch);
-      return String(field.type() == FieldDescriptor::TYPE_BYTES ? absl::Base64Escape(text) : text);
+      return Quoted(field.type() == FieldDescriptor::TYPE_BYTES ? absl::Base64Escape(text) : text);
     }
     case FieldDescriptor::CPPTYPE_MESSAGE:
-      return Message(repeated ? r.GetRepeatedMessage(message, &field, index) : r.GetMessage(message, &field));
+      break;  // above
   }
 }
 
