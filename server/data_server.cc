@@ -207,7 +207,7 @@ void DataServer::CountError(const Request* request, const absl::Status& status) 
   const spdlog::level::level_enum level = WorthAWarning(status.code()) ? spdlog::level::warn : spdlog::level::debug;
   std::optional<int64_t> held_back = 0;
   if (level == spdlog::level::warn) {
-    held_back = warnings_.Admit(absl::StrCat(request == nullptr ? "connection" : transport::DataOpName(request->op),
+    held_back = stats_.warnings.Admit(absl::StrCat(request == nullptr ? "connection" : transport::DataOpName(request->op),
                                              " ", absl::StatusCodeToString(status.code())));
   }
   if (!held_back.has_value() || !spdlog::should_log(level)) return;

@@ -39,7 +39,6 @@
 #include "absl/time/time.h"
 #include "server/auth.h"
 #include "server/ipc_plane.h"
-#include "server/log_throttle.h"
 #include "server/nccl_plane.h"
 #include "server/registry.h"
 #include "server/stats.h"
@@ -102,7 +101,7 @@ class DataServer {
   bool ServeIpc(transport::Connection& conn, const transport::Request& request);
   bool ServeNccl(transport::Connection& conn, const transport::Request& request);
   // Counts a request answered with an error (ServerStats::errors) and logs it
-  // (server/log.h WorthAWarning; warnings through warnings_, per op and code); `request` is
+  // (server/log.h WorthAWarning; warnings through ServerStats::warnings, per op and code); `request` is
   // null for a connection refused or closed before its first request.
   void CountError(const transport::Request* request, const absl::Status& status);
   // Refuses a request whose payload is still on the wire: drains it when small enough.
@@ -127,7 +126,6 @@ class DataServer {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, transport::Connection*> connections_ ABSL_GUARDED_BY(mu_);
   std::set<uint64_t> awaiting_hello_ ABSL_GUARDED_BY(mu_);  // ids, oldest first
-  LogThrottle warnings_;
 };
 
 }  // namespace flatshard::server

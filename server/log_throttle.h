@@ -3,8 +3,10 @@
 // time (every line is written at once). Each kind of line, as the caller names it ("rpc
 // /flatshard.v1.Flatshard/GetStatus UNAUTHENTICATED"), gets at most `burst` lines per
 // `period`; the lines past that are held back and counted, and the next line of that kind
-// let through says how many were. The error counters (ServerStats::errors, rpc_errors)
-// still count every refusal.
+// let through says how many were. Lines held back with none of their kind after them
+// (the flood stopped) are said by TakeHeldBack's caller once their period has ended
+// (Server, every period and at shutdown). The error counters (ServerStats::errors,
+// rpc_errors) still count every refusal.
 // Kinds come from small fixed sets (methods x codes, data ops x codes): one entry is kept
 // per kind for the life of the server. Thread-safe.
 //
@@ -17,6 +19,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
@@ -40,6 +44,11 @@ class LogThrottle {
   // What a line let through adds about the lines held back before it: "" for none, else
   // " (N more like it held back since the last such line)".
   static std::string HeldBack(int64_t count);
+
+  // The kinds whose period ended by `now` with lines held back, and how many, sorted by
+  // kind; those counts start again from 0 (the next line let through says none). With
+  // absl::InfiniteFuture(), every kind with lines held back.
+  std::vector<std::pair<std::string, int64_t>> TakeHeldBack(absl::Time now);
 
  private:
   struct Window {

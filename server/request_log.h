@@ -5,11 +5,11 @@
 // peer (with mutual TLS, also the names its client certificate gives), code and time; at
 // warning the refusals WorthAWarning picks, whatever the level, at most LogThrottle's
 // burst per method and code every period (a fleet retrying with a wrong token).
-// Thread-safe: one interceptor per call; `latencies` and `errors` must outlive the gRPC
-// server.
+// Thread-safe: one interceptor per call; `latencies`, `errors` and `warnings` must outlive
+// the gRPC server.
 //
 //   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-//   creators.push_back(std::make_unique<RequestLogFactory>(stats.rpcs, stats.rpc_errors));
+//   creators.push_back(std::make_unique<RequestLogFactory>(stats.rpcs, stats.rpc_errors, stats.warnings));
 //   builder.experimental().SetInterceptorCreators(std::move(creators));
 #ifndef FLATSHARD_SERVER_REQUEST_LOG_H_
 #define FLATSHARD_SERVER_REQUEST_LOG_H_
@@ -24,13 +24,14 @@ namespace flatshard::server {
 
 class RequestLogFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  RequestLogFactory(NamedLatencies& latencies, RpcErrorCounts& errors) : latencies_(latencies), errors_(errors) {}
+  RequestLogFactory(NamedLatencies& latencies, RpcErrorCounts& errors, LogThrottle& warnings)
+      : latencies_(latencies), errors_(errors), warnings_(warnings) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override;
 
  private:
   NamedLatencies& latencies_;
   RpcErrorCounts& errors_;
-  LogThrottle warnings_;  // the calls' interceptors share it
+  LogThrottle& warnings_;
 };
 
 }  // namespace flatshard::server

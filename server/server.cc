@@ -199,7 +199,7 @@ absl::Status Server::Start() {
   builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls, tls_files_->get()), &control_port_);
   builder.RegisterService(service_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs, stats_.rpc_errors));
+  interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs, stats_.rpc_errors, stats_.warnings));
   interceptors.push_back(calls_.Interceptors());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(16 << 20);
@@ -216,7 +216,16 @@ absl::Status Server::Start() {
   }
   grpc_server_->GetHealthCheckService()->SetServingStatus(v1::Flatshard::service_full_name(), true);
   cluster_check_thread_ = std::thread([this] { CheckCluster(); });
+  held_back_thread_ = std::thread([this] {
+    while (!stopping_.WaitForNotificationWithTimeout(LogThrottle::kPeriod)) LogHeldBack(absl::Now());
+  });
   return absl::OkStatus();
+}
+
+void Server::LogHeldBack(absl::Time now) {
+  for (const auto& [kind, count] : stats_.warnings.TakeHeldBack(now)) {
+    spdlog::warn("held back: {} more warnings of '{}' after the last one logged, and none since", count, kind);
+  }
 }
 
 void Server::CheckCluster() {
@@ -264,6 +273,7 @@ std::string Server::ReloadTls() {
 void Server::Shutdown() {
   if (!stopping_.HasBeenNotified()) stopping_.Notify();
   if (cluster_check_thread_.joinable()) cluster_check_thread_.join();
+  if (held_back_thread_.joinable()) held_back_thread_.join();
   metrics_.reset();  // waits for scrapes in progress
   const absl::Status stopping = absl::UnavailableError(absl::StrCat("server ", options_.rank, " is shutting down"));
   if (grpc_server_) {  // no call starts from now on, and health checks answer NOT_SERVING
@@ -287,6 +297,7 @@ void Server::Shutdown() {
   }
   if (data_) data_->Stop();
   driver_.Stop();  // a send to a hung peer would hold up the destructor
+  LogHeldBack(absl::InfiniteFuture());  // no request is refused from here on
 }
 
 }  // namespace flatshard::server

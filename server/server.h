@@ -136,6 +136,10 @@ class Server {
   // answered once (or Shutdown).
   void CheckCluster();
   std::thread cluster_check_thread_;
+  // Says the warnings held back with none of their kind since (LogThrottle), every period
+  // and at Shutdown.
+  void LogHeldBack(absl::Time now);
+  std::thread held_back_thread_;
   absl::Notification stopping_;
   mutable absl::Mutex check_mu_;
   std::string cluster_check_ ABSL_GUARDED_BY(check_mu_) = "checking";

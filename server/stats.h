@@ -1,6 +1,6 @@
 // Traffic counters and request latencies of one server, updated lock-free by the data
-// plane (and the RPC interceptor, server/request_log.h) and read by the status RPC.
-// Thread-safe.
+// plane (and the RPC interceptor, server/request_log.h) and read by the status RPC; and
+// the throttle their warnings share. Thread-safe.
 #ifndef FLATSHARD_SERVER_STATS_H_
 #define FLATSHARD_SERVER_STATS_H_
 
@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "server/latency_histogram.h"
+#include "server/log_throttle.h"
 #include "server/rpc_errors.h"
 
 namespace flatshard::server {
@@ -31,6 +32,9 @@ struct ServerStats {
   NamedLatencies data_requests;
   NamedLatencies rpcs;
   RpcErrorCounts rpc_errors;  // the RPCs of `rpcs` that ended with an error
+  // The warnings of refused requests, control and data plane, at most a burst of each kind
+  // per period (server/log.h WorthAWarning).
+  LogThrottle warnings;
 };
 
 }  // namespace flatshard::server

@@ -129,6 +129,16 @@ TEST(LogTest, AFloodOfRefusalsLogsABurstOfEachKind) {
             server::LogThrottle::kBurst)
       << log;
   EXPECT_EQ(lines_with("warning: data plane: UNAUTHENTICATED"), server::LogThrottle::kBurst) << log;
+  // No refusal came after the flood: the server says what it held back when it stops.
+  const int held_back = kRefusals - server::LogThrottle::kBurst;
+  EXPECT_EQ(lines_with(absl::StrCat("warning: held back: ", held_back, " more warnings of 'rpc "
+                                    "/flatshard.v1.Flatshard/GetStatus UNAUTHENTICATED' after the last one logged")),
+            1)
+      << log;
+  EXPECT_EQ(lines_with(absl::StrCat("warning: held back: ", held_back, " more warnings of 'connection UNAUTHENTICATED'")),
+            1)
+      << log;
+  EXPECT_EQ(lines_with("held back:"), 2) << log;
 }
 
 }  // namespace
