@@ -224,7 +224,7 @@ absl::Status Server::Start() {
 
 void Server::LogHeldBack(absl::Time now) {
   for (const auto& [kind, count] : stats_.warnings.TakeHeldBack(now)) {
-    spdlog::warn("held back: {} more warnings of '{}' after the last one logged, and none since", count, kind);
+    spdlog::warn("held back: {} more warnings of '{}' after the last one logged", count, kind);
   }
 }
 
