@@ -1,7 +1,8 @@
 // DirectorySink refuses what a peer's WriteCheckpointPart stream may carry and a save never
 // writes: names outside one path component, sizes no file can have, writes past a file's
 // size, writes and closes of a file that is not open. Each is InvalidArgument naming the
-// file, and nothing is created for a refused name or size.
+// file, and nothing is created for a refused name or size. The extents it records join
+// contiguous writes up to their bound, each with the checksum of the bytes on disk.
 #include "server/checkpoint_sink.h"
 
 #include <gmock/gmock.h>
