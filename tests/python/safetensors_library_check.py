@@ -30,13 +30,14 @@ STEPS = 3
 
 
 def make(out_dir):
+    import checked_cluster
     import flatshard
 
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as root:
         # 400 bytes per file: the FULL save splits into several files with an index.
-        with flatshard.LocalCluster(servers=3, checkpoint_root=root,
-                                    server_args=["--max_file_size=400"]) as cluster:
+        with checked_cluster.LocalCluster(servers=3, checkpoint_root=root,
+                                          server_args=["--max_file_size=400"]) as cluster:
             client = flatshard.Client(cluster.addresses, token=cluster.token, job="st")
             client.configure_job()
             client.register_group("g", TENSORS, flatshard.AdamW(lr=1e-2, weight_decay=0.1))

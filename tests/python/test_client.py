@@ -15,6 +15,7 @@ import unittest
 import numpy as np
 import torch
 
+import checked_cluster
 import flatshard
 from safetensors_reader import read_safetensors
 
@@ -34,7 +35,8 @@ class ClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.root = tempfile.TemporaryDirectory()
-        cls.cluster = flatshard.LocalCluster(servers=3, checkpoint_root=cls.root.name, memory=MEMORY).start()
+        cls.cluster = checked_cluster.LocalCluster(servers=3, checkpoint_root=cls.root.name,
+                                                   memory=MEMORY).start()
 
     @classmethod
     def tearDownClass(cls):
@@ -213,7 +215,8 @@ class ClientTest(unittest.TestCase):
         c.save_checkpoint("py-ckpt", kind="sharded", optimizer=True)
         names = [e["name"] for e in c.list_checkpoints() if e["complete"]]
         self.assertIn("py-ckpt", names)
-        with flatshard.LocalCluster(servers=2, checkpoint_root=self.root.name, memory=MEMORY) as other:
+        with checked_cluster.LocalCluster(servers=2, checkpoint_root=self.root.name,
+                                          memory=MEMORY) as other:
             d = flatshard.Client(other.addresses, token=other.token, job="ckpt")
             d.configure_job()
             d.register_group("g", TENSORS, flatshard.AdamW(lr=1e-2))
@@ -522,7 +525,7 @@ class ClientTest(unittest.TestCase):
 
 class ErrorTest(unittest.TestCase):
     def setUp(self):
-        self.cluster = flatshard.LocalCluster(servers=2, memory=MEMORY).start()
+        self.cluster = checked_cluster.LocalCluster(servers=2, memory=MEMORY).start()
         self.c = flatshard.Client(self.cluster.addresses, token=self.cluster.token, timeout=2.0)
         self.c.configure_job()
         self.c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
@@ -579,8 +582,8 @@ class LocalClusterTest(unittest.TestCase):
     def test_server_log_levels_that_keep_the_start_up_line(self):
         for hiding in (["--log_level=warning"], ["--log_level=error"], ["--log_file=/tmp/x.log"]):
             with self.assertRaises(ValueError):
-                flatshard.LocalCluster(servers=1, server_args=hiding)
-        with flatshard.LocalCluster(servers=1, server_args=["--log_level=debug"]) as cluster:
+                checked_cluster.LocalCluster(servers=1, server_args=hiding)
+        with checked_cluster.LocalCluster(servers=1, server_args=["--log_level=debug"]) as cluster:
             flatshard.Client(cluster.addresses, token=cluster.token).configure_job()
             deadline = time.monotonic() + 10
             while "ConfigureJob" not in cluster.server_log(0) and time.monotonic() < deadline:
@@ -606,7 +609,7 @@ class LocalClusterTest(unittest.TestCase):
 
         local_cluster._free_ports = first_pick_taken
         try:
-            with flatshard.LocalCluster(servers=2) as cluster:
+            with checked_cluster.LocalCluster(servers=2) as cluster:
                 self.assertEqual(len(picks), 2)
                 self.assertEqual(cluster.addresses[0], f"127.0.0.1:{picks[1][0]}")
                 c = flatshard.Client(cluster.addresses, token=cluster.token, timeout=5.0)
@@ -639,7 +642,7 @@ class TlsTest(unittest.TestCase):
         run("x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
             "-CAcreateserial", "-days", "2", "-out", "client.pem")
         self.ca = os.path.join(self.dir.name, "ca.pem")
-        self.cluster = flatshard.LocalCluster(servers=2, server_args=[
+        self.cluster = checked_cluster.LocalCluster(servers=2, server_args=[
             f"--tls_cert_file={self.dir.name}/server.pem", f"--tls_key_file={self.dir.name}/server.key",
             f"--tls_ca_file={self.ca}"]).start()
 
@@ -676,7 +679,7 @@ class TlsTest(unittest.TestCase):
     def test_mutual_tls(self):
         import flatshard.torch
         d = self.dir.name
-        with flatshard.LocalCluster(servers=2, server_args=[
+        with checked_cluster.LocalCluster(servers=2, server_args=[
                 f"--tls_cert_file={d}/server.pem", f"--tls_key_file={d}/server.key",
                 f"--tls_ca_file={self.ca}", f"--tls_client_ca_file={self.ca}",
                 "--tls_data_plane"]) as cluster:

@@ -7,6 +7,7 @@ import unittest
 import numpy as np
 import torch
 
+import checked_cluster
 import flatshard
 
 # 1 MiB and more, and sizes that do not divide evenly over 2 servers.
@@ -17,7 +18,7 @@ TENSORS = [("w", (513, 511), "float32"), ("b", (7,), "float32")]
 class CudaTensorTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.cluster = flatshard.LocalCluster(servers=2, memory="device").start()
+        cls.cluster = checked_cluster.LocalCluster(servers=2, memory="device").start()
 
     @classmethod
     def tearDownClass(cls):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import checked_cluster
 import flatshard
 import parity_worker
 from models import make_data, make_model
@@ -108,7 +109,7 @@ class ParityTest(unittest.TestCase):
             job["replicas"] = replicas
         if poison_step is not None:
             job["skip_nonfinite"] = True
-        with flatshard.LocalCluster(servers=servers, memory=memory) as cluster:
+        with checked_cluster.LocalCluster(servers=servers, memory=memory) as cluster:
             losses, state, groups, norms, scales = train_flatshard(
                 cluster, kind, optimizer, steps, job, device=device, micro_batches=micro_batches,
                 lr_schedule=lr_schedule, poison_step=poison_step, grad_scaler=grad_scaler)
@@ -271,7 +272,7 @@ def one_worker_mlp_on(cluster, job):
 @contextlib.contextmanager
 def one_worker_mlp(job):
     """one_worker_mlp_on a cluster of 2 servers of its own."""
-    with flatshard.LocalCluster(servers=2, memory=MEMORY) as cluster:
+    with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
         yield one_worker_mlp_on(cluster, job)
 
 
@@ -388,7 +389,7 @@ class MisuseAndRecoveryTest(unittest.TestCase):
         self.assert_matches_sgd(state, steps=1)
 
     def test_ctrl_c_in_a_step_cancels_its_scatters_and_the_retry_completes_it(self):
-        with flatshard.LocalCluster(servers=2, memory=MEMORY) as cluster:
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
             client, model = one_worker_mlp_on(cluster, "interrupted")
             self.assertGreater(len(model.groups), 1)
             x, y = make_data("mlp")
@@ -422,7 +423,7 @@ class MisuseAndRecoveryTest(unittest.TestCase):
     def test_a_load_during_training_moves_the_module_to_the_loaded_version(self):
         import flatshard.torch
         with tempfile.TemporaryDirectory() as root, \
-                flatshard.LocalCluster(servers=2, checkpoint_root=root, memory=MEMORY) as cluster:
+                checked_cluster.LocalCluster(servers=2, checkpoint_root=root, memory=MEMORY) as cluster:
             clients = [flatshard.Client(cluster.addresses, worker_rank=r, num_workers=2, token=cluster.token,
                                         job="reload") for r in range(2)]
             clients[0].configure_job()
@@ -556,7 +557,7 @@ class GradScalerPolicyTest(unittest.TestCase):
 
 class MixedPrecisionAndExportTest(unittest.TestCase):
     def test_bf16_params_fp32_reduce_converges_and_gathers_exact_casts(self):
-        with flatshard.LocalCluster(servers=3, memory=MEMORY) as cluster:
+        with checked_cluster.LocalCluster(servers=3, memory=MEMORY) as cluster:
             losses, _, groups, _, _ = train_flatshard(cluster, "mlp", flatshard.Adam(lr=1e-2), 30,
                                                       param_dtype=torch.bfloat16)
             self.assertLess(losses[-1], 0.5 * losses[0], losses)
@@ -574,7 +575,7 @@ class MixedPrecisionAndExportTest(unittest.TestCase):
 
     def test_bf16_params_keep_an_fp32_master_initialized_at_full_precision(self):
         import flatshard.torch
-        with flatshard.LocalCluster(servers=2, memory=MEMORY) as cluster:
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
             client = flatshard.Client(cluster.addresses, token=cluster.token, job="master")
             client.configure_job()
             original = make_model("mlp").state_dict()
@@ -586,7 +587,7 @@ class MixedPrecisionAndExportTest(unittest.TestCase):
             self.assertTrue(torch.equal(state[name], value), name)  # not bf16-rounded
 
     def test_full_export_loads_into_torch_and_reproduces_outputs(self):
-        with flatshard.LocalCluster(servers=3, memory=MEMORY) as cluster, tempfile.TemporaryDirectory() as out:
+        with checked_cluster.LocalCluster(servers=3, memory=MEMORY) as cluster, tempfile.TemporaryDirectory() as out:
             state = train_flatshard(cluster, "transformer", flatshard.AdamW(lr=5e-3), 5).state
             client = flatshard.Client(cluster.addresses, worker_rank=0, num_workers=2,
                                       token=cluster.token, job="parity")
