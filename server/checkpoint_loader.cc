@@ -10,6 +10,7 @@
 #include "server/checkpoint_writer.h"
 #include "server/json_fields.h"
 #include "server/shard_compute.h"
+#include "server/sharded_index.h"
 
 namespace flatshard::server {
 
@@ -90,27 +91,11 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
     return (*map)[tensor].get<std::string>();
   };
 
-  // SHARDED: where every stored piece lives, from the checkpoint's index.json:
-  // "<group>/<fqn>[.<state>]" -> [[first element, numel, file, byte offset], ...].
-  struct StoredPiece {
-    std::string file;
-    int64_t intra_start;
-    int64_t numel;
-    uint64_t offset;
-  };
-  std::map<std::string, std::vector<StoredPiece>> stored;
+  // SHARDED: where every stored piece lives, from the checkpoint's index.json.
+  ShardedIndex stored;
   if (kind == CheckpointKind::kSharded) {
-    FLATSHARD_ASSIGN_OR_RETURN(const Json* index, read_json("index.json"));
-    try {
-      for (const auto& [key, pieces] : index->at("pieces").items()) {
-        for (const Json& piece : pieces) {
-          stored[key].push_back({piece.at(2).get<std::string>(), piece.at(0).get<int64_t>(),
-                                 piece.at(1).get<int64_t>(), piece.at(3).get<uint64_t>()});
-        }
-      }
-    } catch (const Json::exception& error) {
-      return absl::DataLossError(absl::StrCat("'", reader.path("index.json"), "' is malformed: ", error.what()));
-    }
+    FLATSHARD_ASSIGN_OR_RETURN(const std::string text, reader.ReadWhole("index.json"));
+    FLATSHARD_ASSIGN_OR_RETURN(stored, ParseShardedIndex(text, reader.path("index.json")));
   }
 
   std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>> staged;

@@ -16,17 +16,16 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/file.h"
-#include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "server/checkpoint_reader.h"
 #include "server/checkpoint_sink.h"
 #include "server/checkpoint_writer.h"
 #include "server/file_extents.h"
 #include "server/json_fields.h"
+#include "server/sharded_index.h"
 
 namespace flatshard::server {
 namespace {
@@ -630,21 +629,9 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
   if (manifest.value("kind", "") == "sharded") {
     // One index of where every piece of every tensor lives, so that a loading server
     // reads only this file and the pieces it needs.
-    Json pieces = Json::object();
-    for (const auto& [file, extents] : files) {
-      FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Read(dir + "/" + file));
-      for (const SafetensorsTensor& t : header.tensors()) {
-        const size_t at = t.name.rfind('@');
-        const size_t dot = t.name.find('.', at);
-        int64_t start = 0;
-        if (at == std::string::npos || !absl::SimpleAtoi(t.name.substr(at + 1, dot - at - 1), &start)) {
-          return absl::DataLossError(absl::StrCat("'", dir, "/", file, "' has an unexpected tensor '", t.name, "'"));
-        }
-        const std::string key = t.name.substr(0, at) + (dot == std::string::npos ? "" : t.name.substr(dot));
-        pieces[key].push_back({start, (t.end - t.begin) / sizeof(float), file, header.data_start() + t.begin});
-      }
-    }
-    const std::string index = Json{{"pieces", pieces}}.dump(1);
+    std::vector<std::string> shard_files;
+    for (const auto& entry : files) shard_files.push_back(entry.first);
+    FLATSHARD_ASSIGN_OR_RETURN(const std::string index, ShardedIndexJson(dir, shard_files));
     FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(dir + "/index.json", index));
     const absl::Span<const std::byte> index_bytes(reinterpret_cast<const std::byte*>(index.data()), index.size());
     files["index.json"] = {{0, index.size(), Xxh3(index_bytes)}};

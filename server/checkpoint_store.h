@@ -9,8 +9,9 @@
 //    files in parallel; padding is never written. Loads into any number of servers.
 //  - SHARDED: shard-<rank>.safetensors per server with the pieces of the original tensors
 //    it owns, in fp32, named "<group>/<fqn>@<first element>" (+ ".<state>"), and
-//    index.json saying where every piece of every tensor lives. A server loading it reads
-//    the index and only the pieces that overlap its new shard: any server count.
+//    index.json (server/sharded_index.h) saying where every piece of every tensor lives.
+//    A server loading it reads the index and only the pieces that overlap its new shard:
+//    any server count.
 //  - LOCAL: local-<rank>.safetensors with each group's flat shard and optimizer state as
 //    they are; loads only into the same server count and layout.
 // Hybrid-sharded jobs (server/job.h): every replica group holds the same shards, so
