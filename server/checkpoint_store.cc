@@ -59,6 +59,20 @@ std::string BeingSaved(const std::string& name, int rank) {
 // save, servers, sizes or versions are wanted (a listing, a commit's checks).
 constexpr absl::string_view kBulkKeys[] = {"extents", "tensors"};
 
+// Every part carries the digest of its group specs under this key; the specs themselves
+// only server 0's part (for the manifest) and LOCAL parts (with a root per server, each
+// is committed alone). Parts agree on their specs iff the digests agree, so a commit
+// reads one copy of what is MBs for a model of many groups, whatever the server count.
+constexpr char kGroupsDigest[] = "groups_xxh3";
+
+// The digest of `part`'s group specs (as nlohmann writes them: keys sorted, so equal
+// specs give equal text); that of "" for a part without any.
+std::string GroupsDigest(const Json& part) {
+  const std::string specs = part.contains("groups") ? part.at("groups").dump() : "";
+  return absl::StrFormat("%016x", Xxh3(absl::MakeConstSpan(reinterpret_cast<const std::byte*>(specs.data()),
+                                                          specs.size())));
+}
+
 // `path` as JSON; with `skip`, the values of those keys (at any depth) are left out.
 absl::StatusOr<Json> ReadJson(const std::string& path, absl::Span<const absl::string_view> skip = {}) {
   FLATSHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
@@ -449,6 +463,8 @@ absl::Status CheckpointStore::FinishPart(const std::string& name, const std::str
   for (const auto& [file, file_extents] : sink.extents()) extents[file] = ExtentsToJson(file_extents);
   part["rank"] = rank;
   part["extents"] = extents;
+  part[kGroupsDigest] = GroupsDigest(part);
+  if (rank != 0 && part.value("kind", Json("")) != "local") part.erase("groups");
   FLATSHARD_RETURN_IF_ERROR(
       WriteFileAtomically(absl::StrCat(SaveDir(name, save_id), "/part-", rank, ".json"), part.dump(1)));
   RemoveIfAbandoned(name, save_id);  // another part failed before this one was done
@@ -520,6 +536,15 @@ absl::Status WriteManifest(const std::string& root, const std::string& dir, cons
   }
   std::error_code ignored;  // what a failing writer leaves is not listed beside the checkpoint
   fs::remove_all(fs::path(dir).parent_path(), ignored);
+  // The parts' descriptions have done their work: the checkpoint is its manifest and files.
+  std::vector<fs::path> bookkeeping;
+  for (const auto& entry : fs::directory_iterator(final_dir, ignored)) {
+    const std::string base = entry.path().filename().string();
+    if ((absl::StartsWith(base, "part-") && absl::EndsWith(base, ".json")) || base == "commit.lock") {
+      bookkeeping.push_back(entry.path());
+    }
+  }
+  for (const fs::path& path : bookkeeping) fs::remove(path, ignored);
   FLATSHARD_RETURN_IF_ERROR(SyncDirectory(root));
   spdlog::info("checkpoint '{}' committed: {} ({} of job '{}'), files {}", name, final_dir, manifest.value("kind", "?"),
                manifest.value("job", "?"), file_list.size());
@@ -602,11 +627,13 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
       FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*own, absl::StrCat("checkpoint '", name, "' part ", rank_), files));
       own->erase("files");
       own->erase("extents");
+      own->erase(kGroupsDigest);
       (*own)["root"] = "per-server";  // holds only this server's files; loads read no others
       return WriteManifest(root_, dir, final_dir, name, *std::move(own), files);
     }
   }
   Json manifest;
+  std::optional<Json> groups;  // server 0's group specs
   std::map<std::string, std::vector<FileExtent>> files;
   for (int rank = 0; rank < parts; ++rank) {
     absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
@@ -620,12 +647,23 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
     part->erase("files");
     part->erase("extents");
     if (rank == 0) {
-      manifest = *part;
-    } else if (*part != manifest) {
+      if (GroupsDigest(*part) != part->value(kGroupsDigest, std::string())) {
+        return absl::DataLossError(
+            absl::StrCat("checkpoint '", name, "': server 0's part holds group specs that do not match its digest"));
+      }
+      if (part->contains("groups")) groups = std::move(part->at("groups"));
+      part->erase("groups");
+      manifest = *std::move(part);
+      continue;
+    }
+    part->erase("groups");  // a LOCAL part's own copy, which its digest stands for
+    if (*part != manifest) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint '", name, "': server ", rank, "'s part disagrees with server 0's (versions, layouts or settings)"));
     }
   }
+  manifest.erase(kGroupsDigest);
+  if (groups.has_value()) manifest["groups"] = *std::move(groups);
   if (manifest.value("kind", "") == "sharded") {
     // One index of where every piece of every tensor lives, so that a loading server
     // reads only this file and the pieces it needs.

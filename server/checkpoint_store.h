@@ -24,10 +24,11 @@
 // Atomicity: each save of a checkpoint is written into a directory of its own,
 // "<root>/.<name>.partial/<save id>/"; every server leaves a part-<rank>.json there with
 // the extents it wrote (offset, length, XXH3 of each run of contiguous writes of at most
-// 4 MiB; server/file_extents.h);
-// Commit (on one server, after all have saved) checks the parts and that the extents tile
-// every file, writes manifest.json last (fsync + rename) and renames the directory to
-// "<root>/<name>". A crash at any point leaves earlier checkpoints intact and the partial
+// 4 MiB; server/file_extents.h), the save's settings and a digest of its group specs
+// (the specs themselves in server 0's part, and in LOCAL parts).
+// Commit (on one server, after all have saved) checks that the parts agree and that the
+// extents tile every file, writes manifest.json last (fsync + rename), renames the
+// directory to "<root>/<name>" and removes the parts from it. A crash at any point leaves earlier checkpoints intact and the partial
 // one listed as incomplete. A server that fails to write its part leaves
 // failed-<rank>.json instead (AbandonPart), and the last server to finish its part
 // removes the save's directory, so a failed save (a full disk) leaves nothing; so does

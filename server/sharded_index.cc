@@ -72,7 +72,8 @@ absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::
     text += "\n}}\n";
     return text;
   } catch (const Json::exception& error) {  // a name that is not UTF-8
-    return absl::DataLossError(absl::StrCat("the shards in '", dir, "' name a tensor JSON cannot hold: ", error.what()));
+    return absl::DataLossError(
+        absl::StrCat("the shards in '", dir, "' name a tensor JSON cannot hold: ", error.what()));
   }
 }
 

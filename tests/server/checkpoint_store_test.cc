@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/file.h"
@@ -421,6 +422,54 @@ TEST(CheckpointStoreTest, PartDescriptionsOfTheWrongShapeAreRefused) {
     EXPECT_TRUE(absl::IsDataLoss(committed) || absl::IsFailedPrecondition(committed)) << part << ": " << committed;
     EXPECT_THAT(std::string(committed.message()), HasSubstr("torn"));
   }
+}
+
+// Server 0's part holds the group specs, the others only their digest. A commit refuses
+// parts whose specs disagree (servers that saved other versions) or whose specs do not
+// match their digest (damage), and leaves no part in the checkpoint it commits.
+TEST(CheckpointStoreTest, PartsAgreeOnTheirGroupSpecsByDigestAndGoAtCommit) {
+  const std::string root = FreshRoot();
+  FakeCluster cluster(2, root);
+  const std::map<std::string, int64_t> at0 = {{"emb", 0}, {"tiny", 0}, {"half", 0}};
+  const std::map<std::string, int64_t> at1 = {{"emb", 1}, {"tiny", 1}, {"half", 1}};
+  auto part = [&](const std::string& name, int rank) {
+    const std::string path = absl::StrCat(root, "/.", name, ".partial/unnamed/part-", rank, ".json");
+    return nlohmann::json::parse(*ReadFileToString(path));
+  };
+  ASSERT_TRUE(cluster.store(0).Save("x", CheckpointKind::kSharded, true, "job", at0, absl::InfiniteFuture()).ok());
+  cluster.Step(0);
+  ASSERT_TRUE(cluster.store(1).Save("x", CheckpointKind::kSharded, true, "job", at1, absl::InfiniteFuture()).ok());
+  EXPECT_EQ(part("x", 0).at("groups").size(), 3u);
+  EXPECT_FALSE(part("x", 1).contains("groups"));
+  const absl::Status mixed = cluster.store(0).Commit("x");
+  EXPECT_TRUE(absl::IsFailedPrecondition(mixed)) << mixed;
+  EXPECT_THAT(std::string(mixed.message()), HasSubstr("server 1's part disagrees with server 0's"));
+
+  for (const char* name : {"damaged", "whole"}) {
+    for (int rank = 0; rank < 2; ++rank) {
+      ASSERT_TRUE(
+          cluster.store(rank).Save(name, CheckpointKind::kSharded, true, "job", at1, absl::InfiniteFuture()).ok());
+    }
+  }
+  nlohmann::json damaged = part("damaged", 0);
+  damaged["groups"][0]["version"] = 0;
+  std::ofstream(root + "/.damaged.partial/unnamed/part-0.json", std::ios::trunc) << damaged.dump();
+  const absl::Status refused = cluster.store(0).Commit("damaged");
+  EXPECT_TRUE(absl::IsDataLoss(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()),
+              HasSubstr("server 0's part holds group specs that do not match its digest"));
+
+  ASSERT_TRUE(cluster.store(0).Commit("whole").ok());
+  for (const auto& entry : std::filesystem::directory_iterator(root + "/whole")) {
+    const std::string file = entry.path().filename().string();
+    EXPECT_TRUE(file == "manifest.json" || file == "index.json" || absl::StartsWith(file, "shard-")) << file;
+  }
+  const nlohmann::json manifest = nlohmann::json::parse(*ReadFileToString(root + "/whole/manifest.json"));
+  EXPECT_EQ(manifest.at("groups").size(), 3u);
+  EXPECT_FALSE(manifest.contains("groups_xxh3"));
+  FakeCluster target(3, root);
+  ASSERT_TRUE(target.Load("whole").ok());
+  ExpectBitwiseEqual(target.Collect(1), cluster.Collect(1));
 }
 
 TEST(CheckpointStoreTest, MismatchedLayoutIsRefusedNamingTheGroup) {
