@@ -25,10 +25,182 @@ struct IndexedPiece {
 // `text` as a JSON string, quoted and escaped.
 std::string Quoted(const std::string& text) { return Json(text).dump(); }
 
-// A piece's element count or first element: a JSON integer in [0, 2^63).
-bool IsCount(const Json& value) {
-  return value.is_number_unsigned() && value.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()};
-}
+// Reads index.json into a ShardedIndex as nlohmann's SAX parser meets its values: for
+// 20000 groups the index is 12 MB, whose JSON tree costs more to build and free than
+// the text to lex. Values under other top-level keys than "pieces" are skipped. Stops at
+// the first value out of place; error() says what, or is empty once the whole text was
+// read as an index.
+class IndexReader final : public nlohmann::json_sax<Json> {
+ public:
+  explicit IndexReader(ShardedIndex& index) : index_(index) {}
+
+  const std::string& error() const { return error_; }
+
+  bool null() override { return Other(); }
+  bool boolean(bool) override { return Other(); }
+  bool number_integer(number_integer_t value) override {
+    return value < 0 ? Other() : Count(static_cast<uint64_t>(value));
+  }
+  bool number_unsigned(number_unsigned_t value) override { return Count(value); }
+  bool number_float(number_float_t, const string_t&) override { return Other(); }
+  bool binary(binary_t&) override { return Other(); }
+
+  bool string(string_t& value) override {
+    if (skip_ > 0 || pending_skip_) return Skipped();
+    if (at_ != At::kPiece || field_ != 2) return Other();
+    piece_.file = std::move(value);
+    ++field_;
+    return true;
+  }
+
+  bool start_object(std::size_t) override {
+    if (skip_ > 0 || pending_skip_) return Enter();
+    switch (at_) {
+      case At::kStart:
+        at_ = At::kTop;
+        return true;
+      case At::kTop:
+        at_ = At::kPieces;
+        return true;
+      default:
+        return Other();
+    }
+  }
+
+  bool key(string_t& key) override {
+    if (skip_ > 0) return true;
+    if (at_ == At::kTop) {
+      if (key != "pieces") {
+        pending_skip_ = true;
+        return true;
+      }
+      if (seen_pieces_) return Fail("malformed: it lists \"pieces\" twice");
+      seen_pieces_ = true;
+      return true;
+    }
+    // At::kPieces: a tensor's key, whose list follows.
+    const auto [it, inserted] = index_.try_emplace(key);
+    if (!inserted) return Fail(absl::StrCat("malformed: it lists \"", key, "\" twice"));
+    list_ = &it->second;
+    key_ = it->first;
+    return true;
+  }
+
+  bool end_object() override {
+    if (skip_ > 0) return Leave();
+    if (at_ == At::kPieces) {
+      at_ = At::kTop;
+    } else {  // At::kTop
+      at_ = At::kDone;
+      if (!seen_pieces_) return Fail("malformed: no \"pieces\" object");
+    }
+    return true;
+  }
+
+  bool start_array(std::size_t) override {
+    if (skip_ > 0 || pending_skip_) return Enter();
+    if (at_ == At::kPieces) {
+      at_ = At::kList;
+      return true;
+    }
+    if (at_ == At::kList) {
+      at_ = At::kPiece;
+      piece_ = StoredPiece();
+      field_ = 0;
+      return true;
+    }
+    return Other();
+  }
+
+  bool end_array() override {
+    if (skip_ > 0) return Leave();
+    if (at_ == At::kList) {
+      at_ = At::kPieces;
+      return true;
+    }
+    // At::kPiece
+    if (field_ != 4) return BadPiece();
+    list_->push_back(std::move(piece_));
+    at_ = At::kList;
+    return true;
+  }
+
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& error) override {
+    // parse_error, or out_of_range for a number like 1e999
+    return Fail(absl::StrCat("not valid JSON: ", error.what()));
+  }
+
+ private:
+  // Where the reader is: before the text, in the top-level object, in "pieces", in a
+  // tensor's list of pieces, in one piece, after the text.
+  enum class At { kStart, kTop, kPieces, kList, kPiece, kDone };
+
+  bool Fail(std::string error) {
+    if (error_.empty()) error_ = std::move(error);
+    return false;
+  }
+  bool BadPiece() {
+    return Fail(absl::StrCat("malformed: piece ", list_->size(), " of \"", key_,
+                             "\" is not [first element, numel, file, byte offset]"));
+  }
+  // A value that has no place where it is.
+  bool Other() {
+    if (skip_ > 0 || pending_skip_) return Skipped();
+    switch (at_) {
+      case At::kStart:
+      case At::kDone:
+        return Fail("malformed: not a JSON object");
+      case At::kTop:
+        return Fail("malformed: no \"pieces\" object");
+      case At::kPieces:
+        return Fail(absl::StrCat("malformed: \"", key_, "\" is not a list of pieces"));
+      case At::kList:
+      case At::kPiece:
+        return BadPiece();
+    }
+    return false;
+  }
+  // A count of a piece (first element, numel: below 2^63) or its byte offset.
+  bool Count(uint64_t value) {
+    if (skip_ > 0 || pending_skip_) return Skipped();
+    if (at_ != At::kPiece) return Other();
+    if (field_ == 0 || field_ == 1) {
+      if (value > uint64_t{std::numeric_limits<int64_t>::max()}) return BadPiece();
+      (field_ == 0 ? piece_.intra_start : piece_.numel) = static_cast<int64_t>(value);
+    } else if (field_ == 3) {
+      piece_.offset = value;
+    } else {
+      return BadPiece();
+    }
+    ++field_;
+    return true;
+  }
+  // A scalar under a skipped key (or the skipped value itself).
+  bool Skipped() {
+    pending_skip_ = false;
+    return true;
+  }
+  bool Enter() {
+    pending_skip_ = false;
+    ++skip_;
+    return true;
+  }
+  bool Leave() {
+    --skip_;
+    return true;
+  }
+
+  ShardedIndex& index_;
+  At at_ = At::kStart;
+  bool seen_pieces_ = false;
+  bool pending_skip_ = false;  // the next value is under an unknown top-level key
+  int skip_ = 0;               // depth inside a skipped value
+  std::vector<StoredPiece>* list_ = nullptr;
+  std::string key_;
+  StoredPiece piece_;
+  int field_ = 0;  // the piece's fields read
+  std::string error_;
+};
 
 }  // namespace
 
@@ -79,29 +251,9 @@ absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::
 
 absl::StatusOr<ShardedIndex> ParseShardedIndex(const std::string& text, const std::string& path) {
   ShardedIndex index;
-  try {
-    const Json json = Json::parse(text);
-    if (!json.is_object() || !json.contains("pieces") || !json["pieces"].is_object()) {
-      return absl::DataLossError(absl::StrCat("'", path, "' is malformed: no \"pieces\" object"));
-    }
-    for (const auto& [key, list] : json["pieces"].items()) {
-      if (!list.is_array()) {
-        return absl::DataLossError(absl::StrCat("'", path, "' is malformed: \"", key, "\" is not a list of pieces"));
-      }
-      std::vector<StoredPiece>& stored = index[key];
-      for (const Json& piece : list) {
-        if (!piece.is_array() || piece.size() != 4 || !IsCount(piece[0]) || !IsCount(piece[1]) ||
-            !piece[2].is_string() || !piece[3].is_number_unsigned()) {
-          return absl::DataLossError(absl::StrCat("'", path, "' is malformed: piece ", piece.dump(), " of \"", key,
-                                                  "\" is not [first element, numel, file, byte offset]"));
-        }
-        stored.push_back({piece[2].get<std::string>(), piece[0].get<int64_t>(), piece[1].get<int64_t>(),
-                          piece[3].get<uint64_t>()});
-      }
-    }
-  } catch (const Json::exception& error) {  // parse_error, or out_of_range for a number like 1e999
-    return absl::DataLossError(absl::StrCat("'", path, "' is not valid JSON: ", error.what()));
-  }
+  IndexReader reader(index);
+  Json::sax_parse(text, &reader);
+  if (!reader.error().empty()) return absl::DataLossError(absl::StrCat("'", path, "' is ", reader.error()));
   return index;
 }
 

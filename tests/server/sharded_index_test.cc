@@ -1,14 +1,20 @@
 // index.json of SHARDED checkpoints: written from real shard files (safetensors headers
 // built here, with names that need escaping), read back by ParseShardedIndex and by
 // nlohmann's parser independently; damaged shard names and damaged indexes are DataLoss
-// naming the file.
+// naming the file, and randomly damaged indexes get the verdict and pieces that a reader
+// of nlohmann's JSON tree gives (FLATSHARD_FUZZ_SEED picks other damage).
 #include "server/sharded_index.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -123,21 +129,127 @@ TEST(ShardedIndexTest, ShardTensorsNotNamedAsShardsNameThemAreDataLoss) {
 }
 
 TEST(ShardedIndexTest, DamagedIndexesAreDataLossNamingTheFile) {
-  const absl::StatusOr<ShardedIndex> good = ParseShardedIndex(R"({"pieces": {"g/w": [[4, 2, "f", 80]]}})", "i.json");
+  // Other top-level keys (a later format's) are skipped, whatever they hold.
+  const absl::StatusOr<ShardedIndex> good = ParseShardedIndex(
+      R"({"format": {"v": [1, {"pieces": 2}]}, "pieces": {"g/w": [[4, 2, "f", 80], [0, 4, "e", 8]], "g/b": []},)"
+      R"( "more": [[["x"]], null]})",
+      "i.json");
   ASSERT_TRUE(good.ok()) << good.status();
-  ExpectPieces(good->at("g/w"), {{"f", 4, 2, 80}}, "g/w");
+  ASSERT_EQ(good->size(), 2u);
+  ExpectPieces(good->at("g/w"), {{"f", 4, 2, 80}, {"e", 0, 4, 8}}, "g/w");
+  EXPECT_TRUE(good->at("g/b").empty());
   for (const char* text : {"", "not json", "[]", R"({"other": {}})", R"({"pieces": []})", R"({"pieces": {"k": 3}})",
                            R"({"pieces": {"k": [3]}})", R"({"pieces": {"k": [[0, 1, "f"]]}})",
                            R"({"pieces": {"k": [[0, 1, "f", 0, 5]]}})", R"({"pieces": {"k": [[-1, 1, "f", 0]]}})",
                            R"({"pieces": {"k": [[0.5, 1, "f", 0]]}})", R"({"pieces": {"k": [[0, 1, 2, 0]]}})",
                            R"({"pieces": {"k": [[0, 1, "f", -8]]}})", R"({"pieces": {"k": [[0, 1, "f", 1e999]]}})",
                            R"({"pieces": {"k": [[9223372036854775808, 1, "f", 0]]}})",
-                           R"({"pieces": {"k": [[0, 9223372036854775808, "f", 0]]}})"}) {
+                           R"({"pieces": {"k": [[0, 9223372036854775808, "f", 0]]}})",
+                           R"({"pieces": {"k": [["f", 0, 1, 0]]}})", R"({"pieces": {"k": [[0, 1, "f", 0], {}]}})",
+                           R"({"pieces": {"k": [[0, 1, "f", 0]], "k": []}})", R"({"pieces": {}, "pieces": {}})",
+                           R"({"pieces": {"k": []}} {})", R"({"pieces": {"k": [[0, 1, "f", 0]]})"}) {
     const absl::StatusOr<ShardedIndex> index = ParseShardedIndex(text, "ckpt/index.json");
     ASSERT_FALSE(index.ok()) << text;
     EXPECT_EQ(index.status().code(), absl::StatusCode::kDataLoss) << text;
     EXPECT_THAT(std::string(index.status().message()), HasSubstr("'ckpt/index.json' is ")) << text;
   }
+}
+
+// The index as a reader of nlohmann's JSON tree reads it (the reference for the SAX
+// reader): nullopt where the text is not JSON, is not {"pieces": {key: [[count, count,
+// file, offset], ...]}} (other top-level keys allowed), or lists "pieces" or a key of it
+// twice (which the tree would keep once).
+std::optional<ShardedIndex> ReadThroughATree(const std::string& text) {
+  bool twice = false;
+  std::string top_key;
+  bool in_pieces = false;
+  bool seen_pieces = false;
+  std::set<std::string> keys;
+  const auto watch = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::key && depth == 1) {
+      top_key = parsed.get<std::string>();
+      twice |= top_key == "pieces" && seen_pieces;
+      seen_pieces |= top_key == "pieces";
+    } else if (event == Json::parse_event_t::key && depth == 2 && in_pieces) {
+      twice |= !keys.insert(parsed.get<std::string>()).second;
+    } else if (event == Json::parse_event_t::object_start && depth == 1) {
+      in_pieces = top_key == "pieces";
+    } else if (event == Json::parse_event_t::object_end && depth == 1) {
+      in_pieces = false;
+    }
+    return true;
+  };
+  const Json json = Json::parse(text, watch, /*allow_exceptions=*/false);
+  if (json.is_discarded() || twice || !json.is_object() || !json.contains("pieces") || !json["pieces"].is_object()) {
+    return std::nullopt;
+  }
+  const auto count = [](const Json& value) {
+    return value.is_number_unsigned() && value.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()};
+  };
+  ShardedIndex index;
+  for (const auto& [key, list] : json["pieces"].items()) {
+    if (!list.is_array()) return std::nullopt;
+    std::vector<StoredPiece>& stored = index[key];
+    for (const Json& piece : list) {
+      if (!piece.is_array() || piece.size() != 4 || !count(piece[0]) || !count(piece[1]) || !piece[2].is_string() ||
+          !piece[3].is_number_unsigned()) {
+        return std::nullopt;
+      }
+      stored.push_back({piece[2].get<std::string>(), piece[0].get<int64_t>(), piece[1].get<int64_t>(),
+                        piece[3].get<uint64_t>()});
+    }
+  }
+  return index;
+}
+
+TEST(ShardedIndexTest, RandomlyDamagedIndexesReadAsThroughAJsonTree) {
+  const char* seed = std::getenv("FLATSHARD_FUZZ_SEED");
+  std::mt19937_64 rng(seed != nullptr ? std::strtoull(seed, nullptr, 10) : 20261127);
+  const std::string alphabet = "[]{},:\"-.e0123456789 \\xpieces";
+  int accepted = 0;
+  for (int round = 0; round < 3000; ++round) {
+    // A valid index: a few keys (one with escapes), lists of 0-3 pieces, maybe an
+    // unknown top-level key before or after "pieces".
+    Json pieces = Json::object();
+    for (int k = 0, keys = static_cast<int>(rng() % 4); k < keys; ++k) {
+      Json list = Json::array();
+      for (int p = 0, n = static_cast<int>(rng() % 4); p < n; ++p) {
+        list.push_back({rng() % 5000, rng() % 5000, k % 2 ? "shard-1.safetensors" : "s\"0", rng() % 100000});
+      }
+      pieces[k == 3 ? "g/\u00e9\n" : "g/t" + std::to_string(k)] = list;
+    }
+    Json index = {{"pieces", pieces}};
+    if (rng() % 3 == 0) index[rng() % 2 ? "a" : "z"] = {{"x", {1, "y", nullptr}}};
+    std::string text = index.dump(rng() % 2 ? -1 : 1);
+    // 0-3 pieces of damage: a byte replaced, removed or repeated.
+    for (int d = 0, damage = static_cast<int>(rng() % 4); d < damage && !text.empty(); ++d) {
+      const size_t at = rng() % text.size();
+      switch (rng() % 3) {
+        case 0:
+          text[at] = alphabet[rng() % alphabet.size()];
+          break;
+        case 1:
+          text.erase(at, 1);
+          break;
+        default:
+          text.insert(at, 1, text[at]);
+      }
+    }
+    const std::optional<ShardedIndex> want = ReadThroughATree(text);
+    const absl::StatusOr<ShardedIndex> got = ParseShardedIndex(text, "i.json");
+    ASSERT_EQ(got.ok(), want.has_value()) << text << "\n" << got.status();
+    if (!got.ok()) {
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss);
+      continue;
+    }
+    ++accepted;
+    ASSERT_EQ(got->size(), want->size()) << text;
+    for (const auto& [key, list] : *want) {
+      ASSERT_TRUE(got->count(key)) << text;
+      ExpectPieces(got->at(key), list, key);
+    }
+  }
+  EXPECT_GT(accepted, 300);  // the damage leaves enough indexes whole to compare pieces
 }
 
 }  // namespace
