@@ -8,8 +8,8 @@
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "server/checkpoint_writer.h"
+#include "server/host_slab.h"
 #include "server/json_fields.h"
-#include "server/shard_compute.h"
 #include "server/sharded_index.h"
 
 namespace flatshard::server {
@@ -99,6 +99,7 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
   }
 
   std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>> staged;
+  HostSlab slab;  // the staging buffers of small groups, a few blocks instead of a malloc each
   std::set<std::string> in_checkpoint;
   for (const Json& spec : manifest.at("groups")) {
     const std::string group_name = spec.value("name", "");
@@ -133,9 +134,9 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
     loaded.momentum_initialized = spec.value("momentum_initialized", false);
     const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
     const std::string what = absl::StrCat("loading group '", group_name, "'");
-    FLATSHARD_ASSIGN_OR_RETURN(loaded.params, AllocateHostUnwritten(shard_numel * sizeof(float), what));
+    FLATSHARD_ASSIGN_OR_RETURN(loaded.params, slab.Allocate(shard_numel * sizeof(float), what));
     for (const std::string& state : group->optimizer_state_names()) {
-      FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, AllocateHostUnwritten(shard_numel * sizeof(float), what));
+      FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, slab.Allocate(shard_numel * sizeof(float), what));
       loaded.state.emplace_back(state, std::move(buffer));
     }
     // The buffers are unwritten: the reads fill every tensor element, padding is zeroed here.
