@@ -2,9 +2,9 @@
 // that stages many small groups at once (server/checkpoint_loader.h). A malloc per
 // buffer cost an mprotect each in a gRPC thread's arena (glibc grows those heaps by just
 // what each allocation needs): 150000 for a load of 20000 groups on 2 servers. A block is
-// one allocation of kBlockBytes, below the size AllocateHostUnwritten advises for huge
-// pages (on a host whose memory is fragmented, finding huge pages cost more than the
-// faults they save here). Each buffer keeps its block alive (OwnedBuffer's shared block),
+// one kPieceAlign-aligned allocation of kBlockBytes, not advised for huge pages (on a
+// host whose memory is fragmented, finding huge pages cost more than the faults they
+// save here). Each buffer keeps its block alive (OwnedBuffer's shared block),
 // so a block is freed with the last of its buffers, which a job's groups drop together
 // at its next load or deletion. Buffers of kMaxPieceBytes or more are allocated on their
 // own. Not thread-safe: one stager uses one slab; the buffers it gives are independent of
