@@ -12,6 +12,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/cluster_status.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "server/log_throttle.h"
@@ -139,6 +141,38 @@ TEST(LogTest, AFloodOfRefusalsLogsABurstOfEachKind) {
             1)
       << log;
   EXPECT_EQ(lines_with("held back:"), 2) << log;
+}
+
+// A flood that stops while the server goes on serving is summed up by the server's own
+// thread once the kind's period is over (within two periods of the flood), not only at
+// shutdown, and only once.
+TEST(LogTest, AFloodThatStopsIsSummedUpWhileTheServerServes) {
+  const testing::ScratchDir scratch("server-log-summary");
+  const std::string file = scratch.path() + "/summary.log";
+  constexpr int kRefusals = 2 * server::LogThrottle::kBurst;
+  const std::string summary = absl::StrCat("warning: held back: ", kRefusals - server::LogThrottle::kBurst,
+                                           " more warnings of 'rpc /flatshard.v1.Flatshard/GetStatus UNAUTHENTICATED'"
+                                           " after the last one logged");
+  {
+    testing::TestCluster cluster(1, "log-token", ::testing::TempDir(), "", {{"--log_file=" + file}});
+    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
+    for (int i = 0; i < kRefusals; ++i) {
+      grpc::ClientContext context;
+      context.AddMetadata("authorization", "Bearer not-the-token");
+      v1::ServerStatus status;
+      ASSERT_EQ(stub->GetStatus(&context, v1::GetStatusRequest(), &status).error_code(),
+                grpc::StatusCode::UNAUTHENTICATED);
+    }
+    const absl::Time deadline = absl::Now() + 2 * server::LogThrottle::kPeriod + absl::Seconds(5);
+    while (ReadAll(file).find(summary) == std::string::npos && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+    EXPECT_THAT(ReadAll(file), HasSubstr(summary)) << "not said while the server serves";
+  }  // the server stops: nothing more is held back
+  const std::string log = ReadAll(file);
+  size_t lines = 0;
+  for (size_t at = log.find("held back:"); at != std::string::npos; at = log.find("held back:", at + 1)) ++lines;
+  EXPECT_EQ(lines, 1u) << log;
 }
 
 }  // namespace
