@@ -6,9 +6,10 @@
 //    ...}}
 //
 // (first element: of the piece within the tensor; byte offset: of its float32 data in
-// the file). The committing server writes it from the shard files' safetensors headers,
-// whose tensors are named "<group>/<fqn>@<first element>[.<state>]" (WriteShards); every
-// loading server parses it. Free functions, no state.
+// the file). The committing server writes it as text from the shard files' safetensors
+// headers, whose tensors are named "<group>/<fqn>@<first element>[.<state>]"
+// (WriteShards); every loading server reads it with a SAX reader, without a JSON tree
+// (12 MB for 20000 groups). Free functions, no state.
 #ifndef FLATSHARD_SERVER_SHARDED_INDEX_H_
 #define FLATSHARD_SERVER_SHARDED_INDEX_H_
 
@@ -40,7 +41,7 @@ using ShardedIndex = std::map<std::string, std::vector<StoredPiece>>;
                                                            const std::vector<std::string>& files);
 
 // Parses index.json (`text`, read from `path`): DataLoss naming `path` if it is not the
-// JSON above.
+// JSON above (counts below 2^63, no key listed twice); other top-level keys are skipped.
 [[nodiscard]] absl::StatusOr<ShardedIndex> ParseShardedIndex(const std::string& text, const std::string& path);
 
 }  // namespace flatshard::server
