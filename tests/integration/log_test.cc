@@ -33,6 +33,18 @@ std::string ReadAll(const std::string& path) {
   return text.str();
 }
 
+// Calls GetStatus on `address` `times` times with a wrong token (each refused).
+void RefuseGetStatus(const std::string& address, int times) {
+  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < times; ++i) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer not-the-token");
+    v1::ServerStatus status;
+    ASSERT_EQ(stub->GetStatus(&context, v1::GetStatusRequest(), &status).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+}
+
 // Configures job "log", registers a group (once well, once with an empty name: refused
 // with INVALID_ARGUMENT), saves and loads it and deletes the job, on a one-server cluster
 // logging at `level` into `file`; returns the log once the server has stopped.
@@ -97,14 +109,7 @@ TEST(LogTest, AFloodOfRefusalsLogsABurstOfEachKind) {
   constexpr int kRefusals = 3 * server::LogThrottle::kBurst;
   {
     testing::TestCluster cluster(1, "log-token", ::testing::TempDir(), "", {{"--log_file=" + file}});
-    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
-    for (int i = 0; i < kRefusals; ++i) {
-      grpc::ClientContext context;
-      context.AddMetadata("authorization", "Bearer not-the-token");
-      v1::ServerStatus status;
-      ASSERT_EQ(stub->GetStatus(&context, v1::GetStatusRequest(), &status).error_code(),
-                grpc::StatusCode::UNAUTHENTICATED);
-    }
+    ASSERT_NO_FATAL_FAILURE(RefuseGetStatus(cluster.addresses()[0], kRefusals));
     for (int i = 0; i < kRefusals; ++i) {
       auto conn = cluster.RawDataConnection(0, /*hello=*/true, "not-a-session-token");
       ASSERT_TRUE(conn.ok()) << conn.status();
@@ -155,14 +160,7 @@ TEST(LogTest, AFloodThatStopsIsSummedUpWhileTheServerServes) {
                                            " after the last one logged");
   {
     testing::TestCluster cluster(1, "log-token", ::testing::TempDir(), "", {{"--log_file=" + file}});
-    auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
-    for (int i = 0; i < kRefusals; ++i) {
-      grpc::ClientContext context;
-      context.AddMetadata("authorization", "Bearer not-the-token");
-      v1::ServerStatus status;
-      ASSERT_EQ(stub->GetStatus(&context, v1::GetStatusRequest(), &status).error_code(),
-                grpc::StatusCode::UNAUTHENTICATED);
-    }
+    ASSERT_NO_FATAL_FAILURE(RefuseGetStatus(cluster.addresses()[0], kRefusals));
     const absl::Time deadline = absl::Now() + 2 * server::LogThrottle::kPeriod + absl::Seconds(5);
     while (ReadAll(file).find(summary) == std::string::npos && absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(200));
