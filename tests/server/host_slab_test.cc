@@ -40,7 +40,8 @@ TEST(HostSlabTest, SmallBuffersAreAlignedDisjointPiecesThatKeepTheirBlock) {
     const auto* bytes = static_cast<const unsigned char*>(buffers[i].data());
     for (size_t k = 0; k < buffers[i].size(); ++k) ASSERT_EQ(bytes[k], i % 251) << i << " " << k;
   }
-  // Releasing all but the last buffer of every block keeps the others usable.
+  // Releasing the first half of the buffers (whole blocks among them) keeps the rest of
+  // their blocks usable.
   std::optional<ShardBuffer> last = std::move(buffers.back());
   buffers.pop_back();
   buffers.erase(buffers.begin(), buffers.begin() + static_cast<std::ptrdiff_t>(buffers.size() / 2));
