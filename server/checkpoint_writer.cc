@@ -47,26 +47,40 @@ absl::Status WriteTensorBytes(CheckpointSink& sink, const std::string& file, uin
   return absl::OkStatus();
 }
 
+// One of a shard's arrays written into a FULL file: the parameters (state "", tensors
+// by their fqns) or an optimizer state (tensors "<fqn>.<state>").
+struct FullArray {
+  std::string state;
+  std::string tensor_suffix;
+};
+
+// Writes the pieces of `shard` that `file` holds, of each of `arrays`, piece by piece and
+// for each piece array by array: the order of the file's tensors (WriteFull lays out
+// each tensor's arrays one after the other), so that a server's writes of consecutive
+// tensors join into runs.
 absl::Status WritePieces(CheckpointSink& sink, const std::string& file, const SafetensorsHeader& header,
-                         const SavedShard& shard, absl::string_view state, const std::string& tensor_suffix,
-                         ProgressCounter* progress) {
+                         const SavedShard& shard, const std::vector<FullArray>& arrays, ProgressCounter* progress) {
   const FlatLayout& layout = shard.group->layout();
   std::vector<float> values;
   std::vector<std::byte> converted;
   for (const TensorPiece& piece : shard.pieces) {
     const TensorSpec& spec = layout.tensor(piece.tensor_index);
-    const SafetensorsTensor* entry = header.Find(spec.fqn + tensor_suffix);
-    if (entry == nullptr) continue;  // in another file of a split FULL checkpoint
-    const size_t element = DTypeSize(entry->dtype);
-    for (int64_t done = 0; done < piece.numel; done += kSliceElements) {
-      const int64_t count = std::min(kSliceElements, piece.numel - done);
-      values.resize(static_cast<size_t>(count));
-      FLATSHARD_RETURN_IF_ERROR(shard.Read(state, piece.flat_offset - shard.start + done, count, values.data()));
-      converted.resize(static_cast<size_t>(count) * element);
-      FLATSHARD_RETURN_IF_ERROR(kernels::cpu::Cast(DType::kFloat32, values.data(), entry->dtype, converted.data(), count));
-      FLATSHARD_RETURN_IF_ERROR(WriteTensorBytes(
-          sink, file, header.data_start() + entry->begin + static_cast<uint64_t>(piece.intra_start + done) * element,
-          Bytes(converted), progress));
+    for (const FullArray& array : arrays) {
+      const SafetensorsTensor* entry = header.Find(spec.fqn + array.tensor_suffix);
+      if (entry == nullptr) continue;  // in another file of a split FULL checkpoint
+      const size_t element = DTypeSize(entry->dtype);
+      for (int64_t done = 0; done < piece.numel; done += kSliceElements) {
+        const int64_t count = std::min(kSliceElements, piece.numel - done);
+        values.resize(static_cast<size_t>(count));
+        FLATSHARD_RETURN_IF_ERROR(
+            shard.Read(array.state, piece.flat_offset - shard.start + done, count, values.data()));
+        converted.resize(static_cast<size_t>(count) * element);
+        FLATSHARD_RETURN_IF_ERROR(
+            kernels::cpu::Cast(DType::kFloat32, values.data(), entry->dtype, converted.data(), count));
+        FLATSHARD_RETURN_IF_ERROR(WriteTensorBytes(
+            sink, file, header.data_start() + entry->begin + static_cast<uint64_t>(piece.intra_start + done) * element,
+            Bytes(converted), progress));
+      }
     }
   }
   return absl::OkStatus();
@@ -171,13 +185,13 @@ absl::Status WriteFull(CheckpointSink& sink, int rank, const std::vector<SavedSh
     FLATSHARD_RETURN_IF_ERROR(sink.Open(output.file, header.file_size(), /*exclusive=*/false));
     if (rank == 0) FLATSHARD_RETURN_IF_ERROR(sink.Write(output.file, 0, header.bytes()));
     for (const SavedShard& shard : shards) {
+      std::vector<FullArray> arrays;
       if (!output.is_state) {
-        FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, "", "", progress));
-        continue;
+        arrays.push_back({"", ""});
+      } else {
+        for (const auto& [name, values] : shard.snapshot.state) arrays.push_back({name, "." + name});
       }
-      for (const auto& [name, values] : shard.snapshot.state) {
-        FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, name, "." + name, progress));
-      }
+      FLATSHARD_RETURN_IF_ERROR(WritePieces(sink, output.file, header, shard, arrays, progress));
     }
     FLATSHARD_RETURN_IF_ERROR(sink.Close(output.file));
     files.push_back(output.file);

@@ -225,6 +225,23 @@ TEST(CheckpointStoreTest, FullCheckpointIsSafetensorsAndReshards) {
   ExpectBitwiseEqual(loaded, expected);
 }
 
+// A server writes its pieces of a FULL file in the file's order: where it holds every
+// tensor, its writes are one run per file (one extent, under 4 MiB), not a run per
+// tensor and state, each of which a load checks and small ones cost a buffered write.
+TEST(CheckpointStoreTest, OneServersFullFilesAreEachOneRun) {
+  const std::string root = FreshRoot();
+  FakeCluster source(1, root);
+  source.Step(0);
+  ASSERT_TRUE(source.Save("full", CheckpointKind::kFull, true, 1).ok());
+  auto text = ReadFileToString(root + "/full/manifest.json");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const nlohmann::json manifest = nlohmann::json::parse(*text);
+  ASSERT_EQ(manifest["files"].size(), 2u);
+  for (const nlohmann::json& file : manifest["files"]) {
+    EXPECT_EQ(file["extents"].size(), 1u) << file["path"] << ": " << file["extents"].dump();
+  }
+}
+
 TEST(CheckpointStoreTest, LargeFullCheckpointsSplitWithAnIndex) {
   const std::string root = FreshRoot();
   // emb.weight (60 B) alone, emb.bias (28 B) alone, h.weight (18 B, bf16) + scale (8 B).
