@@ -283,7 +283,7 @@ absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline,
         WriteShards(sink, rank_, kind, optimizer, max_file_bytes_, shards, &group_specs, progress.get());
     absl::Status finished = files.status();
     if (files.ok()) {
-      finished = FinishPart(name, save_id, rank_, directory, describe(*files, std::move(group_specs)).dump(), false);
+      finished = RecordPart(name, save_id, rank_, directory, describe(*files, std::move(group_specs)), false);
     }
     finished = UnlessCommittedMeanwhile(name, save_id, finished);
     if (!finished.ok() && !absl::IsAlreadyExists(finished)) {
@@ -298,14 +298,14 @@ absl::Status CheckpointStore::FinishSave(PendingSave& save, absl::Time deadline,
   absl::MutexLock lock(&mu_);
   ReapFinishedSaves();
   auto finished = std::make_shared<std::atomic<bool>>(false);
-  std::thread thread([this, name, to_server_zero = save.to_server_zero_,
+  std::thread thread([this, name, servers = save.servers_, to_server_zero = save.to_server_zero_,
                       root_per_server = save.options_.root_per_server, save_id, write = std::move(write),
                       progress = std::move(progress), claim = std::move(save.claim_), finished]() mutable {
     absl::Status status = write();
     if (status.ok() && root_per_server) {
       status = Commit(name, save_id);
     } else if (status.ok() && !to_server_zero) {
-      status = CommitIfComplete(name, save_id);
+      status = CommitIfComplete(name, save_id, servers);
     }
     if (!status.ok()) spdlog::error("async save of checkpoint '{}' failed: {}", name, status.ToString());
     { auto release = std::move(write); }  // the snapshot
@@ -342,12 +342,10 @@ void CheckpointStore::ReapFinishedSaves() {
   }
 }
 
-int CheckpointStore::PartsExpected(const std::string& dir) const {
-  // A hybrid-sharded job's checkpoint has one part per server of a replica group; every
-  // part says how many (this server's is there when it asks).
-  absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"), kBulkKeys);
-  const bool said = own.ok() && own->is_object() && own->contains("servers") && own->at("servers").is_number_integer();
-  const int64_t servers = said ? own->at("servers").get<int64_t>() : num_servers_;
+int CheckpointStore::PartsExpected(const absl::StatusOr<Json>& part) const {
+  const bool said =
+      part.ok() && part->is_object() && part->contains("servers") && part->at("servers").is_number_integer();
+  const int64_t servers = said ? part->at("servers").get<int64_t>() : num_servers_;
   return servers >= 1 && servers <= num_servers_ ? static_cast<int>(servers) : num_servers_;
 }
 
@@ -403,9 +401,8 @@ void CheckpointStore::RemoveSave(const std::string& name, const std::string& sav
   fs::remove(PartialDir(name), ignored);  // unless another save of the name is there
 }
 
-absl::Status CheckpointStore::CommitIfComplete(const std::string& name, const std::string& save_id) {
+absl::Status CheckpointStore::CommitIfComplete(const std::string& name, const std::string& save_id, int parts) {
   const std::string dir = SaveDir(name, save_id);
-  const int parts = PartsExpected(dir);
   for (int rank = 0; rank < parts; ++rank) {
     if (!Exists(absl::StrCat(dir, "/part-", rank, ".json"))) return absl::OkStatus();  // not yet
   }
@@ -442,7 +439,11 @@ absl::Status CheckpointStore::FinishPart(const std::string& name, const std::str
     return absl::InvalidArgumentError(absl::StrCat("checkpoint part of rank ", rank, "; the cluster has ",
                                                    num_servers_, " servers"));
   }
-  Json part = Json::parse(part_json, nullptr, /*allow_exceptions=*/false);
+  return RecordPart(name, save_id, rank, sink, Json::parse(part_json, nullptr, /*allow_exceptions=*/false), async);
+}
+
+absl::Status CheckpointStore::RecordPart(const std::string& name, const std::string& save_id, int rank,
+                                         const DirectorySink& sink, Json part, bool async) {
   if (!part.is_object() || !part.contains("files") || !part["files"].is_array()) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint '", name, "': server ", rank,
                                                    "'s part description is not a JSON object with its files"));
@@ -466,9 +467,9 @@ absl::Status CheckpointStore::FinishPart(const std::string& name, const std::str
   part[kGroupsDigest] = GroupsDigest(part);
   if (rank != 0 && part.value("kind", Json("")) != "local") part.erase("groups");
   FLATSHARD_RETURN_IF_ERROR(
-      WriteFileAtomically(absl::StrCat(SaveDir(name, save_id), "/part-", rank, ".json"), part.dump(1)));
+      WriteFileAtomically(absl::StrCat(SaveDir(name, save_id), "/part-", rank, ".json"), part.dump()));
   RemoveIfAbandoned(name, save_id);  // another part failed before this one was done
-  return async ? CommitIfComplete(name, save_id) : absl::OkStatus();
+  return async ? CommitIfComplete(name, save_id, PartsExpected(part)) : absl::OkStatus();
 }
 
 absl::Status CheckpointStore::ReadFile(const std::string& name, const std::string& file, uint64_t offset,
@@ -614,14 +615,16 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
     fs::remove_all(dir, ignored);
     return CommittedByAnotherSave(name, save_id);
   }
-  const int parts = PartsExpected(dir);
+  // This server's part (there when it commits) says how many parts the save has; read
+  // once, as the commit reads it again below otherwise (MBs of group specs: server 0's).
+  absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
+  const int parts = PartsExpected(own);
   bool all_parts = true;
   for (int rank = 0; rank < parts; ++rank) {
     all_parts &= Exists(absl::StrCat(dir, "/part-", rank, ".json"));
   }
   if (!all_parts) {
     // Each server has a root of its own: a LOCAL checkpoint is committed per server.
-    absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
     if (own.ok() && own->value("kind", "") == "local") {
       std::map<std::string, std::vector<FileExtent>> files;
       FLATSHARD_RETURN_IF_ERROR(AddPartExtents(*own, absl::StrCat("checkpoint '", name, "' part ", rank_), files));
@@ -636,7 +639,8 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
   std::optional<Json> groups;  // server 0's group specs
   std::map<std::string, std::vector<FileExtent>> files;
   for (int rank = 0; rank < parts; ++rank) {
-    absl::StatusOr<Json> part = ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
+    absl::StatusOr<Json> part =
+        rank == rank_ && own.ok() ? std::move(own) : ReadJson(absl::StrCat(dir, "/part-", rank, ".json"));
     if (!part.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint '", name, "': server ", rank, " has not saved its part in this server's root (",

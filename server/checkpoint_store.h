@@ -294,6 +294,10 @@ class CheckpointStore {
   }
   // Creates SaveDir(name, save_id); AlreadyExists if `name` is committed.
   absl::StatusOr<std::string> CreateSaveDir(const std::string& name, const std::string& save_id) const;
+  // FinishPart's work on the part description as JSON: this server's own part goes
+  // straight here, without a trip through text (MBs of group specs for many groups).
+  absl::Status RecordPart(const std::string& name, const std::string& save_id, int rank, const DirectorySink& sink,
+                          nlohmann::json part, bool async);
   // Commit's work; may throw nlohmann::json::exception for a part description of the
   // wrong shape (Commit catches it).
   absl::Status CommitParts(const std::string& name, const std::string& save_id);
@@ -301,9 +305,9 @@ class CheckpointStore {
   // committed `name` meanwhile (taking this save's directory with it).
   absl::Status UnlessCommittedMeanwhile(const std::string& name, const std::string& save_id,
                                         const absl::Status& status) const;
-  // Commits `name` if every part of save `save_id` is in its directory and no one else
-  // has begun to.
-  absl::Status CommitIfComplete(const std::string& name, const std::string& save_id);
+  // Commits `name` if all `parts` parts of save `save_id` are in its directory and no one
+  // else has begun to.
+  absl::Status CommitIfComplete(const std::string& name, const std::string& save_id, int parts);
   // Removes the directory of save `save_id` of `name` once every part is in or abandoned
   // and one was abandoned: the last server to finish its part cleans up, so none meets a
   // directory removed under it.
@@ -317,9 +321,10 @@ class CheckpointStore {
   absl::StatusOr<std::shared_ptr<const std::string>> ClaimName(const std::string& name);
   // Joins the asynchronous saves that have finished.
   void ReapFinishedSaves() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // How many parts the checkpoint in partial directory `dir` has: its parts' "servers"
-  // (the servers of one replica group, for a hybrid-sharded job), else the cluster's.
-  int PartsExpected(const std::string& dir) const;
+  // How many parts a save has, as its part description `part` says ("servers": the
+  // servers of one replica group, for a hybrid-sharded job); the cluster's size where it
+  // says nothing valid (a part that is not there, or damaged).
+  int PartsExpected(const absl::StatusOr<nlohmann::json>& part) const;
   // PrepareLoad's work once the manifest is read: checks it, reads and verifies what this
   // server loads (from server 0 when `from_server_zero`) and stages it. May throw
   // nlohmann::json::exception for a manifest of the wrong shape (PrepareLoad catches it).
