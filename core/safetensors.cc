@@ -327,6 +327,7 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view byt
 
 void SafetensorsHeader::Index() {
   by_name_.clear();
+  by_name_.reserve(tensors_.size());
   for (size_t i = 0; i < tensors_.size(); ++i) by_name_.emplace(tensors_[i].name, i);
 }
 

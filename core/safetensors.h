@@ -11,12 +11,12 @@
 #define FLATSHARD_CORE_SAFETENSORS_H_
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -61,7 +61,7 @@ class SafetensorsHeader {
   // Built: in the order given; read: in the order of their bytes in the file.
   const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  // The tensor named `name`, or nullptr; O(log n).
+  // The tensor named `name`, or nullptr; O(1).
   const SafetensorsTensor* Find(absl::string_view name) const;
 
  private:
@@ -70,7 +70,7 @@ class SafetensorsHeader {
   std::string bytes_;
   uint64_t data_size_ = 0;
   std::vector<SafetensorsTensor> tensors_;
-  std::map<std::string, size_t, std::less<>> by_name_;  // index into tensors_
+  absl::flat_hash_map<std::string, size_t> by_name_;  // index into tensors_
   std::map<std::string, std::string> metadata_;
 };
 

@@ -1,7 +1,10 @@
 #include "server/sharded_index.h"
 
+#include <algorithm>
+#include <atomic>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -22,8 +25,21 @@ struct IndexedPiece {
   uint64_t offset;
 };
 
-// `text` as a JSON string, quoted and escaped.
-std::string Quoted(const std::string& text) { return Json(text).dump(); }
+// Appends `text` as a JSON string, quoted and escaped, to `out`. Printable ASCII other
+// than '"' and '\\' goes as it is (every name WriteShards makes, in practice); anything
+// else through nlohmann, which escapes it and throws for text that is not UTF-8.
+void AppendQuoted(std::string& out, const std::string& text) {
+  const bool plain = std::all_of(text.begin(), text.end(), [](char c) {
+    return c >= 0x20 && c <= 0x7e && c != '"' && c != '\\';
+  });
+  if (!plain) {
+    out += Json(text).dump();
+    return;
+  }
+  out += '"';
+  out += text;
+  out += '"';
+}
 
 // Reads index.json into a ShardedIndex as nlohmann's SAX parser meets its values: for
 // 20000 groups the index is 12 MB, whose JSON tree costs more to build and free than
@@ -205,13 +221,30 @@ class IndexReader final : public nlohmann::json_sax<Json> {
 }  // namespace
 
 absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::vector<std::string>& files) {
+  // The headers (one per server, MBs each for a model of many groups) are read and
+  // parsed in parallel, a thread per file up to the machine's threads.
+  std::vector<absl::StatusOr<SafetensorsHeader>> headers(files.size(), absl::UnknownError("not read"));
+  std::atomic<size_t> next{0};
+  auto read = [&] {
+    for (size_t f = next++; f < files.size(); f = next++) {
+      headers[f] = SafetensorsHeader::Read(absl::StrCat(dir, "/", files[f]));
+    }
+  };
+  {
+    std::vector<std::thread> threads;
+    const size_t count = std::min<size_t>(files.size(), std::max(1u, std::thread::hardware_concurrency()));
+    for (size_t t = 1; t < count; ++t) threads.emplace_back(read);
+    read();
+    for (std::thread& thread : threads) thread.join();
+  }
   std::map<std::string, std::vector<IndexedPiece>> pieces;
   std::vector<std::string> quoted_files;
   try {
     for (size_t f = 0; f < files.size(); ++f) {
       const std::string path = absl::StrCat(dir, "/", files[f]);
-      FLATSHARD_ASSIGN_OR_RETURN(const SafetensorsHeader header, SafetensorsHeader::Read(path));
-      quoted_files.push_back(Quoted(files[f]));
+      FLATSHARD_RETURN_IF_ERROR(headers[f].status());
+      const SafetensorsHeader& header = *headers[f];
+      AppendQuoted(quoted_files.emplace_back(), files[f]);
       for (const SafetensorsTensor& t : header.tensors()) {
         const absl::string_view name = t.name;
         const size_t at = name.rfind('@');
@@ -232,7 +265,9 @@ absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::
     std::string text = "{\"pieces\": {";
     const char* separator = "\n ";
     for (const auto& [key, list] : pieces) {
-      absl::StrAppend(&text, separator, Quoted(key), ": [");
+      text += separator;
+      AppendQuoted(text, key);
+      text += ": [";
       separator = ",\n ";
       for (size_t i = 0; i < list.size(); ++i) {
         const IndexedPiece& piece = list[i];
