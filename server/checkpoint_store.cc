@@ -342,10 +342,9 @@ void CheckpointStore::ReapFinishedSaves() {
   }
 }
 
-int CheckpointStore::PartsExpected(const absl::StatusOr<Json>& part) const {
-  const bool said =
-      part.ok() && part->is_object() && part->contains("servers") && part->at("servers").is_number_integer();
-  const int64_t servers = said ? part->at("servers").get<int64_t>() : num_servers_;
+int CheckpointStore::PartsExpected(const Json& part) const {
+  const bool said = part.is_object() && part.contains("servers") && part.at("servers").is_number_integer();
+  const int64_t servers = said ? part.at("servers").get<int64_t>() : num_servers_;
   return servers >= 1 && servers <= num_servers_ ? static_cast<int>(servers) : num_servers_;
 }
 
@@ -615,10 +614,10 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
     fs::remove_all(dir, ignored);
     return CommittedByAnotherSave(name, save_id);
   }
-  // This server's part (there when it commits) says how many parts the save has; read
-  // once, as the commit reads it again below otherwise (MBs of group specs: server 0's).
+  // This server's part (there when it commits) says how many parts the save has; it is
+  // read once and used again below (server 0's holds MBs of group specs).
   absl::StatusOr<Json> own = ReadJson(absl::StrCat(dir, "/part-", rank_, ".json"));
-  const int parts = PartsExpected(own);
+  const int parts = PartsExpected(own.ok() ? *own : Json());
   bool all_parts = true;
   for (int rank = 0; rank < parts; ++rank) {
     all_parts &= Exists(absl::StrCat(dir, "/part-", rank, ".json"));

@@ -323,8 +323,8 @@ class CheckpointStore {
   void ReapFinishedSaves() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // How many parts a save has, as its part description `part` says ("servers": the
   // servers of one replica group, for a hybrid-sharded job); the cluster's size where it
-  // says nothing valid (a part that is not there, or damaged).
-  int PartsExpected(const absl::StatusOr<nlohmann::json>& part) const;
+  // says nothing valid (null for a part that is not there, or a damaged one).
+  int PartsExpected(const nlohmann::json& part) const;
   // PrepareLoad's work once the manifest is read: checks it, reads and verifies what this
   // server loads (from server 0 when `from_server_zero`) and stages it. May throw
   // nlohmann::json::exception for a manifest of the wrong shape (PrepareLoad catches it).
