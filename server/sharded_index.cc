@@ -4,6 +4,7 @@
 #include <atomic>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -222,7 +223,8 @@ class IndexReader final : public nlohmann::json_sax<Json> {
 
 absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::vector<std::string>& files) {
   // The headers (one per server, MBs each for a model of many groups) are read and
-  // parsed in parallel, a thread per file up to the machine's threads.
+  // parsed in parallel, a thread per file up to the machine's threads; this thread reads
+  // whatever the others do not (all of them if no thread can be started).
   std::vector<absl::StatusOr<SafetensorsHeader>> headers(files.size(), absl::UnknownError("not read"));
   std::atomic<size_t> next{0};
   auto read = [&] {
@@ -233,7 +235,10 @@ absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::
   {
     std::vector<std::thread> threads;
     const size_t count = std::min<size_t>(files.size(), std::max(1u, std::thread::hardware_concurrency()));
-    for (size_t t = 1; t < count; ++t) threads.emplace_back(read);
+    try {
+      for (size_t t = 1; t < count; ++t) threads.emplace_back(read);
+    } catch (const std::system_error&) {  // out of threads: fewer readers
+    }
     read();
     for (std::thread& thread : threads) thread.join();
   }

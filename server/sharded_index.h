@@ -7,9 +7,10 @@
 //
 // (first element: of the piece within the tensor; byte offset: of its float32 data in
 // the file). The committing server writes it as text from the shard files' safetensors
-// headers, whose tensors are named "<group>/<fqn>@<first element>[.<state>]"
-// (WriteShards); every loading server reads it with a SAX reader, without a JSON tree
-// (12 MB for 20000 groups). Free functions, no state.
+// headers (read in parallel), whose tensors are named
+// "<group>/<fqn>@<first element>[.<state>]" (WriteShards); every loading server reads it
+// with a SAX reader, without a JSON tree (12 MB for 20000 groups). Free functions, no
+// state.
 #ifndef FLATSHARD_SERVER_SHARDED_INDEX_H_
 #define FLATSHARD_SERVER_SHARDED_INDEX_H_
 
