@@ -2,9 +2,11 @@
 // (SavedShard) and the files a save or an export writes from it into a CheckpointSink,
 // in the formats server/checkpoint_store.h describes. FULL: this server's byte ranges of
 // the shared safetensors files (server 0 adds the headers and split indexes); SHARDED
-// and LOCAL: a file of its own. Data goes out in slices of at most 4 MiB, converted to
-// the file's dtype on the way, which bounds the memory of a save or export whatever the
-// model size. Functions are thread-compatible: one writer per sink.
+// and LOCAL: a file of its own. Each file is written in the order of its bytes, so that
+// a server's consecutive pieces join into runs (one extent, one direct write). Data goes
+// out in slices of at most 4 MiB, converted to the file's dtype on the way, which bounds
+// the memory of a save or export whatever the model size. Functions are
+// thread-compatible: one writer per sink.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(std::vector<SavedShard> shards,
 //                              TakeShards(registry, rank, job, versions, deadline, /*pin=*/true));
