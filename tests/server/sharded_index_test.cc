@@ -1,8 +1,9 @@
 // index.json of SHARDED checkpoints: written from real shard files (safetensors headers
-// built here, with names that need escaping), read back by ParseShardedIndex and by
-// nlohmann's parser independently; damaged shard names and damaged indexes are DataLoss
-// naming the file, and randomly damaged indexes get the verdict and pieces that a reader
-// of nlohmann's JSON tree gives (FLATSHARD_FUZZ_SEED picks other damage).
+// built here, with names that need escaping; many files, read in parallel, in order),
+// read back by ParseShardedIndex and by nlohmann's parser independently; damaged shard
+// names, shards and indexes are DataLoss naming the file, and randomly damaged indexes
+// get the verdict and pieces that a reader of nlohmann's JSON tree gives
+// (FLATSHARD_FUZZ_SEED picks other damage).
 #include "server/sharded_index.h"
 
 #include <gmock/gmock.h>
@@ -126,6 +127,35 @@ TEST(ShardedIndexTest, ShardTensorsNotNamedAsShardsNameThemAreDataLoss) {
                 HasSubstr("shard-0.safetensors' has an unexpected tensor '" + name + "'"));
   }
   EXPECT_FALSE(ShardedIndexJson(dir.path(), {"missing.safetensors"}).ok());
+}
+
+// The shard headers are read by several threads: the index still lists every file's
+// pieces in the files' order, and a damaged shard among many is the one named.
+TEST(ShardedIndexTest, ManyShardsAreIndexedInOrderAndADamagedOneIsNamed) {
+  const testing::ScratchDir dir("sharded-index-many");
+  constexpr int kShards = 9;
+  std::vector<std::string> files;
+  for (int r = 0; r < kShards; ++r) {
+    files.push_back("shard-" + std::to_string(r) + ".safetensors");
+    WriteShard(dir.path(), files.back(), {{"g/w@" + std::to_string(2 * r), DType::kFloat32, 2}});
+  }
+  const absl::StatusOr<std::string> text = ShardedIndexJson(dir.path(), files);
+  ASSERT_TRUE(text.ok()) << text.status();
+  const absl::StatusOr<ShardedIndex> index = ParseShardedIndex(*text, "index.json");
+  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_EQ(index->size(), 1u);
+  const std::vector<StoredPiece>& pieces = index->at("g/w");
+  ASSERT_EQ(pieces.size(), static_cast<size_t>(kShards));
+  for (int r = 0; r < kShards; ++r) {
+    EXPECT_EQ(pieces[r].file, files[r]);
+    EXPECT_EQ(pieces[r].intra_start, 2 * r);
+  }
+
+  std::filesystem::resize_file(dir.path() + "/shard-5.safetensors", 4);
+  const absl::StatusOr<std::string> damaged = ShardedIndexJson(dir.path(), files);
+  ASSERT_FALSE(damaged.ok());
+  EXPECT_EQ(damaged.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(damaged.status().message()), HasSubstr("shard-5.safetensors"));
 }
 
 TEST(ShardedIndexTest, DamagedIndexesAreDataLossNamingTheFile) {
