@@ -219,12 +219,12 @@ class IndexReader final : public nlohmann::json_sax<Json> {
   std::string error_;
 };
 
-}  // namespace
-
-absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::vector<std::string>& files) {
-  // The headers (one per server, MBs each for a model of many groups) are read and
-  // parsed in parallel, a thread per file up to the machine's threads; this thread reads
-  // whatever the others do not (all of them if no thread can be started).
+// The safetensors headers of `files` in `dir`, in their order. They are one per server,
+// MBs each for a model of many groups, so they are read and parsed in parallel: a thread
+// per file up to the machine's threads, the calling thread reading whatever the others
+// do not (all of them if no thread can be started).
+std::vector<absl::StatusOr<SafetensorsHeader>> ReadShardHeaders(const std::string& dir,
+                                                                const std::vector<std::string>& files) {
   std::vector<absl::StatusOr<SafetensorsHeader>> headers(files.size(), absl::UnknownError("not read"));
   std::atomic<size_t> next{0};
   auto read = [&] {
@@ -232,16 +232,21 @@ absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::
       headers[f] = SafetensorsHeader::Read(absl::StrCat(dir, "/", files[f]));
     }
   };
-  {
-    std::vector<std::thread> threads;
-    const size_t count = std::min<size_t>(files.size(), std::max(1u, std::thread::hardware_concurrency()));
-    try {
-      for (size_t t = 1; t < count; ++t) threads.emplace_back(read);
-    } catch (const std::system_error&) {  // out of threads: fewer readers
-    }
-    read();
-    for (std::thread& thread : threads) thread.join();
+  std::vector<std::thread> threads;
+  const size_t count = std::min<size_t>(files.size(), std::max(1u, std::thread::hardware_concurrency()));
+  try {
+    for (size_t t = 1; t < count; ++t) threads.emplace_back(read);
+  } catch (const std::system_error&) {  // out of threads: fewer readers
   }
+  read();
+  for (std::thread& thread : threads) thread.join();
+  return headers;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ShardedIndexJson(const std::string& dir, const std::vector<std::string>& files) {
+  const std::vector<absl::StatusOr<SafetensorsHeader>> headers = ReadShardHeaders(dir, files);
   std::map<std::string, std::vector<IndexedPiece>> pieces;
   std::vector<std::string> quoted_files;
   try {
