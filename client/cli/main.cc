@@ -1,7 +1,6 @@
-// `flatshard`: the admin command line.
-//   flatshard layout [SPEC.json|-] [--json] [--optimizer_kind=K]  a group's flat layout per server
-//   flatshard status --cluster=A0,A1,... [--json]    servers, groups, versions, traffic
-//   flatshard local-cluster --servers=N [--base_port=P]  N servers on 127.0.0.1
+// `flatshard`: the admin command line (kUsage below lists every command): a group's flat layout
+// per server, a cluster's status, a local cluster, checkpoints (save, load, list, delete, export)
+// and a job's deletion.
 #include <unistd.h>
 
 #include <climits>
@@ -22,7 +21,7 @@
 #include "client/cli/status_command.h"
 #include "core/command_line.h"
 
-ABSL_FLAG(bool, json, false, "layout, status: print JSON instead of a table");
+ABSL_FLAG(bool, json, false, "layout, status, checkpoints: print JSON instead of a table");
 ABSL_FLAG(std::string, optimizer_kind, "adam",
           "layout: the optimizer whose state the memory columns count (adam, adamw, sgd, sgd-momentum or "
           "frozen)");
@@ -37,15 +36,16 @@ ABSL_FLAG(int, replica_groups, 1,
 ABSL_FLAG(std::string, memory, "host",
           "layout: the servers' --memory (host, pinned or device; a hybrid job's device servers keep one more "
           "fp32 shard)");
-ABSL_FLAG(std::string, cluster, "", "status: every server's control address, comma-separated");
+ABSL_FLAG(std::string, cluster, "",
+          "every command that calls servers: every server's control address, comma-separated");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (empty: none)");
 ABSL_FLAG(std::string, tls_ca_file, "",
-          "status, checkpoints: PEM CA bundle of servers started with --tls_cert_file (empty: "
+          "commands that call servers: PEM CA bundle of servers started with --tls_cert_file (empty: "
           "plaintext gRPC)");
 ABSL_FLAG(std::string, tls_cert_file, "",
-          "status, checkpoints: PEM certificate presented to servers started with --tls_client_ca_file "
+          "commands that call servers: PEM certificate presented to servers started with --tls_client_ca_file "
           "(with --tls_key_file and --tls_ca_file)");
-ABSL_FLAG(std::string, tls_key_file, "", "status, checkpoints: PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_key_file, "", "commands that call servers: PEM private key of --tls_cert_file");
 ABSL_FLAG(int, servers, 2, "local-cluster: number of servers");
 ABSL_FLAG(int, base_port, 7070, "local-cluster: server i listens on base_port+2i (data +1)");
 ABSL_FLAG(std::string, checkpoint_root, "", "local-cluster: passed to every server");
@@ -53,7 +53,7 @@ ABSL_FLAG(std::string, job, "",
           "save, load, export: the job whose groups are checkpointed (empty: 'default'); delete-job: the job to "
           "delete (required)");
 ABSL_FLAG(std::string, name, "", "save, load, delete: the checkpoint's name");
-ABSL_FLAG(std::string, kind, "sharded", "save: full, sharded or local");
+ABSL_FLAG(std::string, kind, "sharded", "save: full, sharded or local; export: full or sharded");
 ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
 ABSL_FLAG(std::string, out, "", "export: local directory for the state dict's files");
 ABSL_FLAG(int, chunk_mib, 4, "export: MiB per streamed chunk (1-64); bounds the memory per server stream");
