@@ -25,10 +25,18 @@ namespace {
 // globals may log while they are destroyed, after spdlog's registry is).
 std::atomic<bool> grpc_to_spdlog{false};
 
+// The throttles of gRPC's lines that come as warnings (its errors) and as debug lines, per
+// place in gRPC's source ("ssl_transport_security.cc:123"); never destroyed: gRPC may log
+// at exit.
+LogThrottle& GrpcThrottle(spdlog::level::level_enum level) {
+  static LogThrottle* const warnings = new LogThrottle;
+  static LogThrottle* const debug = new LogThrottle;
+  return level == spdlog::level::warn ? *warnings : *debug;
+}
+
 // gRPC's own lines (a failed TLS handshake on the control port, say: one per connection of
 // a scanner) as the server's, throttled per place in gRPC's source.
 void LogGrpcLine(gpr_log_func_args* args) {
-  static LogThrottle* const throttle = new LogThrottle;  // never destroyed: gRPC may log at exit
   const absl::string_view file = args->file == nullptr ? "" : args->file;
   const absl::string_view base = file.substr(file.rfind('/') + 1);  // npos + 1 == 0: all of it
   const char* const message = args->message == nullptr ? "" : args->message;
@@ -36,10 +44,12 @@ void LogGrpcLine(gpr_log_func_args* args) {
     std::fprintf(stderr, "grpc: %s (%s:%d)\n", message, std::string(base).c_str(), args->line);
     return;
   }
-  const std::optional<int64_t> held_back = throttle->Admit(absl::StrCat(file, ":", args->line));
+  const spdlog::level::level_enum level =
+      args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn : spdlog::level::debug;
+  const std::optional<int64_t> held_back = GrpcThrottle(level).Admit(absl::StrCat(base, ":", args->line));
   if (!held_back.has_value()) return;
-  spdlog::log(args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn : spdlog::level::debug,
-              "grpc: {} ({}:{}){}", message, std::string(base), args->line, LogThrottle::HeldBack(*held_back));
+  spdlog::log(level, "grpc: {} ({}:{}){}", message, std::string(base), args->line,
+              LogThrottle::HeldBack(*held_back));
 }
 
 }  // namespace
@@ -74,6 +84,14 @@ absl::Status ConfigureLogging(const LogOptions& options) {
   if (!grpc_to_spdlog.exchange(true)) std::atexit([] { grpc_to_spdlog.store(false); });
   gpr_set_log_function(&LogGrpcLine);
   return absl::OkStatus();
+}
+
+void LogHeldBackGrpcLines(absl::Time now) {
+  for (const spdlog::level::level_enum level : {spdlog::level::warn, spdlog::level::debug}) {
+    for (const auto& [place, count] : GrpcThrottle(level).TakeHeldBack(now)) {
+      spdlog::log(level, "held back: {} more gRPC lines from {} after the last one logged", count, place);
+    }
+  }
 }
 
 bool WorthAWarning(absl::StatusCode code) {

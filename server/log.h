@@ -7,7 +7,8 @@
 // stop), debug (every RPC with its outcome and time, every data-plane error).
 // gRPC's own lines (GRPC_VERBOSITY: errors by default, such as a failed TLS handshake on
 // the control port) come to the same log once ConfigureLogging ran, as warnings (errors)
-// or debug lines, at most LogThrottle's burst from one place in gRPC per period.
+// or debug lines, at most LogThrottle's burst from one place in gRPC per period; what a
+// place held back is said by its next line let through or by LogHeldBackGrpcLines.
 // The daemon calls ConfigureLogging once at start-up, before any thread logs; the
 // server library then logs through spdlog (spdlog::info(...)), which is thread-safe.
 // Without ConfigureLogging (unit tests) spdlog's own default logger prints at info.
@@ -20,6 +21,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 
 namespace flatshard::server {
 
@@ -32,6 +34,12 @@ struct LogOptions {
 // InvalidArgument naming --log_level for an unknown level; FailedPrecondition naming
 // --log_file when it cannot be opened for appending.
 [[nodiscard]] absl::Status ConfigureLogging(const LogOptions& options);
+
+// Logs, for each place in gRPC's source whose lines were held back in a period that ended
+// by `now` (absl::InfiniteFuture(): whatever was held back), how many, at the level those
+// lines had; the counts start again from 0. The server calls it with its own throttle's
+// summary (every period and when it stops). Thread-safe.
+void LogHeldBackGrpcLines(absl::Time now);
 
 // Whether a request refused with `code` is logged at warning rather than debug: the
 // refusals an operator should see whatever the level (malformed or unauthenticated

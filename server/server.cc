@@ -11,6 +11,7 @@
 #include "core/status_macros.h"
 #include "proto/flatshard.grpc.pb.h"
 #include "proto/keepalive.h"
+#include "server/log.h"
 #include "server/request_log.h"
 #include "tls/certificates.h"
 #include "transport/data_protocol.h"
@@ -226,6 +227,7 @@ void Server::LogHeldBack(absl::Time now) {
   for (const auto& [kind, count] : stats_.warnings.TakeHeldBack(now)) {
     spdlog::warn("held back: {} more warnings of '{}' after the last one logged", count, kind);
   }
+  LogHeldBackGrpcLines(now);
 }
 
 void Server::CheckCluster() {

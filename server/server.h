@@ -136,8 +136,8 @@ class Server {
   // answered once (or Shutdown).
   void CheckCluster();
   std::thread cluster_check_thread_;
-  // Says the warnings held back with none of their kind since (LogThrottle), every period
-  // and at Shutdown.
+  // Says the warnings, and gRPC's own lines (LogHeldBackGrpcLines), held back with none of
+  // their kind since (LogThrottle), every period and at Shutdown.
   void LogHeldBack(absl::Time now);
   std::thread held_back_thread_;
   absl::Notification stopping_;
