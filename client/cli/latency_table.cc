@@ -1,7 +1,9 @@
 #include "client/cli/latency_table.h"
 
 #include <algorithm>
+#include <map>
 #include <ostream>
+#include <utility>
 
 #include "absl/strings/str_format.h"
 
@@ -31,7 +33,16 @@ std::string HumanSeconds(double seconds) {
   return absl::StrFormat("%.2f s", seconds);
 }
 
-void PrintLatencyTable(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses, std::ostream& out) {
+void AddLatencies(const v1::LatencyHistogram& from, v1::LatencyHistogram& into) {
+  if (into.upper_bounds_seconds_size() == 0) *into.mutable_upper_bounds_seconds() = from.upper_bounds_seconds();
+  into.mutable_counts()->Resize(std::max(into.counts_size(), from.counts_size()), 0);
+  for (int i = 0; i < from.counts_size(); ++i) into.set_counts(i, into.counts(i) + from.counts(i));
+  into.set_count(into.count() + from.count());
+  into.set_sum_seconds(into.sum_seconds() + from.sum_seconds());
+}
+
+void PrintLatencyTable(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses, bool per_group,
+                       std::ostream& out) {
   bool header = false;
   // A quantile in the first bucket is only known to be below its bound.
   auto quantile = [](const v1::LatencyHistogram& h, double q) {
@@ -55,10 +66,23 @@ void PrintLatencyTable(const std::vector<absl::StatusOr<v1::ServerStatus>>& stat
   for (const auto& status : statuses) {
     if (!status.ok()) continue;
     for (const v1::NamedLatency& op : status->data_request_seconds()) row(status->rank(), op.name(), op.seconds());
+    if (per_group) {
+      for (const v1::GroupStatus& g : status->groups()) {
+        const std::string group = g.job() + "/" + g.group();
+        row(status->rank(), "reduce " + group, g.reduce_seconds());
+        row(status->rank(), "optimizer " + group, g.optimizer_seconds());
+      }
+      continue;
+    }
+    std::map<std::string, std::pair<v1::LatencyHistogram, v1::LatencyHistogram>> jobs;  // reduce, optimizer
     for (const v1::GroupStatus& g : status->groups()) {
-      const std::string group = g.job() + "/" + g.group();
-      row(status->rank(), "reduce " + group, g.reduce_seconds());
-      row(status->rank(), "optimizer " + group, g.optimizer_seconds());
+      auto& [reduce, optimizer] = jobs[g.job()];
+      AddLatencies(g.reduce_seconds(), reduce);
+      AddLatencies(g.optimizer_seconds(), optimizer);
+    }
+    for (const auto& [job, latencies] : jobs) {
+      row(status->rank(), "reduce " + job + "/*", latencies.first);
+      row(status->rank(), "optimizer " + job + "/*", latencies.second);
     }
   }
 }

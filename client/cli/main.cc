@@ -36,6 +36,8 @@ ABSL_FLAG(int, replica_groups, 1,
 ABSL_FLAG(std::string, memory, "host",
           "layout: the servers' --memory (host, pinned or device; a hybrid job's device servers keep one more "
           "fp32 shard)");
+ABSL_FLAG(bool, groups, false,
+          "status: list every group on every server, however many (past 100 rows the jobs' table sums them up)");
 ABSL_FLAG(std::string, cluster, "",
           "every command that calls servers: every server's control address, comma-separated");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the cluster's token (empty: none)");
@@ -73,7 +75,7 @@ constexpr char kUsage[] =
     "       [--memory=host]\n"
     "                                  read a layout spec (file or stdin) and print the\n"
     "                                  layout per server: shard ranges, memory, tensors\n"
-    "  status --cluster=A0,A1,... [--json]\n"
+    "  status --cluster=A0,A1,... [--json] [--groups]\n"
     "                                  servers, groups, versions, memory and traffic\n"
     "  local-cluster --servers=N [--base_port=P] [--checkpoint_root=DIR]\n"
     "                                  start N servers on 127.0.0.1 and wait; Ctrl-C stops them\n"
@@ -136,6 +138,7 @@ int Status() {
   flatshard::cli::StatusCommandOptions options;
   options.servers = absl::StrSplit(absl::GetFlag(FLAGS_cluster), ',', absl::SkipEmpty());
   options.json = absl::GetFlag(FLAGS_json);
+  options.all_groups = absl::GetFlag(FLAGS_groups);
   if (options.servers.empty()) {
     std::cerr << "flatshard status: --cluster is required\n";
     return 2;

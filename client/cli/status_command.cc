@@ -1,7 +1,9 @@
 #include "client/cli/status_command.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
+#include <set>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -62,6 +64,37 @@ void ReportSplitLoads(const std::vector<absl::StatusOr<v1::ServerStatus>>& statu
         << "): a load did not commit on every server, or a server restarted since; load the checkpoint "
            "again\n";
   }
+}
+
+// A job's groups on every server that answered, as the jobs' table sums them up.
+struct JobGroups {
+  std::set<std::string> names;
+  int64_t min_version = 0;
+  int64_t max_version = 0;
+  int64_t bytes = 0;  // on every server
+};
+
+std::map<std::string, JobGroups> SumUpGroups(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses) {
+  std::map<std::string, JobGroups> jobs;
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    for (const v1::GroupStatus& g : status->groups()) {
+      JobGroups& job = jobs[g.job()];
+      job.min_version = job.names.empty() ? g.version() : std::min(job.min_version, g.version());
+      job.max_version = job.names.empty() ? g.version() : std::max(job.max_version, g.version());
+      job.names.insert(g.group());
+      job.bytes += g.bytes();
+    }
+  }
+  return jobs;
+}
+
+// A job's versions as its row shows them: "-" without groups, "7" when all are at 7,
+// "6-7" in the middle of a step (or with groups stepped apart).
+std::string VersionRange(const JobGroups& job) {
+  if (job.names.empty()) return "-";
+  if (job.min_version == job.max_version) return absl::StrCat(job.min_version);
+  return absl::StrCat(job.min_version, "-", job.max_version);
 }
 
 }  // namespace
@@ -139,17 +172,22 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
                            status->rank(), refused, absl::StrJoin(methods, ", "));
   }
   // Jobs as the first server that answered has them (every server has the same settings,
-  // and the same norms once a step is done).
+  // and the same norms once a step is done); groups: how many the job has, versions: the
+  // lowest and highest of theirs, memory: theirs on every server that answered.
+  const std::map<std::string, JobGroups> job_groups = SumUpGroups(statuses);
   for (const auto& status : statuses) {
     if (!status.ok()) continue;
-    out << absl::StrFormat("\n%-20s %7s %5s %8s %8s %9s %12s %8s\n", "job", "workers", "mode",
-                           "replicas", "max_norm", "skip_inf", "last_norm", "skipped");
+    out << absl::StrFormat("\n%-20s %7s %5s %8s %8s %9s %12s %8s %7s %13s %10s\n", "job", "workers", "mode",
+                           "replicas", "max_norm", "skip_inf", "last_norm", "skipped", "groups", "versions", "memory");
     for (const v1::JobStatus& j : status->jobs()) {
       const std::string last =
           j.last_norm_step() < 0 ? "-" : absl::StrFormat("%.4g@%d", j.last_grad_norm(), j.last_norm_step());
-      out << absl::StrFormat("%-20s %7d %5s %8d %8g %9s %12s %8d\n", j.job(), j.num_workers(), j.mode(),
-                             j.replicas(), j.max_grad_norm(), j.skip_nonfinite() ? "yes" : "no", last,
-                             j.skipped_steps());
+      const auto groups = job_groups.find(j.job());
+      const JobGroups none;
+      const JobGroups& held = groups == job_groups.end() ? none : groups->second;
+      out << absl::StrFormat("%-20s %7d %5s %8d %8g %9s %12s %8d %7d %13s %10s\n", j.job(), j.num_workers(),
+                             j.mode(), j.replicas(), j.max_grad_norm(), j.skip_nonfinite() ? "yes" : "no", last,
+                             j.skipped_steps(), held.names.size(), VersionRange(held), HumanBytes(held.bytes));
     }
     break;
   }
@@ -157,20 +195,32 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
     err << "flatshard status: no server answered\n";
     return exit_code;
   }
-  // shard: the shard of the group's layout this server holds; replica: its replica group
-  // (hybrid sharding; 0 otherwise).
-  // load: the checkpoint load its state comes from ("-": none).
-  out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s %5s %7s %16s\n", "rank", "job/group", "version",
-                         "shard_numel", "memory", "optimizer", "pending", "shard", "replica", "load");
-  for (const auto& status : statuses) {
-    if (!status.ok()) continue;
-    for (const v1::GroupStatus& g : status->groups()) {
-      out << absl::StrFormat("%-4d %-28s %8d %12d %10s %10s %8d %5d %7d %16s\n", status->rank(),
-                             g.job() + "/" + g.group(), g.version(), g.shard_numel(), HumanBytes(g.bytes()),
-                             g.optimizer(), g.pending_contributions(), g.shard(), g.replica(), LoadName(g.load_id()));
+  // A model of many small groups would bury everything after its rows (thousands per
+  // server): past max_group_rows, the jobs' table above sums them up.
+  int group_rows = 0;
+  for (const auto& status : statuses) group_rows += status.ok() ? status->groups_size() : 0;
+  const bool list_groups = options.all_groups || group_rows <= options.max_group_rows;
+  if (list_groups) {
+    // shard: the shard of the group's layout this server holds; replica: its replica group
+    // (hybrid sharding; 0 otherwise).
+    // load: the checkpoint load its state comes from ("-": none).
+    out << absl::StrFormat("\n%-4s %-28s %8s %12s %10s %10s %8s %5s %7s %16s\n", "rank", "job/group", "version",
+                           "shard_numel", "memory", "optimizer", "pending", "shard", "replica", "load");
+    for (const auto& status : statuses) {
+      if (!status.ok()) continue;
+      for (const v1::GroupStatus& g : status->groups()) {
+        out << absl::StrFormat("%-4d %-28s %8d %12d %10s %10s %8d %5d %7d %16s\n", status->rank(),
+                               g.job() + "/" + g.group(), g.version(), g.shard_numel(), HumanBytes(g.bytes()),
+                               g.optimizer(), g.pending_contributions(), g.shard(), g.replica(),
+                               LoadName(g.load_id()));
+      }
     }
+  } else {
+    out << absl::StrFormat("\n%d rows of groups (one per group per server) not listed: the jobs' table sums them up; "
+                           "--groups lists them, --json gives every field\n",
+                           group_rows);
   }
-  PrintLatencyTable(statuses, out);
+  PrintLatencyTable(statuses, list_groups, out);
   ReportSplitLoads(statuses, out);
   // Checkpoint saves and loads under way (each server's tensor bytes).
   for (const auto& status : statuses) {

@@ -1,5 +1,8 @@
 // `flatshard status`: every server's groups, versions, memory and traffic, as a table
-// or as JSON (--json) for scripts. Stateless.
+// or as JSON (--json) for scripts. The jobs' table sums up each job's groups (how many,
+// their versions, their memory on all servers); the table of groups, one row per group
+// per server, is printed when it has at most max_group_rows rows or `all_groups` asks
+// for it, and the latency table then has a row per group, else one per job. Stateless.
 #ifndef FLATSHARD_CLIENT_CLI_STATUS_COMMAND_H_
 #define FLATSHARD_CLIENT_CLI_STATUS_COMMAND_H_
 
@@ -17,6 +20,8 @@ struct StatusCommandOptions {
   std::string token = {};
   CommandTls tls = {};
   bool json = false;
+  bool all_groups = false;    // --groups
+  int max_group_rows = 100;  // more are summed up per job (a model of many small groups)
   absl::Duration timeout = absl::Seconds(5);
 };
 

@@ -1,12 +1,14 @@
 // `flatshard status` (client/cli/status_command.h) against real servers: the table and
 // the JSON describe every server (memory, plane, TLS, kernel threads, groups, calls
-// refused for their credentials), and a server that does not answer makes it fail while
-// the others are still listed.
+// refused for their credentials), the jobs' table sums up each job's groups (which many
+// groups leave to it alone), and a server that does not answer makes it fail while the
+// others are still listed.
 #include "client/cli/status_command.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -73,12 +75,21 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   EXPECT_THAT(table.str(), Not(HasSubstr("server 0: "))) << table.str();
   const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()});
   for (const auto& status : statuses) ASSERT_TRUE(status.ok()) << status.status();
-  // job, workers, mode, replicas, max_norm, skip_inf, last_norm, skipped
-  EXPECT_EQ(Row(table.str(), "status", "1"),
-            (std::vector<std::string>{"status", "1", "sync", "1", "0", "no", "-", "0"}))
+  // job, workers, mode, replicas, max_norm, skip_inf, last_norm, skipped, groups,
+  // versions, memory (2 words: the job's groups on both servers)
+  std::map<std::string, int64_t> job_bytes;
+  for (const auto& status : statuses) {
+    for (const v1::GroupStatus& g : status->groups()) job_bytes[g.job()] += g.bytes();
+  }
+  auto with_memory = [&](std::vector<std::string> row) {
+    const std::vector<std::string> memory = absl::StrSplit(cli::HumanBytes(job_bytes[row[0]]), ' ');
+    row.insert(row.end(), memory.begin(), memory.end());
+    return row;
+  };
+  EXPECT_EQ(Row(table.str(), "status", "1"), with_memory({"status", "1", "sync", "1", "0", "no", "-", "0", "1", "0"}))
       << table.str();
   EXPECT_EQ(Row(table.str(), "hybrid", "2"),
-            (std::vector<std::string>{"hybrid", "2", "sync", "2", "0", "no", "-", "0"}))
+            with_memory({"hybrid", "2", "sync", "2", "0", "no", "-", "0", "1", "1"}))  // stepped once
       << table.str();
   for (int rank = 0; rank < 2; ++rank) {
     const std::string r = std::to_string(rank);
@@ -123,6 +134,32 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     }
     EXPECT_EQ(table.str().find("reduce status/g"), std::string::npos) << table.str();
   }
+
+  // Past max_group_rows (4 rows here: a group of each job on each server) the groups are
+  // summed up by the jobs' table, and their times by a row per job; --groups lists them.
+  options.max_group_rows = 3;
+  std::ostringstream summed;
+  ASSERT_EQ(cli::RunStatusCommand(options, summed, err), 0) << err.str();
+  EXPECT_THAT(summed.str(), HasSubstr("\n4 rows of groups (one per group per server) not listed: the jobs' table "
+                                      "sums them up; --groups lists them"))
+      << summed.str();
+  EXPECT_THAT(summed.str(), Not(HasSubstr("job/group"))) << summed.str();
+  EXPECT_EQ(Row(summed.str(), "hybrid", "2"), Row(table.str(), "hybrid", "2")) << summed.str();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(Row(summed.str(), std::to_string(rank), "reduce").at(2), "hybrid/*") << summed.str();
+    EXPECT_EQ(Row(summed.str(), std::to_string(rank), "optimizer").at(3), "1") << summed.str();
+  }
+  options.all_groups = true;
+  std::ostringstream listed;
+  ASSERT_EQ(cli::RunStatusCommand(options, listed, err), 0) << err.str();
+  for (const std::string rank : {"0", "1"}) {
+    for (const std::string what : {"status/g", "hybrid/h"}) {
+      EXPECT_EQ(Row(listed.str(), rank, what), Row(table.str(), rank, what)) << listed.str();
+    }
+    EXPECT_EQ(Row(listed.str(), rank, "reduce").at(2), "hybrid/h") << listed.str();
+  }
+  options.all_groups = false;
+  options.max_group_rows = cli::StatusCommandOptions().max_group_rows;
 
   options.json = true;
   std::ostringstream json;
