@@ -1,8 +1,11 @@
 #include "flatshard/client.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
+#include <string>
 #include <variant>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -46,6 +49,16 @@ v1::OptimizerSettings OptimizerToProto(const OptimizerOptions& optimizer) {
     out->set_decoupled_weight_decay(adam.decoupled_weight_decay);
   }
   return proto;
+}
+
+// "group 'g'", or "3 groups ('a', 'b', 'c')", "1000 groups ('a', 'b', 'c', ...)": what a
+// wait for `groups` names in its errors.
+std::string GroupsNamed(const std::vector<std::string>& groups) {
+  if (groups.size() == 1) return absl::StrCat("group '", groups[0], "'");
+  constexpr size_t kNamed = 3;
+  std::string named;
+  for (size_t i = 0; i < std::min(groups.size(), kNamed); ++i) absl::StrAppend(&named, i ? ", '" : "'", groups[i], "'");
+  return absl::StrCat(groups.size(), " groups (", named, groups.size() > kNamed ? ", ...)" : ")");
 }
 
 // Data connections (and NCCL links) per server: beyond this, threads and sockets are
@@ -192,23 +205,35 @@ class ClientImpl final : public Client {
   std::vector<std::string> DataPlanes() const override { return transfers_->PlaneNames(); }
 
   absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version, std::stop_token stop) override {
+    FLATSHARD_ASSIGN_OR_RETURN(const std::vector<int64_t> versions,
+                               WaitVersions({group}, min_version, std::move(stop)));
+    return versions[0];
+  }
+
+  absl::StatusOr<std::vector<int64_t>> WaitVersions(const std::vector<std::string>& groups, int64_t min_version,
+                                                    std::stop_token stop) override {
+    if (groups.empty()) return absl::InvalidArgumentError("WaitVersions names no group");
     v1::WaitVersionRequest request;
     request.set_job(options_.job);
-    request.set_group(group);
+    request.mutable_groups()->Add(groups.begin(), groups.end());
     request.set_min_version(min_version);
-    int64_t version = std::numeric_limits<int64_t>::max();
+    std::vector<int64_t> versions(groups.size(), std::numeric_limits<int64_t>::max());
     for (int i : ReplicaServers()) {
       v1::WaitVersionResponse response;
       const absl::Status waited = control_->Call(i, &v1::Flatshard::Stub::PrepareAsyncWaitVersion, request, &response,
                                                  absl::ZeroDuration(), nullptr, stop);
       if (!waited.ok() && stop.stop_requested()) {
         return absl::CancelledError(
-            absl::StrCat("the wait for version ", min_version, " of group '", group, "' was stopped"));
+            absl::StrCat("the wait for version ", min_version, " of ", GroupsNamed(groups), " was stopped"));
       }
       FLATSHARD_RETURN_IF_ERROR(waited);
-      version = std::min(version, response.version());
+      if (response.versions_size() != static_cast<int>(groups.size())) {
+        return absl::InternalError(absl::StrCat("server ", options_.servers[i], " answered ", response.versions_size(),
+                                                " versions for ", groups.size(), " groups"));
+      }
+      for (size_t g = 0; g < groups.size(); ++g) versions[g] = std::min(versions[g], response.versions(g));
     }
-    return version;
+    return versions;
   }
 
   absl::StatusOr<double> GradNorm(int64_t step, std::stop_token stop) override {

@@ -379,6 +379,10 @@ class PyClient {
     return Check(Stoppable([&](std::stop_token stop) { return client_->WaitVersion(name, min_version, stop); }));
   }
 
+  std::vector<int64_t> WaitVersions(const std::vector<std::string>& names, int64_t min_version) {
+    return Check(Stoppable([&](std::stop_token stop) { return client_->WaitVersions(names, min_version, stop); }));
+  }
+
   double GradNorm(int64_t step) {
     return Check(Stoppable([&](std::stop_token stop) { return client_->GradNorm(step, stop); }));
   }
@@ -537,6 +541,7 @@ PYBIND11_MODULE(_native, m) {
       .def("gather", &PyClient::Gather)
       .def("scatter", &PyClient::Scatter)
       .def("wait_version", &PyClient::WaitVersion)
+      .def("wait_versions", &PyClient::WaitVersions)
       .def("grad_norm", &PyClient::GradNorm)
       .def("set_hyperparams", &PyClient::SetHyperparams)
       .def("save_checkpoint", &PyClient::SaveCheckpoint)

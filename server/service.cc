@@ -7,6 +7,8 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -315,11 +317,24 @@ grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,
                                            const v1::WaitVersionRequest* request,
                                            v1::WaitVersionResponse* response) {
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
-  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
-  if (!group.ok()) return ToGrpc(group.status());
-  absl::StatusOr<int64_t> version = (*group)->WaitVersion(request->min_version(), WaitDeadline(ctx), CallerGoneOf(ctx));
-  if (!version.ok()) return ToGrpc(version.status());
-  response->set_version(*version);
+  if (request->groups().empty()) return ToGrpc(absl::InvalidArgumentError("WaitVersion names no group"));
+  // Every group is found before any wait: a name that is wrong fails the call at once.
+  std::vector<std::shared_ptr<Group>> groups;
+  groups.reserve(request->groups_size());
+  for (const std::string& name : request->groups()) {
+    absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), name);
+    if (!group.ok()) return ToGrpc(group.status());
+    groups.push_back(*std::move(group));
+  }
+  // One after the other: the groups step meanwhile, so the call lasts as long as the
+  // slowest of them takes to get there.
+  const absl::Time deadline = WaitDeadline(ctx);
+  const CallerGone caller_gone = CallerGoneOf(ctx);
+  for (const std::shared_ptr<Group>& group : groups) {
+    absl::StatusOr<int64_t> version = group->WaitVersion(request->min_version(), deadline, caller_gone);
+    if (!version.ok()) return ToGrpc(version.status());
+    response->add_versions(*version);
+  }
   return grpc::Status::OK;
 }
 

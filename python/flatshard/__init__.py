@@ -385,6 +385,12 @@ class Client:
         Ctrl-C ends the wait at once (KeyboardInterrupt), as it does in grad_norm."""
         return self._native.wait_version(name, int(min_version))
 
+    def wait_versions(self, names, min_version):
+        """wait_version for several groups in one call per server (a step's groups: one
+        round trip rather than one per group); returns their versions in `names`' order.
+        A name the servers do not have raises NotFoundError before any wait."""
+        return self._native.wait_versions(list(names), int(min_version))
+
     def grad_norm(self, step):
         """The job's total gradient norm at `step`, before clipping (what
         torch.nn.utils.clip_grad_norm_ returns); waits until the step is reduced. The job

@@ -413,12 +413,13 @@ class ShardedModule(torch.nn.Module):
                             other.pending_scatter.cancel()
         if error is not None:
             raise error
-        for group in self._groups:
-            # Past the next version only if a load moved the group: this worker's next
-            # gradient makes the one after.
-            reached = self._client.wait_version(group.name, self._step + 1)
+        # One call per server for every group. Past the next version only if a load moved
+        # the group: this worker's next gradient makes the one after.
+        names = [group.name for group in self._groups]
+        for reached in (self._client.wait_versions(names, self._step + 1) if names else []):
             if reached != self._step + 1:
                 raise self._moved(reached, self._step)
+        for group in self._groups:
             self._wait_gather(group)  # a prefetch nobody waited for: its buffer is ours again
 
     def _resume_after_load(self):

@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -444,6 +446,51 @@ TEST(InitGroupTest, UnpaddedAndPaddedValuesLandAlikeOnEveryShard) {
       }
     }
   }
+}
+
+// WaitVersions waits for a step's groups in one call per server: it returns once the last
+// of them reaches the version on both servers, with each group's version; a name the
+// servers do not have is refused at once, naming it, rather than after the others' wait;
+// a stopped wait says how many groups it waited for and names the first.
+TEST(WaitVersionsTest, ReturnsOnceEveryGroupIsThere) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto worker = cluster.Connect(0, 1);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  Client& client = **worker;
+  ASSERT_TRUE(client.ConfigureJob({}).ok());
+  std::vector<float> grad;
+  for (const char* name : {"a", "b", "c", "d"}) {
+    auto layout = client.RegisterGroup(name, {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    grad.assign((*layout)->padded_numel(), 1.0f);
+  }
+  EXPECT_EQ(client.WaitVersions({"a", "b", "c"}, 0).value_or(std::vector<int64_t>{}),
+            (std::vector<int64_t>{0, 0, 0}));
+
+  auto both = std::async(std::launch::async, [&] { return client.WaitVersions({"a", "b"}, 1); });
+  ASSERT_TRUE(client.Scatter("a", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  ASSERT_EQ(client.WaitVersion("a", 1).value_or(-1), 1);
+  EXPECT_EQ(both.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout) << "'b' is still at 0";
+  ASSERT_TRUE(client.Scatter("b", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  EXPECT_EQ(both.get().value_or(std::vector<int64_t>{}), (std::vector<int64_t>{1, 1}));
+  // Versions as they are: "c" never stepped.
+  EXPECT_EQ(client.WaitVersions({"c", "a"}, 0).value_or(std::vector<int64_t>{}), (std::vector<int64_t>{0, 1}));
+
+  const absl::Time start = absl::Now();
+  const absl::StatusOr<std::vector<int64_t>> missing = client.WaitVersions({"c", "nope"}, 5);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("'nope'"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "refused before waiting for 'c'";
+  EXPECT_EQ(client.WaitVersions({}, 0).status().code(), absl::StatusCode::kInvalidArgument);
+
+  std::stop_source stop;
+  auto stopped = std::async(std::launch::async,
+                            [&] { return client.WaitVersions({"a", "b", "c", "d"}, 2, stop.get_token()); });
+  absl::SleepFor(absl::Milliseconds(200));  // no step comes
+  stop.request_stop();
+  const absl::StatusOr<std::vector<int64_t>> waited = stopped.get();
+  EXPECT_TRUE(absl::IsCancelled(waited.status())) << waited.status();
+  EXPECT_EQ(waited.status().message(), "the wait for version 2 of 4 groups ('a', 'b', 'c', ...) was stopped");
 }
 
 // The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the

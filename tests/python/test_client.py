@@ -254,6 +254,23 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(flatshard.InvalidArgumentError):
             operator.export_state_dict(self.root.name + "/unused", cut="soon")
 
+    def test_wait_versions_answers_for_several_groups_in_one_call(self):
+        c = self.client(job="waits")
+        c.configure_job()
+        for name in ("a", "b"):
+            c.register_group(name, TENSORS, flatshard.SGD(lr=0.1))
+        self.assertEqual(c.wait_versions(["a", "b"], 0), [0, 0])
+        c.scatter("a", values(1), 0)
+        self.assertEqual(c.wait_versions(("b", "a"), 0), [0, 1])
+        self.assertEqual(c.wait_versions(["a"], 1), [1])
+        start = time.monotonic()
+        with self.assertRaises(flatshard.NotFoundError) as missing:
+            c.wait_versions(["a", "nope"], 2)  # refused before any wait
+        self.assertIn("'nope'", missing.exception.message)
+        self.assertLess(time.monotonic() - start, 5)
+        with self.assertRaises(flatshard.InvalidArgumentError):
+            c.wait_versions([], 0)
+
     def test_a_load_ends_a_wait_for_a_version_it_took_away(self):
         workers = [self.client(r, 2, job="reload") for r in range(2)]
         for w in workers:

@@ -276,6 +276,13 @@ class Client {
   [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version,
                                                             std::stop_token stop = {}) = 0;
 
+  // WaitVersion for several groups in one call per server (a step's groups: one round
+  // trip rather than one per group): their versions, in `groups`' order. InvalidArgument
+  // for no group; NotFound naming a group the servers do not have, before any wait.
+  [[nodiscard]] virtual absl::StatusOr<std::vector<int64_t>> WaitVersions(const std::vector<std::string>& groups,
+                                                                          int64_t min_version,
+                                                                          std::stop_token stop = {}) = 0;
+
   // The job's total gradient norm at `step`, before clipping (what
   // torch.nn.utils.clip_grad_norm_ returns), for logging; waits until the step is
   // reduced. The job must clip or skip non-finite steps (JobOptions::max_grad_norm,
