@@ -217,19 +217,22 @@ class ClientImpl final : public Client {
     request.set_job(options_.job);
     request.mutable_groups()->Add(groups.begin(), groups.end());
     request.set_min_version(min_version);
+    // Every server of the replica group at once: one round trip, and the longest wait.
+    const std::vector<int> servers = ReplicaServers();
+    std::vector<v1::WaitVersionResponse> responses;
+    const absl::Status waited =
+        control_->CallEach(servers, &v1::Flatshard::Stub::PrepareAsyncWaitVersion, request, responses, stop);
+    if (!waited.ok() && stop.stop_requested()) {
+      return absl::CancelledError(
+          absl::StrCat("the wait for version ", min_version, " of ", GroupsNamed(groups), " was stopped"));
+    }
+    FLATSHARD_RETURN_IF_ERROR(waited);
     std::vector<int64_t> versions(groups.size(), std::numeric_limits<int64_t>::max());
-    for (int i : ReplicaServers()) {
-      v1::WaitVersionResponse response;
-      const absl::Status waited = control_->Call(i, &v1::Flatshard::Stub::PrepareAsyncWaitVersion, request, &response,
-                                                 absl::ZeroDuration(), nullptr, stop);
-      if (!waited.ok() && stop.stop_requested()) {
-        return absl::CancelledError(
-            absl::StrCat("the wait for version ", min_version, " of ", GroupsNamed(groups), " was stopped"));
-      }
-      FLATSHARD_RETURN_IF_ERROR(waited);
+    for (size_t k = 0; k < servers.size(); ++k) {
+      const v1::WaitVersionResponse& response = responses[k];
       if (response.versions_size() != static_cast<int>(groups.size())) {
-        return absl::InternalError(absl::StrCat("server ", options_.servers[i], " answered ", response.versions_size(),
-                                                " versions for ", groups.size(), " groups"));
+        return absl::InternalError(absl::StrCat("server ", options_.servers[servers[k]], " answered ",
+                                                response.versions_size(), " versions for ", groups.size(), " groups"));
       }
       for (size_t g = 0; g < groups.size(); ++g) versions[g] = std::min(versions[g], response.versions(g));
     }

@@ -52,15 +52,21 @@ absl::Status ControlPlane::Stopped(size_t server) const {
   return absl::CancelledError(absl::StrCat("server ", servers_[server], ": the call was stopped"));
 }
 
-void ControlPlane::AwaitOnlyEvent(grpc::CompletionQueue& queue) {
+void ControlPlane::AwaitEvents(grpc::CompletionQueue& queue, size_t events,
+                               const std::function<void(void*)>& on_event) {
   void* tag = nullptr;
   bool ok = false;
-  if (const std::function<void()>* hook = ThreadWaitHook()) {
-    while (queue.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + kWaitSlice)) == grpc::CompletionQueue::TIMEOUT) {
-      (*hook)();
+  const std::function<void()>* hook = ThreadWaitHook();
+  for (size_t seen = 0; seen < events; ++seen) {
+    if (hook == nullptr) {
+      (void)queue.Next(&tag, &ok);
+    } else {
+      while (queue.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + kWaitSlice)) ==
+             grpc::CompletionQueue::TIMEOUT) {
+        (*hook)();
+      }
     }
-  } else {
-    (void)queue.Next(&tag, &ok);
+    on_event(tag);
   }
   queue.Shutdown();
   while (queue.Next(&tag, &ok)) {

@@ -72,10 +72,48 @@ class ControlPlane {
           (stubs_[server].get()->*method)(&ctx, request, &queue);
       call->StartCall();
       call->Finish(response, &status, &queue);
-      AwaitOnlyEvent(queue);
+      AwaitEvents(queue, 1, [](void*) {});
     }
     if (!status.ok() && stop.stop_requested()) return Stopped(server);
     return Named(server, status);
+  }
+
+  // Call on each of `servers` at once, within the client's timeout: the calls share one
+  // completion queue driven on this thread (no thread per server), so they take one round
+  // trip and the longest wait rather than their sum. `responses` gets one per server, in
+  // `servers`' order. The first call to fail cancels the others and its error is returned
+  // (Cancelled "... the call was stopped" when `stop` ended them).
+  template <typename Request, typename Response>
+  [[nodiscard]] absl::Status CallEach(const std::vector<int>& servers, Method<Request, Response> method,
+                                      const Request& request, std::vector<Response>& responses,
+                                      std::stop_token stop = {}) const {
+    std::vector<grpc::ClientContext> contexts(servers.size());  // neither copied nor moved
+    std::vector<grpc::Status> statuses(servers.size());
+    responses.assign(servers.size(), Response());
+    for (grpc::ClientContext& ctx : contexts) Prepare(ctx);
+    auto cancel_all = [&contexts] {
+      for (grpc::ClientContext& ctx : contexts) ctx.TryCancel();
+    };
+    const std::stop_callback stopped(stop, cancel_all);
+    grpc::CompletionQueue queue;
+    const grpc::Status* failed = nullptr;  // the first call to fail
+    {
+      std::vector<std::unique_ptr<grpc::ClientAsyncResponseReader<Response>>> calls;
+      for (size_t k = 0; k < servers.size(); ++k) {
+        calls.push_back((stubs_[servers[k]].get()->*method)(&contexts[k], request, &queue));
+        calls.back()->StartCall();
+        calls.back()->Finish(&responses[k], &statuses[k], &statuses[k]);
+      }
+      AwaitEvents(queue, servers.size(), [&](void* tag) {
+        const auto* status = static_cast<const grpc::Status*>(tag);
+        if (status->ok() || failed != nullptr) return;
+        failed = status;
+        cancel_all();
+      });
+    }
+    if (failed == nullptr) return absl::OkStatus();
+    const int server = servers[failed - statuses.data()];
+    return stop.stop_requested() ? Stopped(server) : Named(server, *failed);
   }
 
   // Call on every server in rank order; stops at the first error.
@@ -126,9 +164,10 @@ class ControlPlane {
  private:
   ControlPlane(const ClientOptions& options, ControlCredentials credentials,
                std::vector<std::unique_ptr<v1::Flatshard::Stub>> stubs);
-  // Waits for the one event of a call on `queue`, calling this thread's wait hook every
-  // kWaitSlice meanwhile, then shuts `queue` down and drains it.
-  static void AwaitOnlyEvent(grpc::CompletionQueue& queue);
+  // Waits for `events` events (one per call) on `queue`, handing each one's tag to
+  // `on_event` and calling this thread's wait hook every kWaitSlice meanwhile, then shuts
+  // `queue` down and drains it.
+  static void AwaitEvents(grpc::CompletionQueue& queue, size_t events, const std::function<void(void*)>& on_event);
 
   const std::vector<std::string> servers_;
   const std::string token_;

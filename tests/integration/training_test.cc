@@ -2,9 +2,11 @@
 // count, so some shards hold only padding) for 20 steps with mixed gather and scatter
 // dtypes. The parameters must equal a single-process computation of the same math
 // bit for bit. Hybrid sharding: 4 servers in 2 replica groups, 4 workers, the same.
+// Also: InitGroup's shards, and WaitVersions, which a step's wait for its groups uses.
 #include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <chrono>
@@ -451,7 +453,8 @@ TEST(InitGroupTest, UnpaddedAndPaddedValuesLandAlikeOnEveryShard) {
 // WaitVersions waits for a step's groups in one call per server: it returns once the last
 // of them reaches the version on both servers, with each group's version; a name the
 // servers do not have is refused at once, naming it, rather than after the others' wait;
-// a stopped wait says how many groups it waited for and names the first.
+// a stopped wait says how many groups it waited for and names the first three; a server
+// that goes away ends the wait at once.
 TEST(WaitVersionsTest, ReturnsOnceEveryGroupIsThere) {
   testing::TestCluster cluster(2, "tok", ::testing::TempDir());
   auto worker = cluster.Connect(0, 1);
@@ -491,6 +494,17 @@ TEST(WaitVersionsTest, ReturnsOnceEveryGroupIsThere) {
   const absl::StatusOr<std::vector<int64_t>> waited = stopped.get();
   EXPECT_TRUE(absl::IsCancelled(waited.status())) << waited.status();
   EXPECT_EQ(waited.status().message(), "the wait for version 2 of 4 groups ('a', 'b', 'c', ...) was stopped");
+
+  // The servers are waited for at once: one that goes away ends the call then, not once
+  // the other's wait runs into the client's 30 s timeout.
+  auto orphaned = std::async(std::launch::async, [&] { return client.WaitVersions({"a", "b"}, 2); });
+  absl::SleepFor(absl::Milliseconds(200));
+  const absl::Time killed = absl::Now();
+  cluster.Signal(1, SIGKILL);
+  const absl::StatusOr<std::vector<int64_t>> lost = orphaned.get();
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kUnavailable) << lost.status();
+  EXPECT_THAT(std::string(lost.status().message()), HasSubstr(cluster.addresses()[1])) << lost.status();
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
 }
 
 // The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the
