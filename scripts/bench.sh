@@ -9,6 +9,16 @@ echo
 echo "== data plane, optimizer, latency (ratios to iperf3, triad bandwidth, gRPC no-op) =="
 "$build_dir/bin/cluster_bench" ${BENCH_ARGS:-}
 
+# ShardedModule's step: where the Python package was built (python3-dev, pybind11-dev,
+# python3-torch: what `make test` installs).
+echo
+echo "== flatshard.torch.ShardedModule step (ratio to torch.optim in one process, same run) =="
+if [[ -d "$build_dir/python/flatshard" ]] && /usr/bin/python3 -c "import torch" 2>/dev/null; then
+  PYTHONPATH="$build_dir/python" /usr/bin/python3 bench/sharded_module_bench.py
+else
+  echo "skipped: no Python package in $build_dir/python or no torch for /usr/bin/python3"
+fi
+
 # GPU rows: only where this build has CUDA and the machine a device.
 if [[ -x "$build_dir/bin/kernels_cuda_bench" ]]; then
   echo
