@@ -12,6 +12,7 @@
 
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <stop_token>
 #include <string>
 #include <vector>
@@ -78,19 +79,19 @@ class ControlPlane {
     return Named(server, status);
   }
 
-  // Call on each of `servers` at once, within the client's timeout: the calls share one
-  // completion queue driven on this thread (no thread per server), so they take one round
-  // trip and the longest wait rather than their sum. `responses` gets one per server, in
-  // `servers`' order. The first call to fail cancels the others and its error is returned
-  // (Cancelled "... the call was stopped" when `stop` ended them).
+  // Call on each of `servers` at once, within `timeout` (zero: the client's): the calls
+  // share one completion queue driven on this thread (no thread per server), so they take
+  // one round trip and the longest wait rather than their sum. `responses` gets one per
+  // server, in `servers`' order. The first call to fail cancels the others and its error
+  // is returned (Cancelled "... the call was stopped" when `stop` ended them).
   template <typename Request, typename Response>
   [[nodiscard]] absl::Status CallEach(const std::vector<int>& servers, Method<Request, Response> method,
                                       const Request& request, std::vector<Response>& responses,
-                                      std::stop_token stop = {}) const {
+                                      std::stop_token stop = {}, absl::Duration timeout = absl::ZeroDuration()) const {
     std::vector<grpc::ClientContext> contexts(servers.size());  // neither copied nor moved
     std::vector<grpc::Status> statuses(servers.size());
     responses.assign(servers.size(), Response());
-    for (grpc::ClientContext& ctx : contexts) Prepare(ctx);
+    for (grpc::ClientContext& ctx : contexts) Prepare(ctx, timeout);
     auto cancel_all = [&contexts] {
       for (grpc::ClientContext& ctx : contexts) ctx.TryCancel();
     };
@@ -128,20 +129,18 @@ class ControlPlane {
     return absl::OkStatus();
   }
 
-  // Call on server 0, then, if it succeeded, on all the others at once, within
+  // Call on server 0, then, if it succeeded, on all the others at once (CallEach), within
   // model_timeout(): for calls whose work grows with the model, which then take as long
   // as the slowest server rather than the sum. Server 0 still decides between callers
-  // racing with different requests, as with CallAll. `response` is server 0's; the first
-  // error in rank order wins.
+  // racing with different requests, as with CallAll. `response` is server 0's.
   template <typename Request, typename Response>
   [[nodiscard]] absl::Status CallServerZeroThenOthers(Method<Request, Response> method, const Request& request,
                                                       Response* response, std::stop_token stop = {}) const {
     FLATSHARD_RETURN_IF_ERROR(Call(0, method, request, response, model_timeout_, nullptr, stop));
-    return OnAllServersInParallel([&](size_t i) {
-      if (i == 0) return absl::OkStatus();
-      Response other;
-      return Call(i, method, request, &other, model_timeout_, nullptr, stop);
-    });
+    std::vector<int> others(stubs_.size() - 1);
+    std::iota(others.begin(), others.end(), 1);
+    std::vector<Response> ignored;
+    return CallEach(others, method, request, ignored, stop, model_timeout_);
   }
 
   // Runs `call(server)` for every server at once, each on a thread of its own, and waits

@@ -202,7 +202,7 @@ class ShardedModule(torch.nn.Module):
         if c.worker_rank == 0:
             if checkpoint:
                 c.load_checkpoint(checkpoint)
-            elif all(c.version(group.name) == 0 for group in self._groups or self._all_groups()):
+            elif not any(c.wait_versions([group.name for group in self._groups or self._all_groups()], 0)):
                 for group in self._all_groups():
                     c.init_group(group.name, {fqn: initial[fqn] for fqn, _ in group.params})
         barrier = self._barrier_client()
