@@ -137,7 +137,8 @@ class ClientImpl final : public Client {
     *request.mutable_optimizer() = OptimizerToProto(optimizer);
     v1::RegisterGroupResponse response;
     FLATSHARD_RETURN_IF_ERROR(
-        control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncRegisterGroup, request, &response, stop));
+        control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncRegisterGroup, request, &response,
+                                           control_->model_timeout(), stop));
     // The layout is over one replica group (the servers know the job's replica groups).
     const int replicas = std::max(1, response.replicas());
     FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
@@ -183,7 +184,8 @@ class ClientImpl final : public Client {
     request.set_group(group);
     request.set_seed(seed);
     v1::InitGroupResponse response;
-    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncInitGroup, request, &response, stop);
+    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncInitGroup, request, &response,
+                                              control_->model_timeout(), stop);
   }
 
   std::future<absl::StatusOr<int64_t>> Gather(const std::string& group, int64_t min_version, DType dtype,
@@ -280,14 +282,19 @@ class ClientImpl final : public Client {
 
   void CancelCheckpointCalls() override { checkpoints_->CancelAll(); }
 
-  absl::Status SetHyperparams(const std::string& group, const OptimizerOptions& optimizer,
-                              std::stop_token stop) override {
+  using Client::SetHyperparams;
+  absl::Status SetHyperparams(const std::vector<GroupOptimizer>& groups, std::stop_token stop) override {
+    if (groups.empty()) return absl::InvalidArgumentError("SetHyperparams names no group");
     v1::SetHyperparamsRequest request;
     request.set_job(options_.job);
-    request.set_group(group);
-    *request.mutable_optimizer() = OptimizerToProto(optimizer);
+    for (const GroupOptimizer& group : groups) {
+      v1::GroupOptimizer* entry = request.add_groups();
+      entry->set_group(group.group);
+      *entry->mutable_optimizer() = OptimizerToProto(group.optimizer);
+    }
     v1::SetHyperparamsResponse response;
-    return control_->CallAll(&v1::Flatshard::Stub::PrepareAsyncSetHyperparams, request, &response, stop);
+    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncSetHyperparams, request, &response,
+                                              absl::ZeroDuration(), stop);
   }
 
  private:

@@ -129,18 +129,21 @@ class ControlPlane {
     return absl::OkStatus();
   }
 
-  // Call on server 0, then, if it succeeded, on all the others at once (CallEach), within
-  // model_timeout(): for calls whose work grows with the model, which then take as long
-  // as the slowest server rather than the sum. Server 0 still decides between callers
-  // racing with different requests, as with CallAll. `response` is server 0's.
+  // Call on server 0, then, if it succeeded, on all the others at once (CallEach), each
+  // within `timeout` (zero: the client's; model_timeout() for calls whose work grows
+  // with the model): the others take as long as the slowest of them rather than the
+  // sum. Server 0 still decides between callers racing with different requests, as with
+  // CallAll, and a call stopped while server 0 has it reaches no other server.
+  // `response` is server 0's.
   template <typename Request, typename Response>
   [[nodiscard]] absl::Status CallServerZeroThenOthers(Method<Request, Response> method, const Request& request,
-                                                      Response* response, std::stop_token stop = {}) const {
-    FLATSHARD_RETURN_IF_ERROR(Call(0, method, request, response, model_timeout_, nullptr, stop));
+                                                      Response* response, absl::Duration timeout,
+                                                      std::stop_token stop = {}) const {
+    FLATSHARD_RETURN_IF_ERROR(Call(0, method, request, response, timeout, nullptr, stop));
     std::vector<int> others(stubs_.size() - 1);
     std::iota(others.begin(), others.end(), 1);
     std::vector<Response> ignored;
-    return CallEach(others, method, request, ignored, stop, model_timeout_);
+    return CallEach(others, method, request, ignored, stop, timeout);
   }
 
   // Runs `call(server)` for every server at once, each on a thread of its own, and waits

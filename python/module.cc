@@ -387,9 +387,11 @@ class PyClient {
     return Check(Stoppable([&](std::stop_token stop) { return client_->GradNorm(step, stop); }));
   }
 
-  void SetHyperparams(const std::string& name, const py::dict& optimizer) {
-    const OptimizerOptions options = ToOptimizer(optimizer);
-    Check(Stoppable([&](std::stop_token stop) { return client_->SetHyperparams(name, options, stop); }));
+  // [(group, optimizer settings)]: one call per server for all of them.
+  void SetHyperparams(const std::vector<std::pair<std::string, py::dict>>& groups) {
+    std::vector<GroupOptimizer> settings;
+    for (const auto& [name, optimizer] : groups) settings.push_back({name, ToOptimizer(optimizer)});
+    Check(Stoppable([&](std::stop_token stop) { return client_->SetHyperparams(settings, stop); }));
   }
 
   void SaveCheckpoint(const std::string& name, const std::string& kind, bool optimizer, bool async,

@@ -706,6 +706,12 @@ absl::Status Group::SetOptimizer(const OptimizerConfig& optimizer) {
   return optimizer_.SetConfig(optimizer);
 }
 
+absl::Status Group::CheckOptimizer(const OptimizerConfig& optimizer) const {
+  FLATSHARD_RETURN_IF_ERROR(ValidateOptimizer(optimizer));
+  absl::MutexLock lock(&mu_);
+  return optimizer_.CheckConfig(optimizer);
+}
+
 absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadline) const {
   absl::MutexLock lock(&mu_);
   FLATSHARD_RETURN_IF_ERROR(AwaitCut(version, deadline));

@@ -387,6 +387,9 @@ class Group {
 
   // New hyper-parameters from the next step on (same optimizer kind).
   [[nodiscard]] absl::Status SetOptimizer(const OptimizerConfig& optimizer);
+  // What SetOptimizer would refuse before it changes anything: settings out of range
+  // (InvalidArgument) or another optimizer kind (FailedPrecondition).
+  [[nodiscard]] absl::Status CheckOptimizer(const OptimizerConfig& optimizer) const;
 
   GroupStats stats() const;
   // Durations of this group's steps on this server (GroupStatus.reduce_seconds and

@@ -127,11 +127,14 @@ absl::Status ShardOptimizer::Step(float* params, const float* grad) {
   return absl::OkStatus();
 }
 
+absl::Status ShardOptimizer::CheckConfig(const OptimizerConfig& config) const {
+  if (config.index() == config_.index()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("optimizer is ", OptimizerName(config_), "; cannot switch to ", OptimizerName(config)));
+}
+
 absl::Status ShardOptimizer::SetConfig(const OptimizerConfig& config) {
-  if (config.index() != config_.index()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "optimizer is ", OptimizerName(config_), "; cannot switch to ", OptimizerName(config)));
-  }
+  FLATSHARD_RETURN_IF_ERROR(CheckConfig(config));
   const OptimizerConfig previous = config_;
   config_ = config;
   absl::Status allocated = AllocateState();

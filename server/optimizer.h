@@ -56,8 +56,10 @@ class ShardOptimizer {
   // when frozen.
   [[nodiscard]] absl::Status Step(float* params, const float* grad);
   // Replaces the hyper-parameters, allocating state that momentum or amsgrad now needs;
-  // FailedPrecondition if the kind (SGD vs Adam) differs.
+  // FailedPrecondition (CheckConfig) if the kind (SGD vs Adam) differs.
   [[nodiscard]] absl::Status SetConfig(const OptimizerConfig& config);
+  // What SetConfig would refuse before it allocates anything: another kind.
+  [[nodiscard]] absl::Status CheckConfig(const OptimizerConfig& config) const;
   // Forgets all state (after re-initialization of the parameters).
   [[nodiscard]] absl::Status Reset();
 

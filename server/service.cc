@@ -306,11 +306,33 @@ grpc::Status FlatshardService::SetHyperparams(grpc::ServerContext* ctx,
                                               const v1::SetHyperparamsRequest* request,
                                               v1::SetHyperparamsResponse*) {
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
-  absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), request->group());
-  if (!group.ok()) return ToGrpc(group.status());
-  absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(request->optimizer());
-  if (!optimizer.ok()) return ToGrpc(optimizer.status());
-  return ToGrpc((*group)->SetOptimizer(*optimizer));
+  if (request->groups().empty()) return ToGrpc(absl::InvalidArgumentError("SetHyperparams names no group"));
+  // A refusal names its group (one call changes many).
+  auto of_group = [](const std::string& name, const absl::Status& status) {
+    return ToGrpc(absl::Status(status.code(), absl::StrCat("group '", name, "': ", status.message())));
+  };
+  // Every group is found and its settings checked before any changes: a wrong name or
+  // setting changes nothing. Only memory for new state (momentum, amsgrad) can still
+  // fail below, leaving the groups before it changed.
+  std::vector<std::pair<std::shared_ptr<Group>, OptimizerConfig>> changes;
+  changes.reserve(request->groups_size());
+  for (const v1::GroupOptimizer& entry : request->groups()) {
+    absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), entry.group());
+    if (!group.ok()) return ToGrpc(group.status());
+    absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(entry.optimizer());
+    if (!optimizer.ok()) return of_group(entry.group(), optimizer.status());
+    if (absl::Status checked = (*group)->CheckOptimizer(*optimizer); !checked.ok()) {
+      return of_group(entry.group(), checked);
+    }
+    changes.emplace_back(*std::move(group), *std::move(optimizer));
+  }
+  for (size_t i = 0; i < changes.size(); ++i) {
+    const auto& [group, optimizer] = changes[i];
+    if (absl::Status set = group->SetOptimizer(optimizer); !set.ok()) {
+      return of_group(request->groups(static_cast<int>(i)).group(), set);
+    }
+  }
+  return grpc::Status::OK;
 }
 
 grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,

@@ -399,15 +399,23 @@ class Client:
 
     def set_hyperparams(self, name, **changes):
         """New hyper-parameters from the next step on, e.g. set_hyperparams("mlp", lr=5e-4)."""
-        current = self._optimizers.get(name)
-        if current is None:
-            raise NotFoundError(f"group '{name}' was not registered by this client")
-        unknown = [k for k in changes if not hasattr(current, k)]
-        if unknown:
-            raise InvalidArgumentError(f"unknown hyper-parameters {unknown} for {type(current).__name__}")
-        updated = type(current)(**{**asdict(current), **changes})
-        self._native.set_hyperparams(name, updated._spec())
-        self._optimizers[name] = updated
+        self.set_hyperparams_of([name], **changes)
+
+    def set_hyperparams_of(self, names, **changes):
+        """set_hyperparams for several groups in one call per server (a learning-rate
+        schedule's change to every group, as ShardedModule.set_hyperparams makes it). Each
+        server finds every group and checks its settings before it changes any."""
+        updated = {}
+        for name in names:
+            current = self._optimizers.get(name)
+            if current is None:
+                raise NotFoundError(f"group '{name}' was not registered by this client")
+            unknown = [k for k in changes if not hasattr(current, k)]
+            if unknown:
+                raise InvalidArgumentError(f"unknown hyper-parameters {unknown} for {type(current).__name__}")
+            updated[name] = type(current)(**{**asdict(current), **changes})
+        self._native.set_hyperparams([(name, optimizer._spec()) for name, optimizer in updated.items()])
+        self._optimizers.update(updated)
 
     def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True, progress=None, cut=None):
         """Saves the job's groups: after the step this worker sent last when it is between

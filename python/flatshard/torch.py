@@ -301,8 +301,8 @@ class ShardedModule(torch.nn.Module):
         """New optimizer hyper-parameters for every trained group from the next step on,
         as a learning-rate schedule sets torch's param_groups: set_hyperparams(lr=1e-4).
         The servers apply them to the step that the next step() completes."""
-        for group in self._groups:
-            self._client.set_hyperparams(group.name, **changes)
+        if self._groups:  # one call per server for all of them
+            self._client.set_hyperparams_of([group.name for group in self._groups], **changes)
 
     @contextlib.contextmanager
     def no_sync(self):

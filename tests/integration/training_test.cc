@@ -2,7 +2,8 @@
 // count, so some shards hold only padding) for 20 steps with mixed gather and scatter
 // dtypes. The parameters must equal a single-process computation of the same math
 // bit for bit. Hybrid sharding: 4 servers in 2 replica groups, 4 workers, the same.
-// Also: InitGroup's shards, and WaitVersions, which a step's wait for its groups uses.
+// Also: InitGroup's shards, WaitVersions (a step's wait for its groups) and SetHyperparams
+// of several groups (a learning-rate schedule's change).
 #include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -16,6 +17,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "client/cluster_status.h"
@@ -505,6 +507,61 @@ TEST(WaitVersionsTest, ReturnsOnceEveryGroupIsThere) {
   EXPECT_EQ(lost.status().code(), absl::StatusCode::kUnavailable) << lost.status();
   EXPECT_THAT(std::string(lost.status().message()), HasSubstr(cluster.addresses()[1])) << lost.status();
   EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
+}
+
+// SetHyperparams for several groups changes each one's settings from the next step on,
+// on every server, in one call; a batch that names a group the servers do not have, a
+// setting out of range or another optimizer kind changes none of its groups, and the
+// refusal names the group.
+TEST(SetHyperparamsTest, ChangesEveryGroupNamedOrNone) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  auto worker = cluster.Connect(0, 1);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  Client& client = **worker;
+  ASSERT_TRUE(client.ConfigureJob({.reduce_mean = false}).ok());
+  std::vector<float> ones;
+  for (const char* name : {"a", "b"}) {
+    auto layout = client.RegisterGroup(name, {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    ones.assign((*layout)->padded_numel(), 1.0f);
+    ASSERT_TRUE(client.InitGroup(name, std::vector<float>(ones.size(), 0.0f)).ok());
+  }
+  ASSERT_TRUE(client.RegisterGroup("f", {{"w", {10}, DType::kFloat32}}, 0, FrozenOptions{}).ok());
+  int64_t step = 0;
+  // One step of both groups (gradient 1 everywhere); every element of each, per server.
+  auto step_both = [&] {
+    for (const char* name : {"a", "b"}) {
+      ASSERT_TRUE(client.Scatter(name, step, DType::kFloat32, AsBytes(ones)).get().ok());
+    }
+    ++step;
+  };
+  auto value_of = [&](const char* name) {
+    std::vector<float> params(ones.size());
+    EXPECT_EQ(client.Gather(name, step, DType::kFloat32, AsBytes(params)).get().value_or(-1), step);
+    return std::set<float>(params.begin(), params.end());
+  };
+
+  ASSERT_TRUE(client.SetHyperparams({{"a", SgdOptions{.lr = 0.25}}, {"b", SgdOptions{.lr = 0.5}}}).ok());
+  step_both();
+  EXPECT_EQ(value_of("a"), std::set<float>{-0.25f});
+  EXPECT_EQ(value_of("b"), std::set<float>{-0.5f});
+
+  const std::vector<std::pair<std::vector<GroupOptimizer>, std::pair<absl::StatusCode, std::string>>> refused = {
+      {{{"a", SgdOptions{.lr = 2}}, {"nope", SgdOptions{.lr = 2}}}, {absl::StatusCode::kNotFound, "'nope'"}},
+      {{{"a", SgdOptions{.lr = 2}}, {"b", SgdOptions{.lr = -1}}}, {absl::StatusCode::kInvalidArgument, "group 'b': "}},
+      {{{"a", SgdOptions{.lr = 2}}, {"f", SgdOptions{.lr = 2}}},
+       {absl::StatusCode::kFailedPrecondition, "group 'f': optimizer is frozen"}},
+      {{{"a", SgdOptions{.lr = 2}}, {"b", AdamOptions{}}}, {absl::StatusCode::kFailedPrecondition, "group 'b': "}},
+  };
+  for (const auto& [groups, expected] : refused) {
+    const absl::Status status = client.SetHyperparams(groups);
+    EXPECT_EQ(status.code(), expected.first) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(expected.second)) << status;
+  }
+  EXPECT_EQ(client.SetHyperparams(std::vector<GroupOptimizer>{}).code(), absl::StatusCode::kInvalidArgument);
+  step_both();  // with the settings of the batch that went through
+  EXPECT_EQ(value_of("a"), std::set<float>{-0.5f});
+  EXPECT_EQ(value_of("b"), std::set<float>{-1.0f});
 }
 
 // The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the

@@ -188,6 +188,18 @@ class ClientTest(unittest.TestCase):
         np.testing.assert_array_equal(c.gather("g", 2)["bias"], np.full(4, -1.25, np.float32))
         with self.assertRaises(flatshard.InvalidArgumentError):
             c.set_hyperparams("g", betas=(0.9, 0.9))
+        # Several groups in one call; one refused changes none of them.
+        c.register_group("h", TENSORS, flatshard.SGD(lr=1.0))
+        c.set_hyperparams_of(["g", "h"], lr=0.5)
+        with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+            c.set_hyperparams_of(["g", "h"], lr=-1.0)
+        self.assertIn("group 'g': ", refused.exception.message)
+        with self.assertRaises(flatshard.NotFoundError):
+            c.set_hyperparams_of(["g", "nope"], lr=2.0)
+        c.scatter("g", ones, step=2)
+        c.scatter("h", ones, step=0)
+        np.testing.assert_array_equal(c.gather("g", 3)["bias"], np.full(4, -1.75, np.float32))
+        np.testing.assert_array_equal(c.gather("h", 1)["bias"], np.full(4, -0.5, np.float32))
 
     def test_a_frozen_group_keeps_its_values_and_refuses_gradients(self):
         c = self.client(job="frozen")

@@ -31,6 +31,7 @@
 #include <memory>
 #include <stop_token>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -143,6 +144,12 @@ struct AdamOptions {
 struct FrozenOptions {};
 
 using OptimizerOptions = std::variant<SgdOptions, AdamOptions, FrozenOptions>;
+
+// A group's new optimizer settings (Client::SetHyperparams).
+struct GroupOptimizer {
+  std::string group;
+  OptimizerOptions optimizer;
+};
 
 struct CheckpointEntry {
   std::string name;
@@ -291,7 +298,16 @@ class Client {
   [[nodiscard]] virtual absl::StatusOr<double> GradNorm(int64_t step, std::stop_token stop = {}) = 0;
 
   // New hyper-parameters from the next step on (same optimizer kind as registered).
-  [[nodiscard]] virtual absl::Status SetHyperparams(const std::string& group, const OptimizerOptions& optimizer,
+  [[nodiscard]] absl::Status SetHyperparams(const std::string& group, const OptimizerOptions& optimizer,
+                                            std::stop_token stop = {}) {
+    return SetHyperparams(std::vector<GroupOptimizer>{{group, optimizer}}, std::move(stop));
+  }
+  // The same for several groups in one call per server (server 0 first, then the others at
+  // once: a learning-rate schedule's change to every group). Each server finds every group and
+  // checks its settings before it changes any: NotFound, InvalidArgument (a setting out
+  // of range) or FailedPrecondition (another optimizer kind) naming the group change
+  // nothing there; InvalidArgument for no group.
+  [[nodiscard]] virtual absl::Status SetHyperparams(const std::vector<GroupOptimizer>& groups,
                                                     std::stop_token stop = {}) = 0;
 
   // Progress of a save, load or export: the bytes done and the total known so far (it
