@@ -4,8 +4,9 @@
 A chain of small Linear layers (32x32, 1056 parameters each), one group per layer
 (auto_wrap_min_params=1), trained with AdamW by one worker on a LocalCluster of 2
 servers, against the same model trained in this process with torch.optim.AdamW. Both
-run forward, backward and the optimizer step on the same batch; the time per step is the
-median of 5 rounds (after 3 warm-up steps). The ratio is torch's time over
+run forward, backward and the optimizer step on the same batch, with a learning rate
+set before every step (a schedule); the time per step is the median of 5 rounds (after
+3 warm-up steps). The ratio is torch's time over
 ShardedModule's: what a worker keeps of its local speed when each layer's parameters are
 gathered from the servers and its gradients reduced and stepped there. Small layers are
 where the cost per group (a gather and a scatter per server, the waits) shows most.
@@ -27,15 +28,23 @@ def model(layers):
     return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)])
 
 
+def learning_rate(step):
+    """A warm-up schedule: a new learning rate every step."""
+    return 1e-3 * min(1.0, (step + 1) / 1000)
+
+
 def time_steps(step, steps):
     """Median seconds per step of 5 rounds of `steps` steps, after 3 warm-up steps."""
+    count = 0
     for _ in range(3):
-        step()
+        step(count)
+        count += 1
     rounds = []
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(steps):
-            step()
+            step(count)
+            count += 1
         rounds.append((time.perf_counter() - start) / steps)
     return statistics.median(rounds)
 
@@ -44,7 +53,9 @@ def torch_step_time(layers, batch, steps):
     net = model(layers)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
 
-    def step():
+    def step(count):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(count)
         net(batch).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -58,7 +69,8 @@ def sharded_step_time(cluster, layers, batch, steps):
     sharded = flatshard.torch.ShardedModule(model(layers), client, optimizer=flatshard.AdamW(lr=1e-3),
                                             auto_wrap_min_params=1)
 
-    def step():
+    def step(count):
+        sharded.set_hyperparams(lr=learning_rate(count))
         sharded(batch).pow(2).mean().backward()
         sharded.step()
 
