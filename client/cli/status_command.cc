@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
-#include <set>
 #include <ostream>
+#include <set>
 #include <string>
 #include <vector>
 
