@@ -457,9 +457,13 @@ class ShardedModule(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         """The full state dict, parameters read from the servers in fp32 (buffers local)."""
         out = collections.OrderedDict()
-        for group in self._all_groups():
-            values = self._client.gather(group.name, 0 if group is self._frozen else self._step,
-                                         "float32")
+        # Every group's gather in flight at once (up to max_in_flight per server).
+        pending = [(group, self._client.gather_async(group.name, 0 if group is self._frozen else self._step,
+                                                     "float32"))
+                   for group in self._all_groups()]
+        for group, transfer in pending:
+            flat, _ = transfer.wait()
+            values = group.layout.views(flat)
             for fqn, _ in group.params:
                 out[fqn] = torch.from_numpy(np.array(values[fqn]))
         for alias, fqn in self._aliases.items():  # as torch's: shared tensors under each name
