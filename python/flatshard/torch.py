@@ -199,10 +199,11 @@ class ShardedModule(torch.nn.Module):
         one-element barrier job makes the others wait; training resumes at the servers'
         version."""
         c = self._client
+        names = [group.name for group in self._groups or self._all_groups()]
         if c.worker_rank == 0:
             if checkpoint:
                 c.load_checkpoint(checkpoint)
-            elif not any(c.wait_versions([group.name for group in self._groups or self._all_groups()], 0)):
+            elif not names or not any(c.wait_versions(names, 0)):  # fresh servers: push
                 for group in self._all_groups():
                     c.init_group(group.name, {fqn: initial[fqn] for fqn, _ in group.params})
         barrier = self._barrier_client()

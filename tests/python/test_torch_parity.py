@@ -329,6 +329,18 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             self.assertEqual([g for s in status["servers"] for g in s["groups"]], [])
             self.assertEqual([j for s in status["servers"] for j in s.get("jobs", [])], [])
 
+    def test_a_module_without_parameters_wraps_runs_and_steps(self):
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="no-params")
+            client.configure_job()
+            model = flatshard.torch.ShardedModule(torch.nn.ReLU(), client, optimizer=flatshard.SGD(lr=0.1))
+            self.assertEqual(model.groups, [])
+            self.assertEqual(model(torch.tensor([-1.0, 2.0])).tolist(), [0.0, 2.0])
+            model.set_hyperparams(lr=0.2)
+            model.step()
+            self.assertEqual(model.version, 1)
+            self.assertEqual(model.state_dict(), {})
+
     def test_a_second_backward_outside_no_sync_is_refused(self):
         with one_worker_mlp("twice") as (_, model):
             x, y = make_data("mlp")
