@@ -528,13 +528,15 @@ TEST(SetHyperparamsTest, ChangesEveryGroupNamedOrNone) {
   }
   ASSERT_TRUE(client.RegisterGroup("f", {{"w", {10}, DType::kFloat32}}, 0, FrozenOptions{}).ok());
   int64_t step = 0;
-  // One step of both groups (gradient 1 everywhere); every element of each, per server.
+  // One step of both groups, a gradient of 1 everywhere (padding too).
   auto step_both = [&] {
     for (const char* name : {"a", "b"}) {
       ASSERT_TRUE(client.Scatter(name, step, DType::kFloat32, AsBytes(ones)).get().ok());
     }
     ++step;
   };
+  // The values a group's elements hold after the last step: one, as every element (and
+  // server) starts at 0 and takes the same gradients.
   auto value_of = [&](const char* name) {
     std::vector<float> params(ones.size());
     EXPECT_EQ(client.Gather(name, step, DType::kFloat32, AsBytes(params)).get().value_or(-1), step);
