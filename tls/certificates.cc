@@ -55,11 +55,22 @@ class Certificates {
   std::unique_ptr<BIO, BioFree> bio_;
 };
 
+// Whether the last line of `pem` is `begin` cut short ("-----BEGIN CERT"): a file cut
+// there holds one certificate more than its whole BEGIN lines say.
+bool EndsInACutLine(std::string_view pem, std::string_view begin) {
+  const size_t end = pem.find_last_not_of(" \t\r\n");
+  if (end == std::string_view::npos) return false;
+  const std::string_view text = pem.substr(0, end + 1);
+  const size_t newline = text.rfind('\n');
+  const std::string_view last = newline == std::string_view::npos ? text : text.substr(newline + 1);
+  return last.size() < begin.size() && begin.starts_with(last);
+}
+
 }  // namespace
 
 absl::Status CheckCertificates(const std::string& pem, absl::string_view what) {
   constexpr std::string_view kBegin = "-----BEGIN CERTIFICATE-----";
-  int begun = 0;
+  int begun = EndsInACutLine(pem, kBegin) ? 1 : 0;
   for (size_t at = pem.find(kBegin); at != std::string::npos; at = pem.find(kBegin, at + kBegin.size())) ++begun;
   int parsed = 0;
   {

@@ -18,7 +18,8 @@
 namespace flatshard::tls {
 
 // InvalidArgument naming `what` (where the text came from) unless `pem` holds a
-// certificate and every certificate it begins parses.
+// certificate and every certificate it begins parses (a text that ends inside a BEGIN
+// line begins one more).
 [[nodiscard]] absl::Status CheckCertificates(const std::string& pem, absl::string_view what);
 
 // OK if `private_key` (PEM, unencrypted) is the key of the first certificate of

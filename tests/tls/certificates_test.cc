@@ -1,7 +1,8 @@
-// tls/certificates.h: CheckCertificates takes whole bundles only, CheckKeyPair a
-// certificate's own key only, CertificateChainExpiry matches `openssl x509 -enddate`: a
-// chain expires with its first certificate to, CheckIdentity refuses an expired
-// certificate, CheckClientUse the key usage and CheckClientCertificate the signer too.
+// tls/certificates.h: CheckCertificates takes whole bundles only (also refusing one cut
+// in a BEGIN line), CheckKeyPair a certificate's own key only, CertificateChainExpiry
+// matches `openssl x509 -enddate`: a chain expires with its first certificate to,
+// CheckIdentity refuses an expired certificate, CheckClientUse the key usage and
+// CheckClientCertificate the signer too.
 #include "tls/certificates.h"
 
 #include <gtest/gtest.h>
@@ -22,7 +23,10 @@ TEST_F(CertificatesTest, OnlyWholeCertificatesPass) {
   EXPECT_TRUE(CheckCertificates(both, "bundle").ok());
   EXPECT_TRUE(CheckCertificates(Read("server.key") + Read("server.pem"), "key then chain").ok())
       << "other PEM blocks are passed over";
-  for (size_t cut : {both.size() - 30, both.size() / 2 + 40, size_t{40}}) {
+  // Cut in the second certificate's body, in its BEGIN line (a text whose whole
+  // certificates all parse, one short), in the first one.
+  const size_t second = Read("ca.pem").size();
+  for (size_t cut : {both.size() - 30, second + 40, second + 1, second + 15, second + 26, size_t{40}}) {
     const absl::Status status = CheckCertificates(both.substr(0, cut), "bundle");
     EXPECT_TRUE(absl::IsInvalidArgument(status)) << cut;
     EXPECT_TRUE(absl::StartsWith(status.message(), "bundle")) << status;
