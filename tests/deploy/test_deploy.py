@@ -38,32 +38,45 @@ def flags_of(arguments):
     return flags
 
 
-def owning_package(path):
-    """The Debian package that installed `path`, or None. dpkg records a library under
-    /lib or /usr/lib (merged on Debian 12), whichever its package ships."""
-    for candidate in {path, path.removeprefix("/usr"), "/usr" + path}:
-        found = subprocess.run(["dpkg-query", "-S", candidate], capture_output=True, text=True)
-        if found.returncode == 0:
-            return found.stdout.split(":", 1)[0]
-    return None
+def owning_packages(paths):
+    """{path: the Debian package that installed it} for those of `paths` that one did, in
+    one dpkg-query (each call reads every package's file list: a call per library took
+    over a minute). dpkg records a library under /lib or /usr/lib (merged on Debian 12),
+    whichever its package ships."""
+    candidates = {}
+    for path in paths:
+        for candidate in {path, path.removeprefix("/usr"), "/usr" + path}:
+            candidates.setdefault(candidate, path)
+    # Exits 1 when some pattern matches nothing; the others are still listed.
+    listing = subprocess.run(["dpkg-query", "-S", *sorted(candidates)], capture_output=True, text=True).stdout
+    owners = {}
+    for line in listing.splitlines():
+        if line.startswith("diversion "):
+            continue
+        package, _, found = line.partition(": ")
+        if found in candidates:
+            owners[candidates[found]] = package.split(",")[0].split(":")[0]
+    return owners
 
 
 def installed_with(packages):
     """`packages` and what they depend on (Depends, Pre-Depends; of alternatives, the
     first, which apt picks), as installed here (a package dpkg does not know here adds
     nothing: no library the binaries load here can come from it)."""
+    listing = subprocess.run(["dpkg-query", "-W", "-f=${Package}\t${Depends}, ${Pre-Depends}\n"],
+                             capture_output=True, text=True, check=True).stdout
+    depends = {}
+    for line in listing.splitlines():
+        package, _, fields = line.partition("\t")
+        names = [dependency.split("|")[0].strip().split(" ")[0].split(":")[0] for dependency in fields.split(",")]
+        depends.setdefault(package, []).extend(name for name in names if name)
     seen, todo = set(), list(packages)
     while todo:
         package = todo.pop()
         if package in seen:
             continue
         seen.add(package)
-        fields = subprocess.run(["dpkg-query", "-W", "-f=${Depends}, ${Pre-Depends}", package],
-                                capture_output=True, text=True).stdout
-        for dependency in fields.split(","):
-            name = dependency.split("|")[0].strip().split(" ")[0].split(":")[0]
-            if name:
-                todo.append(name)
+        todo.extend(depends.get(package, []))
     return seen
 
 
@@ -170,7 +183,9 @@ class DeployTest(unittest.TestCase):
         for binary in (SERVER, os.path.join(os.path.dirname(SERVER), "flatshard")):
             loaded = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
             self.assertNotIn("not found", loaded, binary)
-            for path in re.findall(r"=> (/\S+)", loaded):
+            paths = re.findall(r"=> (/\S+)", loaded)
+            owners = owning_packages(path for path in paths if not path.startswith("/usr/local/cuda"))
+            for path in paths:
                 if path.startswith("/usr/local/cuda"):
                     if cuda_version is None:
                         continue  # the CUDA runtime of a CUDA build; this image is built without CUDA
@@ -180,7 +195,7 @@ class DeployTest(unittest.TestCase):
                     self.assertRegex(os.path.basename(path), r"^libcudart\.so\.\d+$",
                                      f"{binary} loads {path}, which {name} lacks")
                     continue
-                package = owning_package(path)
+                package = owners.get(path)
                 self.assertIsNotNone(package, f"{binary} loads {path}, which no Debian package installed")
                 self.assertTrue(package in available, f"{binary} loads {path} from {package}, which {name} lacks")
 
