@@ -119,9 +119,10 @@ void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) 
   ++stats_.open_data_connections;
   const bool authenticated = Authenticate(*conn, id);
   (void)LeaveHelloWait(id);  // refused: it waits no more either
-  if (authenticated) {
-    while (true) {
-      if (!conn->SetTimeout(options_.idle_timeout).ok()) break;
+  // Every read and write of a request runs under io_timeout; the silence between two
+  // requests may last idle_timeout (a wait of its own: not two timeouts set per request).
+  if (authenticated && conn->SetTimeout(options_.io_timeout).ok()) {
+    while (conn->WaitReadable(options_.idle_timeout)) {
       absl::StatusOr<Request> request = transport::RecvRequest(*conn);
       if (!request.ok()) {
         if (absl::IsInvalidArgument(request.status())) {
@@ -130,7 +131,6 @@ void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) 
         }
         break;  // garbage or a closed peer: the stream cannot be trusted any more
       }
-      if (!conn->SetTimeout(options_.io_timeout).ok()) break;
       const LatencyClock::time_point start = LatencyClock::now();
       const bool serving = ServeRequest(*conn, *request);
       op_latency_[static_cast<size_t>(request->op)]->RecordSince(start);  // RecvRequest took only known ops

@@ -50,8 +50,8 @@ namespace flatshard::server {
 
 struct DataServerOptions {
   absl::Duration hello_timeout = absl::Seconds(5);  // connect -> valid hello
-  absl::Duration io_timeout = absl::Seconds(60);    // silence inside a request
-  absl::Duration idle_timeout = absl::Hours(24);    // silence between requests
+  absl::Duration io_timeout = absl::Seconds(60);    // silence inside a request (--data_io_timeout)
+  absl::Duration idle_timeout = absl::Hours(24);    // silence between requests (--data_idle_timeout)
   int64_t max_drain_bytes = int64_t{256} << 20;     // larger refused payloads close the connection
   int max_hellos = 1024;                             // connections waiting for their hello at once
   // Wraps each accepted connection before its hello (TLS: tls::ServerSide with the

@@ -27,6 +27,12 @@ ABSL_FLAG(int, max_data_hellos, 1024,
           "data-plane connections that may wait for their hello (and TLS handshake) at once; a connection "
           "past that closes the one that has waited longest, so a flood of silent connections cannot use up "
           "the server's threads while clients, whose hello follows their connect, still get through");
+ABSL_FLAG(absl::Duration, data_io_timeout, absl::Seconds(60),
+          "how long a data-plane request may go without a byte moving either way (a worker or peer that "
+          "stopped mid-transfer) before its connection is closed and the request dropped");
+ABSL_FLAG(absl::Duration, data_idle_timeout, absl::Hours(24),
+          "how long a data-plane connection may stay silent between requests before it is closed (clients "
+          "open a new one when they next need it)");
 ABSL_FLAG(int, rank, 0, "this server's rank: its index in --cluster");
 ABSL_FLAG(std::string, cluster, "",
           "every server's control address in rank order, comma-separated; the same list on "
@@ -140,6 +146,8 @@ int main(int argc, char** argv) {
   }
   options.threads = absl::GetFlag(FLAGS_threads);
   options.data.max_hellos = absl::GetFlag(FLAGS_max_data_hellos);
+  options.data.io_timeout = absl::GetFlag(FLAGS_data_io_timeout);
+  options.data.idle_timeout = absl::GetFlag(FLAGS_data_idle_timeout);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.nccl_timeout = absl::GetFlag(FLAGS_nccl_timeout);
   options.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);

@@ -56,11 +56,14 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                                    options.compute_threads, ": thread counts are >= 0"));
   }
   if (options.peer_timeout <= absl::ZeroDuration() || options.nccl_timeout <= absl::ZeroDuration() ||
-      options.staged_load_timeout <= absl::ZeroDuration()) {
+      options.staged_load_timeout <= absl::ZeroDuration() || options.data.io_timeout <= absl::ZeroDuration() ||
+      options.data.idle_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--peer_timeout=", absl::FormatDuration(options.peer_timeout),
         ", --nccl_timeout=", absl::FormatDuration(options.nccl_timeout),
-        ", --staged_load_timeout=", absl::FormatDuration(options.staged_load_timeout), ": timeouts are > 0"));
+        ", --staged_load_timeout=", absl::FormatDuration(options.staged_load_timeout),
+        ", --data_io_timeout=", absl::FormatDuration(options.data.io_timeout),
+        ", --data_idle_timeout=", absl::FormatDuration(options.data.idle_timeout), ": timeouts are > 0"));
   }
   if (options.shutdown_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(

@@ -197,6 +197,9 @@ class TlsConnection final : public transport::Connection {
   bool PollReadable(absl::Duration poll_for) override {
     return SSL_has_pending(ssl_) == 1 || tcp_->PollReadable(poll_for);  // read ahead, or on the socket
   }
+  bool WaitReadable(absl::Duration timeout) override {
+    return SSL_has_pending(ssl_) == 1 || tcp_->WaitReadable(timeout);
+  }
   std::string peer() const override { return tcp_->peer(); }
 
  private:

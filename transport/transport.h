@@ -57,6 +57,11 @@ class Connection {
   // a thread that expects an answer within microseconds: one that sleeps in Recv instead
   // takes 20-50 us to wake in a VM. Reads nothing.
   virtual bool PollReadable(absl::Duration poll_for) = 0;
+  // Sleeps until bytes can be received (or the peer has closed, or Shutdown was called)
+  // or `timeout` has passed (absl::InfiniteDuration(): no limit); returns whether they
+  // can. For a thread that waits between requests under a timeout of its own, without
+  // changing the one each Send and Recv runs under. Reads nothing.
+  virtual bool WaitReadable(absl::Duration timeout) = 0;
 
   // "127.0.0.1:41234", for logs and errors.
   virtual std::string peer() const = 0;

@@ -444,6 +444,64 @@ TEST(DataPlaneFloodTest, SilentConnectionsPastMaxDataHellosCloseTheLongestWaitin
                               "(--max_data_hellos): the longest waiting closed\n"));
 }
 
+// Inside a request, each read and write may wait --data_io_timeout; between requests a
+// connection may stay silent for --data_idle_timeout, after which the server closes it and
+// a client opens a new one when it next gathers.
+TEST(DataTimeoutsTest, AStalledRequestClosesAtTheIoTimeoutAndASilentConnectionAtTheIdleOne) {
+  EXPECT_TRUE(testing::RefusesToStart({"--data_io_timeout=0s"}));
+  EXPECT_TRUE(testing::RefusesToStart({"--data_idle_timeout=-1s"}));
+  testing::TestCluster cluster(1, "timeouts-token", ::testing::TempDir(), "",
+                               {{"--data_io_timeout=300ms", "--data_idle_timeout=3s"}});
+  auto client = cluster.Connect(0, 1);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  ASSERT_TRUE((*client)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  ASSERT_TRUE((*client)->InitGroupFromSeed("g", 1).ok());
+  std::vector<float> params(10);
+  auto raw_gather = [&](transport::Connection& conn) -> absl::Status {
+    transport::RequestHeader gather;
+    gather.op = static_cast<uint8_t>(transport::DataOp::kGather);
+    FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(conn, gather, "test", "g", {}));
+    FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(conn, AsBytes(params)));
+    return response.status;
+  };
+  auto closed_after = [](transport::Connection& conn) {  // how long until the server closes `conn`
+    const absl::Time start = absl::Now();
+    std::byte byte;
+    const absl::Status read = conn.Recv(absl::MakeSpan(&byte, 1));
+    EXPECT_TRUE(absl::IsUnavailable(read)) << read << ": the server closes it, no byte comes";
+    return absl::Now() - start;
+  };
+
+  // Silent for longer than the io timeout between two requests: still served.
+  auto idle = cluster.RawDataConnection(0);
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  absl::SleepFor(absl::Seconds(1));
+  ASSERT_TRUE(raw_gather(**idle).ok());
+  const absl::Time last_request = absl::Now();
+
+  // A request that stops after part of its header: closed at the io timeout, well before
+  // the idle one.
+  auto stalled = cluster.RawDataConnection(0);
+  ASSERT_TRUE(stalled.ok()) << stalled.status();
+  transport::RequestHeader header;
+  header.op = static_cast<uint8_t>(transport::DataOp::kGather);
+  ASSERT_TRUE((*stalled)->Send({absl::MakeConstSpan(reinterpret_cast<const std::byte*>(&header), 10)}).ok());
+  EXPECT_LT(closed_after(**stalled), absl::Seconds(2));
+
+  // Silent past the idle timeout: closed then, not before.
+  closed_after(**idle);
+  EXPECT_GE(absl::Now() - last_request, absl::Milliseconds(2900));
+  EXPECT_LT(absl::Now() - last_request, absl::Seconds(8));
+
+  // The client's connections were closed alike; its next gather opens a new one.
+  ASSERT_TRUE((*client)->Gather("g", 0, DType::kFloat32, AsBytes(params)).get().ok());
+  absl::SleepFor(absl::Seconds(4));
+  const absl::StatusOr<int64_t> version = (*client)->Gather("g", 0, DType::kFloat32, AsBytes(params)).get();
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 0);
+}
+
 // A server reads and drops the payload of a request it refuses up to 256 MiB; a larger
 // one it answers at once and then closes, which resets the worker's send. The worker
 // reads that answer: it gets the server's error, not the reset, and trains on.

@@ -167,6 +167,7 @@ TEST_F(TlsConnectionTest, TimeoutsShutdownCloseSendAndPeerClosedActAsOverTcp) {
   EXPECT_FALSE(pair.server->PeerClosed());
   EXPECT_FALSE(pair.client->PeerClosed()) << "no session ticket or other record crosses an idle connection";
   EXPECT_FALSE(pair.client->PollReadable(absl::Milliseconds(20)));
+  EXPECT_FALSE(pair.client->WaitReadable(absl::Milliseconds(20)));
 
   std::vector<uint8_t> one(1);
   ASSERT_TRUE(pair.server->SetTimeout(absl::Milliseconds(200)).ok());
@@ -184,8 +185,21 @@ TEST_F(TlsConnectionTest, TimeoutsShutdownCloseSendAndPeerClosedActAsOverTcp) {
   EXPECT_TRUE(pair.server->PeerClosed());
   ASSERT_TRUE(pair.server->Send({Bytes(std::vector<uint8_t>{42})}).ok());
   EXPECT_TRUE(pair.client->PollReadable(absl::Seconds(5)));
+  EXPECT_TRUE(pair.client->WaitReadable(absl::Seconds(5)));
   ASSERT_TRUE(pair.client->Recv(Bytes(one)).ok());
   EXPECT_EQ(one[0], 42);
+  // Two records on the socket: the first read takes both in (read ahead), and the waits
+  // count the second, which the socket no longer holds.
+  ASSERT_TRUE(pair.server->Send({Bytes(std::vector<uint8_t>{43})}).ok());
+  ASSERT_TRUE(pair.server->Send({Bytes(std::vector<uint8_t>{44})}).ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_TRUE(pair.client->Recv(Bytes(one)).ok());
+  EXPECT_EQ(one[0], 43);
+  EXPECT_TRUE(pair.client->WaitReadable(absl::Milliseconds(20)));
+  EXPECT_TRUE(pair.client->PollReadable(absl::ZeroDuration()));
+  ASSERT_TRUE(pair.client->Recv(Bytes(one)).ok());
+  EXPECT_EQ(one[0], 44);
+  EXPECT_FALSE(pair.client->WaitReadable(absl::Milliseconds(20)));
 
   // Shutdown from another thread ends a Recv waiting on it.
   auto waiting = std::async(std::launch::async, [&] { return pair.client->Recv(Bytes(one)); });

@@ -49,6 +49,7 @@ class LoopbackConnection final : public Connection {
   void CloseSend() override {}
   bool PeerClosed() override { return false; }
   bool PollReadable(absl::Duration) override { return read_ < bytes_.size(); }
+  bool WaitReadable(absl::Duration) override { return read_ < bytes_.size(); }
   std::string peer() const override { return "loopback"; }
 
   size_t unread() const { return bytes_.size() - read_; }

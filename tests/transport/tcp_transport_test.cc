@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
+#include <future>
 #include <random>
 #include <set>
 #include <stop_token>
@@ -243,6 +245,37 @@ TEST(TcpTransportTest, PollReadableWaitsForBytesForAtMostItsWindow) {
   // A closed peer: true (the read then says so).
   pair.server.reset();
   EXPECT_TRUE(pair.client->PollReadable(absl::Seconds(10)));
+  EXPECT_FALSE(pair.client->Recv(Bytes(byte)).ok());
+}
+
+TEST(TcpTransportTest, WaitReadableSleepsUntilBytesACloseAShutdownOrItsTimeout) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  // The Send/Recv timeout does not bound the wait, nor does the wait change it.
+  ASSERT_TRUE(pair.client->SetTimeout(absl::Milliseconds(10)).ok());
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(pair.client->WaitReadable(absl::Milliseconds(100)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(100));
+  std::vector<uint8_t> byte(1);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(pair.client->Recv(Bytes(byte))));
+  // A byte sent while it waits: true, and the byte is still there to read.
+  std::thread sender([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    ASSERT_TRUE(pair.server->Send({Bytes(RandomBytes(1, 15))}).ok());
+  });
+  EXPECT_TRUE(pair.client->WaitReadable(absl::InfiniteDuration()));
+  sender.join();
+  ASSERT_TRUE(pair.client->Recv(Bytes(byte)).ok());
+  EXPECT_EQ(byte, RandomBytes(1, 15));
+  // Shutdown from another thread ends a wait with no limit (a server that stops).
+  auto waiting = std::async(std::launch::async, [&] { return pair.server->WaitReadable(absl::InfiniteDuration()); });
+  EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  pair.server->Shutdown();
+  ASSERT_EQ(waiting.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_TRUE(waiting.get());
+  // A closed peer: true at once (the read then says so).
+  pair.server.reset();
+  EXPECT_TRUE(pair.client->WaitReadable(absl::Hours(1)));
   EXPECT_FALSE(pair.client->Recv(Bytes(byte)).ok());
 }
 

@@ -177,6 +177,24 @@ class TcpConnection final : public Connection {
     }
   }
 
+  bool WaitReadable(absl::Duration timeout) override {
+    const bool limited = timeout != absl::InfiniteDuration();
+    const absl::Time until = absl::Now() + timeout;
+    while (true) {
+      int wait_ms = -1;  // no limit
+      if (limited) {
+        const absl::Duration left = std::max(until - absl::Now(), absl::ZeroDuration());
+        wait_ms = static_cast<int>(std::min<int64_t>(
+            absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))), std::numeric_limits<int>::max()));
+      }
+      pollfd pfd{fd_, POLLIN, 0};
+      const int ready = poll(&pfd, 1, wait_ms);
+      if (ready > 0) return true;                    // readable, closed, shut down, or an error Recv reports
+      if (ready < 0 && errno != EINTR) return true;  // Recv reports it
+      if (limited && absl::Now() >= until) return false;
+    }
+  }
+
   std::string peer() const override { return peer_; }
 
   int fd() const { return fd_; }
