@@ -119,8 +119,10 @@ absl::StatusOr<Request> RecvRequest(Connection& conn) {
   request.payload_bytes = header.payload_bytes;
   request.timeout_ms = header.timeout_ms;
   if ((header.flags & kRequestLoadKnown) != 0) request.load_id = header.load_id;
-  FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.job_bytes, request.job));
-  FLATSHARD_RETURN_IF_ERROR(RecvString(conn, header.group_bytes, request.group));
+  // The names follow the header back to back: one read for both.
+  FLATSHARD_RETURN_IF_ERROR(RecvString(conn, size_t{header.job_bytes} + header.group_bytes, request.job));
+  request.group = request.job.substr(header.job_bytes);
+  request.job.resize(header.job_bytes);
   return request;
 }
 
