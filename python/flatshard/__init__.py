@@ -19,7 +19,7 @@ which numpy lacks, travel as their bit patterns in int16 arrays
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -405,16 +405,22 @@ class Client:
         """set_hyperparams for several groups in one call per server (a learning-rate
         schedule's change to every group, as ShardedModule.set_hyperparams makes it). Each
         server finds every group and checks its settings before it changes any."""
-        updated = {}
+        # Groups registered with one optimizer object share one new object and one spec:
+        # a schedule changes a model's every group each step, and a copy per group costs.
+        updated, made, specs = {}, {}, {}
         for name in names:
             current = self._optimizers.get(name)
             if current is None:
                 raise NotFoundError(f"group '{name}' was not registered by this client")
-            unknown = [k for k in changes if not hasattr(current, k)]
-            if unknown:
-                raise InvalidArgumentError(f"unknown hyper-parameters {unknown} for {type(current).__name__}")
-            updated[name] = type(current)(**{**asdict(current), **changes})
-        self._native.set_hyperparams([(name, optimizer._spec()) for name, optimizer in updated.items()])
+            if id(current) not in made:
+                unknown = [k for k in changes if not hasattr(current, k)]
+                if unknown:
+                    raise InvalidArgumentError(f"unknown hyper-parameters {unknown} for {type(current).__name__}")
+                made[id(current)] = replace(current, **changes)
+            updated[name] = made[id(current)]
+        for optimizer in made.values():
+            specs[id(optimizer)] = optimizer._spec()
+        self._native.set_hyperparams([(name, specs[id(optimizer)]) for name, optimizer in updated.items()])
         self._optimizers.update(updated)
 
     def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True, progress=None, cut=None):

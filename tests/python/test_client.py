@@ -201,6 +201,25 @@ class ClientTest(unittest.TestCase):
         np.testing.assert_array_equal(c.gather("g", 3)["bias"], np.full(4, -1.75, np.float32))
         np.testing.assert_array_equal(c.gather("h", 1)["bias"], np.full(4, -0.5, np.float32))
 
+    def test_set_hyperparams_of_groups_sharing_an_optimizer_keeps_each_groups_own_settings(self):
+        c = self.client(job="hp-shared")
+        c.configure_job(reduce="sum")
+        shared = flatshard.SGD(lr=1.0)
+        c.register_group("g", TENSORS, shared)
+        c.register_group("h", TENSORS, shared)
+        c.register_group("k", TENSORS, flatshard.SGD(lr=1.0, weight_decay=0.5))
+        ones = {"weight": np.ones((4, 3), np.float32), "bias": np.ones(4, np.float32)}
+        for name in "ghk":
+            c.init_group(name, ones)
+        c.set_hyperparams_of(["g", "h", "k"], lr=0.5)
+        c.set_hyperparams("g", lr=0.25)  # g alone, though it shared h's settings
+        for name in "ghk":
+            c.scatter(name, ones, step=0)
+        # p - lr * (grad + weight_decay * p), from p = 1 and grad = 1.
+        for name, expected in (("g", 0.75), ("h", 0.5), ("k", 0.25)):
+            np.testing.assert_array_equal(c.gather(name, 1)["bias"], np.full(4, expected, np.float32), name)
+        self.assertEqual(shared, flatshard.SGD(lr=1.0), "the caller's object is left as it was")
+
     def test_a_frozen_group_keeps_its_values_and_refuses_gradients(self):
         c = self.client(job="frozen")
         c.configure_job()
