@@ -88,9 +88,12 @@ TEST(ExportIntegrationTest, FullExportIsBoundedInMemoryAndMatchesTheParameters) 
 #endif
   }
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // their shadow memory and quarantine inflate RSS
-  // Two streams of 4 MiB messages and gRPC's buffers: ~37 MiB, up to 49 on a loaded
-  // machine. A client holding the model would need 128.
-  EXPECT_LT(growth_mib, 64) << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB";
+  // Two streams of 4 MiB messages and gRPC's buffers: 29-39 MiB here, also with both
+  // cores busy and a disk writer beside it; 78 MiB once, in a CI run beside a parallel
+  // build, where the client read slowly and gRPC's adaptive flow-control window could
+  // grow (Debian's gRPC 1.51 ignores a fixed one while it adapts). A client holding the
+  // model would need 128 on top of those buffers.
+  EXPECT_LT(growth_mib, 112) << "exporting 128 MiB grew the client's peak RSS by " << growth_mib << " MiB";
 #endif
 
   auto header = SafetensorsHeader::Read(out + "/model.safetensors");
