@@ -407,7 +407,8 @@ class Client:
         server finds every group and checks its settings before it changes any."""
         # Groups registered with one optimizer object share one new object and one spec:
         # a schedule changes a model's every group each step, and a copy per group costs.
-        updated, made, specs = {}, {}, {}
+        made = {}  # id(current settings): (new settings, their spec)
+        updated = {}  # group: (new settings, their spec)
         for name in names:
             current = self._optimizers.get(name)
             if current is None:
@@ -416,12 +417,11 @@ class Client:
                 unknown = [k for k in changes if not hasattr(current, k)]
                 if unknown:
                     raise InvalidArgumentError(f"unknown hyper-parameters {unknown} for {type(current).__name__}")
-                made[id(current)] = replace(current, **changes)
+                new = replace(current, **changes)
+                made[id(current)] = (new, new._spec())
             updated[name] = made[id(current)]
-        for optimizer in made.values():
-            specs[id(optimizer)] = optimizer._spec()
-        self._native.set_hyperparams([(name, specs[id(optimizer)]) for name, optimizer in updated.items()])
-        self._optimizers.update(updated)
+        self._native.set_hyperparams([(name, spec) for name, (_, spec) in updated.items()])
+        self._optimizers.update((name, new) for name, (new, _) in updated.items())
 
     def save_checkpoint(self, name, kind="full", optimizer=True, blocking=True, progress=None, cut=None):
         """Saves the job's groups: after the step this worker sent last when it is between
