@@ -131,7 +131,7 @@ absl::Status CheckpointCalls::Save(Cancellation& cancellation, const std::string
   request.set_job(job_);
   request.set_save_id(NewSaveId());
   request.set_cut_wait_ms(CutWaitMs(control_));
-  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses(Groups::kWith));
   // A server that is done with an earlier save of the name would take this one while
   // another still writes into the same directory (each server refuses only its own).
   if (const std::string saving = BeingSaved(name, statuses); !saving.empty()) {
@@ -189,7 +189,7 @@ absl::Status CheckpointCalls::Load(Cancellation& cancellation, const std::string
   v1::LoadCheckpointRequest request;
   request.set_name(name);
   request.set_job(job_);
-  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses(Groups::kWithout));
   const std::vector<std::string> root_ids = RootIds(statuses);
   // Servers whose roots lack the checkpoint read it from server 0's.
   if (std::set<std::string>(root_ids.begin(), root_ids.end()).size() > 1)
@@ -270,7 +270,7 @@ absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List(std::stop_tok
 // others find nothing left). Refused while any server still writes a save of it: with a
 // shared root, a server that is done would delete the directory under the others.
 absl::Status CheckpointCalls::Delete(const std::string& name, std::stop_token stop) const {
-  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses(stop));
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses(Groups::kWithout, stop));
   if (const std::string saving = BeingSaved(name, statuses); !saving.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(saving, "; delete it once the save completes"));
   }
@@ -296,7 +296,7 @@ absl::Status CheckpointCalls::Export(Cancellation& cancellation, const std::stri
   request.set_optimizer(optimizer);
   request.set_chunk_bytes(export_chunk_bytes_);
   request.set_cut_wait_ms(CutWaitMs(control_));
-  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses());
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses(Groups::kWith));
   FLATSHARD_ASSIGN_OR_RETURN(const auto cut, ChooseCut(job_, statuses, sent, at));
   const std::vector<bool> writers = Writers(job_, statuses);
   std::error_code error;
@@ -338,11 +338,13 @@ absl::Status CheckpointCalls::Export(Cancellation& cancellation, const std::stri
   return files.Publish();
 }
 
-// Every server's status, fetched from all at once.
-absl::StatusOr<std::vector<v1::ServerStatus>> CheckpointCalls::Statuses(std::stop_token stop) const {
+// Fetched from all servers at once.
+absl::StatusOr<std::vector<v1::ServerStatus>> CheckpointCalls::Statuses(Groups groups, std::stop_token stop) const {
   std::vector<v1::ServerStatus> statuses(static_cast<size_t>(control_.size()));
+  v1::GetStatusRequest request;
+  request.set_omit_groups(groups == Groups::kWithout);
   FLATSHARD_RETURN_IF_ERROR(control_.OnAllServersInParallel([&](size_t i) {
-    return control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, v1::GetStatusRequest(), &statuses[i],
+    return control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, request, &statuses[i],
                          absl::ZeroDuration(), nullptr, stop);
   }));
   return statuses;
@@ -360,11 +362,13 @@ absl::Status CheckpointCalls::WithProgress(const std::string& name, const std::s
   // the status list, and then counts as done.
   std::vector<std::pair<uint64_t, uint64_t>> seen(static_cast<size_t>(control_.size()));
   uint64_t reported_total = 0;
+  v1::GetStatusRequest request;
+  request.set_omit_groups(true);  // what it reads is the server's own
   std::thread poller([&] {
     while (!finished.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
       for (int i = 0; i < control_.size(); ++i) {
         v1::ServerStatus status;
-        if (!control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, v1::GetStatusRequest(), &status).ok())
+        if (!control_.Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, request, &status).ok())
           continue;
         auto& [done, total] = seen[static_cast<size_t>(i)];
         done = total;  // unless still listed

@@ -52,7 +52,10 @@ class CheckpointCalls {
   absl::Status Load(Cancellation& cancellation, const std::string& name, const Client::Progress& progress) const;
   absl::Status Export(Cancellation& cancellation, const std::string& out_dir, CheckpointKind kind, bool optimizer,
                       const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
-  absl::StatusOr<std::vector<v1::ServerStatus>> Statuses(std::stop_token stop = {}) const;
+  // Every server's status; kWithout leaves out the groups (a model may have tens of
+  // thousands), which only a save's or an export's cut reads.
+  enum class Groups { kWith, kWithout };
+  absl::StatusOr<std::vector<v1::ServerStatus>> Statuses(Groups groups, std::stop_token stop = {}) const;
   absl::Status WithProgress(const std::string& name, const std::string& operation,
                             const Client::Progress& progress,
                             const std::function<absl::Status()>& body) const;

@@ -7,7 +7,8 @@
 
 namespace flatshard {
 
-std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options, std::stop_token stop) {
+std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options, std::stop_token stop,
+                                                                 const v1::GetStatusRequest& request) {
   std::vector<absl::StatusOr<v1::ServerStatus>> result;
   absl::StatusOr<std::unique_ptr<client_internal::ControlPlane>> control =
       client_internal::ControlPlane::Create(options);
@@ -17,8 +18,8 @@ std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOpt
       continue;
     }
     v1::ServerStatus status;
-    const absl::Status called = (*control)->Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, v1::GetStatusRequest(),
-                                                 &status, absl::ZeroDuration(), nullptr, stop);
+    const absl::Status called = (*control)->Call(i, &v1::Flatshard::Stub::PrepareAsyncGetStatus, request, &status,
+                                                 absl::ZeroDuration(), nullptr, stop);
     if (called.ok()) {
       result.emplace_back(std::move(status));
     } else {

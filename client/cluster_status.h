@@ -16,11 +16,13 @@
 
 namespace flatshard {
 
-// One entry per server of options.servers, in order: its status, or why it could not be
-// read (options.token, .timeout and .tls_ca_file apply; the rest is unused). A stop asked
-// of `stop`'s source ends the calls in progress and those after it, Cancelled.
+// One entry per server of options.servers, in order: its status as it answers `request`
+// (request.omit_groups: without its groups), or why it could not be read
+// (options.token, .timeout and .tls_ca_file apply; the rest is unused). A stop asked of
+// `stop`'s source ends the calls in progress and those after it, Cancelled.
 std::vector<absl::StatusOr<v1::ServerStatus>> FetchClusterStatus(const ClientOptions& options,
-                                                                 std::stop_token stop = {});
+                                                                 std::stop_token stop = {},
+                                                                 const v1::GetStatusRequest& request = {});
 
 // `flatshard status --json`: {"servers": [status as JSON (proto field names), or
 // {"address", "error"} for a server that did not answer]}, indented by `indent` (-1:

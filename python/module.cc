@@ -429,11 +429,14 @@ class PyClient {
 
   void CancelCheckpointCalls() { client_->CancelCheckpointCalls(); }
 
-  // As `flatshard status --json`.
-  std::string StatusJson() {
+  // As `flatshard status --json`; without the groups when `groups` is false.
+  std::string StatusJson(bool groups) {
     const auto& options = client_->options();
-    return ClusterStatusJson(options.servers,
-                             Stoppable([&](std::stop_token stop) { return FetchClusterStatus(options, stop); }), -1);
+    v1::GetStatusRequest request;
+    request.set_omit_groups(!groups);
+    return ClusterStatusJson(
+        options.servers,
+        Stoppable([&](std::stop_token stop) { return FetchClusterStatus(options, stop, request); }), -1);
   }
 
   std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }
@@ -553,7 +556,7 @@ PYBIND11_MODULE(_native, m) {
       .def("list_checkpoints", &PyClient::ListCheckpoints)
       .def("export_state_dict", &PyClient::ExportStateDict)
       .def("cancel_checkpoint_calls", &PyClient::CancelCheckpointCalls, py::call_guard<py::gil_scoped_release>())
-      .def("status_json", &PyClient::StatusJson)
+      .def("status_json", &PyClient::StatusJson, py::arg("groups"))
       .def("data_planes", &PyClient::DataPlanes);
 }
 

@@ -556,14 +556,14 @@ grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::G
   return grpc::Status::OK;
 }
 
-grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
+grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* request,
                                          v1::ServerStatus* response) {
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
-  *response = Status();
+  *response = Status(*request);
   return grpc::Status::OK;
 }
 
-v1::ServerStatus FlatshardService::Status() {
+v1::ServerStatus FlatshardService::Status(const v1::GetStatusRequest& request) {
   v1::ServerStatus status;
   v1::ServerStatus* response = &status;
   response->set_rank(identity_.rank);
@@ -591,7 +591,7 @@ v1::ServerStatus FlatshardService::Status() {
     job->set_last_grad_norm(norms.last_norm);
     job->set_skipped_steps(norms.skipped_steps);
   }
-  for (const auto& group : registry_.groups()) {
+  for (const auto& group : request.omit_groups() ? std::vector<std::shared_ptr<Group>>{} : registry_.groups()) {
     const GroupStats stats = group->stats();
     v1::GroupStatus* proto = response->add_groups();
     proto->set_job(group->job());

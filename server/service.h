@@ -86,8 +86,9 @@ class FlatshardService final : public v1::Flatshard::Service {
   grpc::Status GetGradNorm(grpc::ServerContext* ctx, const v1::GetGradNormRequest* request,
                            v1::GetGradNormResponse* response) override;
 
-  // What GetStatus answers; also what the metrics endpoint serves (server/metrics.h).
-  v1::ServerStatus Status();
+  // What GetStatus answers to `request`; also what the metrics endpoint serves
+  // (server/metrics.h), with every group.
+  v1::ServerStatus Status(const v1::GetStatusRequest& request = {});
 
   // Refuses every call that begins from now on with `why` (the server is shutting down:
   // the calls in progress finish within its grace, no new one starts).

@@ -465,9 +465,11 @@ class Client:
         of it (C++ `Client::CancelCheckpointCalls`)."""
         self._native.cancel_checkpoint_calls()
 
-    def status(self):
-        """Every server's status, as `flatshard status --json`."""
-        return json.loads(self._native.status_json())
+    def status(self, groups=True):
+        """Every server's status, as `flatshard status --json`. With groups=False, each
+        server's "groups" list is left out (empty): the servers answer at once however
+        many groups the cluster holds (tens of thousands make megabytes of status)."""
+        return json.loads(self._native.status_json(bool(groups)))
 
     def data_planes(self):
         """Per server, "tcp" or "cuda-ipc" (device buffers on this process's GPU)."""

@@ -350,5 +350,44 @@ TEST(StatusCommandTest, ALoadNeverCommittedIsListedUntilItsTimeoutDropsIt) {
   ASSERT_TRUE(client->LoadCheckpoint("s").ok());
 }
 
+// A status asked without groups (as the checkpoint calls ask it, polling a save's
+// progress) leaves out the groups and nothing else that a caller reads: the jobs, the
+// checkpoint root, the loads staged here.
+TEST(StatusCommandTest, AStatusWithoutGroupsHasAllButThem) {
+  const testing::ScratchDir root("status-without-groups");
+  testing::TestCluster cluster(2, "status-token", ::testing::TempDir(), root.path());
+  std::unique_ptr<Client> client;
+  ASSERT_NO_FATAL_FAILURE(SaveAGroup(cluster, client));
+  ASSERT_TRUE(cluster.LoadPhase(0, "status", "s", 0x5eed, v1::LoadCheckpointRequest::PREPARE).ok());
+  ASSERT_TRUE(client->RegisterGroup("h", {{"v", {10}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  const ClientOptions options{.servers = cluster.addresses(), .token = cluster.token()};
+  v1::GetStatusRequest request;
+  request.set_omit_groups(true);
+  const auto without = FetchClusterStatus(options, {}, request);
+  const auto with = FetchClusterStatus(options);
+  ASSERT_EQ(without.size(), 2u);
+  ASSERT_EQ(with.size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(without[rank].ok()) << without[rank].status();
+    ASSERT_TRUE(with[rank].ok()) << with[rank].status();
+    const v1::ServerStatus& brief = *without[rank];
+    const v1::ServerStatus& full = *with[rank];
+    EXPECT_EQ(brief.groups_size(), 0);
+    EXPECT_EQ(full.groups_size(), 2);
+    EXPECT_EQ(brief.rank(), rank);
+    EXPECT_EQ(brief.control_address(), full.control_address());
+    ASSERT_EQ(brief.jobs_size(), 1);
+    EXPECT_EQ(brief.jobs(0).SerializeAsString(), full.jobs(0).SerializeAsString());
+    EXPECT_FALSE(brief.checkpoint_root_id().empty());
+    EXPECT_EQ(brief.checkpoint_root_id(), full.checkpoint_root_id());
+    EXPECT_EQ(brief.gathers(), full.gathers());
+    ASSERT_EQ(brief.staged_loads_size(), rank == 0 ? 1 : 0);
+    ASSERT_EQ(full.staged_loads_size(), rank == 0 ? 1 : 0);
+    if (rank == 0) {
+      EXPECT_EQ(brief.staged_loads(0).load_id(), 0x5eedu);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flatshard

@@ -555,6 +555,17 @@ class ClientTest(unittest.TestCase):
             methods = {rpc["name"] for rpc in server["rpc_seconds"]}
             self.assertIn("flatshard.v1.Flatshard/OpenSession", methods)
 
+    def test_status_without_groups_leaves_out_only_them(self):
+        c = self.client(job="brief")
+        c.configure_job()
+        c.register_group("g", TENSORS, flatshard.SGD(lr=0.1))
+        full, brief = c.status()["servers"], c.status(groups=False)["servers"]
+        for whole, short in zip(full, brief):
+            self.assertIn(("brief", "g"), {(g["job"], g["group"]) for g in whole["groups"]})
+            self.assertEqual(short["groups"], [])
+            self.assertEqual(short["rank"], whole["rank"])
+            self.assertIn("brief", {job["job"] for job in short["jobs"]})
+
     def test_model_timeout_bounds_an_export_and_keepalive_has_a_floor(self):
         unbounded = self.client(job="bounded")  # the default: no model_timeout
         unbounded.configure_job()
