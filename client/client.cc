@@ -64,6 +64,8 @@ std::string GroupsNamed(const std::vector<std::string>& groups) {
 // Data connections (and NCCL links) per server: beyond this, threads and sockets are
 // wasted and a mistyped option would exhaust the servers' descriptors.
 constexpr int kMaxInFlight = 64;
+// The most bytes of group specs one RegisterGroup call carries (one spec may exceed it).
+constexpr size_t kRegisterCallBytes = size_t{1} << 20;
 
 // The Client: checks options, learns the cluster at Connect, keeps the layouts of the
 // groups it registered, and hands control calls to ControlPlane, checkpoints to
@@ -126,35 +128,42 @@ class ClientImpl final : public Client {
     return freed;
   }
 
-  absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group, std::vector<TensorSpec> tensors,
-                                                  int64_t align, const OptimizerOptions& optimizer,
-                                                  std::stop_token stop) override {
-    v1::RegisterGroupRequest request;
-    request.set_job(options_.job);
-    request.set_group(group);
-    ToProto(tensors, request.mutable_tensors());
-    request.set_align(align);
-    *request.mutable_optimizer() = OptimizerToProto(optimizer);
-    v1::RegisterGroupResponse response;
-    FLATSHARD_RETURN_IF_ERROR(
-        control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncRegisterGroup, request, &response,
-                                           control_->model_timeout(), stop));
-    // The layout is over one replica group (the servers know the job's replica groups).
-    const int replicas = std::max(1, response.replicas());
-    FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
-                               FlatLayout::Create(std::move(tensors), align, num_servers() / replicas));
-    if (layout.shard_numel() != response.shard_numel()) {
-      return absl::InternalError(absl::StrCat("group '", group, "': the servers hold shards of ",
-                                              response.shard_numel(), " elements; this client computed ",
-                                              layout.shard_numel()));
+  absl::StatusOr<std::vector<const FlatLayout*>> RegisterGroups(std::vector<GroupSpec> groups,
+                                                                std::stop_token stop) override {
+    if (groups.empty()) return absl::InvalidArgumentError("RegisterGroups: no group");
+    std::vector<const FlatLayout*> layouts;
+    layouts.reserve(groups.size());
+    for (size_t first = 0, next = 0; first < groups.size(); first = next) {
+      // A call carries specs up to kRegisterCallBytes (far below the servers' 16 MiB
+      // message limit): a model of 20000 small groups takes a few calls.
+      v1::RegisterGroupRequest request;
+      request.set_job(options_.job);
+      for (size_t bytes = 0; next < groups.size() && (next == first || bytes < kRegisterCallBytes); ++next) {
+        v1::GroupSpec& spec = *request.add_groups();
+        spec.set_group(groups[next].group);
+        ToProto(groups[next].tensors, spec.mutable_tensors());
+        spec.set_align(groups[next].align);
+        *spec.mutable_optimizer() = OptimizerToProto(groups[next].optimizer);
+        bytes += spec.ByteSizeLong();
+      }
+      v1::RegisterGroupResponse response;
+      FLATSHARD_RETURN_IF_ERROR(
+          control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncRegisterGroup, request, &response,
+                                             control_->model_timeout(), stop));
+      if (static_cast<size_t>(response.groups_size()) != next - first) {
+        return absl::InternalError(absl::StrCat("server ", control_->address(0), " answered for ",
+                                                response.groups_size(), " groups of ", next - first));
+      }
+      // The layouts are over one replica group (the servers know the job's replica groups).
+      const int replicas = std::max(1, response.replicas());
+      for (size_t i = first; i < next; ++i) {
+        FLATSHARD_ASSIGN_OR_RETURN(
+            const FlatLayout* layout,
+            Registered(std::move(groups[i]), response.groups(static_cast<int>(i - first)), replicas));
+        layouts.push_back(layout);
+      }
     }
-    if (!std::holds_alternative<FrozenOptions>(optimizer)) sent_.Register(group);
-    absl::MutexLock lock(&mu_);
-    replicas_ = replicas;
-    auto& slot = layouts_[group];
-    if (slot == nullptr || !(*slot == layout))
-      slot = std::make_unique<FlatLayout>(std::move(layout));
-    return slot.get();
+    return layouts;
   }
 
   absl::Status InitGroup(const std::string& group, absl::Span<const float> flat, std::stop_token stop) override {
@@ -380,6 +389,25 @@ class ClientImpl final : public Client {
         control_->Call(server, &v1::Flatshard::Stub::PrepareAsyncOpenNcclChannel, request, &response,
                        absl::ZeroDuration(), nullptr, std::move(stop)));
     return response.channel();
+  }
+
+  // The layout of `spec` as the servers registered it (`registered`, over N / replicas
+  // shards), kept for the Client's lifetime; Internal if the servers' shards differ
+  // from it.
+  absl::StatusOr<const FlatLayout*> Registered(GroupSpec spec, const v1::RegisteredGroup& registered, int replicas) {
+    FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
+                               FlatLayout::Create(std::move(spec.tensors), spec.align, num_servers() / replicas));
+    if (layout.shard_numel() != registered.shard_numel()) {
+      return absl::InternalError(absl::StrCat("group '", spec.group, "': the servers hold shards of ",
+                                              registered.shard_numel(), " elements; this client computed ",
+                                              layout.shard_numel()));
+    }
+    if (!std::holds_alternative<FrozenOptions>(spec.optimizer)) sent_.Register(spec.group);
+    absl::MutexLock lock(&mu_);
+    replicas_ = replicas;
+    auto& slot = layouts_[spec.group];
+    if (slot == nullptr || !(*slot == layout)) slot = std::make_unique<FlatLayout>(std::move(layout));
+    return slot.get();
   }
 
   absl::StatusOr<const FlatLayout*> FindLayout(const std::string& group) {

@@ -27,8 +27,9 @@ namespace flatshard {
 // DeleteJob RPC. Revision 5: saves and exports say how long a server waits for their cut
 // (cut_wait_ms), their streams lasting as long as the checkpoint takes; a load's client
 // renews its staging on the servers that prepared while others still do (RENEW).
-// Revision 6: WaitVersion and SetHyperparams take several groups at once.
-inline constexpr uint32_t kProtocolRevision = 6;
+// Revision 6: WaitVersion and SetHyperparams take several groups at once. Revision 7:
+// so does RegisterGroup.
+inline constexpr uint32_t kProtocolRevision = 7;
 
 // This build's version (CMake's PROJECT_VERSION), "0.1.0".
 absl::string_view FlatshardVersion();

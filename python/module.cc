@@ -332,14 +332,24 @@ class PyClient {
     return Check(Stoppable([&](std::stop_token stop) { return client_->DeleteJob(stop); }));
   }
 
-  py::dict RegisterGroup(const std::string& name, const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string>>& tensors,
-                         const py::dict& optimizer, int64_t align) {
-    std::vector<TensorSpec> specs;
-    for (const auto& [fqn, shape, dtype] : tensors) specs.push_back({fqn, shape, ToDType(dtype)});
-    const OptimizerOptions options = ToOptimizer(optimizer);
-    const FlatLayout* layout = Check(
-        Stoppable([&](std::stop_token stop) { return client_->RegisterGroup(name, specs, align, options, stop); }));
-    return LayoutToDict(*layout);
+  // (tensor name, shape, dtype) and (group name, tensors, optimizer spec, align).
+  using TensorTuple = std::tuple<std::string, std::vector<int64_t>, std::string>;
+  using GroupTuple = std::tuple<std::string, std::vector<TensorTuple>, py::dict, int64_t>;
+
+  // The groups' layouts, in their order.
+  py::list RegisterGroups(const std::vector<GroupTuple>& groups) {
+    std::vector<GroupSpec> specs;
+    specs.reserve(groups.size());
+    for (const auto& [name, tensors, optimizer, align] : groups) {
+      GroupSpec& spec = specs.emplace_back(
+          GroupSpec{.group = name, .tensors = {}, .align = align, .optimizer = ToOptimizer(optimizer)});
+      for (const auto& [fqn, shape, dtype] : tensors) spec.tensors.push_back({fqn, shape, ToDType(dtype)});
+    }
+    const std::vector<const FlatLayout*> layouts = Check(
+        Stoppable([&](std::stop_token stop) { return client_->RegisterGroups(std::move(specs), stop); }));
+    py::list result;
+    for (const FlatLayout* layout : layouts) result.append(LayoutToDict(*layout));
+    return result;
   }
 
   void InitGroup(const std::string& name, const py::buffer& flat) {
@@ -540,7 +550,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("gather_split_bytes"), py::arg("scatter_split_bytes"), py::arg("model_timeout"),
            py::arg("keepalive"), py::arg("tls_reload_interval"), py::arg("tls_cert_file"), py::arg("tls_key_file"))
       .def("configure_job", &PyClient::ConfigureJob)
-      .def("register_group", &PyClient::RegisterGroup)
+      .def("register_groups", &PyClient::RegisterGroups)
       .def("init_group", &PyClient::InitGroup)
       .def("init_group_from_seed", &PyClient::InitGroupFromSeed)
       .def("gather", &PyClient::Gather)

@@ -4,10 +4,18 @@
 
 #include <cmath>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
 namespace flatshard::server {
+
+absl::Status NamingGroup(absl::string_view name, const absl::Status& status) {
+  const std::string quoted = absl::StrCat("group '", name, "'");
+  if (absl::StrContains(status.message(), quoted)) return status;
+  return absl::Status(status.code(), absl::StrCat(quoted, ": ", status.message()));
+}
 
 absl::Status Registry::ConfigureJob(const std::string& job, const JobSettings& settings) {
   if (job.empty()) return absl::InvalidArgumentError("job: empty name");
@@ -73,41 +81,89 @@ absl::StatusOr<Registry::Registration> Registry::RegisterGroup(const std::string
                                                                std::vector<TensorSpec> tensors,
                                                                int64_t align,
                                                                const OptimizerConfig& optimizer) {
-  if (name.empty()) return absl::InvalidArgumentError("group: empty name");
-  FLATSHARD_RETURN_IF_ERROR(ValidateOptimizer(optimizer));
+  std::vector<GroupRequest> one;
+  one.push_back({name, std::move(tensors), align, optimizer});
+  absl::StatusOr<std::vector<Registration>> registered = RegisterGroups(job, std::move(one));
+  if (!registered.ok()) return registered.status();
+  return std::move(registered->front());
+}
+
+absl::StatusOr<std::vector<Registry::Registration>> Registry::RegisterGroups(const std::string& job,
+                                                                             std::vector<GroupRequest> groups) {
   const absl::StatusOr<JobSettings> settings = job_settings(job);
   if (!settings.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("job '", job, "' is not configured; call ConfigureJob first"));
   }
   const Placement placement = Placement::Of(rank_, num_servers_, settings->replicas);
-  FLATSHARD_ASSIGN_OR_RETURN(FlatLayout layout,
-                             FlatLayout::Create(std::move(tensors), align, placement.shards));
-  absl::MutexLock lock(&mu_);
-  FLATSHARD_RETURN_IF_ERROR(stopped_);
-  // Read without the lock above: the job may have been deleted (and configured again)
-  // since.
-  if (const auto it = jobs_.find(job); it == jobs_.end() || !(it->second == *settings)) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", job, "' was deleted while group '", name,
-                                                      "' was being registered; configure the job again"));
-  }
-  auto& slot = groups_[{job, name}];
-  if (slot != nullptr) {
-    if (!slot->SameSpec(layout, optimizer)) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "group '", name, "' in job '", job,
-          "' is already registered with a different spec (tensors, align or optimizer)"));
+  // Every spec is checked and laid out before the lock, and before anything is made.
+  std::vector<FlatLayout> layouts;
+  layouts.reserve(groups.size());
+  absl::flat_hash_set<absl::string_view> names;
+  for (GroupRequest& group : groups) {
+    if (group.name.empty()) return absl::InvalidArgumentError("group: empty name");
+    if (!names.insert(group.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("group '", group.name, "' is named twice"));
     }
-    return Registration{slot, false};
+    if (absl::Status valid = ValidateOptimizer(group.optimizer); !valid.ok()) return NamingGroup(group.name, valid);
+    absl::StatusOr<FlatLayout> layout = FlatLayout::Create(std::move(group.tensors), group.align, placement.shards);
+    if (!layout.ok()) return NamingGroup(group.name, layout.status());
+    layouts.push_back(*std::move(layout));
   }
-  absl::StatusOr<std::shared_ptr<Group>> group =
-      Group::Create(job, name, std::move(layout), placement, *settings, optimizer, tier_, pool_);
-  if (!group.ok()) {
-    groups_.erase({job, name});
-    return group.status();
+  // Under the lock: what is registered already (kept), what conflicts (refused), and,
+  // with `made` (the groups created for the rest), their insertion. The groups are
+  // created between two such passes, outside the lock: their memory takes time, during
+  // which other jobs' requests look groups up.
+  std::vector<Registration> registrations(groups.size());
+  auto settle = [&](std::vector<std::shared_ptr<Group>>* made) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    FLATSHARD_RETURN_IF_ERROR(stopped_);
+    // Read without the lock above: the job may have been deleted (and configured again)
+    // since.
+    if (const auto it = jobs_.find(job); it == jobs_.end() || !(it->second == *settings)) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job, "' was deleted while group '", groups[0].name,
+                                                        "' was being registered; configure the job again"));
+    }
+    for (size_t i = 0; i < groups.size(); ++i) {
+      const std::shared_ptr<Group>* ours = made != nullptr && (*made)[i] != nullptr ? &(*made)[i] : nullptr;
+      const auto it = groups_.find({job, groups[i].name});
+      if (it == groups_.end()) {
+        if (made != nullptr && ours == nullptr) {  // there before, gone with its job since
+          return absl::FailedPreconditionError(absl::StrCat("job '", job, "' was deleted while group '",
+                                                            groups[i].name, "' was being registered"));
+        }
+        registrations[i] = {};
+        continue;
+      }
+      if (!it->second->SameSpec(ours != nullptr ? (*ours)->layout() : layouts[i], groups[i].optimizer)) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "group '", groups[i].name, "' in job '", job,
+            "' is already registered with a different spec (tensors, align or optimizer)"));
+      }
+      registrations[i] = {it->second, false};  // also one that a racing call made meanwhile
+    }
+    if (made == nullptr) return absl::OkStatus();
+    for (size_t i = 0; i < groups.size(); ++i) {
+      if (registrations[i].group != nullptr) continue;
+      registrations[i] = {(*made)[i], true};
+      groups_[{job, groups[i].name}] = (*made)[i];
+    }
+    return absl::OkStatus();
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    FLATSHARD_RETURN_IF_ERROR(settle(nullptr));
   }
-  slot = *std::move(group);
-  return Registration{slot, true};
+  std::vector<std::shared_ptr<Group>> made(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (registrations[i].group != nullptr) continue;
+    absl::StatusOr<std::shared_ptr<Group>> group = Group::Create(
+        job, groups[i].name, std::move(layouts[i]), placement, *settings, groups[i].optimizer, tier_, pool_);
+    if (!group.ok()) return NamingGroup(groups[i].name, group.status());  // `made` goes with its memory
+    made[i] = *std::move(group);
+  }
+  absl::MutexLock lock(&mu_);
+  FLATSHARD_RETURN_IF_ERROR(settle(&made));
+  return registrations;
 }
 
 absl::StatusOr<std::shared_ptr<Group>> Registry::FindGroup(const std::string& job,

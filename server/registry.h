@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "server/compute_pool.h"
 #include "server/group.h"
@@ -22,6 +23,10 @@
 #include "server/shard_compute.h"
 
 namespace flatshard::server {
+
+// `status` with its message led by "group '<name>': ", unless it names the group
+// already: a refusal of a call about many groups says which one it is about.
+absl::Status NamingGroup(absl::string_view name, const absl::Status& status);
 
 class Registry {
  public:
@@ -47,6 +52,22 @@ class Registry {
                                                            std::vector<TensorSpec> tensors,
                                                            int64_t align,
                                                            const OptimizerConfig& optimizer);
+
+  struct GroupRequest {
+    std::string name;
+    std::vector<TensorSpec> tensors;
+    int64_t align = 0;
+    OptimizerConfig optimizer;
+  };
+  // The same for several groups of `job`, all or none: a refusal (the errors above, each
+  // naming its group as NamingGroup does; InvalidArgument for a name given twice;
+  // ResourceExhausted when memory runs out) leaves none of the groups it would have
+  // created. The registrations come in `groups`' order. New groups are made outside the
+  // lock (their memory takes time while other jobs' requests look groups up) and
+  // published together; a group that a racing call published meanwhile is taken if its
+  // spec is the same.
+  [[nodiscard]] absl::StatusOr<std::vector<Registration>> RegisterGroups(const std::string& job,
+                                                                         std::vector<GroupRequest> groups);
 
   // Removes `job` and its groups and closes them (Group::Close, NotFound: their waits end
   // and requests in flight that still hold them are refused). Returns them, in name

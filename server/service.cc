@@ -269,27 +269,36 @@ grpc::Status FlatshardService::RegisterGroup(grpc::ServerContext* ctx,
                                              const v1::RegisterGroupRequest* request,
                                              v1::RegisterGroupResponse* response) {
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
-  absl::StatusOr<std::vector<TensorSpec>> tensors = FromProto(request->tensors());
-  if (!tensors.ok()) return ToGrpc(tensors.status());
-  absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(request->optimizer());
-  if (!optimizer.ok()) return ToGrpc(optimizer.status());
-  absl::StatusOr<Registry::Registration> registration = registry_.RegisterGroup(
-      request->job(), request->group(), std::move(*tensors), request->align(), *optimizer);
-  if (!registration.ok()) return ToGrpc(registration.status());
-  const Group& group = *registration->group;
-  if (registration->created) {
-    spdlog::info(
-        "group '{}/{}' registered: tensors {}, elements {}; here shard {} of {} (replica group {}): elements {}, "
-        "optimizer {}, bytes {}",
-        group.job(), group.name(), group.layout().num_tensors(), group.layout().unpadded_numel(),
-        group.placement().shard, group.placement().shards, group.placement().replica, group.shard_numel(),
-        group.optimizer_name(), group.stats().bytes);
+  if (request->groups().empty()) return ToGrpc(absl::InvalidArgumentError("RegisterGroup names no group"));
+  std::vector<Registry::GroupRequest> groups;
+  groups.reserve(request->groups_size());
+  for (const v1::GroupSpec& spec : request->groups()) {
+    absl::StatusOr<std::vector<TensorSpec>> tensors = FromProto(spec.tensors());
+    if (!tensors.ok()) return ToGrpc(NamingGroup(spec.group(), tensors.status()));
+    absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(spec.optimizer());
+    if (!optimizer.ok()) return ToGrpc(NamingGroup(spec.group(), optimizer.status()));
+    groups.push_back({spec.group(), *std::move(tensors), spec.align(), *std::move(optimizer)});
   }
-  response->set_unpadded_numel(group.layout().unpadded_numel());
-  response->set_shard_numel(group.shard_numel());
-  response->set_version(group.version());
-  response->set_created(registration->created);
-  response->set_replicas(group.placement().replicas);
+  absl::StatusOr<std::vector<Registry::Registration>> registrations =
+      registry_.RegisterGroups(request->job(), std::move(groups));
+  if (!registrations.ok()) return ToGrpc(registrations.status());
+  for (const Registry::Registration& registration : *registrations) {
+    const Group& group = *registration.group;
+    if (registration.created) {
+      spdlog::info(
+          "group '{}/{}' registered: tensors {}, elements {}; here shard {} of {} (replica group {}): elements {}, "
+          "optimizer {}, bytes {}",
+          group.job(), group.name(), group.layout().num_tensors(), group.layout().unpadded_numel(),
+          group.placement().shard, group.placement().shards, group.placement().replica, group.shard_numel(),
+          group.optimizer_name(), group.stats().bytes);
+    }
+    v1::RegisteredGroup* registered = response->add_groups();
+    registered->set_unpadded_numel(group.layout().unpadded_numel());
+    registered->set_shard_numel(group.shard_numel());
+    registered->set_version(group.version());
+    registered->set_created(registration.created);
+    response->set_replicas(group.placement().replicas);
+  }
   return grpc::Status::OK;
 }
 
@@ -308,9 +317,6 @@ grpc::Status FlatshardService::SetHyperparams(grpc::ServerContext* ctx,
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
   if (request->groups().empty()) return ToGrpc(absl::InvalidArgumentError("SetHyperparams names no group"));
   // A refusal names its group (one call changes many).
-  auto of_group = [](const std::string& name, const absl::Status& status) {
-    return ToGrpc(absl::Status(status.code(), absl::StrCat("group '", name, "': ", status.message())));
-  };
   // Every group is found and its settings checked before any changes: a wrong name or
   // setting changes nothing. Only memory for new state (momentum, amsgrad) can still
   // fail below, leaving the groups before it changed.
@@ -320,16 +326,16 @@ grpc::Status FlatshardService::SetHyperparams(grpc::ServerContext* ctx,
     absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), entry.group());
     if (!group.ok()) return ToGrpc(group.status());
     absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(entry.optimizer());
-    if (!optimizer.ok()) return of_group(entry.group(), optimizer.status());
+    if (!optimizer.ok()) return ToGrpc(NamingGroup(entry.group(), optimizer.status()));
     if (absl::Status checked = (*group)->CheckOptimizer(*optimizer); !checked.ok()) {
-      return of_group(entry.group(), checked);
+      return ToGrpc(NamingGroup(entry.group(), checked));
     }
     changes.emplace_back(*std::move(group), *std::move(optimizer));
   }
   for (size_t i = 0; i < changes.size(); ++i) {
     const auto& [group, optimizer] = changes[i];
     if (absl::Status set = group->SetOptimizer(optimizer); !set.ok()) {
-      return of_group(request->groups(static_cast<int>(i)).group(), set);
+      return ToGrpc(NamingGroup(request->groups(static_cast<int>(i)).group(), set));
     }
   }
   return grpc::Status::OK;

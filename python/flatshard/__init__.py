@@ -312,11 +312,25 @@ class Client:
 
     def register_group(self, name, tensors, optimizer, align=0):
         """Registers (or finds the identical) group: tensors = [(name, shape, dtype), ...]."""
-        specs = [(str(n), [int(d) for d in shape], dtype_name(dt)) for n, shape, dt in tensors]
-        layout = GroupLayout(self._native.register_group(name, specs, optimizer._spec(), int(align)))
-        self._layouts[name] = layout
-        self._optimizers[name] = optimizer
-        return layout
+        return self.register_groups([(name, tensors, optimizer, align)])[0]
+
+    def register_groups(self, groups):
+        """Registers several groups in one call per server (every group of a model):
+        groups = [(name, tensors, optimizer) or (name, tensors, optimizer, align)], as
+        register_group takes them; returns their layouts in that order. A refusal (a
+        malformed spec, a name given twice, a spec that conflicts with a registered group,
+        memory) names the group, and a server registers all of a call's groups or none."""
+        entries, specs = [], {}
+        for name, tensors, optimizer, *align in groups:
+            if id(optimizer) not in specs:  # a model's groups share one optimizer object
+                specs[id(optimizer)] = optimizer._spec()
+            tensors = [(str(n), [int(d) for d in shape], dtype_name(dt)) for n, shape, dt in tensors]
+            entries.append((name, tensors, specs[id(optimizer)], int(align[0]) if align else 0))
+        layouts = [GroupLayout(d) for d in self._native.register_groups(entries)]
+        for (name, _, optimizer, *_), layout in zip(groups, layouts):
+            self._layouts[name] = layout
+            self._optimizers[name] = optimizer
+        return layouts
 
     def layout(self, name):
         if name not in self._layouts:

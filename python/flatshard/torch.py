@@ -159,20 +159,18 @@ class ShardedModule(torch.nn.Module):
         # fp32 initial values, taken before the parameters become views of (possibly
         # bf16) flat buffers: the servers' master copy starts from full precision.
         initial = {fqn: p.detach().float().clone() for fqn, p in module.named_parameters()}
-        register = lambda group_name, params, group_optimizer: client.register_group(
-            group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], group_optimizer)
-        self._groups = []  # trained, in forward order
-        for path, params in wrapped:
-            group_name = f"{name}.{path or '<root>'}"
-            self._groups.append(_Group(group_name, path, modules[path], params,
-                                       register(group_name, params, optimizer),
-                                       self._param_dtype, self._reduce_dtype))
-        self._frozen = None
+        # Every group in one call per server: (name, module path, parameters, optimizer).
+        specs = [(f"{name}.{path or '<root>'}", path, params, optimizer) for path, params in wrapped]
         if frozen:
-            group_name = f"{name}.<frozen>"
-            self._frozen = _Group(group_name, None, None, frozen,
-                                  register(group_name, frozen, flatshard.Frozen()),
-                                  self._param_dtype, self._reduce_dtype, trained=False)
+            specs.append((f"{name}.<frozen>", None, frozen, flatshard.Frozen()))
+        layouts = client.register_groups(
+            [(group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], group_optimizer)
+             for group_name, _, params, group_optimizer in specs]) if specs else []
+        groups = [_Group(group_name, path, modules[path] if path is not None else None, params, layout,
+                         self._param_dtype, self._reduce_dtype, trained=path is not None)
+                  for (group_name, path, params, _), layout in zip(specs, layouts)]
+        self._groups = groups[:len(wrapped)]  # trained, in forward order
+        self._frozen = groups[len(wrapped)] if frozen else None
         self._initialize(name, load_checkpoint, initial)
         del initial
         for index, group in enumerate(self._groups):

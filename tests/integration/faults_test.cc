@@ -13,11 +13,14 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <set>
 #include <stop_token>
 #include <string>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/cluster_status.h"
 #include "flatshard/while_waiting.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -114,6 +117,87 @@ TEST_F(FaultsTest, RegistrationIsIdempotentAndRefusesADifferentSpec) {
   auto bad = (*client_)->RegisterGroup("h", {{"w", {-1}, DType::kFloat32}}, 0, SgdOptions{});
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("dimension 0 is -1"));
+}
+
+// Several groups register in one call per server, their layouts in the call's order. A
+// refusal (a malformed spec, a name given twice, a spec that conflicts with a registered
+// group) names its group and registers none of the call's groups.
+TEST_F(FaultsTest, GroupsRegisterTogetherAndARefusalNamesItsGroup) {
+  // Each server's groups of job "test", which every server must hold alike.
+  auto held = [&] {
+    std::set<std::string> names;
+    const auto statuses = FetchClusterStatus({.servers = cluster_.addresses(), .token = cluster_.token()});
+    for (size_t rank = 0; rank < statuses.size(); ++rank) {
+      EXPECT_TRUE(statuses[rank].ok()) << statuses[rank].status();
+      std::set<std::string> here;
+      for (const v1::GroupStatus& group : statuses[rank]->groups()) here.insert(group.group());
+      if (rank == 0) names = here;
+      EXPECT_EQ(here, names) << "server " << rank;
+    }
+    return names;
+  };
+  auto spec = [](const std::string& name, int64_t numel) {
+    return GroupSpec{.group = name, .tensors = {{"w", {numel}, DType::kFloat32}}, .align = 0,
+                     .optimizer = AdamOptions{}};
+  };
+  absl::StatusOr<std::vector<const FlatLayout*>> layouts =
+      (*client_)->RegisterGroups({spec("a", 30), spec("b", 7), spec("c", 100)});
+  ASSERT_TRUE(layouts.ok()) << layouts.status();
+  ASSERT_EQ(layouts->size(), 3u);
+  EXPECT_EQ((*layouts)[0]->unpadded_numel(), 30);
+  EXPECT_EQ((*layouts)[1]->unpadded_numel(), 7);
+  EXPECT_EQ((*layouts)[2]->unpadded_numel(), 100);
+  std::vector<float> b(layouts->at(1)->padded_numel());
+  EXPECT_TRUE((*client_)->Gather("b", 0, DType::kFloat32, AsBytes(b)).get().ok());
+  EXPECT_EQ(held(), (std::set<std::string>{"a", "b", "c", "g"}));
+
+  GroupSpec bad = spec("y", 1);
+  bad.tensors[0].shape = {-1};
+  const auto malformed = (*client_)->RegisterGroups({spec("x", 5), bad, spec("z", 5)});
+  EXPECT_EQ(malformed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(malformed.status().message()), HasSubstr("group 'y': "));
+  EXPECT_THAT(std::string(malformed.status().message()), HasSubstr("dimension 0 is -1"));
+  const auto twice = (*client_)->RegisterGroups({spec("p", 5), spec("p", 5)});
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("group 'p' is named twice"));
+  EXPECT_EQ((*client_)->RegisterGroups({}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(held(), (std::set<std::string>{"a", "b", "c", "g"}));
+
+  const auto conflict = (*client_)->RegisterGroups({spec("q", 5), spec("b", 8), spec("r", 5)});
+  EXPECT_EQ(conflict.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(conflict.status().message()), HasSubstr("group 'b' in job 'test'"));
+  EXPECT_EQ(held(), (std::set<std::string>{"a", "b", "c", "g"}));
+  // Registering again finds what is there and makes the rest.
+  const auto again = (*client_)->RegisterGroups({spec("q", 5), spec("b", 7), spec("r", 5)});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->at(1), layouts->at(1));
+  EXPECT_EQ(held(), (std::set<std::string>{"a", "b", "c", "g", "q", "r"}));
+}
+
+// Specs of more than about 1 MiB go in several calls, the layouts still in order: four
+// groups of 40000 tensors (about 0.7 MB of specs each) in two calls to each server.
+TEST_F(FaultsTest, GroupsWithLargeSpecsRegisterInSeveralCalls) {
+  auto calls = [&](size_t rank) -> int64_t {
+    const auto status = FetchClusterStatus({.servers = {cluster_.addresses()[rank]}, .token = cluster_.token()})[0];
+    EXPECT_TRUE(status.ok()) << status.status();
+    for (const v1::NamedLatency& rpc : status->rpc_seconds()) {
+      if (rpc.name() == "flatshard.v1.Flatshard/RegisterGroup") return static_cast<int64_t>(rpc.seconds().count());
+    }
+    return 0;
+  };
+  std::vector<GroupSpec> groups;
+  for (int g = 0; g < 4; ++g) {
+    GroupSpec& group = groups.emplace_back(GroupSpec{.group = absl::StrCat("large", g), .tensors = {}, .align = 0,
+                                                     .optimizer = SgdOptions{}});
+    for (int t = 0; t < 40000; ++t) {
+      group.tensors.push_back({absl::StrFormat("tensor-%05d", t), {g + 1}, DType::kFloat32});
+    }
+  }
+  const int64_t before = calls(2);
+  const auto layouts = (*client_)->RegisterGroups(groups);
+  ASSERT_TRUE(layouts.ok()) << layouts.status();
+  EXPECT_EQ(calls(2) - before, 2);
+  for (int g = 0; g < 4; ++g) EXPECT_EQ((*layouts)[g]->unpadded_numel(), 40000 * (g + 1)) << g;
 }
 
 TEST_F(FaultsTest, UnknownGroupWrongSizesAndDTypes) {

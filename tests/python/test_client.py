@@ -555,6 +555,23 @@ class ClientTest(unittest.TestCase):
             methods = {rpc["name"] for rpc in server["rpc_seconds"]}
             self.assertIn("flatshard.v1.Flatshard/OpenSession", methods)
 
+    def test_register_groups_registers_many_in_order_and_names_a_refused_one(self):
+        c = self.client(job="many")
+        c.configure_job()
+        sgd = flatshard.SGD(lr=0.1)
+        layouts = c.register_groups([(f"g{i}", [("w", (i + 1,), "float32")], sgd) for i in range(5)]
+                                    + [("aligned", TENSORS, flatshard.AdamW(), 8)])
+        # The last: weight's 12 elements padded to 16 for align 8, then bias's 4.
+        self.assertEqual([layout.unpadded_numel for layout in layouts], [1, 2, 3, 4, 5, 20])
+        self.assertEqual(c.layout("g3").unpadded_numel, 4)
+        self.assertEqual(c.version("g4"), 0)  # on the servers
+        with self.assertRaisesRegex(flatshard.AlreadyExistsError, "group 'g2'"):
+            c.register_groups([("g2", [("w", (9,), "float32")], sgd)])
+        with self.assertRaisesRegex(flatshard.InvalidArgumentError, "group 'twice' is named twice"):
+            c.register_groups([("twice", TENSORS, sgd), ("twice", TENSORS, sgd)])
+        with self.assertRaises(flatshard.NotFoundError):
+            c.version("twice")
+
     def test_status_without_groups_leaves_out_only_them(self):
         c = self.client(job="brief")
         c.configure_job()

@@ -319,6 +319,34 @@ TEST(GroupTest, StoppingTheRegistryEndsEveryWaitAndRefusesWhatComesLater) {
   EXPECT_EQ(group->WaitVersion(1, absl::InfiniteFuture()).status(), stopping);
 }
 
+// A registration of several groups makes all or none: the group that does not fit in
+// memory (1 Ti float32, 4 TiB, beyond this machine) takes back those made before it,
+// and one registered before stays as it was.
+TEST(GroupTest, GroupsRegisteredTogetherAreMadeAllOrNone) {
+  Registry registry(/*rank=*/0, /*num_servers=*/1);
+  ASSERT_TRUE(registry.ConfigureJob("job", JobSettings{.num_workers = 1}).ok());
+  const kernels::SgdHyperparams sgd{.lr = 1.0f};
+  auto kept = registry.RegisterGroup("job", "kept", {{"w", {8}, DType::kFloat32}}, 0, sgd);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  std::vector<Registry::GroupRequest> groups;
+  groups.push_back({"a", {{"w", {8}, DType::kFloat32}}, 0, sgd});
+  groups.push_back({"kept", {{"w", {8}, DType::kFloat32}}, 0, sgd});
+  groups.push_back({"huge", {{"w", {int64_t{1} << 40}, DType::kFloat32}}, 0, sgd});
+  const auto refused = registry.RegisterGroups("job", groups);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("group 'huge'"));
+  EXPECT_EQ(registry.FindGroup("job", "a").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(*registry.FindGroup("job", "kept"), kept->group);
+
+  groups.pop_back();
+  const auto made = registry.RegisterGroups("job", groups);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_TRUE((*made)[0].created);
+  EXPECT_EQ((*made)[0].group, *registry.FindGroup("job", "a"));
+  EXPECT_FALSE((*made)[1].created);
+  EXPECT_EQ((*made)[1].group, kept->group);
+}
+
 TEST(GroupTest, DeletingAJobClosesItsGroupsAndEndsTheirWaits) {
   Registry registry(/*rank=*/0, /*num_servers=*/1);
   // Clipped: its step waits for the global norm once the contribution is in.

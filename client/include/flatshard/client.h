@@ -151,6 +151,14 @@ struct GroupOptimizer {
   OptimizerOptions optimizer;
 };
 
+// A group to register (Client::RegisterGroups).
+struct GroupSpec {
+  std::string group;
+  std::vector<TensorSpec> tensors;
+  int64_t align = 0;
+  OptimizerOptions optimizer;
+};
+
 struct CheckpointEntry {
   std::string name;
   bool complete = false;  // false: a save that did not finish (never loadable)
@@ -217,10 +225,26 @@ class Client {
   // Registers (or finds the identical) group on every server and returns its layout over
   // the cluster (over one replica group's N / replicas servers for a hybrid-sharded job);
   // the pointer stays valid for the Client's lifetime.
-  [[nodiscard]] virtual absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group,
-                                                                        std::vector<TensorSpec> tensors, int64_t align,
-                                                                        const OptimizerOptions& optimizer,
-                                                                        std::stop_token stop = {}) = 0;
+  [[nodiscard]] absl::StatusOr<const FlatLayout*> RegisterGroup(const std::string& group,
+                                                                std::vector<TensorSpec> tensors, int64_t align,
+                                                                const OptimizerOptions& optimizer,
+                                                                std::stop_token stop = {}) {
+    std::vector<GroupSpec> groups;
+    groups.push_back({group, std::move(tensors), align, optimizer});
+    absl::StatusOr<std::vector<const FlatLayout*>> layouts = RegisterGroups(std::move(groups), std::move(stop));
+    if (!layouts.ok()) return layouts.status();
+    return layouts->front();
+  }
+  // The same for several groups (every group of a model) in one call per server, server
+  // 0 first, then the others at once; the layouts come in `groups`' order. A server
+  // registers all of a call's groups or none: InvalidArgument (a malformed spec, a name
+  // given twice), AlreadyExists (a spec that differs from a registered group's) and
+  // ResourceExhausted (memory) name the group (InvalidArgument for no group at all). A
+  // server after server 0 that refuses leaves the groups on those before it, as a single
+  // group's registration does: registering again finds them. Specs of more than about
+  // 1 MiB go in several calls, each all or none.
+  [[nodiscard]] virtual absl::StatusOr<std::vector<const FlatLayout*>> RegisterGroups(std::vector<GroupSpec> groups,
+                                                                                      std::stop_token stop = {}) = 0;
 
   // Pushes initial values: `flat` holds unpadded_numel() or padded_numel() fp32 values in
   // flat-layout order (see Flatten in core/flat_buffer.h); padding is ignored. Each
