@@ -297,8 +297,8 @@ grpc::Status FlatshardService::RegisterGroup(grpc::ServerContext* ctx,
     registered->set_shard_numel(group.shard_numel());
     registered->set_version(group.version());
     registered->set_created(registration.created);
-    response->set_replicas(group.placement().replicas);
   }
+  response->set_replicas(registrations->front().group->placement().replicas);  // the job's, alike for all
   return grpc::Status::OK;
 }
 
