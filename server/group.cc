@@ -53,21 +53,26 @@ absl::StatusOr<std::shared_ptr<Group>> Group::Create(std::string job, std::strin
                                                      FlatLayout layout, Placement placement,
                                                      JobSettings job_settings,
                                                      OptimizerConfig optimizer, MemoryTier tier,
-                                                     std::shared_ptr<const ComputePool> pool) {
+                                                     std::shared_ptr<const ComputePool> pool,
+                                                     HostSlab* small_buffers) {
   FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<ShardCompute> compute,
                              MakeShardCompute(tier, std::move(pool)));
+  if (tier != MemoryTier::kHost) small_buffers = nullptr;
+  auto allocate = [&](size_t bytes, absl::string_view what) -> absl::StatusOr<ShardBuffer> {
+    if (small_buffers != nullptr && HostSlab::Carves(bytes)) return small_buffers->Allocate(bytes, what);  // zeroed
+    return compute->AllocateShard(bytes, what);
+  };
   const std::string what = absl::StrCat("group '", name, "'");
   const size_t bytes = static_cast<size_t>(layout.shard_numel()) * sizeof(float);
-  FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer params,
-                             compute->AllocateShard(bytes, absl::StrCat(what, " parameters")));
+  FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer params, allocate(bytes, absl::StrCat(what, " parameters")));
   ShardBuffer grad;  // a frozen group takes no gradients
   if (!IsFrozen(optimizer)) {
-    FLATSHARD_ASSIGN_OR_RETURN(grad, compute->AllocateShard(bytes, absl::StrCat(what, " gradient")));
+    FLATSHARD_ASSIGN_OR_RETURN(grad, allocate(bytes, absl::StrCat(what, " gradient")));
   }
   FLATSHARD_ASSIGN_OR_RETURN(
       ShardOptimizer shard_optimizer,
       ShardOptimizer::Create(std::move(optimizer), layout.shard_numel(), *compute,
-                             absl::StrCat(what, " optimizer state")));
+                             absl::StrCat(what, " optimizer state"), allocate));
   return std::shared_ptr<Group>(new Group(std::move(job), std::move(name), std::move(layout), placement,
                                           job_settings, std::move(compute), std::move(params),
                                           std::move(grad), std::move(shard_optimizer)));

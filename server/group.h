@@ -85,6 +85,7 @@
 #include "core/huge_pages.h"
 #include "core/layout.h"
 #include "server/caller_wait.h"
+#include "server/host_slab.h"
 #include "server/job.h"
 #include "server/latency_histogram.h"
 #include "server/optimizer.h"
@@ -196,12 +197,16 @@ class Group {
   // `layout` is the group's layout over `placement.shards` servers; this server holds
   // shard `placement.shard` (of replica group `placement.replica`) in `tier`, whose CPU
   // kernels run on `pool` (null: on the calling thread).
+  // On the host tier, its small buffers (parameters, gradient, optimizer state: each
+  // under HostSlab::kMaxPieceBytes) are pieces of `small_buffers` when given, so that a
+  // call making many small groups maps a few blocks instead of allocating and zeroing
+  // each buffer; other tiers ignore it.
   // ResourceExhausted naming the group and the bytes when the tier cannot hold it;
   // FailedPrecondition for a tier this build or machine lacks.
   [[nodiscard]] static absl::StatusOr<std::shared_ptr<Group>> Create(
       std::string job, std::string name, FlatLayout layout, Placement placement, JobSettings job_settings,
       OptimizerConfig optimizer, MemoryTier tier = MemoryTier::kHost,
-      std::shared_ptr<const ComputePool> pool = nullptr);
+      std::shared_ptr<const ComputePool> pool = nullptr, HostSlab* small_buffers = nullptr);
 
   MemoryTier memory_tier() const { return compute_->tier(); }
 

@@ -1,14 +1,20 @@
-// HostSlab: small host buffers carved one after another out of shared blocks, for a load
-// that stages many small groups at once (server/checkpoint_loader.h). A malloc per
-// buffer cost an mprotect each in a gRPC thread's arena (glibc grows those heaps by just
-// what each allocation needs): 150000 for a load of 20000 groups on 2 servers. A block is
-// one kPieceAlign-aligned allocation of kBlockBytes, not advised for huge pages (on a
-// host whose memory is fragmented, finding huge pages cost more than the faults they
-// save here). Each buffer keeps its block alive (OwnedBuffer's shared block),
-// so a block is freed with the last of its buffers, which a job's groups drop together
-// at its next load or deletion. Buffers of kMaxPieceBytes or more are allocated on their
-// own. Not thread-safe: one stager uses one slab; the buffers it gives are independent of
-// it and of each other.
+// HostSlab: small host buffers carved one after another out of shared blocks, for calls
+// that make many small groups' buffers at once: a load staging them
+// (server/checkpoint_loader.h) and a registration (Registry::RegisterGroups). A malloc
+// per buffer cost an mprotect each in a gRPC thread's arena (glibc grows those heaps by
+// just what each allocation needs): 150000 for a load of 20000 groups on 2 servers. A
+// block is a fresh anonymous mapping of kBlockBytes, populated when it is made (the
+// kernel maps all its pages in that one call rather than taking a fault per page) and
+// then written once, zeros, so that its memory is taken and backed before the call that
+// carves it answers (on a VM, a populated page's first write can still cost the host a
+// fault: a step or a save would pay it later); its pieces are zero-filled. It is not
+// advised for huge pages (on a host whose memory is fragmented, finding huge pages cost
+// more than the faults they save).
+// Each buffer keeps its block alive (OwnedBuffer's shared block), so a block is unmapped
+// with the last of its buffers, which a job's groups drop together at its next load or
+// deletion. Buffers of kMaxPieceBytes or more are allocated on their own
+// (AllocateHostUnwritten: not zeroed). Not thread-safe: one caller uses one slab; the
+// buffers it gives are independent of it and of each other.
 //
 //   HostSlab slab;
 //   FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer params, slab.Allocate(bytes, "loading group 'g'"));
@@ -30,10 +36,13 @@ class HostSlab {
   static constexpr size_t kMaxPieceBytes = size_t{1} << 20;
   static constexpr size_t kPieceAlign = 64;  // a cache line; AVX-512 loads
 
-  // `bytes` of unwritten host memory, kPieceAlign-aligned (an empty buffer for 0), as
-  // AllocateHostUnwritten gives them: ResourceExhausted naming `what` when they cannot be
-  // had.
+  // `bytes` of host memory, kPieceAlign-aligned (an empty buffer for 0): zero-filled when
+  // Carves(bytes), else unwritten, as AllocateHostUnwritten gives them. ResourceExhausted
+  // naming `what` when they cannot be had.
   [[nodiscard]] absl::StatusOr<ShardBuffer> Allocate(size_t bytes, absl::string_view what);
+
+  // Whether a buffer of `bytes` is a piece of a block (so zero-filled), not one of its own.
+  static bool Carves(size_t bytes) { return bytes > 0 && bytes < kMaxPieceBytes; }
 
  private:
   std::shared_ptr<ShardBuffer> block_;  // the block being carved; null before the first

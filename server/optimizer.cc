@@ -86,16 +86,23 @@ absl::Status ValidateOptimizer(const OptimizerConfig& config) {
 
 absl::StatusOr<ShardOptimizer> ShardOptimizer::Create(OptimizerConfig config, int64_t shard_numel,
                                                      ShardCompute& compute, absl::string_view what) {
+  return Create(std::move(config), shard_numel, compute, what,
+                [&compute](size_t bytes, absl::string_view buffer) { return compute.AllocateShard(bytes, buffer); });
+}
+
+absl::StatusOr<ShardOptimizer> ShardOptimizer::Create(OptimizerConfig config, int64_t shard_numel,
+                                                     ShardCompute& compute, absl::string_view what,
+                                                     AllocateZeroed allocate) {
   ShardOptimizer optimizer(std::move(config), shard_numel, compute, std::string(what));
-  FLATSHARD_RETURN_IF_ERROR(optimizer.AllocateState());
+  FLATSHARD_RETURN_IF_ERROR(optimizer.AllocateState(allocate));
   return optimizer;
 }
 
-absl::Status ShardOptimizer::AllocateState() {
+absl::Status ShardOptimizer::AllocateState(AllocateZeroed allocate) {
   const size_t bytes = static_cast<size_t>(numel_) * sizeof(float);
   auto ensure = [&](ShardBuffer& buffer, absl::string_view name) -> absl::Status {
     if (buffer.size() == bytes) return absl::OkStatus();
-    FLATSHARD_ASSIGN_OR_RETURN(buffer, compute_->AllocateShard(bytes, absl::StrCat(what_, " ", name)));
+    FLATSHARD_ASSIGN_OR_RETURN(buffer, allocate(bytes, absl::StrCat(what_, " ", name)));
     return absl::OkStatus();
   };
   if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
@@ -137,7 +144,8 @@ absl::Status ShardOptimizer::SetConfig(const OptimizerConfig& config) {
   FLATSHARD_RETURN_IF_ERROR(CheckConfig(config));
   const OptimizerConfig previous = config_;
   config_ = config;
-  absl::Status allocated = AllocateState();
+  absl::Status allocated =
+      AllocateState([this](size_t bytes, absl::string_view what) { return compute_->AllocateShard(bytes, what); });
   if (!allocated.ok()) config_ = previous;
   return allocated;
 }

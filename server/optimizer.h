@@ -19,9 +19,10 @@
 
 #include "core/huge_pages.h"
 #include "absl/status/status.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "absl/status/statusor.h"
 #include "kernels/hyperparams.h"
 #include "server/shard_buffer.h"
 #include "server/shard_compute.h"
@@ -43,13 +44,21 @@ std::string OptimizerHyperparamsJson(const OptimizerConfig& config);
 // nesterov without momentum or with dampening (torch's rules).
 [[nodiscard]] absl::Status ValidateOptimizer(const OptimizerConfig& config);
 
+// Zero-filled memory of the group's tier for `bytes` (ShardCompute::AllocateShard, or
+// pieces of a HostSlab for a host-tier group made in a batch); ResourceExhausted naming
+// `what`.
+using AllocateZeroed = absl::FunctionRef<absl::StatusOr<ShardBuffer>(size_t bytes, absl::string_view what)>;
+
 class ShardOptimizer {
  public:
-  // Allocates the state (zeroed) in `compute`'s tier; ResourceExhausted naming `what`.
-  [[nodiscard]] static absl::StatusOr<ShardOptimizer> Create(OptimizerConfig config,
-                                                             int64_t shard_numel,
-                                                             ShardCompute& compute,
-                                                             absl::string_view what);
+  // Allocates the state (zeroed) in `compute`'s tier, with `allocate` when given (its
+  // buffers must be of that tier); ResourceExhausted naming `what`. State allocated later
+  // (SetConfig) comes from `compute`.
+  [[nodiscard]] static absl::StatusOr<ShardOptimizer> Create(OptimizerConfig config, int64_t shard_numel,
+                                                             ShardCompute& compute, absl::string_view what);
+  [[nodiscard]] static absl::StatusOr<ShardOptimizer> Create(OptimizerConfig config, int64_t shard_numel,
+                                                             ShardCompute& compute, absl::string_view what,
+                                                             AllocateZeroed allocate);
 
   // Applies one step to `params` with the reduced gradient `grad` (both shard_numel,
   // shard memory). Enqueued on the tier; the caller synchronizes. FailedPrecondition
@@ -86,8 +95,8 @@ class ShardOptimizer {
  private:
   ShardOptimizer(OptimizerConfig config, int64_t shard_numel, ShardCompute& compute, std::string what)
       : config_(std::move(config)), numel_(shard_numel), compute_(&compute), what_(std::move(what)) {}
-  // Allocates the buffers config_ needs and does not have yet.
-  absl::Status AllocateState();
+  // Allocates the buffers config_ needs and does not have yet, with `allocate`.
+  absl::Status AllocateState(AllocateZeroed allocate);
   ShardBuffer* StateBuffer(absl::string_view name);
   const ShardBuffer* StateBuffer(absl::string_view name) const;
 

@@ -154,10 +154,12 @@ absl::StatusOr<std::vector<Registry::Registration>> Registry::RegisterGroups(con
     FLATSHARD_RETURN_IF_ERROR(settle(nullptr));
   }
   std::vector<std::shared_ptr<Group>> made(groups.size());
+  HostSlab small_buffers;  // the small groups' buffers, a few mapped blocks instead of an allocation each
   for (size_t i = 0; i < groups.size(); ++i) {
     if (registrations[i].group != nullptr) continue;
-    absl::StatusOr<std::shared_ptr<Group>> group = Group::Create(
-        job, groups[i].name, std::move(layouts[i]), placement, *settings, groups[i].optimizer, tier_, pool_);
+    absl::StatusOr<std::shared_ptr<Group>> group =
+        Group::Create(job, groups[i].name, std::move(layouts[i]), placement, *settings, groups[i].optimizer, tier_,
+                      pool_, &small_buffers);
     if (!group.ok()) return NamingGroup(groups[i].name, group.status());  // `made` goes with its memory
     made[i] = *std::move(group);
   }

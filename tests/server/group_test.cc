@@ -8,6 +8,7 @@
 #include <atomic>
 #include <bit>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -345,6 +346,54 @@ TEST(GroupTest, GroupsRegisteredTogetherAreMadeAllOrNone) {
   EXPECT_EQ((*made)[0].group, *registry.FindGroup("job", "a"));
   EXPECT_FALSE((*made)[1].created);
   EXPECT_EQ((*made)[1].group, kept->group);
+}
+
+// The small buffers of groups registered together are pieces of shared blocks
+// (HostSlab), zero-filled as every group's: those groups, and a large one made in the
+// same call (buffers of its own), train bit for bit as groups made one by one, and keep
+// doing so after the call's other groups have gone with their job.
+TEST(GroupTest, GroupsRegisteredTogetherTrainAsGroupsMadeAlone) {
+  Registry registry(/*rank=*/0, /*num_servers=*/1);
+  ASSERT_TRUE(registry.ConfigureJob("job", JobSettings{.num_workers = 1}).ok());
+  ASSERT_TRUE(registry.ConfigureJob("other", JobSettings{.num_workers = 1}).ok());
+  const kernels::AdamHyperparams adamw{
+      .lr = 0.01f, .weight_decay = 0.1f, .amsgrad = true, .decoupled_weight_decay = true};
+  const kernels::SgdHyperparams momentum{.lr = 0.1f, .momentum = 0.9f, .nesterov = true};
+  std::vector<Registry::GroupRequest> groups;
+  groups.push_back({"adamw", {{"w", {33, 31}, DType::kFloat32}, {"b", {31}, DType::kFloat32}}, 0, adamw});
+  groups.push_back({"sgd", {{"w", {257}, DType::kFloat32}}, 0, momentum});
+  groups.push_back({"large", {{"w", {300000}, DType::kFloat32}}, 0, adamw});  // 1.2 MB: not carved
+  auto others = groups;  // the same specs in a job deleted before the steps
+  ASSERT_TRUE(registry.RegisterGroups("other", others).ok());
+  const auto made = registry.RegisterGroups("job", groups);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_TRUE(registry.DeleteJob("other").ok());
+  std::mt19937 random(7);
+  std::normal_distribution<float> normal;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    auto layout = FlatLayout::Create(groups[i].tensors, 0, 1);
+    std::shared_ptr<Group> alone = *Group::Create("job", groups[i].name, *layout, Placement::Of(0, 1, 1),
+                                                  JobSettings{.num_workers = 1}, groups[i].optimizer);
+    Group& together = *(*made)[i].group;
+    ASSERT_EQ(Params(together), Params(*alone)) << groups[i].name;  // zero, as the optimizer state must be
+    std::vector<float> init(alone->shard_numel());
+    for (float& v : init) v = normal(random);
+    for (Group* group : {&together, alone.get()}) {
+      absl::StatusOr<ReceiveSlot> slot = group->BeginPushInit(DType::kFloat32);
+      ASSERT_TRUE(slot.ok()) << slot.status();
+      std::memcpy(slot->buffer.data(), init.data(), slot->buffer.size());
+      ASSERT_TRUE(group->CommitPushInit(*slot).ok());
+    }
+    for (int64_t step = 0; step < 3; ++step) {
+      std::vector<float> grad(alone->shard_numel());
+      for (float& v : grad) v = normal(random);
+      ASSERT_TRUE(Contribute(together, step, 0, grad).ok());
+      ASSERT_TRUE(Contribute(*alone, step, 0, grad).ok());
+    }
+    const std::vector<float> a = Params(together), b = Params(*alone);
+    ASSERT_EQ(a.size(), b.size());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << groups[i].name;
+  }
 }
 
 TEST(GroupTest, DeletingAJobClosesItsGroupsAndEndsTheirWaits) {

@@ -1,11 +1,12 @@
-// HostSlab: small buffers are aligned, disjoint pieces of shared blocks that outlive the
-// slab and each other's release; large ones are allocated on their own. Run under ASan
+// HostSlab: small buffers are aligned, disjoint, zero-filled pieces of shared blocks that
+// outlive the slab and each other's release; large ones are allocated on their own. Run under ASan
 // (FLATSHARD_SANITIZE=address), the writes after the slab and most buffers are gone
 // would be reported if a block were freed early, and a block never freed as a leak.
 #include "server/host_slab.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -49,6 +50,31 @@ TEST(HostSlabTest, SmallBuffersAreAlignedDisjointPiecesThatKeepTheirBlock) {
   std::memset(last->data(), 0xcd, last->size());
   buffers.clear();
   last.reset();
+}
+
+bool AllZero(const ShardBuffer& buffer) {
+  const auto* bytes = static_cast<const unsigned char*>(buffer.data());
+  return std::all_of(bytes, bytes + buffer.size(), [](unsigned char b) { return b == 0; });
+}
+
+// Groups take their pieces as zeroed memory (Group::Create): so must every piece be, also
+// where a block that was written and released lay before (freed heap memory would come
+// back dirty).
+TEST(HostSlabTest, SmallBuffersAreZeroEvenWhereWrittenBlocksWereReleased) {
+  for (int round = 0; round < 3; ++round) {
+    HostSlab slab;
+    std::vector<ShardBuffer> buffers;
+    for (size_t i = 0; i < 600; ++i) {  // 600 x 8 KiB: two blocks
+      absl::StatusOr<ShardBuffer> buffer = slab.Allocate(8192 + 4 * (i % 3), "test");
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      ASSERT_TRUE(HostSlab::Carves(buffer->size()));
+      ASSERT_TRUE(AllZero(*buffer)) << "round " << round << " buffer " << i;
+      std::memset(buffer->data(), 0x5a, buffer->size());
+      buffers.push_back(*std::move(buffer));
+    }
+  }
+  EXPECT_FALSE(HostSlab::Carves(0));
+  EXPECT_FALSE(HostSlab::Carves(HostSlab::kMaxPieceBytes));
 }
 
 TEST(HostSlabTest, LargeBuffersAreTheirOwn) {
