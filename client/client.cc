@@ -166,25 +166,31 @@ class ClientImpl final : public Client {
     return layouts;
   }
 
-  absl::Status InitGroup(const std::string& group, absl::Span<const float> flat, std::stop_token stop) override {
-    FLATSHARD_ASSIGN_OR_RETURN(const FlatLayout* layout, FindLayout(group));
-    const bool padded = static_cast<int64_t>(flat.size()) == layout->padded_numel();
-    if (!padded && static_cast<int64_t>(flat.size()) != layout->unpadded_numel()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "initial values for group '", group, "': ", flat.size(), " elements, expected ",
-          layout->unpadded_numel(), " (or padded ", layout->padded_numel(), ")"));
+  absl::Status InitGroups(const std::vector<GroupValues>& groups, std::stop_token stop) override {
+    std::vector<client_internal::DataTransfers::GroupInit> inits;
+    inits.reserve(groups.size());
+    for (const GroupValues& values : groups) {
+      FLATSHARD_ASSIGN_OR_RETURN(const FlatLayout* layout, FindLayout(values.group));
+      const absl::Span<const float> flat = values.flat;
+      const bool padded = static_cast<int64_t>(flat.size()) == layout->padded_numel();
+      if (!padded && static_cast<int64_t>(flat.size()) != layout->unpadded_numel()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "initial values for group '", values.group, "': ", flat.size(), " elements, expected ",
+            layout->unpadded_numel(), " (or padded ", layout->padded_numel(), ")"));
+      }
+      // Each server gets its shard straight from `flat` (every replica group its copy);
+      // what an unpadded `flat` lacks of a shard goes as zeros.
+      inits.push_back({values.group, std::vector<client_internal::InitShard>(num_servers())});
+      std::vector<client_internal::InitShard>& shards = inits.back().shards;
+      for (int rank = 0; rank < num_servers(); ++rank) {
+        const int shard = rank % layout->num_shards();
+        const int64_t held = padded ? layout->shard_numel() : layout->shard_end(shard) - layout->shard_start(shard);
+        const float* start = flat.data() + std::min<int64_t>(layout->shard_start(shard), flat.size());
+        shards[rank] = {absl::MakeConstSpan(reinterpret_cast<const std::byte*>(start), held * sizeof(float)),
+                        (layout->shard_numel() - held) * sizeof(float)};
+      }
     }
-    // Each server gets its shard straight from `flat` (every replica group its copy);
-    // what an unpadded `flat` lacks of a shard goes as zeros.
-    std::vector<client_internal::InitShard> shards(num_servers());
-    for (int rank = 0; rank < num_servers(); ++rank) {
-      const int shard = rank % layout->num_shards();
-      const int64_t held = padded ? layout->shard_numel() : layout->shard_end(shard) - layout->shard_start(shard);
-      const float* values = flat.data() + std::min<int64_t>(layout->shard_start(shard), flat.size());
-      shards[rank] = {absl::MakeConstSpan(reinterpret_cast<const std::byte*>(values), held * sizeof(float)),
-                      (layout->shard_numel() - held) * sizeof(float)};
-    }
-    return transfers_->PushInit(group, shards, std::move(stop));
+    return transfers_->PushInits(inits, std::move(stop));
   }
 
   absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed, std::stop_token stop) override {

@@ -88,22 +88,34 @@ std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64
   return scattered;
 }
 
-absl::Status DataTransfers::PushInit(const std::string& group, const std::vector<InitShard>& shards,
-                                     std::stop_token stop) {
+absl::Status DataTransfers::PushInits(const std::vector<GroupInit>& groups, std::stop_token stop) {
   size_t most_zeros = 0;
-  for (const InitShard& shard : shards) most_zeros = std::max(most_zeros, shard.zero_bytes);
-  auto zeros = std::make_shared<const std::vector<std::byte>>(most_zeros);
-  auto completion = std::make_shared<Completion<absl::Status>>(num_servers());
-  std::future<absl::Status> pushed = completion->future();
-  for (int i = 0; i < num_servers(); ++i) {
-    SubmitOne(completion, i, transport::DataOp::kPushInit, group, 0, DType::kFloat32, shards[i].values,
-              absl::MakeConstSpan(*zeros).first(shards[i].zero_bytes), {}, zeros, stop);
+  for (const GroupInit& init : groups) {
+    for (const InitShard& shard : init.shards) most_zeros = std::max(most_zeros, shard.zero_bytes);
   }
-  const absl::Status status = GetCallingWaitHook(pushed);
-  // The caller holds the values the servers now do: a gradient computed from them names
-  // their load, as after a gather.
-  if (status.ok()) RecordLoadHeld(group, completion->load_id());
-  return status;
+  auto zeros = std::make_shared<const std::vector<std::byte>>(most_zeros);
+  std::vector<std::shared_ptr<Completion<absl::Status>>> completions;
+  std::vector<std::future<absl::Status>> pushed;
+  completions.reserve(groups.size());
+  pushed.reserve(groups.size());
+  for (const GroupInit& init : groups) {
+    auto completion = std::make_shared<Completion<absl::Status>>(num_servers());
+    pushed.push_back(completion->future());
+    for (int i = 0; i < num_servers(); ++i) {
+      SubmitOne(completion, i, transport::DataOp::kPushInit, init.group, 0, DType::kFloat32, init.shards[i].values,
+                absl::MakeConstSpan(*zeros).first(init.shards[i].zero_bytes), {}, zeros, stop);
+    }
+    completions.push_back(std::move(completion));
+  }
+  absl::Status first;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const absl::Status status = GetCallingWaitHook(pushed[g]);
+    // The caller holds the values the servers now do: a gradient computed from them names
+    // their load, as after a gather.
+    if (status.ok()) RecordLoadHeld(groups[g].group, completions[g]->load_id());
+    if (first.ok()) first = status;
+  }
+  return first;
 }
 
 std::vector<std::string> DataTransfers::PlaneNames() const {

@@ -56,7 +56,7 @@ struct ServerEndpoint {
   bool nccl = false;     // the server offers the NCCL plane
 };
 
-// One server's initial values (PushInit): its shard's fp32 bytes from the caller's
+// One server's initial values (PushInits): its shard's fp32 bytes from the caller's
 // buffer, then `zero_bytes` zeros (the padding the buffer does not hold).
 struct InitShard {
   absl::Span<const std::byte> values;
@@ -98,12 +98,18 @@ class DataTransfers {
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                     std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
                                     std::stop_token stop);
-  // Initial values, one shard per server, sent from where they lie. Blocks until every
-  // push has ended. A stop asked of `stop` ends them at once (DataChannel::Submit),
-  // Cancelled: a server that had not received all of its shard keeps its values (it
-  // drops a part-received push).
-  [[nodiscard]] absl::Status PushInit(const std::string& group, const std::vector<InitShard>& shards,
-                                      std::stop_token stop);
+  // Initial values of groups, one shard per server each, sent from where they lie: every
+  // push is submitted at once (the channels run as many at a time as they have
+  // connections). Blocks until every push has ended; returns the first failure in
+  // `groups`' order (naming its group and server), the other groups' pushes having ended
+  // as they would alone. A stop asked of `stop` ends them at once (DataChannel::Submit),
+  // Cancelled: a server that had not received all of a shard keeps its values (it drops
+  // a part-received push).
+  struct GroupInit {
+    std::string group;
+    std::vector<InitShard> shards;
+  };
+  [[nodiscard]] absl::Status PushInits(const std::vector<GroupInit>& groups, std::stop_token stop);
 
   // Per server, the plane a buffer on this thread's GPU would use (Client::DataPlanes).
   std::vector<std::string> PlaneNames() const;

@@ -352,13 +352,20 @@ class PyClient {
     return result;
   }
 
-  void InitGroup(const std::string& name, const py::buffer& flat) {
-    py::buffer_info info = Buffer(flat, false);
-    if (info.itemsize != 4 || info.format != py::format_descriptor<float>::format()) {
-      Raise(absl::InvalidArgumentError("initial values must be a float32 buffer"));
+  // [(group, float32 buffer)] -> Client::InitGroups (InitGroup is one of them).
+  void InitGroups(const std::vector<std::pair<std::string, py::buffer>>& groups) {
+    std::vector<py::buffer_info> infos;  // hold the buffers' views until the pushes end
+    std::vector<GroupValues> values;
+    infos.reserve(groups.size());
+    values.reserve(groups.size());
+    for (const auto& [name, flat] : groups) {
+      const py::buffer_info& info = infos.emplace_back(Buffer(flat, false));
+      if (info.itemsize != 4 || info.format != py::format_descriptor<float>::format()) {
+        Raise(absl::InvalidArgumentError(absl::StrCat("initial values for group '", name, "' must be a float32 buffer")));
+      }
+      values.push_back({name, absl::MakeConstSpan(static_cast<const float*>(info.ptr), static_cast<size_t>(info.size))});
     }
-    const absl::Span<const float> values(static_cast<const float*>(info.ptr), static_cast<size_t>(info.size));
-    Check(Stoppable([&](std::stop_token stop) { return client_->InitGroup(name, values, stop); }));
+    Check(Stoppable([&](std::stop_token stop) { return client_->InitGroups(values, stop); }));
   }
 
   void InitGroupFromSeed(const std::string& name, uint64_t seed) {
@@ -551,7 +558,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("keepalive"), py::arg("tls_reload_interval"), py::arg("tls_cert_file"), py::arg("tls_key_file"))
       .def("configure_job", &PyClient::ConfigureJob)
       .def("register_groups", &PyClient::RegisterGroups)
-      .def("init_group", &PyClient::InitGroup)
+      .def("init_groups", &PyClient::InitGroups)
       .def("init_group_from_seed", &PyClient::InitGroupFromSeed)
       .def("gather", &PyClient::Gather)
       .def("scatter", &PyClient::Scatter)

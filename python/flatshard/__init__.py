@@ -339,10 +339,19 @@ class Client:
 
     def init_group(self, name, values):
         """Pushes initial values {tensor name: array} (float32); any one worker does it."""
-        flat = self.layout(name).flatten(
+        self.init_groups([(name, values)])
+
+    def init_groups(self, groups):
+        """Pushes several groups' initial values, groups = [(name, {tensor name: array})]
+        (a dict's items() too), every push in flight at once rather than a round trip per
+        group. Every group's values are checked before anything is sent; after that the
+        first failure in that order is raised, naming its group (the others pushed or not
+        as they would alone; pushing again is allowed before the first step). The values
+        are flattened first: all of them are held twice during the call."""
+        flats = [(name, self.layout(name).flatten(
             {k: _as_array(v)[0].astype(np.float32, copy=False) for k, v in values.items()},
-            "float32", f"init_group('{name}')")
-        self._native.init_group(name, flat)
+            "float32", f"init_group('{name}')")) for name, values in groups]
+        self._native.init_groups(flats)
 
     def init_group_from_seed(self, name, seed):
         self._native.init_group_from_seed(name, int(seed))

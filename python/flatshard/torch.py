@@ -62,6 +62,7 @@ import torch
 import flatshard
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_PUSH_BYTES = 64 << 20  # initial values pushed per init_groups call (ShardedModule._push)
 
 
 def _auto_wrap(module, min_params, keep, prefix=""):
@@ -202,8 +203,7 @@ class ShardedModule(torch.nn.Module):
             if checkpoint:
                 c.load_checkpoint(checkpoint)
             elif not names or not any(c.wait_versions(names, 0)):  # fresh servers: push
-                for group in self._all_groups():
-                    c.init_group(group.name, {fqn: initial[fqn] for fqn, _ in group.params})
+                self._push(self._all_groups(), lambda group: {fqn: initial[fqn] for fqn, _ in group.params})
         barrier = self._barrier_client()
         barrier.configure_job()
         barrier.register_group("barrier", [("x", (1,), "float32")], flatshard.SGD(lr=0.0))
@@ -212,6 +212,20 @@ class ShardedModule(torch.nn.Module):
         barrier.wait_version("barrier", start + 1)
         self._step = self._servers_version()
         self._gather_frozen()
+
+    def _push(self, groups, values_of):
+        """Pushes values_of(group) ({fqn: tensor}) of every group: in init_groups calls of
+        about _PUSH_BYTES of values each, so that a model of many groups takes a few calls
+        while a large one is never flattened whole at once."""
+        batch, held = [], 0
+        for group in groups:
+            batch.append((group.name, values_of(group)))
+            held += 4 * group.layout.padded_numel
+            if held >= _PUSH_BYTES:
+                self._client.init_groups(batch)
+                batch, held = [], 0
+        if batch:
+            self._client.init_groups(batch)
 
     def _barrier_client(self):
         """A client of the one-element job that _initialize's barrier uses."""
@@ -485,10 +499,8 @@ class ShardedModule(torch.nn.Module):
         for alias, fqn in self._aliases.items():
             if fqn not in given and alias in given:
                 given[fqn] = given[alias]
-        for group in self._all_groups():
-            self._client.init_group(group.name, {
-                fqn: (given[fqn] if fqn in given else p).detach().float()
-                for fqn, p in group.params})
+        self._push(self._all_groups(), lambda group: {
+            fqn: (given[fqn] if fqn in given else p).detach().float() for fqn, p in group.params})
         self._gather_frozen()
         for group in self._groups:  # the next forward gathers the pushed values
             self._wait_gather(group)

@@ -174,6 +174,60 @@ TEST_F(FaultsTest, GroupsRegisterTogetherAndARefusalNamesItsGroup) {
   EXPECT_EQ(held(), (std::set<std::string>{"a", "b", "c", "g", "q", "r"}));
 }
 
+// Several groups' initial values go out at once. Values of the wrong size, or a group
+// never registered, refuse the call before anything is sent, naming the group; a server's
+// refusal (a group that has stepped) names its group, and the call's other groups are
+// pushed as they would be alone.
+TEST_F(FaultsTest, GroupsInitTogetherAndAFailureNamesItsGroup) {
+  auto spec = [](const std::string& name, int64_t numel) {
+    return GroupSpec{.group = name, .tensors = {{"w", {numel}, DType::kFloat32}}, .align = 0,
+                     .optimizer = SgdOptions{.lr = 0.5}};
+  };
+  absl::StatusOr<std::vector<const FlatLayout*>> layouts =
+      (*client_)->RegisterGroups({spec("a", 30), spec("b", 7), spec("c", 100)});
+  ASSERT_TRUE(layouts.ok()) << layouts.status();
+  auto values = [](int64_t numel, float first) {
+    std::vector<float> v(numel);
+    for (int64_t i = 0; i < numel; ++i) v[i] = first + static_cast<float>(i);
+    return v;
+  };
+  // The group's values as the servers hold them, unpadded.
+  auto held = [&](const std::string& group, const FlatLayout& layout) {
+    std::vector<float> flat(layout.padded_numel(), -1.0f);
+    EXPECT_TRUE((*client_)->Gather(group, 0, DType::kFloat32, AsBytes(flat)).get().ok()) << group;
+    for (int64_t i = layout.unpadded_numel(); i < layout.padded_numel(); ++i) EXPECT_EQ(flat[i], 0.0f) << group;
+    flat.resize(layout.unpadded_numel());
+    return flat;
+  };
+  const FlatLayout& a = *layouts->at(0);
+  const FlatLayout& b = *layouts->at(1);
+  const FlatLayout& c = *layouts->at(2);
+  std::vector<float> a_padded = values(a.padded_numel(), 1.0f);  // padded: its padding is dropped
+  for (int64_t i = a.unpadded_numel(); i < a.padded_numel(); ++i) a_padded[i] = 99.0f;
+  const std::vector<float> b_values = values(7, 100.0f), c_values = values(100, 200.0f);
+  ASSERT_TRUE((*client_)->InitGroups({{"a", a_padded}, {"b", b_values}, {"c", c_values}}).ok());
+  EXPECT_EQ(held("a", a), values(30, 1.0f));
+  EXPECT_EQ(held("b", b), b_values);
+  EXPECT_EQ(held("c", c), c_values);
+
+  const std::vector<float> a_again = values(30, 1000.0f), short_b = values(6, 0.0f);
+  const absl::Status wrong_size = (*client_)->InitGroups({{"a", a_again}, {"b", short_b}});
+  EXPECT_EQ(wrong_size.code(), absl::StatusCode::kInvalidArgument) << wrong_size;
+  EXPECT_THAT(std::string(wrong_size.message()), HasSubstr("group 'b': 6 elements, expected 7"));
+  const absl::Status unknown = (*client_)->InitGroups({{"a", a_again}, {"nope", short_b}});
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound) << unknown;
+  EXPECT_THAT(std::string(unknown.message()), HasSubstr("'nope'"));
+  EXPECT_EQ(held("a", a), values(30, 1.0f)) << "a refused call sent something";
+
+  ExpectStepCompletes(0);  // group g is at version 1: its initial values are past
+  const std::vector<float> g_values = values(10, 0.0f), c_again = values(100, 3000.0f);
+  const absl::Status stepped = (*client_)->InitGroups({{"a", a_again}, {"g", g_values}, {"c", c_again}});
+  EXPECT_EQ(stepped.code(), absl::StatusCode::kFailedPrecondition) << stepped;
+  EXPECT_THAT(std::string(stepped.message()), HasSubstr("group 'g' is at version 1"));
+  EXPECT_EQ(held("a", a), a_again);
+  EXPECT_EQ(held("c", c), c_again);
+}
+
 // Specs of more than about 1 MiB go in several calls, the layouts still in order: four
 // groups of 40000 tensors (about 0.7 MB of specs each) in two calls to each server.
 TEST_F(FaultsTest, GroupsWithLargeSpecsRegisterInSeveralCalls) {

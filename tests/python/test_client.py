@@ -572,6 +572,19 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(flatshard.NotFoundError):
             c.version("twice")
 
+    def test_init_groups_pushes_many_and_names_a_refused_one(self):
+        c = self.client(job="pushed")
+        c.configure_job()
+        sgd = flatshard.SGD(lr=0.1)
+        c.register_groups([(f"g{i}", [("w", (i + 1,), "float32")], sgd) for i in range(4)])
+        values = {f"g{i}": {"w": np.arange(i + 1, dtype=np.float32) + 10 * i} for i in range(4)}
+        c.init_groups(values.items())
+        for name, tensors in values.items():
+            np.testing.assert_array_equal(c.gather(name)["w"], tensors["w"])
+        with self.assertRaisesRegex(flatshard.InvalidArgumentError, "init_group\\('g2'\\)"):
+            c.init_groups([("g1", {"w": np.zeros(2, np.float32)}), ("g2", {"w": np.zeros(2, np.float32)})])
+        np.testing.assert_array_equal(c.gather("g1")["w"], values["g1"]["w"])  # nothing was sent
+
     def test_status_without_groups_leaves_out_only_them(self):
         c = self.client(job="brief")
         c.configure_job()

@@ -151,6 +151,13 @@ struct GroupOptimizer {
   OptimizerOptions optimizer;
 };
 
+// One group's initial values (Client::InitGroups): as InitGroup's `flat`, which must
+// stay valid until the call returns.
+struct GroupValues {
+  std::string group;
+  absl::Span<const float> flat;
+};
+
 // A group to register (Client::RegisterGroups).
 struct GroupSpec {
   std::string group;
@@ -251,8 +258,18 @@ class Client {
   // server's shard goes straight from `flat` (no copy of the model is made). A stop ends
   // the pushes at once (a server that had not received all of its shard keeps its
   // values), the opening of their connections included.
-  [[nodiscard]] virtual absl::Status InitGroup(const std::string& group, absl::Span<const float> flat,
-                                               std::stop_token stop = {}) = 0;
+  [[nodiscard]] absl::Status InitGroup(const std::string& group, absl::Span<const float> flat,
+                                       std::stop_token stop = {}) {
+    return InitGroups({{group, flat}}, std::move(stop));
+  }
+  // The same for several groups (a model's), every push in flight at once rather than a
+  // round trip per group. Blocks until all have ended. Every group's values are checked
+  // before anything is sent (InvalidArgument naming the group); after that, the first
+  // failure in `groups`' order is returned, naming its group, the other groups having
+  // been pushed or not as they would alone (pushing again is allowed before the first
+  // step).
+  [[nodiscard]] virtual absl::Status InitGroups(const std::vector<GroupValues>& groups,
+                                                std::stop_token stop = {}) = 0;
   // Deterministic initialization on the servers, independent of the server count.
   [[nodiscard]] virtual absl::Status InitGroupFromSeed(const std::string& group, uint64_t seed,
                                                        std::stop_token stop = {}) = 0;
