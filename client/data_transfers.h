@@ -98,17 +98,17 @@ class DataTransfers {
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                     std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
                                     std::stop_token stop);
-  // Initial values of groups, one shard per server each, sent from where they lie: every
-  // push is submitted at once (the channels run as many at a time as they have
-  // connections). Blocks until every push has ended; returns the first failure in
-  // `groups`' order (naming its group and server), the other groups' pushes having ended
-  // as they would alone. A stop asked of `stop` ends them at once (DataChannel::Submit),
-  // Cancelled: a server that had not received all of a shard keeps its values (it drops
-  // a part-received push).
+  // A group's initial values, one shard per server (indexed by rank).
   struct GroupInit {
     std::string group;
     std::vector<InitShard> shards;
   };
+  // Initial values of groups, sent from where they lie: every push is submitted at once
+  // (the channels run as many at a time as they have connections). Blocks until every
+  // push has ended; returns the first failure in `groups`' order (naming its group and
+  // server), the other groups' pushes having ended as they would alone. A stop asked of
+  // `stop` ends them at once (DataChannel::Submit), Cancelled: a server that had not
+  // received all of a shard keeps its values (it drops a part-received push).
   [[nodiscard]] absl::Status PushInits(const std::vector<GroupInit>& groups, std::stop_token stop);
 
   // Per server, the plane a buffer on this thread's GPU would use (Client::DataPlanes).

@@ -199,7 +199,7 @@ class Group {
   // kernels run on `pool` (null: on the calling thread).
   // On the host tier, its small buffers (parameters, gradient, optimizer state: each
   // under HostSlab::kMaxPieceBytes) are pieces of `small_buffers` when given, so that a
-  // call making many small groups maps a few blocks instead of allocating and zeroing
+  // call making many small groups maps a few blocks instead of growing the heap for
   // each buffer; other tiers ignore it.
   // ResourceExhausted naming the group and the bytes when the tier cannot hold it;
   // FailedPrecondition for a tier this build or machine lacks.

@@ -226,17 +226,32 @@ TEST_F(ShardOptimizerTest, StateReadsAreCheckedByNameAndRange) {
   }
 }
 
+// Whatever wrote the state (a step, a restore of a checkpoint at step 0), Reset leaves
+// zeros, also when called twice.
 TEST_F(ShardOptimizerTest, ResetForgetsStepsAndState) {
   ShardOptimizer optimizer = Make(AdamHyperparams{.amsgrad = true});
+  auto expect_zero = [&](const std::string& after) {
+    EXPECT_EQ(optimizer.steps(), 0) << after;
+    for (const std::string& name : optimizer.state_names()) {
+      auto state = optimizer.ReadState(name);
+      ASSERT_TRUE(state.ok());
+      EXPECT_EQ(std::count(state->begin(), state->end(), 0.0f), kNumel) << name << " after " << after;
+    }
+  };
   ShardBuffer params = Filled(-1, 1, 10), grad = Filled(-1, 1, 11);
   ASSERT_TRUE(optimizer.Step(params.floats(), grad.floats()).ok());
   ASSERT_TRUE(optimizer.Reset().ok());
-  EXPECT_EQ(optimizer.steps(), 0);
-  for (const std::string& name : optimizer.state_names()) {
-    auto state = optimizer.ReadState(name);
-    ASSERT_TRUE(state.ok());
-    EXPECT_EQ(std::count(state->begin(), state->end(), 0.0f), kNumel) << name;
-  }
+  expect_zero("a step");
+  ASSERT_TRUE(optimizer.Reset().ok());
+  expect_zero("a second reset");
+
+  std::vector<std::pair<std::string, ShardBuffer>> state;
+  state.emplace_back("exp_avg", Filled(-1, 1, 12));
+  state.emplace_back("exp_avg_sq", Filled(0.5f, 1, 13));
+  state.emplace_back("max_exp_avg_sq", Filled(0.5f, 1, 14));
+  ASSERT_TRUE(optimizer.Restore(0, false, std::move(state)).ok());  // a checkpoint of step 0
+  ASSERT_TRUE(optimizer.Reset().ok());
+  expect_zero("a restore");
 }
 
 }  // namespace
