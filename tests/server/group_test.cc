@@ -350,8 +350,8 @@ TEST(GroupTest, GroupsRegisteredTogetherAreMadeAllOrNone) {
 
 // The small buffers of groups registered together are pieces of shared blocks
 // (HostSlab), zero-filled as every group's: those groups, and a large one made in the
-// same call (buffers of its own), train bit for bit as groups made one by one, and keep
-// doing so after the call's other groups have gone with their job.
+// same call (buffers of its own), train bit for bit as groups made one by one, also after
+// another call's groups have gone with their job (and their blocks with them).
 TEST(GroupTest, GroupsRegisteredTogetherTrainAsGroupsMadeAlone) {
   Registry registry(/*rank=*/0, /*num_servers=*/1);
   ASSERT_TRUE(registry.ConfigureJob("job", JobSettings{.num_workers = 1}).ok());
