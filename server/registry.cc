@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/container/flat_hash_set.h"
@@ -154,12 +155,16 @@ absl::StatusOr<std::vector<Registry::Registration>> Registry::RegisterGroups(con
     FLATSHARD_RETURN_IF_ERROR(settle(nullptr));
   }
   std::vector<std::shared_ptr<Group>> made(groups.size());
-  HostSlab small_buffers;  // the small groups' buffers, a few mapped blocks instead of an allocation each
+  // The small groups' buffers, a few mapped blocks instead of an allocation each; a group
+  // made alone allocates its own (a block would hold its memory for it alone).
+  HostSlab small_buffers;
+  const auto making = std::count_if(registrations.begin(), registrations.end(),
+                                    [](const Registration& r) { return r.group == nullptr; });
   for (size_t i = 0; i < groups.size(); ++i) {
     if (registrations[i].group != nullptr) continue;
     absl::StatusOr<std::shared_ptr<Group>> group =
         Group::Create(job, groups[i].name, std::move(layouts[i]), placement, *settings, groups[i].optimizer, tier_,
-                      pool_, &small_buffers);
+                      pool_, making > 1 ? &small_buffers : nullptr);
     if (!group.ok()) return NamingGroup(groups[i].name, group.status());  // `made` goes with its memory
     made[i] = *std::move(group);
   }

@@ -65,8 +65,9 @@ class Registry {
   // created. The registrations come in `groups`' order. New groups are made outside the
   // lock (their memory takes time while other jobs' requests look groups up) and
   // published together; a group that a racing call published meanwhile is taken if its
-  // spec is the same. On the host tier, the small buffers of a call's groups share
-  // mapped blocks (HostSlab), which stay until the last of those groups lets go.
+  // spec is the same. On the host tier, the small buffers of the groups a call makes
+  // (when it makes more than one) share mapped blocks (HostSlab), which stay until the
+  // last of those groups lets go.
   [[nodiscard]] absl::StatusOr<std::vector<Registration>> RegisterGroups(const std::string& job,
                                                                          std::vector<GroupRequest> groups);
 

@@ -4,10 +4,12 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <bit>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <thread>
 #include <vector>
@@ -394,6 +396,27 @@ TEST(GroupTest, GroupsRegisteredTogetherTrainAsGroupsMadeAlone) {
     ASSERT_EQ(a.size(), b.size());
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << groups[i].name;
   }
+}
+
+// This process's resident memory, from /proc/self/statm.
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+// Groups registered one by one take their own buffers, not a block each: 512 tiny groups
+// (32 bytes a buffer) stay within a few MiB, where a 64 KiB block each would take 32 MiB.
+TEST(GroupTest, GroupsRegisteredOneByOneTakeNoBlockEach) {
+  Registry registry(/*rank=*/0, /*num_servers=*/1);
+  ASSERT_TRUE(registry.ConfigureJob("job", JobSettings{.num_workers = 1}).ok());
+  const kernels::AdamHyperparams adam{};
+  const int64_t before = ResidentBytes();
+  for (int g = 0; g < 512; ++g) {
+    ASSERT_TRUE(registry.RegisterGroup("job", absl::StrCat("g", g), {{"w", {8}, DType::kFloat32}}, 0, adam).ok());
+  }
+  EXPECT_LT(ResidentBytes() - before, int64_t{8} << 20);
 }
 
 TEST(GroupTest, DeletingAJobClosesItsGroupsAndEndsTheirWaits) {

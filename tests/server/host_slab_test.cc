@@ -77,6 +77,34 @@ TEST(HostSlabTest, SmallBuffersAreZeroEvenWhereWrittenBlocksWereReleased) {
   EXPECT_FALSE(HostSlab::Carves(HostSlab::kMaxPieceBytes));
 }
 
+// A slab maps what it carves and at most about as much again: blocks start at
+// kFirstBlockBytes and double up to kBlockBytes, and a first piece larger than the first
+// block gets a block of its size.
+TEST(HostSlabTest, BlocksGrowFromSmallWithWhatIsCarved) {
+  HostSlab slab;
+  EXPECT_EQ(slab.mapped_bytes(), 0u);
+  std::vector<ShardBuffer> buffers;
+  buffers.push_back(*slab.Allocate(100, "tiny"));
+  EXPECT_EQ(slab.mapped_bytes(), HostSlab::kFirstBlockBytes);
+  size_t carved = 128;
+  while (carved < 3 * HostSlab::kBlockBytes) {
+    absl::StatusOr<ShardBuffer> buffer = slab.Allocate(8192, "test");
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    buffers.push_back(*std::move(buffer));
+    carved += 8192;
+    ASSERT_LE(slab.mapped_bytes(), 2 * carved + HostSlab::kFirstBlockBytes) << carved;
+  }
+  EXPECT_GE(slab.mapped_bytes(), carved);
+
+  HostSlab first_large;
+  absl::StatusOr<ShardBuffer> large = first_large.Allocate(HostSlab::kMaxPieceBytes - 64, "large");
+  ASSERT_TRUE(large.ok()) << large.status();
+  ASSERT_TRUE(HostSlab::Carves(large->size()));
+  EXPECT_TRUE(AllZero(*large));
+  EXPECT_EQ(first_large.mapped_bytes(), HostSlab::kMaxPieceBytes - 64);
+  std::memset(large->data(), 1, large->size());
+}
+
 TEST(HostSlabTest, LargeBuffersAreTheirOwn) {
   HostSlab slab;
   absl::StatusOr<ShardBuffer> small = slab.Allocate(4096, "small");
