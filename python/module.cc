@@ -361,9 +361,11 @@ class PyClient {
     for (const auto& [name, flat] : groups) {
       const py::buffer_info& info = infos.emplace_back(Buffer(flat, false));
       if (info.itemsize != 4 || info.format != py::format_descriptor<float>::format()) {
-        Raise(absl::InvalidArgumentError(absl::StrCat("initial values for group '", name, "' must be a float32 buffer")));
+        Raise(absl::InvalidArgumentError(
+            absl::StrCat("initial values for group '", name, "' must be a float32 buffer")));
       }
-      values.push_back({name, absl::MakeConstSpan(static_cast<const float*>(info.ptr), static_cast<size_t>(info.size))});
+      const auto* data = static_cast<const float*>(info.ptr);
+      values.push_back({name, absl::MakeConstSpan(data, static_cast<size_t>(info.size))});
     }
     Check(Stoppable([&](std::stop_token stop) { return client_->InitGroups(values, stop); }));
   }
