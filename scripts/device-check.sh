@@ -88,7 +88,7 @@ for step in ${steps[*]}; do
       # In 6 shards at once, as ctest -j runs the suite (the tests pick free ports).
       export FLATSHARD_TEST_MEMORY=${step#integration-}
       for shard in 0 1 2 3 4 5; do
-        GTEST_TOTAL_SHARDS=6 GTEST_SHARD_INDEX=$shard timeout 300 "$carry/bin/integration_test" \
+        GTEST_TOTAL_SHARDS=6 GTEST_SHARD_INDEX=$shard timeout -k 5 "$step_limit" "$carry/bin/integration_test" \
           >"$out/$step-$shard.log" 2>&1 &
       done
       shard_status=0
