@@ -33,11 +33,12 @@ step_limit=${STEP_LIMIT:-300}
 run() {  # name, command...
   local name=$1; shift
   echo "== $name"
+  local started=$SECONDS
   timeout -k 5 "$step_limit" "$@" >"$out/$name.log" 2>&1; local rc=$?
   [[ $rc != 124 && $rc != 137 ]] || echo "== $name: killed after ${step_limit}s" | tee -a "$out/$name.log"
   pkill -KILL -f "^($carry|/work/main/build)/bin/flatshard-server" || true
   tail -n 25 "$out/$name.log"
-  echo "== $name: exit $rc"
+  echo "== $name: exit $rc after $((SECONDS - started)) s"
   [[ $rc == 0 ]] || status=1
   pack
 }
@@ -91,10 +92,11 @@ for step in ${steps[*]}; do
         GTEST_TOTAL_SHARDS=6 GTEST_SHARD_INDEX=$shard timeout -k 5 "$step_limit" "$carry/bin/integration_test" \
           >"$out/$step-$shard.log" 2>&1 &
       done
-      shard_status=0
+      shard_status=0 started=$SECONDS
       for job in $(jobs -p); do wait "$job" || shard_status=1; done
+      pkill -KILL -f "^($carry|/work/main/build)/bin/flatshard-server" || true
       unset FLATSHARD_TEST_MEMORY
-      echo "== $step: exit $shard_status"
+      echo "== $step: exit $shard_status after $((SECONDS - started)) s"
       grep -a -h -E "^\[  (PASSED|FAILED)|FAILED  \]|^\[  SKIPPED \]" "$out/$step"-*.log | sort | uniq -c
       [[ $shard_status == 0 ]] || status=1 ;;
     safetensors)
