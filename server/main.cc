@@ -20,6 +20,7 @@
 #include "proto/cluster_info.h"
 #include "server/log.h"
 #include "server/server.h"
+#include "server/stop_signals.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC control-plane address HOST:PORT");
 ABSL_FLAG(std::string, data_listen, "", "TCP data-plane address HOST:PORT (default: control port + 1)");
@@ -116,6 +117,10 @@ absl::StatusOr<std::string> ReadToken(const std::string& flag, const std::string
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The main thread takes the stop signals and SIGHUP, whichever thread they reach, from
+  // before any other thread starts. SIGHUP (systemctl reload) reads the TLS files again at
+  // once, where it used to end the server as its default action does.
+  flatshard::server::StopSignals signals = flatshard::server::StopSignals::Take();
   absl::SetProgramUsageMessage("flatshard-server --listen=HOST:PORT --rank=I --cluster=A0,A1,...");
   const std::vector<std::string> positional =
       flatshard::ParseCommandLineOrExit(argc, argv, "flatshard-server");
@@ -199,15 +204,6 @@ int main(int argc, char** argv) {
   // Past a file size limit (`ulimit -f`, LimitFSIZE=) a checkpoint write fails with EFBIG,
   // which the save reports as RESOURCE_EXHAUSTED, instead of SIGXFSZ killing the server.
   signal(SIGXFSZ, SIG_IGN);
-  // Block the stop signals and SIGHUP in every thread; the main thread waits for them.
-  // SIGHUP (systemctl reload) reads the TLS files again at once, where it used to end the
-  // server as its default action does.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   flatshard::server::Server server(options);
   if (absl::Status started = server.Start(); !started.ok()) {
@@ -228,9 +224,7 @@ int main(int argc, char** argv) {
                    : ", metrics " + server.metrics_url(),
                std::string(flatshard::FlatshardVersion()));
   int signal_number = 0;
-  while (sigwait(&signals, &signal_number) == 0 && signal_number == SIGHUP) {
-    spdlog::info("SIGHUP: {}", server.ReloadTls());
-  }
+  while ((signal_number = signals.Wait()) == SIGHUP) spdlog::info("SIGHUP: {}", server.ReloadTls());
   spdlog::info("{}: shutting down", strsignal(signal_number));
   server.Shutdown();
   spdlog::info("stopped");
