@@ -35,7 +35,7 @@ namespace {
   py::object error = py::module_::import("flatshard._errors")
                          .attr("from_status")(static_cast<int>(status.code()),
                                               std::string(status.message()));
-  PyErr_SetObject(error.get_type().ptr(), error.ptr());
+  PyErr_SetObject(py::type::handle_of(error).ptr(), error.ptr());  // get_type() is deprecated in pybind11 3
   throw py::error_already_set();
 }
 
