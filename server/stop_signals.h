@@ -1,9 +1,9 @@
 // StopSignals: the server's main thread takes the signals that stop it (SIGTERM, SIGINT)
 // or reload its TLS files (SIGHUP) with sigwait, whichever thread the kernel hands them
-// to. Blocking them before any thread starts is not enough: a library's threads may run
-// with them unblocked (seen on a device-tier server: a SIGTERM that arrived while the main
-// thread was shutting down, not waiting, went to such a thread, whose default action
-// killed the process mid-shutdown). So a handler, which runs only in threads that do not
+// to. Blocking them before any thread starts is not enough: a library's thread or call
+// may unblock them (seen on a device-tier server: a SIGTERM that arrived while the main
+// thread was shutting down, not waiting, ended the process by its default action, though
+// every thread blocked them while it served). So a handler, which runs only in threads that do not
 // block them, sends the signal on to the main thread (or, run there while a call had
 // unblocked them, keeps it), where it waits for the next Wait and, once the server has
 // stopped waiting (a second SIGTERM during a graceful shutdown), changes nothing.
