@@ -17,12 +17,12 @@
 #include <variant>
 #include <vector>
 
-#include "core/huge_pages.h"
-#include "absl/status/status.h"
 #include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "core/huge_pages.h"
 #include "kernels/hyperparams.h"
 #include "server/shard_buffer.h"
 #include "server/shard_compute.h"
