@@ -453,6 +453,7 @@ class PyClient {
     const auto& options = client_->options();
     v1::GetStatusRequest request;
     request.set_omit_groups(!groups);
+    request.set_summarize_groups(true);
     return ClusterStatusJson(
         options.servers,
         Stoppable([&](std::stop_token stop) { return FetchClusterStatus(options, stop, request); }), -1);

@@ -16,15 +16,23 @@ void LatencyHistogram::Record(absl::Duration duration) {
 
 void LatencyHistogram::ToProto(v1::LatencyHistogram* proto) const {
   proto->Clear();
-  proto->mutable_upper_bounds_seconds()->Add(kLatencyBoundsSeconds.begin(), kLatencyBoundsSeconds.end());
+  AddTo(proto);
+}
+
+void LatencyHistogram::AddTo(v1::LatencyHistogram* proto) const {
+  if (proto->upper_bounds_seconds_size() == 0) {
+    proto->mutable_upper_bounds_seconds()->Add(kLatencyBoundsSeconds.begin(), kLatencyBoundsSeconds.end());
+    proto->mutable_counts()->Resize(static_cast<int>(counts_.size()), 0);
+  }
   uint64_t count = 0;
-  for (const std::atomic<uint64_t>& bucket : counts_) {
-    const uint64_t n = bucket.load(std::memory_order_relaxed);
-    proto->add_counts(n);
+  for (size_t i = 0; i < counts_.size(); ++i) {
+    const uint64_t n = counts_[i].load(std::memory_order_relaxed);
+    proto->set_counts(static_cast<int>(i), proto->counts(static_cast<int>(i)) + n);
     count += n;
   }
-  proto->set_count(count);
-  proto->set_sum_seconds(static_cast<double>(sum_nanos_.load(std::memory_order_relaxed)) * 1e-9);
+  proto->set_count(proto->count() + count);
+  proto->set_sum_seconds(proto->sum_seconds() +
+                         static_cast<double>(sum_nanos_.load(std::memory_order_relaxed)) * 1e-9);
 }
 
 LatencyHistogram& NamedLatencies::For(absl::string_view name) {

@@ -47,6 +47,8 @@ class LatencyHistogram {
   void Record(absl::Duration duration);  // a negative one counts as 0
   void RecordSince(LatencyClock::time_point start) { Record(absl::FromChrono(LatencyClock::now() - start)); }
   void ToProto(v1::LatencyHistogram* proto) const;
+  // Adds its counts and sum to `proto`'s, which is empty or has this class's buckets.
+  void AddTo(v1::LatencyHistogram* proto) const;
 
  private:
   std::array<std::atomic<uint64_t>, kLatencyBoundsSeconds.size() + 1> counts_{};

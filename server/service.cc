@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "proto/cluster_info.h"
@@ -562,6 +564,23 @@ grpc::Status FlatshardService::GetGradNorm(grpc::ServerContext* ctx, const v1::G
   return grpc::Status::OK;
 }
 
+namespace {
+
+// Adds `group` (its `stats` read once with its GroupStatus) to its job's summary.
+void SummarizeGroup(const Group& group, const GroupStats& stats, v1::JobGroupsSummary& summary) {
+  summary.set_min_version(summary.groups() == 0 ? stats.version : std::min(summary.min_version(), stats.version));
+  summary.set_max_version(summary.groups() == 0 ? stats.version : std::max(summary.max_version(), stats.version));
+  summary.set_groups(summary.groups() + 1);
+  summary.set_bytes(summary.bytes() + stats.bytes);
+  group.reduce_latency().AddTo(summary.mutable_reduce_seconds());
+  group.optimizer_latency().AddTo(summary.mutable_optimizer_seconds());
+  // Seeded by the load id, so that the same groups with other loads hash apart.
+  summary.set_load_digest(summary.load_digest() ^
+                          XXH3_64bits_withSeed(group.name().data(), group.name().size(), stats.load_id));
+}
+
+}  // namespace
+
 grpc::Status FlatshardService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* request,
                                          v1::ServerStatus* response) {
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
@@ -584,8 +603,10 @@ v1::ServerStatus FlatshardService::Status(const v1::GetStatusRequest& request) {
   response->set_data_tls(identity_.data_tls);
   if (identity_.tls_expiry) response->set_tls_expiry_unix_seconds(absl::ToUnixSeconds(identity_.tls_expiry()));
   response->set_compute_threads(identity_.compute_threads);
+  absl::flat_hash_map<std::string, v1::JobGroupsSummary*> summaries;
   for (const auto& [name, settings] : registry_.jobs()) {
     v1::JobStatus* job = response->add_jobs();
+    if (request.summarize_groups()) summaries[name] = job->mutable_summary();
     job->set_job(name);
     job->set_num_workers(settings.num_workers);
     job->set_mode(settings.async ? "async" : "sync");
@@ -597,8 +618,13 @@ v1::ServerStatus FlatshardService::Status(const v1::GetStatusRequest& request) {
     job->set_last_grad_norm(norms.last_norm);
     job->set_skipped_steps(norms.skipped_steps);
   }
-  for (const auto& group : request.omit_groups() ? std::vector<std::shared_ptr<Group>>{} : registry_.groups()) {
+  const bool listed = !request.omit_groups();
+  for (const auto& group : listed || !summaries.empty() ? registry_.groups() : std::vector<std::shared_ptr<Group>>{}) {
     const GroupStats stats = group->stats();
+    if (const auto summary = summaries.find(group->job()); summary != summaries.end()) {
+      SummarizeGroup(*group, stats, *summary->second);
+    }
+    if (!listed) continue;
     v1::GroupStatus* proto = response->add_groups();
     proto->set_job(group->job());
     proto->set_group(group->name());

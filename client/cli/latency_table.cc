@@ -33,14 +33,6 @@ std::string HumanSeconds(double seconds) {
   return absl::StrFormat("%.2f s", seconds);
 }
 
-void AddLatencies(const v1::LatencyHistogram& from, v1::LatencyHistogram& into) {
-  if (into.upper_bounds_seconds_size() == 0) *into.mutable_upper_bounds_seconds() = from.upper_bounds_seconds();
-  into.mutable_counts()->Resize(std::max(into.counts_size(), from.counts_size()), 0);
-  for (int i = 0; i < from.counts_size(); ++i) into.set_counts(i, into.counts(i) + from.counts(i));
-  into.set_count(into.count() + from.count());
-  into.set_sum_seconds(into.sum_seconds() + from.sum_seconds());
-}
-
 void PrintLatencyTable(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses, bool per_group,
                        std::ostream& out) {
   bool header = false;
@@ -74,15 +66,9 @@ void PrintLatencyTable(const std::vector<absl::StatusOr<v1::ServerStatus>>& stat
       }
       continue;
     }
-    std::map<std::string, std::pair<v1::LatencyHistogram, v1::LatencyHistogram>> jobs;  // reduce, optimizer
-    for (const v1::GroupStatus& g : status->groups()) {
-      auto& [reduce, optimizer] = jobs[g.job()];
-      AddLatencies(g.reduce_seconds(), reduce);
-      AddLatencies(g.optimizer_seconds(), optimizer);
-    }
-    for (const auto& [job, latencies] : jobs) {
-      row(status->rank(), "reduce " + job + "/*", latencies.first);
-      row(status->rank(), "optimizer " + job + "/*", latencies.second);
+    for (const v1::JobStatus& job : status->jobs()) {
+      row(status->rank(), "reduce " + job.job() + "/*", job.summary().reduce_seconds());
+      row(status->rank(), "optimizer " + job.job() + "/*", job.summary().optimizer_seconds());
     }
   }
 }

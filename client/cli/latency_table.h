@@ -22,15 +22,12 @@ double LatencyQuantile(const v1::LatencyHistogram& histogram, double q);
 std::string HumanSeconds(double seconds);
 
 // Per server: each data-plane op that came, and each group's reduction and optimizer
-// step (`per_group`; otherwise one row per job, "reduce job/*", over all its groups on
-// that server), with count, p50, p99 and mean (RPCs are in --json and the metrics); a
-// quantile in the first bucket shows as "<10 us". Nothing when no server has any.
+// step (`per_group`, from the statuses' groups; otherwise one row per job, "reduce
+// job/*", from its summary of its groups on that server: GetStatusRequest.summarize_groups),
+// with count, p50, p99 and mean (RPCs are in --json and the metrics); a quantile in the
+// first bucket shows as "<10 us". Nothing when no server has any.
 void PrintLatencyTable(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses, bool per_group,
                        std::ostream& out);
-
-// The durations both histograms count, as one (their bounds are the server's, the same
-// for every histogram; `into` takes `from`'s when it has none yet).
-void AddLatencies(const v1::LatencyHistogram& from, v1::LatencyHistogram& into);
 
 }  // namespace flatshard::cli
 

@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <map>
 #include <ostream>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -66,9 +65,10 @@ void ReportSplitLoads(const std::vector<absl::StatusOr<v1::ServerStatus>>& statu
   }
 }
 
-// A job's groups on every server that answered, as the jobs' table sums them up.
+// A job's groups on every server that answered, as the jobs' table sums them up from
+// the servers' summaries.
 struct JobGroups {
-  std::set<std::string> names;
+  int groups = 0;  // the most any server holds (each holds every group of the job)
   int64_t min_version = 0;
   int64_t max_version = 0;
   int64_t bytes = 0;  // on every server
@@ -78,21 +78,47 @@ std::map<std::string, JobGroups> SumUpGroups(const std::vector<absl::StatusOr<v1
   std::map<std::string, JobGroups> jobs;
   for (const auto& status : statuses) {
     if (!status.ok()) continue;
-    for (const v1::GroupStatus& g : status->groups()) {
-      JobGroups& job = jobs[g.job()];
-      job.min_version = job.names.empty() ? g.version() : std::min(job.min_version, g.version());
-      job.max_version = job.names.empty() ? g.version() : std::max(job.max_version, g.version());
-      job.names.insert(g.group());
-      job.bytes += g.bytes();
+    for (const v1::JobStatus& j : status->jobs()) {
+      const v1::JobGroupsSummary& here = j.summary();
+      if (here.groups() == 0) continue;
+      JobGroups& job = jobs[j.job()];
+      job.min_version = job.groups == 0 ? here.min_version() : std::min(job.min_version, here.min_version());
+      job.max_version = job.groups == 0 ? here.max_version() : std::max(job.max_version, here.max_version());
+      job.groups = std::max(job.groups, here.groups());
+      job.bytes += here.bytes();
     }
   }
   return jobs;
 }
 
+// The rows of the table of groups: one per group per server that answered.
+int GroupRows(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses) {
+  int rows = 0;
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    for (const v1::JobStatus& j : status->jobs()) rows += j.summary().groups();
+  }
+  return rows;
+}
+
+// Whether some job's groups hold the states of different checkpoint loads on different
+// servers (or a server lacks some of them): their load digests differ.
+bool LoadsDiffer(const std::vector<absl::StatusOr<v1::ServerStatus>>& statuses) {
+  std::map<std::string, uint64_t> digests;
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    for (const v1::JobStatus& j : status->jobs()) {
+      const auto [seen, first] = digests.emplace(j.job(), j.summary().load_digest());
+      if (!first && seen->second != j.summary().load_digest()) return true;
+    }
+  }
+  return false;
+}
+
 // A job's versions as its row shows them: "-" without groups, "7" when all are at 7,
 // "6-7" in the middle of a step (or with groups stepped apart).
 std::string VersionRange(const JobGroups& job) {
-  if (job.names.empty()) return "-";
+  if (job.groups == 0) return "-";
   if (job.min_version == job.max_version) return absl::StrCat(job.min_version);
   return absl::StrCat(job.min_version, "-", job.max_version);
 }
@@ -102,7 +128,17 @@ std::string VersionRange(const JobGroups& job) {
 int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std::ostream& err) {
   ClientOptions client_options{.servers = options.servers, .token = options.token, .timeout = options.timeout};
   options.tls.ApplyTo(client_options);
-  const auto statuses = FetchClusterStatus(client_options);
+  // Each job's groups summed up by each server: enough for everything but the table of
+  // groups and the groups whose servers hold different loads, which ask for the groups.
+  v1::GetStatusRequest request;
+  request.set_summarize_groups(true);
+  request.set_omit_groups(!options.json && !options.all_groups);
+  auto statuses = FetchClusterStatus(client_options, {}, request);
+  const bool list_groups = options.all_groups || GroupRows(statuses) <= options.max_group_rows;
+  if (request.omit_groups() && (list_groups || LoadsDiffer(statuses))) {
+    request.set_omit_groups(false);
+    statuses = FetchClusterStatus(client_options, {}, request);
+  }
   int exit_code = 0;
   if (options.json) {
     for (const auto& status : statuses) {
@@ -138,13 +174,27 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
       continue;
     }
     const v1::ServerStatus& s = *statuses[i];
+    int groups = 0;
     int64_t held = 0;
-    for (const v1::GroupStatus& g : s.groups()) held += g.bytes();
+    for (const v1::JobStatus& j : s.jobs()) {
+      groups += j.summary().groups();
+      held += j.summary().bytes();
+    }
     out << absl::StrFormat("%-4d %-21s %-6s %-8s %-13s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
                            s.control_address(), s.memory(), plane(s), TlsLeft(s, now), s.compute_threads(),
-                           s.groups_size(), HumanBytes(held), s.open_data_connections(), HumanBytes(s.bytes_sent()),
+                           groups, HumanBytes(held), s.open_data_connections(), HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), HumanBytes(s.exchange_bytes_sent()),
                            HumanBytes(s.exchange_bytes_received()), s.gathers(), s.scatters(), s.errors());
+  }
+  // A server older than job summaries answers without them: its groups count as none here.
+  for (const auto& status : statuses) {
+    if (!status.ok()) continue;
+    const auto& jobs = status->jobs();
+    if (std::any_of(jobs.begin(), jobs.end(), [](const v1::JobStatus& j) { return !j.has_summary(); })) {
+      out << absl::StrFormat("\nserver %d: answered without summing up its jobs' groups (a flatshard older than this "
+                             "command): the tables count none of its groups\n",
+                             status->rank());
+    }
   }
   // Certificates that expire within a week: past expiry, no client or peer can connect.
   for (const auto& status : statuses) {
@@ -187,7 +237,7 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
       const JobGroups& held = groups == job_groups.end() ? none : groups->second;
       out << absl::StrFormat("%-20s %7d %5s %8d %8g %9s %12s %8d %7d %13s %10s\n", j.job(), j.num_workers(),
                              j.mode(), j.replicas(), j.max_grad_norm(), j.skip_nonfinite() ? "yes" : "no", last,
-                             j.skipped_steps(), held.names.size(), VersionRange(held), HumanBytes(held.bytes));
+                             j.skipped_steps(), held.groups, VersionRange(held), HumanBytes(held.bytes));
     }
     break;
   }
@@ -197,9 +247,6 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
   }
   // A model of many small groups would bury everything after its rows (thousands per
   // server): past max_group_rows, the jobs' table above sums them up.
-  int group_rows = 0;
-  for (const auto& status : statuses) group_rows += status.ok() ? status->groups_size() : 0;
-  const bool list_groups = options.all_groups || group_rows <= options.max_group_rows;
   if (list_groups) {
     // shard: the shard of the group's layout this server holds; replica: its replica group
     // (hybrid sharding; 0 otherwise).
@@ -218,7 +265,7 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
   } else {
     out << absl::StrFormat("\n%d rows of groups (one per group per server) not listed: the jobs' table sums them up; "
                            "--groups lists them, --json gives every field\n",
-                           group_rows);
+                           GroupRows(statuses));
   }
   PrintLatencyTable(statuses, list_groups, out);
   ReportSplitLoads(statuses, out);

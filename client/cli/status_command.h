@@ -2,7 +2,11 @@
 // or as JSON (--json) for scripts. The jobs' table sums up each job's groups (how many,
 // their versions, their memory on all servers); the table of groups, one row per group
 // per server, is printed when it has at most max_group_rows rows or `all_groups` asks
-// for it, and the latency table then has a row per group, else one per job. Stateless.
+// for it, and the latency table then has a row per group, else one per job. The servers
+// sum up each job's groups themselves (GetStatusRequest.summarize_groups); the groups are
+// fetched only to be listed or where a job's load digests differ between servers (to name
+// the groups holding different loads), so a status of tens of thousands of groups asks
+// for none of them. Stateless.
 #ifndef FLATSHARD_CLIENT_CLI_STATUS_COMMAND_H_
 #define FLATSHARD_CLIENT_CLI_STATUS_COMMAND_H_
 

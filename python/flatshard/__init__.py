@@ -491,7 +491,9 @@ class Client:
     def status(self, groups=True):
         """Every server's status, as `flatshard status --json`. With groups=False, each
         server's "groups" list is left out (empty): the servers answer at once however
-        many groups the cluster holds (tens of thousands make megabytes of status)."""
+        many groups the cluster holds (tens of thousands make megabytes of status). Each
+        job's "summary" sums up its groups on that server either way (how many, their
+        lowest and highest version, memory, reduce and optimizer times, a load digest)."""
         return json.loads(self._native.status_json(bool(groups)))
 
     def data_planes(self):

@@ -72,23 +72,6 @@ TEST(LatencyQuantileTest, InterpolatesWithinABucketAndStopsAtTheLastBound) {
   EXPECT_EQ(LatencyQuantile(HistogramOf({}), 0.5), 0.0);
 }
 
-// A job's groups summed up: the histogram of all their durations, as if one had counted them.
-TEST(AddLatenciesTest, GivesTheHistogramOfBothSetsOfDurations) {
-  const std::vector<double> first = {3e-6, 40e-6, 2e-3, 7.0}, second = {40e-6, 0.3, 400.0};
-  v1::LatencyHistogram sum;
-  AddLatencies(HistogramOf(first), sum);
-  AddLatencies(HistogramOf({}), sum);
-  AddLatencies(HistogramOf(second), sum);
-  std::vector<double> both = first;
-  both.insert(both.end(), second.begin(), second.end());
-  const v1::LatencyHistogram expected = HistogramOf(both);
-  EXPECT_EQ(std::vector<double>(sum.upper_bounds_seconds().begin(), sum.upper_bounds_seconds().end()), kBounds);
-  EXPECT_EQ(std::vector<uint64_t>(sum.counts().begin(), sum.counts().end()),
-            std::vector<uint64_t>(expected.counts().begin(), expected.counts().end()));
-  EXPECT_EQ(sum.count(), 7u);
-  EXPECT_DOUBLE_EQ(sum.sum_seconds(), expected.sum_seconds());
-}
-
 TEST(HumanSecondsTest, PicksTheUnit) {
   EXPECT_EQ(HumanSeconds(2.5e-6), "2.5 us");
   EXPECT_EQ(HumanSeconds(850e-6), "850 us");

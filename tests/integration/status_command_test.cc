@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -35,6 +36,44 @@ std::vector<std::string> Row(const std::string& text, const std::string& first, 
     if (words.size() >= 2 && words[0] == first && words[1] == second) return words;
   }
   return {};
+}
+
+// Each job's summary in `summed_up` (statuses asked with GetStatusRequest.summarize_groups
+// and omit_groups) is what its groups in `listed` (the same servers' statuses with their
+// groups, nothing changed between) sum up to.
+void ExpectSummariesOfTheirGroups(const std::vector<absl::StatusOr<v1::ServerStatus>>& listed,
+                                  const std::vector<absl::StatusOr<v1::ServerStatus>>& summed_up) {
+  ASSERT_EQ(listed.size(), summed_up.size());
+  for (size_t rank = 0; rank < listed.size(); ++rank) {
+    ASSERT_TRUE(listed[rank].ok()) << listed[rank].status();
+    ASSERT_TRUE(summed_up[rank].ok()) << summed_up[rank].status();
+    EXPECT_EQ(summed_up[rank]->groups_size(), 0);
+    ASSERT_EQ(summed_up[rank]->jobs_size(), listed[rank]->jobs_size());
+    for (const v1::JobStatus& job : summed_up[rank]->jobs()) {
+      int groups = 0;
+      int64_t bytes = 0, min_version = 0, max_version = 0;
+      uint64_t reduced = 0, stepped = 0;
+      double optimizer_seconds = 0;
+      for (const v1::GroupStatus& g : listed[rank]->groups()) {
+        if (g.job() != job.job()) continue;
+        min_version = groups == 0 ? g.version() : std::min(min_version, g.version());
+        max_version = groups == 0 ? g.version() : std::max(max_version, g.version());
+        ++groups;
+        bytes += g.bytes();
+        reduced += g.reduce_seconds().count();
+        stepped += g.optimizer_seconds().count();
+        optimizer_seconds += g.optimizer_seconds().sum_seconds();
+      }
+      const v1::JobGroupsSummary& summary = job.summary();
+      EXPECT_EQ(summary.groups(), groups) << job.job();
+      EXPECT_EQ(summary.bytes(), bytes) << job.job();
+      EXPECT_EQ(summary.min_version(), min_version) << job.job();
+      EXPECT_EQ(summary.max_version(), max_version) << job.job();
+      EXPECT_EQ(summary.reduce_seconds().count(), reduced) << job.job();
+      EXPECT_EQ(summary.optimizer_seconds().count(), stepped) << job.job();
+      EXPECT_DOUBLE_EQ(summary.optimizer_seconds().sum_seconds(), optimizer_seconds) << job.job();
+    }
+  }
 }
 
 TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails) {
@@ -75,6 +114,24 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
   EXPECT_THAT(table.str(), Not(HasSubstr("server 0: "))) << table.str();
   const auto statuses = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()});
   for (const auto& status : statuses) ASSERT_TRUE(status.ok()) << status.status();
+  // Each server sums up each job's groups when asked (GetStatusRequest.summarize_groups),
+  // with or without them; a job's load digest is the same on both servers (nothing was
+  // loaded) and depends on its groups' names.
+  v1::GetStatusRequest summarize;
+  summarize.set_summarize_groups(true);
+  summarize.set_omit_groups(true);
+  const auto summed_up = FetchClusterStatus({.servers = cluster.addresses(), .token = cluster.token()}, {}, summarize);
+  ExpectSummariesOfTheirGroups(statuses, summed_up);
+  std::map<std::string, std::set<uint64_t>> digests;  // job -> the servers' load digests
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(summed_up[rank]->jobs_size(), 2);
+    for (const v1::JobStatus& job : summed_up[rank]->jobs()) digests[job.job()].insert(job.summary().load_digest());
+  }
+  EXPECT_EQ(summed_up[0]->jobs(0).summary().max_version() + summed_up[0]->jobs(1).summary().max_version(), 1)
+      << "the hybrid job stepped once, the other never";
+  ASSERT_EQ(digests.size(), 2u);
+  for (const auto& [job, seen] : digests) EXPECT_EQ(seen.size(), 1u) << job;
+  EXPECT_NE(*digests["status"].begin(), *digests["hybrid"].begin());
   // job, workers, mode, replicas, max_norm, skip_inf, last_norm, skipped, groups,
   // versions, memory (2 words: the job's groups on both servers)
   std::map<std::string, int64_t> job_bytes;
@@ -297,9 +354,23 @@ TEST(StatusCommandTest, AGroupLoadedOnSomeServersOnlyIsReported) {
             std::string::npos)
       << split.str();
 
+  // Past max_group_rows the groups are not listed, yet fetched to name the split group:
+  // the job's load digests differ between the servers.
+  cli::StatusCommandOptions unlisted = options;
+  unlisted.max_group_rows = 0;
+  std::ostringstream summed;
+  ASSERT_EQ(cli::RunStatusCommand(unlisted, summed, err), 0) << err.str();
+  EXPECT_EQ(summed.str().find("job/group"), std::string::npos) << summed.str();
+  EXPECT_NE(summed.str().find("status/g: its servers hold the states of different checkpoint loads (- on rank 1; "
+                              "5eed on rank 0)"),
+            std::string::npos)
+      << summed.str();
+
   ASSERT_TRUE(client->LoadCheckpoint("s").ok());
-  std::ostringstream whole;
+  std::ostringstream whole, whole_summed;
   ASSERT_EQ(cli::RunStatusCommand(options, whole, err), 0) << err.str();
+  ASSERT_EQ(cli::RunStatusCommand(unlisted, whole_summed, err), 0) << err.str();
+  EXPECT_EQ(whole_summed.str().find("different checkpoint loads"), std::string::npos) << whole_summed.str();
   const std::string load = Row(whole.str(), "0", "status/g").back();
   EXPECT_NE(load, "-");
   EXPECT_NE(load, "5eed");
@@ -360,11 +431,35 @@ TEST(StatusCommandTest, AStatusWithoutGroupsHasAllButThem) {
   ASSERT_NO_FATAL_FAILURE(SaveAGroup(cluster, client));
   ASSERT_TRUE(cluster.LoadPhase(0, "status", "s", 0x5eed, v1::LoadCheckpointRequest::PREPARE).ok());
   ASSERT_TRUE(client->RegisterGroup("h", {{"v", {10}, DType::kFloat32}}, 0, SgdOptions{}).ok());
+  // g steps once, h never: the job's summary spans versions 0 to 1 and both groups.
+  const std::vector<float> grad(1000, 1.0f);
+  const auto grad_bytes = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(grad.data()), 4000);
+  ASSERT_TRUE(client->Scatter("g", 0, DType::kFloat32, grad_bytes).get().ok());
+  ASSERT_TRUE(client->WaitVersion("g", 1).ok());
   const ClientOptions options{.servers = cluster.addresses(), .token = cluster.token()};
   v1::GetStatusRequest request;
   request.set_omit_groups(true);
   const auto without = FetchClusterStatus(options, {}, request);
   const auto with = FetchClusterStatus(options);
+  request.set_summarize_groups(true);
+  const auto summed_up = FetchClusterStatus(options, {}, request);
+  ExpectSummariesOfTheirGroups(with, summed_up);
+  for (const auto& status : summed_up) {
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(status->jobs(0).summary().groups(), 2);
+    EXPECT_EQ(status->jobs(0).summary().max_version(), 1);
+  }
+  // h steps twice, past g: the other group now holds the lowest version and the highest.
+  const std::vector<float> small_grad(10, 1.0f);
+  for (const int64_t version : {0, 1}) {
+    ASSERT_TRUE(client
+                    ->Scatter("h", version, DType::kFloat32,
+                              absl::MakeConstSpan(reinterpret_cast<const std::byte*>(small_grad.data()), 40))
+                    .get()
+                    .ok());
+    ASSERT_TRUE(client->WaitVersion("h", version + 1).ok());
+  }
+  ExpectSummariesOfTheirGroups(FetchClusterStatus(options), FetchClusterStatus(options, {}, request));
   ASSERT_EQ(without.size(), 2u);
   ASSERT_EQ(with.size(), 2u);
   for (int rank = 0; rank < 2; ++rank) {

@@ -595,6 +595,11 @@ class ClientTest(unittest.TestCase):
             self.assertEqual(short["groups"], [])
             self.assertEqual(short["rank"], whole["rank"])
             self.assertIn("brief", {job["job"] for job in short["jobs"]})
+            # Each job's groups summed up by the server, with or without them.
+            group = next(g for g in whole["groups"] if g["job"] == "brief")
+            summary = next(j for j in short["jobs"] if j["job"] == "brief")["summary"]
+            self.assertEqual(summary["groups"], 1)
+            self.assertEqual(summary["bytes"], group["bytes"])
 
     def test_model_timeout_bounds_an_export_and_keepalive_has_a_floor(self):
         unbounded = self.client(job="bounded")  # the default: no model_timeout

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/time.h"
+
 namespace flatshard::server {
 namespace {
 
@@ -41,6 +43,29 @@ TEST(LatencyHistogramTest, ADurationLandsInTheFirstBucketWhoseBoundItDoesNotExce
   EXPECT_EQ(proto.upper_bounds_seconds(8), 5e-3);
   EXPECT_EQ(proto.count(), 7u);
   EXPECT_DOUBLE_EQ(proto.sum_seconds(), 50e-6 + 50.001e-6 + 3e-3 + 300 + 301);
+}
+
+// A job's groups summed up (JobGroupsSummary): the histogram of all their durations, as
+// if one had counted them.
+TEST(LatencyHistogramTest, AddedUpTheyCountEveryDurationOfEach) {
+  const std::vector<absl::Duration> first = {absl::Microseconds(3), absl::Microseconds(40), absl::Milliseconds(2),
+                                             absl::Seconds(7)};
+  const std::vector<absl::Duration> second = {absl::Microseconds(40), absl::Milliseconds(300), absl::Seconds(400)};
+  LatencyHistogram one, other, empty, both;
+  for (const absl::Duration d : first) one.Record(d);
+  for (const absl::Duration d : second) other.Record(d);
+  for (const auto* durations : {&first, &second}) {
+    for (const absl::Duration d : *durations) both.Record(d);
+  }
+  v1::LatencyHistogram sum;
+  for (const LatencyHistogram* histogram : {&one, &empty, &other}) histogram->AddTo(&sum);
+  const v1::LatencyHistogram expected = Snapshot(both);
+  EXPECT_EQ(sum.count(), 7u);
+  EXPECT_EQ(std::vector<double>(sum.upper_bounds_seconds().begin(), sum.upper_bounds_seconds().end()),
+            std::vector<double>(kLatencyBoundsSeconds.begin(), kLatencyBoundsSeconds.end()));
+  EXPECT_EQ(std::vector<uint64_t>(sum.counts().begin(), sum.counts().end()),
+            std::vector<uint64_t>(expected.counts().begin(), expected.counts().end()));
+  EXPECT_DOUBLE_EQ(sum.sum_seconds(), expected.sum_seconds());
 }
 
 TEST(LatencyHistogramTest, ConcurrentRecordsAreAllCounted) {
