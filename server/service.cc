@@ -619,7 +619,9 @@ v1::ServerStatus FlatshardService::Status(const v1::GetStatusRequest& request) {
     job->set_skipped_steps(norms.skipped_steps);
   }
   const bool listed = !request.omit_groups();
-  for (const auto& group : listed || !summaries.empty() ? registry_.groups() : std::vector<std::shared_ptr<Group>>{}) {
+  const std::vector<std::shared_ptr<Group>> groups =
+      listed || !summaries.empty() ? registry_.groups() : std::vector<std::shared_ptr<Group>>{};
+  for (const auto& group : groups) {
     const GroupStats stats = group->stats();
     if (const auto summary = summaries.find(group->job()); summary != summaries.end()) {
       SummarizeGroup(*group, stats, *summary->second);

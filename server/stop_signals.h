@@ -3,11 +3,12 @@
 // to. Blocking them before any thread starts is not enough: a library's thread or call
 // may unblock them (seen on a device-tier server: a SIGTERM that arrived while the main
 // thread was shutting down, not waiting, ended the process by its default action, though
-// every thread blocked them while it served). So a handler, which runs only in threads that do not
-// block them, sends the signal on to the main thread (or, run there while a call had
-// unblocked them, keeps it), where it waits for the next Wait and, once the server has
-// stopped waiting (a second SIGTERM during a graceful shutdown), changes nothing.
-// One per process, made by the main thread before it starts any other; not copyable.
+// every thread blocked them while it served). So a handler, which runs only in threads
+// that do not block them, sends the signal on to the main thread (or, run there while a
+// call had unblocked them, keeps it), where it waits for the next Wait and, once the
+// server has stopped waiting (a second SIGTERM during a graceful shutdown), changes
+// nothing. One per process, made by the main thread before it starts any other; neither
+// copyable nor movable.
 //
 //   StopSignals signals = StopSignals::Take();
 //   ... start the server ...
@@ -28,7 +29,6 @@ class StopSignals {
 
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
-  StopSignals(StopSignals&&) = default;
 
   // Waits for the next of the three signals (one that arrived since Take, or since the
   // last Wait, first) and returns its number. Call only from the thread that called Take.

@@ -1,9 +1,7 @@
 #include "client/cli/latency_table.h"
 
 #include <algorithm>
-#include <map>
 #include <ostream>
-#include <utility>
 
 #include "absl/strings/str_format.h"
 
