@@ -17,10 +17,10 @@
 #include "absl/synchronization/mutex.h"
 #include "core/command_line.h"
 #include "core/file.h"
+#include "core/signal_route.h"
 #include "proto/cluster_info.h"
 #include "server/log.h"
 #include "server/server.h"
-#include "server/stop_signals.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC control-plane address HOST:PORT");
 ABSL_FLAG(std::string, data_listen, "", "TCP data-plane address HOST:PORT (default: control port + 1)");
@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
   // The main thread takes the stop signals and SIGHUP, whichever thread they reach, from
   // before any other thread starts. SIGHUP (systemctl reload) reads the TLS files again at
   // once, where it used to end the server as its default action does.
-  flatshard::server::StopSignals signals = flatshard::server::StopSignals::Take();
+  flatshard::SignalRoute signals({SIGTERM, SIGINT, SIGHUP});
   absl::SetProgramUsageMessage("flatshard-server --listen=HOST:PORT --rank=I --cluster=A0,A1,...");
   const std::vector<std::string> positional =
       flatshard::ParseCommandLineOrExit(argc, argv, "flatshard-server");

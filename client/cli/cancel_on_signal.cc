@@ -3,7 +3,8 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <ctime>
+
+#include "absl/synchronization/notification.h"
 
 namespace flatshard::cli {
 
@@ -12,7 +13,13 @@ CancelOnSignal::CancelOnSignal(std::ostream& err, std::string command) : err_(er
   sigaddset(&signals_, SIGINT);
   sigaddset(&signals_, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals_, &previous_);
-  thread_ = std::thread([this] { Run(); });
+  absl::Notification routed;
+  thread_ = std::thread([this, &routed] {
+    SignalRoute route({SIGINT, SIGTERM});
+    routed.Notify();
+    Run(route);
+  });
+  routed.WaitForNotification();
 }
 
 CancelOnSignal::~CancelOnSignal() {
@@ -26,12 +33,12 @@ void CancelOnSignal::Watch(std::function<void()> cancel) {
   cancel_ = std::move(cancel);
 }
 
-void CancelOnSignal::Run() {
-  const timespec poll{0, 100'000'000};  // how soon the destructor's stop is seen; how often a cancel repeats
+void CancelOnSignal::Run(SignalRoute& route) {
   while (!stop_.load()) {
-    const int signal_number = sigtimedwait(&signals_, nullptr, &poll);
+    // How soon the destructor's stop is seen; how often a cancel repeats.
+    const int signal_number = route.Wait(absl::Milliseconds(100));
     absl::MutexLock lock(&mu_);
-    if (signal_number >= 0) {
+    if (signal_number != 0) {
       if (signalled_.exchange(true) || cancel_ == nullptr) _exit(130);
       err_ << "\nflatshard " << command_ << ": cancelling on " << strsignal(signal_number)
            << " (the servers keep nothing of it); again to quit at once" << std::endl;

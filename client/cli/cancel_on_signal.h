@@ -4,7 +4,8 @@
 // the call), saying so on `err`, and the command ends once the servers have let go; a
 // second one, or one before there is a client, ends the process at once (exit status
 // 130). The signals are blocked in the calling thread, and so in every thread it starts
-// later (gRPC's), and taken by a thread of its own with sigtimedwait. Since a cancel
+// later (gRPC's), and taken by a thread of its own, to which they are routed from any
+// thread that unblocks them (core/signal_route.h). Since a cancel
 // reaches only the calls in progress, it is repeated every 100 ms until this is
 // destroyed: a signal that comes just before the call begins cancels it all the same.
 //
@@ -31,13 +32,14 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "core/signal_route.h"
 
 namespace flatshard::cli {
 
 class CancelOnSignal {
  public:
   CancelOnSignal(std::ostream& err, std::string command);
-  ~CancelOnSignal();  // stops the thread; restores the signal mask
+  ~CancelOnSignal();  // stops the thread; restores the signals' actions and the mask
   CancelOnSignal(const CancelOnSignal&) = delete;
   CancelOnSignal& operator=(const CancelOnSignal&) = delete;
 
@@ -48,7 +50,7 @@ class CancelOnSignal {
   bool signalled() const { return signalled_.load(); }
 
  private:
-  void Run();
+  void Run(SignalRoute& route);
 
   std::ostream& err_;
   const std::string command_;

@@ -1,11 +1,13 @@
 // CancelOnSignal (Ctrl-C on `flatshard save`, `load`, `export`): a first signal cancels,
 // repeatedly, so that a call that begins just after it is cancelled too; a second one, or
-// one before there is anything to cancel, quits at once with status 130. Each case runs in
-// a child process (fork), whose only threads are its own, so that the signal reaches no
-// thread of the test runner's that leaves SIGINT unblocked.
+// one before there is anything to cancel, quits at once with status 130; one handed to a
+// thread that unblocked it cancels all the same. Each case runs in a child process (fork),
+// whose only threads are its own, so that the signal reaches no thread of the test
+// runner's that leaves SIGINT unblocked.
 #include "client/cli/cancel_on_signal.h"
 
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +16,7 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "absl/time/clock.h"
 
@@ -57,6 +60,34 @@ TEST(CancelOnSignalTest, ASignalJustBeforeTheCallBeginsCancelsItAllTheSame) {
     if (!Within5s([&] { return cancelled_in_call.load(); })) return 3;
     if (!interrupts.signalled()) return 4;
     if (err.str().find("flatshard save: cancelling on Interrupt") == std::string::npos) return 5;
+    return 0;
+  });
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+TEST(CancelOnSignalTest, ASignalToAThreadThatUnblockedItCancelsAllTheSame) {
+  const int status = InChild([] {
+    std::ostringstream err;
+    std::atomic<int> cancels{0};
+    std::atomic<bool> unblocked{false}, done{false};
+    CancelOnSignal interrupts(err, "export");
+    interrupts.Watch([&] { ++cancels; });
+    std::thread library_thread([&] {  // as a library's thread may
+      sigset_t signals;
+      sigemptyset(&signals);
+      sigaddset(&signals, SIGINT);
+      pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
+      unblocked.store(true);
+      while (!done.load()) absl::SleepFor(absl::Milliseconds(1));
+    });
+    while (!unblocked.load()) absl::SleepFor(absl::Milliseconds(1));
+    pthread_kill(library_thread.native_handle(), SIGINT);
+    const bool cancelled = Within5s([&] { return cancels.load() > 0; });
+    done.store(true);
+    library_thread.join();
+    if (!cancelled) return 2;
+    if (!interrupts.signalled()) return 3;
     return 0;
   });
   ASSERT_TRUE(WIFEXITED(status)) << status;
