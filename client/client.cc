@@ -219,6 +219,31 @@ class ClientImpl final : public Client {
     return transfers_->Scatter(group, step, dtype, *std::move(parts), ReplicaServers(), std::move(stop));
   }
 
+  std::vector<std::future<absl::StatusOr<int64_t>>> GatherGroups(const std::vector<std::string>& groups,
+                                                                  int64_t min_version, DType dtype,
+                                                                  const std::vector<absl::Span<std::byte>>& outs,
+                                                                  std::stop_token stop) override {
+    return ForEachGroup<absl::StatusOr<int64_t>>(
+        groups, dtype, outs, [&](const std::vector<client_internal::DataTransfers::GroupParts>& split) {
+          return transfers_->GatherMany(split, min_version, dtype, ReplicaServers(), stop);
+        });
+  }
+
+  std::vector<std::future<absl::Status>> ScatterGroups(const std::vector<std::string>& groups, int64_t step,
+                                                       DType dtype, const std::vector<absl::Span<const std::byte>>& grads,
+                                                       std::stop_token stop) override {
+    std::vector<absl::Span<std::byte>> buffers;
+    buffers.reserve(grads.size());
+    for (const absl::Span<const std::byte> grad : grads) {
+      buffers.push_back(absl::MakeSpan(const_cast<std::byte*>(grad.data()), grad.size()));
+    }
+    return ForEachGroup<absl::Status>(
+        groups, dtype, buffers, [&](const std::vector<client_internal::DataTransfers::GroupParts>& split) {
+          for (const client_internal::DataTransfers::GroupParts& group : split) sent_.Record(group.group, step);
+          return transfers_->ScatterMany(split, step, dtype, ReplicaServers(), stop);
+        });
+  }
+
   std::vector<std::string> DataPlanes() const override { return transfers_->PlaneNames(); }
 
   absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version, std::stop_token stop) override {
@@ -439,6 +464,36 @@ class ClientImpl final : public Client {
 
   // Splits a full flat buffer (padded_numel elements of dtype) into per-server slices,
   // indexed by rank: shard i goes to server i of this worker's replica group.
+  // GatherGroups and ScatterGroups: each group's buffer split by server, the groups that
+  // split moved by `move` (a future each, in their order), the others' errors ready.
+  template <typename Result, typename Move>
+  std::vector<std::future<Result>> ForEachGroup(const std::vector<std::string>& groups, DType dtype,
+                                                const std::vector<absl::Span<std::byte>>& buffers, Move move) {
+    std::vector<std::future<Result>> futures(groups.size());
+    if (buffers.size() != groups.size()) {
+      for (std::future<Result>& future : futures) {
+        future = ReadyFuture<Result>(absl::InvalidArgumentError(
+            absl::StrCat(groups.size(), " groups but ", buffers.size(), " buffers")));
+      }
+      return futures;
+    }
+    std::vector<client_internal::DataTransfers::GroupParts> split;
+    std::vector<size_t> split_index;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      absl::StatusOr<std::vector<absl::Span<std::byte>>> parts = Split(groups[g], dtype, buffers[g]);
+      if (!parts.ok()) {
+        futures[g] = ReadyFuture<Result>(parts.status());
+        continue;
+      }
+      split.push_back({groups[g], *std::move(parts)});
+      split_index.push_back(g);
+    }
+    if (split.empty()) return futures;
+    std::vector<std::future<Result>> moved = move(split);
+    for (size_t k = 0; k < moved.size(); ++k) futures[split_index[k]] = std::move(moved[k]);
+    return futures;
+  }
+
   absl::StatusOr<std::vector<absl::Span<std::byte>>> Split(const std::string& group, DType dtype,
                                                            absl::Span<std::byte> full) {
     FLATSHARD_ASSIGN_OR_RETURN(const FlatLayout* layout, FindLayout(group));

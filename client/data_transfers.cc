@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -85,6 +86,59 @@ std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64
   auto done = std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()));
   std::future<absl::Status> scattered = done->future();
   DeviceTransfer(transport::DataOp::kScatter, group, step, dtype, std::move(parts), servers, device, stop, done);
+  return scattered;
+}
+
+bool DataTransfers::Pipelinable(const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,
+                                int64_t split_bytes) const {
+  for (int i : servers) {
+    if (parts[i].size() > kPipelinedPartBytes || DeviceOf(parts[i].data()) >= 0 ||
+        SplitFor(parts[i].size(), split_bytes).size() > 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<std::future<absl::StatusOr<int64_t>>> DataTransfers::GatherMany(const std::vector<GroupParts>& groups,
+                                                                            int64_t min_version, DType dtype,
+                                                                            const std::vector<int>& servers,
+                                                                            const std::stop_token& stop) {
+  using Result = absl::StatusOr<int64_t>;
+  std::vector<std::future<Result>> gathered;
+  gathered.reserve(groups.size());
+  std::vector<std::vector<Piped<Result>>> piped(num_servers());
+  for (const GroupParts& group : groups) {
+    if (!Pipelinable(group.parts, servers, options_.gather_split_bytes)) {
+      gathered.push_back(Gather(group.group, min_version, dtype, group.parts, servers, stop));
+      continue;
+    }
+    auto done = std::make_shared<Completion<Result>>(
+        static_cast<int>(servers.size()), /*same_version=*/false,
+        [this, name = group.group](uint64_t load_id) { RecordLoadHeld(name, load_id); });
+    gathered.push_back(done->future());
+    for (int i : servers) piped[i].push_back({done, group.group, {}, group.parts[i]});
+  }
+  for (int i : servers) SubmitPipelines(i, transport::DataOp::kGather, min_version, dtype, std::move(piped[i]), stop);
+  return gathered;
+}
+
+std::vector<std::future<absl::Status>> DataTransfers::ScatterMany(const std::vector<GroupParts>& groups, int64_t step,
+                                                                  DType dtype, const std::vector<int>& servers,
+                                                                  const std::stop_token& stop) {
+  std::vector<std::future<absl::Status>> scattered;
+  scattered.reserve(groups.size());
+  std::vector<std::vector<Piped<absl::Status>>> piped(num_servers());
+  for (const GroupParts& group : groups) {
+    if (!Pipelinable(group.parts, servers, options_.scatter_split_bytes)) {
+      scattered.push_back(Scatter(group.group, step, dtype, group.parts, servers, stop));
+      continue;
+    }
+    auto done = std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()));
+    scattered.push_back(done->future());
+    for (int i : servers) piped[i].push_back({done, group.group, group.parts[i], {}});
+  }
+  for (int i : servers) SubmitPipelines(i, transport::DataOp::kScatter, step, dtype, std::move(piped[i]), stop);
   return scattered;
 }
 
@@ -257,6 +311,78 @@ void DataTransfers::SubmitOne(const std::shared_ptr<Completion<Result>>& complet
     channels_[i]->Submit(std::move(write), std::move(read), stop, cut);
   } else {
     channels_[i]->Submit(WriteThen(std::move(write), std::move(read)), stop, cut);
+  }
+}
+
+template <typename Result>
+void DataTransfers::SubmitPipelines(int server, transport::DataOp op, int64_t version, DType dtype,
+                                    std::vector<Piped<Result>> requests, const std::stop_token& stop) {
+  for (size_t begin = 0; begin < requests.size();) {
+    size_t end = begin, bytes = 0;
+    for (; end < requests.size() && end - begin < kMaxPipelined; ++end) {
+      const size_t more = requests[end].send.size() + requests[end].receive.size();
+      if (end > begin && bytes + more > kPipelineBytes) break;
+      bytes += more;
+    }
+    SubmitPipeline(server, op, version, dtype,
+                   std::vector<Piped<Result>>(std::make_move_iterator(requests.begin() + begin),
+                                              std::make_move_iterator(requests.begin() + end)),
+                   stop);
+    begin = end;
+  }
+}
+
+// One pipeline to server i: its requests written at once (from this thread when a
+// connection is idle and they fit kWriteOnSubmitBytes), then their answers read in order.
+// A failed write or read fails the requests whose answers were not read (the server
+// drops those it had not answered when the connection closes).
+template <typename Result>
+void DataTransfers::SubmitPipeline(int i, transport::DataOp op, int64_t version, DType dtype,
+                                   std::vector<Piped<Result>> requests, const std::stop_token& stop) {
+  auto frames = std::make_shared<std::vector<std::byte>>();
+  auto pipeline = std::make_shared<std::vector<Piped<Result>>>();
+  for (Piped<Result>& request : requests) {
+    const absl::Status framed = transport::AppendRequest(*frames, HeaderFor(op, request.group, version, dtype),
+                                                         options_.job, request.group, request.send);
+    if (!framed.ok()) {
+      request.completion->Finish(AtServer(i, framed), 0);
+      continue;
+    }
+    pipeline->push_back(std::move(request));
+  }
+  if (pipeline->empty()) return;
+  RequestWriter write = [frames](transport::Connection& conn) { return conn.Send({*frames}); };
+  DataTask read = [=, this](absl::StatusOr<transport::Connection*> conn) {
+    size_t answered = 0;
+    auto fail_rest = [&](const absl::Status& status) {
+      for (; answered < pipeline->size(); ++answered) {
+        const Piped<Result>& request = (*pipeline)[answered];
+        request.completion->Finish(RequestFailure(i, status, op, request.group, stop), 0);
+      }
+    };
+    if (!conn.ok()) {
+      fail_rest(conn.status());
+      return true;
+    }
+    for (; answered < pipeline->size(); ++answered) {
+      const Piped<Result>& request = (*pipeline)[answered];
+      absl::StatusOr<transport::Response> response = transport::RecvResponse(**conn, request.receive);
+      if (!response.ok()) {
+        fail_rest(response.status());
+        return false;
+      }
+      if (response->status.ok()) {
+        request.completion->Finish(absl::OkStatus(), response->version, response->load_id);
+      } else {
+        request.completion->Finish(RequestFailure(i, response->status, op, request.group, stop), 0);
+      }
+    }
+    return true;
+  };
+  if (frames->size() <= kWriteOnSubmitBytes) {
+    channels_[i]->Submit(std::move(write), std::move(read), stop);
+  } else {
+    channels_[i]->Submit(WriteThen(std::move(write), std::move(read)), stop);
   }
 }
 

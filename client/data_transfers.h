@@ -48,6 +48,17 @@ namespace flatshard::client_internal {
 // the write does not wait for the server.
 inline constexpr size_t kWriteOnSubmitBytes = size_t{16} << 10;
 
+// Pipelines (DataTransfers::GatherMany, ScatterMany): a request whose part with one
+// server is at most kPipelinedPartBytes (host memory) goes with others to that server,
+// written back to back on one connection, their answers read in order: at most
+// kMaxPipelined requests and kPipelineBytes of payloads (sent and received) per
+// pipeline. The count bounds the answers the server writes while the client still
+// writes (each at most ResponseHeader + kMaxMessageBytes, so 16 fit any socket's receive
+// buffer), so neither side waits for the other to read.
+inline constexpr size_t kPipelinedPartBytes = size_t{64} << 10;
+inline constexpr size_t kPipelineBytes = size_t{256} << 10;
+inline constexpr size_t kMaxPipelined = 16;
+
 // What a client learned about one server when it connected.
 struct ServerEndpoint {
   std::string address;   // control address, for messages
@@ -98,6 +109,23 @@ class DataTransfers {
   std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                     std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
                                     std::stop_token stop);
+  // One group's buffer for GatherMany and ScatterMany: `parts` as Gather's.
+  struct GroupParts {
+    std::string group;
+    std::vector<absl::Span<std::byte>> parts;
+  };
+  // Gathers (scatters) of several groups under one stop, each as Gather (Scatter) moves
+  // it, with a future each in `groups`' order. A group whose part with every server is
+  // host memory of at most kPipelinedPartBytes (and not split) goes to each server in
+  // pipelines (kMaxPipelined above): a model of many small groups takes a round trip per
+  // pipeline instead of one per group and server. A stop asked of `stop` ends all of them.
+  std::vector<std::future<absl::StatusOr<int64_t>>> GatherMany(const std::vector<GroupParts>& groups,
+                                                                int64_t min_version, DType dtype,
+                                                                const std::vector<int>& servers,
+                                                                const std::stop_token& stop);
+  std::vector<std::future<absl::Status>> ScatterMany(const std::vector<GroupParts>& groups, int64_t step, DType dtype,
+                                                     const std::vector<int>& servers, const std::stop_token& stop);
+
   // A group's initial values, one shard per server (indexed by rank).
   struct GroupInit {
     std::string group;
@@ -168,6 +196,25 @@ class DataTransfers {
                  int64_t version, DType dtype, const std::vector<absl::Span<const std::byte>>& targets,
                  const std::vector<int>& servers, const std::shared_ptr<const void>& keep_alive,
                  const std::stop_token& stop);
+  // One request of a pipeline: `send` is its payload, `receive` its answer's.
+  template <typename Result>
+  struct Piped {
+    std::shared_ptr<Completion<Result>> completion;
+    std::string group;
+    absl::Span<const std::byte> send;
+    absl::Span<std::byte> receive;
+  };
+  // Whether `parts` (for `servers`) go in pipelines, given the split threshold of the op.
+  bool Pipelinable(const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,
+                   int64_t split_bytes) const;
+  // `op` requests to server i, in pipelines of kMaxPipelined and kPipelineBytes at most,
+  // each finishing its completion. A stop asked of `stop` ends them as SubmitOne's.
+  template <typename Result>
+  void SubmitPipelines(int server, transport::DataOp op, int64_t version, DType dtype,
+                       std::vector<Piped<Result>> requests, const std::stop_token& stop);
+  template <typename Result>
+  void SubmitPipeline(int server, transport::DataOp op, int64_t version, DType dtype,
+                      std::vector<Piped<Result>> requests, const std::stop_token& stop);
   template <typename Result>
   void SubmitOne(const std::shared_ptr<Completion<Result>>& completion, int server, transport::DataOp op,
                  const std::string& group, int64_t version, DType dtype, absl::Span<const std::byte> send,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -61,9 +62,11 @@ absl::Time Request::Deadline() const {
   return absl::Now() + absl::Milliseconds(std::clamp<int64_t>(timeout_ms, 0, 24 * 3600 * 1000));
 }
 
-absl::Status SendRequest(Connection& conn, RequestHeader header, absl::string_view job,
-                         absl::string_view group, absl::Span<const std::byte> payload,
-                         absl::Span<const std::byte> payload_tail) {
+namespace {
+
+// The header as sent for these names and payload size; InvalidArgument for names too long.
+absl::StatusOr<RequestHeader> Framed(RequestHeader header, absl::string_view job, absl::string_view group,
+                                     size_t payload_bytes) {
   if (job.size() > kMaxNameBytes || group.size() > kMaxNameBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("job and group names are limited to ", kMaxNameBytes, " bytes"));
@@ -71,8 +74,27 @@ absl::Status SendRequest(Connection& conn, RequestHeader header, absl::string_vi
   header.magic = kRequestMagic;
   header.job_bytes = static_cast<uint16_t>(job.size());
   header.group_bytes = static_cast<uint16_t>(group.size());
-  header.payload_bytes = static_cast<int64_t>(payload.size() + payload_tail.size());
+  header.payload_bytes = static_cast<int64_t>(payload_bytes);
+  return header;
+}
+
+}  // namespace
+
+absl::Status SendRequest(Connection& conn, RequestHeader header, absl::string_view job,
+                         absl::string_view group, absl::Span<const std::byte> payload,
+                         absl::Span<const std::byte> payload_tail) {
+  FLATSHARD_ASSIGN_OR_RETURN(header, Framed(header, job, group, payload.size() + payload_tail.size()));
   return conn.Send({BytesOf(header), BytesOf(job), BytesOf(group), payload, payload_tail});
+}
+
+absl::Status AppendRequest(std::vector<std::byte>& out, RequestHeader header, absl::string_view job,
+                           absl::string_view group, absl::Span<const std::byte> payload,
+                           absl::Span<const std::byte> payload_tail) {
+  FLATSHARD_ASSIGN_OR_RETURN(header, Framed(header, job, group, payload.size() + payload_tail.size()));
+  const std::initializer_list<absl::Span<const std::byte>> frame = {BytesOf(header), BytesOf(job), BytesOf(group),
+                                                                     payload, payload_tail};
+  for (const absl::Span<const std::byte> bytes : frame) out.insert(out.end(), bytes.begin(), bytes.end());
+  return absl::OkStatus();
 }
 
 std::vector<ByteRange> SplitRanges(uint64_t bytes, int count) {

@@ -1,5 +1,6 @@
-// The data-plane wire protocol, shared by the client and the server. Strictly
-// request/response on one Connection:
+// The data-plane wire protocol, shared by the client and the server. Request/response on
+// one Connection; a client may write several requests before it reads their answers (a
+// pipeline), which the server reads and answers one after the other, in order:
 //
 //   worker -> server  Request:  RequestHeader | job | group | payload
 //   server -> worker  Response: ResponseHeader | message | payload
@@ -175,6 +176,12 @@ struct Request {
                                        absl::string_view job, absl::string_view group,
                                        absl::Span<const std::byte> payload,
                                        absl::Span<const std::byte> payload_tail = {});
+
+// The same request appended to `out`, for requests written back to back (a pipeline:
+// the server answers them in order on the connection).
+[[nodiscard]] absl::Status AppendRequest(std::vector<std::byte>& out, RequestHeader header, absl::string_view job,
+                                         absl::string_view group, absl::Span<const std::byte> payload,
+                                         absl::Span<const std::byte> payload_tail = {});
 
 // How a transfer of `bytes` is split into parts (kGatherRange, kScatterPart): at most
 // `count` (clamped to [1, kMaxSplitParts]) consecutive, non-empty ranges covering

@@ -312,6 +312,22 @@ class Client {
   virtual std::future<absl::Status> Scatter(const std::string& group, int64_t step, DType dtype,
                                             absl::Span<const std::byte> grad, std::stop_token stop = {}) = 0;
 
+  // Gather (Scatter) of several groups at once: groups[i] into outs[i] (from grads[i]),
+  // each as the call for one group moves it, with a future each in `groups`' order (a
+  // group that is not registered gets its error there). Where a group's share of a server
+  // is small (host memory, 64 KiB at most: a model of many small layers), its request
+  // goes to the server with others' in one write on one connection and their answers are
+  // read in order: one round trip per 16 such groups instead of one each (bench/RESULTS.md,
+  // "Pipelined transfers of many small groups"). One stop ends all of them.
+  virtual std::vector<std::future<absl::StatusOr<int64_t>>> GatherGroups(const std::vector<std::string>& groups,
+                                                                          int64_t min_version, DType dtype,
+                                                                          const std::vector<absl::Span<std::byte>>& outs,
+                                                                          std::stop_token stop = {}) = 0;
+  virtual std::vector<std::future<absl::Status>> ScatterGroups(const std::vector<std::string>& groups, int64_t step,
+                                                               DType dtype,
+                                                               const std::vector<absl::Span<const std::byte>>& grads,
+                                                               std::stop_token stop = {}) = 0;
+
   // Per server, the data plane a device buffer on this thread's current GPU would use:
   // "cuda-ipc", "nccl" or "tcp" (see DevicePlane). Host buffers always use "tcp".
   virtual std::vector<std::string> DataPlanes() const = 0;
