@@ -394,6 +394,28 @@ class PyClient {
                                      stop, grad, orphans_);
   }
 
+  // Gathers (scatters) of several groups (Client::GatherGroups): a Pending each, in
+  // `names`' order, which share one stop: cancelling one cancels them all.
+  std::vector<std::unique_ptr<Pending>> GatherMany(const std::vector<std::string>& names, int64_t min_version,
+                                                   const std::string& dtype, const std::vector<py::object>& outs) {
+    std::vector<absl::Span<std::byte>> buffers;
+    buffers.reserve(outs.size());
+    for (const py::object& out : outs) buffers.push_back(AnyBytes(out, true));
+    orphans_->Reap();
+    std::stop_source stop;
+    return Pendings(client_->GatherGroups(names, min_version, ToDType(dtype), buffers, stop.get_token()), stop, outs);
+  }
+
+  std::vector<std::unique_ptr<Pending>> ScatterMany(const std::vector<std::string>& names, int64_t step,
+                                                    const std::string& dtype, const std::vector<py::object>& grads) {
+    std::vector<absl::Span<const std::byte>> buffers;
+    buffers.reserve(grads.size());
+    for (const py::object& grad : grads) buffers.push_back(AnyBytes(grad, false));
+    orphans_->Reap();
+    std::stop_source stop;
+    return Pendings(client_->ScatterGroups(names, step, ToDType(dtype), buffers, stop.get_token()), stop, grads);
+  }
+
   int64_t WaitVersion(const std::string& name, int64_t min_version) {
     return Check(Stoppable([&](std::stop_token stop) { return client_->WaitVersion(name, min_version, stop); }));
   }
@@ -462,6 +484,18 @@ class PyClient {
   std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }
 
  private:
+  // One Pending per future, each keeping its own buffer (keeps[k]) alive.
+  template <typename Result>
+  std::vector<std::unique_ptr<Pending>> Pendings(std::vector<std::future<Result>> futures,
+                                                 const std::stop_source& stop, const std::vector<py::object>& keeps) {
+    std::vector<std::unique_ptr<Pending>> pendings;
+    pendings.reserve(futures.size());
+    for (size_t k = 0; k < futures.size(); ++k) {
+      pendings.push_back(std::make_unique<Pending>(futures[k].share(), stop, keeps[k], orphans_));
+    }
+    return pendings;
+  }
+
   // Waits for `outcome` (a checkpoint call on a thread of its own) without the GIL,
   // looking at Python's signals every 50 ms. After a KeyboardInterrupt (Ctrl-C), or
   // another exception a signal handler raises (it stays set), calls `stop` every 50 ms
@@ -565,6 +599,8 @@ PYBIND11_MODULE(_native, m) {
       .def("init_group_from_seed", &PyClient::InitGroupFromSeed)
       .def("gather", &PyClient::Gather)
       .def("scatter", &PyClient::Scatter)
+      .def("gather_many", &PyClient::GatherMany)
+      .def("scatter_many", &PyClient::ScatterMany)
       .def("wait_version", &PyClient::WaitVersion)
       .def("wait_versions", &PyClient::WaitVersions)
       .def("grad_norm", &PyClient::GradNorm)

@@ -367,6 +367,25 @@ class Client:
         pending = self._native.gather(name, int(min_version), dtype, buffer)
         return Transfer(pending, lambda version: (out, version))
 
+    def gather_many_async(self, names, min_version=0, dtype="float32", outs=None):
+        """gather_async of several groups at once (outs[i] for names[i]; new numpy arrays
+        when None): a Transfer each, in order. The requests of small groups (64 KiB or
+        less per server, host memory) go to each server in pipelines of 16, so a model of
+        many small layers takes a round trip per 16 of them instead of one each. The
+        transfers share one stop: cancelling one (Ctrl-C in its wait) cancels them all."""
+        dtype = dtype_name(dtype)
+        names = list(names)
+        layouts = [self.layout(name) for name in names]
+        if outs is None:
+            outs = [np.empty(layout.padded_numel, dtype=_NUMPY[dtype]) for layout in layouts]
+        outs = list(outs)
+        if len(outs) != len(names):
+            raise InvalidArgumentError(f"{len(names)} groups but {len(outs)} buffers")
+        buffers = [_native_buffer(out, dtype, layout.padded_numel, f"gather('{name}') out")
+                   for name, layout, out in zip(names, layouts, outs)]
+        pendings = self._native.gather_many(names, int(min_version), dtype, buffers)
+        return [Transfer(pending, lambda version, out=out: (out, version)) for pending, out in zip(pendings, outs)]
+
     def gather_flat(self, name, min_version=0, dtype="float32", out=None):
         """The flat parameter (padded_numel elements) at a version >= min_version, and the version."""
         return self.gather_async(name, min_version, dtype, out).wait()
@@ -387,6 +406,19 @@ class Client:
         buffer = _native_buffer(flat, dtype, layout.padded_numel, f"scatter('{name}')")
         pending = self._native.scatter(name, int(step), dtype, buffer)
         return Transfer(pending, lambda _: None)
+
+    def scatter_many_async(self, names, grads, step, dtype="float32"):
+        """scatter_async of several groups at once (grads[i], flat buffers of padded_numel
+        elements, for names[i]): a Transfer each, in order, pipelined and sharing one stop
+        as gather_many_async's."""
+        dtype = dtype_name(dtype)
+        names, grads = list(names), list(grads)
+        if len(grads) != len(names):
+            raise InvalidArgumentError(f"{len(names)} groups but {len(grads)} buffers")
+        buffers = [_native_buffer(grad, dtype, self.layout(name).padded_numel, f"scatter('{name}')")
+                   for name, grad in zip(names, grads)]
+        pendings = self._native.scatter_many(names, int(step), dtype, buffers)
+        return [Transfer(pending, lambda _: None) for pending in pendings]
 
     def scatter(self, name, grads, step, dtype="float32"):
         """Sends this worker's gradient for `step`; returns once every server holds it.

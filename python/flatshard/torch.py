@@ -29,7 +29,10 @@ gathers of every group (prefetch); a group's forward pre-hook waits for its own.
 whose module's forward never runs (used functionally, like MultiheadAttention's
 out_proj) are waited for up front, as is everything in the first step. Gradient hooks
 copy each gradient into the group's flat gradient buffer, and the group is scattered the
-moment its last gradient arrives, while backward continues with the other groups.
+moment its last gradient arrives, while backward continues with the other groups; small
+groups (128 KiB of gradient or less) wait in a bucket of up to 1 MiB or 64 groups, sent
+together in pipelines (``Client.scatter_many_async``), as torch DDP buckets gradients.
+A forward's gathers go out together likewise (``gather_many_async``).
 
 Loss scaling for float16 (``GradScaler`` below) needs a job with ``skip_nonfinite``.
 
@@ -63,6 +66,12 @@ import flatshard
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PUSH_BYTES = 64 << 20  # initial values pushed per init_groups call (ShardedModule._push)
+# Gradients of small groups wait in a bucket, sent together (scatter_many_async: in
+# pipelines) once it holds this many bytes or groups, or at step(); a larger group goes
+# at once, as torch DDP's gradient buckets do.
+_BUCKET_GROUP_BYTES = 128 << 10
+_BUCKET_BYTES = 1 << 20
+_BUCKET_GROUPS = 64
 
 
 def _auto_wrap(module, min_params, keep, prefix=""):
@@ -118,6 +127,7 @@ class _Group:
         self.pending_gather = None
         self.gathered_step = None  # the step whose gather was issued last
         self.pending_scatter = None
+        self.bucketed = False  # its gradient waits in the module's bucket to be sent
         self.sent = False         # its gradient for the step arrived (step() may be retried)
         self.seen = set()         # parameters whose gradient this backward delivered
         self.accumulated = set()  # parameters whose gradient flat_grad holds for the step
@@ -144,6 +154,8 @@ class ShardedModule(torch.nn.Module):
         self._grad_scale = 1.0  # GradScaler.scale(): gradients are divided by it before sending
         self._voided = False  # a load voided the step: step() waits for the next forward
         self._name = name
+        self._bucket = []  # groups whose gradients wait to be sent together (_scatter)
+        self._bucket_bytes = 0
         self._param_dtype = param_dtype or torch.float32
         self._reduce_dtype = reduce_dtype or self._param_dtype
         for dtype in (self._param_dtype, self._reduce_dtype):
@@ -257,11 +269,14 @@ class ShardedModule(torch.nn.Module):
         # gather asks for no version: one that comes at another means that a checkpoint
         # load moved the servers, which _wait_gather reports (rather than wait for a
         # version that a load back would never bring).
-        for group in self._groups:
-            if group.pending_gather is None and group.gathered_step != self._step:
+        gather = [group for group in self._groups
+                  if group.pending_gather is None and group.gathered_step != self._step]
+        if gather:  # in pipelines where the groups are small
+            transfers = self._client.gather_many_async([group.name for group in gather], 0,
+                                                       _NAMES[self._param_dtype], [group.flat for group in gather])
+            for group, transfer in zip(gather, transfers):
                 group.gathered_step = self._step  # later forwards of the step reuse it
-                group.pending_gather = self._client.gather_async(
-                    group.name, 0, _NAMES[self._param_dtype], out=group.flat)
+                group.pending_gather = transfer
         for group in self._groups:
             if group.eager:
                 self._wait_gather(group)
@@ -290,7 +305,7 @@ class ShardedModule(torch.nn.Module):
         self._wait_gather(group)
 
     def _on_grad(self, group, fqn, grad):
-        if group.pending_scatter is not None or group.sent:  # it would change what was sent
+        if group.pending_scatter is not None or group.bucketed or group.sent:  # it would change what was sent
             raise flatshard.FailedPreconditionError(
                 f"group '{group.name}' was already sent for step {self._step}: call step() "
                 "before the next backward, or run the earlier micro-batches under no_sync()")
@@ -331,8 +346,29 @@ class ShardedModule(torch.nn.Module):
             self._accumulating = previous
 
     def _scatter(self, group):
-        group.pending_scatter = self._client.scatter_async(
-            group.name, group.flat_grad, self._step, _NAMES[self._reduce_dtype])
+        """Sends the group's gradient: a small one once the bucket is full (or at step()),
+        a large one at once."""
+        size = group.flat_grad.numel() * group.flat_grad.element_size()
+        if size > _BUCKET_GROUP_BYTES:
+            group.pending_scatter = self._client.scatter_async(
+                group.name, group.flat_grad, self._step, _NAMES[self._reduce_dtype])
+            return
+        group.bucketed = True
+        self._bucket.append(group)
+        self._bucket_bytes += size
+        if self._bucket_bytes >= _BUCKET_BYTES or len(self._bucket) >= _BUCKET_GROUPS:
+            self._send_bucket()
+
+    def _send_bucket(self):
+        if not self._bucket:
+            return
+        transfers = self._client.scatter_many_async([group.name for group in self._bucket],
+                                                    [group.flat_grad for group in self._bucket], self._step,
+                                                    _NAMES[self._reduce_dtype])
+        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        for group, transfer in zip(bucket, transfers):
+            group.bucketed = False
+            group.pending_scatter = transfer
 
     def forward(self, *args, **kwargs):
         if self._param_dtype != torch.float32:  # MixedPrecision casts floating inputs too
@@ -401,12 +437,13 @@ class ShardedModule(torch.nn.Module):
         """Sends the step's gradients and waits for the next version. Of several
         transfers' errors it raises an ABORTED one (a load voided the step) first."""
         for group in self._groups:
-            if group.pending_scatter is None and not group.sent:
+            if group.pending_scatter is None and not group.bucketed and not group.sent:
                 for fqn, _ in group.params:
                     if fqn not in group.accumulated:
                         offset, numel = group.offsets[fqn]
                         group.flat_grad[offset:offset + numel].zero_()
                 self._scatter(group)
+        self._send_bucket()
         error = None
         for group in self._groups:  # every transfer settles before any error is raised
             if group.pending_scatter is None:
@@ -440,7 +477,9 @@ class ShardedModule(torch.nn.Module):
         ABORTED): what this step gathered and accumulated is void. Resumes at the loaded
         version, so that the next forward gathers it."""
         self._settle_gathers()
+        self._bucket, self._bucket_bytes = [], 0  # what waited there is void too
         for group in self._groups:  # step() has settled every scatter
+            group.bucketed = False
             group.sent = False
             group.seen.clear()
             group.accumulated.clear()

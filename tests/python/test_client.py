@@ -502,6 +502,37 @@ class ClientTest(unittest.TestCase):
             with self.assertRaises(flatshard.InvalidArgumentError):
                 self.client(job="split", **bad)
 
+    def test_many_groups_move_together_as_each_alone(self):
+        many, one = self.client(job="together"), self.client(job="together-one")
+        names = [f"g{k}" for k in range(20)] + ["large"]
+        shapes = [(50 * k + 7,) for k in range(20)] + [(70001,)]  # "large": past a pipeline's part
+        for c in (many, one):
+            c.configure_job()
+            c.register_groups([(n, [("w", s, "float32")], flatshard.SGD(lr=0.5)) for n, s in zip(names, shapes)])
+            for k, n in enumerate(names):
+                c.init_group_from_seed(n, 40 + k)
+        gathered = [t.wait() for t in many.gather_many_async(names)]
+        for n, (flat, version) in zip(names, gathered):
+            self.assertEqual(version, 0)
+            np.testing.assert_array_equal(flat, one.gather_flat(n)[0])
+        grads = [np.sin(flat) for flat, _ in gathered]
+        for t in many.scatter_many_async(names, grads, step=0):
+            self.assertIsNone(t.wait())
+        for n, grad in zip(names, grads):
+            one.scatter(n, grad, step=0)
+        outs = [torch.full((one.layout(n).padded_numel,), -1.0, dtype=torch.bfloat16) for n in names]
+        for n, out, t in zip(names, outs, many.gather_many_async(names, 1, "bfloat16", outs)):
+            got, version = t.wait()
+            self.assertIs(got, out)
+            self.assertEqual(version, 1)
+            reference = torch.empty_like(out)
+            one.gather_async(n, 1, "bfloat16", out=reference).wait()
+            self.assertTrue(torch.equal(out, reference), n)
+        with self.assertRaisesRegex(flatshard.InvalidArgumentError, "2 groups but 1 buffers"):
+            many.scatter_many_async(names[:2], grads[:1], step=1)
+        with self.assertRaises(flatshard.NotFoundError):
+            many.gather_many_async(["g0", "nope"])
+
     def test_the_version_is_the_builds(self):
         root = os.path.join(os.path.dirname(__file__), "..", "..", "CMakeLists.txt")
         with open(root) as cmake:

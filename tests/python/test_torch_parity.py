@@ -289,21 +289,33 @@ class Failed:
 def fail_first_scatter(client, victim, error, arrives):
     """Makes the first scatter of group `victim` fail with `error`: before it is sent, or
     (`arrives`) after the servers took it, as when only the answer is lost. Returns the
-    list of group names scattered, in order."""
-    real, sent = client.scatter_async, []
+    list of group names scattered, in order (scatter_async and scatter_many_async both)."""
+    real_one, real_many, sent = client.scatter_async, client.scatter_many_async, []
 
-    def scatter(name, *a, **k):
-        sent.append(name)
-        first = name == victim and sent.count(name) == 1
-        if first and not arrives:
-            return Failed(error)
-        future = real(name, *a, **k)
-        if not first:
-            return future
-        future.wait()  # the gradient arrives; its answer does not
-        return Failed(error)
+    def inject(names, grads, real, *a, **k):
+        firsts = []
+        for name in names:
+            sent.append(name)
+            firsts.append(name == victim and sent.count(name) == 1)
+        kept = [i for i, first in enumerate(firsts) if arrives or not first]
+        started = iter(real([names[i] for i in kept], [grads[i] for i in kept], *a, **k))
+        transfers = []
+        for first in firsts:
+            if first and not arrives:
+                transfers.append(Failed(error))
+                continue
+            transfer = next(started)
+            if first:
+                transfer.wait()  # the gradient arrives; its answer does not
+                transfer = Failed(error)
+            transfers.append(transfer)
+        return transfers
 
-    client.scatter_async = scatter
+    def real_single(names, grads, *a, **k):
+        return [real_one(name, grad, *a, **k) for name, grad in zip(names, grads)]
+
+    client.scatter_many_async = lambda names, grads, *a, **k: inject(names, grads, real_many, *a, **k)
+    client.scatter_async = lambda name, grads, *a, **k: inject([name], [grads], real_single, *a, **k)[0]
     return sent
 
 
@@ -352,16 +364,16 @@ class MisuseAndRecoveryTest(unittest.TestCase):
     def test_a_failed_gather_is_issued_again_by_the_next_forward(self):
         with one_worker_mlp("retry") as (client, model):
             x, _ = make_data("mlp")
-            real, issued = client.gather_async, []
+            real, issued = client.gather_many_async, []
             injected = flatshard.UnavailableError("injected: the server went away")
-            client.gather_async = lambda *a, **k: issued.append(a[0]) or Failed(injected)
+            client.gather_many_async = lambda names, *a, **k: issued.extend(names) or [Failed(injected) for _ in names]
             with self.assertRaises(flatshard.UnavailableError):
                 model(x)
             failed = list(issued)
             with torch.no_grad():  # what a transfer that broke off may leave behind
                 for group in model._groups:
                     group.flat.fill_(float("nan"))
-            client.gather_async = lambda *a, **k: issued.append(a[0]) or real(*a, **k)
+            client.gather_many_async = lambda names, *a, **k: issued.extend(names) or real(names, *a, **k)
             expected = make_model("mlp")(x)
             self.assertTrue(torch.equal(model(x), expected))  # gathered again, not stale
             self.assertEqual(sorted(issued[len(failed):]), sorted(failed))
