@@ -6,6 +6,7 @@
 //                                   bare TCP round trip of the same bytes
 //   gather / scatter over TLS    vs  the same over the plain TCP data plane (--tls_data_plane)
 //   status --json of many groups vs  protobuf's JSON printer joined by an nlohmann tree
+//   a step of many small groups  vs  the same transfers through the calls for one group
 // Servers run in this process (the same code as flatshard-server), workers are threads
 // with their own Client, all on 127.0.0.1.
 //
@@ -26,6 +27,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -34,6 +36,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <google/protobuf/util/json_util.h>
@@ -396,6 +399,62 @@ void Latency(int samples) {
   row("small gather (1 KiB), get() vs gRPC no-op", "get", "grpc", "   (target <= 2x)");
   row("small gather, Await vs gRPC no-op", "await", "grpc", "");
   row("small gather, Await vs TCP round trip", "await", "tcp", "");
+}
+
+// A step's transfers for a model of many small groups (2 servers, one worker, `groups`
+// groups of 1056 fp32 parameters, a 32x32 Linear layer's): every group gathered, then
+// every gradient scattered, through the calls for one group (Gather, Scatter: all
+// issued, then waited for, as a prefetching worker does) against the calls for many
+// (GatherGroups, ScatterGroups: pipelines of 16 per server); medians of `rounds`,
+// interleaved, after one of each to warm up.
+void ManySmallGroupSteps(int groups, int rounds) {
+  auto cluster = StartCluster(2);
+  auto client = Connect(*cluster, 0, 1, "small-groups");
+  Check(client->ConfigureJob({}));
+  std::vector<std::string> names;
+  std::vector<GroupSpec> specs;
+  for (int g = 0; g < groups; ++g) {
+    names.push_back(absl::StrCat("layer", g));
+    specs.push_back({names.back(), {{"w", {1056}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.0}});
+  }
+  absl::StatusOr<std::vector<const FlatLayout*>> layouts = client->RegisterGroups(std::move(specs));
+  Check(layouts.status());
+  std::vector<std::vector<float>> params(groups), grads(groups);
+  std::vector<absl::Span<std::byte>> outs;
+  std::vector<absl::Span<const std::byte>> sends;
+  for (int g = 0; g < groups; ++g) {
+    params[g].resize((*layouts)[g]->padded_numel());
+    grads[g].assign(params[g].size(), 0.5f);
+    outs.push_back(AsBytes(params[g]));
+    sends.push_back(AsBytes(std::as_const(grads[g])));
+  }
+  int64_t step = 0;
+  auto one_at_a_time = [&] {
+    std::vector<std::future<absl::StatusOr<int64_t>>> gathered;
+    for (int g = 0; g < groups; ++g) gathered.push_back(client->Gather(names[g], 0, DType::kFloat32, outs[g]));
+    for (auto& future : gathered) Check(future.get().status());
+    std::vector<std::future<absl::Status>> scattered;
+    for (int g = 0; g < groups; ++g) scattered.push_back(client->Scatter(names[g], step, DType::kFloat32, sends[g]));
+    for (auto& future : scattered) Check(future.get());
+    ++step;
+  };
+  auto together = [&] {
+    for (auto& future : client->GatherGroups(names, 0, DType::kFloat32, outs)) Check(future.get().status());
+    for (auto& future : client->ScatterGroups(names, step, DType::kFloat32, sends)) Check(future.get());
+    ++step;
+  };
+  std::vector<double> one_ms, together_ms;
+  for (int round = 0; round <= rounds; ++round) {
+    for (const bool many : {false, true}) {
+      const absl::Time t0 = absl::Now();
+      many ? together() : one_at_a_time();
+      if (round > 0) (many ? together_ms : one_ms).push_back(absl::ToDoubleMilliseconds(absl::Now() - t0));
+    }
+  }
+  std::printf("\n%-40s %10s %10s %8s   (2 servers, %d groups of 1056 fp32)\n", "step of many small groups",
+              "ms", "one each", "ratio", groups);
+  const double ours = Percentile(together_ms, 0.5), theirs = Percentile(one_ms, 0.5);
+  std::printf("%-40s %10.1f %10.1f %7.2fx\n", "GatherGroups+ScatterGroups vs per group", ours, theirs, theirs / ours);
 }
 
 // `flatshard status --json` of a cluster of many groups, from statuses already fetched
@@ -827,6 +886,7 @@ int main(int argc, char** argv) {
   }
   if (wanted("latency")) {
     Latency(quick ? 300 : 2000);
+    ManySmallGroupSteps(quick ? 200 : 1000, quick ? 3 : 7);
     StatusJson(quick ? 2000 : 20000);
   }
   if (wanted("checkpoints")) {

@@ -117,7 +117,7 @@ std::vector<std::future<absl::StatusOr<int64_t>>> DataTransfers::GatherMany(cons
         static_cast<int>(servers.size()), /*same_version=*/false,
         [this, name = group.group](uint64_t load_id) { RecordLoadHeld(name, load_id); });
     gathered.push_back(done->future());
-    for (int i : servers) piped[i].push_back({done, group.group, {}, group.parts[i]});
+    for (int i : servers) piped[i].push_back({done, group.group, {}, group.parts[i], {}});
   }
   for (int i : servers) SubmitPipelines(i, transport::DataOp::kGather, min_version, dtype, std::move(piped[i]), stop);
   return gathered;
@@ -136,7 +136,7 @@ std::vector<std::future<absl::Status>> DataTransfers::ScatterMany(const std::vec
     }
     auto done = std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()));
     scattered.push_back(done->future());
-    for (int i : servers) piped[i].push_back({done, group.group, group.parts[i], {}});
+    for (int i : servers) piped[i].push_back({done, group.group, group.parts[i], {}, {}});
   }
   for (int i : servers) SubmitPipelines(i, transport::DataOp::kScatter, step, dtype, std::move(piped[i]), stop);
   return scattered;
@@ -152,14 +152,27 @@ absl::Status DataTransfers::PushInits(const std::vector<GroupInit>& groups, std:
   std::vector<std::future<absl::Status>> pushed;
   completions.reserve(groups.size());
   pushed.reserve(groups.size());
+  // Small shards go in pipelines (their bytes are copied into each pipeline's frames).
+  std::vector<std::vector<Piped<absl::Status>>> piped(num_servers());
   for (const GroupInit& init : groups) {
     auto completion = std::make_shared<Completion<absl::Status>>(num_servers());
     pushed.push_back(completion->future());
+    const bool small = std::all_of(init.shards.begin(), init.shards.end(), [](const InitShard& shard) {
+      return shard.values.size() + shard.zero_bytes <= kPipelinedPartBytes;
+    });
     for (int i = 0; i < num_servers(); ++i) {
-      SubmitOne(completion, i, transport::DataOp::kPushInit, init.group, 0, DType::kFloat32, init.shards[i].values,
-                absl::MakeConstSpan(*zeros).first(init.shards[i].zero_bytes), {}, zeros, stop);
+      const absl::Span<const std::byte> tail = absl::MakeConstSpan(*zeros).first(init.shards[i].zero_bytes);
+      if (small) {
+        piped[i].push_back({completion, init.group, init.shards[i].values, {}, tail});
+      } else {
+        SubmitOne(completion, i, transport::DataOp::kPushInit, init.group, 0, DType::kFloat32, init.shards[i].values,
+                  tail, {}, zeros, stop);
+      }
     }
     completions.push_back(std::move(completion));
+  }
+  for (int i = 0; i < num_servers(); ++i) {
+    SubmitPipelines(i, transport::DataOp::kPushInit, 0, DType::kFloat32, std::move(piped[i]), stop);
   }
   absl::Status first;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -320,7 +333,7 @@ void DataTransfers::SubmitPipelines(int server, transport::DataOp op, int64_t ve
   for (size_t begin = 0; begin < requests.size();) {
     size_t end = begin, bytes = 0;
     for (; end < requests.size() && end - begin < kMaxPipelined; ++end) {
-      const size_t more = requests[end].send.size() + requests[end].receive.size();
+      const size_t more = requests[end].send.size() + requests[end].send_tail.size() + requests[end].receive.size();
       if (end > begin && bytes + more > kPipelineBytes) break;
       bytes += more;
     }
@@ -343,7 +356,8 @@ void DataTransfers::SubmitPipeline(int i, transport::DataOp op, int64_t version,
   auto pipeline = std::make_shared<std::vector<Piped<Result>>>();
   for (Piped<Result>& request : requests) {
     const absl::Status framed = transport::AppendRequest(*frames, HeaderFor(op, request.group, version, dtype),
-                                                         options_.job, request.group, request.send);
+                                                         options_.job, request.group, request.send,
+                                                         request.send_tail);
     if (!framed.ok()) {
       request.completion->Finish(AtServer(i, framed), 0);
       continue;

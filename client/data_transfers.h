@@ -48,9 +48,9 @@ namespace flatshard::client_internal {
 // the write does not wait for the server.
 inline constexpr size_t kWriteOnSubmitBytes = size_t{16} << 10;
 
-// Pipelines (DataTransfers::GatherMany, ScatterMany): a request whose part with one
-// server is at most kPipelinedPartBytes (host memory) goes with others to that server,
-// written back to back on one connection, their answers read in order: at most
+// Pipelines (DataTransfers::GatherMany, ScatterMany, PushInits): a request whose part
+// with one server is at most kPipelinedPartBytes (host memory) goes with others to that
+// server, written back to back on one connection, their answers read in order: at most
 // kMaxPipelined requests and kPipelineBytes of payloads (sent and received) per
 // pipeline. The count bounds the answers the server writes while the client still
 // writes (each at most ResponseHeader + kMaxMessageBytes, so 16 fit any socket's receive
@@ -132,7 +132,8 @@ class DataTransfers {
     std::vector<InitShard> shards;
   };
   // Initial values of groups, sent from where they lie: every push is submitted at once
-  // (the channels run as many at a time as they have connections). Blocks until every
+  // (the channels run as many at a time as they have connections; small shards go in
+  // pipelines, as GatherMany's small parts). Blocks until every
   // push has ended; returns the first failure in `groups`' order (naming its group and
   // server), the other groups' pushes having ended as they would alone. A stop asked of
   // `stop` ends them at once (DataChannel::Submit), Cancelled: a server that had not
@@ -196,13 +197,15 @@ class DataTransfers {
                  int64_t version, DType dtype, const std::vector<absl::Span<const std::byte>>& targets,
                  const std::vector<int>& servers, const std::shared_ptr<const void>& keep_alive,
                  const std::stop_token& stop);
-  // One request of a pipeline: `send` is its payload, `receive` its answer's.
+  // One request of a pipeline: `send` then `send_tail` is its payload, `receive` its
+  // answer's.
   template <typename Result>
   struct Piped {
     std::shared_ptr<Completion<Result>> completion;
     std::string group;
     absl::Span<const std::byte> send;
     absl::Span<std::byte> receive;
+    absl::Span<const std::byte> send_tail;
   };
   // Whether `parts` (for `servers`) go in pipelines, given the split threshold of the op.
   bool Pipelinable(const std::vector<absl::Span<std::byte>>& parts, const std::vector<int>& servers,

@@ -1,11 +1,12 @@
-// DataTransfers::GatherMany and ScatterMany against a data server of the test's own that
-// reads requests in batches: it reads one, then every other that arrives within 200 ms,
-// and only then answers them all, in order. A client that waited for each answer before
-// writing the next request would show batches of one. Checked: small groups go in
-// pipelines of at most kMaxPipelined requests, each answer reaches its own group (its
-// version and bytes name the group), a refusal fails only its own group, a large group goes
-// alone, and a connection that closes mid-pipeline fails the groups whose answers were
-// not read, naming the server.
+// DataTransfers::GatherMany, ScatterMany and PushInits against a data server of the
+// test's own that reads requests in batches: it reads one, then every other that arrives
+// within 200 ms, and only then answers them all, in order. A client that waited for each
+// answer before writing the next request would show batches of one. Checked: small
+// groups go in pipelines of at most kMaxPipelined requests (gathers, scatters, initial
+// pushes with their zeros), each answer reaches its own group (its version and bytes
+// name the group), a refusal fails only its own group, a large group goes alone, a
+// connection that closes mid-pipeline fails the groups whose answers were not read,
+// naming the server, and a stop ends them all.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -29,7 +30,7 @@ namespace {
 
 // Group "g<k>" has (k + 1) * 4 bytes per server; a gather of it is answered with version
 // k and that many bytes of value k, a scatter with version k once its payload ((k + 1) *
-// 4 bytes of value k) is checked. Group "missing" is refused with NotFound. After
+// 4 bytes of value k) is checked, an initial push likewise (its last 4 bytes zeros). Group "missing" is refused with NotFound. After
 // `close_after` answers (0: never) the server closes the connection.
 class BatchingDataServer {
  public:
@@ -107,10 +108,11 @@ class BatchingDataServer {
       return transport::SendResponse(conn, absl::NotFoundError(absl::StrCat("no group '", read.request.group, "'")),
                                      0, {});
     }
-    const std::vector<std::byte> bytes((index + 1) * 4, static_cast<std::byte>(index));
+    std::vector<std::byte> bytes((index + 1) * 4, static_cast<std::byte>(index));
     if (read.request.op == transport::DataOp::kGather) {
       return transport::SendResponse(conn, absl::OkStatus(), index, bytes);
     }
+    if (read.request.op == transport::DataOp::kPushInit) std::fill(bytes.end() - 4, bytes.end(), std::byte{0});
     const absl::Status checked =
         read.payload == bytes ? absl::OkStatus() : absl::DataLossError("payload is not the group's");
     return transport::SendResponse(conn, checked, index, {});
@@ -194,6 +196,18 @@ TEST(PipelinedTransfersTest, SmallScattersGoInPipelinesAndARefusalFailsOnlyItsGr
     }
   }
   EXPECT_EQ(server.batches(), (std::vector<int>{16, 5}));
+}
+
+TEST(PipelinedTransfersTest, SmallInitialPushesGoInPipelinesWithTheirZeros) {
+  BatchingDataServer server;
+  std::unique_ptr<DataTransfers> transfers = OneConnection(server);
+  std::vector<std::vector<std::byte>> values;
+  std::vector<DataTransfers::GroupInit> inits;
+  for (int k = 0; k < 20; ++k) values.emplace_back(k * 4, static_cast<std::byte>(k));  // then 4 zero bytes
+  for (int k = 0; k < 20; ++k) inits.push_back({absl::StrCat("g", k), {{absl::MakeConstSpan(values[k]), 4}}});
+  const absl::Status pushed = transfers->PushInits(inits, {});
+  EXPECT_TRUE(pushed.ok()) << pushed;
+  EXPECT_EQ(server.batches(), (std::vector<int>{16, 4}));
 }
 
 TEST(PipelinedTransfersTest, AGroupLargerThanAPipelinesPartGoesAlone) {
