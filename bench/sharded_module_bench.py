@@ -9,7 +9,9 @@ set before every step (a schedule); the time per step is the median of 5 rounds 
 3 warm-up steps). The ratio is torch's time over
 ShardedModule's: what a worker keeps of its local speed when each layer's parameters are
 gathered from the servers and its gradients reduced and stepped there. Small layers are
-where the cost per group (a gather and a scatter per server, the waits) shows most.
+where the cost per group (a gather and a scatter per server, the waits) shows most;
+ShardedModule sends small groups' requests in pipelines (bench/RESULTS.md, "Pipelined
+transfers of many small groups").
 
     PYTHONPATH=build/python /usr/bin/python3 bench/sharded_module_bench.py [--quick]
 """
