@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -552,6 +554,50 @@ TEST_F(TlsTest, WithTlsDataPlaneARefusalOfAPayloadTooLargeToDrainReachesTheWorke
   EXPECT_THAT(std::string(future.message()), ::testing::HasSubstr("expected step 0")) << future;
   ASSERT_TRUE((*client)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
   EXPECT_EQ(*(*client)->WaitVersion("g", 1), 1);
+}
+
+// Pipelines (Client::GatherGroups, ScatterGroups) over a TLS data plane: the server's TLS
+// layer reads ahead past the request it serves, and must still see the next ones of the
+// pipeline waiting there. 40 small groups (3 pipelines per server) step and gather back
+// exactly.
+TEST_F(TlsTest, WithTlsDataPlanePipelinesOfSmallGroupsAreServedWhole) {
+  std::vector<std::string> flags = ServerTls();
+  flags.push_back("--tls_data_plane");
+  TestCluster cluster(2, "tls-token", ::testing::TempDir(), "", {flags, flags});
+  ClientOptions options = Presenting(cluster);
+  options.job = "pipelines";
+  auto client = cluster.Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->ConfigureJob({}).ok());
+  std::vector<std::string> names;
+  std::vector<GroupSpec> specs;
+  for (int g = 0; g < 40; ++g) {
+    names.push_back(absl::StrCat("layer", g));
+    specs.push_back({names.back(), {{"w", {64 + g}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0}});
+  }
+  auto layouts = (*client)->RegisterGroups(std::move(specs));
+  ASSERT_TRUE(layouts.ok()) << layouts.status();
+  std::vector<std::vector<float>> grads(40), params(40);
+  std::vector<absl::Span<const std::byte>> sends;
+  std::vector<absl::Span<std::byte>> outs;
+  for (int g = 0; g < 40; ++g) {
+    grads[g].assign((*layouts)[g]->padded_numel(), -static_cast<float>(g));  // SGD lr 1: params become g
+    params[g].assign(grads[g].size(), -1.0f);
+    sends.push_back(AsBytes(std::as_const(grads[g])));
+    outs.push_back(AsBytes(params[g]));
+  }
+  for (auto& future : (*client)->ScatterGroups(names, 0, DType::kFloat32, sends)) {
+    const absl::Status status = future.get();
+    ASSERT_TRUE(status.ok()) << status;
+  }
+  std::vector<std::future<absl::StatusOr<int64_t>>> gathered = (*client)->GatherGroups(names, 1, DType::kFloat32, outs);
+  for (int g = 0; g < 40; ++g) {
+    const absl::StatusOr<int64_t> version = gathered[g].get();
+    ASSERT_TRUE(version.ok()) << version.status();
+    EXPECT_EQ(*version, 1);
+    const std::vector<float> tensor(params[g].begin(), params[g].begin() + 64 + g);  // the padding aside
+    EXPECT_EQ(tensor, std::vector<float>(64 + g, static_cast<float>(g))) << names[g];
+  }
 }
 
 // --tls_data_plane (with mutual TLS): a hybrid-sharded step crosses the data plane in TLS,
