@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "transport/data_protocol.h"
+#include "tests/client/test_data_server.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::client_internal {
@@ -40,27 +41,10 @@ enum class Echo {
 class EchoDataServer {
  public:
   explicit EchoDataServer(int answers_per_connection = 0, Echo echo = Echo::kAnswer)
-      : answers_per_connection_(answers_per_connection), echo_(echo) {
-    listener_ = *transport::ListenTcp("127.0.0.1", 0);
-    accepting_ = std::thread([this] {
-      while (true) {
-        absl::StatusOr<std::unique_ptr<transport::Connection>> conn = listener_->Accept();
-        if (!conn.ok()) return;  // shut down
-        ++accepted_;
-        absl::MutexLock lock(&mu_);
-        serving_.emplace_back([this, c = std::shared_ptr<transport::Connection>(std::move(*conn))] { Serve(*c); });
-      }
-    });
-  }
-  ~EchoDataServer() {
-    listener_->Shutdown();
-    accepting_.join();
-    absl::MutexLock lock(&mu_);
-    for (std::thread& thread : serving_) thread.join();  // each ends when its client closes
-  }
+      : answers_per_connection_(answers_per_connection), echo_(echo) {}
 
-  DataSession session() const { return {absl::StrCat("127.0.0.1:", listener_->port()), "token"}; }
-  int accepted() const { return accepted_.load(); }
+  DataSession session() const { return server_.session(); }
+  int accepted() const { return server_.accepted(); }
   int held() const { return held_.load(); }  // requests it holds or held (Echo)
 
  private:
@@ -84,12 +68,8 @@ class EchoDataServer {
 
   const int answers_per_connection_;
   const Echo echo_;
-  std::unique_ptr<transport::Listener> listener_;
-  std::atomic<int> accepted_ = 0;
   std::atomic<int> held_ = 0;
-  std::thread accepting_;
-  absl::Mutex mu_;
-  std::vector<std::thread> serving_ ABSL_GUARDED_BY(mu_);
+  TestDataServer server_{[this](transport::Connection& conn) { Serve(conn); }};  // last: it uses the rest
 };
 
 // Where a request's two parts ran, and its answer.

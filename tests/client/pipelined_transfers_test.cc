@@ -10,11 +10,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -22,8 +20,8 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "client/data_transfers.h"
+#include "tests/client/test_data_server.h"
 #include "transport/data_protocol.h"
-#include "transport/tcp/tcp_transport.h"
 
 namespace flatshard::client_internal {
 namespace {
@@ -34,25 +32,9 @@ namespace {
 // `close_after` answers (0: never) the server closes the connection.
 class BatchingDataServer {
  public:
-  explicit BatchingDataServer(int close_after = 0) : close_after_(close_after) {
-    listener_ = *transport::ListenTcp("127.0.0.1", 0);
-    accepting_ = std::thread([this] {
-      while (true) {
-        absl::StatusOr<std::unique_ptr<transport::Connection>> conn = listener_->Accept();
-        if (!conn.ok()) return;  // shut down
-        absl::MutexLock lock(&mu_);
-        serving_.emplace_back([this, c = std::shared_ptr<transport::Connection>(std::move(*conn))] { Serve(*c); });
-      }
-    });
-  }
-  ~BatchingDataServer() {
-    listener_->Shutdown();
-    accepting_.join();
-    absl::MutexLock lock(&mu_);
-    for (std::thread& thread : serving_) thread.join();  // each ends when its client closes
-  }
+  explicit BatchingDataServer(int close_after = 0) : close_after_(close_after) {}
 
-  DataSession session() const { return {absl::StrCat("127.0.0.1:", listener_->port()), "token"}; }
+  DataSession session() const { return server_.session(); }
   std::vector<int> batches() const {
     absl::MutexLock lock(&mu_);
     return batches_;
@@ -119,11 +101,9 @@ class BatchingDataServer {
   }
 
   const int close_after_;
-  std::unique_ptr<transport::Listener> listener_;
-  std::thread accepting_;
   mutable absl::Mutex mu_;
-  std::vector<std::thread> serving_ ABSL_GUARDED_BY(mu_);
   std::vector<int> batches_ ABSL_GUARDED_BY(mu_);  // requests read before each round of answers
+  TestDataServer server_{[this](transport::Connection& conn) { Serve(conn); }};  // last: it uses the rest
 };
 
 // A client of one server over one connection, so that every pipeline waits for the one
