@@ -484,14 +484,16 @@ class PyClient {
   std::vector<std::string> DataPlanes() const { return client_->DataPlanes(); }
 
  private:
-  // One Pending per future, each keeping its own buffer (keeps[k]) alive.
+  // One Pending per future, each keeping its own buffer (keeps[k]) alive. There are as
+  // many futures as groups, and as many buffers unless the call was refused for that.
   template <typename Result>
   std::vector<std::unique_ptr<Pending>> Pendings(std::vector<std::future<Result>> futures,
                                                  const std::stop_source& stop, const std::vector<py::object>& keeps) {
     std::vector<std::unique_ptr<Pending>> pendings;
     pendings.reserve(futures.size());
     for (size_t k = 0; k < futures.size(); ++k) {
-      pendings.push_back(std::make_unique<Pending>(futures[k].share(), stop, keeps[k], orphans_));
+      const py::object keep = k < keeps.size() ? keeps[k] : py::none();
+      pendings.push_back(std::make_unique<Pending>(futures[k].share(), stop, keep, orphans_));
     }
     return pendings;
   }

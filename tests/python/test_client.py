@@ -530,6 +530,9 @@ class ClientTest(unittest.TestCase):
             self.assertTrue(torch.equal(out, reference), n)
         with self.assertRaisesRegex(flatshard.InvalidArgumentError, "2 groups but 1 buffers"):
             many.scatter_many_async(names[:2], grads[:1], step=1)
+        for pending in many._native.gather_many(names[:2], 0, "float32", [grads[0]]):  # past the check
+            with self.assertRaisesRegex(flatshard.InvalidArgumentError, "2 groups but 1 buffers"):
+                pending.wait()
         with self.assertRaises(flatshard.NotFoundError):
             many.gather_many_async(["g0", "nope"])
 
