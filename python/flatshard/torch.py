@@ -509,10 +509,11 @@ class ShardedModule(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         """The full state dict, parameters read from the servers in fp32 (buffers local)."""
         out = collections.OrderedDict()
-        # Every group's gather in flight at once (up to max_in_flight per server).
-        pending = [(group, self._client.gather_async(group.name, 0 if group is self._frozen else self._step,
-                                                     "float32"))
-                   for group in self._all_groups()]
+        # Every group's gather in flight at once (small ones in pipelines).
+        names = [group.name for group in self._groups]
+        pending = list(zip(self._groups, self._client.gather_many_async(names, self._step) if names else []))
+        if self._frozen:
+            pending.append((self._frozen, self._client.gather_async(self._frozen.name, 0)))
         for group, transfer in pending:
             flat, _ = transfer.wait()
             values = group.layout.views(flat)
