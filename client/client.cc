@@ -462,8 +462,6 @@ class ClientImpl final : public Client {
     return servers;
   }
 
-  // Splits a full flat buffer (padded_numel elements of dtype) into per-server slices,
-  // indexed by rank: shard i goes to server i of this worker's replica group.
   // GatherGroups and ScatterGroups: each group's buffer split by server, the groups that
   // split moved by `move` (a future each, in their order), the others' errors ready.
   template <typename Result, typename Move>
@@ -494,6 +492,8 @@ class ClientImpl final : public Client {
     return futures;
   }
 
+  // Splits a full flat buffer (padded_numel elements of dtype) into per-server slices,
+  // indexed by rank: shard i goes to server i of this worker's replica group.
   absl::StatusOr<std::vector<absl::Span<std::byte>>> Split(const std::string& group, DType dtype,
                                                            absl::Span<std::byte> full) {
     FLATSHARD_ASSIGN_OR_RETURN(const FlatLayout* layout, FindLayout(group));
