@@ -26,6 +26,20 @@ absl::Status RecvString(Connection& conn, size_t bytes, std::string& out) {
   return conn.Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(out.data()), bytes));
 }
 
+// The header as sent for these names and payload size; InvalidArgument for names too long.
+absl::StatusOr<RequestHeader> Framed(RequestHeader header, absl::string_view job, absl::string_view group,
+                                     size_t payload_bytes) {
+  if (job.size() > kMaxNameBytes || group.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job and group names are limited to ", kMaxNameBytes, " bytes"));
+  }
+  header.magic = kRequestMagic;
+  header.job_bytes = static_cast<uint16_t>(job.size());
+  header.group_bytes = static_cast<uint16_t>(group.size());
+  header.payload_bytes = static_cast<int64_t>(payload_bytes);
+  return header;
+}
+
 }  // namespace
 
 std::string DataOpName(DataOp op) {
@@ -61,24 +75,6 @@ std::string DataOpName(DataOp op) {
 absl::Time Request::Deadline() const {
   return absl::Now() + absl::Milliseconds(std::clamp<int64_t>(timeout_ms, 0, 24 * 3600 * 1000));
 }
-
-namespace {
-
-// The header as sent for these names and payload size; InvalidArgument for names too long.
-absl::StatusOr<RequestHeader> Framed(RequestHeader header, absl::string_view job, absl::string_view group,
-                                     size_t payload_bytes) {
-  if (job.size() > kMaxNameBytes || group.size() > kMaxNameBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("job and group names are limited to ", kMaxNameBytes, " bytes"));
-  }
-  header.magic = kRequestMagic;
-  header.job_bytes = static_cast<uint16_t>(job.size());
-  header.group_bytes = static_cast<uint16_t>(group.size());
-  header.payload_bytes = static_cast<int64_t>(payload_bytes);
-  return header;
-}
-
-}  // namespace
 
 absl::Status SendRequest(Connection& conn, RequestHeader header, absl::string_view job,
                          absl::string_view group, absl::Span<const std::byte> payload,

@@ -3,19 +3,25 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <initializer_list>
 
 #include "absl/synchronization/notification.h"
 
 namespace flatshard::cli {
+namespace {
+
+// The signals that cancel: blocked in every thread, routed to the watcher's.
+constexpr std::initializer_list<int> kCancelSignals = {SIGINT, SIGTERM};
+
+}  // namespace
 
 CancelOnSignal::CancelOnSignal(std::ostream& err, std::string command) : err_(err), command_(std::move(command)) {
   sigemptyset(&signals_);
-  sigaddset(&signals_, SIGINT);
-  sigaddset(&signals_, SIGTERM);
+  for (int signal_number : kCancelSignals) sigaddset(&signals_, signal_number);
   pthread_sigmask(SIG_BLOCK, &signals_, &previous_);
   absl::Notification routed;
   thread_ = std::thread([this, &routed] {
-    SignalRoute route({SIGINT, SIGTERM});
+    SignalRoute route(kCancelSignals);
     routed.Notify();
     Run(route);
   });
