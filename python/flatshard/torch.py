@@ -74,6 +74,15 @@ _BUCKET_BYTES = 1 << 20
 _BUCKET_GROUPS = 64
 
 
+def _client_buffer(tensor):
+    """What the client reads or writes for `tensor` every step: a numpy view of a host
+    tensor (bfloat16 as int16, the same bits), cheaper to hand over than the tensor's
+    DLPack capsule, or the tensor itself on a GPU (DLPack, for the GPU data planes)."""
+    if tensor.is_cuda:
+        return tensor
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
 def _auto_wrap(module, min_params, keep, prefix=""):
     """FSDP-style size-based grouping of the parameters for which keep(fqn, param) holds:
     returns (groups, leftover params).
@@ -108,7 +117,9 @@ def _parameter_names(module):
 
 class _Group:
     """One flat parameter: `params` view `flat`; gradients gather in `flat_grad` (None for
-    the frozen parameters' group)."""
+    the frozen parameters' group), each parameter's in its view of it (`grad_views`).
+    `flat_buffer` and `grad_buffer` are what the client reads and writes
+    (_client_buffer)."""
 
     def __init__(self, name, path, module, params, layout, param_dtype, reduce_dtype, trained=True):
         self.name = name
@@ -123,7 +134,9 @@ class _Group:
         self.flat = torch.empty(layout.padded_numel, dtype=param_dtype, device=device)
         self.flat_grad = (torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=device)
                           if trained else None)
-        self.offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
+        self.flat_buffer = _client_buffer(self.flat)
+        self.grad_buffer = _client_buffer(self.flat_grad) if trained else None
+        self.grad_views = {}  # fqn: its gradient's view of flat_grad, of its parameter's shape
         self.pending_gather = None
         self.gathered_step = None  # the step whose gather was issued last
         self.pending_scatter = None
@@ -133,12 +146,15 @@ class _Group:
         self.accumulated = set()  # parameters whose gradient flat_grad holds for the step
         self.eager = True   # wait for its gather before the forward (until its hook is seen)
         self.fired = False  # its module's pre-hook ran in this step
+        offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
         with torch.no_grad():
             for fqn, param in params:
-                offset, numel = self.offsets[fqn]
+                offset, numel = offsets[fqn]
                 view = self.flat[offset:offset + numel].view(param.shape)
                 view.copy_(param.detach())
                 param.data = view
+                if trained:
+                    self.grad_views[fqn] = self.flat_grad[offset:offset + numel].view(param.shape)
 
 
 class ShardedModule(torch.nn.Module):
@@ -191,6 +207,7 @@ class ShardedModule(torch.nn.Module):
                 lambda _m, _inputs, index=index: self._before_forward(index))
             for fqn, param in group.params:
                 param.register_hook(lambda grad, group=group, fqn=fqn: self._on_grad(group, fqn, grad))
+        self._params = list(self.parameters())  # what _clear_grads clears each step
 
     @property
     def groups(self):
@@ -262,7 +279,7 @@ class ShardedModule(torch.nn.Module):
         """Fills the frozen parameters from the servers (they never change there)."""
         if self._frozen:
             self._client.gather_async(self._frozen.name, 0, _NAMES[self._param_dtype],
-                                      out=self._frozen.flat).wait()
+                                      out=self._frozen.flat_buffer).wait()
 
     def _gather_all(self):
         # Every group is at self._step when a forward starts (step() waited for it), so a
@@ -272,8 +289,8 @@ class ShardedModule(torch.nn.Module):
         gather = [group for group in self._groups
                   if group.pending_gather is None and group.gathered_step != self._step]
         if gather:  # in pipelines where the groups are small
-            transfers = self._client.gather_many_async([group.name for group in gather], 0,
-                                                       _NAMES[self._param_dtype], [group.flat for group in gather])
+            transfers = self._client.gather_many_async([group.name for group in gather], 0, _NAMES[self._param_dtype],
+                                                       [group.flat_buffer for group in gather])
             for group, transfer in zip(gather, transfers):
                 group.gathered_step = self._step  # later forwards of the step reuse it
                 group.pending_gather = transfer
@@ -309,9 +326,8 @@ class ShardedModule(torch.nn.Module):
             raise flatshard.FailedPreconditionError(
                 f"group '{group.name}' was already sent for step {self._step}: call step() "
                 "before the next backward, or run the earlier micro-batches under no_sync()")
-        offset, numel = group.offsets[fqn]
-        target = group.flat_grad[offset:offset + numel]
-        grad = grad.detach().reshape(-1)
+        target = group.grad_views[fqn]
+        grad = grad.detach()
         if self._grad_scale != 1.0:  # unscaled in fp32, then into the reduce dtype
             grad = grad.float() * (1.0 / self._grad_scale)
         if fqn in group.accumulated:  # an earlier micro-batch's gradient is there
@@ -351,7 +367,7 @@ class ShardedModule(torch.nn.Module):
         size = group.flat_grad.numel() * group.flat_grad.element_size()
         if size > _BUCKET_GROUP_BYTES:
             group.pending_scatter = self._client.scatter_async(
-                group.name, group.flat_grad, self._step, _NAMES[self._reduce_dtype])
+                group.name, group.grad_buffer, self._step, _NAMES[self._reduce_dtype])
             return
         group.bucketed = True
         self._bucket.append(group)
@@ -363,7 +379,7 @@ class ShardedModule(torch.nn.Module):
         if not self._bucket:
             return
         transfers = self._client.scatter_many_async([group.name for group in self._bucket],
-                                                    [group.flat_grad for group in self._bucket], self._step,
+                                                    [group.grad_buffer for group in self._bucket], self._step,
                                                     _NAMES[self._reduce_dtype])
         bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
         for group, transfer in zip(bucket, transfers):
@@ -440,8 +456,7 @@ class ShardedModule(torch.nn.Module):
             if group.pending_scatter is None and not group.bucketed and not group.sent:
                 for fqn, _ in group.params:
                     if fqn not in group.accumulated:
-                        offset, numel = group.offsets[fqn]
-                        group.flat_grad[offset:offset + numel].zero_()
+                        group.grad_views[fqn].zero_()
                 self._scatter(group)
         self._send_bucket()
         error = None
@@ -495,7 +510,7 @@ class ShardedModule(torch.nn.Module):
         return self._client.version(self._groups[0].name) if self._groups else 0
 
     def _clear_grads(self):
-        for _, param in self.named_parameters():
+        for param in self._params:
             param.grad = None
 
     def grad_norm(self):
