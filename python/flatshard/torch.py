@@ -157,6 +157,25 @@ class _Group:
                     self.grad_views[fqn] = self.flat_grad[offset:offset + numel].view(param.shape)
 
 
+class _Bucket:
+    """Small groups whose gradients wait to be sent together (ShardedModule._scatter). A
+    plain object: each change of a module's attribute costs a torch.nn.Module.__setattr__,
+    and a bucket changes for every group every step."""
+
+    def __init__(self):
+        self.groups = []
+        self.bytes = 0
+
+    def add(self, group, size):
+        """Adds `group` with its `size` bytes of gradient; True once the bucket is full."""
+        self.groups.append(group)
+        self.bytes += size
+        return self.bytes >= _BUCKET_BYTES or len(self.groups) >= _BUCKET_GROUPS
+
+    def clear(self):
+        self.groups, self.bytes = [], 0
+
+
 class ShardedModule(torch.nn.Module):
     """Wraps `module` so its parameters live on the flatshard servers (see module doc)."""
 
@@ -170,8 +189,7 @@ class ShardedModule(torch.nn.Module):
         self._grad_scale = 1.0  # GradScaler.scale(): gradients are divided by it before sending
         self._voided = False  # a load voided the step: step() waits for the next forward
         self._name = name
-        self._bucket = []  # groups whose gradients wait to be sent together (_scatter)
-        self._bucket_bytes = 0
+        self._bucket = _Bucket()
         self._param_dtype = param_dtype or torch.float32
         self._reduce_dtype = reduce_dtype or self._param_dtype
         for dtype in (self._param_dtype, self._reduce_dtype):
@@ -370,18 +388,17 @@ class ShardedModule(torch.nn.Module):
                 group.name, group.grad_buffer, self._step, _NAMES[self._reduce_dtype])
             return
         group.bucketed = True
-        self._bucket.append(group)
-        self._bucket_bytes += size
-        if self._bucket_bytes >= _BUCKET_BYTES or len(self._bucket) >= _BUCKET_GROUPS:
+        if self._bucket.add(group, size):
             self._send_bucket()
 
     def _send_bucket(self):
-        if not self._bucket:
+        bucket = self._bucket.groups
+        if not bucket:
             return
-        transfers = self._client.scatter_many_async([group.name for group in self._bucket],
-                                                    [group.grad_buffer for group in self._bucket], self._step,
+        transfers = self._client.scatter_many_async([group.name for group in bucket],
+                                                    [group.grad_buffer for group in bucket], self._step,
                                                     _NAMES[self._reduce_dtype])
-        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        self._bucket.clear()
         for group, transfer in zip(bucket, transfers):
             group.bucketed = False
             group.pending_scatter = transfer
@@ -492,7 +509,7 @@ class ShardedModule(torch.nn.Module):
         ABORTED): what this step gathered and accumulated is void. Resumes at the loaded
         version, so that the next forward gathers it."""
         self._settle_gathers()
-        self._bucket, self._bucket_bytes = [], 0  # what waited there is void too
+        self._bucket.clear()  # what waited there is void too
         for group in self._groups:  # step() has settled every scatter
             group.bucketed = False
             group.sent = False
