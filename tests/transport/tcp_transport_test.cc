@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -107,6 +108,67 @@ TEST(TcpTransportTest, LargeTransfersArriveIntactInBothDirectionsAtOnce) {
   ASSERT_TRUE(down_received.ok()) << down_received;
   EXPECT_TRUE(up_got == up);
   EXPECT_TRUE(down_got == down);
+}
+
+// Bytes the kernel holds for `conn`'s socket, not yet read by the process.
+int UnreadInSocket(const Connection& conn) {
+  int unread = -1;
+  EXPECT_EQ(ioctl(SocketOf(conn), FIONREAD, &unread), 0);
+  return unread;
+}
+
+// A pipeline's small messages, sent together: the first small Recv takes all of them
+// from the socket at once, and the next ones come from what it read ahead, in order.
+TEST(TcpTransportTest, SmallReceivesReadAheadWhatTheSocketHolds) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  const std::vector<uint8_t> a = RandomBytes(40, 21), b = RandomBytes(4096, 22), c = RandomBytes(9, 23);
+  ASSERT_TRUE(pair.client->Send({Bytes(a), Bytes(b), Bytes(c)}).ok());
+  while (UnreadInSocket(*pair.server) < static_cast<int>(a.size() + b.size() + c.size())) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  std::vector<uint8_t> got_a(a.size()), got_b(b.size()), got_c(c.size());
+  ASSERT_TRUE(pair.server->Recv(Bytes(got_a)).ok());
+  EXPECT_EQ(UnreadInSocket(*pair.server), 0);  // the rest was read ahead...
+  EXPECT_TRUE(pair.server->PollReadable(absl::ZeroDuration()));  // ...and counts as readable
+  EXPECT_TRUE(pair.server->WaitReadable(absl::ZeroDuration()));
+  ASSERT_TRUE(pair.server->Recv(Bytes(got_b)).ok());
+  ASSERT_TRUE(pair.server->Recv(Bytes(got_c)).ok());
+  EXPECT_EQ(got_a, a);
+  EXPECT_EQ(got_b, b);
+  EXPECT_EQ(got_c, c);
+  EXPECT_FALSE(pair.server->PollReadable(absl::ZeroDuration()));  // all taken
+}
+
+// A large Recv takes what a small one read ahead of it, then the rest straight from the
+// socket; a small one after it reads ahead again.
+TEST(TcpTransportTest, ALargeReceiveAfterASmallOneGetsEveryByteInOrder) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  const std::vector<uint8_t> head = RandomBytes(24, 24), body = RandomBytes(3 << 20, 25), tail = RandomBytes(7, 26);
+  std::thread sender([&] { EXPECT_TRUE(pair.client->Send({Bytes(head), Bytes(body), Bytes(tail)}).ok()); });
+  std::vector<uint8_t> got_head(head.size()), got_body(body.size()), got_tail(tail.size());
+  ASSERT_TRUE(pair.server->Recv(Bytes(got_head)).ok());
+  ASSERT_TRUE(pair.server->Recv(Bytes(got_body)).ok());
+  ASSERT_TRUE(pair.server->Recv(Bytes(got_tail)).ok());
+  sender.join();
+  EXPECT_EQ(got_head, head);
+  EXPECT_TRUE(got_body == body);
+  EXPECT_EQ(got_tail, tail);
+}
+
+// After Shutdown every Recv fails: bytes read ahead (or still queued in the socket) are
+// not handed out.
+TEST(TcpTransportTest, AfterShutdownARecvFailsThoughBytesWereReadAhead) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.server, nullptr);
+  const std::vector<uint8_t> sent = RandomBytes(20, 27);
+  ASSERT_TRUE(pair.client->Send({Bytes(sent)}).ok());
+  while (UnreadInSocket(*pair.server) < static_cast<int>(sent.size())) absl::SleepFor(absl::Milliseconds(1));
+  std::vector<uint8_t> half(10);
+  ASSERT_TRUE(pair.server->Recv(Bytes(half)).ok());
+  pair.server->Shutdown();
+  EXPECT_FALSE(pair.server->Recv(Bytes(half)).ok());
 }
 
 TEST(TcpTransportTest, RecvNamesHowManyBytesArrivedBeforeThePeerClosed) {

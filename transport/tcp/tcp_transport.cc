@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <thread>
 
 #include "absl/container/inlined_vector.h"
@@ -88,6 +89,13 @@ std::string PeerName(int fd) {
   return absl::StrCat(text, ":", ntohs(addr.sin_port));
 }
 
+// A Recv of fewer bytes than this goes through the connection's read-ahead buffer,
+// which takes whatever the socket holds, up to kReadAheadBytes: a pipeline's requests
+// (or answers) that arrived together cost one recv rather than two or three each. Larger
+// ones land straight in the caller's memory once the bytes read ahead are taken.
+constexpr size_t kDirectRecvBytes = size_t{16} << 10;
+constexpr size_t kReadAheadBytes = size_t{64} << 10;
+
 class TcpConnection final : public Connection {
  public:
   explicit TcpConnection(int fd) : fd_(fd), peer_(PeerName(fd)) {}
@@ -121,9 +129,17 @@ class TcpConnection final : public Connection {
   }
 
   absl::Status Recv(absl::Span<std::byte> buffer) override {
-    size_t done = 0;
+    // Later calls fail after Shutdown (transport.h), whatever was read ahead or is still
+    // queued in the socket (which a shut-down socket would hand out).
+    if (shut_down_.load(std::memory_order_relaxed)) {
+      return absl::UnavailableError(absl::StrCat("receive from ", peer_, ": the connection was shut down"));
+    }
+    size_t done = TakeAhead(buffer);
     while (done < buffer.size()) {
-      const ssize_t got = recv(fd_, buffer.data() + done, buffer.size() - done, 0);
+      const bool direct = buffer.size() - done >= kDirectRecvBytes;
+      if (!direct && ahead_ == nullptr) ahead_ = std::make_unique<std::byte[]>(kReadAheadBytes);
+      std::byte* const into = direct ? buffer.data() + done : ahead_.get();
+      const ssize_t got = recv(fd_, into, direct ? buffer.size() - done : kReadAheadBytes, 0);
       if (got == 0) {
         return absl::UnavailableError(absl::StrCat(peer_, " closed the connection after ", done,
                                                    " of ", buffer.size(), " bytes"));
@@ -134,7 +150,13 @@ class TcpConnection final : public Connection {
                                         buffer.size(), " bytes"),
                            errno);
       }
-      done += static_cast<size_t>(got);
+      if (direct) {
+        done += static_cast<size_t>(got);
+      } else {
+        ahead_begin_ = 0;
+        ahead_end_ = static_cast<size_t>(got);
+        done += TakeAhead(buffer.subspan(done));
+      }
     }
     return absl::OkStatus();
   }
@@ -156,7 +178,10 @@ class TcpConnection final : public Connection {
     return absl::OkStatus();
   }
 
-  void Shutdown() override { shutdown(fd_, SHUT_RDWR); }
+  void Shutdown() override {
+    shut_down_.store(true, std::memory_order_relaxed);
+    shutdown(fd_, SHUT_RDWR);
+  }
   void CloseSend() override { shutdown(fd_, SHUT_WR); }
 
   bool PeerClosed() override {
@@ -168,6 +193,7 @@ class TcpConnection final : public Connection {
   }
 
   bool PollReadable(absl::Duration poll_for) override {
+    if (ahead_end_ > ahead_begin_) return true;
     const absl::Time until = absl::Now() + poll_for;
     while (true) {
       pollfd pfd{fd_, POLLIN, 0};
@@ -178,6 +204,7 @@ class TcpConnection final : public Connection {
   }
 
   bool WaitReadable(absl::Duration timeout) override {
+    if (ahead_end_ > ahead_begin_) return true;
     const bool limited = timeout != absl::InfiniteDuration();
     const absl::Time until = absl::Now() + timeout;
     while (true) {
@@ -200,8 +227,22 @@ class TcpConnection final : public Connection {
   int fd() const { return fd_; }
 
  private:
+  // Moves what was read ahead into the front of `buffer`; returns how many bytes.
+  size_t TakeAhead(absl::Span<std::byte> buffer) {
+    const size_t taken = std::min(buffer.size(), ahead_end_ - ahead_begin_);
+    if (taken > 0) std::memcpy(buffer.data(), ahead_.get() + ahead_begin_, taken);
+    ahead_begin_ += taken;
+    return taken;
+  }
+
   const int fd_;
   const std::string peer_;
+  std::atomic<bool> shut_down_{false};
+  // Bytes read ahead (the receiver's: see Connection's rules): [ahead_begin_, ahead_end_)
+  // of ahead_, which is allocated with the first Recv that uses it.
+  std::unique_ptr<std::byte[]> ahead_;
+  size_t ahead_begin_ = 0;
+  size_t ahead_end_ = 0;
 };
 
 class TcpListener final : public Listener {

@@ -1,5 +1,7 @@
 // TCP implementation of the data plane (transport/transport.h): blocking sockets with
 // TCP_NODELAY, autotuned socket buffers and SO_RCVTIMEO/SO_SNDTIMEO inactivity timeouts.
+// Small receives read ahead (up to 64 KiB of what the socket holds), so that messages
+// that arrive together cost one system call.
 // Factories are thread-safe; each Connection follows the interface's rules.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto listener, transport::ListenTcp("127.0.0.1", 0));
@@ -42,7 +44,8 @@ inline constexpr absl::Duration kConnectStopCheck = absl::Milliseconds(50);
 
 // The socket of a connection ConnectTcp or a TCP listener made, for a layer over it (TLS)
 // that moves bytes on it itself while the connection keeps it (and its timeouts,
-// Shutdown, CloseSend, PeerClosed); -1 for another kind of connection.
+// Shutdown, CloseSend, PeerClosed); -1 for another kind of connection. Take it before
+// any Recv on the connection: bytes it read ahead would be missing from the socket.
 int SocketOf(const Connection& conn);
 
 // `count` distinct loopback ports that were free a moment ago: all are bound to port 0
