@@ -50,6 +50,7 @@
 #include "absl/time/clock.h"
 #include "client/cluster_status.h"
 #include "core/command_line.h"
+#include "core/lock_order_checks.h"
 #include "flatshard/await.h"
 #include "flatshard/client.h"
 #include "kernels/kernels.h"
@@ -851,10 +852,7 @@ int main(int argc, char** argv) {
   flatshard::ParseCommandLineOrExit(argc, argv, "cluster_bench");
   // As flatshard-server runs (--mutex_deadlock_detection off); FLATSHARD_BENCH_DEADLOCK_DETECTION=1
   // measures with Abseil's lock-order checks, the default of a build without NDEBUG (Debian's).
-  const char* detection = std::getenv("FLATSHARD_BENCH_DEADLOCK_DETECTION");
-  absl::SetMutexDeadlockDetectionMode(detection != nullptr && std::string(detection) == "1"
-                                          ? absl::OnDeadlockCycle::kAbort
-                                          : absl::OnDeadlockCycle::kIgnore);
+  flatshard::SetLockOrderChecksFromEnvironment("FLATSHARD_BENCH_DEADLOCK_DETECTION");
   const bool quick = absl::GetFlag(FLAGS_quick);
   const double seconds = quick ? 0.4 : absl::GetFlag(FLAGS_seconds);
 

@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cluster_status.h"
+#include "core/lock_order_checks.h"
 #include "flatshard/await.h"
 #include "flatshard/client.h"
 #include "flatshard/while_waiting.h"
@@ -581,6 +582,10 @@ class PyClient {
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
+  // As flatshard-server runs: without Abseil's lock-order checks (1-2% of a worker's
+  // samples in steps of many small groups), unless FLATSHARD_MUTEX_DEADLOCK_DETECTION=1
+  // (the Python tests set it).
+  flatshard::SetLockOrderChecksFromEnvironment("FLATSHARD_MUTEX_DEADLOCK_DETECTION");
   m.doc() = "flatshard's C++ client (use the flatshard package, not this module)";
   m.attr("version") = std::string(flatshard::FlatshardVersion());
   m.attr("protocol_revision") = flatshard::kProtocolRevision;

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/command_line.h"
 #include "core/file.h"
+#include "core/lock_order_checks.h"
 #include "core/signal_route.h"
 #include "proto/cluster_info.h"
 #include "server/log.h"
@@ -125,12 +126,7 @@ int main(int argc, char** argv) {
   const std::vector<std::string> positional =
       flatshard::ParseCommandLineOrExit(argc, argv, "flatshard-server");
   if (!positional.empty()) return Fail("unexpected argument '" + positional[0] + "'");
-  // Abseil built without NDEBUG (Debian's) checks lock order on every Mutex::Lock under
-  // one process-wide lock: 3.5x the cost of an uncontended lock on one thread and 20x on
-  // two threads taking their own locks (bench/RESULTS.md). A debugging aid, off unless asked.
-  absl::SetMutexDeadlockDetectionMode(absl::GetFlag(FLAGS_mutex_deadlock_detection)
-                                          ? absl::OnDeadlockCycle::kAbort
-                                          : absl::OnDeadlockCycle::kIgnore);
+  flatshard::SetLockOrderChecks(absl::GetFlag(FLAGS_mutex_deadlock_detection));  // off unless asked
 
   flatshard::server::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
