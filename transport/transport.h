@@ -4,7 +4,8 @@
 //
 // A Connection is used by one sender and one receiver at a time (the request/response
 // protocol in data_protocol.h is strictly alternating); Shutdown() may be called from
-// any thread to unblock both. Bytes are received straight into caller memory.
+// any thread to unblock both. Bytes are received straight into caller memory (a small
+// receive may be read ahead with what follows it: tcp/tcp_transport.h).
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto conn, transport::ConnectTcp("127.0.0.1", 7071, timeout));
 //   FLATSHARD_RETURN_IF_ERROR(conn->Send({header_bytes, payload}));

@@ -1,7 +1,8 @@
 // TCP implementation of the data plane (transport/transport.h): blocking sockets with
 // TCP_NODELAY, autotuned socket buffers and SO_RCVTIMEO/SO_SNDTIMEO inactivity timeouts.
-// Small receives read ahead (up to 64 KiB of what the socket holds), so that messages
-// that arrive together cost one system call.
+// Small receives read ahead (up to 64 KiB of what the socket holds, into a buffer of that
+// size a connection gets with its first small receive), so that messages that arrive
+// together cost one system call.
 // Factories are thread-safe; each Connection follows the interface's rules.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto listener, transport::ListenTcp("127.0.0.1", 0));
