@@ -113,6 +113,7 @@ class ClientImpl final : public Client {
   }
 
   absl::StatusOr<int64_t> DeleteJob(std::stop_token stop) override {
+    transfers_->scatter_answers().Forget();  // a job made again starts over
     v1::DeleteJobRequest request;
     request.set_job(options_.job);
     int64_t freed = 0;
@@ -255,6 +256,11 @@ class ClientImpl final : public Client {
   absl::StatusOr<std::vector<int64_t>> WaitVersions(const std::vector<std::string>& groups, int64_t min_version,
                                                     std::stop_token stop) override {
     if (groups.empty()) return absl::InvalidArgumentError("WaitVersions names no group");
+    // This client's gradients for the step before made every server answer min_version:
+    // they are there (ScatterAnswers), as a wait would find.
+    if (transfers_->scatter_answers().Reached(groups, min_version)) {
+      return std::vector<int64_t>(groups.size(), min_version);
+    }
     v1::WaitVersionRequest request;
     request.set_job(options_.job);
     request.mutable_groups()->Add(groups.begin(), groups.end());
@@ -303,6 +309,7 @@ class ClientImpl final : public Client {
 
   absl::Status LoadCheckpoint(const std::string& name, Progress progress) override {
     const absl::Status loaded = checkpoints_->Load(name, progress);
+    transfers_->scatter_answers().Forget();  // the servers may have moved even if it failed
     if (loaded.ok()) sent_.Forget();
     return loaded;
   }

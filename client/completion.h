@@ -9,8 +9,9 @@
 // load was committing or from servers a load did not reach, end it with Aborted. With
 // `same_version` (the ranges of one split gather) requests that answered different
 // versions or loads end it with Aborted(kTornGather) instead: the caller gathers that
-// part again. `on_gathered` (optional) hears the load of a gather that completes OK,
-// before its future is ready. Thread-safe: requests finish from any thread; shared by
+// part again. `on_ok` (optional) hears the lowest version and the load of a transfer
+// that completes OK (a gather's after the checks above), before its future is ready.
+// Thread-safe: requests finish from any thread; shared by
 // them through a shared_ptr.
 //
 //   auto completion = std::make_shared<Completion<absl::Status>>(num_servers);
@@ -50,8 +51,9 @@ class Completion {
 
  public:
   // `parts` >= 1 requests will call Finish.
-  explicit Completion(int parts, bool same_version = false, std::function<void(uint64_t load_id)> on_gathered = nullptr)
-      : remaining_(parts), same_version_(same_version), on_gathered_(std::move(on_gathered)) {}
+  explicit Completion(int parts, bool same_version = false,
+                      std::function<void(int64_t min_version, uint64_t load_id)> on_ok = nullptr)
+      : remaining_(parts), same_version_(same_version), on_ok_(std::move(on_ok)) {}
 
   // Call once, before the first Finish.
   std::future<Result> future() { return promise_.get_future(); }
@@ -84,8 +86,8 @@ class Completion {
             "): a load was being committed, or did not commit on every server (flatshard status shows each "
             "server's load); gather again"));
       }
-      if (status_.ok() && on_gathered_) on_gathered_(*load_id_);
     }
+    if (status_.ok() && on_ok_) on_ok_(min_version_, load_id_.value_or(0));
     if constexpr (std::is_same_v<Result, absl::Status>) {
       promise_.set_value(status_);
     } else {
@@ -107,7 +109,7 @@ class Completion {
   mutable absl::Mutex mu_;
   int remaining_ ABSL_GUARDED_BY(mu_);
   const bool same_version_;
-  const std::function<void(uint64_t)> on_gathered_;
+  const std::function<void(int64_t, uint64_t)> on_ok_;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   int64_t min_version_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<int64_t>::max();
   int64_t max_version_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<int64_t>::min();

@@ -66,7 +66,7 @@ std::future<absl::StatusOr<int64_t>> DataTransfers::Gather(const std::string& gr
                                                            std::vector<int> servers, std::stop_token stop) {
   auto done = std::make_shared<Completion<absl::StatusOr<int64_t>>>(
       static_cast<int>(servers.size()), /*same_version=*/false,
-      [this, group](uint64_t load_id) { RecordLoadHeld(group, load_id); });
+      [this, group](int64_t, uint64_t load_id) { RecordLoadHeld(group, load_id); });
   std::future<absl::StatusOr<int64_t>> gathered = done->future();
   const int device = DeviceOf(parts[servers.front()].data());
   if (device >= 0) {
@@ -82,8 +82,9 @@ std::future<absl::Status> DataTransfers::Scatter(const std::string& group, int64
                                                  std::vector<absl::Span<std::byte>> parts, std::vector<int> servers,
                                                  std::stop_token stop) {
   const int device = DeviceOf(parts[servers.front()].data());
-  if (device < 0) return HostScatter(group, step, dtype, parts, servers, stop);
-  auto done = std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()));
+  if (device < 0) return HostScatter(group, step, dtype, parts, servers, stop, RecordAnswer(group, step));
+  auto done =
+      std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()), false, RecordAnswer(group, step));
   std::future<absl::Status> scattered = done->future();
   DeviceTransfer(transport::DataOp::kScatter, group, step, dtype, std::move(parts), servers, device, stop, done);
   return scattered;
@@ -115,7 +116,7 @@ std::vector<std::future<absl::StatusOr<int64_t>>> DataTransfers::GatherMany(cons
     }
     auto done = std::make_shared<Completion<Result>>(
         static_cast<int>(servers.size()), /*same_version=*/false,
-        [this, name = group.group](uint64_t load_id) { RecordLoadHeld(name, load_id); });
+        [this, name = group.group](int64_t, uint64_t load_id) { RecordLoadHeld(name, load_id); });
     gathered.push_back(done->future());
     for (int i : servers) piped[i].push_back({done, group.group, {}, group.parts[i], {}});
   }
@@ -134,7 +135,8 @@ std::vector<std::future<absl::Status>> DataTransfers::ScatterMany(const std::vec
       scattered.push_back(Scatter(group.group, step, dtype, group.parts, servers, stop));
       continue;
     }
-    auto done = std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()));
+    auto done = std::make_shared<Completion<absl::Status>>(static_cast<int>(servers.size()), false,
+                                                           RecordAnswer(group.group, step));
     scattered.push_back(done->future());
     for (int i : servers) piped[i].push_back({done, group.group, group.parts[i], {}, {}});
   }
@@ -256,6 +258,12 @@ transport::RequestHeader DataTransfers::HeaderFor(transport::DataOp op, const st
 void DataTransfers::RecordLoadHeld(const std::string& group, uint64_t load_id) {
   absl::MutexLock lock(&loads_mu_);
   held_loads_[group] = load_id;
+}
+
+std::function<void(int64_t, uint64_t)> DataTransfers::RecordAnswer(const std::string& group, int64_t step) {
+  return [this, group, send = answers_.Begin(group, step)](int64_t min_version, uint64_t) {
+    answers_.Answered(group, send, min_version);
+  };
 }
 
 absl::Status DataTransfers::AtServer(int server, const absl::Status& status) const {
@@ -521,7 +529,7 @@ transport::Response DataTransfers::StagedTransfer(transport::DataOp op, const st
   }
   // Await, here and below: the caller is waiting for this thread, which should see the
   // host transfer end without waiting to be woken itself.
-  if (!gather) return failed(Await(HostScatter(group, version, dtype, staged, servers, stop)));
+  if (!gather) return failed(Await(HostScatter(group, version, dtype, staged, servers, stop, nullptr)));
   auto gathered = std::make_shared<Completion<absl::StatusOr<int64_t>>>(static_cast<int>(servers.size()));
   std::future<absl::StatusOr<int64_t>> min_version = gathered->future();
   HostGather(group, version, dtype, staged, servers, stop, gathered);
@@ -639,14 +647,15 @@ void DataTransfers::HostGather(const std::string& group, int64_t min_version, DT
 // when the last part has arrived.
 std::future<absl::Status> DataTransfers::HostScatter(const std::string& group, int64_t step, DType dtype,
                                                      const std::vector<absl::Span<std::byte>>& parts,
-                                                     const std::vector<int>& servers, const std::stop_token& stop) {
+                                                     const std::vector<int>& servers, const std::stop_token& stop,
+                                                     std::function<void(int64_t, uint64_t)> on_ok) {
   std::vector<std::vector<transport::ByteRange>> ranges(num_servers());
   int requests = 0;
   for (int i : servers) {
     ranges[i] = SplitFor(parts[i].size(), options_.scatter_split_bytes);
     requests += static_cast<int>(ranges[i].size());
   }
-  auto completion = std::make_shared<Completion<absl::Status>>(requests);
+  auto completion = std::make_shared<Completion<absl::Status>>(requests, false, std::move(on_ok));
   for (int i : servers) {
     const absl::Span<const std::byte> part = parts[i];
     const uint32_t count = static_cast<uint32_t>(ranges[i].size());

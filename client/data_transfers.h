@@ -11,7 +11,8 @@
 // initial push went into (transport/data_protocol.h), and its scatters name that load: a
 // server that holds another load's state refuses the gradient (Aborted) instead of
 // taking a gradient of the replaced state for the loaded one. A gather whose parts come
-// from different loads fails with Aborted (Completion).
+// from different loads fails with Aborted (Completion). Per group it also keeps what the
+// servers answered its latest scatter (client/scatter_answers.h).
 //
 //   DataTransfers transfers(options, endpoints, {open_nccl_channel, open_session});
 //   auto version = transfers.Gather("mlp", 0, DType::kFloat32, per_server_slices).get();
@@ -36,6 +37,7 @@
 #include "client/data_channel.h"
 #include "client/link_pool.h"
 #include "client/nccl_link.h"
+#include "client/scatter_answers.h"
 #include "client/staging_pool.h"
 #include "core/dtype.h"
 #include "flatshard/client.h"
@@ -143,6 +145,10 @@ class DataTransfers {
   // Per server, the plane a buffer on this thread's GPU would use (Client::DataPlanes).
   std::vector<std::string> PlaneNames() const;
 
+  // What the servers answered each group's latest Scatter (ScatterMany's included): where
+  // a wait for the version after a step need not ask them.
+  ScatterAnswers& scatter_answers() { return answers_; }
+
  private:
   enum class Plane { kTcp, kCudaIpc, kNccl };
   using NcclLinks = LinkPool<NcclLink>;
@@ -157,6 +163,9 @@ class DataTransfers {
                                      DType dtype) const;
   // The caller's buffer for `group` holds the state of `load_id` (a gather, a push).
   void RecordLoadHeld(const std::string& group, uint64_t load_id);
+  // A scatter of `group` for `step` begins (ScatterAnswers::Begin): the hook for its
+  // completion, which records what the servers answered.
+  std::function<void(int64_t, uint64_t)> RecordAnswer(const std::string& group, int64_t step);
   bool IpcReachable(int server, int device) const;
   Plane PlaneFor(int server, int device, bool exportable) const;
   absl::StatusOr<std::shared_ptr<NcclLink>> OpenLink(int server, int device, const std::stop_token& stop);
@@ -172,9 +181,12 @@ class DataTransfers {
   void HostGather(const std::string& group, int64_t min_version, DType dtype, std::vector<absl::Span<std::byte>> parts,
                   std::vector<int> servers, std::stop_token stop,
                   const std::shared_ptr<Completion<absl::StatusOr<int64_t>>>& done);
+  // `on_ok` (optional) as Completion's: the lowest version over all the parts' answers (a
+  // split scatter shows its step reached only if every part was answered after it).
   std::future<absl::Status> HostScatter(const std::string& group, int64_t step, DType dtype,
                                         const std::vector<absl::Span<std::byte>>& parts,
-                                        const std::vector<int>& servers, const std::stop_token& stop);
+                                        const std::vector<int>& servers, const std::stop_token& stop,
+                                        std::function<void(int64_t, uint64_t)> on_ok);
   template <typename Result>
   void DeviceTransfer(transport::DataOp op, const std::string& group, int64_t version, DType dtype,
                       std::vector<absl::Span<std::byte>> parts, const std::vector<int>& servers, int device,
@@ -237,6 +249,7 @@ class DataTransfers {
   mutable absl::Mutex loads_mu_;
   // By group: the load of its last gather's or push's state (RecordLoadHeld).
   absl::flat_hash_map<std::string, uint64_t> held_loads_ ABSL_GUARDED_BY(loads_mu_);
+  ScatterAnswers answers_;
   // Destroyed first (declared last): their threads finish tasks that use the rest.
   std::vector<std::unique_ptr<NcclLinks>> nccl_links_;  // per server
   std::vector<std::unique_ptr<DataChannel>> channels_;  // per server

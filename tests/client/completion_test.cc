@@ -93,10 +93,10 @@ TEST(CompletionTest, SameVersionRangesThatDifferEndTorn) {
 // A gather's parts must come from the state of one checkpoint load: parts of two (a load
 // committing while the gather read, or one that did not commit everywhere) end it with
 // Aborted naming both; ranges of one split part end it torn, to be gathered again.
-// `on_gathered` hears the load of a gather that completes, and only of one.
+// `on_ok` hears the load of a gather that completes, and only of one.
 TEST(CompletionTest, AGathersPartsMustComeFromOneLoad) {
   std::vector<uint64_t> heard;
-  auto record = [&](uint64_t load_id) { heard.push_back(load_id); };
+  auto record = [&](int64_t, uint64_t load_id) { heard.push_back(load_id); };
   Completion<absl::StatusOr<int64_t>> split(3, /*same_version=*/false, record);
   auto split_future = split.future();
   split.Finish(absl::OkStatus(), 4, 0x5eed);
@@ -164,6 +164,27 @@ TEST(CompletionTest, PartsFinishingFromManyThreadsCompleteItOnce) {
 TEST(CompletionTest, ReadyFutureHoldsItsValue) {
   EXPECT_TRUE(absl::IsInvalidArgument(ReadyFuture(absl::InvalidArgumentError("x")).get()));
   EXPECT_EQ(ReadyFuture(absl::StatusOr<int64_t>(12)).get().value_or(-1), 12);
+}
+
+// A scatter's `on_ok` hears the lowest version its servers answered, once all took it;
+// nothing when one failed or every server already held it (a resend).
+TEST(CompletionTest, AScattersOnOkHearsTheLowestVersionAnswered) {
+  std::vector<int64_t> heard;
+  auto record = [&](int64_t version, uint64_t) { heard.push_back(version); };
+  Completion<absl::Status> taken(3, /*same_version=*/false, record);
+  taken.Finish(absl::OkStatus(), 8);
+  taken.Finish(absl::OkStatus(), 7);
+  EXPECT_TRUE(heard.empty()) << "heard before the last server answered";
+  taken.Finish(absl::OkStatus(), 8);
+  EXPECT_EQ(heard, std::vector<int64_t>{7});
+
+  Completion<absl::Status> failed(2, /*same_version=*/false, record);
+  failed.Finish(absl::OkStatus(), 8);
+  failed.Finish(absl::UnavailableError("server b: gone"), 0);
+  Completion<absl::Status> resent(2, /*same_version=*/false, record);
+  resent.Finish(absl::AlreadyExistsError("server a: duplicate"), 0);
+  resent.Finish(absl::OkStatus(), 8);
+  EXPECT_EQ(heard, std::vector<int64_t>{7});
 }
 
 }  // namespace

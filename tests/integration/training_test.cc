@@ -18,8 +18,11 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <stop_token>
 #include <thread>
+#include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "client/cluster_status.h"
 #include "core/flat_buffer.h"
 #include "core/float_bits.h"
@@ -507,6 +510,55 @@ TEST(WaitVersionsTest, ReturnsOnceEveryGroupIsThere) {
   EXPECT_EQ(lost.status().code(), absl::StatusCode::kUnavailable) << lost.status();
   EXPECT_THAT(std::string(lost.status().message()), HasSubstr(cluster.addresses()[1])) << lost.status();
   EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
+}
+
+// A worker whose gradients completed a step (every server answered them with the next
+// version) waits for that version without asking the servers: it returns with both
+// servers stopped (SIGSTOP). A worker whose gradient waited for another's asks them (a
+// stop ends its wait), and so does a wait for any other version.
+TEST(WaitVersionsTest, AStepThisClientsGradientsCompletedNeedsNoCall) {
+  testing::TestCluster cluster(2, "tok", ::testing::TempDir());
+  std::vector<std::unique_ptr<Client>> workers;
+  for (int rank = 0; rank < 2; ++rank) {
+    auto worker = cluster.Connect(rank, 2);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    workers.push_back(*std::move(worker));
+  }
+  ASSERT_TRUE(workers[0]->ConfigureJob({}).ok());
+  std::vector<float> grad;
+  for (const std::unique_ptr<Client>& worker : workers) {
+    for (const char* name : {"a", "b"}) {
+      auto layout = worker->RegisterGroup(name, {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5});
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      grad.assign((*layout)->padded_numel(), 1.0f);
+    }
+  }
+  const std::vector<absl::Span<const std::byte>> grads(2, AsBytes(grad));
+  for (const std::unique_ptr<Client>& worker : workers) {  // worker 1's gradients complete the step
+    for (auto& scattered : worker->ScatterGroups({"a", "b"}, 0, DType::kFloat32, grads)) {
+      ASSERT_TRUE(scattered.get().ok());
+    }
+  }
+  ASSERT_TRUE(cluster.Pause(0) && cluster.Pause(1));
+  absl::Cleanup resume = [&] {
+    cluster.Resume(0);
+    cluster.Resume(1);
+  };
+  auto stopped_wait = [](Client& worker, int64_t version) {
+    std::stop_source stop;
+    auto waited =
+        std::async(std::launch::async, [&] { return worker.WaitVersions({"a", "b"}, version, stop.get_token()); });
+    if (waited.wait_for(std::chrono::milliseconds(300)) == std::future_status::timeout) stop.request_stop();
+    return waited.get();
+  };
+  EXPECT_EQ(stopped_wait(*workers[1], 1).value_or(std::vector<int64_t>{}), (std::vector<int64_t>{1, 1}));
+  for (const auto& [worker, version] : {std::pair{0, 1}, std::pair{1, 2}, std::pair{1, 0}}) {
+    SCOPED_TRACE(absl::StrCat("worker ", worker, ", version ", version));
+    const absl::StatusOr<std::vector<int64_t>> asked = stopped_wait(*workers[worker], version);
+    EXPECT_TRUE(absl::IsCancelled(asked.status())) << asked.status();
+  }
+  std::move(resume).Invoke();
+  EXPECT_EQ(workers[0]->WaitVersions({"a", "b"}, 1).value_or(std::vector<int64_t>{}), (std::vector<int64_t>{1, 1}));
 }
 
 // SetHyperparams for several groups changes each one's settings from the next step on,

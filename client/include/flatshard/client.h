@@ -336,7 +336,10 @@ class Client {
   // min_version. Here and in Gather: Aborted, at once, when a checkpoint load sets the
   // group below min_version while the call waits (the load dropped the gradients sent
   // for the step in progress); the message names the version loaded.
-  // A stopped wait (here and in GradNorm) says what it waited for.
+  // A stopped wait (here and in GradNorm) says what it waited for. When every server
+  // answered this Client's latest Scatter of the group, for step min_version - 1, with
+  // min_version (its gradient completed the step there), it returns min_version without
+  // asking them again: a load after those answers shows in the next Gather instead.
   [[nodiscard]] virtual absl::StatusOr<int64_t> WaitVersion(const std::string& group, int64_t min_version,
                                                             std::stop_token stop = {}) = 0;
 
