@@ -145,7 +145,7 @@ absl::StatusOr<Request> RecvRequest(Connection& conn) {
 }
 
 absl::Status SendResponse(Connection& conn, const absl::Status& status, int64_t version,
-                          absl::Span<const std::byte> payload, uint64_t load_id) {
+                          absl::Span<const std::byte> payload, uint64_t load_id, Delivery delivery) {
   ResponseHeader header;
   header.code = static_cast<int32_t>(status.code());
   header.version = version;
@@ -154,6 +154,7 @@ absl::Status SendResponse(Connection& conn, const absl::Status& status, int64_t 
   header.message_bytes = static_cast<uint32_t>(message.size());
   if (!status.ok()) payload = {};
   header.payload_bytes = static_cast<int64_t>(payload.size());
+  if (delivery == Delivery::kMayHold) return conn.SendOrHold({BytesOf(header), BytesOf(message), payload});
   return conn.Send({BytesOf(header), BytesOf(message), payload});
 }
 

@@ -195,9 +195,14 @@ std::vector<ByteRange> SplitRanges(uint64_t bytes, int count);
 // longer be trusted); transport errors as Connection::Recv returns them.
 [[nodiscard]] absl::StatusOr<Request> RecvRequest(Connection& conn);
 
+// How SendResponse sends: at once, or through Connection::SendOrHold (an answer that
+// may wait for the answers to the requests read ahead, to leave with them).
+enum class Delivery { kNow, kMayHold };
+
 // Sends `status` (its code and message), `version`, `load_id` and, when OK, `payload`.
 [[nodiscard]] absl::Status SendResponse(Connection& conn, const absl::Status& status, int64_t version,
-                                        absl::Span<const std::byte> payload, uint64_t load_id = 0);
+                                        absl::Span<const std::byte> payload, uint64_t load_id = 0,
+                                        Delivery delivery = Delivery::kNow);
 
 // What the server answered: its status for the request, and the version and load of the
 // group state it answered from.

@@ -5,7 +5,8 @@
 // A Connection is used by one sender and one receiver at a time (the request/response
 // protocol in data_protocol.h is strictly alternating); Shutdown() may be called from
 // any thread to unblock both. Bytes are received straight into caller memory (a small
-// receive may be read ahead with what follows it: tcp/tcp_transport.h).
+// receive may be read ahead with what follows it: tcp/tcp_transport.h), and a server's
+// answers may be held back while its peer's next request is already there (SendOrHold).
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto conn, transport::ConnectTcp("127.0.0.1", 7071, timeout));
 //   FLATSHARD_RETURN_IF_ERROR(conn->Send({header_bytes, payload}));
@@ -33,6 +34,21 @@ class Connection {
   // reading for longer than the timeout; the Connection is then unusable.
   [[nodiscard]] virtual absl::Status Send(
       std::initializer_list<absl::Span<const std::byte>> buffers) = 0;
+
+  // Send, or, where the peer has already sent more than this side has received (bytes
+  // read ahead: its next pipelined request), a copy of the buffers held back to go out
+  // with what this side sends next, so that the answers to a pipeline leave in one write
+  // rather than one each. Held bytes go out with the next Send (or a SendOrHold that does
+  // not hold), SendHeld, and before this side waits to read from the peer (Recv,
+  // PollReadable, WaitReadable): the peer may be waiting for them before it sends more.
+  // Whoever holds bytes must SendHeld before it blocks on anything else (a server's wait
+  // for a version). For a connection one thread both sends and receives on (a server's);
+  // implementations without read-ahead send at once.
+  [[nodiscard]] virtual absl::Status SendOrHold(std::initializer_list<absl::Span<const std::byte>> buffers) {
+    return Send(buffers);
+  }
+  // Sends the bytes SendOrHold held back, if any.
+  [[nodiscard]] virtual absl::Status SendHeld() { return absl::OkStatus(); }
 
   // Fills `buffer` completely. Returns Unavailable if the peer closes first (naming how
   // many bytes arrived) and DeadlineExceeded if no byte arrives for the timeout.

@@ -17,7 +17,9 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -95,14 +97,31 @@ std::string PeerName(int fd) {
 // ones land straight in the caller's memory once the bytes read ahead are taken.
 constexpr size_t kDirectRecvBytes = size_t{16} << 10;
 constexpr size_t kReadAheadBytes = size_t{64} << 10;
+// SendOrHold holds at most this many bytes back: what does not fit goes out at once with
+// what was held (copies cost more than they save past this).
+constexpr size_t kHoldBytes = size_t{64} << 10;
 
 class TcpConnection final : public Connection {
  public:
   explicit TcpConnection(int fd) : fd_(fd), peer_(PeerName(fd)) {}
   ~TcpConnection() override { close(fd_); }
 
+  absl::Status SendOrHold(std::initializer_list<absl::Span<const std::byte>> buffers) override {
+    size_t bytes = 0;
+    for (absl::Span<const std::byte> buffer : buffers) bytes += buffer.size();
+    if (ahead_end_ == ahead_begin_ || held_.size() + bytes > kHoldBytes) return Send(buffers);
+    for (absl::Span<const std::byte> buffer : buffers) held_.insert(held_.end(), buffer.begin(), buffer.end());
+    return absl::OkStatus();
+  }
+
+  absl::Status SendHeld() override { return held_.empty() ? absl::OkStatus() : Send({}); }
+
   absl::Status Send(std::initializer_list<absl::Span<const std::byte>> buffers) override {
-    absl::InlinedVector<iovec, 4> iov;  // no allocation per send
+    absl::InlinedVector<iovec, 5> iov;  // no allocation per send
+    if (!held_.empty()) iov.push_back({held_.data(), held_.size()});  // first: sent before these
+    absl::Cleanup sent_held = [this] {
+      if (!held_.empty()) held_.clear();  // sent, or never will be (the connection is broken)
+    };
     for (absl::Span<const std::byte> buffer : buffers) {
       if (!buffer.empty()) {
         iov.push_back({const_cast<std::byte*>(buffer.data()), buffer.size()});
@@ -135,6 +154,7 @@ class TcpConnection final : public Connection {
       return absl::UnavailableError(absl::StrCat("receive from ", peer_, ": the connection was shut down"));
     }
     size_t done = TakeAhead(buffer);
+    if (done < buffer.size()) FLATSHARD_RETURN_IF_ERROR(SendHeld());  // the peer may wait for them
     while (done < buffer.size()) {
       const bool direct = buffer.size() - done >= kDirectRecvBytes;
       if (!direct && ahead_ == nullptr) ahead_ = std::make_unique<std::byte[]>(kReadAheadBytes);
@@ -194,6 +214,7 @@ class TcpConnection final : public Connection {
 
   bool PollReadable(absl::Duration poll_for) override {
     if (ahead_end_ > ahead_begin_) return true;
+    if (!SendHeld().ok()) return true;  // Recv reports the broken connection
     const absl::Time until = absl::Now() + poll_for;
     while (true) {
       pollfd pfd{fd_, POLLIN, 0};
@@ -205,6 +226,7 @@ class TcpConnection final : public Connection {
 
   bool WaitReadable(absl::Duration timeout) override {
     if (ahead_end_ > ahead_begin_) return true;
+    if (!SendHeld().ok()) return true;  // Recv reports the broken connection
     const bool limited = timeout != absl::InfiniteDuration();
     const absl::Time until = absl::Now() + timeout;
     while (true) {
@@ -243,6 +265,8 @@ class TcpConnection final : public Connection {
   std::unique_ptr<std::byte[]> ahead_;
   size_t ahead_begin_ = 0;
   size_t ahead_end_ = 0;
+  // Bytes SendOrHold held back (the sender's, who is then the receiver too).
+  std::vector<std::byte> held_;
 };
 
 class TcpListener final : public Listener {

@@ -2,7 +2,8 @@
 // TCP_NODELAY, autotuned socket buffers and SO_RCVTIMEO/SO_SNDTIMEO inactivity timeouts.
 // Small receives read ahead (up to 64 KiB of what the socket holds, into a buffer of that
 // size a connection gets with its first small receive), so that messages that arrive
-// together cost one system call.
+// together cost one system call; SendOrHold holds up to 64 KiB of answers back while
+// bytes are read ahead, which then leave in one sendmsg.
 // Factories are thread-safe; each Connection follows the interface's rules.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto listener, transport::ListenTcp("127.0.0.1", 0));
