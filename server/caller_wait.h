@@ -32,7 +32,8 @@ enum class WaitOutcome { kReady, kTimedOut, kCallerGone };
 
 // Waits on `mu`, which the calling thread holds, until `condition` holds (kReady),
 // `deadline` passes (kTimedOut) or `caller_gone` (empty: never asked) says so
-// (kCallerGone). Releases `mu` while it waits, as absl::Mutex::Await does.
+// (kCallerGone). Releases `mu` while it waits, as absl::Mutex::Await does, and runs the
+// thread's hook before it blocks (AwaitBlocking, server/before_blocking.h).
 WaitOutcome AwaitWhileTheCallerWaits(absl::Mutex& mu, const absl::Condition& condition, absl::Time deadline,
                                      const CallerGone& caller_gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 

@@ -7,8 +7,10 @@
 #include <string>
 #include <system_error>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "server/before_blocking.h"
 #include "server/log.h"
 #include "tls/tls_connection.h"
 #include "transport/tcp/tcp_transport.h"
@@ -18,6 +20,7 @@ namespace {
 
 using transport::Connection;
 using transport::DataOp;
+using transport::Delivery;
 using transport::Request;
 
 // The part of a hybrid job's exchange that `op` carries, if any.
@@ -122,6 +125,10 @@ void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) 
   // Every read and write of a request runs under io_timeout; the silence between two
   // requests may last idle_timeout (a wait of its own: not two timeouts set per request).
   if (authenticated && conn->SetTimeout(options_.io_timeout).ok()) {
+    // Answers held back while the next request is read ahead (transport::Delivery) go
+    // out before any wait a request makes here (server/before_blocking.h), and at the end.
+    const BlockingHook send_held([&conn] { (void)conn->SendHeld(); });
+    absl::Cleanup last_answers = [&conn] { (void)conn->SendHeld(); };
     while (conn->WaitReadable(options_.idle_timeout)) {
       absl::StatusOr<Request> request = transport::RecvRequest(*conn);
       if (!request.ok()) {
@@ -191,10 +198,12 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
       return ServeReceive(conn, request);
     case DataOp::kIpcGather:
     case DataOp::kIpcScatter:
-      return ServeIpc(conn, request);
+      // The GPU's copies and NCCL's transfers take their time, and an NCCL one waits for
+      // the worker: nothing is held back across them.
+      return conn.SendHeld().ok() && ServeIpc(conn, request);
     case DataOp::kNcclGather:
     case DataOp::kNcclScatter:
-      return ServeNccl(conn, request);
+      return conn.SendHeld().ok() && ServeNccl(conn, request);
     case DataOp::kHello:
       return Refuse(conn, request,
                     absl::FailedPreconditionError("this connection is already authenticated"));
@@ -227,7 +236,7 @@ bool DataServer::Refuse(Connection& conn, const Request& request, const absl::St
     return false;
   }
   if (!transport::DrainPayload(conn, request.payload_bytes).ok()) return false;
-  return transport::SendResponse(conn, status, 0, {}).ok();
+  return transport::SendResponse(conn, status, 0, {}, 0, Delivery::kMayHold).ok();
 }
 
 bool DataServer::ServeGather(Connection& conn, const Request& request) {
@@ -245,7 +254,7 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
   // The payload (if any) has been read: a refusal is the answer alone.
   auto refuse = [&](const absl::Status& status) {
     CountError(&request, status);
-    return transport::SendResponse(conn, status, 0, {}).ok();
+    return transport::SendResponse(conn, status, 0, {}, 0, Delivery::kMayHold).ok();
   };
   absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request.job, request.group);
   if (!group.ok()) return refuse(group.status());
@@ -273,7 +282,9 @@ bool DataServer::ServeGather(Connection& conn, const Request& request) {
   stats_.gathers += gathers;
   stats_.bytes_sent += static_cast<int64_t>(bytes.size());
   const StateStamp& state = snapshot->state;
-  if (transport::SendResponse(conn, absl::OkStatus(), state.version, bytes, state.load_id).ok()) return true;
+  if (transport::SendResponse(conn, absl::OkStatus(), state.version, bytes, state.load_id, Delivery::kMayHold).ok()) {
+    return true;
+  }
   stats_.gathers -= gathers;
   stats_.bytes_sent -= static_cast<int64_t>(bytes.size());
   return false;
@@ -358,7 +369,8 @@ bool DataServer::ServeReceive(Connection& conn, const Request& received) {
   }
   if (!committed.ok()) CountError(&request, committed);
   const StateStamp state = (*group)->state();
-  const bool answered = transport::SendResponse(conn, committed, state.version, {}, state.load_id).ok();
+  const bool answered =
+      transport::SendResponse(conn, committed, state.version, {}, state.load_id, Delivery::kMayHold).ok();
   if (aside.has_value()) driver_.ContinueAside(*std::move(group), request.version, *aside);
   return answered;
 }

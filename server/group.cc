@@ -10,6 +10,7 @@
 #include "core/huge_pages.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
+#include "server/before_blocking.h"
 #include "server/snapshot_pool.h"
 #include "transport/data_protocol.h"
 
@@ -385,7 +386,7 @@ absl::StatusOr<bool> Group::AwaitEarlyStep(int64_t step, absl::Time deadline) co
   auto reached = [this, step, loads]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return version_ >= step || loads_ != loads || !closed_.ok();
   };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline)) {
+  if (!AwaitBlocking(mu_, absl::Condition(&reached), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "group '", name_, "' is at version ", version_, ": step ", step,
         " came early and this server's step ", version_, " did not finish in time"));
@@ -547,12 +548,12 @@ absl::Status Group::ZeroGradientPadding() {
 
 void Group::AwaitUnpinned() const {
   auto unpinned = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pins_ == 0; };
-  mu_.Await(absl::Condition(&unpinned));
+  AwaitBlocking(mu_, absl::Condition(&unpinned));
 }
 
 void Group::AwaitStepAllowed() const {
   auto allowed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pins_ == 0 && !holds_.contains(version_); };
-  mu_.Await(absl::Condition(&allowed));
+  AwaitBlocking(mu_, absl::Condition(&allowed));
 }
 
 absl::Status Group::AwaitCut(int64_t version, absl::Time deadline) const {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
+#include "server/before_blocking.h"
 
 namespace flatshard::server {
 
@@ -184,7 +185,7 @@ bool Group::AwaitLoad(uint64_t load_epoch, absl::Time deadline) const {
   auto committed = [this, load_epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return load_epoch_ == load_epoch || left_load_epochs_.contains(load_epoch) || !closed_.ok();
   };
-  return mu_.AwaitWithDeadline(absl::Condition(&committed), deadline);
+  return AwaitBlocking(mu_, absl::Condition(&committed), deadline);
 }
 
 absl::Status Group::EnsureReducedGradient() {

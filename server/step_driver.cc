@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "server/before_blocking.h"
 #include "transport/data_protocol.h"
 
 namespace flatshard::server {
@@ -69,6 +70,7 @@ absl::StatusOr<ReceiveSlot> StepDriver::BeginExchange(Group& group, Exchange wha
 }
 
 absl::StatusOr<bool> StepDriver::Resume(Group& group, int64_t step) {
+  BeforeBlocking();  // what it sends goes to peers
   if (std::optional<CommitOutcome> pending = group.ClaimPending(step)) {
     FLATSHARD_RETURN_IF_ERROR(Continue(group, step, *pending));
     return true;
@@ -81,6 +83,7 @@ absl::StatusOr<bool> StepDriver::Resume(Group& group, int64_t step) {
 }
 
 absl::Status StepDriver::Continue(Group& group, int64_t step, CommitOutcome outcome) {
+  if (outcome != CommitOutcome::kApplied && outcome != CommitOutcome::kPending) BeforeBlocking();  // peers next
   while (outcome == CommitOutcome::kShare || outcome == CommitOutcome::kBroadcast) {
     FLATSHARD_ASSIGN_OR_RETURN(outcome, Deliver(group, step, outcome));
   }

@@ -2,9 +2,11 @@
 // small enough to go in pipelines and one too large for them, trained with AdamW by one
 // client through the calls for many groups and by another, in a job of its own, one
 // group at a time, reaches the same bits in every dtype; a group that is not registered
-// fails in its own slot only.
+// fails in its own slot only; answers a server holds back in a pipeline never wait behind
+// a wait.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <future>
 #include <string>
@@ -135,6 +137,29 @@ TEST(ManyGroupsTest, AGroupThatIsNotRegisteredFailsInItsOwnSlot) {
     EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
     EXPECT_NE(status.message().find("2 groups but 1 buffers"), absl::string_view::npos) << status;
   }
+}
+
+// A server holds its answers to a pipeline back while the next request is already read,
+// to send them together; never across a wait. Here layer1's gather waits for a version
+// that comes only once this worker, having layer0's parameters, sends layer1's gradient:
+// layer0's answer must not wait behind it.
+TEST(ManyGroupsTest, AnAnswerHeldBackForTheNextInAPipelineGoesOutBeforeThatOneWaits) {
+  TestCluster cluster(2, "many-token", ::testing::TempDir());
+  std::vector<const FlatLayout*> layouts;
+  auto client = Model(cluster, "held", layouts);
+  ASSERT_TRUE(client.ok()) << client.status();
+  Client& c = **client;
+  std::vector<float> first(layouts[0]->padded_numel()), second(layouts[1]->padded_numel());
+  const std::vector<float> grad_first(first.size(), 0.5f), grad_second(second.size(), 0.5f);
+  ASSERT_TRUE(c.Scatter("layer0", 0, DType::kFloat32, AsBytes(grad_first)).get().ok());  // layer0 at 1
+  std::vector<std::future<absl::StatusOr<int64_t>>> gathered =
+      c.GatherGroups({"layer0", "layer1"}, 1, DType::kFloat32, {AsBytes(first), AsBytes(second)});
+  ASSERT_EQ(gathered[0].wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "layer0's answer waited behind layer1's wait";
+  EXPECT_EQ(gathered[0].get().value_or(-1), 1);
+  EXPECT_EQ(gathered[1].wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+  ASSERT_TRUE(c.Scatter("layer1", 0, DType::kFloat32, AsBytes(grad_second)).get().ok());
+  EXPECT_EQ(gathered[1].get().value_or(-1), 1);
 }
 
 }  // namespace
