@@ -11,8 +11,7 @@
 // versions or loads end it with Aborted(kTornGather) instead: the caller gathers that
 // part again. `on_ok` (optional) hears the lowest version and the load of a transfer
 // that completes OK (a gather's after the checks above), before its future is ready.
-// Thread-safe: requests finish from any thread; shared by
-// them through a shared_ptr.
+// Thread-safe: requests finish from any thread; shared by them through a shared_ptr.
 //
 //   auto completion = std::make_shared<Completion<absl::Status>>(num_servers);
 //   ... each request: completion->Finish(status, version);

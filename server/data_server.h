@@ -7,12 +7,13 @@
 // exchange (transport/data_protocol.h; server/step_driver.h; a broadcast that a partial
 // completes is continued aside once the peer has its answer)
 // against the Registry, and the CUDA IPC and NCCL requests through their planes, one
-// thread per connection. Gradient bytes are received straight
-// into the group's staging slot and gather bytes are sent straight from the version's
-// snapshot, except that an answer given while the worker's next pipelined request is
-// already read may be copied to leave with the next one (transport::Delivery::kMayHold;
-// the thread sends what it holds before any wait, server/before_blocking.h). A refused request gets a precise status and the connection stays usable
-// when its stream is still in sync; garbage frames close it. Nothing a peer sends can
+// thread per connection. Gradient bytes are received straight into the group's staging
+// slot and gather bytes are sent straight from the version's snapshot, except that an
+// answer given while the worker's next pipelined request is already read may be copied
+// to leave with the next one (transport::Delivery::kMayHold; the thread sends what it
+// holds before any wait, server/before_blocking.h). A refused request gets a precise
+// status and the connection stays usable when its stream is still in sync; garbage
+// frames close it. Nothing a peer sends can
 // crash the server or stop it from serving others: at most max_hellos connections wait
 // for their hello at once, and a connection past that closes the one that has waited
 // longest (a flood of silent connections cannot use up the server's threads, and a
