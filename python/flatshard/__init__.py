@@ -437,7 +437,9 @@ class Client:
         """Waits until every server's shard of group `name` reaches min_version; returns the
         version. Raises an ABORTED error at once when a checkpoint load sets the group below
         min_version meanwhile (the load dropped the gradients sent for the step in progress).
-        Ctrl-C ends the wait at once (KeyboardInterrupt), as it does in grad_norm."""
+        Ctrl-C ends the wait at once (KeyboardInterrupt), as it does in grad_norm. When every
+        server answered this client's latest scatter of the group, for step min_version - 1,
+        with min_version (its gradient completed the step), it returns without asking them."""
         return self._native.wait_version(name, int(min_version))
 
     def wait_versions(self, names, min_version):
