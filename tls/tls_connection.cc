@@ -29,6 +29,8 @@ constexpr size_t kRecordBytes = 16 << 10;
 // then its body), which cost more than the encryption at loopback speeds.
 constexpr int kSocketChunkBytes = 256 << 10;
 constexpr absl::string_view kHandshakeFailed = "TLS handshake with ";
+// SendOrHold holds at most this many bytes of records back (as over TCP).
+constexpr size_t kHoldBytes = size_t{64} << 10;
 
 // The first error OpenSSL queued on this thread, as text; the queue is cleared.
 std::string OpenSslError() {
@@ -58,8 +60,25 @@ int SocketWrite(BIO* bio, const char* data, int size) {
   }
 }
 
+// Records of answers that SendOrHold left in an SSL's write buffer: the socket's read BIO
+// (whose app data this is) sends them before it reads, since the peer may wait for them
+// before it sends more. OpenSSL reads the socket only when what it read ahead does not
+// hold the record it needs, which is exactly when holding must end.
+struct HeldRecords {
+  BIO* buffer = nullptr;  // the write buffer
+  size_t bytes = 0;       // the answers' bytes held there; 0: none (what a failed send left is not sent)
+};
+
 int SocketRead(BIO* bio, char* data, int size) {
   BIO_clear_retry_flags(bio);
+  auto* const held = static_cast<HeldRecords*>(BIO_get_app_data(bio));
+  if (held != nullptr && held->bytes > 0) {
+    held->bytes = 0;
+    if (BIO_flush(held->buffer) != 1) {
+      if (BIO_should_retry(held->buffer)) BIO_set_retry_read(bio);  // the send timed out: as the read's timeout
+      return -1;                                                    // errno says why
+    }
+  }
   for (;;) {
     const ssize_t got = recv(SocketOfBio(bio), data, static_cast<size_t>(size), 0);
     if (got == 0) BIO_set_flags(bio, BIO_FLAGS_IN_EOF);  // BIO_eof: how SSL tells a close from an error
@@ -149,30 +168,27 @@ absl::Status TrustCertificates(SSL_CTX* context, const std::string& pem, absl::s
 class TlsConnection final : public transport::Connection {
  public:
   // Owns `ssl`, which moves its bytes on `tcp`'s socket.
-  TlsConnection(std::unique_ptr<transport::Connection> tcp, SSL* ssl) : tcp_(std::move(tcp)), ssl_(ssl) {}
+  TlsConnection(std::unique_ptr<transport::Connection> tcp, SSL* ssl)
+      : tcp_(std::move(tcp)), ssl_(ssl), held_{.buffer = SSL_get_wbio(ssl)} {
+    BIO_set_app_data(SSL_get_rbio(ssl), &held_);
+  }
   ~TlsConnection() override { SSL_free(ssl_); }  // then tcp_ closes the socket
 
+  absl::Status SendOrHold(std::initializer_list<absl::Span<const std::byte>> buffers) override {
+    size_t bytes = 0;
+    for (absl::Span<const std::byte> buffer : buffers) bytes += buffer.size();
+    // Held: records in the write buffer. Read ahead: bytes OpenSSL holds, whole or part of
+    // a record, that the peer sent after what this side has received.
+    if (SSL_has_pending(ssl_) != 1 || held_.bytes + bytes > kHoldBytes) return Send(buffers);
+    FLATSHARD_RETURN_IF_ERROR(WriteRecords(buffers));
+    held_.bytes += bytes;
+    return absl::OkStatus();
+  }
+
+  absl::Status SendHeld() override { return held_.bytes > 0 ? Flush() : absl::OkStatus(); }
+
   absl::Status Send(std::initializer_list<absl::Span<const std::byte>> buffers) override {
-    pending_.clear();
-    for (absl::Span<const std::byte> buffer : buffers) {
-      if (pending_.size() + buffer.size() <= kRecordBytes) {
-        pending_.insert(pending_.end(), buffer.begin(), buffer.end());
-        continue;
-      }
-      if (!pending_.empty()) {  // topped up to a whole record from this buffer's head
-        const size_t taken = kRecordBytes - pending_.size();
-        pending_.insert(pending_.end(), buffer.begin(), buffer.begin() + static_cast<ptrdiff_t>(taken));
-        buffer.remove_prefix(taken);
-        FLATSHARD_RETURN_IF_ERROR(Write(pending_.data(), pending_.size()));
-        pending_.clear();
-      }
-      if (buffer.size() <= kRecordBytes) {
-        pending_.insert(pending_.end(), buffer.begin(), buffer.end());
-      } else {
-        FLATSHARD_RETURN_IF_ERROR(Write(buffer.data(), buffer.size()));
-      }
-    }
-    if (!pending_.empty()) FLATSHARD_RETURN_IF_ERROR(Write(pending_.data(), pending_.size()));
+    FLATSHARD_RETURN_IF_ERROR(WriteRecords(buffers));
     return Flush();
   }
 
@@ -194,15 +210,43 @@ class TlsConnection final : public transport::Connection {
   void Shutdown() override { tcp_->Shutdown(); }
   void CloseSend() override { tcp_->CloseSend(); }
   bool PeerClosed() override { return tcp_->PeerClosed(); }
+  // Read ahead, or on the socket once what is held has gone (a failure to send it: Recv
+  // reports the broken connection).
   bool PollReadable(absl::Duration poll_for) override {
-    return SSL_has_pending(ssl_) == 1 || tcp_->PollReadable(poll_for);  // read ahead, or on the socket
+    return SSL_has_pending(ssl_) == 1 || !SendHeld().ok() || tcp_->PollReadable(poll_for);
   }
   bool WaitReadable(absl::Duration timeout) override {
-    return SSL_has_pending(ssl_) == 1 || tcp_->WaitReadable(timeout);
+    return SSL_has_pending(ssl_) == 1 || !SendHeld().ok() || tcp_->WaitReadable(timeout);
   }
   std::string peer() const override { return tcp_->peer(); }
 
  private:
+  // Writes `buffers` as records into the write buffer (small ones together, one record at
+  // most 16 KiB); the buffer sends what does not fit in it.
+  absl::Status WriteRecords(std::initializer_list<absl::Span<const std::byte>> buffers) {
+    pending_.clear();
+    for (absl::Span<const std::byte> buffer : buffers) {
+      if (pending_.size() + buffer.size() <= kRecordBytes) {
+        pending_.insert(pending_.end(), buffer.begin(), buffer.end());
+        continue;
+      }
+      if (!pending_.empty()) {  // topped up to a whole record from this buffer's head
+        const size_t taken = kRecordBytes - pending_.size();
+        pending_.insert(pending_.end(), buffer.begin(), buffer.begin() + static_cast<ptrdiff_t>(taken));
+        buffer.remove_prefix(taken);
+        FLATSHARD_RETURN_IF_ERROR(Write(pending_.data(), pending_.size()));
+        pending_.clear();
+      }
+      if (buffer.size() <= kRecordBytes) {
+        pending_.insert(pending_.end(), buffer.begin(), buffer.end());
+      } else {
+        FLATSHARD_RETURN_IF_ERROR(Write(buffer.data(), buffer.size()));
+      }
+    }
+    if (!pending_.empty()) FLATSHARD_RETURN_IF_ERROR(Write(pending_.data(), pending_.size()));
+    return absl::OkStatus();
+  }
+
   absl::Status Write(const std::byte* data, size_t size) {
     while (size > 0) {
       size_t written = 0;
@@ -216,7 +260,8 @@ class TlsConnection final : public transport::Connection {
 
   // Writes out the records the write buffer holds.
   absl::Status Flush() {
-    BIO* buffer = SSL_get_wbio(ssl_);
+    held_.bytes = 0;
+    BIO* buffer = held_.buffer;
     if (BIO_flush(buffer) == 1) return absl::OkStatus();
     const int saved_errno = errno;
     ERR_clear_error();
@@ -258,6 +303,7 @@ class TlsConnection final : public transport::Connection {
   const std::unique_ptr<transport::Connection> tcp_;
   SSL* const ssl_;
   std::vector<std::byte> pending_;  // a Send's small buffers, sent as one record
+  HeldRecords held_;                // what SendOrHold left in the write buffer
 };
 
 // A socket BIO on `fd`, or null.
@@ -271,7 +317,8 @@ BIO* NewSocketBio(int fd) {
 
 // An SSL of `context` on `tcp`'s socket, in neither state yet: it reads from the socket
 // (ahead, kSocketChunkBytes at a time) and writes through a buffer of that size, which
-// SSL flushes in its handshake and Send at its end.
+// SSL flushes in its handshake, Send at its end, and the reads before they wait on the
+// socket.
 absl::StatusOr<SSL*> NewSsl(const transport::Connection& tcp, const SslContext& context) {
   const int fd = transport::SocketOf(tcp);
   if (fd < 0) return absl::InvalidArgumentError("TLS goes over a TCP connection of the data plane");

@@ -17,7 +17,11 @@
 // handshake). TLS 1.2 or later. Writes never raise SIGPIPE (send with MSG_NOSIGNAL).
 // Records go out through a 256 KiB buffer that each Send flushes before it returns, and
 // come in 256 KiB reads ahead (PollReadable counts what was read ahead): OpenSSL would
-// otherwise make a system call per 16 KiB record written and two per record read.
+// otherwise make a system call per 16 KiB record written and two per record read. While
+// the peer's next request is read ahead (whole or in part), SendOrHold leaves up to 64 KiB
+// of answers' records in that buffer, to go out with the next Send, SendHeld, or before a
+// read needs the socket (a Recv, PollReadable or WaitReadable that what was read ahead
+// does not satisfy), as over TCP (transport.h).
 //
 // Contexts are immutable once made and shared between connections (thread-safe); a
 // connection is used by one sender and one receiver, not at once (transport.h).

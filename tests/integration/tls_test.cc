@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <chrono>
 #include <future>
 #include <utility>
 
@@ -559,7 +560,7 @@ TEST_F(TlsTest, WithTlsDataPlaneARefusalOfAPayloadTooLargeToDrainReachesTheWorke
 // Pipelines (Client::GatherGroups, ScatterGroups) over a TLS data plane: the server's TLS
 // layer reads ahead past the request it serves, and must still see the next ones of the
 // pipeline waiting there. 40 small groups (3 pipelines per server) step and gather back
-// exactly.
+// exactly; an answer held for the next in a pipeline goes out before that one waits.
 TEST_F(TlsTest, WithTlsDataPlanePipelinesOfSmallGroupsAreServedWhole) {
   std::vector<std::string> flags = ServerTls();
   flags.push_back("--tls_data_plane");
@@ -598,6 +599,19 @@ TEST_F(TlsTest, WithTlsDataPlanePipelinesOfSmallGroupsAreServedWhole) {
     const std::vector<float> tensor(params[g].begin(), params[g].begin() + 64 + g);  // the padding aside
     EXPECT_EQ(tensor, std::vector<float>(64 + g, static_cast<float>(g))) << names[g];
   }
+
+  // The server holds its answers to a pipeline back while the next request is read ahead,
+  // in the records it read, never across a wait: layer1's gather waits for a version that
+  // comes only once this worker, having layer0's parameters, sends layer1's gradient.
+  ASSERT_TRUE((*client)->Scatter("layer0", 1, DType::kFloat32, sends[0]).get().ok());  // layer0 at 2
+  std::vector<std::future<absl::StatusOr<int64_t>>> held =
+      (*client)->GatherGroups({"layer0", "layer1"}, 2, DType::kFloat32, {outs[0], outs[1]});
+  ASSERT_EQ(held[0].wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "layer0's answer waited behind layer1's wait";
+  EXPECT_EQ(held[0].get().value_or(-1), 2);
+  EXPECT_EQ(held[1].wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+  ASSERT_TRUE((*client)->Scatter("layer1", 1, DType::kFloat32, sends[1]).get().ok());
+  EXPECT_EQ(held[1].get().value_or(-1), 2);
 }
 
 // --tls_data_plane (with mutual TLS): a hybrid-sharded step crosses the data plane in TLS,

@@ -2,13 +2,16 @@
 // certificates: bytes cross both ways intact whatever the buffers' sizes; a client
 // refuses a server of another CA or of another name, a server asking for client
 // certificates refuses clients without one of its CAs, each with a status naming why;
-// timeouts, Shutdown, CloseSend and PeerClosed behave as over TCP; a write to a peer
-// that went away fails rather than raising SIGPIPE.
+// timeouts, Shutdown, CloseSend and PeerClosed behave as over TCP; answers are held while
+// the peer's next request is read ahead and go out before the holder waits for the peer;
+// a write to a peer that went away fails rather than raising SIGPIPE.
 #include "tls/tls_connection.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/ioctl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <future>
 #include <random>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "tests/tls/certificates_dir.h"
 #include "tests/transport/random_bytes.h"
@@ -35,7 +39,25 @@ class TlsConnectionTest : public testing::CertificatesDir {
   struct Pair {
     std::unique_ptr<Connection> client;
     std::unique_ptr<Connection> server;
+    int client_socket = -1;  // the TCP sockets underneath, which each side's TLS owns
+    int server_socket = -1;
   };
+
+  // Bytes the socket holds that nobody has read yet.
+  static int UnreadIn(int socket) {
+    int unread = -1;
+    EXPECT_EQ(ioctl(socket, FIONREAD, &unread), 0);
+    return unread;
+  }
+  // Waits until `socket` holds unread bytes and no more arrive for 20 ms (loopback hands
+  // a sent record over at once).
+  static void AwaitArrived(int socket) {
+    int seen = 0;
+    for (int now; (now = UnreadIn(socket)) == 0 || now != seen;) {
+      seen = now;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
 
   // A TCP pair on loopback, the server's side presenting server.pem (asking for a client
   // certificate of `client_ca` unless empty), the client's trusting `ca` and presenting
@@ -51,6 +73,8 @@ class TlsConnectionTest : public testing::CertificatesDir {
     auto tcp_server = (*listener)->Accept();
     EXPECT_TRUE(tcp_client.ok() && tcp_server.ok());
     if (!tcp_client.ok() || !tcp_server.ok()) return pair;
+    pair.client_socket = transport::SocketOf(**tcp_client);
+    pair.server_socket = transport::SocketOf(**tcp_server);
     for (Connection* conn : {tcp_client->get(), tcp_server->get()}) {
       EXPECT_TRUE(conn->SetTimeout(absl::Seconds(20)).ok());
     }
@@ -207,6 +231,100 @@ TEST_F(TlsConnectionTest, TimeoutsShutdownCloseSendAndPeerClosedActAsOverTcp) {
   pair.client->Shutdown();
   EXPECT_EQ(waiting.wait_for(std::chrono::seconds(5)), std::future_status::ready);
   EXPECT_FALSE(waiting.get().ok());
+}
+
+// While the peer's next request is read ahead, in a whole record or part of one, a
+// server's answers wait in the write buffer (SendOrHold) and leave together once nothing
+// more is read ahead, in order; a Recv that what was read ahead satisfies sends nothing.
+TEST_F(TlsConnectionTest, AnswersWaitWhileTheNextRequestIsReadAheadAndLeaveTogether) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.client, nullptr);
+  ASSERT_TRUE(Exchange(pair).first.ok());  // the handshake
+  const std::vector<uint8_t> one = RandomBytes(16, 40), two = RandomBytes(2 * 16, 41);
+  ASSERT_TRUE(pair.client->Send({Bytes(one)}).ok());  // a record
+  ASSERT_TRUE(pair.client->Send({Bytes(two)}).ok());  // and another, of two requests
+  AwaitArrived(pair.server_socket);
+  const std::vector<uint8_t> a = RandomBytes(40, 42), b = RandomBytes(20000, 43), c = RandomBytes(8, 44);
+  std::vector<uint8_t> request(16);
+  ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());  // both records are read ahead
+  EXPECT_EQ(request, one);
+  ASSERT_TRUE(pair.server->SendOrHold({Bytes(a)}).ok());
+  ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());  // from the second record
+  ASSERT_TRUE(pair.server->SendOrHold({Bytes(b)}).ok());
+  ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());  // the rest of it: nothing is read ahead now
+  EXPECT_TRUE(std::equal(request.begin(), request.end(), two.begin() + 16));
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(UnreadIn(pair.client_socket), 0) << "an answer left while the next request waited";
+  ASSERT_TRUE(pair.server->SendOrHold({Bytes(c)}).ok());
+  std::vector<uint8_t> got(a.size() + b.size() + c.size());
+  ASSERT_TRUE(pair.client->Recv(Bytes(got)).ok());
+  std::vector<uint8_t> expected = a;
+  expected.insert(expected.end(), b.begin(), b.end());
+  expected.insert(expected.end(), c.begin(), c.end());
+  EXPECT_TRUE(got == expected);
+}
+
+// Held answers go out before the holder waits to read from the peer, which may be
+// waiting for them before it sends more: a Recv that needs the socket (the rest of a
+// record read in part), WaitReadable and PollReadable; and with SendHeld, or a Send or a
+// SendOrHold past what may be held, in order before their own bytes.
+TEST_F(TlsConnectionTest, HeldAnswersGoOutBeforeTheHolderWaitsForThePeer) {
+  Pair pair = Connected();
+  ASSERT_NE(pair.client, nullptr);
+  ASSERT_TRUE(Exchange(pair).first.ok());
+  ASSERT_TRUE(pair.server->SetTimeout(absl::Seconds(5)).ok());
+  const std::vector<uint8_t> answer = RandomBytes(24, 45);
+  std::vector<uint8_t> got(answer.size());
+  // The peer sends a request and the first half of the next in one record, and the rest
+  // only once it has the answer: without the answer both sides would wait.
+  const std::vector<uint8_t> first = RandomBytes(16 + 8, 46), rest = RandomBytes(8, 47);
+  std::thread peer([&] {
+    EXPECT_TRUE(pair.client->Send({Bytes(first)}).ok());
+    EXPECT_TRUE(pair.client->Recv(Bytes(got)).ok());
+    EXPECT_TRUE(pair.client->Send({Bytes(rest)}).ok());
+  });
+  std::vector<uint8_t> request(16), next(16);
+  ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());
+  ASSERT_TRUE(pair.server->SendOrHold({Bytes(answer)}).ok());
+  const absl::Status received = pair.server->Recv(Bytes(next));
+  peer.join();
+  ASSERT_TRUE(received.ok()) << received;
+  EXPECT_EQ(got, answer);
+
+  const std::vector<uint8_t> ahead = RandomBytes(16 + 16, 48);
+  for (const absl::string_view then : {"WaitReadable", "PollReadable", "SendHeld", "Send", "a large SendOrHold"}) {
+    SCOPED_TRACE(then);
+    ASSERT_TRUE(pair.client->Send({Bytes(ahead)}).ok());
+    AwaitArrived(pair.server_socket);
+    ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());
+    ASSERT_TRUE(pair.server->SendOrHold({Bytes(answer)}).ok());
+    const bool large = then == "a large SendOrHold";
+    const std::vector<uint8_t> after = RandomBytes(large ? 100000 : 8, 49);  // past the 64 KiB held at most
+    size_t expected = answer.size();
+    if (large) {  // while the next request is still read ahead
+      ASSERT_TRUE(pair.server->SendOrHold({Bytes(after)}).ok());
+      expected += after.size();
+    }
+    ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());  // all that was read ahead: the socket is not read
+    if (!large) {
+      absl::SleepFor(absl::Milliseconds(20));
+      EXPECT_EQ(UnreadIn(pair.client_socket), 0);
+      if (then == "WaitReadable") {
+        EXPECT_FALSE(pair.server->WaitReadable(absl::Milliseconds(10)));
+      } else if (then == "PollReadable") {
+        EXPECT_FALSE(pair.server->PollReadable(absl::Milliseconds(10)));
+      } else if (then == "SendHeld") {
+        ASSERT_TRUE(pair.server->SendHeld().ok());
+      } else {
+        ASSERT_TRUE(pair.server->Send({Bytes(after)}).ok());
+        expected += after.size();
+      }
+    }
+    std::vector<uint8_t> arrived(expected);
+    ASSERT_TRUE(pair.client->Recv(Bytes(arrived)).ok());
+    EXPECT_TRUE(std::equal(answer.begin(), answer.end(), arrived.begin())) << "the held answer first";
+    EXPECT_TRUE(std::equal(arrived.begin() + static_cast<ptrdiff_t>(answer.size()), arrived.end(), after.begin()));
+  }
 }
 
 TEST_F(TlsConnectionTest, WritingToAPeerThatWentAwayFailsWithoutSigpipe) {
