@@ -11,12 +11,16 @@ ShardedModule's: what a worker keeps of its local speed when each layer's parame
 gathered from the servers and its gradients reduced and stepped there. Small layers are
 where the cost per group (a gather and a scatter per server, the waits) shows most;
 ShardedModule sends small groups' requests in pipelines (bench/RESULTS.md, "Pipelined
-transfers of many small groups").
+transfers of many small groups"). With --tls the servers speak TLS on both planes
+(--tls_data_plane, with a throwaway CA the openssl command makes).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/sharded_module_bench.py [--quick]
+    PYTHONPATH=build/python /usr/bin/python3 bench/sharded_module_bench.py [--quick] [--tls]
 """
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -65,8 +69,28 @@ def torch_step_time(layers, batch, steps):
     return time_steps(step, steps)
 
 
-def sharded_step_time(cluster, layers, batch, steps):
-    client = flatshard.Client(servers=cluster.addresses, token=cluster.token, job=f"bench-{layers}")
+def tls_files(directory):
+    """A CA and a certificate for 127.0.0.1 it signed, made in `directory` with the openssl
+    command: the servers' flags for TLS on both planes, and the CA file clients trust."""
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=bench-ca")
+    openssl("req", *key, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    with open(os.path.join(directory, "san.cnf"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "1", "-extfile", "san.cnf", "-out", "server.pem")
+    ca = os.path.join(directory, "ca.pem")
+    return [f"--tls_cert_file={directory}/server.pem", f"--tls_key_file={directory}/server.key",
+            f"--tls_ca_file={ca}", "--tls_data_plane"], ca
+
+
+def sharded_step_time(cluster, layers, batch, steps, tls_ca_file=None):
+    client = flatshard.Client(servers=cluster.addresses, token=cluster.token, job=f"bench-{layers}",
+                              tls_ca_file=tls_ca_file)
     client.configure_job()
     sharded = flatshard.torch.ShardedModule(model(layers), client, optimizer=flatshard.AdamW(lr=1e-3),
                                             auto_wrap_min_params=1)
@@ -81,18 +105,26 @@ def sharded_step_time(cluster, layers, batch, steps):
     return seconds
 
 
+def run(cluster, batch, quick, tls_ca_file):
+    """Prints a row per model size: ShardedModule's step on `cluster` against torch's."""
+    for layers in ((10, 100) if quick else (10, 100, 1000)):
+        steps = max(2, 2000 // layers)
+        sharded = sharded_step_time(cluster, layers, batch, steps, tls_ca_file)
+        local = torch_step_time(layers, batch, steps)
+        print(f"{layers:>7} {sharded * 1e3:>17.2f} {local * 1e3:>9.2f} "
+              f"{(sharded - local) / layers * 1e6:>13.0f} {local / sharded:>6.2f}x", flush=True)
+
+
 def main():
     quick = "--quick" in sys.argv[1:]
     torch.set_num_threads(1)  # the servers share this machine's cores
     batch = torch.randn(8, 32)
-    print(f"{'groups':>7} {'ShardedModule ms':>17} {'torch ms':>9} {'per group us':>13} {'ratio':>7}")
-    with flatshard.LocalCluster(servers=2) as cluster:
-        for layers in ((10, 100) if quick else (10, 100, 1000)):
-            steps = max(2, 2000 // layers)
-            sharded = sharded_step_time(cluster, layers, batch, steps)
-            local = torch_step_time(layers, batch, steps)
-            print(f"{layers:>7} {sharded * 1e3:>17.2f} {local * 1e3:>9.2f} "
-                  f"{(sharded - local) / layers * 1e6:>13.0f} {local / sharded:>6.2f}x", flush=True)
+    with tempfile.TemporaryDirectory() as tls_dir:
+        server_args, ca = tls_files(tls_dir) if "--tls" in sys.argv[1:] else ([], None)
+        print(f"{'groups':>7} {'ShardedModule ms':>17} {'torch ms':>9} {'per group us':>13} {'ratio':>7}"
+              f"{'   (servers in TLS)' if ca else ''}")
+        with flatshard.LocalCluster(servers=2, server_args=server_args) as cluster:
+            run(cluster, batch, quick, ca)
 
 
 if __name__ == "__main__":
