@@ -317,8 +317,8 @@ BIO* NewSocketBio(int fd) {
 
 // An SSL of `context` on `tcp`'s socket, in neither state yet: it reads from the socket
 // (ahead, kSocketChunkBytes at a time) and writes through a buffer of that size, which
-// SSL flushes in its handshake, Send at its end, and the reads before they wait on the
-// socket.
+// SSL flushes in its handshake and Send at its end (and a read from the socket, of the
+// answers SendOrHold held there: HeldRecords).
 absl::StatusOr<SSL*> NewSsl(const transport::Connection& tcp, const SslContext& context) {
   const int fd = transport::SocketOf(tcp);
   if (fd < 0) return absl::InvalidArgumentError("TLS goes over a TCP connection of the data plane");
