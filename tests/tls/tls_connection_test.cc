@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "tests/tls/certificates_dir.h"
+#include "tests/transport/held_answers.h"
 #include "tests/transport/random_bytes.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -32,6 +33,8 @@ namespace {
 using ::testing::HasSubstr;
 using transport::Connection;
 using testing::Bytes;
+using testing::ExpectHeldAnswersGoOutBeforeTheHolderWaits;
+using testing::ExpectReceivedInOrder;
 using testing::RandomBytes;
 
 class TlsConnectionTest : public testing::CertificatesDir {
@@ -256,75 +259,20 @@ TEST_F(TlsConnectionTest, AnswersWaitWhileTheNextRequestIsReadAheadAndLeaveToget
   absl::SleepFor(absl::Milliseconds(20));
   EXPECT_EQ(UnreadIn(pair.client_socket), 0) << "an answer left while the next request waited";
   ASSERT_TRUE(pair.server->SendOrHold({Bytes(c)}).ok());
-  std::vector<uint8_t> got(a.size() + b.size() + c.size());
-  ASSERT_TRUE(pair.client->Recv(Bytes(got)).ok());
-  std::vector<uint8_t> expected = a;
-  expected.insert(expected.end(), b.begin(), b.end());
-  expected.insert(expected.end(), c.begin(), c.end());
-  EXPECT_TRUE(got == expected);
+  ExpectReceivedInOrder(*pair.client, {a, b, c});
 }
 
-// Held answers go out before the holder waits to read from the peer, which may be
-// waiting for them before it sends more: a Recv that needs the socket (the rest of a
-// record read in part), WaitReadable and PollReadable; and with SendHeld, or a Send or a
-// SendOrHold past what may be held, in order before their own bytes.
+// As over TCP (tests/transport/held_answers.h): held answers go out before the holder
+// waits to read from the peer (a Recv that needs the rest of a record read in part,
+// WaitReadable, PollReadable), with SendHeld, Send or a SendOrHold past what may be
+// held, and stay held while it reads records it read ahead.
 TEST_F(TlsConnectionTest, HeldAnswersGoOutBeforeTheHolderWaitsForThePeer) {
   Pair pair = Connected();
   ASSERT_NE(pair.client, nullptr);
-  ASSERT_TRUE(Exchange(pair).first.ok());
-  ASSERT_TRUE(pair.server->SetTimeout(absl::Seconds(5)).ok());
-  const std::vector<uint8_t> answer = RandomBytes(24, 45);
-  std::vector<uint8_t> got(answer.size());
-  // The peer sends a request and the first half of the next in one record, and the rest
-  // only once it has the answer: without the answer both sides would wait.
-  const std::vector<uint8_t> first = RandomBytes(16 + 8, 46), rest = RandomBytes(8, 47);
-  std::thread peer([&] {
-    EXPECT_TRUE(pair.client->Send({Bytes(first)}).ok());
-    EXPECT_TRUE(pair.client->Recv(Bytes(got)).ok());
-    EXPECT_TRUE(pair.client->Send({Bytes(rest)}).ok());
-  });
-  std::vector<uint8_t> request(16), next(16);
-  ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());
-  ASSERT_TRUE(pair.server->SendOrHold({Bytes(answer)}).ok());
-  const absl::Status received = pair.server->Recv(Bytes(next));
-  peer.join();
-  ASSERT_TRUE(received.ok()) << received;
-  EXPECT_EQ(got, answer);
-
-  const std::vector<uint8_t> ahead = RandomBytes(16 + 16, 48);
-  for (const absl::string_view then : {"WaitReadable", "PollReadable", "SendHeld", "Send", "a large SendOrHold"}) {
-    SCOPED_TRACE(then);
-    ASSERT_TRUE(pair.client->Send({Bytes(ahead)}).ok());
-    AwaitArrived(pair.server_socket);
-    ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());
-    ASSERT_TRUE(pair.server->SendOrHold({Bytes(answer)}).ok());
-    const bool large = then == "a large SendOrHold";
-    const std::vector<uint8_t> after = RandomBytes(large ? 100000 : 8, 49);  // past the 64 KiB held at most
-    size_t expected = answer.size();
-    if (large) {  // while the next request is still read ahead
-      ASSERT_TRUE(pair.server->SendOrHold({Bytes(after)}).ok());
-      expected += after.size();
-    }
-    ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());  // all that was read ahead: the socket is not read
-    if (!large) {
-      absl::SleepFor(absl::Milliseconds(20));
-      EXPECT_EQ(UnreadIn(pair.client_socket), 0);
-      if (then == "WaitReadable") {
-        EXPECT_FALSE(pair.server->WaitReadable(absl::Milliseconds(10)));
-      } else if (then == "PollReadable") {
-        EXPECT_FALSE(pair.server->PollReadable(absl::Milliseconds(10)));
-      } else if (then == "SendHeld") {
-        ASSERT_TRUE(pair.server->SendHeld().ok());
-      } else {
-        ASSERT_TRUE(pair.server->Send({Bytes(after)}).ok());
-        expected += after.size();
-      }
-    }
-    std::vector<uint8_t> arrived(expected);
-    ASSERT_TRUE(pair.client->Recv(Bytes(arrived)).ok());
-    EXPECT_TRUE(std::equal(answer.begin(), answer.end(), arrived.begin())) << "the held answer first";
-    EXPECT_TRUE(std::equal(arrived.begin() + static_cast<ptrdiff_t>(answer.size()), arrived.end(), after.begin()));
-  }
+  ASSERT_TRUE(Exchange(pair).first.ok());  // the handshake
+  ExpectHeldAnswersGoOutBeforeTheHolderWaits(
+      *pair.server, *pair.client, [&] { AwaitArrived(pair.server_socket); },
+      [&] { return UnreadIn(pair.client_socket); });
 }
 
 TEST_F(TlsConnectionTest, WritingToAPeerThatWentAwayFailsWithoutSigpipe) {

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "tests/transport/held_answers.h"
 #include "tests/transport/random_bytes.h"
 
 namespace flatshard::transport {
@@ -31,6 +32,8 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::Bytes;
+using testing::ExpectHeldAnswersGoOutBeforeTheHolderWaits;
+using testing::ExpectReceivedInOrder;
 using testing::RandomBytes;
 
 // A connected loopback pair: `client` from ConnectTcp, `server` from the listener.
@@ -192,74 +195,21 @@ TEST(TcpTransportTest, AnswersWaitWhileTheNextRequestIsReadAheadAndLeaveTogether
   EXPECT_EQ(UnreadInSocket(*pair.client), 0) << "an answer left while the next request waited";
   ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());  // the last one: nothing is read ahead now
   ASSERT_TRUE(pair.server->SendOrHold({Bytes(c)}).ok());
-  std::vector<uint8_t> got(a.size() + b.size() + c.size());
-  ASSERT_TRUE(pair.client->Recv(Bytes(got)).ok());
-  std::vector<uint8_t> expected = a;
-  expected.insert(expected.end(), b.begin(), b.end());
-  expected.insert(expected.end(), c.begin(), c.end());
-  EXPECT_EQ(got, expected);
+  ExpectReceivedInOrder(*pair.client, {a, b, c});
 }
 
-// Held answers go out before the holder waits to read from the peer, which may be
-// waiting for them before it sends more: a Recv that needs the socket, WaitReadable and
-// PollReadable; and with SendHeld, or a Send or a SendOrHold past what may be held, in
-// order before their own bytes.
+// Held answers go out before the holder waits to read from the peer (a Recv that needs
+// the socket, WaitReadable, PollReadable), with SendHeld, Send or a SendOrHold past what
+// may be held, and stay held while it reads what it read ahead (held_answers.h).
 TEST(TcpTransportTest, HeldAnswersGoOutBeforeTheHolderWaitsForThePeer) {
   Pair pair = Connected();
   ASSERT_NE(pair.server, nullptr);
-  const std::vector<uint8_t> answer = RandomBytes(24, 35);
-  std::vector<uint8_t> got(answer.size());
-  // The peer sends the first half of the next request, and the rest only once it has
-  // the answer; nothing else arrives: without the answer both sides would wait.
-  const std::vector<uint8_t> first = RandomBytes(16 + 8, 36), rest = RandomBytes(8, 37);
-  std::thread peer([&] {
-    EXPECT_TRUE(pair.client->Send({Bytes(first)}).ok());
-    EXPECT_TRUE(pair.client->Recv(Bytes(got)).ok());
-    EXPECT_TRUE(pair.client->Send({Bytes(rest)}).ok());
-  });
-  ASSERT_TRUE(pair.server->SetTimeout(absl::Seconds(5)).ok());
-  std::vector<uint8_t> request(16), next(16);
-  ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());
-  while (!pair.server->PollReadable(absl::ZeroDuration())) absl::SleepFor(absl::Milliseconds(1));
-  ASSERT_TRUE(pair.server->SendOrHold({Bytes(answer)}).ok());
-  const absl::Status received = pair.server->Recv(Bytes(next));
-  peer.join();
-  ASSERT_TRUE(received.ok()) << received;
-  EXPECT_EQ(got, answer);
-
-  const std::vector<uint8_t> ahead = RandomBytes(16 + 16, 38);
-  for (const absl::string_view then : {"WaitReadable", "PollReadable", "SendHeld", "Send", "a large SendOrHold"}) {
-    SCOPED_TRACE(then);
-    ASSERT_TRUE(pair.client->Send({Bytes(ahead)}).ok());
-    while (UnreadInSocket(*pair.server) < static_cast<int>(ahead.size())) absl::SleepFor(absl::Milliseconds(1));
-    ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());
-    ASSERT_TRUE(pair.server->SendOrHold({Bytes(answer)}).ok());
-    const bool large = then == "a large SendOrHold";
-    const std::vector<uint8_t> after = RandomBytes(large ? 100000 : 8, 39);  // past the 64 KiB held at most
-    size_t expected = answer.size();
-    if (large) {  // while the next request is still read ahead
-      ASSERT_TRUE(pair.server->SendOrHold({Bytes(after)}).ok());
-      expected += after.size();
-    }
-    ASSERT_TRUE(pair.server->Recv(Bytes(request)).ok());  // all that was read ahead: the socket is not read
-    if (!large) {
-      EXPECT_EQ(UnreadInSocket(*pair.client), 0);
-      if (then == "WaitReadable") {
-        EXPECT_FALSE(pair.server->WaitReadable(absl::Milliseconds(10)));
-      } else if (then == "PollReadable") {
-        EXPECT_FALSE(pair.server->PollReadable(absl::Milliseconds(10)));
-      } else if (then == "SendHeld") {
-        ASSERT_TRUE(pair.server->SendHeld().ok());
-      } else {
-        ASSERT_TRUE(pair.server->Send({Bytes(after)}).ok());
-        expected += after.size();
-      }
-    }
-    std::vector<uint8_t> arrived(expected);
-    ASSERT_TRUE(pair.client->Recv(Bytes(arrived)).ok());
-    EXPECT_TRUE(std::equal(answer.begin(), answer.end(), arrived.begin())) << "the held answer first";
-    EXPECT_TRUE(std::equal(arrived.begin() + static_cast<ptrdiff_t>(answer.size()), arrived.end(), after.begin()));
-  }
+  ExpectHeldAnswersGoOutBeforeTheHolderWaits(
+      *pair.server, *pair.client,
+      [&] {
+        while (UnreadInSocket(*pair.server) < 16 + 16) absl::SleepFor(absl::Milliseconds(1));
+      },
+      [&] { return UnreadInSocket(*pair.client); });
 }
 
 TEST(TcpTransportTest, RecvNamesHowManyBytesArrivedBeforeThePeerClosed) {
