@@ -58,6 +58,7 @@ inline void ExpectHeldAnswersGoOutBeforeTheHolderWaits(transport::Connection& se
       FLATSHARD_RETURN_IF_ERROR(server.SendOrHold({Bytes(answer)}));
       return server.Recv(Bytes(next));
     }();
+    if (!received.ok()) client.Shutdown();  // the peer may still wait for the answer
     peer.join();
     ASSERT_TRUE(received.ok()) << received;
     EXPECT_EQ(got, answer);
