@@ -17,6 +17,7 @@
 #include "proto/cluster_info.h"
 #include "proto/convert.h"
 #include "server/caller_wait.h"
+#include "server/hyperparams.h"
 
 namespace flatshard::server {
 namespace {
@@ -135,35 +136,6 @@ absl::Time CutWaitDeadline(const grpc::ServerContext* ctx, uint64_t cut_wait_ms)
 }
 
 }  // namespace
-
-absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& proto) {
-  switch (proto.kind_case()) {
-    case v1::OptimizerSettings::kSgd: {
-      const v1::SgdSettings& sgd = proto.sgd();
-      return OptimizerConfig(kernels::SgdHyperparams{
-          .lr = static_cast<float>(sgd.lr()),
-          .momentum = static_cast<float>(sgd.momentum()),
-          .dampening = static_cast<float>(sgd.dampening()),
-          .weight_decay = static_cast<float>(sgd.weight_decay()),
-          .nesterov = sgd.nesterov()});
-    }
-    case v1::OptimizerSettings::kAdam: {
-      const v1::AdamSettings& adam = proto.adam();
-      return OptimizerConfig(kernels::AdamHyperparams{
-          .lr = static_cast<float>(adam.lr()),
-          .beta1 = static_cast<float>(adam.beta1()),
-          .beta2 = static_cast<float>(adam.beta2()),
-          .eps = static_cast<float>(adam.eps()),
-          .weight_decay = static_cast<float>(adam.weight_decay()),
-          .amsgrad = adam.amsgrad(),
-          .decoupled_weight_decay = adam.decoupled_weight_decay()});
-    }
-    case v1::OptimizerSettings::kFrozen:
-      return OptimizerConfig(Frozen{});
-    default:
-      return absl::InvalidArgumentError("optimizer: none set (sgd, adam or frozen)");
-  }
-}
 
 FlatshardService::FlatshardService(ServiceIdentity identity, Registry& registry,
                                    ClipCoordinator& clip, CheckpointStore& checkpoints,
@@ -317,30 +289,7 @@ grpc::Status FlatshardService::SetHyperparams(grpc::ServerContext* ctx,
                                               const v1::SetHyperparamsRequest* request,
                                               v1::SetHyperparamsResponse*) {
   if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
-  if (request->groups().empty()) return ToGrpc(absl::InvalidArgumentError("SetHyperparams names no group"));
-  // A refusal names its group (one call changes many).
-  // Every group is found and its settings checked before any changes: a wrong name or
-  // setting changes nothing. Only memory for new state (momentum, amsgrad) can still
-  // fail below, leaving the groups before it changed.
-  std::vector<std::pair<std::shared_ptr<Group>, OptimizerConfig>> changes;
-  changes.reserve(request->groups_size());
-  for (const v1::GroupOptimizer& entry : request->groups()) {
-    absl::StatusOr<std::shared_ptr<Group>> group = registry_.FindGroup(request->job(), entry.group());
-    if (!group.ok()) return ToGrpc(group.status());
-    absl::StatusOr<OptimizerConfig> optimizer = OptimizerFromProto(entry.optimizer());
-    if (!optimizer.ok()) return ToGrpc(NamingGroup(entry.group(), optimizer.status()));
-    if (absl::Status checked = (*group)->CheckOptimizer(*optimizer); !checked.ok()) {
-      return ToGrpc(NamingGroup(entry.group(), checked));
-    }
-    changes.emplace_back(*std::move(group), *std::move(optimizer));
-  }
-  for (size_t i = 0; i < changes.size(); ++i) {
-    const auto& [group, optimizer] = changes[i];
-    if (absl::Status set = group->SetOptimizer(optimizer); !set.ok()) {
-      return ToGrpc(NamingGroup(request->groups(static_cast<int>(i)).group(), set));
-    }
-  }
-  return grpc::Status::OK;
+  return ToGrpc(server::SetHyperparams(registry_, request->job(), *request));
 }
 
 grpc::Status FlatshardService::WaitVersion(grpc::ServerContext* ctx,

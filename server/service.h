@@ -112,9 +112,6 @@ class FlatshardService final : public v1::Flatshard::Service {
   absl::Status stopped_ ABSL_GUARDED_BY(stop_mu_);
 };
 
-// Reads an OptimizerSettings proto; InvalidArgument when none is set.
-[[nodiscard]] absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& proto);
-
 }  // namespace flatshard::server
 
 #endif  // FLATSHARD_SERVER_SERVICE_H_
