@@ -28,8 +28,8 @@ namespace flatshard {
 // (cut_wait_ms), their streams lasting as long as the checkpoint takes; a load's client
 // renews its staging on the servers that prepared while others still do (RENEW).
 // Revision 6: WaitVersion and SetHyperparams take several groups at once. Revision 7:
-// so does RegisterGroup.
-inline constexpr uint32_t kProtocolRevision = 7;
+// so does RegisterGroup. Revision 8: SetHyperparams on the data plane too (kSetHyperparams).
+inline constexpr uint32_t kProtocolRevision = 8;
 
 // This build's version (CMake's PROJECT_VERSION), "0.1.0".
 absl::string_view FlatshardVersion();

@@ -10,7 +10,9 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "proto/flatshard.pb.h"
 #include "server/before_blocking.h"
+#include "server/hyperparams.h"
 #include "server/log.h"
 #include "tls/tls_connection.h"
 #include "transport/tcp/tcp_transport.h"
@@ -204,6 +206,8 @@ bool DataServer::ServeRequest(Connection& conn, const Request& request) {
     case DataOp::kNcclGather:
     case DataOp::kNcclScatter:
       return conn.SendHeld().ok() && ServeNccl(conn, request);
+    case DataOp::kSetHyperparams:
+      return ServeSetHyperparams(conn, request);
     case DataOp::kHello:
       return Refuse(conn, request,
                     absl::FailedPreconditionError("this connection is already authenticated"));
@@ -222,6 +226,9 @@ void DataServer::CountError(const Request* request, const absl::Status& status) 
   if (!held_back.has_value() || !spdlog::should_log(level)) return;
   if (request == nullptr) {
     spdlog::log(level, "data plane: {}{}", status.ToString(), LogThrottle::HeldBack(*held_back));
+  } else if (request->group.empty()) {  // a request about several groups, which its status names
+    spdlog::log(level, "data plane: {} of job '{}' by worker {}: {}{}", transport::DataOpName(request->op),
+                request->job, request->worker_rank, status.ToString(), LogThrottle::HeldBack(*held_back));
   } else {
     spdlog::log(level, "data plane: {} of group '{}/{}' by worker {} at version {}: {}{}",
                 transport::DataOpName(request->op), request->job, request->group, request->worker_rank,
@@ -406,6 +413,29 @@ void DataServer::AbortReceive(Group& group, const Request& request, const Receiv
     default:
       return group.AbortPushInit(slot);
   }
+}
+
+bool DataServer::ServeSetHyperparams(Connection& conn, const Request& request) {
+  if (!request.group.empty()) {
+    return Refuse(conn, request,
+                  absl::InvalidArgumentError("a set-hyperparams request names its groups in its payload, not its "
+                                             "header"));
+  }
+  if (request.payload_bytes > transport::kMaxSettingsBytes) {
+    return Refuse(conn, request,
+                  absl::InvalidArgumentError(absl::StrCat("a set-hyperparams request carries at most ",
+                                                          transport::kMaxSettingsBytes, " bytes of settings; this one ",
+                                                          request.payload_bytes)));
+  }
+  std::string payload(static_cast<size_t>(request.payload_bytes), '\0');
+  if (!conn.Recv(absl::MakeSpan(reinterpret_cast<std::byte*>(payload.data()), payload.size())).ok()) return false;
+  v1::SetHyperparamsRequest settings;
+  const absl::Status status =
+      settings.ParseFromString(payload)
+          ? SetHyperparams(registry_, request.job, settings)
+          : absl::InvalidArgumentError("a set-hyperparams request's payload is not a serialized SetHyperparamsRequest");
+  if (!status.ok()) CountError(&request, status);
+  return transport::SendResponse(conn, status, 0, {}, 0, Delivery::kMayHold).ok();
 }
 
 std::optional<bool> DataServer::RecvHead(Connection& conn, Request& request, absl::Span<std::byte> head,

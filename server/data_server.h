@@ -2,10 +2,11 @@
 // with DataServerOptions::secure: the handshake, then the hello), requires a kHello with
 // a valid session token first (within hello_timeout, or the connection is closed), then
 // serves gather (whole shards or byte ranges of them), scatter (whole or in parts) and
-// init requests, and the partial and reduced chunks that peer servers of a
-// hybrid-sharded job exchange (transport/data_protocol.h; server/step_driver.h; a
-// broadcast that a partial completes is continued aside once the peer has its answer)
-// against the Registry, and the CUDA IPC and NCCL requests through their planes, one
+// init requests, a worker's new optimizer settings (server/hyperparams.h), and the
+// partial and reduced chunks that peer servers of a hybrid-sharded job exchange
+// (transport/data_protocol.h; server/step_driver.h; a broadcast that a partial completes
+// is continued aside once the peer has its answer) against the Registry, and the CUDA
+// IPC and NCCL requests through their planes, one
 // thread per connection. Gradient bytes are received straight into the group's staging
 // slot and gather bytes are sent straight from the version's snapshot, except that an
 // answer given while the worker's next pipelined request is already read may be copied
@@ -100,6 +101,8 @@ class DataServer {
   // holds the payload.
   std::optional<bool> RecvTarget(transport::Connection& conn, const transport::Request& request,
                                  absl::Span<std::byte> target, absl::string_view request_name);
+  // kSetHyperparams: the settings parsed and applied (server/hyperparams.h), the outcome answered.
+  bool ServeSetHyperparams(transport::Connection& conn, const transport::Request& request);
   bool ServeIpc(transport::Connection& conn, const transport::Request& request);
   bool ServeNccl(transport::Connection& conn, const transport::Request& request);
   // Counts a request answered with an error (ServerStats::errors) and logs it

@@ -68,6 +68,8 @@ std::string DataOpName(DataOp op) {
       return "replica-reduced";
     case DataOp::kScatterPart:
       return "scatter-part";
+    case DataOp::kSetHyperparams:
+      return "set-hyperparams";
   }
   return absl::StrCat("op ", static_cast<int>(op));
 }

@@ -76,8 +76,15 @@ enum class DataOp : uint8_t {
   // takes the contribution once every part has arrived; each part is answered like a
   // scatter (a part that completes it: after the step it triggers).
   kScatterPart = 12,  // version = step
+  // New optimizer settings for groups of the request's job, from the next step on (the
+  // SetHyperparams RPC's rule, server/hyperparams.h): the payload is a serialized
+  // v1::SetHyperparamsRequest of at most kMaxSettingsBytes whose job is not read; the
+  // name of the group is empty. On the data plane so that a learning-rate schedule's
+  // change each step takes a warm connection's round trip rather than a gRPC call's
+  // (bench/RESULTS.md); the client asks server 0 first, then the others.
+  kSetHyperparams = 13,
 };
-inline constexpr DataOp kLastDataOp = DataOp::kScatterPart;
+inline constexpr DataOp kLastDataOp = DataOp::kSetHyperparams;
 
 // "gather", "scatter", ... for logs and messages ("op 42" for a number that is none).
 std::string DataOpName(DataOp op);
@@ -87,6 +94,7 @@ inline constexpr uint32_t kResponseMagic = 0x31525346;  // "FSR1"
 inline constexpr uint32_t kMaxNameBytes = 1024;
 inline constexpr uint32_t kMaxMessageBytes = 4096;
 inline constexpr uint32_t kMaxTokenBytes = 256;
+inline constexpr uint32_t kMaxSettingsBytes = uint32_t{16} << 20;  // kSetHyperparams' payload, as gRPC's
 
 // RequestHeader::flags: load_id names the state the request was computed from. Without
 // it (a worker that never gathered nor pushed the group) the server does not check it.

@@ -437,6 +437,66 @@ TEST_F(FaultsTest, BadScatterPartsAreRefusedAndTheConnectionServesOn) {
   ExpectGatherServed(*conn);
 }
 
+// kSetHyperparams on the data plane: refusals name what is wrong and leave the
+// connection in sync (a payload past the limit is drained); settings it takes apply on
+// that server from the next step on.
+TEST_F(FaultsTest, BadSettingsRequestsAreRefusedAndTheConnectionServesOn) {
+  ASSERT_TRUE((*client_)->InitGroupFromSeed("g", 7).ok());
+  std::vector<float> before(layout_->padded_numel());
+  ASSERT_TRUE((*client_)->Gather("g", 0, DType::kFloat32, AsBytes(before)).get().ok());
+  // The job's second worker registers before the settings change (a registration must
+  // match the group's settings).
+  auto worker1 = cluster_.Connect(1, 2);
+  ASSERT_TRUE(worker1.ok()) << worker1.status();
+  ASSERT_TRUE((*worker1)->RegisterGroup("g", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.5}).ok());
+  auto conn = RawConnection();
+  auto send = [&](const std::string& payload, const std::string& group = "") -> absl::Status {
+    transport::RequestHeader header;
+    header.op = static_cast<uint8_t>(transport::DataOp::kSetHyperparams);
+    FLATSHARD_RETURN_IF_ERROR(transport::SendRequest(
+        *conn, header, "test", group,
+        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(payload.data()), payload.size())));
+    FLATSHARD_ASSIGN_OR_RETURN(transport::Response response, transport::RecvResponse(*conn, {}));
+    return response.status;
+  };
+  auto settings = [](const std::string& group, double lr) {
+    v1::SetHyperparamsRequest request;
+    v1::GroupOptimizer* entry = request.add_groups();
+    entry->set_group(group);
+    entry->mutable_optimizer()->mutable_sgd()->set_lr(lr);
+    return request.SerializeAsString();
+  };
+  const std::pair<absl::Status, std::string> refused[] = {
+      {send(settings("g", 0.1), "g"), "names its groups in its payload, not its header"},
+      {send("\xff"), "payload is not a serialized SetHyperparamsRequest"},
+      {send(""), "names no group"},
+      {send(settings("g", -1)), "group 'g': "},
+      {send(std::string(transport::kMaxSettingsBytes + 1, '\0')),
+       absl::StrCat("carries at most ", transport::kMaxSettingsBytes, " bytes of settings; this one ",
+                    transport::kMaxSettingsBytes + 1)},
+  };
+  for (const auto& [status, message] : refused) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(message));
+  }
+  const absl::Status unknown = send(settings("nope", 0.1));
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound) << unknown;
+  EXPECT_THAT(std::string(unknown.message()), HasSubstr("'nope'"));
+  ASSERT_TRUE(send(settings("g", 0.25)).ok());
+  ExpectGatherServed(*conn);
+  // Server 0 steps its shard with the new rate, the others with the registered one (a
+  // mean gradient of 1 everywhere).
+  const std::vector<float> grad(before.size(), 1.0f);
+  for (Client* worker : {client_->get(), worker1->get()}) {
+    ASSERT_TRUE(worker->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  }
+  std::vector<float> after(before.size());
+  ASSERT_TRUE((*client_)->Gather("g", 1, DType::kFloat32, AsBytes(after)).get().ok());
+  for (int64_t i = 0; i < 10; ++i) {
+    EXPECT_EQ(after[i], before[i] - (i < layout_->shard_numel() ? 0.25f : 0.5f)) << "element " << i;
+  }
+}
+
 TEST_F(FaultsTest, DuplicateStaleAndFutureScattersNameTheExpectedStep) {
   auto conn = RawConnection();
   const int64_t bytes = layout_->shard_numel() * 4;

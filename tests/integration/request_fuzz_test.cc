@@ -353,9 +353,9 @@ absl::StatusOr<Answer> ReadAnswer(transport::Connection& conn) {
 // `requests` well-formed frames (valid op, dtype and lengths) with random fields from
 // `seed`, over a connection of its own to each server: every op, job and group names that
 // exist or not, worker ranks, steps and timeouts on their boundaries, payloads of the
-// sizes the groups take, of others, and random targets, ranges and part heads. Each gets
-// exactly one answer; then each connection still serves a plain gather. Counts the
-// answers by op and code into `answers`.
+// sizes the groups take, of others, and random targets, ranges, part heads and optimizer
+// settings. Each gets exactly one answer; then each connection still serves a plain
+// gather. Counts the answers by op and code into `answers`.
 void RequestFuzzTest::FuzzDataPlane(uint64_t seed, int requests, Tally& answers) {
   Fuzzer fuzz(seed);
   std::vector<std::unique_ptr<transport::Connection>> conns;
@@ -382,7 +382,7 @@ void RequestFuzzTest::FuzzDataPlane(uint64_t seed, int requests, Tally& answers)
       header.load_id = fuzz.Pick<uint64_t>({0, 0, 1, fuzz.UInt64()});
     }
     const std::string job = fuzz.Pick<std::string>({"test", "test", "async", "hy", "hy", "nojob", ""});
-    const std::string group = fuzz.Pick<std::string>({"g", "g", "big", "f", "none"});
+    std::string group = fuzz.Pick<std::string>({"g", "g", "big", "f", "none"});
     std::string head;  // the target, range or part head that leads the payload
     switch (static_cast<transport::DataOp>(header.op)) {
       case transport::DataOp::kGatherRange: {
@@ -407,6 +407,22 @@ void RequestFuzzTest::FuzzDataPlane(uint64_t seed, int requests, Tally& answers)
       case transport::DataOp::kIpcScatter:
         head = fuzz.Bytes(sizeof(transport::IpcTarget));
         break;
+      case transport::DataOp::kSetHyperparams: {  // settings of groups that exist or not, in range or not
+        if (!fuzz.OneIn(4)) group.clear();       // the payload names the groups
+        v1::SetHyperparamsRequest settings;
+        for (uint64_t k = fuzz.Below(3); k > 0; --k) {
+          v1::GroupOptimizer* entry = settings.add_groups();
+          entry->set_group(fuzz.Pick<std::string>({"g", "big", "f", "none"}));
+          const double lr = fuzz.Pick<double>({0.01, 0.5, 0, -1, std::numeric_limits<double>::quiet_NaN(), 1e300});
+          if (fuzz.OneIn(2)) {
+            entry->mutable_optimizer()->mutable_sgd()->set_lr(lr);
+          } else if (!fuzz.OneIn(4)) {
+            entry->mutable_optimizer()->mutable_adam()->set_lr(lr);
+          }
+        }
+        head = settings.SerializeAsString();
+        break;
+      }
       default:
         break;
     }

@@ -92,6 +92,7 @@ TEST(DataProtocolTest, EveryOpHasADistinctName) {
   }
   EXPECT_EQ(names.size(), static_cast<size_t>(kLastDataOp));
   EXPECT_EQ(DataOpName(DataOp::kScatterPart), "scatter-part");
+  EXPECT_EQ(DataOpName(DataOp::kSetHyperparams), "set-hyperparams");
   EXPECT_EQ(DataOpName(static_cast<DataOp>(99)), "op 99");
 }
 
@@ -221,7 +222,7 @@ TEST(DataProtocolTest, RecvRequestRefusesEachKindOfBadHeader) {
   const BadHeader cases[] = {
       {"magic", [](RequestHeader& h) { h.magic = 0x50545448; }, "magic"},
       {"op zero", [](RequestHeader& h) { h.op = 0; }, "unknown op 0"},
-      {"op past the last", [](RequestHeader& h) { h.op = static_cast<uint8_t>(kLastDataOp) + 1; }, "unknown op 13"},
+      {"op past the last", [](RequestHeader& h) { h.op = static_cast<uint8_t>(kLastDataOp) + 1; }, "unknown op 14"},
       {"dtype", [](RequestHeader& h) { h.dtype = 3; }, "dtype 3"},
       {"job name", [](RequestHeader& h) { h.job_bytes = kMaxNameBytes + 1; }, "too long"},
       {"group name", [](RequestHeader& h) { h.group_bytes = 60000; }, "too long"},
