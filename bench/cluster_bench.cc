@@ -4,7 +4,7 @@
 //   Adam step (params/s)         vs  STREAM-like triad bandwidth / 28 bytes per parameter
 //   small-gather latency p50     vs  a gRPC unary call that does no work (p50), and a
 //                                   bare TCP round trip of the same bytes
-//   a control call (p50)         vs  the same gRPC no-op
+//   SetHyperparams (p50)         vs  the same gRPC no-op (what it took as an RPC)
 //   gather / scatter over TLS    vs  the same over the plain TCP data plane (--tls_data_plane)
 //   status --json of many groups vs  protobuf's JSON printer joined by an nlohmann tree
 //   a step of many small groups  vs  the same transfers through the calls for one group
@@ -366,8 +366,8 @@ class TcpEcho {
 // Small-gather latency (1 KiB group, 1 server, 1 worker), waited for with future.get()
 // and with flatshard::Await, against a no-op gRPC call and a bare TCP round trip of the
 // same sizes (a gather request's 50 bytes, its answer's 40 + 1024), all interleaved; and
-// a control call (SetHyperparams, as a learning-rate schedule makes each step) against
-// the no-op: what the client's control plane adds to gRPC.
+// SetHyperparams (as a learning-rate schedule makes each step; on the data connections)
+// against the no-op gRPC call it would otherwise be.
 void Latency(int samples) {
   auto cluster = StartCluster(1);
   auto client = Connect(*cluster, 0, 1, "latency");
@@ -404,7 +404,7 @@ void Latency(int samples) {
   row("small gather (1 KiB), get() vs gRPC no-op", "get", "grpc", "   (target <= 2x)");
   row("small gather, Await vs gRPC no-op", "await", "grpc", "");
   row("small gather, Await vs TCP round trip", "await", "tcp", "");
-  row("control call (SetHyperparams) vs gRPC no-op", "control", "grpc", "");
+  row("SetHyperparams (data plane) vs gRPC no-op", "control", "grpc", "");
 }
 
 // A step's transfers for a model of many small groups (2 servers, one worker, `groups`

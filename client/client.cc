@@ -1,6 +1,7 @@
 #include "flatshard/client.h"
 
 #include <algorithm>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,6 +16,7 @@
 #include "client/control_plane.h"
 #include "client/data_transfers.h"
 #include "client/sent_steps.h"
+#include "client/wait_hook.h"
 #include "core/status_macros.h"
 #include "proto/cluster_info.h"
 #include "proto/convert.h"
@@ -332,16 +334,28 @@ class ClientImpl final : public Client {
   using Client::SetHyperparams;
   absl::Status SetHyperparams(const std::vector<GroupOptimizer>& groups, std::stop_token stop) override {
     if (groups.empty()) return absl::InvalidArgumentError("SetHyperparams names no group");
-    v1::SetHyperparamsRequest request;
-    request.set_job(options_.job);
+    // On the data plane (kSetHyperparams): a learning-rate schedule makes this call every
+    // step, and a warm connection's round trip is a fraction of a gRPC call's.
+    v1::SetHyperparamsRequest request;  // the data request names the job
     for (const GroupOptimizer& group : groups) {
       v1::GroupOptimizer* entry = request.add_groups();
       entry->set_group(group.group);
       *entry->mutable_optimizer() = OptimizerToProto(group.optimizer);
     }
-    v1::SetHyperparamsResponse response;
-    return control_->CallServerZeroThenOthers(&v1::Flatshard::Stub::PrepareAsyncSetHyperparams, request, &response,
-                                              absl::ZeroDuration(), stop);
+    const auto settings = std::make_shared<const std::string>(request.SerializeAsString());
+    auto answer = [&](int server, std::future<absl::Status>& answered) {
+      const absl::Status status = client_internal::AwaitCallingWaitHook(answered);
+      return !status.ok() && stop.stop_requested() ? control_->Stopped(server) : status;
+    };
+    // Server 0 first: a refusal (every server checks alike) or a stop while server 0 does
+    // not answer changes no server; then the others at once.
+    std::future<absl::Status> first = transfers_->SetHyperparams(0, settings, stop);
+    FLATSHARD_RETURN_IF_ERROR(answer(0, first));
+    std::vector<std::future<absl::Status>> others;
+    for (int i = 1; i < num_servers(); ++i) others.push_back(transfers_->SetHyperparams(i, settings, stop));
+    absl::Status status;
+    for (int i = 1; i < num_servers(); ++i) status.Update(answer(i, others[i - 1]));
+    return status;
   }
 
  private:

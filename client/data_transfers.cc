@@ -187,6 +187,16 @@ absl::Status DataTransfers::PushInits(const std::vector<GroupInit>& groups, std:
   return first;
 }
 
+std::future<absl::Status> DataTransfers::SetHyperparams(int server, std::shared_ptr<const std::string> settings,
+                                                       std::stop_token stop) {
+  auto done = std::make_shared<Completion<absl::Status>>(1);
+  std::future<absl::Status> answered = done->future();
+  const auto bytes = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(settings->data()), settings->size());
+  SubmitOne(done, server, transport::DataOp::kSetHyperparams, /*group=*/"", 0, DType::kFloat32, bytes, {}, {},
+            std::move(settings), std::move(stop));
+  return answered;
+}
+
 std::vector<std::string> DataTransfers::PlaneNames() const {
   std::vector<std::string> planes(num_servers(), "tcp");
   const int device = CurrentDevice();

@@ -4,8 +4,10 @@
 // server, each over the plane that pair allows: TCP for host buffers; for device
 // buffers CUDA IPC (server on the buffer's GPU), NCCL (server on another GPU) or TCP
 // through pooled pinned host staging (client/staging_pool.h), as
-// ClientOptions::device_plane says. Internal to the client library; Client::Gather and
-// Client::Scatter document the caller's side. Thread-safe.
+// ClientOptions::device_plane says. It also carries new optimizer settings, a small
+// request a learning-rate schedule makes every step, on the same connections. Internal
+// to the client library; Client::Gather, Client::Scatter and Client::SetHyperparams
+// document the caller's side. Thread-safe.
 //
 // Per group it keeps the checkpoint load its last gather's state came from, or its last
 // initial push went into (transport/data_protocol.h), and its scatters name that load: a
@@ -141,6 +143,12 @@ class DataTransfers {
   // `stop` ends them at once (DataChannel::Submit), Cancelled: a server that had not
   // received all of a shard keeps its values (it drops a part-received push).
   [[nodiscard]] absl::Status PushInits(const std::vector<GroupInit>& groups, std::stop_token stop);
+
+  // Server `server` takes new optimizer settings (kSetHyperparams: `settings` is a
+  // serialized v1::SetHyperparamsRequest, held until the request ends): its answer, a
+  // refusal naming the server. A stop asked of `stop` ends it as a transfer's, Cancelled.
+  std::future<absl::Status> SetHyperparams(int server, std::shared_ptr<const std::string> settings,
+                                           std::stop_token stop);
 
   // Per server, the plane a buffer on this thread's GPU would use (Client::DataPlanes).
   std::vector<std::string> PlaneNames() const;

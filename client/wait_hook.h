@@ -8,6 +8,7 @@
 #include <functional>
 #include <future>
 
+#include "flatshard/await.h"
 #include "flatshard/while_waiting.h"
 
 namespace flatshard::client_internal {
@@ -22,6 +23,14 @@ T GetCallingWaitHook(std::future<T>& future) {
     while (future.wait_for(absl::ToChronoMilliseconds(kWaitSlice)) != std::future_status::ready) (*hook)();
   }
   return future.get();
+}
+
+// GetCallingWaitHook, polling the future first for up to kAwaitSpin as flatshard::Await
+// does: a small request's answer is seen as it comes, not after this thread wakes.
+template <typename T>
+T AwaitCallingWaitHook(std::future<T>& future) {
+  if (AwaitFor(future, kAwaitSpin)) return future.get();
+  return GetCallingWaitHook(future);
 }
 
 }  // namespace flatshard::client_internal

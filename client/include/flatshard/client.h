@@ -362,12 +362,13 @@ class Client {
                                             std::stop_token stop = {}) {
     return SetHyperparams(std::vector<GroupOptimizer>{{group, optimizer}}, std::move(stop));
   }
-  // The same for several groups in one call per server (server 0 first, then the others
-  // at once: a learning-rate schedule's change to every group). Each server finds every
-  // group and checks its settings before it changes any: NotFound, InvalidArgument (a
-  // setting out of range) or FailedPrecondition (another optimizer kind) naming the group
-  // change nothing there; InvalidArgument for no group. Only memory for state the new
-  // settings need (momentum, amsgrad) can still run out part-way (ResourceExhausted
+  // The same for several groups in one request per server (server 0 first, then the
+  // others at once: a learning-rate schedule's change to every group), carried on the
+  // data connections, whose round trip is a fraction of a gRPC call's. Each server finds
+  // every group and checks its settings before it changes any: NotFound, InvalidArgument
+  // (a setting out of range) or FailedPrecondition (another optimizer kind) naming the
+  // group change nothing there; InvalidArgument for no group. Only memory for state the
+  // new settings need (momentum, amsgrad) can still run out part-way (ResourceExhausted
   // naming the group), leaving the groups before it changed.
   [[nodiscard]] virtual absl::Status SetHyperparams(const std::vector<GroupOptimizer>& groups,
                                                     std::stop_token stop = {}) = 0;
