@@ -1,24 +1,23 @@
-// DataServer: the server side of the TCP data plane. Accepts connections (wrapped in TLS
-// with DataServerOptions::secure: the handshake, then the hello), requires a kHello with
-// a valid session token first (within hello_timeout, or the connection is closed), then
-// serves gather (whole shards or byte ranges of them), scatter (whole or in parts) and
-// init requests, a worker's new optimizer settings (server/hyperparams.h), and the
+// DataServer: the server side of the TCP data plane. Accepts connections (wrapped in
+// TLS with DataServerOptions::secure: the handshake, then the hello), requires a kHello
+// with a valid session token first (within hello_timeout, or the connection is closed),
+// then serves gather (whole shards or byte ranges of them), scatter (whole or in parts)
+// and init requests, a worker's new optimizer settings (server/hyperparams.h), and the
 // partial and reduced chunks that peer servers of a hybrid-sharded job exchange
-// (transport/data_protocol.h; server/step_driver.h; a broadcast that a partial completes
-// is continued aside once the peer has its answer) against the Registry, and the CUDA
-// IPC and NCCL requests through their planes, one
-// thread per connection. Gradient bytes are received straight into the group's staging
-// slot and gather bytes are sent straight from the version's snapshot, except that an
-// answer given while the worker's next pipelined request is already read may be copied
-// to leave with the next one (transport::Delivery::kMayHold, over TCP and TLS alike; the
-// thread sends what it holds before any wait, server/before_blocking.h). A refused
-// request gets a precise status and the connection stays usable when its stream is
-// still in sync; garbage frames close it. Nothing a peer sends can crash the server or
-// stop it from serving others: at most max_hellos connections wait for their hello at
-// once, and a connection past that closes the one that has waited longest (a flood of
-// silent connections cannot use up the server's threads, and a client's hello, which
-// follows its connect at once, still gets through); a thread that cannot be started
-// closes its connection.
+// (transport/data_protocol.h; server/step_driver.h; a broadcast that a partial
+// completes is continued aside once the peer has its answer) against the Registry, and
+// the CUDA IPC and NCCL requests through their planes, one thread per connection.
+// Gradient bytes are received straight into the group's staging slot and gather bytes
+// are sent straight from the version's snapshot, except that an answer given while the
+// worker's next pipelined request is already read may be copied to leave with the next
+// one (transport::Delivery::kMayHold, over TCP and TLS alike; the thread sends what it
+// holds before any wait, server/before_blocking.h). A refused request gets a precise
+// status and the connection stays usable when its stream is still in sync; garbage
+// frames close it. Nothing a peer sends can crash the server or stop it from serving
+// others: at most max_hellos connections wait for their hello at once, and a connection
+// past that closes the one that has waited longest (a flood of silent connections
+// cannot use up the server's threads, and a client's hello, which follows its connect
+// at once, still gets through); a thread that cannot be started closes its connection.
 //
 // Start/Stop from one thread; the rest is internal.
 //
