@@ -618,6 +618,41 @@ TEST(SetHyperparamsTest, ChangesEveryGroupNamedOrNone) {
   EXPECT_EQ(value_of("b"), std::set<float>{-1.0f});
 }
 
+// The SetHyperparams RPC, for gRPC clients other than this library (whose Client sends
+// the request on its data connections), applies the same rule on the server it reaches.
+TEST(SetHyperparamsTest, TheRpcChangesTheGroupsOfTheServerItReaches) {
+  testing::TestCluster cluster(1, "tok", ::testing::TempDir());
+  auto worker = cluster.Connect(0, 1);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  Client& client = **worker;
+  ASSERT_TRUE(client.ConfigureJob({.reduce_mean = false}).ok());
+  auto layout = client.RegisterGroup("a", {{"w", {10}, DType::kFloat32}}, 0, SgdOptions{.lr = 1.0});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<float> values((*layout)->padded_numel(), 0.0f);
+  ASSERT_TRUE(client.InitGroup("a", values).ok());
+  auto stub = v1::Flatshard::NewStub(grpc::CreateChannel(cluster.addresses()[0], grpc::InsecureChannelCredentials()));
+  auto call = [&](const std::string& group, double lr) {
+    v1::SetHyperparamsRequest request;
+    request.set_job(client.options().job);
+    v1::GroupOptimizer* entry = request.add_groups();
+    entry->set_group(group);
+    entry->mutable_optimizer()->mutable_sgd()->set_lr(lr);
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + cluster.token());
+    v1::SetHyperparamsResponse response;
+    return stub->SetHyperparams(&ctx, request, &response);
+  };
+  const grpc::Status unknown = call("nope", 0.5);
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << unknown.error_message();
+  EXPECT_THAT(unknown.error_message(), HasSubstr("'nope'"));
+  EXPECT_EQ(call("a", -1).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(call("a", 0.25).ok());
+  const std::vector<float> ones(values.size(), 1.0f);
+  ASSERT_TRUE(client.Scatter("a", 0, DType::kFloat32, AsBytes(ones)).get().ok());
+  ASSERT_EQ(client.Gather("a", 1, DType::kFloat32, AsBytes(values)).get().value_or(-1), 1);
+  EXPECT_EQ(std::set<float>(values.begin(), values.end()), std::set<float>{-0.25f});
+}
+
 // The GPU tiers run the same element code as the CPU (kernels/cuda/kernels.h), so the
 // servers' results stay bitwise equal to the single-process CPU reference.
 TEST(TrainingIntegrationTest, DeviceMemoryTierMatchesSingleProcessBitwise) {
