@@ -4,6 +4,7 @@
 #   make test    install deps, build, run every test; also build and test CPU-only
 #   make demo    the main job: a local cluster, training workers, a state-dict export
 #   make bench   benchmarks, with ratios to anchors measured in the same run
+#   make sanitize  every test under AddressSanitizer (SANITIZE=undefined: UBSan)
 
 BUILD_DIR ?= build
 CPU_BUILD_DIR ?= build-cpu
@@ -12,8 +13,9 @@ FLATSHARD_CUDA ?= AUTO
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 CTEST_FLAGS ?= --output-on-failure --timeout 600 -j $(JOBS)
+SANITIZE ?= address
 
-.PHONY: all deps configure build build-cpu test test-cpu demo bench clean
+.PHONY: all deps configure build build-cpu test test-cpu demo bench sanitize clean
 
 all: build
 
@@ -50,6 +52,11 @@ demo: deps
 bench: deps
 	@$(MAKE) --no-print-directory build
 	@scripts/bench.sh $(BUILD_DIR)
+
+# Every test in a sanitized CPU-only tree (SANITIZE=address or undefined), the Python
+# suites against its server; fails on any sanitizer report of any process.
+sanitize: deps
+	@JOBS=$(JOBS) scripts/sanitize.sh $(SANITIZE) "" $(CPU_BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR) $(CPU_BUILD_DIR)
