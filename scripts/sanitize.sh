@@ -9,7 +9,7 @@
 # any of them reports an error, whatever the tests said. The sanitized tree builds no
 # Python package (the interpreter lacks the runtime): the Python suites run from the
 # CPU tree's package (`make test-cpu` builds it) against the sanitized server.
-# ThreadSanitizer needs Abseil and oneTBB built with it: see the README.
+# ThreadSanitizer needs Abseil, oneTBB and protobuf built with it: see the README.
 set -euo pipefail
 kind=${1:-address}
 case "$kind" in
