@@ -3,7 +3,8 @@
 saves a checkpoint, kills the cluster, starts a fresh one on the same checkpoint root,
 loads the checkpoint and continues: the loss picks up where it stopped. Each worker
 accumulates its half batch over 2 micro-batches (no_sync) and follows a cosine
-learning-rate schedule (set_hyperparams), which resumes by step number.
+learning-rate schedule (set_hyperparams), which resumes by step number. Biases train
+without weight decay (param_groups, as torch optimizers take them).
 
     PYTHONPATH=build/python /usr/bin/python3 examples/torch_train.py [--steps 40]
 """
@@ -47,8 +48,10 @@ def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, q
     torch.set_num_threads(1)
     client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token)
     client.configure_job(max_grad_norm=1.0)
-    model = flatshard.torch.ShardedModule(make_model(), client,
-                                          optimizer=flatshard.AdamW(lr=1e-2, weight_decay=0.01),
+    net = make_model()
+    biases = [p for p in net.parameters() if p.ndim < 2]
+    model = flatshard.torch.ShardedModule(net, client, optimizer=flatshard.AdamW(lr=1e-2, weight_decay=0.01),
+                                          param_groups=[{"params": biases, "weight_decay": 0.0}],
                                           auto_wrap_min_params=1000, load_checkpoint=checkpoint)
     assert model.version == first_step, (model.version, first_step)
     losses, norms = [], []

@@ -52,10 +52,27 @@ is wrapped) live in one group of their own, named ``<name>.<frozen>``: on the se
 checkpoints hold them and every worker gets worker 0's values, but gathered once, never
 sent gradients and never stepped (torch's optimizers skip a parameter without a gradient,
 weight decay included).
+
+Optimizer settings per parameter, as torch optimizers take param groups (no weight
+decay on biases and norms, a head at its own learning rate)::
+
+    no_decay = [p for p in net.parameters() if p.ndim < 2]
+    model = ShardedModule(net, client, optimizer=flatshard.AdamW(lr=1e-3, weight_decay=0.1),
+                          param_groups=[{"params": no_decay, "weight_decay": 0.0}])
+    model.set_hyperparams(lr=5e-4)                 # every parameter's learning rate
+    model.set_hyperparams(lr=1e-4, param_group=0)  # param_groups[0]'s alone
+
+Each entry lists parameters of the module (or their names) with the hyper-parameters in
+which they differ from ``optimizer``; the others keep ``optimizer``'s. A flat parameter
+has one optimizer setting (as FSDP's), so a wrapped module whose parameters are in
+several entries gets a flat parameter per entry: ``<module's group>.<param_groups[k]>``
+for entry k, beside the module's own group for those in none. Checkpoints load into a
+module wrapped with the same entries.
 """
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import math
 
@@ -115,16 +132,56 @@ def _parameter_names(module):
     return canonical, aliases
 
 
+def _param_group_settings(optimizer, param_groups, canonical, aliases):
+    """torch-style param_groups for ShardedModule: returns (optimizers, entry_of), where
+    optimizers[k] is `optimizer` with param_groups[k]'s hyper-parameters and entry_of maps
+    the canonical name of each parameter listed to its entry k (the others keep
+    `optimizer`). Raises InvalidArgumentError for an entry that is not a dict with
+    "params", a hyper-parameter `optimizer` does not have, a tensor that is not one of
+    the module's parameters, an unknown name, or a parameter in two entries."""
+    optimizers, entry_of = [], {}
+    names = set(canonical.values())
+    known = {field.name for field in dataclasses.fields(optimizer)} if dataclasses.is_dataclass(optimizer) else set()
+    for k, entry in enumerate(param_groups or []):
+        where = f"param_groups[{k}]"
+        if not isinstance(entry, dict) or "params" not in entry:
+            raise flatshard.InvalidArgumentError(f"{where}: expected a dict with 'params' (and hyper-parameters)")
+        overrides = {key: value for key, value in entry.items() if key != "params"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise flatshard.InvalidArgumentError(
+                f"{where}: unknown hyper-parameters {unknown} for {type(optimizer).__name__}")
+        optimizers.append(dataclasses.replace(optimizer, **overrides))
+        params = entry["params"]
+        for param in [params] if isinstance(params, (str, torch.Tensor)) else params:
+            if isinstance(param, str):
+                fqn = aliases.get(param, param)
+                if fqn not in names:
+                    raise flatshard.InvalidArgumentError(f"{where}: '{param}' is not a parameter of the module")
+            else:
+                fqn = canonical.get(id(param))
+                if fqn is None:
+                    raise flatshard.InvalidArgumentError(
+                        f"{where}: a tensor of shape {tuple(getattr(param, 'shape', ()))} that is not one of "
+                        "the module's parameters")
+            if entry_of.setdefault(fqn, k) != k:
+                raise flatshard.InvalidArgumentError(
+                    f"parameter '{fqn}' is in param_groups[{entry_of[fqn]}] and {where}")
+    return optimizers, entry_of
+
+
 class _Group:
     """One flat parameter: `params` view `flat`; gradients gather in `flat_grad` (None for
     the frozen parameters' group), each parameter's in its view of it (`grad_views`).
     `flat_buffer` and `grad_buffer` are what the client reads and writes
     (_client_buffer)."""
 
-    def __init__(self, name, path, module, params, layout, param_dtype, reduce_dtype, trained=True):
+    def __init__(self, name, path, module, params, layout, param_dtype, reduce_dtype, trained=True,
+                 param_group=None):
         self.name = name
         self.path = path
         self.module = module
+        self.param_group = param_group  # its entry of ShardedModule's param_groups (None: none)
         self.params = params  # [(fqn, nn.Parameter)] in layout order
         self.layout = layout
         self.param_dtype = param_dtype
@@ -180,7 +237,7 @@ class ShardedModule(torch.nn.Module):
     """Wraps `module` so its parameters live on the flatshard servers (see module doc)."""
 
     def __init__(self, module, client, optimizer, param_dtype=None, reduce_dtype=None,
-                 auto_wrap_min_params=100_000, name="model", load_checkpoint=None):
+                 auto_wrap_min_params=100_000, name="model", load_checkpoint=None, param_groups=None):
         super().__init__()
         self.module = module
         self._client = client
@@ -196,6 +253,8 @@ class ShardedModule(torch.nn.Module):
             if dtype not in _NAMES:
                 raise flatshard.InvalidArgumentError(f"dtype {dtype}: expected float32, bfloat16 or float16")
         canonical, self._aliases = _parameter_names(module)
+        optimizers, entry_of = _param_group_settings(optimizer, param_groups, canonical, self._aliases)
+        self._param_group_count = len(optimizers)
         wrapped, rest = _auto_wrap(
             module, auto_wrap_min_params,
             lambda fqn, p: p.requires_grad and canonical[id(p)] == fqn)
@@ -206,18 +265,30 @@ class ShardedModule(torch.nn.Module):
         # fp32 initial values, taken before the parameters become views of (possibly
         # bf16) flat buffers: the servers' master copy starts from full precision.
         initial = {fqn: p.detach().float().clone() for fqn, p in module.named_parameters()}
-        # Every group in one call per server: (name, module path, parameters, optimizer).
-        specs = [(f"{name}.{path or '<root>'}", path, params, optimizer) for path, params in wrapped]
+        # Every group in one call per server: (name, module path, parameters, optimizer,
+        # param_groups entry). A wrapped module whose parameters are in several entries
+        # gets a flat parameter per entry, as FSDP needs one optimizer setting per flat
+        # parameter: the parameters in none of them first, under the module's own name.
+        specs = []
+        for path, params in wrapped:
+            base = f"{name}.{path or '<root>'}"
+            by_entry = collections.defaultdict(list)
+            for fqn, param in params:
+                by_entry[entry_of.get(fqn, -1)].append((fqn, param))
+            for entry in sorted(by_entry):
+                specs.append((base, path, by_entry[entry], optimizer, None) if entry < 0 else
+                             (f"{base}.<param_groups[{entry}]>", path, by_entry[entry], optimizers[entry], entry))
+        trained = len(specs)
         if frozen:
-            specs.append((f"{name}.<frozen>", None, frozen, flatshard.Frozen()))
+            specs.append((f"{name}.<frozen>", None, frozen, flatshard.Frozen(), None))
         layouts = client.register_groups(
             [(group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], group_optimizer)
-             for group_name, _, params, group_optimizer in specs]) if specs else []
+             for group_name, _, params, group_optimizer, _ in specs]) if specs else []
         groups = [_Group(group_name, path, modules[path] if path is not None else None, params, layout,
-                         self._param_dtype, self._reduce_dtype, trained=path is not None)
-                  for (group_name, path, params, _), layout in zip(specs, layouts)]
-        self._groups = groups[:len(wrapped)]  # trained, in forward order
-        self._frozen = groups[len(wrapped)] if frozen else None
+                         self._param_dtype, self._reduce_dtype, trained=path is not None, param_group=entry)
+                  for (group_name, path, params, _, entry), layout in zip(specs, layouts)]
+        self._groups = groups[:trained]  # trained, in forward order
+        self._frozen = groups[trained] if frozen else None
         self._initialize(name, load_checkpoint, initial)
         del initial
         for index, group in enumerate(self._groups):
@@ -359,12 +430,18 @@ class ShardedModule(torch.nn.Module):
                 self._scatter(group)
         return None
 
-    def set_hyperparams(self, **changes):
-        """New optimizer hyper-parameters for every trained group from the next step on,
-        as a learning-rate schedule sets torch's param_groups: set_hyperparams(lr=1e-4).
-        The servers apply them to the step that the next step() completes."""
-        if self._groups:  # one call per server for all of them
-            self._client.set_hyperparams_of([group.name for group in self._groups], **changes)
+    def set_hyperparams(self, param_group=None, **changes):
+        """New optimizer hyper-parameters from the next step on, as a learning-rate
+        schedule sets torch's param_groups: set_hyperparams(lr=1e-4) for every trained
+        parameter, set_hyperparams(param_group=k, lr=1e-4) for those of param_groups[k]
+        alone. The servers apply them to the step that the next step() completes."""
+        if param_group is not None and (not isinstance(param_group, int) or
+                                        not 0 <= param_group < self._param_group_count):
+            raise flatshard.InvalidArgumentError(
+                f"param_group {param_group!r}: the module has {self._param_group_count} param_groups")
+        names = [group.name for group in self._groups if param_group is None or group.param_group == param_group]
+        if names:  # one call per server for all of them
+            self._client.set_hyperparams_of(names, **changes)
 
     @contextlib.contextmanager
     def no_sync(self):

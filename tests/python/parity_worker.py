@@ -1,7 +1,8 @@
 """A training worker process for the parity tests: trains `kind` with ShardedModule on
 its half of the batch (on `device`: "cpu" or "cuda"), in `micro_batches` pieces whose
 gradients accumulate under no_sync() but for the last, with the learning rate set to
-lr_schedule[step] before the steps it names, and reports its losses, (worker 0) the
+lr_schedule[step] (an lr, or (lr, k) for param_groups[k] alone) before the steps it
+names, and reports its losses, (worker 0) the
 final state dict, (a clipped job) the gradient norm of every step and (with a
 GradScaler: init 2**10, growth every 3 steps) the final loss scale."""
 
@@ -14,7 +15,7 @@ from models import make_data, make_model
 
 
 def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue, device="cpu",
-        micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False):
+        micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None):
     try:
         torch.set_num_threads(1)
         client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token,
@@ -23,7 +24,7 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
         model = flatshard.torch.ShardedModule(make_model(kind).to(device), client, optimizer=optimizer,
                                               param_dtype=param_dtype,
                                               reduce_dtype=torch.float32 if param_dtype else None,
-                                              auto_wrap_min_params=200)
+                                              auto_wrap_min_params=200, param_groups=param_groups)
         scaler = flatshard.torch.GradScaler(model, init_scale=2.0 ** 10, growth_interval=3) if grad_scaler else None
         scaled = scaler.scale if scaler else (lambda loss: loss)
         x, y = (t.to(device) for t in make_data(kind))
@@ -33,7 +34,9 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
         micro = x.shape[0] // micro_batches
         for step in range(steps):
             if lr_schedule and step in lr_schedule:
-                model.set_hyperparams(lr=lr_schedule[step])
+                change = lr_schedule[step]
+                lr, param_group = change if isinstance(change, tuple) else (change, None)
+                model.set_hyperparams(lr=lr, param_group=param_group)
             total = 0.0
             for m in range(micro_batches):
                 piece = slice(m * micro, (m + 1) * micro)

@@ -47,18 +47,27 @@ Run = collections.namedtuple("Run", "losses state groups norms scales")
 
 
 def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu", lr_schedule=None,
-                    skip_step=None):
+                    skip_step=None, param_groups=None):
     """torch alone: the model, per-step losses and (clipped) clip_grad_norm_'s norms;
-    `skip_step` goes without optimizer.step(), as GradScaler skips a non-finite one."""
+    `skip_step` goes without optimizer.step(), as GradScaler skips a non-finite one.
+    `param_groups` (ShardedModule's, parameters by name) become torch's param groups 1.."""
     torch.manual_seed(0)
     model = make_model(kind).to(device)
-    optimizer = make_optimizer(model.parameters())
+    params = model.parameters()
+    if param_groups:  # the parameters in no entry first: entry k is torch's group k + 1
+        named = dict(model.named_parameters())
+        listed = {name for entry in param_groups for name in entry["params"]}
+        params = [{"params": [p for name, p in named.items() if name not in listed]}] + [
+            dict(entry, params=[named[name] for name in entry["params"]]) for entry in param_groups]
+    optimizer = make_optimizer(params)
     x, y = (t.to(device) for t in make_data(kind))
     losses, norms = [], []
     for step in range(steps):
         if lr_schedule and step in lr_schedule:
-            for param_group in optimizer.param_groups:
-                param_group["lr"] = lr_schedule[step]
+            lr, entry = lr_schedule[step] if isinstance(lr_schedule[step], tuple) else (lr_schedule[step], None)
+            for k, param_group in enumerate(optimizer.param_groups):
+                if entry is None or k == entry + 1:
+                    param_group["lr"] = lr
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -74,13 +83,13 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
 
 
 def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu",
-                    micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False):
+                    micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=parity_worker.run,
                                args=(cluster.addresses, cluster.token, rank, kind, optimizer,
                                      job or {}, steps, param_dtype, queue, device, micro_batches,
-                                     lr_schedule, poison_step, grad_scaler))
+                                     lr_schedule, poison_step, grad_scaler, param_groups))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -103,7 +112,7 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
               device="cpu", memory=MEMORY, micro_batches=1, lr_schedule=None, servers=3,
-              replicas=1, poison_step=None, grad_scaler=False):
+              replicas=1, poison_step=None, grad_scaler=False, param_groups=None):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
         if replicas > 1:
             job["replicas"] = replicas
@@ -112,7 +121,8 @@ class ParityTest(unittest.TestCase):
         with checked_cluster.LocalCluster(servers=servers, memory=memory) as cluster:
             losses, state, groups, norms, scales = train_flatshard(
                 cluster, kind, optimizer, steps, job, device=device, micro_batches=micro_batches,
-                lr_schedule=lr_schedule, poison_step=poison_step, grad_scaler=grad_scaler)
+                lr_schedule=lr_schedule, poison_step=poison_step, grad_scaler=grad_scaler,
+                param_groups=param_groups)
             if replicas > 1:  # server r holds shard r % S in replica group r // S
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 per_replica = servers // replicas
@@ -132,7 +142,7 @@ class ParityTest(unittest.TestCase):
                     self.assertGreater(int(server["ipc_gathers"]), 0, server)
         reference, reference_losses, reference_norms = train_reference(
             kind, make_reference_optimizer, steps, max_grad_norm, device, lr_schedule,
-            skip_step=poison_step)
+            skip_step=poison_step, param_groups=param_groups)
         # The servers' norm of each step is clip_grad_norm_'s; a skipped step's is not finite.
         self.assertEqual(len(norms), len(reference_norms))
         for step, (ours, theirs) in enumerate(zip(norms, reference_norms)):
@@ -199,6 +209,29 @@ class ParityTest(unittest.TestCase):
         self.check("tied_frozen", flatshard.AdamW(lr=1e-2, weight_decay=0.05),
                    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05), 12,
                    lr_schedule={4: 3e-2, 8: 1e-3})
+
+    def test_param_groups_set_weight_decay_and_learning_rate_per_parameter(self):
+        # A transformer recipe: no weight decay on biases and norms, the head at its own
+        # learning rate; the schedule changes every parameter's, then the head's alone.
+        no_decay = [name for name, p in make_model("transformer").named_parameters()
+                    if p.ndim < 2 and not name.startswith("head.")]
+        param_groups = [{"params": no_decay, "weight_decay": 0.0},
+                        {"params": ["head.weight", "head.bias"], "lr": 2e-2}]
+        run = self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.1),
+                         lambda groups: torch.optim.AdamW(groups, lr=5e-3, weight_decay=0.1), 12,
+                         max_grad_norm=0.5, lr_schedule={4: 3e-3, 8: (1e-2, 1)}, param_groups=param_groups)
+        # A flat parameter per wrapped module and entry: one optimizer setting each.
+        entry_of = {name: k for k, entry in enumerate(param_groups) for name in entry["params"]}
+        names = []
+        for group, _, fqns in run.groups:
+            names.append(group)
+            entries = {entry_of.get(fqn) for fqn in fqns}
+            self.assertEqual(len(entries), 1, (group, fqns))
+            entry = entries.pop()
+            self.assertEqual(group.endswith(f".<param_groups[{entry}]>"), entry is not None, group)
+        self.assertIn("model.query", names)
+        self.assertIn("model.query.<param_groups[0]>", names)
+        self.assertIn("model.<root>.<param_groups[1]>", names)
 
     def test_hybrid_sharding_two_replica_groups(self):
         # 4 servers in 2 replica groups of 2, one worker in each: each worker gathers from
@@ -352,6 +385,42 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             model.step()
             self.assertEqual(model.version, 1)
             self.assertEqual(model.state_dict(), {})
+
+    def test_param_groups_that_do_not_fit_the_module_are_refused_before_registering(self):
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="param-groups")
+            client.configure_job()
+            stranger = torch.nn.Linear(2, 3).weight
+            for param_groups, message in [
+                    ([{"lr": 0.1}], "param_groups[0]: expected a dict with 'params'"),
+                    ([{"params": ["0.bias"], "betas": (0.9, 0.9)}],
+                     "param_groups[0]: unknown hyper-parameters ['betas'] for SGD"),
+                    ([{"params": ["0.bias"]}, {"params": ["2.bias", "0.bias"]}],
+                     "parameter '0.bias' is in param_groups[0] and param_groups[1]"),
+                    ([{"params": ["0.gamma"]}], "param_groups[0]: '0.gamma' is not a parameter of the module"),
+                    ([{"params": [stranger]}],
+                     "param_groups[0]: a tensor of shape (3, 2) that is not one of the module's parameters")]:
+                with self.subTest(message=message):
+                    with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+                        flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
+                                                      auto_wrap_min_params=200, param_groups=param_groups)
+                    self.assertIn(message, str(refused.exception))
+            self.assertEqual([g for s in client.status()["servers"] for g in s["groups"]], [])
+            # Parameters given as tensors; lr 0 keeps the head's weight where it was.
+            net = make_model("mlp")
+            head = net[4].weight
+            initial = head.detach().clone()
+            model = flatshard.torch.ShardedModule(net, client, flatshard.SGD(lr=0.1), auto_wrap_min_params=200,
+                                                  param_groups=[{"params": head, "lr": 0.0}])
+            x, y = make_data("mlp")
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            state = model.state_dict()
+            self.assertTrue(torch.equal(state["4.weight"], initial))
+            self.assertFalse(torch.equal(state["4.bias"], make_model("mlp")[4].bias))
+            with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+                model.set_hyperparams(param_group=1, lr=0.2)
+            self.assertIn("param_group 1: the module has 1 param_groups", str(refused.exception))
 
     def test_a_second_backward_outside_no_sync_is_refused(self):
         with one_worker_mlp("twice") as (_, model):
