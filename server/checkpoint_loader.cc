@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
-#include <set>
+#include <string>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
@@ -35,6 +37,153 @@ absl::StatusOr<std::map<std::string, ManifestFile>> ManifestFiles(const Json& ma
   }
   return files;
 }
+
+namespace {
+
+// A group of the checkpoint, as its manifest describes it.
+struct CheckpointGroup {
+  std::string name;
+  int64_t align = 0;
+  int64_t version = 0;
+  int64_t optimizer_steps = 0;
+  bool momentum_initialized = false;
+  std::string optimizer;
+  std::vector<std::string> state;  // optimizer state names (none in a checkpoint without them)
+  const Json* tensors = nullptr;   // [{"name", "shape", "dtype"}], in layout order
+};
+
+// The tensors a checkpoint holds, by group and name, and which registered group takes
+// each: a registered tensor comes from the checkpoint group of its own group's name that
+// holds it, else from the one checkpoint group holding a tensor of its name (models
+// wrapped otherwise, param groups added or removed: FULL and SHARDED checkpoints load by
+// tensor). Not thread-safe.
+class CheckpointTensors {
+ public:
+  struct Tensor {
+    size_t group;       // in groups()
+    const Json* spec;   // {"name", "shape", "dtype"}
+    std::string taker;  // the registered group that loads it; empty while none
+  };
+
+  static absl::StatusOr<CheckpointTensors> Parse(const Json& manifest, const std::string& name) {
+    CheckpointTensors contents;
+    contents.name_ = name;
+    for (const Json& spec : manifest.at("groups")) {
+      CheckpointGroup group;
+      group.name = spec.value("name", "");
+      const std::string what = absl::StrCat("checkpoint '", name, "' group '", group.name, "'");
+      FLATSHARD_ASSIGN_OR_RETURN(group.align, NonNegativeInteger(spec, "align", -1, what));
+      FLATSHARD_ASSIGN_OR_RETURN(group.version, NonNegativeInteger(spec, "version", 0, what));
+      FLATSHARD_ASSIGN_OR_RETURN(group.optimizer_steps, NonNegativeInteger(spec, "optimizer_steps", 0, what));
+      group.momentum_initialized = spec.value("momentum_initialized", false);
+      group.optimizer = spec.value("optimizer", "");
+      for (const Json& state : spec.at("state")) group.state.push_back(state.get<std::string>());
+      group.tensors = &spec.at("tensors");
+      if (!contents.group_index_.emplace(group.name, contents.groups_.size()).second) {
+        return absl::DataLossError(absl::StrCat(what, " is listed twice"));
+      }
+      for (const Json& tensor : *group.tensors) {
+        contents.by_name_[tensor.at("name").get<std::string>()].push_back(contents.tensors_.size());
+        contents.tensors_.push_back({contents.groups_.size(), &tensor, ""});
+      }
+      contents.groups_.push_back(std::move(group));
+    }
+    return contents;
+  }
+
+  const std::vector<CheckpointGroup>& groups() const { return groups_; }
+  // The checkpoint group named `name`, or null.
+  const CheckpointGroup* group(const std::string& name) const {
+    auto it = group_index_.find(name);
+    return it == group_index_.end() ? nullptr : &groups_[it->second];
+  }
+
+  // The checkpoint's tensor for `tensor` (as TensorsJson describes it) of registered
+  // group `group`, which takes it. FailedPrecondition if the checkpoint lacks it, holds
+  // it with another shape or dtype, holds it only in several other groups, or another
+  // registered group took it already.
+  absl::StatusOr<const Tensor*> Take(const std::string& group, const std::string& job, const Json& tensor) {
+    const std::string fqn = tensor.at("name").get<std::string>();
+    const std::string registered = absl::StrCat("group '", group, "' of job '", job, "'");
+    auto named = by_name_.find(fqn);
+    if (named == by_name_.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("tensor '", fqn, "' of ", registered, " is not in checkpoint '", name_, "'"));
+    }
+    const std::vector<size_t>& holders = named->second;
+    auto own = std::find_if(holders.begin(), holders.end(),
+                            [&](size_t index) { return groups_[tensors_[index].group].name == group; });
+    if (own == holders.end() && holders.size() > 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", name_, "' holds tensor '", fqn, "' in groups '", groups_[tensors_[holders[0]].group].name,
+          "' and '", groups_[tensors_[holders[1]].group].name, "', none of them ", registered,
+          ": which one it takes is ambiguous"));
+    }
+    Tensor& source = tensors_[own != holders.end() ? *own : holders.front()];
+    const std::string& source_group = groups_[source.group].name;
+    if (*source.spec != tensor) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name_, "' group '", source_group,
+                                                        "' holds tensor ", source.spec->dump(), "; ", registered,
+                                                        " registers it as ", tensor.dump()));
+    }
+    if (!source.taker.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("tensor '", fqn, "' of checkpoint '", name_, "' group '",
+                                                        source_group, "' would load into groups '", source.taker,
+                                                        "' and '", group, "' of job '", job, "'"));
+    }
+    source.taker = group;
+    return &source;
+  }
+
+  // FailedPrecondition naming the first tensor no registered group took.
+  absl::Status CheckAllTaken(const std::string& job) const {
+    for (const Tensor& tensor : tensors_) {
+      if (tensor.taker.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint '", name_, "' has tensor '", tensor.spec->at("name").get<std::string>(), "' (group '",
+            groups_[tensor.group].name, "'), which no group of job '", job, "' registers"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string name_;
+  std::vector<CheckpointGroup> groups_;
+  std::vector<Tensor> tensors_;
+  absl::flat_hash_map<std::string, size_t> group_index_;
+  absl::flat_hash_map<std::string, std::vector<size_t>> by_name_;  // tensors_ holding each name
+};
+
+// The version, optimizer steps and state that `group` loads: those of the checkpoint
+// groups its tensors come from (`sources`), which must agree. FailedPrecondition
+// otherwise, or if their optimizer state is not the one `group` keeps.
+absl::Status LoadedCounters(const std::string& name, const Group& group,
+                            const std::vector<const CheckpointGroup*>& sources, bool optimizer,
+                            LoadedShard& loaded) {
+  const CheckpointGroup& first = *sources.front();
+  for (const CheckpointGroup* source : sources) {
+    if (optimizer && source->state != group.optimizer_state_names()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' group '", source->name, "' has ",
+                                                        source->optimizer, " optimizer state; group '", group.name(),
+                                                        "' uses ", group.optimizer_name()));
+    }
+    if (source->version != first.version || source->optimizer_steps != first.optimizer_steps ||
+        source->momentum_initialized != first.momentum_initialized) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group '", group.name(), "' would load tensors of checkpoint '", name, "' groups '", first.name,
+          "' (version ", first.version, ", ", first.optimizer_steps, " optimizer steps) and '", source->name,
+          "' (version ", source->version, ", ", source->optimizer_steps,
+          " optimizer steps): a group loads from groups saved at one step"));
+    }
+  }
+  loaded.version = first.version;
+  loaded.optimizer_steps = first.optimizer_steps;
+  loaded.momentum_initialized = first.momentum_initialized;
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointReader& reader, const Registry& registry,
                                              const std::string& name, const std::string& job, int rank,
@@ -98,40 +247,41 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
     FLATSHARD_ASSIGN_OR_RETURN(stored, ParseShardedIndex(text, reader.path("index.json")));
   }
 
-  std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>> staged;
+  FLATSHARD_ASSIGN_OR_RETURN(CheckpointTensors contents, CheckpointTensors::Parse(manifest, name));
+  StagedGroups staged;
   HostSlab slab;  // the staging buffers of small groups, a few blocks instead of a malloc each
-  std::set<std::string> in_checkpoint;
-  for (const Json& spec : manifest.at("groups")) {
-    const std::string group_name = spec.value("name", "");
-    in_checkpoint.insert(group_name);
-    absl::StatusOr<std::shared_ptr<Group>> group_or = registry.FindGroup(job, group_name);
-    if (!group_or.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name, "' has group '", group_name,
-                                                        "', which is not registered in job '", job, "'"));
-    }
-    const std::shared_ptr<Group>& group = *group_or;
+  for (const std::shared_ptr<Group>& group : registry.job_groups(job)) {
+    const std::string& group_name = group->name();
     const FlatLayout& layout = group->layout();
-    const std::string group_what = absl::StrCat("checkpoint '", name, "' group '", group_name, "'");
-    FLATSHARD_ASSIGN_OR_RETURN(const int64_t align, NonNegativeInteger(spec, "align", -1, group_what));
-    if (spec.at("tensors") != TensorsJson(layout) || align != layout.align()) {
-      return absl::FailedPreconditionError(absl::StrCat(group_what, " does not match the registered group: checkpoint ",
-                                                        spec.at("tensors").dump(), " align ", align, "; registered ",
-                                                        TensorsJson(layout).dump(), " align ", layout.align()));
-    }
-    std::vector<std::string> state_names;
-    if (optimizer) {
-      for (const auto& s : spec.at("state")) state_names.push_back(s.get<std::string>());
-      if (state_names != group->optimizer_state_names()) {
+    const Json registered = TensorsJson(layout);
+    if (kind == CheckpointKind::kLocal) {  // flat shards as they were: the same groups only
+      const CheckpointGroup* same = contents.group(group_name);
+      if (same == nullptr || *same->tensors != registered || same->align != layout.align()) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint '", name, "' group '", group_name, "' has ", spec.value("optimizer", ""),
-            " optimizer state; the registered group uses ", group->optimizer_name()));
+            "checkpoint '", name, "' is LOCAL and ",
+            same == nullptr ? "has no group '" + group_name + "'"
+                            : absl::StrCat("its group '", group_name, "' (", same->tensors->dump(), " align ",
+                                           same->align, ") is not as registered (", registered.dump(), " align ",
+                                           layout.align(), ")"),
+            " (save FULL or SHARDED to load into other groups)"));
+      }
+    }
+    // Where each registered tensor comes from: a checkpoint group's tensor of its name.
+    std::vector<const CheckpointTensors::Tensor*> sources;
+    std::vector<const CheckpointGroup*> source_groups;
+    for (const Json& tensor : registered) {
+      FLATSHARD_ASSIGN_OR_RETURN(const CheckpointTensors::Tensor* source, contents.Take(group_name, job, tensor));
+      sources.push_back(source);
+      const CheckpointGroup* source_group = &contents.groups()[source->group];
+      if (std::find(source_groups.begin(), source_groups.end(), source_group) == source_groups.end()) {
+        source_groups.push_back(source_group);
       }
     }
     // Host buffers that a host-tier group adopts on commit (Group::Restore).
     LoadedShard loaded;
-    FLATSHARD_ASSIGN_OR_RETURN(loaded.version, NonNegativeInteger(spec, "version", 0, group_what));
-    FLATSHARD_ASSIGN_OR_RETURN(loaded.optimizer_steps, NonNegativeInteger(spec, "optimizer_steps", 0, group_what));
-    loaded.momentum_initialized = spec.value("momentum_initialized", false);
+    if (!source_groups.empty()) {
+      FLATSHARD_RETURN_IF_ERROR(LoadedCounters(name, *group, source_groups, optimizer, loaded));
+    }
     const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
     const std::string what = absl::StrCat("loading group '", group_name, "'");
     FLATSHARD_ASSIGN_OR_RETURN(loaded.params, slab.Allocate(shard_numel * sizeof(float), what));
@@ -202,9 +352,12 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
                                                entry->dtype, piece.numel, out));
           continue;
         }
-        // SHARDED: every overlap of a stored piece with the needed range.
+        // SHARDED: every overlap of a stored piece (of the tensor's checkpoint group) with
+        // the needed range.
+        const std::string stored_name = absl::StrCat(
+            contents.groups()[sources[static_cast<size_t>(piece.tensor_index)]->group].name, "/", tensor.fqn, suffix);
         int64_t covered = 0;
-        for (const StoredPiece& s : stored[absl::StrCat(group_name, "/", tensor.fqn, suffix)]) {
+        for (const StoredPiece& s : stored[stored_name]) {
           const int64_t lo = std::max(piece.intra_start, s.intra_start);
           const int64_t hi = std::min(piece.intra_start + piece.numel, s.intra_start + s.numel);
           if (lo >= hi) continue;
@@ -213,20 +366,14 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
           covered += hi - lo;
         }
         if (covered != piece.numel) {
-          return absl::DataLossError(absl::StrCat("checkpoint '", name, "' lacks elements of '", group_name, "/",
-                                                  tensor.fqn, suffix, "' [", piece.intra_start, ", ",
-                                                  piece.intra_start + piece.numel, ")"));
+          return absl::DataLossError(absl::StrCat("checkpoint '", name, "' lacks elements of '", stored_name, "' [",
+                                                  piece.intra_start, ", ", piece.intra_start + piece.numel, ")"));
         }
       }
     }
     staged.emplace_back(group, std::move(loaded));
   }
-  for (const auto& group : registry.job_groups(job)) {
-    if (!in_checkpoint.count(group->name())) {
-      return absl::FailedPreconditionError(absl::StrCat("group '", group->name(), "' of job '", job,
-                                                        "' is not in checkpoint '", name, "'"));
-    }
-  }
+  FLATSHARD_RETURN_IF_ERROR(contents.CheckAllTaken(job));
   FLATSHARD_RETURN_IF_ERROR(reader.Run(progress));
   return staged;
 }

@@ -1,9 +1,14 @@
 // Checkpoint loading: what one server needs of a committed checkpoint, read through a
 // CheckpointReader (every extent verified as it is read) into host buffers that each
 // group installs with Group::Restore. The manifest is checked against the registered
-// groups first (kind, server count for LOCAL, layouts, shapes, dtypes, optimizer state):
-// a mismatch is FailedPrecondition naming it, damage is DataLoss naming the file, and
-// nothing is installed here; the caller commits once every server has staged. FULL reads
+// groups first (kind, server count for LOCAL, shapes, dtypes, optimizer state, every
+// tensor loaded once): a mismatch is FailedPrecondition naming it, damage is DataLoss
+// naming the file, and nothing is installed here; the caller commits once every server
+// has staged. FULL and SHARDED checkpoints load by tensor: a registered tensor comes
+// from the checkpoint group of its group's name, else from the one group that holds its
+// name, so a model wrapped into other groups (another auto-wrap size, param groups added
+// or dropped) loads, each group from groups saved at one version; LOCAL holds flat
+// shards and loads into the same groups and layouts only. FULL reads
 // each tensor's pieces from the file holding it (split checkpoints: through the index),
 // SHARDED the stored pieces overlapping this server's new shard (index.json), LOCAL this
 // server's own file. Thread-compatible.

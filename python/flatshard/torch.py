@@ -66,8 +66,9 @@ Each entry lists parameters of the module (or their names) with the hyper-parame
 which they differ from ``optimizer``; the others keep ``optimizer``'s. A flat parameter
 has one optimizer setting (as FSDP's), so a wrapped module whose parameters are in
 several entries gets a flat parameter per entry: ``<module's group>.<param_groups[k]>``
-for entry k, beside the module's own group for those in none. Checkpoints load into a
-module wrapped with the same entries.
+for entry k, beside the module's own group for those in none. FULL and SHARDED
+checkpoints load by tensor name, into a module wrapped with other entries (or another
+``auto_wrap_min_params``) too; LOCAL ones only into the same groups.
 """
 
 import collections

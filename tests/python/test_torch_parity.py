@@ -422,6 +422,38 @@ class MisuseAndRecoveryTest(unittest.TestCase):
                 model.set_hyperparams(param_group=1, lr=0.2)
             self.assertIn("param_group 1: the module has 1 param_groups", str(refused.exception))
 
+    def test_a_checkpoint_loads_into_a_module_wrapped_otherwise(self):
+        # FULL and SHARDED checkpoints load by tensor: a module wrapped into other groups
+        # (another auto-wrap size, param groups added) resumes the saved run, and training
+        # goes on as torch's of all the steps. SGD's settings are the same in every entry.
+        import flatshard.torch
+        x, y = make_data("mlp")
+        with tempfile.TemporaryDirectory() as root, \
+                checked_cluster.LocalCluster(servers=2, checkpoint_root=root, memory=MEMORY) as cluster:
+            client, model = one_worker_mlp_on(cluster, "saved")
+            for _ in range(2):
+                F.mse_loss(model(x), y).backward()
+                model.step()
+            saved = {name: torch.as_tensor(value) for name, value in model.state_dict().items()}
+            for kind in ("full", "sharded"):
+                client.save_checkpoint(kind, kind=kind)
+            for kind in ("full", "sharded"):
+                with self.subTest(kind=kind):
+                    resumed = flatshard.Client(cluster.addresses, token=cluster.token, job=f"resumed-{kind}")
+                    resumed.configure_job()
+                    net = make_model("mlp")
+                    biases = [p for p in net.parameters() if p.ndim < 2]
+                    other = flatshard.torch.ShardedModule(
+                        net, resumed, flatshard.SGD(lr=0.1), auto_wrap_min_params=1000, load_checkpoint=kind,
+                        param_groups=[{"params": biases, "weight_decay": 0.0}])
+                    self.assertNotEqual(sorted(g for g, _, _ in other.groups), sorted(g for g, _, _ in model.groups))
+                    self.assertEqual(other.version, 2)
+                    for name, value in other.state_dict().items():
+                        self.assertTrue(torch.equal(torch.as_tensor(value), saved[name]), name)
+                    F.mse_loss(other(x), y).backward()
+                    other.step()
+                    self.assert_matches_sgd(other.state_dict(), steps=3)
+
     def test_a_second_backward_outside_no_sync_is_refused(self):
         with one_worker_mlp("twice") as (_, model):
             x, y = make_data("mlp")

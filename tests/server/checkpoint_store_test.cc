@@ -12,6 +12,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -50,36 +51,48 @@ std::vector<GroupSpec> Specs() {
 // Values by tensor: fqn (+ ".state") -> elements.
 using Values = std::map<std::string, std::vector<float>>;
 
+// A gradient element of tensor `fqn` at `step`, the same whichever group holds the tensor.
+float Gradient(const std::string& fqn, int64_t element, int64_t step) {
+  float salt = 0.0f;
+  for (char c : fqn) salt += static_cast<float>(static_cast<unsigned char>(c) % 7);
+  return std::sin(0.7f * static_cast<float>(element + 1) + static_cast<float>(step) + salt);
+}
+
 class FakeCluster {
  public:
-  FakeCluster(int servers, const std::string& root, uint64_t max_file_bytes = 5'000'000'000) {
+  FakeCluster(int servers, const std::string& root, uint64_t max_file_bytes = 5'000'000'000,
+              std::vector<GroupSpec> specs = Specs())
+      : specs_(std::move(specs)) {
     for (int rank = 0; rank < servers; ++rank) {
       registries_.push_back(std::make_unique<Registry>(rank, servers));
       stores_.push_back(std::make_unique<CheckpointStore>(*registries_.back(), rank, servers, root, max_file_bytes));
       EXPECT_TRUE(registries_.back()->ConfigureJob("job", {.num_workers = 1}).ok());
-      for (const GroupSpec& spec : Specs()) {
+      for (const GroupSpec& spec : specs_) {
         EXPECT_TRUE(registries_.back()->RegisterGroup("job", spec.name, spec.tensors, spec.align, spec.optimizer).ok());
       }
     }
   }
+  FakeCluster(int servers, const std::string& root, std::vector<GroupSpec> specs)
+      : FakeCluster(servers, root, 5'000'000'000, std::move(specs)) {}
 
   std::shared_ptr<Group> group(int rank, const std::string& name) { return *registries_[rank]->FindGroup("job", name); }
   CheckpointStore& store(int rank) { return *stores_[rank]; }
   int size() const { return static_cast<int>(registries_.size()); }
 
-  // One step of every group with a gradient that depends only on (tensor, element, step).
-  void Step(int64_t step) {
+  // One step of every group (or of those named in `only`) with a gradient that depends
+  // only on (tensor, element, step).
+  void Step(int64_t step, const std::set<std::string>& only = {}) {
     for (int rank = 0; rank < size(); ++rank) {
-      for (const GroupSpec& spec : Specs()) {
+      for (const GroupSpec& spec : specs_) {
+        if (!only.empty() && !only.count(spec.name)) continue;
         auto g = group(rank, spec.name);
         const FlatLayout& layout = g->layout();
         std::vector<float> grad(layout.shard_numel(), 0.0f);
         const int64_t start = layout.shard_start(rank);
         for (const TensorPiece& piece : layout.MapRange(start, layout.shard_end(rank))) {
           for (int64_t k = 0; k < piece.numel; ++k) {
-            grad[piece.flat_offset - start + k] =
-                std::sin(0.7f * static_cast<float>(piece.intra_start + k + 1) + static_cast<float>(step) +
-                         static_cast<float>(piece.tensor_index));
+            grad[piece.flat_offset - start + k] = Gradient(layout.tensor(piece.tensor_index).fqn,
+                                                          piece.intra_start + k, step);
           }
         }
         auto slot = g->BeginScatter(step, 0, DType::kFloat32);
@@ -93,7 +106,7 @@ class FakeCluster {
   Values Collect(int64_t version) {
     Values values;
     for (int rank = 0; rank < size(); ++rank) {
-      for (const GroupSpec& spec : Specs()) {
+      for (const GroupSpec& spec : specs_) {
         auto g = group(rank, spec.name);
         auto snapshot = g->Snapshot(version, absl::InfiniteFuture());
         EXPECT_TRUE(snapshot.ok()) << snapshot.status();
@@ -125,7 +138,11 @@ class FakeCluster {
 
   absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer, int64_t version) {
     std::map<std::string, int64_t> versions;
-    for (const GroupSpec& spec : Specs()) versions[spec.name] = version;
+    for (const GroupSpec& spec : specs_) versions[spec.name] = version;
+    return Save(name, kind, optimizer, versions);
+  }
+  absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer,
+                    const std::map<std::string, int64_t>& versions) {
     for (int rank = 0; rank < size(); ++rank) {
       FLATSHARD_RETURN_IF_ERROR(stores_[rank]->Save(name, kind, optimizer, "job", versions, absl::InfiniteFuture()));
     }
@@ -145,6 +162,7 @@ class FakeCluster {
   }
 
  private:
+  const std::vector<GroupSpec> specs_;
   std::vector<std::unique_ptr<Registry>> registries_;
   std::vector<std::unique_ptr<CheckpointStore>> stores_;
   uint64_t loads_ = 0;
@@ -503,7 +521,137 @@ TEST(CheckpointStoreTest, MismatchedLayoutIsRefusedNamingTheGroup) {
   CheckpointStore store(other, 0, 1, root);
   absl::Status status = store.PrepareLoad("ckpt", "job", 1);
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(status.message()), HasSubstr("group 'tiny' does not match the registered group"));
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("checkpoint 'ckpt' group 'tiny' holds tensor {\"dtype\":\"float32\",\"name\":\"scale\","
+                        "\"shape\":[2]}; group 'tiny' of job 'job' registers it as {\"dtype\":\"float32\","
+                        "\"name\":\"scale\",\"shape\":[3]}"));
+}
+
+// Specs() wrapped otherwise: emb's weight in a group of its own (no alignment), its bias
+// left in 'emb'; the same optimizers per tensor.
+std::vector<GroupSpec> RegroupedSpecs() {
+  std::vector<GroupSpec> specs = Specs();
+  GroupSpec weight = specs[0];
+  weight.name = "w";
+  weight.tensors = {specs[0].tensors[0]};
+  weight.align = 0;
+  specs[0].tensors = {specs[0].tensors[1]};
+  specs.insert(specs.begin(), weight);
+  return specs;
+}
+
+// Values of the tensors (and their optimizer state), without the per-group step counts.
+Values TensorValues(Values values) {
+  std::erase_if(values, [](const auto& entry) { return absl::StartsWith(entry.first, "steps:"); });
+  return values;
+}
+
+class RegroupTest : public ::testing::TestWithParam<CheckpointKind> {};
+
+TEST_P(RegroupTest, LoadsIntoOtherGroupsByTensorBitwise) {
+  const CheckpointKind kind = GetParam();
+  const std::string root = FreshRoot();
+  FakeCluster source(3, root);
+  for (int step = 0; step < 2; ++step) source.Step(step);
+  ASSERT_TRUE(source.Save("ckpt", kind, /*optimizer=*/true, 2).ok());
+  FakeCluster target(2, root, RegroupedSpecs());
+  ASSERT_TRUE(target.Load("ckpt").ok()) << target.Load("ckpt");
+  Values expected = TensorValues(source.Collect(2));
+  if (kind == CheckpointKind::kFull) {  // stored in its registered dtype
+    for (float& v : expected["h.weight"]) v = BFloat16BitsToFloat(FloatToBFloat16Bits(v));
+  }
+  const Values loaded = target.Collect(2);
+  ExpectBitwiseEqual(TensorValues(loaded), expected);
+  EXPECT_EQ(loaded.at("steps:w"), std::vector<float>{2.0f});  // emb's count, in both of its parts
+  EXPECT_EQ(loaded.at("steps:emb"), std::vector<float>{2.0f});
+  if (kind == CheckpointKind::kSharded) {  // every bit kept: training goes on as without the round trip
+    for (int step = 2; step < 4; ++step) {
+      source.Step(step);
+      target.Step(step);
+    }
+    ExpectBitwiseEqual(TensorValues(target.Collect(4)), TensorValues(source.Collect(4)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, RegroupTest, ::testing::Values(CheckpointKind::kFull, CheckpointKind::kSharded),
+                         [](const auto& info) { return std::string(CheckpointKindName(info.param)); });
+
+// Loads into groups that cannot take the checkpoint's tensors are refused, saying why,
+// before anything is installed.
+TEST(CheckpointStoreTest, LoadsIntoOtherGroupsRefuseWhatTheyCannotPlace) {
+  const std::string root = FreshRoot();
+  {
+    FakeCluster source(1, root);
+    source.Step(0);
+    ASSERT_TRUE(source.Save("ckpt", CheckpointKind::kSharded, true, 1).ok());
+    ASSERT_TRUE(source.Save("local", CheckpointKind::kLocal, true, 1).ok());
+    source.Step(1, {"emb"});  // emb at version 2, half at 1
+    ASSERT_TRUE(source.Save("apart", CheckpointKind::kSharded, false, {{"emb", 2}, {"tiny", 1}, {"half", 1}}).ok());
+  }
+  const std::vector<GroupSpec> specs = Specs();
+  const GroupSpec& emb = specs[0];
+  const GroupSpec& tiny = specs[1];
+  const GroupSpec& half = specs[2];
+  const TensorSpec extra{"emb.extra", {2}, DType::kFloat32};
+  struct Case {
+    std::string checkpoint;
+    std::vector<GroupSpec> groups;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"ckpt",
+       {{"emb", {emb.tensors[0], emb.tensors[1], extra}, 4, emb.optimizer}, tiny, half},
+       "tensor 'emb.extra' of group 'emb' of job 'job' is not in checkpoint 'ckpt'"},
+      {"ckpt",
+       {{"emb", {emb.tensors[0]}, 4, emb.optimizer}, tiny, half},
+       "checkpoint 'ckpt' has tensor 'emb.bias' (group 'emb'), which no group of job 'job' registers"},
+      {"ckpt",
+       {{"emb", {emb.tensors[0]}, 4, emb.optimizer}, tiny, {"mixed", {emb.tensors[1], half.tensors[0]}, 0, emb.optimizer}},
+       "checkpoint 'ckpt' group 'half' has adam optimizer state; group 'mixed' uses adamw"},
+      {"apart",
+       {{"emb", {emb.tensors[0]}, 4, emb.optimizer}, tiny, {"mixed", {emb.tensors[1], half.tensors[0]}, 0, emb.optimizer}},
+       "group 'mixed' would load tensors of checkpoint 'apart' groups 'emb' (version 2, 0 optimizer steps) and "
+       "'half' (version 1, 0 optimizer steps): a group loads from groups saved at one step"},
+      {"ckpt",
+       {emb, half, {"a", tiny.tensors, 0, tiny.optimizer}, {"b", tiny.tensors, 0, tiny.optimizer}},
+       "tensor 'scale' of checkpoint 'ckpt' group 'tiny' would load into groups 'a' and 'b' of job 'job'"},
+      {"local",
+       {emb, tiny, half, {"w", {extra}, 0, emb.optimizer}},
+       "checkpoint 'local' is LOCAL and has no group 'w' (save FULL or SHARDED to load into other groups)"},
+      {"local", RegroupedSpecs(), "checkpoint 'local' is LOCAL and its group 'emb' ([{"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message);
+    FakeCluster target(1, root, c.groups);
+    target.Step(0);
+    const Values before = target.Collect(1);
+    const absl::Status status = target.Load(c.checkpoint);
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.message));
+    ExpectBitwiseEqual(target.Collect(1), before);
+  }
+}
+
+// A tensor that two of the checkpoint's groups hold under one name loads into a group of
+// either's name; into any other group, which one it would take is ambiguous.
+TEST(CheckpointStoreTest, ATensorNameInTwoCheckpointGroupsLoadsOnlyByGroupName) {
+  const std::string root = FreshRoot();
+  const std::vector<GroupSpec> specs = Specs();
+  const std::vector<GroupSpec> twins = {{"a", specs[1].tensors, 0, specs[1].optimizer},
+                                        {"b", specs[1].tensors, 0, specs[1].optimizer}};
+  FakeCluster source(2, root, twins);
+  source.Step(0, {"a"});
+  source.Step(0, {"b"});
+  ASSERT_TRUE(source.Save("twins", CheckpointKind::kSharded, true, 1).ok());
+  FakeCluster same(3, root, twins);
+  ASSERT_TRUE(same.Load("twins").ok());
+  ExpectBitwiseEqual(same.Collect(1), source.Collect(1));
+  FakeCluster other(1, root, {twins[0], {"c", specs[1].tensors, 0, specs[1].optimizer}});
+  const absl::Status status = other.Load("twins");
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("checkpoint 'twins' holds tensor 'scale' in groups 'a' and 'b', none of them group 'c' of "
+                        "job 'job': which one it takes is ambiguous"));
 }
 
 TEST(CheckpointStoreTest, NamesAreConfinedAndPartialCheckpointsAreNotComplete) {
