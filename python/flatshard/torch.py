@@ -62,6 +62,9 @@ decay on biases and norms, a head at its own learning rate)::
     model.set_hyperparams(lr=5e-4)                 # every parameter's learning rate
     model.set_hyperparams(lr=1e-4, param_group=0)  # param_groups[0]'s alone
 
+torch's learning-rate schedulers drive the servers' optimizer through ``ServerOptimizer``
+(below), a torch.optim.Optimizer whose param_groups stand for the module's.
+
 Each entry lists parameters of the module (or their names) with the hyper-parameters in
 which they differ from ``optimizer``; the others keep ``optimizer``'s. A flat parameter
 has one optimizer setting (as FSDP's), so a wrapped module whose parameters are in
@@ -256,6 +259,8 @@ class ShardedModule(torch.nn.Module):
         canonical, self._aliases = _parameter_names(module)
         optimizers, entry_of = _param_group_settings(optimizer, param_groups, canonical, self._aliases)
         self._param_group_count = len(optimizers)
+        self._entry_settings = [optimizer] + optimizers  # what ServerOptimizer starts from
+        self._hyperparams_from = None  # a ServerOptimizer whose changes forward sends
         wrapped, rest = _auto_wrap(
             module, auto_wrap_min_params,
             lambda fqn, p: p.requires_grad and canonical[id(p)] == fqn)
@@ -440,9 +445,12 @@ class ShardedModule(torch.nn.Module):
                                         not 0 <= param_group < self._param_group_count):
             raise flatshard.InvalidArgumentError(
                 f"param_group {param_group!r}: the module has {self._param_group_count} param_groups")
-        names = [group.name for group in self._groups if param_group is None or group.param_group == param_group]
-        if names:  # one call per server for all of them
-            self._client.set_hyperparams_of(names, **changes)
+        self._send_hyperparams([group for group in self._groups
+                                if param_group is None or group.param_group == param_group], changes)
+
+    def _send_hyperparams(self, groups, changes):
+        if groups:  # one call per server for all of them
+            self._client.set_hyperparams_of([group.name for group in groups], **changes)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -487,6 +495,8 @@ class ShardedModule(torch.nn.Module):
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
         self._voided = False
+        if self._hyperparams_from is not None:  # a scheduler's changes, for this step on
+            self._hyperparams_from._send()
         try:
             self._gather_all()
             return self.module(*args, **kwargs)
@@ -660,6 +670,61 @@ class ShardedModule(torch.nn.Module):
                 if fqn in state_dict:
                     buffer.copy_(state_dict[fqn])
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+class ServerOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer that stands for the servers' optimizer of a ShardedModule,
+    so that torch's learning-rate schedulers (and code that sets
+    ``param_groups[i]["lr"]``) drive it unchanged::
+
+        optimizer = flatshard.torch.ServerOptimizer(model)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=1000)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step()    # model.step()
+            scheduler.step()
+
+    ``param_groups[0]`` holds the parameters in none of the module's ``param_groups``
+    entries, ``param_groups[k + 1]`` those of entry k, each with its optimizer's
+    hyper-parameters under torch's names (Adam and AdamW: lr, betas, eps, weight_decay,
+    amsgrad; SGD: lr, momentum, dampening, nesterov, weight_decay). What changes in them
+    reaches the servers at the module's next forward (a call per server for each group
+    changed), so it applies from the next step on, as torch's does. ``step()`` is the
+    module's (a closure is called first, with grad enabled, and its loss returned);
+    ``zero_grad()`` finds nothing left after a step. It sends only what changes in its own
+    ``param_groups``: change hyper-parameters through it or through
+    ``ShardedModule.set_hyperparams``, not both."""
+
+    def __init__(self, model):
+        if not isinstance(model, ShardedModule):
+            raise flatshard.InvalidArgumentError(
+                f"ServerOptimizer stands for a flatshard.torch.ShardedModule's optimizer, not a {type(model).__name__}")
+        groups = []
+        for k, setting in enumerate(model._entry_settings):
+            entry = None if k == 0 else k - 1
+            params = [param for group in model._groups if group.param_group == entry for _, param in group.params]
+            groups.append(dict(dataclasses.asdict(setting), params=params))
+        self._model = model
+        self._sent = [dataclasses.asdict(setting) for setting in model._entry_settings]
+        super().__init__(groups, dataclasses.asdict(model._entry_settings[0]))
+        model._hyperparams_from = self
+
+    def _send(self):
+        """Sends what changed in param_groups since the last call (ShardedModule.forward)."""
+        for k, (group, sent) in enumerate(zip(self.param_groups, self._sent)):
+            changes = {key: group[key] for key in sent if group[key] != sent[key]}
+            if changes:
+                entry = None if k == 0 else k - 1
+                self._model._send_hyperparams([g for g in self._model._groups if g.param_group == entry], changes)
+                sent.update(changes)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._model.step()
+        return loss
 
 
 class GradScaler:

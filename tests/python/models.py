@@ -96,3 +96,12 @@ def make_data(kind, batch=16):
         torch.randn(batch, 5, 6, generator=generator)
     y = torch.randn(batch, 4, generator=generator)
     return x, y
+
+
+def make_scheduler(name, optimizer, steps):
+    """A torch learning-rate scheduler by name, over torch's optimizer or
+    flatshard.torch.ServerOptimizer alike."""
+    if name == "onecycle":  # every group's lr and Adam's beta1 change at every step
+        max_lr = [1e-2, 5e-3, 2e-2][:len(optimizer.param_groups)]
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=steps + 1)
+    raise ValueError(name)

@@ -2,7 +2,7 @@
 its half of the batch (on `device`: "cpu" or "cuda"), in `micro_batches` pieces whose
 gradients accumulate under no_sync() but for the last, with the learning rate set to
 lr_schedule[step] (an lr, or (lr, k) for param_groups[k] alone) before the steps it
-names, and reports its losses, (worker 0) the
+names or a torch scheduler (models.make_scheduler) over a ServerOptimizer, and reports its losses, (worker 0) the
 final state dict, (a clipped job) the gradient norm of every step and (with a
 GradScaler: init 2**10, growth every 3 steps) the final loss scale."""
 
@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 import flatshard
 import flatshard.torch
-from models import make_data, make_model
+from models import make_data, make_model, make_scheduler
 
 
 def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue, device="cpu",
-        micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None):
+        micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None,
+        scheduler=None):
     try:
         torch.set_num_threads(1)
         client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token,
@@ -27,6 +28,8 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
                                               auto_wrap_min_params=200, param_groups=param_groups)
         scaler = flatshard.torch.GradScaler(model, init_scale=2.0 ** 10, growth_interval=3) if grad_scaler else None
         scaled = scaler.scale if scaler else (lambda loss: loss)
+        optimizer = flatshard.torch.ServerOptimizer(model) if scheduler else None
+        schedule = make_scheduler(scheduler, optimizer, steps) if scheduler else None
         x, y = (t.to(device) for t in make_data(kind))
         half = x.shape[0] // 2
         x, y = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
@@ -56,7 +59,11 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
             if scaler:
                 norms.append(scaler.step())
             else:
-                model.step()
+                if optimizer:
+                    optimizer.step()
+                    schedule.step()
+                else:
+                    model.step()
                 if job.get("max_grad_norm"):
                     norms.append(model.grad_norm())
             losses.append(total)

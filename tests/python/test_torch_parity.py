@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import checked_cluster
 import flatshard
 import parity_worker
-from models import make_data, make_model
+from models import make_data, make_model, make_scheduler
 from safetensors_reader import read_safetensors
 
 REL_TOL = 1e-5
@@ -47,7 +47,7 @@ Run = collections.namedtuple("Run", "losses state groups norms scales")
 
 
 def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu", lr_schedule=None,
-                    skip_step=None, param_groups=None):
+                    skip_step=None, param_groups=None, scheduler=None):
     """torch alone: the model, per-step losses and (clipped) clip_grad_norm_'s norms;
     `skip_step` goes without optimizer.step(), as GradScaler skips a non-finite one.
     `param_groups` (ShardedModule's, parameters by name) become torch's param groups 1.."""
@@ -60,6 +60,7 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
         params = [{"params": [p for name, p in named.items() if name not in listed]}] + [
             dict(entry, params=[named[name] for name in entry["params"]]) for entry in param_groups]
     optimizer = make_optimizer(params)
+    schedule = make_scheduler(scheduler, optimizer, steps) if scheduler else None
     x, y = (t.to(device) for t in make_data(kind))
     losses, norms = [], []
     for step in range(steps):
@@ -78,18 +79,21 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
         if max_grad_norm:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
         optimizer.step()
+        if schedule:
+            schedule.step()
         losses.append(loss.item())
     return model, losses, norms
 
 
 def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu",
-                    micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None):
+                    micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None,
+                    scheduler=None):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=parity_worker.run,
                                args=(cluster.addresses, cluster.token, rank, kind, optimizer,
                                      job or {}, steps, param_dtype, queue, device, micro_batches,
-                                     lr_schedule, poison_step, grad_scaler, param_groups))
+                                     lr_schedule, poison_step, grad_scaler, param_groups, scheduler))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -112,7 +116,7 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
               device="cpu", memory=MEMORY, micro_batches=1, lr_schedule=None, servers=3,
-              replicas=1, poison_step=None, grad_scaler=False, param_groups=None):
+              replicas=1, poison_step=None, grad_scaler=False, param_groups=None, scheduler=None):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
         if replicas > 1:
             job["replicas"] = replicas
@@ -122,7 +126,7 @@ class ParityTest(unittest.TestCase):
             losses, state, groups, norms, scales = train_flatshard(
                 cluster, kind, optimizer, steps, job, device=device, micro_batches=micro_batches,
                 lr_schedule=lr_schedule, poison_step=poison_step, grad_scaler=grad_scaler,
-                param_groups=param_groups)
+                param_groups=param_groups, scheduler=scheduler)
             if replicas > 1:  # server r holds shard r % S in replica group r // S
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 per_replica = servers // replicas
@@ -142,7 +146,7 @@ class ParityTest(unittest.TestCase):
                     self.assertGreater(int(server["ipc_gathers"]), 0, server)
         reference, reference_losses, reference_norms = train_reference(
             kind, make_reference_optimizer, steps, max_grad_norm, device, lr_schedule,
-            skip_step=poison_step, param_groups=param_groups)
+            skip_step=poison_step, param_groups=param_groups, scheduler=scheduler)
         # The servers' norm of each step is clip_grad_norm_'s; a skipped step's is not finite.
         self.assertEqual(len(norms), len(reference_norms))
         for step, (ours, theirs) in enumerate(zip(norms, reference_norms)):
@@ -232,6 +236,17 @@ class ParityTest(unittest.TestCase):
         self.assertIn("model.query", names)
         self.assertIn("model.query.<param_groups[0]>", names)
         self.assertIn("model.<root>.<param_groups[1]>", names)
+
+    def test_torch_schedulers_drive_the_servers_optimizer_through_server_optimizer(self):
+        # OneCycleLR sets every param group's lr and AdamW's beta1 at every step, each group
+        # to its own values: through ServerOptimizer's param_groups as through torch's.
+        no_decay = [name for name, p in make_model("transformer").named_parameters()
+                    if p.ndim < 2 and not name.startswith("head.")]
+        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.1),
+                   lambda groups: torch.optim.AdamW(groups, lr=5e-3, weight_decay=0.1), 12,
+                   max_grad_norm=0.5, scheduler="onecycle",
+                   param_groups=[{"params": no_decay, "weight_decay": 0.0},
+                                 {"params": ["head.weight", "head.bias"], "lr": 2e-2}])
 
     def test_hybrid_sharding_two_replica_groups(self):
         # 4 servers in 2 replica groups of 2, one worker in each: each worker gathers from
@@ -421,6 +436,14 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             with self.assertRaises(flatshard.InvalidArgumentError) as refused:
                 model.set_hyperparams(param_group=1, lr=0.2)
             self.assertIn("param_group 1: the module has 1 param_groups", str(refused.exception))
+            # ServerOptimizer's param_groups: the parameters in no entry, then the entry's.
+            optimizer = flatshard.torch.ServerOptimizer(model)
+            self.assertEqual([sorted(id(p) for p in g["params"]) for g in optimizer.param_groups],
+                             [sorted(id(p) for n, p in net.named_parameters() if n != "4.weight"), [id(head)]])
+            self.assertEqual([g["lr"] for g in optimizer.param_groups], [0.1, 0.0])
+            with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+                flatshard.torch.ServerOptimizer(net)
+            self.assertIn("not a Sequential", str(refused.exception))
 
     def test_a_checkpoint_loads_into_a_module_wrapped_otherwise(self):
         # FULL and SHARDED checkpoints load by tensor: a module wrapped into other groups
