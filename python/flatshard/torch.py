@@ -691,9 +691,10 @@ class ServerOptimizer(torch.optim.Optimizer):
     reaches the servers at the module's next forward (a call per server for each group
     changed), so it applies from the next step on, as torch's does. ``step()`` is the
     module's (a closure is called first, with grad enabled, and its loss returned);
-    ``zero_grad()`` finds nothing left after a step. It sends only what changes in its own
-    ``param_groups``: change hyper-parameters through it or through
-    ``ShardedModule.set_hyperparams``, not both."""
+    ``zero_grad()`` finds nothing left after a step; ``state_dict()`` and
+    ``load_state_dict()`` are refused (the state is the servers', in their checkpoints). It
+    sends only what changes in its own ``param_groups``: change hyper-parameters through it
+    or through ``ShardedModule.set_hyperparams``, not both."""
 
     def __init__(self, model):
         if not isinstance(model, ShardedModule):
@@ -725,6 +726,22 @@ class ServerOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._model.step()
         return loss
+
+    def state_dict(self):
+        """Refused: the optimizer state lives on the servers, and a state dict without it
+        would restore moments and step counts of zero without a word."""
+        raise self._state_on_servers()
+
+    def load_state_dict(self, state_dict):
+        """Refused, as state_dict()."""
+        raise self._state_on_servers()
+
+    @staticmethod
+    def _state_on_servers():
+        return flatshard.FailedPreconditionError(
+            "the optimizer state lives on the servers: save and restore it with the client's "
+            "save_checkpoint(name, optimizer=True) and load_checkpoint(name) (or ShardedModule's "
+            "load_checkpoint=name); export_state_dict(path, optimizer=True) writes it as safetensors")
 
 
 class GradScaler:

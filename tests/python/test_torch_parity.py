@@ -444,6 +444,10 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             with self.assertRaises(flatshard.InvalidArgumentError) as refused:
                 flatshard.torch.ServerOptimizer(net)
             self.assertIn("not a Sequential", str(refused.exception))
+            for call in (optimizer.state_dict, lambda: optimizer.load_state_dict({})):
+                with self.assertRaises(flatshard.FailedPreconditionError) as refused:
+                    call()
+                self.assertIn("the optimizer state lives on the servers", str(refused.exception))
 
     def test_a_checkpoint_loads_into_a_module_wrapped_otherwise(self):
         # FULL and SHARDED checkpoints load by tensor: a module wrapped into other groups
