@@ -533,6 +533,13 @@ class ShardedModule(torch.nn.Module):
             raise flatshard.FailedPreconditionError(
                 f"a checkpoint load voided the last step; the module is at version {self._step}: "
                 "run forward and backward on the next batch before step()")
+        if self._frozen:  # unfrozen after wrapping: its gradient would go nowhere
+            for fqn, param in self._frozen.params:
+                if param.grad is not None:
+                    raise flatshard.FailedPreconditionError(
+                        f"parameter '{fqn}' has a gradient, but it was frozen (requires_grad=False) when the "
+                        "module was wrapped and is never trained: set requires_grad before wrapping (to go on "
+                        "from here, wrap the module again and load_state_dict(state_dict()))")
         try:
             self._send_and_wait()
         except flatshard.AbortedError:

@@ -481,6 +481,22 @@ class MisuseAndRecoveryTest(unittest.TestCase):
                     other.step()
                     self.assert_matches_sgd(other.state_dict(), steps=3)
 
+    def test_a_parameter_unfrozen_after_wrapping_is_refused_at_step_not_left_untrained(self):
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="unfrozen")
+            client.configure_job()
+            net = make_model("tied_frozen")
+            model = flatshard.torch.ShardedModule(net, client, flatshard.SGD(lr=0.1), auto_wrap_min_params=200)
+            x, y = make_data("tied_frozen")
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            net.project.requires_grad_(True)
+            F.mse_loss(model(x), y).backward()
+            with self.assertRaises(flatshard.FailedPreconditionError) as refused:
+                model.step()
+            self.assertIn("parameter 'project.weight' has a gradient, but it was frozen", str(refused.exception))
+            self.assertEqual(model.version, 1)
+
     def test_a_second_backward_outside_no_sync_is_refused(self):
         with one_worker_mlp("twice") as (_, model):
             x, y = make_data("mlp")
