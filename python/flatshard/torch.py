@@ -539,8 +539,8 @@ class ShardedModule(torch.nn.Module):
                     raise flatshard.FailedPreconditionError(
                         f"parameter '{fqn}' has a gradient, but it was frozen (requires_grad=False) when the "
                         "module was wrapped and is never trained: set requires_grad before wrapping (to go on "
-                        "from here, wrap it anew in another job and load_state_dict() this module's "
-                        "state_dict())")
+                        "from here, wrap a new instance of the model in another job and load_state_dict() "
+                        "this module's state_dict() into it)")
         try:
             self._send_and_wait()
         except flatshard.AbortedError:
