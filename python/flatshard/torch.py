@@ -243,6 +243,10 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module, client, optimizer, param_dtype=None, reduce_dtype=None,
                  auto_wrap_min_params=100_000, name="model", load_checkpoint=None, param_groups=None):
         super().__init__()
+        if getattr(module, "_flatshard_wrapped", False):  # its parameters' hooks send to that one
+            raise flatshard.InvalidArgumentError(
+                f"this {type(module).__name__} is wrapped by a ShardedModule already, whose gradient hooks "
+                "its parameters keep: wrap a new instance of the model")
         self.module = module
         self._client = client
         self._step = 0
@@ -303,6 +307,7 @@ class ShardedModule(torch.nn.Module):
             for fqn, param in group.params:
                 param.register_hook(lambda grad, group=group, fqn=fqn: self._on_grad(group, fqn, grad))
         self._params = list(self.parameters())  # what _clear_grads clears each step
+        module._flatshard_wrapped = True
 
     @property
     def groups(self):

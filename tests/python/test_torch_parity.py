@@ -496,6 +496,11 @@ class MisuseAndRecoveryTest(unittest.TestCase):
                 model.step()
             self.assertIn("parameter 'project.weight' has a gradient, but it was frozen", str(refused.exception))
             self.assertEqual(model.version, 1)
+            other = flatshard.Client(cluster.addresses, token=cluster.token, job="rewrapped")
+            other.configure_job()
+            with self.assertRaises(flatshard.InvalidArgumentError) as refused:  # the old hooks would fire
+                flatshard.torch.ShardedModule(net, other, flatshard.SGD(lr=0.1))
+            self.assertIn("this TiedFrozenModel is wrapped by a ShardedModule already", str(refused.exception))
 
     def test_a_second_backward_outside_no_sync_is_refused(self):
         with one_worker_mlp("twice") as (_, model):
