@@ -1,6 +1,7 @@
 """Small models and data shared by the Python tests (deterministic by seed)."""
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -13,9 +14,10 @@ class TransformerBlock(nn.Module):
     torch 1.13's nn.TransformerEncoderLayer cannot drop it, hence this block.
     """
 
-    def __init__(self, dim=16, heads=2, hidden=32):
+    def __init__(self, dim=16, heads=2, hidden=32, checkpointed=False):
         super().__init__()
         self.heads = heads
+        self.checkpointed = checkpointed  # the MLP's activations recomputed in backward
         self.embed = nn.Linear(6, dim)
         self.norm1 = nn.LayerNorm(dim)
         self.query = nn.Linear(dim, dim)
@@ -34,7 +36,8 @@ class TransformerBlock(nn.Module):
         q, k, v = split(self.query(n)), split(self.key(n)), split(self.value(n))
         attention = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
         h = h + self.out((attention @ v).transpose(1, 2).reshape(b, t, d))
-        h = h + self.mlp(self.norm2(h))
+        mlp = lambda t: self.mlp(self.norm2(t))
+        h = h + (torch.utils.checkpoint.checkpoint(mlp, h, use_reentrant=False) if self.checkpointed else mlp(h))
         return self.head(h.mean(dim=1))
 
 
@@ -80,6 +83,8 @@ def make_model(kind):
                              nn.Linear(32, 4))
     if kind == "transformer":
         return TransformerBlock()
+    if kind == "checkpointed":  # the same block under activation checkpointing
+        return TransformerBlock(checkpointed=True)
     if kind == "attention":
         return AttentionModel()
     if kind == "tied_frozen":

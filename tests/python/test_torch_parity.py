@@ -175,6 +175,11 @@ class ParityTest(unittest.TestCase):
         self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
                    lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 20, max_grad_norm=0.5)
 
+    def test_activation_checkpointing(self):
+        # The MLP's forward runs again in backward (its groups' pre-hooks fire twice).
+        self.check("checkpointed", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10, max_grad_norm=0.5)
+
     def test_sgd_momentum_nesterov(self):
         self.check("mlp", flatshard.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
                    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
