@@ -766,6 +766,7 @@ class GradScaler:
         scaler.scale(loss).backward()   # the loss times the scale; each gradient is
                                         # divided by it (in fp32) before it is sent
         scaler.step()                   # model.step(), then the scale's update
+                                        # (scaler.step(optimizer): a ServerOptimizer's)
 
     step() reads the step's gradient norm from the servers (every worker reads the same
     one, so every worker keeps the same scale): not finite, the servers skipped the step
@@ -791,10 +792,18 @@ class GradScaler:
         self._model._grad_scale = self._scale
         return loss * self._scale
 
-    def step(self):
+    def step(self, optimizer=None):
         """model.step(), then the scale's update. Returns the step's gradient norm (inf or
-        NaN when the servers skipped the step)."""
-        self._model.step()
+        NaN when the servers skipped the step). ``step(optimizer)``, as torch's is called,
+        takes the model's ServerOptimizer and steps through it, so that a learning-rate
+        scheduler over it sees the step."""
+        if optimizer is None:
+            self._model.step()
+        elif isinstance(optimizer, ServerOptimizer) and optimizer._model is self._model:
+            optimizer.step()
+        else:
+            raise flatshard.InvalidArgumentError(
+                f"GradScaler.step takes the ServerOptimizer of the scaler's model, not a {type(optimizer).__name__}")
         norm = self._model.grad_norm()
         if math.isfinite(norm):
             self._growth_tracker += 1

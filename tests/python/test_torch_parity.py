@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import unittest
+import warnings
 
 import numpy as np
 import torch
@@ -731,6 +732,30 @@ class GradScalerPolicyTest(unittest.TestCase):
                     {"growth_interval": 0}):
             with self.assertRaises(flatshard.InvalidArgumentError, msg=str(bad)):
                 flatshard.torch.GradScaler(ScriptedNorms([]), **bad)
+
+
+class SchedulerWithGradScalerTest(unittest.TestCase):
+    def test_a_scaler_steps_through_the_server_optimizer_that_a_scheduler_follows(self):
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="scaled")
+            client.configure_job(skip_nonfinite=True)
+            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
+                                                  auto_wrap_min_params=200)
+            optimizer = flatshard.torch.ServerOptimizer(model)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            scaler = flatshard.torch.GradScaler(model, init_scale=4.0)
+            x, y = make_data("mlp")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # torch warns of a scheduler stepped before its optimizer
+                for _ in range(2):
+                    scaler.scale(F.mse_loss(model(x), y)).backward()
+                    self.assertTrue(math.isfinite(scaler.step(optimizer)))
+                    scheduler.step()
+            self.assertEqual(model.version, 2)
+            self.assertEqual(optimizer.param_groups[0]["lr"], 0.025)
+            with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+                scaler.step(torch.optim.SGD(make_model("mlp").parameters(), lr=0.1))
+            self.assertIn("takes the ServerOptimizer of the scaler's model, not a SGD", str(refused.exception))
 
 
 class MixedPrecisionAndExportTest(unittest.TestCase):
