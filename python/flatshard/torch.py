@@ -79,11 +79,13 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import tempfile
 
 import numpy as np
 import torch
 
 import flatshard
+from flatshard import _safetensors
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PUSH_BYTES = 64 << 20  # initial values pushed per init_groups call (ShardedModule._push)
@@ -639,6 +641,42 @@ class ShardedModule(torch.nn.Module):
             raise flatshard.FailedPreconditionError("no step has been taken yet")
         return self._client.grad_norm(self._step - 1)
 
+    def optim_state_dict(self):
+        """The servers' optimizer state as a torch optimizer's state_dict, keyed by
+        parameter name as FSDP's optim_state_dict keys it::
+
+            {"state": {fqn: {"step": tensor(3.), "exp_avg": ..., "exp_avg_sq": ...}},
+             "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}, ...]}
+
+        (SGD: "momentum_buffer"; nothing before the first step, as torch's.) param_groups
+        are ServerOptimizer's: the parameters in no ``param_groups`` entry, then entry k at
+        k + 1, with the settings the servers run now. Shared parameters appear once, under
+        their first name; frozen ones have no state. It is read through
+        ``export_state_dict(optimizer=True)`` into a temporary directory on this machine,
+        whose disk the model and its state pass through. Restoring optimizer state is the
+        checkpoints' job (``load_checkpoint``)."""
+        with tempfile.TemporaryDirectory(prefix="flatshard-optim-") as directory:
+            self._client.export_state_dict(directory, kind="full", optimizer=True)
+            arrays, metadata = _safetensors.read_floats(directory, "optimizer")
+        state = {}
+        for group in self._groups:
+            steps = int(metadata[f"{group.name}.step"])
+            adam = metadata[f"{group.name}.optimizer"] in ("adam", "adamw")
+            for fqn, _ in group.params:
+                entry = {"step": torch.tensor(float(steps))} if adam and steps else {}
+                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
+                    if steps and f"{fqn}.{name}" in arrays:
+                        entry[name] = torch.from_numpy(arrays[f"{fqn}.{name}"])
+                state[fqn] = entry
+        param_groups = []
+        for k, setting in enumerate(self._entry_settings):
+            entry = None if k == 0 else k - 1
+            groups = [group for group in self._groups if group.param_group == entry]
+            current = self._client._optimizers.get(groups[0].name, setting) if groups else setting
+            param_groups.append(dict(dataclasses.asdict(current),
+                                     params=[fqn for group in groups for fqn, _ in group.params]))
+        return {"state": state, "param_groups": param_groups}
+
     def state_dict(self, *args, **kwargs):
         """The full state dict, parameters read from the servers in fp32 (buffers local)."""
         out = collections.OrderedDict()
@@ -754,7 +792,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         return flatshard.FailedPreconditionError(
             "the optimizer state lives on the servers: save and restore it with the client's "
             "save_checkpoint(name, optimizer=True) and load_checkpoint(name) (or ShardedModule's "
-            "load_checkpoint=name); export_state_dict(path, optimizer=True) writes it as safetensors")
+            "load_checkpoint=name); ShardedModule.optim_state_dict() reads it in torch's form")
 
 
 class GradScaler:

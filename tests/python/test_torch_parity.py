@@ -734,6 +734,54 @@ class GradScalerPolicyTest(unittest.TestCase):
                 flatshard.torch.GradScaler(ScriptedNorms([]), **bad)
 
 
+class OptimStateDictTest(unittest.TestCase):
+    def test_the_servers_optimizer_state_in_torchs_form_matches_torchs(self):
+        # One worker on the whole batch against torch's optimizer with the same param
+        # groups: step counts, settings, and every state tensor within 1e-4 relative (the
+        # parameters agree to 1e-5 after each step, so the gradients the state sums do to
+        # about as much, and the squares in Adam's second moments to twice that).
+        x, y = make_data("mlp")
+        no_decay = [name for name, p in make_model("mlp").named_parameters() if p.ndim < 2]
+        for ours, make_theirs in [
+                (flatshard.AdamW(lr=1e-2, weight_decay=0.05, amsgrad=True),
+                 lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05, amsgrad=True)),
+                (flatshard.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
+                 lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3))]:
+            with self.subTest(optimizer=type(ours).__name__), \
+                    checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+                client = flatshard.Client(cluster.addresses, token=cluster.token, job="optim")
+                client.configure_job()
+                model = flatshard.torch.ShardedModule(make_model("mlp"), client, ours, auto_wrap_min_params=200,
+                                                      param_groups=[{"params": no_decay, "weight_decay": 0.0}])
+                self.assertEqual(set(map(len, model.optim_state_dict()["state"].values())), {0})  # no step yet
+                reference = make_model("mlp")
+                named = dict(reference.named_parameters())
+                theirs = make_theirs([{"params": [p for n, p in named.items() if n not in no_decay]},
+                                      {"params": [named[n] for n in no_decay], "weight_decay": 0.0}])
+                for _ in range(3):
+                    F.mse_loss(model(x), y).backward()
+                    model.step()
+                    theirs.zero_grad()
+                    F.mse_loss(reference(x), y).backward()
+                    theirs.step()
+                got = model.optim_state_dict()
+                for name, param in named.items():
+                    expected = theirs.state[param]
+                    self.assertEqual(set(got["state"][name]), set(expected), name)
+                    for key, value in expected.items():
+                        if key == "step":
+                            self.assertEqual(float(got["state"][name][key]), float(value), name)
+                            continue
+                        self.assertEqual(got["state"][name][key].shape, value.shape, f"{name}.{key}")
+                        self.assertLess(relative_error(got["state"][name][key], value), 10 * REL_TOL,
+                                        f"{name}.{key}")
+                self.assertEqual([sorted(g["params"]) for g in got["param_groups"]],
+                                 [sorted(n for n in named if n not in no_decay), sorted(no_decay)])
+                self.assertEqual([g["weight_decay"] for g in got["param_groups"]], [ours.weight_decay, 0.0])
+                model.set_hyperparams(lr=1e-3)
+                self.assertEqual([g["lr"] for g in model.optim_state_dict()["param_groups"]], [1e-3, 1e-3])
+
+
 class SchedulerWithGradScalerTest(unittest.TestCase):
     def test_a_scaler_steps_through_the_server_optimizer_that_a_scheduler_follows(self):
         with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
