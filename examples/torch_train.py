@@ -3,8 +3,9 @@
 saves a checkpoint, kills the cluster, starts a fresh one on the same checkpoint root,
 loads the checkpoint and continues: the loss picks up where it stopped. Each worker
 accumulates its half batch over 2 micro-batches (no_sync) and follows a cosine
-learning-rate schedule (set_hyperparams), which resumes by step number. Biases train
-without weight decay (param_groups, as torch optimizers take them).
+learning-rate schedule: torch's LambdaLR over a ServerOptimizer, which stands for the
+servers' optimizer, resumed at the loaded step. Biases train without weight decay
+(param_groups, as torch optimizers take them).
 
     PYTHONPATH=build/python /usr/bin/python3 examples/torch_train.py [--steps 40]
 """
@@ -54,9 +55,13 @@ def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, q
                                           param_groups=[{"params": biases, "weight_decay": 0.0}],
                                           auto_wrap_min_params=1000, load_checkpoint=checkpoint)
     assert model.version == first_step, (model.version, first_step)
+    optimizer = flatshard.torch.ServerOptimizer(model)
+    for group in optimizer.param_groups:  # as a scheduler resumed from its state expects
+        group.setdefault("initial_lr", group["lr"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: learning_rate(step, total_steps) / 1e-2, last_epoch=first_step - 1)
     losses, norms = [], []
     for step in range(first_step, first_step + steps):
-        model.set_hyperparams(lr=learning_rate(step, total_steps))
         x, y = batch(step, rank)
         total = 0.0
         for micro, (xm, ym) in enumerate(zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES))):
@@ -65,7 +70,8 @@ def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, q
                 loss = F.mse_loss(model(xm), ym) / MICRO_BATCHES
                 loss.backward()
             total += loss.item()
-        model.step()
+        optimizer.step()  # model.step()
+        scheduler.step()  # the next step's learning rate, sent with its forward
         losses.append(total)
         norms.append(model.grad_norm())  # before clipping, as clip_grad_norm_ returns it
     queue.put((rank, losses, (model.groups, norms) if rank == 0 else None))
