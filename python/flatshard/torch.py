@@ -655,9 +655,11 @@ class ShardedModule(torch.nn.Module):
         ``export_state_dict(optimizer=True)`` into a temporary directory on this machine,
         whose disk the model and its state pass through. Restoring optimizer state is the
         checkpoints' job (``load_checkpoint``)."""
-        with tempfile.TemporaryDirectory(prefix="flatshard-optim-") as directory:
-            self._client.export_state_dict(directory, kind="full", optimizer=True)
-            arrays, metadata = _safetensors.read_floats(directory, "optimizer")
+        arrays, metadata = {}, {}
+        if self._groups:  # a module without trained parameters has no state to export
+            with tempfile.TemporaryDirectory(prefix="flatshard-optim-") as directory:
+                self._client.export_state_dict(directory, kind="full", optimizer=True)
+                arrays, metadata = _safetensors.read_floats(directory, "optimizer")
         state = {}
         for group in self._groups:
             steps = int(metadata[f"{group.name}.step"])

@@ -406,6 +406,7 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             model.step()
             self.assertEqual(model.version, 1)
             self.assertEqual(model.state_dict(), {})
+            self.assertEqual(model.optim_state_dict()["state"], {})
 
     def test_param_groups_that_do_not_fit_the_module_are_refused_before_registering(self):
         with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
