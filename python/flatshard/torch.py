@@ -62,16 +62,15 @@ decay on biases and norms, a head at its own learning rate)::
     model.set_hyperparams(lr=5e-4)                 # every parameter's learning rate
     model.set_hyperparams(lr=1e-4, param_group=0)  # param_groups[0]'s alone
 
-torch's learning-rate schedulers drive the servers' optimizer through ``ServerOptimizer``
-(below), a torch.optim.Optimizer whose param_groups stand for the module's.
-
 Each entry lists parameters of the module (or their names) with the hyper-parameters in
 which they differ from ``optimizer``; the others keep ``optimizer``'s. A flat parameter
 has one optimizer setting (as FSDP's), so a wrapped module whose parameters are in
 several entries gets a flat parameter per entry: ``<module's group>.<param_groups[k]>``
 for entry k, beside the module's own group for those in none. FULL and SHARDED
 checkpoints load by tensor name, into a module wrapped with other entries (or another
-``auto_wrap_min_params``) too; LOCAL ones only into the same groups.
+``auto_wrap_min_params``) too; LOCAL ones only into the same groups. torch's
+learning-rate schedulers drive the servers' optimizer through ``ServerOptimizer``
+(below), a torch.optim.Optimizer whose param_groups stand for the module's.
 """
 
 import collections
