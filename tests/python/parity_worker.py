@@ -14,7 +14,7 @@ import flatshard.torch
 from models import make_data, make_model, make_scheduler
 
 
-def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue, device="cpu",
+def run(addresses, token, rank, kind, settings, job, steps, param_dtype, queue, device="cpu",
         micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None,
         scheduler=None):
     try:
@@ -22,7 +22,7 @@ def run(addresses, token, rank, kind, optimizer, job, steps, param_dtype, queue,
         client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token,
                                   job="parity", timeout=60.0)
         client.configure_job(**job)
-        model = flatshard.torch.ShardedModule(make_model(kind).to(device), client, optimizer=optimizer,
+        model = flatshard.torch.ShardedModule(make_model(kind).to(device), client, optimizer=settings,
                                               param_dtype=param_dtype,
                                               reduce_dtype=torch.float32 if param_dtype else None,
                                               auto_wrap_min_params=200, param_groups=param_groups)
