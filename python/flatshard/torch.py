@@ -763,13 +763,26 @@ class ServerOptimizer(torch.optim.Optimizer):
         model._hyperparams_from = self
 
     def _send(self):
-        """Sends what changed in param_groups since the last call (ShardedModule.forward)."""
+        """Sends what changed in param_groups since the last call (ShardedModule.forward):
+        param groups given the same changes (a scheduler's one factor on equal learning
+        rates) in one call per server."""
+        calls = []  # [changes, flat parameters, param groups' indexes]
         for k, (group, sent) in enumerate(zip(self.param_groups, self._sent)):
             changes = {key: group[key] for key in sent if group[key] != sent[key]}
-            if changes:
-                entry = None if k == 0 else k - 1
-                self._model._send_hyperparams([g for g in self._model._groups if g.param_group == entry], changes)
-                sent.update(changes)
+            if not changes:
+                continue
+            entry = None if k == 0 else k - 1
+            members = [g for g in self._model._groups if g.param_group == entry]
+            call = next((call for call in calls if call[0] == changes), None)
+            if call is None:
+                calls.append([changes, members, [k]])
+            else:
+                call[1].extend(members)
+                call[2].append(k)
+        for changes, members, indexes in calls:
+            self._model._send_hyperparams(members, changes)
+            for k in indexes:
+                self._sent[k].update(changes)
 
     def step(self, closure=None):
         loss = None

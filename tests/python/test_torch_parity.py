@@ -807,6 +807,35 @@ class SchedulerWithGradScalerTest(unittest.TestCase):
             self.assertIn("takes the ServerOptimizer of the scaler's model, not a SGD", str(refused.exception))
 
 
+class ServerOptimizerCallsTest(unittest.TestCase):
+    def test_param_groups_given_the_same_change_share_one_call(self):
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="calls")
+            client.configure_job()
+            net = make_model("mlp")
+            model = flatshard.torch.ShardedModule(net, client, flatshard.AdamW(lr=1e-2), auto_wrap_min_params=200,
+                                                  param_groups=[{"params": [p for p in net.parameters() if p.ndim < 2],
+                                                                 "weight_decay": 0.0}])
+            optimizer = flatshard.torch.ServerOptimizer(model)
+            calls, real = [], client.set_hyperparams_of
+            client.set_hyperparams_of = lambda names, **changes: (calls.append((sorted(names), changes)),
+                                                                  real(names, **changes))
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+            x, y = make_data("mlp")
+            for step in range(2):
+                F.mse_loss(model(x), y).backward()
+                optimizer.step()
+                scheduler.step()
+            model(x)
+            trained = sorted(name for name, path, _ in model.groups if path is not None)
+            self.assertEqual(len(trained), 6)  # 3 wrapped modules, each with its biases apart
+            # Both param groups' lr halves each step: one call for all six groups.
+            self.assertEqual(calls, [(trained, {"lr": 5e-3}), (trained, {"lr": 2.5e-3})])
+            optimizer.param_groups[1]["lr"] = 1e-4  # the biases' alone
+            model(x)
+            self.assertEqual(calls[-1], ([n for n in trained if n.endswith(".<param_groups[0]>")], {"lr": 1e-4}))
+
+
 class MixedPrecisionAndExportTest(unittest.TestCase):
     def test_bf16_params_fp32_reduce_converges_and_gathers_exact_casts(self):
         with checked_cluster.LocalCluster(servers=3, memory=MEMORY) as cluster:
