@@ -2,9 +2,10 @@
 its half of the batch (on `device`: "cpu" or "cuda"), in `micro_batches` pieces whose
 gradients accumulate under no_sync() but for the last, with the learning rate set to
 lr_schedule[step] (an lr, or (lr, k) for param_groups[k] alone) before the steps it
-names or a torch scheduler (models.make_scheduler) over a ServerOptimizer, and reports its losses, (worker 0) the
-final state dict, (a clipped job) the gradient norm of every step and (with a
-GradScaler: init 2**10, growth every 3 steps) the final loss scale."""
+names, or by a torch scheduler (models.make_scheduler) over a ServerOptimizer, and
+reports its losses, (worker 0) the final state dict, (a clipped job) the gradient norm
+of every step and (with a GradScaler: init 2**10, growth every 3 steps) the final loss
+scale."""
 
 import torch
 import torch.nn.functional as F
