@@ -1,6 +1,7 @@
 // Checkpoints between in-process "servers" (registries sharing one checkpoint root):
-// save with N, load with M, compare every tensor and optimizer state bitwise; damaged and
-// mismatched checkpoints are refused and leave the groups untouched.
+// save with N, load with M (and into other groups), compare every tensor and optimizer
+// state bitwise; damaged and mismatched checkpoints are refused and leave the groups
+// untouched.
 #include "server/checkpoint_store.h"
 
 #include <gmock/gmock.h>
@@ -555,7 +556,8 @@ TEST_P(RegroupTest, LoadsIntoOtherGroupsByTensorBitwise) {
   for (int step = 0; step < 2; ++step) source.Step(step);
   ASSERT_TRUE(source.Save("ckpt", kind, /*optimizer=*/true, 2).ok());
   FakeCluster target(2, root, RegroupedSpecs());
-  ASSERT_TRUE(target.Load("ckpt").ok()) << target.Load("ckpt");
+  const absl::Status load = target.Load("ckpt");
+  ASSERT_TRUE(load.ok()) << load;
   Values expected = TensorValues(source.Collect(2));
   if (kind == CheckpointKind::kFull) {  // stored in its registered dtype
     for (float& v : expected["h.weight"]) v = BFloat16BitsToFloat(FloatToBFloat16Bits(v));
