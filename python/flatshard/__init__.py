@@ -498,8 +498,9 @@ class Client:
         self._native.save_checkpoint(name, kind, bool(optimizer), not blocking, progress, cut)
 
     def load_checkpoint(self, name, progress=None):
-        """Loads a checkpoint into the job's registered groups; `progress`, and how to
-        cancel it, as for saves."""
+        """Loads a checkpoint into the job's registered groups (FULL and SHARDED by tensor
+        name, also into groups other than the saved ones; LOCAL into the same groups);
+        `progress`, and how to cancel it, as for saves."""
         self._native.load_checkpoint(name, progress)
 
     def list_checkpoints(self):

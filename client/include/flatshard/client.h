@@ -404,8 +404,11 @@ class Client {
   [[nodiscard]] virtual absl::Status SaveCheckpoint(const std::string& name, CheckpointKind kind, bool optimizer,
                                                     bool async = false, Progress progress = nullptr, CutAt at = {}) = 0;
   // Loads a checkpoint into the job's registered groups on every server: all servers
-  // verify and stage it first; if any refuses (damage, mismatch), none changes.
-  // `progress` (optional): the servers' tensor bytes read, as for saves.
+  // verify and stage it first; if any refuses (damage, mismatch), none changes. FULL and
+  // SHARDED checkpoints load by tensor name, also into groups other than the saved ones
+  // (each group from groups saved at one step; every saved tensor must find a group);
+  // LOCAL ones into the same groups only. `progress` (optional): the servers' tensor
+  // bytes read, as for saves.
   [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name, Progress progress = nullptr) = 0;
   [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints(std::stop_token stop = {}) = 0;
   // Removes checkpoint `name`, complete or not (an interrupted save). NotFound if there
