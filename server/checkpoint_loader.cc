@@ -104,11 +104,12 @@ class CheckpointTensors {
   // registered group took it already.
   absl::StatusOr<const Tensor*> Take(const std::string& group, const std::string& job, const Json& tensor) {
     const std::string fqn = tensor.at("name").get<std::string>();
-    const std::string registered = absl::StrCat("group '", group, "' of job '", job, "'");
+    // For messages only: a load of many small groups takes tens of thousands of tensors.
+    auto registered = [&] { return absl::StrCat("group '", group, "' of job '", job, "'"); };
     auto named = by_name_.find(fqn);
     if (named == by_name_.end()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("tensor '", fqn, "' of ", registered, " is not in checkpoint '", name_, "'"));
+          absl::StrCat("tensor '", fqn, "' of ", registered(), " is not in checkpoint '", name_, "'"));
     }
     const std::vector<size_t>& holders = named->second;
     auto own = std::find_if(holders.begin(), holders.end(),
@@ -116,14 +117,14 @@ class CheckpointTensors {
     if (own == holders.end() && holders.size() > 1) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint '", name_, "' holds tensor '", fqn, "' in groups '", groups_[tensors_[holders[0]].group].name,
-          "' and '", groups_[tensors_[holders[1]].group].name, "', none of them ", registered,
+          "' and '", groups_[tensors_[holders[1]].group].name, "', none of them ", registered(),
           ": which one it takes is ambiguous"));
     }
     Tensor& source = tensors_[own != holders.end() ? *own : holders.front()];
     const std::string& source_group = groups_[source.group].name;
     if (*source.spec != tensor) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name_, "' group '", source_group,
-                                                        "' holds tensor ", source.spec->dump(), "; ", registered,
+                                                        "' holds tensor ", source.spec->dump(), "; ", registered(),
                                                         " registers it as ", tensor.dump()));
     }
     if (!source.taker.empty()) {

@@ -454,6 +454,12 @@ class ShardedModule(torch.nn.Module):
         self._send_hyperparams([group for group in self._groups
                                 if param_group is None or group.param_group == param_group], changes)
 
+    def _param_group_members(self, k):
+        """The trained groups of param group k as ServerOptimizer and optim_state_dict
+        number them: 0 holds the parameters in no param_groups entry, k > 0 entry k - 1."""
+        entry = None if k == 0 else k - 1
+        return [group for group in self._groups if group.param_group == entry]
+
     def _send_hyperparams(self, groups, changes):
         if groups:  # one call per server for all of them
             self._client.set_hyperparams_of([group.name for group in groups], **changes)
@@ -664,15 +670,14 @@ class ShardedModule(torch.nn.Module):
             steps = int(metadata[f"{group.name}.step"])
             adam = metadata[f"{group.name}.optimizer"] in ("adam", "adamw")
             for fqn, _ in group.params:
-                entry = {"step": torch.tensor(float(steps))} if adam and steps else {}
+                saved = {"step": torch.tensor(float(steps))} if adam and steps else {}
                 for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
                     if steps and f"{fqn}.{name}" in arrays:
-                        entry[name] = torch.from_numpy(arrays[f"{fqn}.{name}"])
-                state[fqn] = entry
+                        saved[name] = torch.from_numpy(arrays[f"{fqn}.{name}"])
+                state[fqn] = saved
         param_groups = []
         for k, setting in enumerate(self._entry_settings):
-            entry = None if k == 0 else k - 1
-            groups = [group for group in self._groups if group.param_group == entry]
+            groups = self._param_group_members(k)
             current = self._client._optimizers.get(groups[0].name, setting) if groups else setting
             param_groups.append(dict(dataclasses.asdict(current),
                                      params=[fqn for group in groups for fqn, _ in group.params]))
@@ -754,8 +759,7 @@ class ServerOptimizer(torch.optim.Optimizer):
                 f"ServerOptimizer stands for a flatshard.torch.ShardedModule's optimizer, not a {type(model).__name__}")
         groups = []
         for k, setting in enumerate(model._entry_settings):
-            entry = None if k == 0 else k - 1
-            params = [param for group in model._groups if group.param_group == entry for _, param in group.params]
+            params = [param for group in model._param_group_members(k) for _, param in group.params]
             groups.append(dict(dataclasses.asdict(setting), params=params))
         self._model = model
         self._sent = [dataclasses.asdict(setting) for setting in model._entry_settings]
@@ -771,8 +775,7 @@ class ServerOptimizer(torch.optim.Optimizer):
             changes = {key: group[key] for key in sent if group[key] != sent[key]}
             if not changes:
                 continue
-            entry = None if k == 0 else k - 1
-            members = [g for g in self._model._groups if g.param_group == entry]
+            members = self._model._param_group_members(k)
             call = next((call for call in calls if call[0] == changes), None)
             if call is None:
                 calls.append([changes, members, [k]])
