@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -65,9 +66,12 @@ class CheckpointTensors {
     std::string taker;  // the registered group that loads it; empty while none
   };
 
-  static absl::StatusOr<CheckpointTensors> Parse(const Json& manifest, const std::string& name) {
+  // `non_strict`: registered tensors the checkpoint lacks are not an error (Take), nor are
+  // its tensors no group takes (CheckAllTaken).
+  static absl::StatusOr<CheckpointTensors> Parse(const Json& manifest, const std::string& name, bool non_strict) {
     CheckpointTensors contents;
     contents.name_ = name;
+    contents.non_strict_ = non_strict;
     for (const Json& spec : manifest.at("groups")) {
       CheckpointGroup group;
       group.name = spec.value("name", "");
@@ -99,15 +103,17 @@ class CheckpointTensors {
   }
 
   // The checkpoint's tensor for `tensor` (as TensorsJson describes it) of registered
-  // group `group`, which takes it. FailedPrecondition if the checkpoint lacks it, holds
-  // it with another shape or dtype, holds it only in several other groups, or another
-  // registered group took it already.
+  // group `group`, which takes it; null if the checkpoint lacks it and the load is
+  // non-strict. FailedPrecondition if the checkpoint lacks it (strict), holds it with
+  // another shape or dtype, holds it only in several other groups, or another registered
+  // group took it already.
   absl::StatusOr<const Tensor*> Take(const std::string& group, const std::string& job, const Json& tensor) {
     const std::string fqn = tensor.at("name").get<std::string>();
     // For messages only: a load of many small groups takes tens of thousands of tensors.
     auto registered = [&] { return absl::StrCat("group '", group, "' of job '", job, "'"); };
     auto named = by_name_.find(fqn);
     if (named == by_name_.end()) {
+      if (non_strict_) return nullptr;
       return absl::FailedPreconditionError(
           absl::StrCat("tensor '", fqn, "' of ", registered(), " is not in checkpoint '", name_, "'"));
     }
@@ -136,20 +142,26 @@ class CheckpointTensors {
     return &source;
   }
 
-  // FailedPrecondition naming the first tensor no registered group took.
-  absl::Status CheckAllTaken(const std::string& job) const {
+  // The tensors no registered group took, in the manifest's order (a non-strict load
+  // skips them). FailedPrecondition naming the first, unless the load is non-strict.
+  absl::StatusOr<std::vector<std::string>> Untaken(const std::string& job) const {
+    std::vector<std::string> untaken;
     for (const Tensor& tensor : tensors_) {
-      if (tensor.taker.empty()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint '", name_, "' has tensor '", tensor.spec->at("name").get<std::string>(), "' (group '",
-            groups_[tensor.group].name, "'), which no group of job '", job, "' registers"));
+      if (!tensor.taker.empty()) continue;
+      const std::string fqn = tensor.spec->at("name").get<std::string>();
+      if (!non_strict_) {
+        return absl::FailedPreconditionError(absl::StrCat("checkpoint '", name_, "' has tensor '", fqn, "' (group '",
+                                                          groups_[tensor.group].name, "'), which no group of job '",
+                                                          job, "' registers"));
       }
+      untaken.push_back(fqn);
     }
-    return absl::OkStatus();
+    return untaken;
   }
 
  private:
   std::string name_;
+  bool non_strict_ = false;
   std::vector<CheckpointGroup> groups_;
   std::vector<Tensor> tensors_;
   absl::flat_hash_map<std::string, size_t> group_index_;
@@ -186,9 +198,10 @@ absl::Status LoadedCounters(const std::string& name, const Group& group,
 
 }  // namespace
 
-absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointReader& reader, const Registry& registry,
-                                             const std::string& name, const std::string& job, int rank,
-                                             int num_servers, ProgressCounter* progress) {
+absl::StatusOr<StagedCheckpoint> StageCheckpoint(const Json& manifest, CheckpointReader& reader,
+                                                 const Registry& registry, const std::string& name,
+                                                 const std::string& job, int rank, int num_servers, bool non_strict,
+                                                 ProgressCounter* progress) {
   const absl::StatusOr<CheckpointKind> kind_or = ParseCheckpointKind(manifest.value("kind", ""));
   if (!kind_or.ok()) {
     return absl::DataLossError(absl::StrCat("checkpoint '", name, "' manifest: ", kind_or.status().message()));
@@ -248,13 +261,30 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
     FLATSHARD_ASSIGN_OR_RETURN(stored, ParseShardedIndex(text, reader.path("index.json")));
   }
 
-  FLATSHARD_ASSIGN_OR_RETURN(CheckpointTensors contents, CheckpointTensors::Parse(manifest, name));
-  StagedGroups staged;
+  FLATSHARD_ASSIGN_OR_RETURN(CheckpointTensors contents, CheckpointTensors::Parse(manifest, name, non_strict));
+  StagedCheckpoint staged;
   HostSlab slab;  // the staging buffers of small groups, a few blocks instead of a malloc each
+  // Host buffers for `group`'s shard, that a host-tier group adopts on commit (Restore).
+  auto allocate = [&slab](const Group& group, LoadedShard& loaded) -> absl::Status {
+    const size_t bytes = static_cast<size_t>(group.layout().shard_numel()) * sizeof(float);
+    const std::string what = absl::StrCat("loading group '", group.name(), "'");
+    FLATSHARD_ASSIGN_OR_RETURN(loaded.params, slab.Allocate(bytes, what));
+    for (const std::string& state : group.optimizer_state_names()) {
+      FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, slab.Allocate(bytes, what));
+      loaded.state.emplace_back(state, std::move(buffer));
+    }
+    return absl::OkStatus();
+  };
+  std::vector<std::shared_ptr<Group>> unsaved;  // trained groups the checkpoint holds nothing of
   for (const std::shared_ptr<Group>& group : registry.job_groups(job)) {
     const std::string& group_name = group->name();
     const FlatLayout& layout = group->layout();
     const Json registered = TensorsJson(layout);
+    if (kind == CheckpointKind::kLocal && non_strict && contents.group(group_name) == nullptr) {
+      for (const Json& tensor : registered) staged.omitted.missing.push_back(tensor.at("name").get<std::string>());
+      if (!group->frozen()) unsaved.push_back(group);
+      continue;
+    }
     if (kind == CheckpointKind::kLocal) {  // flat shards as they were: the same groups only
       const CheckpointGroup* same = contents.group(group_name);
       if (same == nullptr || *same->tensors != registered || same->align != layout.align()) {
@@ -267,32 +297,49 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
             " (save FULL or SHARDED to load into other groups)"));
       }
     }
-    // Where each registered tensor comes from: a checkpoint group's tensor of its name.
+    // Where each registered tensor comes from: a checkpoint group's tensor of its name
+    // (null: a non-strict load keeps it).
     std::vector<const CheckpointTensors::Tensor*> sources;
     std::vector<const CheckpointGroup*> source_groups;
+    size_t kept_tensors = 0;
     for (const Json& tensor : registered) {
       FLATSHARD_ASSIGN_OR_RETURN(const CheckpointTensors::Tensor* source, contents.Take(group_name, job, tensor));
       sources.push_back(source);
+      if (source == nullptr) {
+        staged.omitted.missing.push_back(tensor.at("name").get<std::string>());
+        ++kept_tensors;
+        continue;
+      }
       const CheckpointGroup* source_group = &contents.groups()[source->group];
       if (std::find(source_groups.begin(), source_groups.end(), source_group) == source_groups.end()) {
         source_groups.push_back(source_group);
       }
     }
-    // Host buffers that a host-tier group adopts on commit (Group::Restore).
+    if (kept_tensors == sources.size() && kept_tensors > 0) {  // nothing of it saved
+      if (!group->frozen()) unsaved.push_back(group);
+      continue;
+    }
     LoadedShard loaded;
     if (!source_groups.empty()) {
       FLATSHARD_RETURN_IF_ERROR(LoadedCounters(name, *group, source_groups, optimizer, loaded));
     }
     const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
-    const std::string what = absl::StrCat("loading group '", group_name, "'");
-    FLATSHARD_ASSIGN_OR_RETURN(loaded.params, slab.Allocate(shard_numel * sizeof(float), what));
-    for (const std::string& state : group->optimizer_state_names()) {
-      FLATSHARD_ASSIGN_OR_RETURN(ShardBuffer buffer, slab.Allocate(shard_numel * sizeof(float), what));
-      loaded.state.emplace_back(state, std::move(buffer));
-    }
-    // The buffers are unwritten: the reads fill every tensor element, padding is zeroed here.
+    FLATSHARD_RETURN_IF_ERROR(allocate(*group, loaded));
+    // The buffers are unwritten: the reads fill every loaded tensor element, Restore the
+    // kept ones, padding is zeroed here.
     const int64_t start = layout.shard_start(rank);
     const std::vector<TensorPiece> pieces = layout.MapRange(start, layout.shard_end(rank));
+    // The pieces of kept tensors: Restore fills them from the group's current state.
+    std::vector<ShardRange> kept;
+    for (const TensorPiece& piece : pieces) {
+      if (sources[static_cast<size_t>(piece.tensor_index)] != nullptr) continue;
+      const int64_t begin = piece.flat_offset - start;
+      if (!kept.empty() && kept.back().end == begin) {
+        kept.back().end = begin + piece.numel;
+      } else {
+        kept.push_back({begin, begin + piece.numel});
+      }
+    }
     auto zero_padding = [&](float* values) {
       int64_t at = 0;
       for (const TensorPiece& piece : pieces) {
@@ -330,6 +377,7 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
         continue;
       }
       for (const TensorPiece& piece : pieces) {
+        if (sources[static_cast<size_t>(piece.tensor_index)] == nullptr) continue;  // kept
         const TensorSpec& tensor = layout.tensor(piece.tensor_index);
         float* out = values + (piece.flat_offset - start);
         if (kind == CheckpointKind::kFull) {
@@ -372,9 +420,25 @@ absl::StatusOr<StagedGroups> StageCheckpoint(const Json& manifest, CheckpointRea
         }
       }
     }
-    staged.emplace_back(group, std::move(loaded));
+    staged.groups.push_back({group, std::move(loaded), {.ranges = std::move(kept), .optimizer_counters = false}});
   }
-  FLATSHARD_RETURN_IF_ERROR(contents.CheckAllTaken(job));
+  // The trained groups the checkpoint holds nothing of stay as they are, but for their
+  // version: that of the loaded trained groups, when these agree (as a save's cut makes
+  // them), so that the job's trained groups step on together.
+  std::set<int64_t> loaded_versions;
+  for (const StagedGroup& group : staged.groups) {
+    if (!group.group->frozen()) loaded_versions.insert(group.shard.version);
+  }
+  if (loaded_versions.size() == 1) {
+    for (const std::shared_ptr<Group>& group : unsaved) {
+      LoadedShard loaded;
+      loaded.version = *loaded_versions.begin();
+      FLATSHARD_RETURN_IF_ERROR(allocate(*group, loaded));
+      staged.groups.push_back(
+          {group, std::move(loaded), {.ranges = {{0, group->layout().shard_numel()}}, .optimizer_counters = true}});
+    }
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(staged.omitted.unexpected, contents.Untaken(job));
   FLATSHARD_RETURN_IF_ERROR(reader.Run(progress));
   return staged;
 }

@@ -15,8 +15,8 @@
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto files, ManifestFiles(manifest, dir));
 //   CheckpointReader reader(dir, std::move(files), pool);
-//   FLATSHARD_ASSIGN_OR_RETURN(StagedGroups staged,
-//                              StageCheckpoint(manifest, reader, registry, name, job, rank, servers, nullptr));
+//   FLATSHARD_ASSIGN_OR_RETURN(StagedCheckpoint staged,
+//                              StageCheckpoint(manifest, reader, registry, name, job, rank, servers, false, nullptr));
 #ifndef FLATSHARD_SERVER_CHECKPOINT_LOADER_H_
 #define FLATSHARD_SERVER_CHECKPOINT_LOADER_H_
 
@@ -36,7 +36,27 @@
 
 namespace flatshard::server {
 
-using StagedGroups = std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>>;
+// One group's shard as a load installs it (Group::Restore).
+struct StagedGroup {
+  std::shared_ptr<Group> group;
+  LoadedShard shard;
+  KeptState kept;  // a non-strict load's: what keeps its current values
+};
+using StagedGroups = std::vector<StagedGroup>;
+
+// What a non-strict load leaves out, the same on every server of the job: the registered
+// tensors the checkpoint lacks (they keep their values), in the registry's order, and the
+// checkpoint's tensors no group registers (not loaded), in the manifest's.
+struct LoadOmissions {
+  std::vector<std::string> missing;
+  std::vector<std::string> unexpected;
+};
+
+// What a load stages on this server.
+struct StagedCheckpoint {
+  StagedGroups groups;
+  LoadOmissions omitted;
+};
 
 // The manifest's files: sizes and extents, checked to tile each file. DataLoss naming
 // `where` (the checkpoint's directory, for messages) if the list is malformed.
@@ -45,11 +65,16 @@ using StagedGroups = std::vector<std::pair<std::shared_ptr<Group>, LoadedShard>>
 
 // This server's (`rank` of `num_servers`) shard of every group of `job` from checkpoint
 // `name`, whose manifest is `manifest` and whose files `reader` reads. `progress`
-// (optional) counts the tensor bytes read.
-[[nodiscard]] absl::StatusOr<StagedGroups> StageCheckpoint(const nlohmann::json& manifest, CheckpointReader& reader,
-                                                           const Registry& registry, const std::string& name,
-                                                           const std::string& job, int rank, int num_servers,
-                                                           ProgressCounter* progress);
+// (optional) counts the tensor bytes read. A `non_strict` load (torch's
+// load_state_dict(strict=False)) leaves the registered tensors the checkpoint lacks as
+// they are, with their optimizer state (a group none of whose tensors it holds is not
+// staged at all), and skips the checkpoint's tensors no group registers; a tensor it
+// holds with another shape or dtype is refused all the same.
+[[nodiscard]] absl::StatusOr<StagedCheckpoint> StageCheckpoint(const nlohmann::json& manifest,
+                                                               CheckpointReader& reader, const Registry& registry,
+                                                               const std::string& name, const std::string& job,
+                                                               int rank, int num_servers, bool non_strict,
+                                                               ProgressCounter* progress);
 
 }  // namespace flatshard::server
 

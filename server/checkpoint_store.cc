@@ -762,15 +762,15 @@ absl::Status CheckpointStore::Delete(const std::string& name) {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::string& job, uint64_t load_id,
-                                          const std::string& home_root_id, std::function<bool()> cancelled) {
+absl::StatusOr<LoadOmissions> CheckpointStore::PrepareLoad(const std::string& name, const std::string& job,
+                                                           uint64_t load_id, PrepareLoadOptions options) {
   FLATSHARD_RETURN_IF_ERROR(ValidateCheckpointName(name));
   if (load_id == 0)
     return absl::InvalidArgumentError("a load must carry its (non-zero) load_id from its preparation on");
   // From this root, unless it lacks the checkpoint and server 0's root is another.
   bool from_server_zero = false;
   if (root_.empty() || !Exists(absl::StrCat(root_, "/", name, "/", kManifest))) {
-    FLATSHARD_ASSIGN_OR_RETURN(from_server_zero, KeptByServerZero(home_root_id));
+    FLATSHARD_ASSIGN_OR_RETURN(from_server_zero, KeptByServerZero(options.home_root_id));
   }
   std::string dir;
   absl::StatusOr<Json> manifest_or;
@@ -796,24 +796,27 @@ absl::Status CheckpointStore::PrepareLoad(const std::string& name, const std::st
   FLATSHARD_RETURN_IF_ERROR(manifest_or.status());
   // A hybrid-sharded job loads shard r % S of S into server r of every replica group.
   FLATSHARD_ASSIGN_OR_RETURN(const Placement placement, registry_.job_placement(job));
-  absl::StatusOr<StagedGroups> staged;
+  absl::StatusOr<StagedCheckpoint> staged;
   // What follows reads the manifest's fields; one of another type, or an array where an
   // object belongs, makes nlohmann throw: damage like any other.
   try {
-    staged = StageFromManifest(*manifest_or, dir, from_server_zero, name, job, placement, {.cancelled = cancelled});
+    staged = StageFromManifest(*manifest_or, dir, from_server_zero, name, job, placement, options.non_strict,
+                               {.cancelled = options.cancelled});
   } catch (const Json::exception& error) {
     return absl::DataLossError(absl::StrCat("'", dir, "/", kManifest, "' is malformed: ", error.what()));
   }
   FLATSHARD_RETURN_IF_ERROR(staged.status());
-  if (cancelled && cancelled()) return absl::CancelledError("the client that asked for it went away");
-  staged_.Add(load_id, name, job, *std::move(staged));
-  return absl::OkStatus();
+  if (options.cancelled && options.cancelled()) {
+    return absl::CancelledError("the client that asked for it went away");
+  }
+  staged_.Add(load_id, name, job, std::move(staged->groups));
+  return std::move(staged->omitted);
 }
 
-absl::StatusOr<StagedGroups> CheckpointStore::StageFromManifest(const Json& manifest, const std::string& dir,
-                                                                bool from_server_zero, const std::string& name,
-                                                                const std::string& job, const Placement& placement,
-                                                                ReaderOptions options) {
+absl::StatusOr<StagedCheckpoint> CheckpointStore::StageFromManifest(const Json& manifest, const std::string& dir,
+                                                                    bool from_server_zero, const std::string& name,
+                                                                    const std::string& job, const Placement& placement,
+                                                                    bool non_strict, ReaderOptions options) {
   if (!manifest.is_object() || manifest.value("format", "") != kFormat) {
     return absl::DataLossError(absl::StrCat("'", dir, "/manifest.json' is not a ", kFormat, " manifest"));
   }
@@ -828,12 +831,15 @@ absl::StatusOr<StagedGroups> CheckpointStore::StageFromManifest(const Json& mani
                              std::move(options))
                        : CheckpointReader(dir, std::move(files), read_buffers_, std::move(options));
   const std::shared_ptr<ProgressCounter> progress = progress_.Start(name, "load");
-  return StageCheckpoint(manifest, reader, registry_, name, job, placement.shard, placement.shards, progress.get());
+  return StageCheckpoint(manifest, reader, registry_, name, job, placement.shard, placement.shards, non_strict,
+                         progress.get());
 }
 
 absl::Status CheckpointStore::CommitLoad(const std::string& name, uint64_t load_id) {
   FLATSHARD_ASSIGN_OR_RETURN(StagedGroups staged, staged_.Take(load_id, name));
-  for (auto& [group, loaded] : staged) FLATSHARD_RETURN_IF_ERROR(group->Restore(std::move(loaded), load_id));
+  for (StagedGroup& group : staged) {
+    FLATSHARD_RETURN_IF_ERROR(group.group->Restore(std::move(group.shard), load_id, group.kept));
+  }
   return absl::OkStatus();
 }
 

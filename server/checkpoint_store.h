@@ -150,6 +150,16 @@ struct CheckpointInfo {
   std::map<std::string, int64_t> versions;  // group -> version
 };
 
+// How CheckpointStore::PrepareLoad reads and stages a load.
+struct PrepareLoadOptions {
+  std::string home_root_id;  // server 0's root, read where this one lacks the checkpoint
+  // Asked before each read (may be empty): once it says true (the client went away), the
+  // load stops, Cancelled, and nothing is staged, rather than hold a copy of the shards
+  // that no one will commit.
+  std::function<bool()> cancelled;
+  bool non_strict = false;  // StageCheckpoint's
+};
+
 class CheckpointStore {
  public:
   // `root` empty: every call fails with FailedPrecondition (no --checkpoint_root).
@@ -262,14 +272,11 @@ class CheckpointStore {
   // Reads and checks what this server needs of checkpoint `name` into memory: from this
   // root, or where it lacks the checkpoint and `home_root_id` is another root's, from
   // server 0's, and stages it as load `load_id` (non-zero; the client's id for this load,
-  // the same on every server). NotFound, DataLoss (checksum, truncation; naming the file)
-  // or FailedPrecondition (layout, tensor, dtype or optimizer mismatch, naming it).
-  // Nothing is installed. `cancelled` (may be empty) is asked before each read: once it
-  // says true (the client went away), the load stops, Cancelled, and nothing is staged,
-  // rather than hold a copy of the shards that no one will commit.
-  [[nodiscard]] absl::Status PrepareLoad(const std::string& name, const std::string& job, uint64_t load_id,
-                                         const std::string& home_root_id = "",
-                                         std::function<bool()> cancelled = nullptr);
+  // the same on every server); returns what a non-strict load leaves out. NotFound, DataLoss
+  // (checksum, truncation; naming the file) or FailedPrecondition (layout, tensor, dtype
+  // or optimizer mismatch, naming it). Nothing is installed.
+  [[nodiscard]] absl::StatusOr<LoadOmissions> PrepareLoad(const std::string& name, const std::string& job,
+                                                          uint64_t load_id, PrepareLoadOptions options = {});
   // Installs what PrepareLoad staged as load `load_id` of `name` (Group::Restore).
   // FailedPrecondition if nothing is staged (saying why, when it was dropped).
   [[nodiscard]] absl::Status CommitLoad(const std::string& name, uint64_t load_id);
@@ -328,9 +335,10 @@ class CheckpointStore {
   // PrepareLoad's work once the manifest is read: checks it, reads and verifies what this
   // server loads (from server 0 when `from_server_zero`) and stages it. May throw
   // nlohmann::json::exception for a manifest of the wrong shape (PrepareLoad catches it).
-  absl::StatusOr<StagedGroups> StageFromManifest(const nlohmann::json& manifest, const std::string& dir,
-                                                 bool from_server_zero, const std::string& name, const std::string& job,
-                                                 const Placement& placement, ReaderOptions options);
+  absl::StatusOr<StagedCheckpoint> StageFromManifest(const nlohmann::json& manifest, const std::string& dir,
+                                                     bool from_server_zero, const std::string& name,
+                                                     const std::string& job, const Placement& placement, bool non_strict,
+                                                     ReaderOptions options);
   // Whether a FULL or SHARDED checkpoint is kept in server 0's root rather than this one.
   absl::StatusOr<bool> KeptByServerZero(const std::string& home_root_id);
   Registry& registry_;

@@ -737,14 +737,35 @@ absl::StatusOr<ShardSnapshot> Group::Snapshot(int64_t version, absl::Time deadli
   return snapshot;
 }
 
-absl::Status Group::Restore(LoadedShard loaded, uint64_t load_id) {
+absl::Status Group::Restore(LoadedShard loaded, uint64_t load_id, const KeptState& kept) {
   absl::MutexLock lock(&mu_);
   FLATSHARD_RETURN_IF_ERROR(CheckOpen());
   if (loaded.params.numel() != shard_numel()) {
     return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': loaded shard of ", loaded.params.numel(),
                                                    " elements for a shard of ", shard_numel()));
   }
+  for (const ShardRange& range : kept.ranges) {
+    if (range.begin < 0 || range.begin > range.end || range.end > shard_numel()) {
+      return absl::InvalidArgumentError(absl::StrCat("group '", name_, "': kept elements [", range.begin, ", ",
+                                                     range.end, ") of a shard of ", shard_numel()));
+    }
+  }
   AwaitUnpinned();
+  // What the load keeps, from the state it replaces (the step that AwaitUnpinned may have
+  // let finish included).
+  if (kept.optimizer_counters) {
+    loaded.optimizer_steps = optimizer_.steps();
+    loaded.momentum_initialized = optimizer_.momentum_initialized();
+  }
+  for (const ShardRange& range : kept.ranges) {
+    const int64_t count = range.end - range.begin;
+    FLATSHARD_RETURN_IF_ERROR(
+        compute_->CopyToHost(params_.floats() + range.begin, loaded.params.floats() + range.begin, count));
+    for (auto& [state, values] : loaded.state) {
+      FLATSHARD_RETURN_IF_ERROR(
+          optimizer_.ReadStateSlice(state, range.begin, count, values.floats() + range.begin));
+    }
+  }
   ++generation_;
   FLATSHARD_RETURN_IF_ERROR(
       optimizer_.Restore(loaded.optimizer_steps, loaded.momentum_initialized, std::move(loaded.state)));

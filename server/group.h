@@ -179,6 +179,21 @@ using ShardSnapshot = ShardState<HostFloats>;
 // into their tier.
 using LoadedShard = ShardState<ShardBuffer>;
 
+// Elements [begin, end) of a group's shard on this server.
+struct ShardRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+// What a load keeps of a group's current state (a non-strict load's tensors that the
+// checkpoint lacks): the parameters and optimizer state of `ranges`, and with
+// `optimizer_counters` the optimizer's step count and momentum flag (a group the
+// checkpoint holds nothing of, which takes only the loaded version).
+struct KeptState {
+  std::vector<ShardRange> ranges;
+  bool optimizer_counters = false;
+};
+
 struct GroupStats {
   int64_t version = 0;
   // The group's memory on this server: parameters, gradient, optimizer state, staging
@@ -385,9 +400,11 @@ class Group {
   // server, a new one per load): parameters, optimizer state and version; contributions
   // in flight for the old version are dropped, and the exchange starts a round of
   // `load_id`. On the host tier the buffers are adopted (no copy; the old ones are
-  // freed), on the others copied. InvalidArgument (nothing changed) if sizes or state
-  // names do not match this group.
-  [[nodiscard]] absl::Status Restore(LoadedShard loaded, uint64_t load_id);
+  // freed), on the others copied. What `kept` names stays as it is: the group's current
+  // values are copied into `loaded` first, under the lock that installs it.
+  // InvalidArgument (nothing changed) if sizes or state names do not match this group
+  // or a kept range lies outside the shard.
+  [[nodiscard]] absl::Status Restore(LoadedShard loaded, uint64_t load_id, const KeptState& kept = {});
   std::vector<std::string> optimizer_state_names() const;
 
   // New hyper-parameters from the next step on (same optimizer kind).

@@ -362,12 +362,18 @@ grpc::Status FlatshardService::LoadCheckpoint(grpc::ServerContext* ctx, const v1
     return ToGrpc(absl::InvalidArgumentError("a load must carry its (non-zero) load_id in every phase"));
   }
   switch (request->phase()) {
-    case v1::LoadCheckpointRequest::PREPARE:
+    case v1::LoadCheckpointRequest::PREPARE: {
+      absl::StatusOr<LoadOmissions> omitted = checkpoints_.PrepareLoad(
+          request->name(), request->job(), request->load_id(),
+          {.home_root_id = request->home_root_id(), .cancelled = CallerGoneOf(ctx), .non_strict = request->non_strict()});
+      if (!omitted.ok()) return ToGrpc(omitted.status());
+      for (std::string& name : omitted->missing) response->add_missing_tensors(std::move(name));
+      for (std::string& name : omitted->unexpected) response->add_unexpected_tensors(std::move(name));
+      response->set_staged_for_seconds(absl::ToDoubleSeconds(checkpoints_.staged_load_timeout()));
+      return grpc::Status::OK;
+    }
     case v1::LoadCheckpointRequest::RENEW: {
-      const absl::Status held = request->phase() == v1::LoadCheckpointRequest::PREPARE
-                                    ? checkpoints_.PrepareLoad(request->name(), request->job(), request->load_id(),
-                                                               request->home_root_id(), CallerGoneOf(ctx))
-                                    : checkpoints_.RenewLoad(request->name(), request->load_id());
+      const absl::Status held = checkpoints_.RenewLoad(request->name(), request->load_id());
       response->set_staged_for_seconds(absl::ToDoubleSeconds(checkpoints_.staged_load_timeout()));
       return ToGrpc(held);
     }

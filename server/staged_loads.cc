@@ -11,9 +11,9 @@ namespace {
 
 uint64_t StagedBytes(const StagedGroups& groups) {
   uint64_t bytes = 0;
-  for (const auto& [group, shard] : groups) {
-    bytes += shard.params.size();
-    for (const auto& [name, buffer] : shard.state) bytes += buffer.size();
+  for (const StagedGroup& group : groups) {
+    bytes += group.shard.params.size();
+    for (const auto& [name, buffer] : group.shard.state) bytes += buffer.size();
   }
   return bytes;
 }

@@ -19,6 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "core/file.h"
 #include "core/float_bits.h"
@@ -104,10 +105,12 @@ class FakeCluster {
     }
   }
 
-  Values Collect(int64_t version) {
+  // Every group's values at `version` (or those of the groups named in `only`).
+  Values Collect(int64_t version, const std::set<std::string>& only = {}) {
     Values values;
     for (int rank = 0; rank < size(); ++rank) {
       for (const GroupSpec& spec : specs_) {
+        if (!only.empty() && !only.count(spec.name)) continue;
         auto g = group(rank, spec.name);
         auto snapshot = g->Snapshot(version, absl::InfiniteFuture());
         EXPECT_TRUE(snapshot.ok()) << snapshot.status();
@@ -150,16 +153,27 @@ class FakeCluster {
     return stores_[0]->Commit(name);
   }
 
-  absl::Status Load(const std::string& name) {
+  absl::Status Load(const std::string& name) { return LoadNonStrict(name, false).status(); }
+  // As the client does: every server prepares (a non-strict load unless `non_strict` is
+  // false), then commits; what server 0 says was left out, which every other server must
+  // say too.
+  absl::StatusOr<LoadOmissions> LoadNonStrict(const std::string& name, bool non_strict = true) {
     const uint64_t load_id = ++loads_;  // the same on every server
+    LoadOmissions omitted;
     for (int rank = 0; rank < size(); ++rank) {
-      if (absl::Status prepared = stores_[rank]->PrepareLoad(name, "job", load_id); !prepared.ok()) {
+      PrepareLoadOptions options;
+      options.non_strict = non_strict;
+      absl::StatusOr<LoadOmissions> prepared = stores_[rank]->PrepareLoad(name, "job", load_id, options);
+      if (!prepared.ok()) {
         for (int r = 0; r < size(); ++r) stores_[r]->AbortLoad(load_id);
-        return prepared;
+        return prepared.status();
       }
+      if (rank == 0) omitted = *prepared;
+      EXPECT_EQ(prepared->missing, omitted.missing) << "server " << rank;
+      EXPECT_EQ(prepared->unexpected, omitted.unexpected) << "server " << rank;
     }
     for (int rank = 0; rank < size(); ++rank) FLATSHARD_RETURN_IF_ERROR(stores_[rank]->CommitLoad(name, load_id));
-    return absl::OkStatus();
+    return omitted;
   }
 
  private:
@@ -305,12 +319,16 @@ TEST(CheckpointStoreTest, ALoadWhoseClientWentAwayStagesNothing) {
   FakeCluster cluster(1, root);
   ASSERT_TRUE(cluster.Save("ckpt", CheckpointKind::kSharded, /*optimizer=*/true, 0).ok());
   int asked = 0;
-  const absl::Status prepared = cluster.store(0).PrepareLoad("ckpt", "job", 1, "", [&asked] { return ++asked > 0; });
+  PrepareLoadOptions gone;
+  gone.cancelled = [&asked] { return ++asked > 0; };
+  const absl::Status prepared = cluster.store(0).PrepareLoad("ckpt", "job", 1, gone).status();
   EXPECT_TRUE(absl::IsCancelled(prepared)) << prepared;
   EXPECT_GT(asked, 0);
   const absl::Status committed = cluster.store(0).CommitLoad("ckpt", 1);
   EXPECT_EQ(committed.code(), absl::StatusCode::kFailedPrecondition) << committed;
-  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job", 2, "", [] { return false; }).ok());
+  PrepareLoadOptions present;
+  present.cancelled = [] { return false; };
+  ASSERT_TRUE(cluster.store(0).PrepareLoad("ckpt", "job", 2, present).ok());
   EXPECT_TRUE(cluster.store(0).CommitLoad("ckpt", 2).ok());
 }
 
@@ -520,7 +538,7 @@ TEST(CheckpointStoreTest, MismatchedLayoutIsRefusedNamingTheGroup) {
     ASSERT_TRUE(other.RegisterGroup("job", spec.name, tensors, spec.align, spec.optimizer).ok());
   }
   CheckpointStore store(other, 0, 1, root);
-  absl::Status status = store.PrepareLoad("ckpt", "job", 1);
+  absl::Status status = store.PrepareLoad("ckpt", "job", 1).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(status.message()),
               HasSubstr("checkpoint 'ckpt' group 'tiny' holds tensor {\"dtype\":\"float32\",\"name\":\"scale\","
@@ -577,6 +595,111 @@ TEST_P(RegroupTest, LoadsIntoOtherGroupsByTensorBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, RegroupTest, ::testing::Values(CheckpointKind::kFull, CheckpointKind::kSharded),
                          [](const auto& info) { return std::string(CheckpointKindName(info.param)); });
+
+// The entries of `values` for the tensors in `names` (their optimizer state included)
+// and for the "steps:<group>" keys in `names`.
+Values Only(const Values& values, const std::set<std::string>& names) {
+  Values picked;
+  for (const auto& [key, elements] : values) {
+    absl::string_view tensor = key;
+    for (absl::string_view state : {".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq", ".momentum_buffer"}) {
+      if (absl::ConsumeSuffix(&tensor, state)) break;
+    }
+    if (names.count(std::string(tensor))) picked[key] = elements;
+  }
+  return picked;
+}
+
+class NonStrictLoadTest : public ::testing::TestWithParam<CheckpointKind> {};
+
+// A non-strict load (torch's strict=False: fine-tuning from a checkpoint of another model)
+// takes what the checkpoint holds of each group, keeps the rest with its optimizer
+// state, moves a trained group it holds nothing of only to the loaded trained groups'
+// version (a frozen one not at all; a frozen group loaded at its own version does not
+// count), and says what it left out.
+TEST_P(NonStrictLoadTest, LoadsWhatItHoldsAndKeepsTheRest) {
+  const CheckpointKind kind = GetParam();
+  const std::string root = FreshRoot();
+  const int servers = kind == CheckpointKind::kLocal ? 3 : 2;
+  std::vector<GroupSpec> specs = Specs();
+  const GroupSpec lookup{"lookup", {{"lut", {2}, DType::kFloat32}}, 0, Frozen{}};  // saved at version 0
+  specs.push_back(lookup);
+  FakeCluster source(3, root, specs);
+  const std::set<std::string> saved_trained = {"emb", "tiny", "half"};
+  for (int step = 0; step < 2; ++step) source.Step(step, saved_trained);
+  ASSERT_TRUE(
+      source.Save("ckpt", kind, /*optimizer=*/true, {{"emb", 2}, {"tiny", 2}, {"half", 2}, {"lookup", 0}}).ok());
+  GroupSpec emb = specs[0];  // loses its bias, gains a head (a LOCAL load needs emb as saved)
+  if (kind != CheckpointKind::kLocal) emb.tensors = {emb.tensors[0], {"emb.head", {3, 3}, DType::kFloat32}};
+  const GroupSpec fresh{"new", {{"head.weight", {4}, DType::kFloat32}}, 0,
+                       kernels::SgdHyperparams{.lr = 0.5f, .momentum = 0.9f}};
+  const GroupSpec fixed{"fixed", {{"table", {3}, DType::kFloat32}}, 0, Frozen{}};
+  FakeCluster target(servers, root, {emb, specs[1], fresh, fixed, lookup});  // no "half"
+  const std::set<std::string> trained = {"emb", "tiny", "new"};
+  for (int step = 0; step < 3; ++step) target.Step(step, trained);
+  const Values before = target.Collect(3, trained);
+  const Values frozen = target.Collect(0, {"fixed"});
+
+  const absl::StatusOr<LoadOmissions> omitted = target.LoadNonStrict("ckpt");
+  ASSERT_TRUE(omitted.ok()) << omitted.status();
+  if (kind == CheckpointKind::kLocal) {
+    EXPECT_EQ(omitted->missing, std::vector<std::string>({"table", "head.weight"}));  // the registry's order
+    EXPECT_EQ(omitted->unexpected, std::vector<std::string>({"h.weight"}));
+  } else {
+    EXPECT_EQ(omitted->missing, std::vector<std::string>({"emb.head", "table", "head.weight"}));
+    EXPECT_EQ(omitted->unexpected, std::vector<std::string>({"emb.bias", "h.weight"}));
+  }
+  const Values saved = source.Collect(2, saved_trained);
+  const Values loaded = target.Collect(2, {"emb", "tiny"});
+  const std::set<std::string> from_checkpoint = kind == CheckpointKind::kLocal
+                                                    ? std::set<std::string>{"emb.weight", "emb.bias", "scale"}
+                                                    : std::set<std::string>{"emb.weight", "scale"};
+  ExpectBitwiseEqual(Only(loaded, from_checkpoint), Only(saved, from_checkpoint));
+  if (kind != CheckpointKind::kLocal) {  // kept, values and optimizer state, in the loaded group
+    ExpectBitwiseEqual(Only(loaded, {"emb.head"}), Only(before, {"emb.head"}));
+  }
+  EXPECT_EQ(loaded.at("steps:emb"), std::vector<float>{2.0f});  // the saved count
+  EXPECT_EQ(loaded.at("steps:tiny"), std::vector<float>{2.0f});
+  // Nothing of "new" saved: its values, state and step count as they were, at the loaded
+  // version; the frozen group as it was, at its own.
+  ExpectBitwiseEqual(target.Collect(2, {"new"}), Only(before, {"head.weight", "steps:new"}));
+  ExpectBitwiseEqual(target.Collect(0, {"fixed"}), frozen);
+
+  // Training goes on from the loaded state: emb.weight as the source's own step 2 makes it.
+  source.Step(2, saved_trained);
+  target.Step(2, trained);
+  ExpectBitwiseEqual(Only(target.Collect(3, trained), from_checkpoint),
+                     Only(source.Collect(3, saved_trained), from_checkpoint));
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, NonStrictLoadTest,
+                         ::testing::Values(CheckpointKind::kFull, CheckpointKind::kSharded, CheckpointKind::kLocal),
+                         [](const auto& info) { return std::string(CheckpointKindName(info.param)); });
+
+// A tensor of another shape or dtype is refused by a non-strict load as by a strict one,
+// the groups untouched.
+TEST(CheckpointStoreTest, NonStrictLoadsStillRefuseAnotherShapeOrDtype) {
+  const std::string root = FreshRoot();
+  {
+    FakeCluster source(1, root);
+    source.Step(0);
+    ASSERT_TRUE(source.Save("ckpt", CheckpointKind::kFull, true, 1).ok());
+  }
+  const std::vector<GroupSpec> specs = Specs();
+  GroupSpec transposed = specs[0];
+  transposed.tensors[0].shape = {3, 5};
+  GroupSpec widened = specs[2];
+  widened.tensors[0].dtype = DType::kFloat32;
+  for (const std::vector<GroupSpec>& groups : {std::vector<GroupSpec>{transposed}, std::vector<GroupSpec>{widened}}) {
+    FakeCluster target(1, root, groups);
+    target.Step(0);
+    const Values before = target.Collect(1);
+    const absl::Status status = target.LoadNonStrict("ckpt").status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("registers it as"));
+    ExpectBitwiseEqual(target.Collect(1), before);
+  }
+}
 
 // Loads into groups that cannot take the checkpoint's tensors are refused, saying why,
 // before anything is installed.

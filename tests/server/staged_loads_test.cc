@@ -28,7 +28,7 @@ StagedGroups Staged(size_t numel) {
   shard.state.emplace_back("exp_avg",
                            ShardBuffer(std::malloc(numel * sizeof(float)), numel * sizeof(float), CountedFree));
   StagedGroups groups;
-  groups.emplace_back(nullptr, std::move(shard));
+  groups.push_back({nullptr, std::move(shard), {}});
   return groups;
 }
 
@@ -47,7 +47,7 @@ TEST(StagedLoadsTest, ALoadIsItsIdNotItsName) {
 
   absl::StatusOr<StagedGroups> taken = loads.Take(2, "ckpt");
   ASSERT_TRUE(taken.ok()) << taken.status();
-  EXPECT_EQ(taken->front().second.params.size(), 32 * sizeof(float));
+  EXPECT_EQ(taken->front().shard.params.size(), 32 * sizeof(float));
   const absl::Status other_name = loads.Take(1, "other").status();
   EXPECT_EQ(other_name.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(other_name.message()), HasSubstr("load 1 stages checkpoint 'ckpt', not 'other'"));
