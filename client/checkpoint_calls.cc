@@ -107,10 +107,13 @@ absl::Status CheckpointCalls::Save(const std::string& name, CheckpointKind kind,
                          Save(*cancellation, name, kind, optimizer, async, sent, at, progress));
 }
 
-absl::Status CheckpointCalls::Load(const std::string& name, const Client::Progress& progress) const {
+absl::StatusOr<IncompatibleTensors> CheckpointCalls::Load(const std::string& name, bool non_strict,
+                                                          const Client::Progress& progress) const {
   CancellationSet::Scope cancellation(cancellations_);
-  return UnlessCancelled(*cancellation, absl::StrCat("the load of checkpoint '", name, "'"),
-                         Load(*cancellation, name, progress));
+  absl::StatusOr<IncompatibleTensors> loaded = Load(*cancellation, name, non_strict, progress);
+  FLATSHARD_RETURN_IF_ERROR(
+      UnlessCancelled(*cancellation, absl::StrCat("the load of checkpoint '", name, "'"), loaded.status()));
+  return loaded;
 }
 
 absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
@@ -184,11 +187,13 @@ absl::Status CheckpointCalls::Save(Cancellation& cancellation, const std::string
   return streams.Close(commit, committers);
 }
 
-absl::Status CheckpointCalls::Load(Cancellation& cancellation, const std::string& name,
-                                   const Client::Progress& progress) const {
+absl::StatusOr<IncompatibleTensors> CheckpointCalls::Load(Cancellation& cancellation, const std::string& name,
+                                                          bool non_strict, const Client::Progress& progress) const {
   v1::LoadCheckpointRequest request;
   request.set_name(name);
   request.set_job(job_);
+  request.set_non_strict(non_strict);
+  IncompatibleTensors omitted;  // server 0's answer (every server's is the same)
   FLATSHARD_ASSIGN_OR_RETURN(const std::vector<v1::ServerStatus> statuses, Statuses(Groups::kWithout));
   const std::vector<std::string> root_ids = RootIds(statuses);
   // Servers whose roots lack the checkpoint read it from server 0's.
@@ -217,6 +222,10 @@ absl::Status CheckpointCalls::Load(Cancellation& cancellation, const std::string
                         control_.model_timeout(), p == v1::LoadCheckpointRequest::PREPARE ? &cancellation : nullptr);
       if (answers[i].ok() && p == v1::LoadCheckpointRequest::PREPARE) {
         leases.Prepared(i, absl::Seconds(response.staged_for_seconds()));
+        if (i == 0) {
+          omitted.missing.assign(response.missing_tensors().begin(), response.missing_tensors().end());
+          omitted.unexpected.assign(response.unexpected_tensors().begin(), response.unexpected_tensors().end());
+        }
       }
       return answers[i];
     });
@@ -232,7 +241,8 @@ absl::Status CheckpointCalls::Load(Cancellation& cancellation, const std::string
     return prepared;
   }
   (void)phase(v1::LoadCheckpointRequest::COMMIT);
-  return LoadCommitOutcome(name, answers);
+  FLATSHARD_RETURN_IF_ERROR(LoadCommitOutcome(name, answers));
+  return omitted;
 }
 
 absl::Status LoadCommitOutcome(const std::string& name, const std::vector<absl::Status>& committed) {

@@ -36,7 +36,9 @@ class CheckpointCalls {
   // likewise).
   [[nodiscard]] absl::Status Save(const std::string& name, CheckpointKind kind, bool optimizer, bool async,
                                   const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
-  [[nodiscard]] absl::Status Load(const std::string& name, const Client::Progress& progress) const;
+  // `non_strict`: Client::LoadCheckpointNonStrict (the strict load's lists are empty).
+  [[nodiscard]] absl::StatusOr<IncompatibleTensors> Load(const std::string& name, bool non_strict,
+                                                         const Client::Progress& progress) const;
   // `stop`: as in ControlPlane::Call.
   [[nodiscard]] absl::StatusOr<std::vector<CheckpointEntry>> List(std::stop_token stop = {}) const;
   [[nodiscard]] absl::Status Delete(const std::string& name, std::stop_token stop = {}) const;
@@ -49,7 +51,8 @@ class CheckpointCalls {
   // The calls above, which `cancellation` may cancel until they seal it.
   absl::Status Save(Cancellation& cancellation, const std::string& name, CheckpointKind kind, bool optimizer,
                     bool async, const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
-  absl::Status Load(Cancellation& cancellation, const std::string& name, const Client::Progress& progress) const;
+  absl::StatusOr<IncompatibleTensors> Load(Cancellation& cancellation, const std::string& name, bool non_strict,
+                                           const Client::Progress& progress) const;
   absl::Status Export(Cancellation& cancellation, const std::string& out_dir, CheckpointKind kind, bool optimizer,
                       const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
   // Every server's status; kWithout leaves out the groups (a model may have tens of

@@ -310,10 +310,11 @@ class ClientImpl final : public Client {
   }
 
   absl::Status LoadCheckpoint(const std::string& name, Progress progress) override {
-    const absl::Status loaded = checkpoints_->Load(name, progress);
-    transfers_->scatter_answers().Forget();  // the servers may have moved even if it failed
-    if (loaded.ok()) sent_.Forget();
-    return loaded;
+    return Load(name, /*non_strict=*/false, std::move(progress)).status();
+  }
+
+  absl::StatusOr<IncompatibleTensors> LoadCheckpointNonStrict(const std::string& name, Progress progress) override {
+    return Load(name, /*non_strict=*/true, std::move(progress));
   }
 
   absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints(std::stop_token stop) override {
@@ -359,6 +360,15 @@ class ClientImpl final : public Client {
   }
 
  private:
+  // Both loads: the servers may have moved even if it failed, so this client's record of
+  // the steps it sent and their answers goes.
+  absl::StatusOr<IncompatibleTensors> Load(const std::string& name, bool non_strict, Progress progress) {
+    absl::StatusOr<IncompatibleTensors> loaded = checkpoints_->Load(name, non_strict, progress);
+    transfers_->scatter_answers().Forget();
+    if (loaded.ok()) sent_.Forget();
+    return loaded;
+  }
+
   static absl::Status CheckOptions(const ClientOptions& options) {
     if (options.servers.empty()) return absl::InvalidArgumentError("servers: empty list");
     if (options.num_workers < 1 || options.worker_rank < 0 ||

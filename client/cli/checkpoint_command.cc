@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/cli/cancel_on_signal.h"
 #include "client/cli/command_client.h"
@@ -131,6 +132,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   const absl::Time start = absl::Now();
   absl::Status status;
   bool signalled = false;
+  IncompatibleTensors omitted;  // a non-strict load's
   if (moves_the_model) {
     // The progress bar ends its line once something was drawn.
     auto drawn = std::make_shared<bool>(false);
@@ -140,6 +142,10 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     };
     if (command == "save") {
       status = (*client)->SaveCheckpoint(options.name, *kind, options.optimizer, options.async, progress, *cut);
+    } else if (command == "load" && options.non_strict) {
+      absl::StatusOr<IncompatibleTensors> loaded = (*client)->LoadCheckpointNonStrict(options.name, progress);
+      status = loaded.status();
+      if (loaded.ok()) omitted = *std::move(loaded);
     } else if (command == "load") {
       status = (*client)->LoadCheckpoint(options.name, progress);
     } else {
@@ -180,6 +186,12 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     const std::string saved = command == "save" ? SavedVersions(**client, options.name) : "";
     out << absl::StrFormat("%s '%s': done in %.2f s%s\n", command, command == "export" ? options.out : options.name,
                            absl::ToDoubleSeconds(absl::Now() - start), saved.empty() ? "" : ", groups at " + saved);
+  }
+  if (options.non_strict && command == "load") {
+    out << "missing (not in the checkpoint, kept as they were): "
+        << (omitted.missing.empty() ? "none" : absl::StrJoin(omitted.missing, " ")) << "\n";
+    out << "unexpected (no group registers them, not loaded): "
+        << (omitted.unexpected.empty() ? "none" : absl::StrJoin(omitted.unexpected, " ")) << "\n";
   }
   return 0;
 }

@@ -21,6 +21,7 @@ struct CheckpointCommandOptions {
   std::string kind = "sharded";
   bool optimizer = false;
   bool async = false;  // save: return after the snapshot
+  bool non_strict = false;  // load: Client::LoadCheckpointNonStrict, printing what it left out
   // save, export: where the job's trained groups are cut (CutAt): "now" (the versions as
   // they are), "boundary" (the end of the step in progress) or a version.
   std::string cut = "now";

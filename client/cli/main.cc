@@ -60,6 +60,10 @@ ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
 ABSL_FLAG(std::string, out, "", "export: local directory for the state dict's files");
 ABSL_FLAG(int, chunk_mib, 4, "export: MiB per streamed chunk (1-64); bounds the memory per server stream");
 ABSL_FLAG(bool, async, false, "save: return once the servers have snapshotted; they write in the background");
+ABSL_FLAG(bool, non_strict, false,
+          "load: load what the checkpoint and the job's groups have in common (fine-tuning from another model's "
+          "checkpoint, as torch's strict=False); the tensors it lacks keep their values, those no group registers "
+          "are skipped, and both are printed");
 ABSL_FLAG(std::string, cut, "now",
           "save, export: where the job's trained groups are cut: now (their versions as they are), boundary (the "
           "end of the step in progress, for groups that step together) or a version (waits for it)");
@@ -81,7 +85,7 @@ constexpr char kUsage[] =
     "                                  start N servers on 127.0.0.1 and wait; Ctrl-C stops them\n"
     "  save --cluster=... --name=N --kind=full|sharded|local [--optimizer] [--async] [--job=J]\n"
     "       [--cut=now|boundary|VERSION]\n"
-    "  load --cluster=... --name=N [--job=J]\n"
+    "  load --cluster=... --name=N [--job=J] [--non_strict]\n"
     "  checkpoints --cluster=... [--json]   list checkpoints (complete or not)\n"
     "  delete --cluster=... --name=N\n"
     "  delete-job --cluster=... --job=J     delete a job whose training is over, with its groups\n"
@@ -168,6 +172,7 @@ int Checkpoint(const std::string& command) {
   options.json = absl::GetFlag(FLAGS_json);
   options.out = absl::GetFlag(FLAGS_out);
   options.async = absl::GetFlag(FLAGS_async);
+  options.non_strict = absl::GetFlag(FLAGS_non_strict);
   options.cut = absl::GetFlag(FLAGS_cut);
   options.chunk_mib = absl::GetFlag(FLAGS_chunk_mib);
   if (!ReadToken(options.token)) return 2;

@@ -11,8 +11,10 @@
 #include <fstream>
 #include <functional>
 #include <set>
+#include <sstream>
 #include <thread>
 
+#include "client/cli/checkpoint_command.h"
 #include "client/cluster_status.h"
 #include "core/safetensors.h"
 #include "proto/flatshard.grpc.pb.h"
@@ -73,6 +75,55 @@ TEST(CheckpointIntegrationTest, SaveWithThreeServersLoadIntoTwo) {
   EXPECT_EQ(*b.client->WaitVersion("big", 0), 5);
   ASSERT_TRUE(b.client->DeleteCheckpoint("sharded-3").ok());
   EXPECT_EQ(b.client->LoadCheckpoint("sharded-3").code(), absl::StatusCode::kNotFound);
+}
+
+// A non-strict load (fine-tuning from another model's checkpoint) through the client and
+// `flatshard load --non_strict`: what the checkpoint holds loads, a group it lacks keeps
+// its values and moves to the loaded version, and what was left out is returned and
+// printed; a strict load of the same checkpoint is refused and changes nothing.
+TEST(CheckpointIntegrationTest, NonStrictLoadsWhatItHoldsAndSaysWhatItLeftOut) {
+  const testing::ScratchDir root_dir("ckpt-non-strict");
+  const std::string& root = root_dir.path();
+  testing::TestCluster three(3, "tok", ::testing::TempDir(), root);
+  Trainer a(three);
+  ASSERT_TRUE(a.client->InitGroupFromSeed("big", 3).ok());
+  ASSERT_TRUE(a.client->InitGroupFromSeed("tiny", 3).ok());
+  ASSERT_TRUE(a.client->RegisterGroup("old", {{"old.head", {3}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1}).ok());
+  for (int step = 0; step < 2; ++step) a.Step(step);
+  ASSERT_TRUE(a.client->SaveCheckpoint("pretrained", CheckpointKind::kFull, false).ok());
+
+  testing::TestCluster two(2, "tok", ::testing::TempDir(), root);
+  Trainer b(two);
+  auto fresh = b.client->RegisterGroup("fresh", {{"new.head", {4}, DType::kFloat32}}, 0, SgdOptions{.lr = 0.1});
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_TRUE(b.client->InitGroupFromSeed("fresh", 5).ok());
+  const std::vector<float> head = b.Params("fresh", *fresh, 0);
+  const absl::Status strict = b.client->LoadCheckpoint("pretrained");
+  EXPECT_TRUE(absl::IsFailedPrecondition(strict)) << strict;
+  EXPECT_THAT(std::string(strict.message()),
+              HasSubstr("tensor 'new.head' of group 'fresh' of job 'test' is not in checkpoint 'pretrained'"));
+  EXPECT_EQ(*b.client->WaitVersion("big", 0), 0);
+
+  const absl::StatusOr<IncompatibleTensors> omitted = b.client->LoadCheckpointNonStrict("pretrained");
+  ASSERT_TRUE(omitted.ok()) << omitted.status();
+  EXPECT_EQ(omitted->missing, std::vector<std::string>{"new.head"});
+  EXPECT_EQ(omitted->unexpected, std::vector<std::string>{"old.head"});
+  EXPECT_EQ(b.Params("big", b.big, 2), a.Params("big", a.big, 2));
+  EXPECT_EQ(b.Params("tiny", b.tiny, 2), a.Params("tiny", a.tiny, 2));
+  EXPECT_EQ(b.Params("fresh", *fresh, 2), head);  // at the loaded version, as it was
+
+  cli::CheckpointCommandOptions command;
+  command.command = "load";
+  command.servers = two.addresses();
+  command.token = "tok";
+  command.job = "test";
+  command.name = "pretrained";
+  command.non_strict = true;
+  std::ostringstream out, err;
+  EXPECT_EQ(cli::RunCheckpointCommand(command, out, err), 0) << err.str();
+  EXPECT_THAT(out.str(), HasSubstr("load 'pretrained': done in"));
+  EXPECT_THAT(out.str(), HasSubstr("\nmissing (not in the checkpoint, kept as they were): new.head\n"
+                                   "unexpected (no group registers them, not loaded): old.head\n"));
 }
 
 // Each server with a root of its own (no shared file system): LOCAL checkpoints save

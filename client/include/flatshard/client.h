@@ -166,6 +166,13 @@ struct GroupSpec {
   OptimizerOptions optimizer;
 };
 
+// What a non-strict load (Client::LoadCheckpointNonStrict) left out, as torch's
+// load_state_dict(strict=False) reports it.
+struct IncompatibleTensors {
+  std::vector<std::string> missing;     // registered, not in the checkpoint: kept as they were
+  std::vector<std::string> unexpected;  // in the checkpoint, registered by no group: not loaded
+};
+
 struct CheckpointEntry {
   std::string name;
   bool complete = false;  // false: a save that did not finish (never loadable)
@@ -410,6 +417,17 @@ class Client {
   // LOCAL ones into the same groups only. `progress` (optional): the servers' tensor
   // bytes read, as for saves.
   [[nodiscard]] virtual absl::Status LoadCheckpoint(const std::string& name, Progress progress = nullptr) = 0;
+  // As LoadCheckpoint, but loads what the checkpoint and the registered groups have in
+  // common (torch's load_state_dict(strict=False): fine-tuning from a checkpoint of
+  // another model): a registered tensor the checkpoint lacks keeps its values and
+  // optimizer state, a checkpoint tensor no group registers is skipped, and both are
+  // returned. A group none of whose tensors the checkpoint holds is left as it is; the
+  // others take the saved version and optimizer step count (one count per group: a kept
+  // tensor's Adam bias correction follows the loaded count). A tensor saved with another
+  // shape or dtype is refused as by LoadCheckpoint; LOCAL checkpoints load only the groups
+  // they hold, each as saved.
+  [[nodiscard]] virtual absl::StatusOr<IncompatibleTensors> LoadCheckpointNonStrict(const std::string& name,
+                                                                                    Progress progress = nullptr) = 0;
   [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints(std::stop_token stop = {}) = 0;
   // Removes checkpoint `name`, complete or not (an interrupted save). NotFound if there
   // is none; FailedPrecondition while a save of it is still being written.
