@@ -443,8 +443,17 @@ class PyClient {
     WithProgress(progress,
                  [&](const Client::Progress& p) { return client_->SaveCheckpoint(name, k, optimizer, async, p, at); });
   }
-  void LoadCheckpoint(const std::string& name, const py::object& progress) {
-    WithProgress(progress, [&](const Client::Progress& p) { return client_->LoadCheckpoint(name, p); });
+  // (missing, unexpected): what a non-strict load left out; both empty for a strict one.
+  std::pair<std::vector<std::string>, std::vector<std::string>> LoadCheckpoint(const std::string& name, bool strict,
+                                                                               const py::object& progress) {
+    IncompatibleTensors omitted;
+    WithProgress(progress, [&](const Client::Progress& p) -> absl::Status {
+      if (strict) return client_->LoadCheckpoint(name, p);
+      absl::StatusOr<IncompatibleTensors> loaded = client_->LoadCheckpointNonStrict(name, p);
+      if (loaded.ok()) omitted = *std::move(loaded);
+      return loaded.status();
+    });
+    return {std::move(omitted.missing), std::move(omitted.unexpected)};
   }
   void DeleteCheckpoint(const std::string& name) {
     Check(Stoppable([&](std::stop_token stop) { return client_->DeleteCheckpoint(name, stop); }));

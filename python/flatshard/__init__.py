@@ -19,6 +19,7 @@ which numpy lacks, travel as their bit patterns in int16 arrays
 
 import json
 import os
+from collections import namedtuple
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -38,13 +39,17 @@ __all__ = [
     "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Frozen", "Error", "CancelledError", "InvalidArgumentError",
     "DeadlineExceededError", "NotFoundError", "AlreadyExistsError", "ResourceExhaustedError",
     "FailedPreconditionError", "AbortedError", "UnavailableError", "InternalError", "DataLossError",
-    "UnauthenticatedError",
+    "UnauthenticatedError", "IncompatibleKeys",
 ]
 
 _NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(np.int16)}
 _ALIASES = {"float": "float32", "half": "float16", "float32": "float32", "float16": "float16",
             "bfloat16": "bfloat16"}
+
+
+# What Client.load_checkpoint left out (torch.nn.modules.module._IncompatibleKeys' fields).
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
 def dtype_name(dtype):
@@ -497,11 +502,21 @@ class Client:
         CancelledError) is raised once they have."""
         self._native.save_checkpoint(name, kind, bool(optimizer), not blocking, progress, cut)
 
-    def load_checkpoint(self, name, progress=None):
+    def load_checkpoint(self, name, progress=None, strict=True):
         """Loads a checkpoint into the job's registered groups (FULL and SHARDED by tensor
         name, also into groups other than the saved ones; LOCAL into the same groups);
-        `progress`, and how to cancel it, as for saves."""
-        self._native.load_checkpoint(name, progress)
+        `progress`, and how to cancel it, as for saves. Returns
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``, as torch's load_state_dict.
+
+        ``strict=False`` loads what the checkpoint and the registered groups have in common
+        (fine-tuning from another model's checkpoint): a registered tensor the checkpoint
+        lacks (a missing key) keeps its values and optimizer state, a checkpoint tensor no
+        group registers (an unexpected key) is skipped. A group none of whose tensors the
+        checkpoint holds is left as it is; the others take the saved version and optimizer
+        step count (one per group: a kept tensor's Adam bias correction follows it). A
+        tensor saved with another shape or dtype is refused all the same, as by torch."""
+        missing, unexpected = self._native.load_checkpoint(name, bool(strict), progress)
+        return IncompatibleKeys(missing, unexpected)
 
     def list_checkpoints(self):
         return self._native.list_checkpoints()

@@ -68,7 +68,16 @@ has one optimizer setting (as FSDP's), so a wrapped module whose parameters are 
 several entries gets a flat parameter per entry: ``<module's group>.<param_groups[k]>``
 for entry k, beside the module's own group for those in none. FULL and SHARDED
 checkpoints load by tensor name, into a module wrapped with other entries (or another
-``auto_wrap_min_params``) too; LOCAL ones only into the same groups. torch's
+``auto_wrap_min_params``) too; LOCAL ones only into the same groups.
+``load_strict=False`` loads another model's checkpoint for fine-tuning, as torch's
+``load_state_dict(strict=False)``: worker 0 pushes its values, then loads what the
+checkpoint holds of the module's parameters (``load_result`` says what it left out)::
+
+    net.head = nn.Linear(768, 3)  # a new head, not in the pretrained checkpoint
+    model = ShardedModule(net, client, optimizer, load_checkpoint="pretrained", load_strict=False)
+    model.load_result  # IncompatibleKeys(missing_keys=['head.weight', ...], unexpected_keys=[...])
+
+torch's
 learning-rate schedulers drive the servers' optimizer through ``ServerOptimizer``
 (below), a torch.optim.Optimizer whose param_groups stand for the module's.
 """
@@ -242,7 +251,8 @@ class ShardedModule(torch.nn.Module):
     """Wraps `module` so its parameters live on the flatshard servers (see module doc)."""
 
     def __init__(self, module, client, optimizer, param_dtype=None, reduce_dtype=None,
-                 auto_wrap_min_params=100_000, name="model", load_checkpoint=None, param_groups=None):
+                 auto_wrap_min_params=100_000, name="model", load_checkpoint=None, param_groups=None,
+                 load_strict=True):
         super().__init__()
         if getattr(module, "_flatshard_wrapped", False):  # its parameters' hooks send to that one
             raise flatshard.InvalidArgumentError(
@@ -300,7 +310,9 @@ class ShardedModule(torch.nn.Module):
                   for (group_name, path, params, _, entry), layout in zip(specs, layouts)]
         self._groups = groups[:trained]  # trained, in forward order
         self._frozen = groups[trained] if frozen else None
-        self._initialize(name, load_checkpoint, initial)
+        # Worker 0's load_checkpoint: what it left out (None elsewhere, or without one).
+        self.load_result = None
+        self._initialize(name, load_checkpoint, load_strict, initial)
         del initial
         for index, group in enumerate(self._groups):
             group.module.register_forward_pre_hook(
@@ -323,17 +335,18 @@ class ShardedModule(torch.nn.Module):
     def version(self):
         return self._step
 
-    def _initialize(self, name, checkpoint, initial):
-        """Worker 0 pushes its values (or loads `checkpoint` into the servers); a
-        one-element barrier job makes the others wait; training resumes at the servers'
-        version."""
+    def _initialize(self, name, checkpoint, strict, initial):
+        """Worker 0 pushes its values (or loads `checkpoint` into the servers; a
+        non-strict load over the values it pushed); a one-element barrier job makes the
+        others wait; training resumes at the servers' version."""
         c = self._client
         names = [group.name for group in self._groups or self._all_groups()]
         if c.worker_rank == 0:
-            if checkpoint:
-                c.load_checkpoint(checkpoint)
-            elif not names or not any(c.wait_versions(names, 0)):  # fresh servers: push
+            fresh = not names or not any(c.wait_versions(names, 0))
+            if fresh and not (checkpoint and strict):
                 self._push(self._all_groups(), lambda group: {fqn: initial[fqn] for fqn, _ in group.params})
+            if checkpoint:
+                self.load_result = c.load_checkpoint(checkpoint, strict=strict)
         barrier = self._barrier_client()
         barrier.configure_job()
         barrier.register_group("barrier", [("x", (1,), "float32")], flatshard.SGD(lr=0.0))

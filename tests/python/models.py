@@ -41,6 +41,20 @@ class TransformerBlock(nn.Module):
         return self.head(h.mean(dim=1))
 
 
+class RetargetedBlock(TransformerBlock):
+    """The block fine-tuned for another task: its head dropped (Identity, no parameters)
+    and a new two-layer ``task_head`` on top, so that TransformerBlock's checkpoint holds
+    all of it but the new head, and a head it does not have."""
+
+    def __init__(self, dim=16):
+        super().__init__(dim=dim)
+        self.head = nn.Identity()
+        self.task_head = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 4))
+
+    def forward(self, x):
+        return self.task_head(super().forward(x))
+
+
 class AttentionModel(nn.Module):
     """nn.MultiheadAttention uses its out_proj functionally (out_proj.forward never runs),
     which ShardedModule must handle: no forward hook of that group ever fires."""
@@ -85,6 +99,8 @@ def make_model(kind):
         return TransformerBlock()
     if kind == "checkpointed":  # the same block under activation checkpointing
         return TransformerBlock(checkpointed=True)
+    if kind == "retargeted":  # the transformer with a new head, for fine-tuning from its checkpoints
+        return RetargetedBlock()
     if kind == "attention":
         return AttentionModel()
     if kind == "tied_frozen":

@@ -488,6 +488,54 @@ class MisuseAndRecoveryTest(unittest.TestCase):
                     other.step()
                     self.assert_matches_sgd(other.state_dict(), steps=3)
 
+    def test_a_model_with_a_new_head_fine_tunes_from_a_checkpoint_loaded_non_strictly(self):
+        # Fine-tuning: the transformer's checkpoint (weights only) loads non-strictly into
+        # the block with its head replaced: what is left out is what torch's
+        # load_state_dict(strict=False) leaves out, the new head (a group of its own, and
+        # part of the root's) keeps its initial values, and AdamW from there is torch's.
+        import flatshard.torch
+        x, y = make_data("transformer")
+        with tempfile.TemporaryDirectory() as root, \
+                checked_cluster.LocalCluster(servers=2, checkpoint_root=root, memory=MEMORY) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="pretrain")
+            client.configure_job()
+            pretrained = flatshard.torch.ShardedModule(make_model("transformer"), client, flatshard.AdamW(lr=1e-2),
+                                                       auto_wrap_min_params=200)
+            for _ in range(2):
+                F.mse_loss(pretrained(x), y).backward()
+                pretrained.step()
+            client.save_checkpoint("pretrained", kind="full", optimizer=False)
+            weights = {name: torch.as_tensor(value).clone() for name, value in pretrained.state_dict().items()}
+            reference = make_model("retargeted")
+            expected = reference.load_state_dict(weights, strict=False)
+            self.assertTrue(expected.missing_keys and expected.unexpected_keys)
+
+            tuner = flatshard.Client(cluster.addresses, token=cluster.token, job="fine-tune")
+            tuner.configure_job()
+            adamw = flatshard.AdamW(lr=5e-3, weight_decay=0.1)
+            with self.assertRaises(flatshard.FailedPreconditionError) as refused:  # strict: all or nothing
+                flatshard.torch.ShardedModule(make_model("retargeted"), tuner, adamw, auto_wrap_min_params=200,
+                                              load_checkpoint="pretrained")
+            self.assertIn("is not in checkpoint 'pretrained'", str(refused.exception))
+            model = flatshard.torch.ShardedModule(make_model("retargeted"), tuner, adamw, auto_wrap_min_params=200,
+                                                  load_checkpoint="pretrained", load_strict=False)
+            self.assertEqual(sorted(model.load_result.missing_keys), sorted(expected.missing_keys))
+            self.assertEqual(sorted(model.load_result.unexpected_keys), sorted(expected.unexpected_keys))
+            self.assertIn(["task_head.0.weight", "task_head.0.bias"], [fqns for _, _, fqns in model.groups])
+            self.assertEqual(model.version, 2)
+            for name, value in reference.state_dict().items():
+                self.assertTrue(torch.equal(torch.as_tensor(model.state_dict()[name]), value), name)
+            optimizer = torch.optim.AdamW(reference.parameters(), lr=5e-3, weight_decay=0.1)
+            for _ in range(3):
+                F.mse_loss(model(x), y).backward()
+                model.step()
+                optimizer.zero_grad()
+                F.mse_loss(reference(x), y).backward()
+                optimizer.step()
+            state = model.state_dict()
+            for name, value in reference.state_dict().items():
+                self.assertLess(relative_error(state[name], value), REL_TOL, name)
+
     def test_a_parameter_unfrozen_after_wrapping_is_refused_at_step_not_left_untrained(self):
         with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
             client = flatshard.Client(cluster.addresses, token=cluster.token, job="unfrozen")
