@@ -492,7 +492,9 @@ class MisuseAndRecoveryTest(unittest.TestCase):
         # Fine-tuning: the transformer's checkpoint (weights only) loads non-strictly into
         # the block with its head replaced: what is left out is what torch's
         # load_state_dict(strict=False) leaves out, the new head (a group of its own, and
-        # part of the root's) keeps its initial values, and AdamW from there is torch's.
+        # part of the root's) keeps its initial values, and AdamW from there is torch's;
+        # also with the pretrained body frozen (linear probing: the frozen group loads, the
+        # trained head stays at version 0).
         import flatshard.torch
         x, y = make_data("transformer")
         with tempfile.TemporaryDirectory() as root, \
@@ -506,35 +508,45 @@ class MisuseAndRecoveryTest(unittest.TestCase):
                 pretrained.step()
             client.save_checkpoint("pretrained", kind="full", optimizer=False)
             weights = {name: torch.as_tensor(value).clone() for name, value in pretrained.state_dict().items()}
-            reference = make_model("retargeted")
-            expected = reference.load_state_dict(weights, strict=False)
-            self.assertTrue(expected.missing_keys and expected.unexpected_keys)
-
-            tuner = flatshard.Client(cluster.addresses, token=cluster.token, job="fine-tune")
-            tuner.configure_job()
-            adamw = flatshard.AdamW(lr=5e-3, weight_decay=0.1)
-            with self.assertRaises(flatshard.FailedPreconditionError) as refused:  # strict: all or nothing
-                flatshard.torch.ShardedModule(make_model("retargeted"), tuner, adamw, auto_wrap_min_params=200,
-                                              load_checkpoint="pretrained")
-            self.assertIn("is not in checkpoint 'pretrained'", str(refused.exception))
-            model = flatshard.torch.ShardedModule(make_model("retargeted"), tuner, adamw, auto_wrap_min_params=200,
-                                                  load_checkpoint="pretrained", load_strict=False)
-            self.assertEqual(sorted(model.load_result.missing_keys), sorted(expected.missing_keys))
-            self.assertEqual(sorted(model.load_result.unexpected_keys), sorted(expected.unexpected_keys))
-            self.assertIn(["task_head.0.weight", "task_head.0.bias"], [fqns for _, _, fqns in model.groups])
-            self.assertEqual(model.version, 2)
-            for name, value in reference.state_dict().items():
-                self.assertTrue(torch.equal(torch.as_tensor(model.state_dict()[name]), value), name)
-            optimizer = torch.optim.AdamW(reference.parameters(), lr=5e-3, weight_decay=0.1)
-            for _ in range(3):
-                F.mse_loss(model(x), y).backward()
-                model.step()
-                optimizer.zero_grad()
-                F.mse_loss(reference(x), y).backward()
-                optimizer.step()
-            state = model.state_dict()
-            for name, value in reference.state_dict().items():
-                self.assertLess(relative_error(state[name], value), REL_TOL, name)
+            for frozen_body in (False, True):
+                with self.subTest(frozen_body=frozen_body):
+                    def retargeted():
+                        net = make_model("retargeted")
+                        for name, param in net.named_parameters():
+                            param.requires_grad_(not frozen_body or name.startswith("task_head."))
+                        return net
+                    reference = retargeted()
+                    expected = reference.load_state_dict(weights, strict=False)
+                    self.assertTrue(expected.missing_keys and expected.unexpected_keys)
+                    tuner = flatshard.Client(cluster.addresses, token=cluster.token, job=f"tune-{frozen_body}")
+                    tuner.configure_job()
+                    adamw = flatshard.AdamW(lr=5e-3, weight_decay=0.1)
+                    with self.assertRaises(flatshard.FailedPreconditionError) as refused:  # strict: all or nothing
+                        flatshard.torch.ShardedModule(retargeted(), tuner, adamw, auto_wrap_min_params=200,
+                                                      load_checkpoint="pretrained")
+                    self.assertIn("is not in checkpoint 'pretrained'", str(refused.exception))
+                    model = flatshard.torch.ShardedModule(retargeted(), tuner, adamw, auto_wrap_min_params=200,
+                                                          load_checkpoint="pretrained", load_strict=False)
+                    self.assertEqual(sorted(model.load_result.missing_keys), sorted(expected.missing_keys))
+                    self.assertEqual(sorted(model.load_result.unexpected_keys), sorted(expected.unexpected_keys))
+                    self.assertIn(["task_head.0.weight", "task_head.0.bias"], [fqns for _, _, fqns in model.groups])
+                    self.assertEqual(model.version, 0 if frozen_body else 2)
+                    frozen = [fqn for _, path, fqns in model.groups if path is None for fqn in fqns]
+                    self.assertEqual("embed.weight" in frozen, frozen_body)
+                    for name, value in reference.state_dict().items():
+                        self.assertTrue(torch.equal(torch.as_tensor(model.state_dict()[name]), value), name)
+                    optimizer = torch.optim.AdamW(reference.parameters(), lr=5e-3, weight_decay=0.1)
+                    for _ in range(3):
+                        F.mse_loss(model(x), y).backward()
+                        model.step()
+                        optimizer.zero_grad()
+                        F.mse_loss(reference(x), y).backward()
+                        optimizer.step()
+                    state = model.state_dict()
+                    for name, value in reference.state_dict().items():
+                        self.assertLess(relative_error(state[name], value), REL_TOL, name)
+                    if frozen_body:
+                        self.assertTrue(torch.equal(torch.as_tensor(state["embed.weight"]), weights["embed.weight"]))
 
     def test_a_parameter_unfrozen_after_wrapping_is_refused_at_step_not_left_untrained(self):
         with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
