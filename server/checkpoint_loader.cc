@@ -420,23 +420,28 @@ absl::StatusOr<StagedCheckpoint> StageCheckpoint(const Json& manifest, Checkpoin
         }
       }
     }
-    staged.groups.push_back({group, std::move(loaded), {.ranges = std::move(kept), .optimizer_counters = false}});
+    staged.groups.push_back(
+        {group, std::move(loaded), {.ranges = std::move(kept), .optimizer_counters = false, .version = false}});
   }
-  // The trained groups the checkpoint holds nothing of stay as they are, but for their
-  // version: that of the loaded trained groups, when these agree (as a save's cut makes
-  // them), so that the job's trained groups step on together.
+  // The trained groups the checkpoint holds nothing of keep their state, but are
+  // installed all the same, as every trained group of a load is: the steps in progress
+  // start over from the loaded state (the job's clipping norms of those steps go with
+  // the load). Their version becomes that of the loaded trained groups when these agree
+  // (as a save's cut makes them), so that the job's trained groups step on together.
   std::set<int64_t> loaded_versions;
   for (const StagedGroup& group : staged.groups) {
     if (!group.group->frozen()) loaded_versions.insert(group.shard.version);
   }
-  if (loaded_versions.size() == 1) {
-    for (const std::shared_ptr<Group>& group : unsaved) {
-      LoadedShard loaded;
-      loaded.version = *loaded_versions.begin();
-      FLATSHARD_RETURN_IF_ERROR(allocate(*group, loaded));
-      staged.groups.push_back(
-          {group, std::move(loaded), {.ranges = {{0, group->layout().shard_numel()}}, .optimizer_counters = true}});
-    }
+  for (const std::shared_ptr<Group>& group : unsaved) {
+    LoadedShard loaded;
+    const bool own_version = loaded_versions.size() != 1;
+    if (!own_version) loaded.version = *loaded_versions.begin();
+    FLATSHARD_RETURN_IF_ERROR(allocate(*group, loaded));
+    staged.groups.push_back({group,
+                             std::move(loaded),
+                             {.ranges = {{0, group->layout().shard_numel()}},
+                              .optimizer_counters = true,
+                              .version = own_version}});
   }
   FLATSHARD_ASSIGN_OR_RETURN(staged.omitted.unexpected, contents.Untaken(job));
   FLATSHARD_RETURN_IF_ERROR(reader.Run(progress));

@@ -66,9 +66,10 @@ struct StagedCheckpoint {
 // This server's (`rank` of `num_servers`) shard of every group of `job` from checkpoint
 // `name`, whose manifest is `manifest` and whose files `reader` reads. `progress`
 // (optional) counts the tensor bytes read. A `non_strict` load (torch's
-// load_state_dict(strict=False)) leaves the registered tensors the checkpoint lacks as
-// they are, with their optimizer state (a group none of whose tensors it holds is not
-// staged at all), and skips the checkpoint's tensors no group registers; a tensor it
+// load_state_dict(strict=False)) keeps the registered tensors the checkpoint lacks as
+// they are, with their optimizer state (a trained group it holds nothing of is staged
+// whole as kept, with the loaded trained groups' version when they agree; a frozen one
+// is not staged), and skips the checkpoint's tensors no group registers; a tensor it
 // holds with another shape or dtype is refused all the same.
 [[nodiscard]] absl::StatusOr<StagedCheckpoint> StageCheckpoint(const nlohmann::json& manifest,
                                                                CheckpointReader& reader, const Registry& registry,

@@ -757,6 +757,7 @@ absl::Status Group::Restore(LoadedShard loaded, uint64_t load_id, const KeptStat
     loaded.optimizer_steps = optimizer_.steps();
     loaded.momentum_initialized = optimizer_.momentum_initialized();
   }
+  if (kept.version) loaded.version = version_;
   for (const ShardRange& range : kept.ranges) {
     const int64_t count = range.end - range.begin;
     FLATSHARD_RETURN_IF_ERROR(

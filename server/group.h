@@ -186,12 +186,13 @@ struct ShardRange {
 };
 
 // What a load keeps of a group's current state (a non-strict load's tensors that the
-// checkpoint lacks): the parameters and optimizer state of `ranges`, and with
-// `optimizer_counters` the optimizer's step count and momentum flag (a group the
-// checkpoint holds nothing of, which takes only the loaded version).
+// checkpoint lacks): the parameters and optimizer state of `ranges`; for a group the
+// checkpoint holds nothing of, also the optimizer's step count and momentum flag
+// (`optimizer_counters`), and its version unless the load gives it one (`version`).
 struct KeptState {
   std::vector<ShardRange> ranges;
   bool optimizer_counters = false;
+  bool version = false;
 };
 
 struct GroupStats {

@@ -511,10 +511,12 @@ class Client:
         ``strict=False`` loads what the checkpoint and the registered groups have in common
         (fine-tuning from another model's checkpoint): a registered tensor the checkpoint
         lacks (a missing key) keeps its values and optimizer state, a checkpoint tensor no
-        group registers (an unexpected key) is skipped. A group none of whose tensors the
-        checkpoint holds is left as it is; the others take the saved version and optimizer
-        step count (one per group: a kept tensor's Adam bias correction follows it). A
-        tensor saved with another shape or dtype is refused all the same, as by torch."""
+        group registers (an unexpected key) is skipped. A group takes the saved version and
+        optimizer step count of the tensors it loads (one per group: a kept tensor's Adam
+        bias correction follows it); a trained group the checkpoint holds nothing of keeps
+        its step count and takes the loaded trained groups' version, so the job steps on
+        together. A tensor saved with another shape or dtype is refused all the same, as by
+        torch."""
         missing, unexpected = self._native.load_checkpoint(name, bool(strict), progress)
         return IncompatibleKeys(missing, unexpected)
 

@@ -112,8 +112,10 @@ class FakeCluster {
       for (const GroupSpec& spec : specs_) {
         if (!only.empty() && !only.count(spec.name)) continue;
         auto g = group(rank, spec.name);
-        auto snapshot = g->Snapshot(version, absl::InfiniteFuture());
-        EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+        // A group that is not at `version` fails the test rather than hang it.
+        auto snapshot = g->Snapshot(version, absl::Now() + absl::Seconds(10));
+        EXPECT_TRUE(snapshot.ok()) << spec.name << ": " << snapshot.status();
+        if (!snapshot.ok()) continue;
         const FlatLayout& layout = g->layout();
         const int64_t start = layout.shard_start(rank);
         std::vector<std::pair<std::string, const HostFloats*>> buffers = {{"", &snapshot->params}};
@@ -675,6 +677,31 @@ TEST_P(NonStrictLoadTest, LoadsWhatItHoldsAndKeepsTheRest) {
 INSTANTIATE_TEST_SUITE_P(Kinds, NonStrictLoadTest,
                          ::testing::Values(CheckpointKind::kFull, CheckpointKind::kSharded, CheckpointKind::kLocal),
                          [](const auto& info) { return std::string(CheckpointKindName(info.param)); });
+
+// Linear probing (a checkpoint of frozen weights only): no trained group loads, so the
+// trained group the checkpoint holds nothing of keeps its version too, and is installed
+// like every trained group of a load (its steps in progress start over).
+TEST(CheckpointStoreTest, ANonStrictLoadOfNoTrainedGroupKeepsTheirVersions) {
+  const std::string root = FreshRoot();
+  const GroupSpec lookup{"lookup", {{"lut", {5}, DType::kFloat32}}, 0, Frozen{}};
+  const GroupSpec fresh{"new", {{"head.weight", {4}, DType::kFloat32}}, 0,
+                       kernels::SgdHyperparams{.lr = 0.5f, .momentum = 0.9f}};
+  FakeCluster source(1, root, {lookup});
+  ASSERT_TRUE(source.Save("frozen", CheckpointKind::kFull, false, 0).ok());
+  FakeCluster target(2, root, {lookup, fresh});
+  for (int step = 0; step < 3; ++step) target.Step(step, {"new"});
+  const Values before = target.Collect(3, {"new"});
+
+  const absl::StatusOr<LoadOmissions> omitted = target.LoadNonStrict("frozen");
+  ASSERT_TRUE(omitted.ok()) << omitted.status();
+  EXPECT_EQ(omitted->missing, std::vector<std::string>{"head.weight"});
+  EXPECT_TRUE(omitted->unexpected.empty());
+  ASSERT_EQ(target.group(0, "new")->version(), 3);
+  ExpectBitwiseEqual(target.Collect(3, {"new"}), before);  // its version, values, state and step count
+  for (int rank = 0; rank < target.size(); ++rank) EXPECT_NE(target.group(rank, "new")->stats().load_id, 0u);
+  target.Step(3, {"new"});
+  EXPECT_EQ(target.group(0, "new")->version(), 4);
+}
 
 // A tensor of another shape or dtype is refused by a non-strict load as by a strict one,
 // the groups untouched.

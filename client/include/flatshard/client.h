@@ -421,11 +421,12 @@ class Client {
   // common (torch's load_state_dict(strict=False): fine-tuning from a checkpoint of
   // another model): a registered tensor the checkpoint lacks keeps its values and
   // optimizer state, a checkpoint tensor no group registers is skipped, and both are
-  // returned. A group none of whose tensors the checkpoint holds is left as it is; the
-  // others take the saved version and optimizer step count (one count per group: a kept
-  // tensor's Adam bias correction follows the loaded count). A tensor saved with another
-  // shape or dtype is refused as by LoadCheckpoint; LOCAL checkpoints load only the groups
-  // they hold, each as saved.
+  // returned. A group takes the saved version and optimizer step count of the tensors it
+  // loads (one count per group: a kept tensor's Adam bias correction follows it); a
+  // trained group the checkpoint holds nothing of keeps its step count and takes the
+  // version of the loaded trained groups (when they agree), so the job steps on together;
+  // a frozen one stays as it is. A tensor saved with another shape or dtype is refused as
+  // by LoadCheckpoint; LOCAL checkpoints load only the groups they hold, each as saved.
   [[nodiscard]] virtual absl::StatusOr<IncompatibleTensors> LoadCheckpointNonStrict(const std::string& name,
                                                                                     Progress progress = nullptr) = 0;
   [[nodiscard]] virtual absl::StatusOr<std::vector<CheckpointEntry>> ListCheckpoints(std::stop_token stop = {}) = 0;
