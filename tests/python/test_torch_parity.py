@@ -41,6 +41,17 @@ def relative_error(ours, reference):
     return ((ours - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
+def train_side_by_side(model, reference, optimizer, x, y, steps):
+    """`steps` steps on batch (x, y) of a ShardedModule and of torch's `reference` model
+    with its `optimizer`."""
+    for _ in range(steps):
+        F.mse_loss(model(x), y).backward()
+        model.step()
+        optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        optimizer.step()
+
+
 # A flatshard run: per-step losses (the workers' mean), worker 0's final state dict, the
 # groups, (a clipped job) per-step gradient norms as worker 0 read them, and (with a
 # GradScaler) each worker's final loss scale.
@@ -536,12 +547,7 @@ class MisuseAndRecoveryTest(unittest.TestCase):
                     for name, value in reference.state_dict().items():
                         self.assertTrue(torch.equal(torch.as_tensor(model.state_dict()[name]), value), name)
                     optimizer = torch.optim.AdamW(reference.parameters(), lr=5e-3, weight_decay=0.1)
-                    for _ in range(3):
-                        F.mse_loss(model(x), y).backward()
-                        model.step()
-                        optimizer.zero_grad()
-                        F.mse_loss(reference(x), y).backward()
-                        optimizer.step()
+                    train_side_by_side(model, reference, optimizer, x, y, steps=3)
                     state = model.state_dict()
                     for name, value in reference.state_dict().items():
                         self.assertLess(relative_error(state[name], value), REL_TOL, name)
@@ -819,12 +825,7 @@ class OptimStateDictTest(unittest.TestCase):
                 named = dict(reference.named_parameters())
                 theirs = make_theirs([{"params": [p for n, p in named.items() if n not in no_decay]},
                                       {"params": [named[n] for n in no_decay], "weight_decay": 0.0}])
-                for _ in range(3):
-                    F.mse_loss(model(x), y).backward()
-                    model.step()
-                    theirs.zero_grad()
-                    F.mse_loss(reference(x), y).backward()
-                    theirs.step()
+                train_side_by_side(model, reference, theirs, x, y, steps=3)
                 got = model.optim_state_dict()
                 for name, param in named.items():
                     expected = theirs.state[param]
