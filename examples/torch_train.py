@@ -5,12 +5,15 @@ loads the checkpoint and continues: the loss picks up where it stopped. Each wor
 accumulates its half batch over 2 micro-batches (no_sync) and follows a cosine
 learning-rate schedule: torch's LambdaLR over a ServerOptimizer, which stands for the
 servers' optimizer, resumed at the loaded step. Biases train without weight decay
-(param_groups, as torch optimizers take them).
+(param_groups, as torch optimizers take them). Last, the trained body is fine-tuned for
+another task under a new head: a non-strict load of the same checkpoint (torch's
+strict=False) takes the body and leaves the new head as initialized.
 
     PYTHONPATH=build/python /usr/bin/python3 examples/torch_train.py [--steps 40]
 """
 
 import argparse
+import collections
 import contextlib
 import math
 import multiprocessing
@@ -77,6 +80,31 @@ def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, q
     queue.put((rank, losses, (model.groups, norms) if rank == 0 else None))
 
 
+def make_fine_tune_model():
+    """make_model's body (layers 0-3) under a new two-output head, named otherwise than
+    its old head "4": the checkpoint holds the old one, this model the new one."""
+    body = list(make_model())[:4]
+    torch.manual_seed(1)
+    return torch.nn.Sequential(collections.OrderedDict(
+        [(str(i), layer) for i, layer in enumerate(body)] + [("task_head", torch.nn.Linear(64, 2))]))
+
+
+def fine_tune(cluster, checkpoint, steps):
+    """Trains the new task (one worker) from `checkpoint`'s body, loaded non-strictly."""
+    client = flatshard.Client(cluster.addresses, token=cluster.token, job="fine-tune")
+    client.configure_job()
+    model = flatshard.torch.ShardedModule(make_fine_tune_model(), client, optimizer=flatshard.AdamW(lr=5e-3),
+                                          load_checkpoint=checkpoint, load_strict=False)
+    losses = []
+    for step in range(steps):
+        x, _ = batch(step, 0)
+        loss = F.mse_loss(model(x), torch.tanh(x[:, :2] - x[:, 2:4]))
+        loss.backward()
+        model.step()
+        losses.append(loss.item())
+    return model.load_result, losses
+
+
 def train(cluster, first_step, steps, total_steps, checkpoint=None):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
@@ -115,6 +143,14 @@ def main():
                                   checkpoint="torch-example")
             print(f"steps {args.steps + 1}-{2 * args.steps} after loading: "
                   f"loss {resumed[0]:.4f} -> {resumed[-1]:.4f}")
+            keys, tuned = fine_tune(cluster, "torch-example", args.steps // 2)
+            print(f"fine-tuning a new head on the loaded body (strict=False): missing {keys.missing_keys}, "
+                  f"unexpected {keys.unexpected_keys}; loss {tuned[0]:.4f} -> {tuned[-1]:.4f}")
+    if sorted(keys.missing_keys) != ["task_head.bias", "task_head.weight"] or \
+            sorted(keys.unexpected_keys) != ["4.bias", "4.weight"]:
+        raise SystemExit(f"the non-strict load left out {keys}, not just the two heads")
+    if not tuned[-1] < tuned[0]:
+        raise SystemExit("fine-tuning did not lower the new task's loss")
     # A fresh start would begin near the first loss; a resumed one near the last.
     if not abs(resumed[0] - losses[-1]) < abs(resumed[0] - losses[0]):
         raise SystemExit("the loss after the restart did not continue from the checkpoint")

@@ -77,8 +77,7 @@ checkpoint holds of the module's parameters (``load_result`` says what it left o
     model = ShardedModule(net, client, optimizer, load_checkpoint="pretrained", load_strict=False)
     model.load_result  # IncompatibleKeys(missing_keys=['head.weight', ...], unexpected_keys=[...])
 
-torch's
-learning-rate schedulers drive the servers' optimizer through ``ServerOptimizer``
+torch's learning-rate schedulers drive the servers' optimizer through ``ServerOptimizer``
 (below), a torch.optim.Optimizer whose param_groups stand for the module's.
 """
 
