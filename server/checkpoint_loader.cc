@@ -67,7 +67,7 @@ class CheckpointTensors {
   };
 
   // `non_strict`: registered tensors the checkpoint lacks are not an error (Take), nor are
-  // its tensors no group takes (CheckAllTaken).
+  // its tensors no group takes (Untaken).
   static absl::StatusOr<CheckpointTensors> Parse(const Json& manifest, const std::string& name, bool non_strict) {
     CheckpointTensors contents;
     contents.name_ = name;

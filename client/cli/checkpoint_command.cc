@@ -93,6 +93,10 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     err << "flatshard " << command << ": --cluster is required\n";
     return 2;
   }
+  if (options.non_strict && command != "load") {
+    err << "flatshard " << command << ": --non_strict applies to load only\n";
+    return 2;
+  }
   if (command == "export" && options.out.empty()) {
     err << "flatshard export: --out=DIR is required\n";
     return 2;

@@ -124,6 +124,9 @@ TEST(CheckpointIntegrationTest, NonStrictLoadsWhatItHoldsAndSaysWhatItLeftOut) {
   EXPECT_THAT(out.str(), HasSubstr("load 'pretrained': done in"));
   EXPECT_THAT(out.str(), HasSubstr("\nmissing (not in the checkpoint, kept as they were): new.head\n"
                                    "unexpected (no group registers them, not loaded): old.head\n"));
+  command.command = "save";
+  EXPECT_EQ(cli::RunCheckpointCommand(command, out, err), 2);
+  EXPECT_THAT(err.str(), HasSubstr("flatshard save: --non_strict applies to load only"));
 }
 
 // Each server with a root of its own (no shared file system): LOCAL checkpoints save

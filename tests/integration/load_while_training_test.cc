@@ -356,7 +356,9 @@ TEST_P(LoadsAtRandomMomentsTest, TrainingEndsOnTheBitsOfARunWithoutLoads) {
     } else {  // into the same groups, a non-strict load is a strict one
       const absl::StatusOr<IncompatibleTensors> loaded = loader->LoadCheckpointNonStrict(back);
       EXPECT_TRUE(loaded.ok()) << back << ": " << loaded.status();
-      if (loaded.ok()) EXPECT_TRUE(loaded->missing.empty() && loaded->unexpected.empty());
+      if (loaded.ok()) {
+        EXPECT_TRUE(loaded->missing.empty() && loaded->unexpected.empty());
+      }
     }
   }
   stop = true;

@@ -155,11 +155,13 @@ class FakeCluster {
     return stores_[0]->Commit(name);
   }
 
-  absl::Status Load(const std::string& name) { return LoadNonStrict(name, false).status(); }
-  // As the client does: every server prepares (a non-strict load unless `non_strict` is
-  // false), then commits; what server 0 says was left out, which every other server must
-  // say too.
-  absl::StatusOr<LoadOmissions> LoadNonStrict(const std::string& name, bool non_strict = true) {
+  absl::Status Load(const std::string& name) { return PrepareAndCommit(name, false).status(); }
+  absl::StatusOr<LoadOmissions> LoadNonStrict(const std::string& name) { return PrepareAndCommit(name, true); }
+
+ private:
+  // As the client loads: every server prepares, then commits; returns what server 0 says
+  // was left out, which every other server must say too.
+  absl::StatusOr<LoadOmissions> PrepareAndCommit(const std::string& name, bool non_strict) {
     const uint64_t load_id = ++loads_;  // the same on every server
     LoadOmissions omitted;
     for (int rank = 0; rank < size(); ++rank) {
@@ -178,7 +180,6 @@ class FakeCluster {
     return omitted;
   }
 
- private:
   const std::vector<GroupSpec> specs_;
   std::vector<std::unique_ptr<Registry>> registries_;
   std::vector<std::unique_ptr<CheckpointStore>> stores_;
