@@ -251,11 +251,26 @@ class ClientTest(unittest.TestCase):
             d = flatshard.Client(other.addresses, token=other.token, job="ckpt")
             d.configure_job()
             d.register_group("g", TENSORS, flatshard.AdamW(lr=1e-2))
-            d.load_checkpoint("py-ckpt")  # 3 servers -> 2
+            self.assertEqual(d.load_checkpoint("py-ckpt"), flatshard.IncompatibleKeys([], []))  # 3 servers -> 2
             after = d.gather("g", 1)
             self.assertEqual(d.version("g"), 1)
+            # Non-strict, into a job with another group beside it: "g" loads, "head" stays.
+            e = flatshard.Client(other.addresses, token=other.token, job="tune")
+            e.configure_job()
+            e.register_group("g", TENSORS, flatshard.AdamW(lr=1e-2))
+            e.register_group("head", [("head.weight", (3,), "float32")], flatshard.SGD(lr=0.1))
+            e.init_group("head", {"head.weight": np.arange(3, dtype=np.float32)})
+            with self.assertRaises(flatshard.FailedPreconditionError) as refused:
+                e.load_checkpoint("py-ckpt")
+            self.assertIn("tensor 'head.weight' of group 'head' of job 'tune' is not in checkpoint 'py-ckpt'",
+                          refused.exception.message)
+            keys = e.load_checkpoint("py-ckpt", strict=False)
+            self.assertEqual((keys.missing_keys, keys.unexpected_keys), (["head.weight"], []))
+            tuned = e.gather("g", 1)
+            np.testing.assert_array_equal(e.gather("head", 1)["head.weight"], np.arange(3, dtype=np.float32))
         for name in before:
             np.testing.assert_array_equal(after[name], before[name])
+            np.testing.assert_array_equal(tuned[name], before[name])
 
     def test_an_operators_save_at_the_step_boundary_waits_for_the_step_in_progress(self):
         workers = [self.client(r, 2, job="cut") for r in range(2)]
