@@ -39,6 +39,8 @@ v1::OptimizerSettings OptimizerToProto(const OptimizerOptions& optimizer) {
     out->set_nesterov(sgd->nesterov);
   } else if (std::holds_alternative<FrozenOptions>(optimizer)) {
     proto.mutable_frozen();
+  } else if (std::holds_alternative<AverageOptions>(optimizer)) {
+    proto.mutable_average();
   } else {
     const auto& adam = std::get<AdamOptions>(optimizer);
     v1::AdamSettings* out = proto.mutable_adam();

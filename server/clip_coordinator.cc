@@ -30,7 +30,7 @@ absl::Status ClipCoordinator::OnGroupReduced(const std::string& job, int64_t ste
     if (state.shared) return absl::OkStatus();
     bool any = false;
     for (const auto& group : registry_.job_groups(job)) {  // name order
-      if (group->frozen() || group->version() != step) continue;  // frozen: no gradients
+      if (!group->in_norm() || group->version() != step) continue;  // frozen, or buffers
       if (!group->reduced_at(step)) return absl::OkStatus();  // others still pending
       any = true;
       FLATSHARD_ASSIGN_OR_RETURN(const double share, group->NormPartial(settings.norm_type));
@@ -167,7 +167,7 @@ absl::StatusOr<double> ClipCoordinator::TotalNorm(const std::string& job, int64_
   };
   bool applied = false;  // a step this server applied without its norm coming back
   for (const auto& group : registry_.job_groups(job)) {
-    if (!group->frozen() && group->version() > step) applied = true;
+    if (group->in_norm() && group->version() > step) applied = true;
   }
   if (applied && kept() == nullptr) {
     return absl::NotFoundError(absl::StrCat(

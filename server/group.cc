@@ -56,6 +56,10 @@ absl::StatusOr<std::shared_ptr<Group>> Group::Create(std::string job, std::strin
                                                      OptimizerConfig optimizer, MemoryTier tier,
                                                      std::shared_ptr<const ComputePool> pool,
                                                      HostSlab* small_buffers) {
+  if (IsAverage(optimizer) && job_settings.async) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group '", name, "': optimizer average (module buffers) needs a SYNC job; job '", job, "' is ASYNC"));
+  }
   FLATSHARD_ASSIGN_OR_RETURN(std::unique_ptr<ShardCompute> compute,
                              MakeShardCompute(tier, std::move(pool)));
   if (tier != MemoryTier::kHost) small_buffers = nullptr;
@@ -94,6 +98,7 @@ Group::Group(std::string job, std::string name, FlatLayout layout, Placement pla
       grad_(std::move(grad)),
       optimizer_(std::move(optimizer)),
       frozen_(IsFrozen(optimizer_.config())),
+      average_(IsAverage(optimizer_.config())),
       contributions_(job_settings.num_workers),
       staging_(job_settings.num_workers),
       device_staging_(job_settings.num_workers),
@@ -446,7 +451,7 @@ absl::StatusOr<CommitOutcome> Group::CommitScatter(const ReceiveSlot& slot) {
 }
 
 absl::StatusOr<CommitOutcome> Group::FinishReduction() {
-  if (job_settings_.needs_norm()) {
+  if (job_settings_.needs_norm() && !average_) {
     reduced_ = true;
     return CommitOutcome::kReduced;
   }
@@ -530,13 +535,15 @@ absl::Status Group::ReduceContributions() {
   for (int worker = 0; worker < job_settings_.num_workers; ++worker) {
     contributions.push_back({contributions_[worker].dtype, contributions_[worker].data});
   }
-  const float alpha = job_settings_.reduce_mean
-                          ? 1.0f / static_cast<float>(job_settings_.num_workers)
-                          : 1.0f;
-  FLATSHARD_RETURN_IF_ERROR(compute_->Reduce(contributions, grad_.floats(), shard_numel(), alpha));
+  FLATSHARD_RETURN_IF_ERROR(compute_->Reduce(contributions, grad_.floats(), shard_numel(), ReduceAlpha()));
   FLATSHARD_RETURN_IF_ERROR(ZeroGradientPadding());
   // The staging slots are free for the next step only once the kernels have read them.
   return compute_->Synchronize();
+}
+
+float Group::ReduceAlpha() const {
+  const bool mean = job_settings_.reduce_mean || average_;
+  return mean ? 1.0f / static_cast<float>(job_settings_.num_workers) : 1.0f;
 }
 
 absl::Status Group::ZeroGradientPadding() {

@@ -36,6 +36,10 @@
 //    than max_staleness versions, or not newer than the worker's last one, are refused.
 //  - A frozen group (optimizer Frozen) holds parameters only: no gradient buffer, no
 //    optimizer state, every scatter refused, and its version stays where it is.
+//  - An average group (optimizer Average: module buffers) takes the mean of the workers'
+//    contributions as its new values at each step, whatever the job's reduce; it steps
+//    as soon as it is reduced, outside the job's gradient norm (a clipped or skipped step
+//    still updates it, as a forward updates torch's buffers). SYNC jobs only.
 //  - A contribution is received in two phases so the bytes land straight in its staging
 //    slot without holding the lock: BeginScatter reserves the slot, the caller fills
 //    it, then CommitScatter (or AbortScatter if the transfer failed: the worker may
@@ -235,6 +239,9 @@ class Group {
   OptimizerConfig optimizer_config() const;
   // Registered with optimizer Frozen (fixed for the group's life).
   bool frozen() const { return frozen_; }
+  // Its reduced gradient counts for the job's norm (clipping, skip_nonfinite): neither
+  // frozen nor an average group (fixed for the group's life).
+  bool in_norm() const { return !frozen_ && !average_; }
 
   // True when `layout` and `optimizer` equal this group's (idempotent registration).
   bool SameSpec(const FlatLayout& layout, const OptimizerConfig& optimizer) const;
@@ -489,6 +496,9 @@ class Group {
   // Zeroes grad_ at the shard's padding, whatever the workers sent there: padding never
   // counts in norms or optimizer results (DESIGN.md, flat layout rule 5).
   absl::Status ZeroGradientPadding() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the sum of the contributions is multiplied by: 1/W for a mean (the job's reduce,
+  // or always for an average group), else 1.
+  float ReduceAlpha() const;
   absl::Status StepOptimizer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // version + 1, slots free for the next step, snapshots of the new version.
   void AdvanceVersion() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -532,6 +542,7 @@ class Group {
   ShardBuffer grad_ ABSL_GUARDED_BY(mu_);    // reduced gradient of the step; empty if frozen
   ShardOptimizer optimizer_ ABSL_GUARDED_BY(mu_);
   const bool frozen_;
+  const bool average_;
   std::vector<Contribution> contributions_ ABSL_GUARDED_BY(mu_);  // per worker
   // One staging buffer per worker; a part in flight is written without the lock by the
   // one connection that reserved it. A ready slot may trade places with grad_ under the

@@ -216,11 +216,8 @@ absl::StatusOr<CommitOutcome> Group::PartialArrived(int replica) {
       const float* chunk = q == placement_.replica ? own_partial_.floats() + offset : partial_chunks_[q].floats();
       partials.push_back({DType::kFloat32, chunk});
     }
-    const float alpha = job_settings_.reduce_mean
-                            ? 1.0f / static_cast<float>(job_settings_.num_workers)
-                            : 1.0f;
     float* out = reinterpret_cast<float*>(ReducedGradient().data()) + offset;
-    reduced = compute_->Reduce(partials, out, numel, alpha);
+    reduced = compute_->Reduce(partials, out, numel, ReduceAlpha());
     if (reduced.ok()) reduced = compute_->Synchronize();
   }
   if (!reduced.ok()) {

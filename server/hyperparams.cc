@@ -32,8 +32,10 @@ absl::StatusOr<OptimizerConfig> OptimizerFromProto(const v1::OptimizerSettings& 
     }
     case v1::OptimizerSettings::kFrozen:
       return OptimizerConfig(Frozen{});
+    case v1::OptimizerSettings::kAverage:
+      return OptimizerConfig(Average{});
     default:
-      return absl::InvalidArgumentError("optimizer: none set (sgd, adam or frozen)");
+      return absl::InvalidArgumentError("optimizer: none set (sgd, adam, frozen or average)");
   }
 }
 

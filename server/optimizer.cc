@@ -14,17 +14,19 @@ using kernels::AdamHyperparams;
 using kernels::SgdHyperparams;
 
 bool IsFrozen(const OptimizerConfig& config) { return std::holds_alternative<Frozen>(config); }
+bool IsAverage(const OptimizerConfig& config) { return std::holds_alternative<Average>(config); }
 
 std::string OptimizerName(const OptimizerConfig& config) {
   if (const auto* adam = std::get_if<AdamHyperparams>(&config)) {
     return adam->decoupled_weight_decay ? "adamw" : "adam";
   }
-  return IsFrozen(config) ? "frozen" : "sgd";
+  if (IsFrozen(config)) return "frozen";
+  return IsAverage(config) ? "average" : "sgd";
 }
 
 bool SameOptimizer(const OptimizerConfig& a, const OptimizerConfig& b) {
   if (a.index() != b.index()) return false;
-  if (IsFrozen(a)) return true;
+  if (IsFrozen(a) || IsAverage(a)) return true;
   if (const auto* x = std::get_if<SgdHyperparams>(&a)) {
     const auto& y = std::get<SgdHyperparams>(b);
     return x->lr == y.lr && x->momentum == y.momentum && x->dampening == y.dampening &&
@@ -51,7 +53,7 @@ std::string ShortestFloat(float value) {
 }  // namespace
 
 std::string OptimizerHyperparamsJson(const OptimizerConfig& config) {
-  if (IsFrozen(config)) return "{}";
+  if (IsFrozen(config) || IsAverage(config)) return "{}";
   if (const auto* sgd = std::get_if<SgdHyperparams>(&config)) {
     return absl::StrCat(R"({"lr":)", ShortestFloat(sgd->lr), R"(,"momentum":)", ShortestFloat(sgd->momentum),
                         R"(,"dampening":)", ShortestFloat(sgd->dampening), R"(,"weight_decay":)",
@@ -65,7 +67,7 @@ std::string OptimizerHyperparamsJson(const OptimizerConfig& config) {
 }
 
 absl::Status ValidateOptimizer(const OptimizerConfig& config) {
-  if (IsFrozen(config)) return absl::OkStatus();
+  if (IsFrozen(config) || IsAverage(config)) return absl::OkStatus();
   if (const auto* sgd = std::get_if<SgdHyperparams>(&config)) {
     if (!(sgd->lr >= 0)) return absl::InvalidArgumentError(absl::StrCat("sgd.lr: ", sgd->lr, " < 0"));
     if (!(sgd->momentum >= 0)) return absl::InvalidArgumentError("sgd.momentum: must be >= 0");
@@ -120,6 +122,9 @@ absl::Status ShardOptimizer::Step(float* params, const float* grad) {
     return absl::FailedPreconditionError(absl::StrCat(what_, ": the group is frozen and takes no steps"));
   }
   ++steps_;
+  if (IsAverage(config_)) {
+    return compute_->CopyBytes(params, grad, static_cast<size_t>(numel_) * sizeof(float));
+  }
   if (const auto* adam = std::get_if<AdamHyperparams>(&config_)) {
     return compute_->AdamStep(*adam, steps_, params, grad, exp_avg_.floats(), exp_avg_sq_.floats(),
                               adam->amsgrad ? max_exp_avg_sq_.floats() : nullptr, numel_);

@@ -1,6 +1,7 @@
 // The optimizer of a group and its state on one server's shard: SGD (momentum buffer),
-// Adam / AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad), or none (Frozen: the
-// group's parameters are never trained, as torch's parameters that no optimizer holds).
+// Adam / AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad), none (Frozen: the
+// group's parameters are never trained, as torch's parameters that no optimizer holds),
+// or Average (module buffers: each step's values are the reduced mean the workers sent).
 // The state lives in the group's memory tier and steps run that tier's fused kernels
 // (ShardCompute).
 // Not thread-safe: its Group serializes access. The ShardCompute must outlive it.
@@ -31,11 +32,15 @@ namespace flatshard::server {
 
 // A group that takes no gradients and keeps no optimizer state (frozen parameters).
 struct Frozen {};
+// A group whose step replaces its values by the workers' mean of what they scattered
+// (torch's module buffers, which each worker updates in its forward); no state.
+struct Average {};
 
-using OptimizerConfig = std::variant<kernels::SgdHyperparams, kernels::AdamHyperparams, Frozen>;
+using OptimizerConfig = std::variant<kernels::SgdHyperparams, kernels::AdamHyperparams, Frozen, Average>;
 
 bool IsFrozen(const OptimizerConfig& config);
-// "sgd", "adam", "adamw" or "frozen".
+bool IsAverage(const OptimizerConfig& config);
+// "sgd", "adam", "adamw", "frozen" or "average".
 std::string OptimizerName(const OptimizerConfig& config);
 bool SameOptimizer(const OptimizerConfig& a, const OptimizerConfig& b);
 // The hyper-parameters as a JSON object string, e.g. {"lr":0.001,"betas":[0.9,0.999],...}.
@@ -61,8 +66,8 @@ class ShardOptimizer {
                                                              AllocateZeroed allocate);
 
   // Applies one step to `params` with the reduced gradient `grad` (both shard_numel,
-  // shard memory). Enqueued on the tier; the caller synchronizes. FailedPrecondition
-  // when frozen.
+  // shard memory); Average copies `grad` (the mean) into `params`. Enqueued on the tier;
+  // the caller synchronizes. FailedPrecondition when frozen.
   [[nodiscard]] absl::Status Step(float* params, const float* grad);
   // Replaces the hyper-parameters, allocating state that momentum or amsgrad now needs;
   // FailedPrecondition (CheckConfig) if the kind (SGD vs Adam) differs.
@@ -78,7 +83,7 @@ class ShardOptimizer {
 
   // The state this optimizer keeps, by torch's names: SGD with momentum
   // {"momentum_buffer"}; Adam/AdamW {"exp_avg", "exp_avg_sq"} (+ "max_exp_avg_sq" with
-  // amsgrad); plain SGD and Frozen none. Each buffer has shard_numel elements.
+  // amsgrad); plain SGD, Frozen and Average none. Each buffer has shard_numel elements.
   std::vector<std::string> state_names() const;
   // Copies state `name` to the host. InvalidArgument for a name it does not keep.
   [[nodiscard]] absl::StatusOr<HostFloats> ReadState(absl::string_view name) const;

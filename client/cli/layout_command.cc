@@ -36,7 +36,7 @@ absl::StatusOr<OptimizerBuffers> BuffersFor(const LayoutCommandOptions& options)
   OptimizerBuffers buffers;
   if (kind == "adam" || kind == "adamw") {
     buffers = OptimizerBuffers{.kind = kind, .grads = 1, .state = 2};
-  } else if (kind == "sgd") {
+  } else if (kind == "sgd" || kind == "average") {
     buffers = OptimizerBuffers{.kind = kind, .grads = 1, .state = 0};
   } else if (kind == "sgd-momentum") {
     buffers = OptimizerBuffers{.kind = kind, .grads = 1, .state = 1};
@@ -44,7 +44,7 @@ absl::StatusOr<OptimizerBuffers> BuffersFor(const LayoutCommandOptions& options)
     buffers = OptimizerBuffers{.kind = kind, .grads = 0, .state = 0};
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("--optimizer_kind=", kind, ": expected adam, adamw, sgd, sgd-momentum or frozen"));
+        absl::StrCat("--optimizer_kind=", kind, ": expected adam, adamw, sgd, sgd-momentum, frozen or average"));
   }
   if (options.workers < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--workers=", options.workers, ": expected 1 or more"));

@@ -20,7 +20,7 @@ namespace flatshard::cli {
 struct LayoutCommandOptions {
   bool json = false;  // print the full layout as JSON instead of the table
   // The optimizer whose state the memory columns count: adam (adamw alike), sgd,
-  // sgd-momentum or frozen (parameters only).
+  // sgd-momentum, frozen (parameters only) or average (module buffers: no state).
   std::string optimizer = "adam";
   // The workers that scatter to each server (a hybrid-sharded job's: those of one
   // replica group) and the dtypes of their gradients and gathers: each worker has a

@@ -23,8 +23,8 @@
 
 ABSL_FLAG(bool, json, false, "layout, status, checkpoints: print JSON instead of a table");
 ABSL_FLAG(std::string, optimizer_kind, "adam",
-          "layout: the optimizer whose state the memory columns count (adam, adamw, sgd, sgd-momentum or "
-          "frozen)");
+          "layout: the optimizer whose state the memory columns count (adam, adamw, sgd, sgd-momentum, "
+          "frozen or average)");
 ABSL_FLAG(int, workers, 1,
           "layout: workers scattering to each server (a hybrid-sharded job's: one replica group's); each has "
           "a staging slot there");

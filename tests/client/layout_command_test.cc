@@ -64,7 +64,7 @@ TEST(LayoutCommandTest, MemoryColumnsCountTheOptimizersState) {
   std::istringstream in(kSpec);
   std::ostringstream out, err;
   EXPECT_EQ(RunLayoutCommand({.optimizer = "lamb"}, in, out, err), 2);
-  EXPECT_EQ(err.str(), "flatshard layout: --optimizer_kind=lamb: expected adam, adamw, sgd, sgd-momentum or frozen\n");
+  EXPECT_EQ(err.str(), "flatshard layout: --optimizer_kind=lamb: expected adam, adamw, sgd, sgd-momentum, frozen or average\n");
   EXPECT_TRUE(out.str().empty());
 }
 

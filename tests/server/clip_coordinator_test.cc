@@ -257,6 +257,54 @@ TEST_F(ClipCoordinatorTest, FrozenGroupsNeitherWaitNorCount) {
   EXPECT_NEAR(Params(0, "a")[0], -3.0 / (std::sqrt(35.0) + 1e-6), 1e-6);  // the norm of a and b only
 }
 
+// Module buffers (an average group) step as soon as their values are in, outside the
+// norm: neither held up by the clipped groups nor counted in their norm, and a skipped
+// (non-finite) step still takes them, as torch's forward has updated its buffers.
+TEST_F(ClipCoordinatorTest, AverageGroupsStepAtOnceOutsideTheNorm) {
+  Start(/*max_norm=*/1.0, /*norm_type=*/2.0, /*skip_nonfinite=*/true);
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(servers_[rank]
+                    .registry->RegisterGroup("job", "buffers", {{"w", {4}, DType::kFloat32}}, 0, Average{})
+                    .ok());
+  }
+  auto send_buffers = [&](int rank, std::vector<float> values, int64_t step) {
+    auto group = *servers_[rank].registry->FindGroup("job", "buffers");
+    auto slot = group->BeginScatter(step, 0, DType::kFloat32);
+    ASSERT_TRUE(slot.ok()) << slot.status();
+    std::memcpy(slot->buffer.data(), values.data(), slot->buffer.size());
+    auto outcome = group->CommitScatter(*slot);
+    ASSERT_TRUE(outcome.ok()) << outcome.status();
+    EXPECT_EQ(*outcome, CommitOutcome::kApplied);
+  };
+  send_buffers(0, {100, 200}, 0);  // before any gradient: applied at once
+  EXPECT_EQ(Version(0, "buffers"), 1);
+  EXPECT_EQ(Params(0, "buffers"), (std::vector<float>{100, 200}));
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(Contribute(rank, "a", kGrads[rank][0]).ok());
+    ASSERT_TRUE(Contribute(rank, "b", kGrads[rank][1]).ok());
+  }
+  send_buffers(1, {1e6, 1e6}, 0);  // after them
+  EXPECT_EQ(Version(1, "a"), 1);
+  EXPECT_NEAR(Params(0, "a")[0], -3.0 / (std::sqrt(35.0) + 1e-6), 1e-6);  // the norm of a and b only
+  absl::StatusOr<double> norm = servers_[1].clip->TotalNorm("job", 0, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(norm.ok()) << norm.status();
+  EXPECT_NEAR(*norm, std::sqrt(35.0), 1e-12);
+  // A non-finite step: the trained groups skip it, the buffers take their values.
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> stepped[kServers] = {Params(0, "a"), Params(1, "a")};
+  for (int rank = 0; rank < kServers; ++rank) {
+    ASSERT_TRUE(Contribute(rank, "a", {inf, 0}, /*step=*/1).ok());
+    ASSERT_TRUE(Contribute(rank, "b", {1, 1}, /*step=*/1).ok());
+    send_buffers(rank, {7, 8}, 1);
+  }
+  for (int rank = 0; rank < kServers; ++rank) {
+    EXPECT_EQ(Version(rank, "a"), 2) << rank;
+    EXPECT_EQ(Params(rank, "a"), stepped[rank]) << rank;  // skipped
+    EXPECT_EQ(Version(rank, "buffers"), 2) << rank;
+    EXPECT_EQ(Params(rank, "buffers"), (std::vector<float>{7, 8})) << rank;
+  }
+}
+
 TEST_F(ClipCoordinatorTest, RejectsSharesForUnknownRanksAndUnclippedJobs) {
   Start(1.0, 2.0);
   EXPECT_EQ(servers_[0].clip->RecordPartial("job", 0, 7, 1.0, 0).code(), absl::StatusCode::kInvalidArgument);

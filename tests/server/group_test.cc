@@ -708,5 +708,42 @@ TEST(GroupTest, AFrozenGroupHoldsParametersOnlyAndRefusesGradients) {
   EXPECT_FALSE(MakeGroup(1)->frozen());
 }
 
+// Module buffers: each step's values are the workers' mean of what they sent, in a SUM job
+// too, with no optimizer state; the values are exact for one worker (a copy).
+TEST(GroupTest, AnAverageGroupTakesTheWorkersMeanAsItsValues) {
+  auto layout = FlatLayout::Create({{"running_mean", {3}, DType::kFloat32}}, 0, 1);
+  for (const bool mean : {false, true}) {
+    std::shared_ptr<Group> group =
+        *Group::Create("job", "buffers", *layout, Placement{}, JobSettings{.num_workers = 2, .reduce_mean = mean},
+                       Average{});
+    EXPECT_EQ(group->optimizer_name(), "average");
+    EXPECT_FALSE(group->in_norm());
+    // Parameters and the reduced gradient: no optimizer state.
+    EXPECT_EQ(group->stats().bytes, static_cast<int64_t>(2 * group->shard_numel() * sizeof(float)));
+    ASSERT_TRUE(Contribute(*group, 0, 1, {1, 2, 3}).ok());
+    ASSERT_TRUE(Contribute(*group, 0, 0, {3, 6, -3}).ok());
+    EXPECT_EQ(group->version(), 1);
+    EXPECT_EQ(Params(*group), (std::vector<float>{2, 4, 0})) << "reduce_mean " << mean;
+    ASSERT_TRUE(Contribute(*group, 1, 0, {0.1f, 1e30f, 7}).ok());
+    ASSERT_TRUE(Contribute(*group, 1, 1, {0.1f, 1e30f, 7}).ok());
+    EXPECT_EQ(Params(*group), (std::vector<float>{0.1f, 1e30f, 7}));  // not the old values' blend
+  }
+  std::shared_ptr<Group> one =
+      *Group::Create("job", "buffers", *layout, Placement{}, JobSettings{.num_workers = 1}, Average{});
+  const std::vector<float> values = {0.3f, -1.7e-20f, 123456.789f};
+  ASSERT_TRUE(Contribute(*one, 0, 0, values).ok());
+  EXPECT_EQ(Params(*one), values);
+  EXPECT_TRUE(MakeGroup(1)->in_norm());
+}
+
+TEST(GroupTest, AnAverageGroupNeedsASyncJob) {
+  auto layout = FlatLayout::Create({{"running_mean", {3}, DType::kFloat32}}, 0, 1);
+  absl::StatusOr<std::shared_ptr<Group>> group = Group::Create(
+      "job", "buffers", *layout, Placement{}, JobSettings{.num_workers = 2, .async = true}, Average{});
+  EXPECT_TRUE(absl::IsInvalidArgument(group.status())) << group.status();
+  EXPECT_THAT(std::string(group.status().message()),
+              HasSubstr("group 'buffers': optimizer average (module buffers) needs a SYNC job; job 'job' is ASYNC"));
+}
+
 }  // namespace
 }  // namespace flatshard::server

@@ -141,6 +141,36 @@ TEST(HybridTest, EveryReplicaAddsThePartialsInReplicaOrderToTheSameBits) {
   }
 }
 
+// Module buffers across replica groups: the mean of all W workers' values, in a SUM job
+// too, the same in every replica group.
+TEST(HybridTest, AnAverageGroupTakesTheMeanOfEveryReplicaGroupsWorkers) {
+  auto layout = FlatLayout::Create({{"running_mean", {19}, DType::kFloat32}}, 0, 2);
+  const JobSettings job{.num_workers = 4, .reduce_mean = false, .replicas = 2};
+  std::shared_ptr<Group> groups[2];
+  for (int replica = 0; replica < 2; ++replica) {
+    groups[replica] = *Group::Create("job", "buffers", *layout, Placement::Of(2 * replica + 1, 4, 2), job, Average{});
+  }
+  Group& first = *groups[0];
+  Group& second = *groups[1];
+  std::vector<std::vector<float>> values(4, std::vector<float>(10));
+  for (int w = 0; w < 4; ++w) {
+    for (int i = 0; i < 10; ++i) values[w][i] = static_cast<float>(w * 10 + i);
+  }
+  ASSERT_EQ(*Contribute(first, 0, 0, values[0]), CommitOutcome::kPending);
+  ASSERT_EQ(*Contribute(first, 0, 2, values[2]), CommitOutcome::kShare);
+  ASSERT_EQ(*Contribute(second, 0, 1, values[1]), CommitOutcome::kPending);
+  ASSERT_EQ(*Contribute(second, 0, 3, values[3]), CommitOutcome::kShare);
+  ASSERT_EQ(*DeliverPartial(first, second, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*DeliverPartial(second, first, 0), CommitOutcome::kPending);
+  ASSERT_EQ(*first.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
+  ASSERT_EQ(*second.CommitOwnPartial(kStep0), CommitOutcome::kBroadcast);
+  BroadcastAndApply(first, second, kStep0);
+  const std::vector<float> params = Params(first);
+  EXPECT_EQ(params, Params(second)) << "replica groups diverged";
+  for (int i = 0; i < 9; ++i) EXPECT_EQ(params[i], 15.0f + static_cast<float>(i)) << i;  // (0+10+20+30)/4 + i
+  EXPECT_EQ(params[9], 0.0f) << "padding moved";
+}
+
 // Three replica groups, one of whose chunks is empty: the same bits as adding the three
 // partials of the whole shard in replica order, in every replica group.
 TEST(HybridTest, ThreeReplicaGroupsReduceAChunkEachToTheSameBits) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
@@ -91,6 +92,11 @@ TEST(OptimizerSettingsTest, NamesAndJsonUseTorchsSpellingAndShortestFloats) {
   EXPECT_TRUE(ValidateOptimizer(Frozen{}).ok());
   EXPECT_TRUE(SameOptimizer(Frozen{}, Frozen{}));
   EXPECT_FALSE(SameOptimizer(Frozen{}, SgdHyperparams{}));
+  EXPECT_EQ(OptimizerName(Average{}), "average");
+  EXPECT_EQ(OptimizerHyperparamsJson(Average{}), "{}");
+  EXPECT_TRUE(ValidateOptimizer(Average{}).ok());
+  EXPECT_TRUE(SameOptimizer(Average{}, Average{}));
+  EXPECT_FALSE(SameOptimizer(Average{}, Frozen{}));
 }
 
 TEST_F(ShardOptimizerTest, KeepsExactlyTheStateItsSettingsNeed) {
@@ -105,6 +111,7 @@ TEST_F(ShardOptimizerTest, KeepsExactlyTheStateItsSettingsNeed) {
       {AdamHyperparams{}, {"exp_avg", "exp_avg_sq"}},
       {AdamHyperparams{.amsgrad = true}, {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}},
       {Frozen{}, {}},
+      {Average{}, {}},
   };
   for (const Case& c : cases) {
     ShardOptimizer optimizer = Make(c.config);
@@ -139,6 +146,16 @@ TEST_F(ShardOptimizerTest, AFrozenOptimizerTakesNoStepAndStaysFrozen) {
   EXPECT_TRUE(optimizer.SetConfig(Frozen{}).ok());
   EXPECT_THAT(std::string(Make(SgdHyperparams{}).SetConfig(Frozen{}).message()),
               HasSubstr("optimizer is sgd; cannot switch to frozen"));
+}
+
+TEST_F(ShardOptimizerTest, AnAverageStepTakesTheReducedValuesAsTheyAre) {
+  ShardOptimizer optimizer = Make(Average{});
+  ShardBuffer params = Filled(-1, 1, 1), values = Filled(-1e20f, 1e20f, 2);
+  ASSERT_TRUE(optimizer.Step(params.floats(), values.floats()).ok());
+  EXPECT_EQ(std::memcmp(params.data(), values.data(), values.size()), 0);
+  EXPECT_EQ(optimizer.steps(), 1);
+  EXPECT_THAT(std::string(optimizer.SetConfig(SgdHyperparams{}).message()),
+              HasSubstr("optimizer is average; cannot switch to sgd"));
 }
 
 // torch.optim.SGD creates the momentum buffer on the first step that uses momentum, as

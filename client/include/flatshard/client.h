@@ -143,7 +143,15 @@ struct AdamOptions {
 // load sets it.
 struct FrozenOptions {};
 
-using OptimizerOptions = std::variant<SgdOptions, AdamOptions, FrozenOptions>;
+// Module buffers (torch's BatchNorm running statistics), which each worker updates in its
+// forward: each step the group's values become the mean of what the workers scatter,
+// whatever the job's reduce, outside gradient clipping and the skipping of non-finite
+// steps (a skipped step still takes them, as torch's forward has updated them). The
+// servers keep no optimizer state; checkpoints and export hold the values as any
+// group's. SYNC jobs only (registration in an ASYNC job is InvalidArgument).
+struct AverageOptions {};
+
+using OptimizerOptions = std::variant<SgdOptions, AdamOptions, FrozenOptions, AverageOptions>;
 
 // A group's new optimizer settings (Client::SetHyperparams).
 struct GroupOptimizer {
