@@ -253,6 +253,7 @@ OptimizerOptions ToOptimizer(const py::dict& spec) {
                        .decoupled_weight_decay = kind == "adamw"};
   }
   if (kind == "frozen") return FrozenOptions{};
+  if (kind == "average") return AverageOptions{};
   Raise(absl::InvalidArgumentError(absl::StrCat("optimizer kind '", kind, "'")));
 }
 

@@ -36,8 +36,8 @@ __version__ = _native.version
 PROTOCOL_REVISION = _native.protocol_revision
 
 __all__ = [
-    "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Frozen", "Error", "CancelledError", "InvalidArgumentError",
-    "DeadlineExceededError", "NotFoundError", "AlreadyExistsError", "ResourceExhaustedError",
+    "Client", "LocalCluster", "SGD", "Adam", "AdamW", "Frozen", "Average", "Error", "CancelledError",
+    "InvalidArgumentError", "DeadlineExceededError", "NotFoundError", "AlreadyExistsError", "ResourceExhaustedError",
     "FailedPreconditionError", "AbortedError", "UnavailableError", "InternalError", "DataLossError",
     "UnauthenticatedError", "IncompatibleKeys",
 ]
@@ -109,6 +109,17 @@ class Frozen:
 
     def _spec(self):
         return dict(kind="frozen")
+
+
+@dataclass
+class Average:
+    """Module buffers (BatchNorm's running statistics), which each worker updates in its
+    forward: each step the group's values become the mean of what the workers scatter
+    (whatever the job's reduce; outside clipping and the skipping of non-finite steps).
+    No optimizer state; checkpoints and export hold the values. SYNC jobs only."""
+
+    def _spec(self):
+        return dict(kind="average")
 
 
 def _is_torch(value):

@@ -53,6 +53,15 @@ checkpoints hold them and every worker gets worker 0's values, but gathered once
 sent gradients and never stepped (torch's optimizers skip a parameter without a gradient,
 weight decay included).
 
+Module buffers in the state dict (BatchNorm's running statistics, num_batches_tracked)
+live on the servers too, in a group ``<name>.<buffers>`` (``flatshard.Average()``): each
+worker's forwards update its own copy, step() sends it, the servers keep the workers'
+mean, and the next forward gathers it back. Every worker thus starts a step from the
+same buffers (DDP broadcasts rank 0's instead), one worker's are torch's, and
+state_dict(), checkpoints and exports hold them at the parameters' version. They are
+held in fp32 (integers exact to 2**24); buffers registered with ``persistent=False`` stay
+on each worker, as torch's state_dict leaves them out.
+
 Optimizer settings per parameter, as torch optimizers take param groups (no weight
 decay on biases and norms, a head at its own learning rate)::
 
@@ -227,6 +236,73 @@ class _Group:
                     self.grad_views[fqn] = self.flat_grad[offset:offset + numel].view(param.shape)
 
 
+class _Buffers:
+    """The module's persistent buffers (BatchNorm's running statistics: what its
+    state_dict holds besides parameters) as one group of the job with optimizer Average:
+    each step every worker sends its buffers (`pack`), the servers keep their mean, and the
+    next forward gathers it back (`unpack`), so the buffers are the same on every worker
+    and in the servers' checkpoints at each version. Held in fp32 on the servers (an integer
+    buffer, num_batches_tracked, is exact up to 2**24); copied in and out of the module's
+    own tensors, which a module may replace (reset_running_stats) or keep in any dtype.
+    Has the attributes ShardedModule's gather and scatter code reads from a _Group."""
+
+    def __init__(self, name, entries, layout):
+        self.name = name
+        self.entries = entries  # [(fqn, owning module, attribute)]
+        self.layout = layout
+        device = getattr(entries[0][1], entries[0][2]).device
+        self.flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+        self.flat_buffer = _client_buffer(self.flat)
+        self.pending_gather = None
+        self.gathered_step = None
+        self.pending_scatter = None
+        self.sent = False
+        offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
+        self.views = {fqn: self.flat[offsets[fqn][0]:offsets[fqn][0] + offsets[fqn][1]]
+                      for fqn, _, _ in entries}
+
+    @property
+    def params(self):
+        """[(fqn, tensor)]: the module's buffers now, as _Group.params lists parameters."""
+        return [(fqn, getattr(owner, attr)) for fqn, owner, attr in self.entries]
+
+    def pack(self):
+        """Copies the module's buffers into the flat buffer that step() sends."""
+        with torch.no_grad():
+            for fqn, buffer in self.params:
+                self.views[fqn].copy_(buffer.reshape(-1))
+
+    def unpack(self):
+        """Copies the gathered flat buffer into the module's buffers (integers rounded)."""
+        with torch.no_grad():
+            for fqn, buffer in self.params:
+                buffer.copy_(self.cast(self.views[fqn], buffer))
+
+    @staticmethod
+    def cast(values, like):
+        """fp32 `values` in the shape and dtype of buffer `like` (integers rounded)."""
+        if not like.is_floating_point():
+            values = values.round()
+        return values.reshape(like.shape).to(like.dtype)
+
+
+def _persistent_buffers(module):
+    """[(fqn, owning module, attribute)] of what module.state_dict() holds besides
+    parameters (torch leaves out buffers registered with persistent=False)."""
+    entries = []
+    for path, submodule in module.named_modules():
+        for attr, buffer in submodule._buffers.items():
+            if buffer is None or attr in submodule._non_persistent_buffers_set:
+                continue
+            fqn = f"{path}.{attr}" if path else attr
+            if buffer.is_complex():
+                raise flatshard.InvalidArgumentError(
+                    f"buffer '{fqn}' is {buffer.dtype}: the servers hold buffers as float32 (register it with "
+                    "persistent=False to keep it on each worker)")
+            entries.append((fqn, submodule, attr))
+    return entries
+
+
 class _Bucket:
     """Small groups whose gradients wait to be sent together (ShardedModule._scatter). A
     plain object: each change of a module's attribute costs a torch.nn.Module.__setattr__,
@@ -281,10 +357,12 @@ class ShardedModule(torch.nn.Module):
         if rest:
             wrapped.insert(0, ("", rest))  # the root group: forward starts there
         frozen = [(fqn, p) for fqn, p in module.named_parameters() if not p.requires_grad]
+        buffers = _persistent_buffers(module)
         modules = dict(module.named_modules())
         # fp32 initial values, taken before the parameters become views of (possibly
         # bf16) flat buffers: the servers' master copy starts from full precision.
         initial = {fqn: p.detach().float().clone() for fqn, p in module.named_parameters()}
+        initial.update({fqn: getattr(owner, attr).detach().float().clone() for fqn, owner, attr in buffers})
         # Every group in one call per server: (name, module path, parameters, optimizer,
         # param_groups entry). A wrapped module whose parameters are in several entries
         # gets a flat parameter per entry, as FSDP needs one optimizer setting per flat
@@ -301,14 +379,18 @@ class ShardedModule(torch.nn.Module):
         trained = len(specs)
         if frozen:
             specs.append((f"{name}.<frozen>", None, frozen, flatshard.Frozen(), None))
-        layouts = client.register_groups(
-            [(group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], group_optimizer)
-             for group_name, _, params, group_optimizer, _ in specs]) if specs else []
+        registered = [(group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], group_optimizer)
+                      for group_name, _, params, group_optimizer, _ in specs]
+        if buffers:
+            registered.append((f"{name}.<buffers>", [(fqn, tuple(getattr(owner, attr).shape), "float32")
+                                                     for fqn, owner, attr in buffers], flatshard.Average()))
+        layouts = client.register_groups(registered) if registered else []
         groups = [_Group(group_name, path, modules[path] if path is not None else None, params, layout,
                          self._param_dtype, self._reduce_dtype, trained=path is not None, param_group=entry)
                   for (group_name, path, params, _, entry), layout in zip(specs, layouts)]
         self._groups = groups[:trained]  # trained, in forward order
         self._frozen = groups[trained] if frozen else None
+        self._buffer_group = _Buffers(f"{name}.<buffers>", buffers, layouts[-1]) if buffers else None
         # Worker 0's load_checkpoint: what it left out (None elsewhere, or without one).
         self.load_result = None
         self._initialize(name, load_checkpoint, load_strict, initial)
@@ -330,6 +412,14 @@ class ShardedModule(torch.nn.Module):
     def _all_groups(self):
         return self._groups + ([self._frozen] if self._frozen else [])
 
+    def _pushed_groups(self):
+        """Every group worker 0 pushes: the flat parameters, then the buffers'."""
+        return self._all_groups() + ([self._buffer_group] if self._buffer_group else [])
+
+    def _stepped(self):
+        """The groups a step sends to and waits for: the trained ones, then the buffers'."""
+        return self._groups + ([self._buffer_group] if self._buffer_group else [])
+
     @property
     def version(self):
         return self._step
@@ -339,11 +429,11 @@ class ShardedModule(torch.nn.Module):
         non-strict load over the values it pushed); a one-element barrier job makes the
         others wait; training resumes at the servers' version."""
         c = self._client
-        names = [group.name for group in self._groups or self._all_groups()]
+        names = [group.name for group in self._stepped() or self._all_groups()]
         if c.worker_rank == 0:
             fresh = not names or not any(c.wait_versions(names, 0))
             if fresh and not (checkpoint and strict):
-                self._push(self._all_groups(), lambda group: {fqn: initial[fqn] for fqn, _ in group.params})
+                self._push(self._pushed_groups(), lambda group: {fqn: initial[fqn] for fqn, _ in group.params})
             if checkpoint:
                 self.load_result = c.load_checkpoint(checkpoint, strict=strict)
         barrier = self._barrier_client()
@@ -407,9 +497,22 @@ class ShardedModule(torch.nn.Module):
             for group, transfer in zip(gather, transfers):
                 group.gathered_step = self._step  # later forwards of the step reuse it
                 group.pending_gather = transfer
+        self._gather_buffers()
         for group in self._groups:
             if group.eager:
                 self._wait_gather(group)
+
+    def _gather_buffers(self):
+        """Gives the module's buffers the servers' values of this step (the workers' mean
+        of the last one), once per step: later forwards of the step go on from the
+        buffers as those left them, as torch's do."""
+        buffers = self._buffer_group
+        if buffers is None or buffers.gathered_step == self._step:
+            return
+        buffers.gathered_step = self._step
+        buffers.pending_gather = self._client.gather_async(buffers.name, 0, "float32", out=buffers.flat_buffer)
+        self._wait_gather(buffers)  # on failure the next forward gathers again
+        buffers.unpack()
 
     def _wait_gather(self, group):
         if group.pending_gather is not None:
@@ -582,6 +685,8 @@ class ShardedModule(torch.nn.Module):
             group.accumulated.clear()
             group.eager = not group.fired
             group.fired = False
+        if self._buffer_group:
+            self._buffer_group.sent = False
         self._step += 1
         self._grad_scale = 1.0
         self._clear_grads()
@@ -596,8 +701,13 @@ class ShardedModule(torch.nn.Module):
                         group.grad_views[fqn].zero_()
                 self._scatter(group)
         self._send_bucket()
+        buffers = self._buffer_group
+        if buffers is not None and buffers.pending_scatter is None and not buffers.sent:
+            buffers.pack()  # what this step's forwards left in them
+            buffers.pending_scatter = self._client.scatter_async(buffers.name, buffers.flat_buffer, self._step,
+                                                                 "float32")
         error = None
-        for group in self._groups:  # every transfer settles before any error is raised
+        for group in self._stepped():  # every transfer settles before any error is raised
             if group.pending_scatter is None:
                 continue  # sent by an earlier call
             pending, group.pending_scatter = group.pending_scatter, None
@@ -610,14 +720,14 @@ class ShardedModule(torch.nn.Module):
                 if error is None or isinstance(e, flatshard.AbortedError):
                     error = e
                 if isinstance(e, KeyboardInterrupt):  # the rest need not finish either
-                    for other in self._groups:
+                    for other in self._stepped():
                         if other.pending_scatter is not None:
                             other.pending_scatter.cancel()
         if error is not None:
             raise error
         # One call per server for every group. Past the next version only if a load moved
         # the group: this worker's next gradient makes the one after.
-        names = [group.name for group in self._groups]
+        names = [group.name for group in self._stepped()]
         for reached in (self._client.wait_versions(names, self._step + 1) if names else []):
             if reached != self._step + 1:
                 raise self._moved(reached, self._step)
@@ -637,6 +747,9 @@ class ShardedModule(torch.nn.Module):
             group.accumulated.clear()
             group.fired = False
             group.gathered_step = None
+        if self._buffer_group:
+            self._buffer_group.sent = False
+            self._buffer_group.gathered_step = None  # the load's, at the next forward
         self._step = self._servers_version()
         self._grad_scale = 1.0
         self._clear_grads()
@@ -644,7 +757,8 @@ class ShardedModule(torch.nn.Module):
         self._voided = True
 
     def _servers_version(self):
-        return self._client.version(self._groups[0].name) if self._groups else 0
+        stepped = self._stepped()
+        return self._client.version(stepped[0].name) if stepped else 0
 
     def _clear_grads(self):
         for param in self._params:
@@ -696,48 +810,45 @@ class ShardedModule(torch.nn.Module):
         return {"state": state, "param_groups": param_groups}
 
     def state_dict(self, *args, **kwargs):
-        """The full state dict, parameters read from the servers in fp32 (buffers local)."""
+        """The full state dict read from the servers at the module's version: parameters
+        in fp32, buffers (the workers' mean after the last step) in their own dtype."""
         out = collections.OrderedDict()
         # Every group's gather in flight at once (small ones in pipelines).
-        names = [group.name for group in self._groups]
-        pending = list(zip(self._groups, self._client.gather_many_async(names, self._step) if names else []))
+        stepped = self._stepped()
+        names = [group.name for group in stepped]
+        pending = list(zip(stepped, self._client.gather_many_async(names, self._step) if names else []))
         if self._frozen:
             pending.append((self._frozen, self._client.gather_async(self._frozen.name, 0)))
         for group, transfer in pending:
             flat, _ = transfer.wait()
             values = group.layout.views(flat)
-            for fqn, _ in group.params:
-                out[fqn] = torch.from_numpy(np.array(values[fqn]))
+            for fqn, tensor in group.params:
+                value = torch.from_numpy(np.array(values[fqn]))
+                out[fqn] = _Buffers.cast(value, tensor) if group is self._buffer_group else value
         for alias, fqn in self._aliases.items():  # as torch's: shared tensors under each name
             out[alias] = out[fqn]
-        for fqn, buffer in self.module.named_buffers():
-            out[fqn] = buffer.detach().clone()
-        return out
+        return collections.OrderedDict((name, out[name]) for name in self.module.state_dict(keep_vars=True))
 
     def load_state_dict(self, state_dict, strict=True):
-        """Pushes a full state dict to the servers (before the first step). A shared
-        parameter may come under any of its names."""
-        names = set(itertools.chain.from_iterable([f for f, _ in g.params] for g in self._all_groups()))
+        """Pushes a full state dict, parameters and buffers, to the servers (before the
+        first step); the next forward gathers them. A shared parameter may come under any
+        of its names."""
+        names = set(itertools.chain.from_iterable([f for f, _ in g.params] for g in self._pushed_groups()))
         names |= set(self._aliases)
-        buffers = dict(self.module.named_buffers())
-        missing = sorted((names | set(buffers)) - set(state_dict))
-        unexpected = sorted(set(state_dict) - names - set(buffers))
+        missing = sorted(names - set(state_dict))
+        unexpected = sorted(set(state_dict) - names)
         if strict and (missing or unexpected):
             raise flatshard.InvalidArgumentError(f"missing keys {missing}, unexpected keys {unexpected}")
         given = dict(state_dict)
         for alias, fqn in self._aliases.items():
             if fqn not in given and alias in given:
                 given[fqn] = given[alias]
-        self._push(self._all_groups(), lambda group: {
+        self._push(self._pushed_groups(), lambda group: {
             fqn: (given[fqn] if fqn in given else p).detach().float() for fqn, p in group.params})
         self._gather_frozen()
-        for group in self._groups:  # the next forward gathers the pushed values
+        for group in self._stepped():  # the next forward gathers the pushed values
             self._wait_gather(group)
             group.gathered_step = None
-        with torch.no_grad():
-            for fqn, buffer in buffers.items():
-                if fqn in state_dict:
-                    buffer.copy_(state_dict[fqn])
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 

@@ -90,6 +90,24 @@ class TiedFrozenModel(nn.Module):
         return self.project(self.unembed(h).mean(dim=1))
 
 
+class BatchNormNet(nn.Module):
+    """An MLP with BatchNorm1d, whose running statistics and num_batches_tracked are module
+    buffers (in the state dict, updated by every forward in training mode), and a buffer
+    registered with persistent=False, which the state dict leaves out. fc1 has no bias
+    (as usual before BatchNorm): BatchNorm subtracts the batch mean, so such a bias's exact
+    gradient is zero and its float gradient rounding noise that Adam would amplify."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32, bias=False)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 4)
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
 def make_model(kind):
     torch.manual_seed(0)
     if kind == "mlp":
@@ -105,6 +123,8 @@ def make_model(kind):
         return AttentionModel()
     if kind == "tied_frozen":
         return TiedFrozenModel()
+    if kind == "batchnorm":
+        return BatchNormNet()
     raise ValueError(kind)
 
 
@@ -113,7 +133,7 @@ def make_data(kind, batch=16):
     if kind == "tied_frozen":  # token ids
         x = torch.randint(0, 12, (batch, 5), generator=generator)
         return x, torch.randn(batch, 4, generator=generator)
-    x = torch.randn(batch, 8, generator=generator) if kind == "mlp" else \
+    x = torch.randn(batch, 8, generator=generator) if kind in ("mlp", "batchnorm") else \
         torch.randn(batch, 5, 6, generator=generator)
     y = torch.randn(batch, 4, generator=generator)
     return x, y

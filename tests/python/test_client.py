@@ -236,6 +236,23 @@ class ClientTest(unittest.TestCase):
         for name in ("weight", "bias"):
             np.testing.assert_array_equal(params[name], init[name])
 
+    def test_an_average_group_takes_the_workers_mean_in_a_sum_job(self):
+        workers = [self.client(rank=r, workers=2, job="buffers") for r in range(2)]
+        workers[0].configure_job(reduce="sum", max_grad_norm=1e-3)  # neither sums nor clips it
+        for c in workers:
+            c.register_group("running", TENSORS, flatshard.Average())
+        sent = [values(6), values(7)]
+        for c, v in zip(workers, sent):
+            c.scatter("running", v, 0)
+        params = workers[1].gather("running", 1)
+        for name in ("weight", "bias"):
+            np.testing.assert_array_equal(params[name], (sent[0][name] + sent[1][name]) * np.float32(0.5))
+        asynchronous = self.client(job="buffers-async")
+        asynchronous.configure_job(mode="async")
+        with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+            asynchronous.register_group("running", TENSORS, flatshard.Average())
+        self.assertIn("optimizer average (module buffers) needs a SYNC job", refused.exception.message)
+
     def test_checkpoints_are_shared_by_clusters_on_the_same_root(self):
         c = self.client(job="ckpt")
         c.configure_job()

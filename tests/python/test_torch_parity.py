@@ -759,6 +759,162 @@ def in_parallel(calls):
         raise errors[0]
 
 
+def two_workers_with_averaged_buffers(steps, lr):
+    """torch alone, as two data-parallel workers whose buffers are averaged after every
+    step (what ShardedModule does): two copies of the BatchNorm net, each on its half of
+    the batch, stepped by SGD on the mean gradient (float64 sums)."""
+    copies = [make_model("batchnorm"), make_model("batchnorm")]
+    x, y = make_data("batchnorm")
+    for _ in range(steps):
+        for rank, model in enumerate(copies):
+            model.zero_grad()
+            F.mse_loss(model(x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
+        with torch.no_grad():
+            for first, second in zip(copies[0].parameters(), copies[1].parameters()):
+                first -= lr * ((first.grad.double() + second.grad.double()) / 2).float()
+                second.copy_(first)
+            for first, second in zip(copies[0].buffers(), copies[1].buffers()):
+                first.copy_(((first.double() + second.double()) / 2).to(first.dtype))
+                second.copy_(first)
+    return copies[0]
+
+
+class ModuleBuffersTest(unittest.TestCase):
+    """Module buffers (BatchNorm's running statistics, num_batches_tracked) on the servers:
+    stepped with the parameters, the workers' mean, in state_dict, checkpoints and exports."""
+
+    def wrap(self, cluster, job, optimizer, rank=0, workers=1, net=None, **options):
+        """(client, ShardedModule of `net`, default a new BatchNorm net) of worker `rank`
+        of job `job`."""
+        import flatshard.torch
+        client = flatshard.Client(cluster.addresses, worker_rank=rank, num_workers=workers, token=cluster.token,
+                                  job=job)
+        client.configure_job()
+        return client, flatshard.torch.ShardedModule(net or make_model("batchnorm"), client, optimizer,
+                                                     auto_wrap_min_params=200, **options)
+
+    def test_one_worker_keeps_torchs_buffers_and_state_dict(self):
+        x, y = make_data("batchnorm")
+        reference = make_model("batchnorm")
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, model = self.wrap(cluster, "bn", flatshard.AdamW(lr=1e-2))
+            train_side_by_side(model, reference, optimizer, x, y, steps=4)
+            state = model.state_dict()
+            model.eval()
+            reference.eval()
+            with torch.no_grad():
+                self.assertLess(relative_error(model(x), reference(x)), REL_TOL)
+        expected = reference.state_dict()
+        self.assertEqual(list(state), list(expected))  # torch's keys (not "scratch") in torch's order
+        for name, value in expected.items():
+            self.assertEqual(state[name].dtype, value.dtype, name)
+            self.assertLess(relative_error(state[name], value), REL_TOL, name)
+        self.assertTrue(torch.equal(state["bn.num_batches_tracked"], torch.tensor(4)))
+
+    def test_two_workers_buffers_are_their_mean_after_each_step(self):
+        x, y = make_data("batchnorm")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            wrapped, nets = [None, None], [make_model("batchnorm") for _ in range(2)]  # one seeded RNG
+
+            def wrap(rank):  # both at once: the constructor waits for every worker
+                wrapped[rank] = self.wrap(cluster, "bn2", flatshard.SGD(lr=0.1), rank=rank, workers=2,
+                                          net=nets[rank])[1]
+
+            in_parallel([lambda r=r: wrap(r) for r in range(2)])
+
+            def train(rank):
+                for _ in range(3):
+                    F.mse_loss(wrapped[rank](x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
+                    wrapped[rank].step()
+
+            in_parallel([lambda r=r: train(r) for r in range(2)])
+            state = wrapped[0].state_dict()
+            outputs = []
+            for model in wrapped:  # each gathers the servers' buffers: one model again
+                model.eval()
+                with torch.no_grad():
+                    outputs.append(model(x))
+                self.assertTrue(torch.equal(model.module.bn.running_var, state["bn.running_var"]))
+        self.assertTrue(torch.equal(outputs[0], outputs[1]))
+        for name, value in two_workers_with_averaged_buffers(3, lr=0.1).state_dict().items():
+            self.assertLess(relative_error(state[name], value), REL_TOL, name)
+        self.assertTrue(torch.equal(state["bn.num_batches_tracked"], torch.tensor(3)))
+
+    def test_load_state_dict_pushes_the_buffers_to_the_servers(self):
+        x, y = make_data("batchnorm")
+        trained = make_model("batchnorm")
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            F.mse_loss(trained(x), y).backward()
+            optimizer.step()
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, model = self.wrap(cluster, "bn", flatshard.SGD(lr=0.1))
+            model.load_state_dict(trained.state_dict())
+            for name, value in trained.state_dict().items():  # read back from the servers
+                self.assertTrue(torch.equal(model.state_dict()[name], value), name)
+            model.eval()
+            trained.eval()
+            with torch.no_grad():
+                self.assertTrue(torch.equal(model(x), trained(x)))  # its forward gathered them
+
+    def test_checkpoints_and_exports_hold_the_buffers(self):
+        x, y = make_data("batchnorm")
+        with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out, \
+                checked_cluster.LocalCluster(servers=2, checkpoint_root=root, memory=MEMORY) as cluster:
+            client, model = self.wrap(cluster, "bn", flatshard.SGD(lr=0.1))
+            for _ in range(3):
+                F.mse_loss(model(x), y).backward()
+                model.step()
+            saved = model.state_dict()
+            for kind in ("full", "sharded"):
+                client.save_checkpoint(kind, kind=kind)
+            client.export_state_dict(out, kind="full")
+            tensors, _ = read_safetensors(os.path.join(out, "model.safetensors"))
+            exported = make_model("batchnorm")
+            exported.load_state_dict(tensors, strict=True)  # buffers too; num_batches_tracked as F32
+            for name, value in exported.state_dict().items():
+                self.assertTrue(torch.equal(value, saved[name]), name)
+            model.eval()
+            exported.eval()
+            with torch.no_grad():
+                self.assertTrue(torch.equal(model(x), exported(x)))
+            for kind in ("full", "sharded"):
+                with self.subTest(kind=kind):
+                    _, loaded = self.wrap(cluster, f"loaded-{kind}", flatshard.SGD(lr=0.1), load_checkpoint=kind)
+                    self.assertEqual(loaded.version, 3)
+                    for name, value in loaded.state_dict().items():
+                        self.assertTrue(torch.equal(value, saved[name]), name)
+                    loaded.eval()
+                    with torch.no_grad():
+                        self.assertTrue(torch.equal(loaded(x), exported(x)))  # its forward gathered them
+                    self.assertTrue(torch.equal(loaded.module.bn.running_mean, saved["bn.running_mean"]))
+            # A load while the module trains on: its next forward is voided, the one after
+            # runs on the loaded buffers.
+            model.train()
+            for _ in range(2):
+                F.mse_loss(model(x), y).backward()
+                model.step()
+            client.load_checkpoint("full")
+            with self.assertRaises(flatshard.AbortedError):
+                model(x)
+            model.eval()
+            with torch.no_grad():
+                self.assertTrue(torch.equal(model(x), exported(x)))
+            self.assertEqual(model.version, 3)
+            # A load of the version the step is at, between its forward (which changed the
+            # buffers here) and step(): the step is voided, the buffers are the loaded ones.
+            model.train()
+            F.mse_loss(model(x), y).backward()
+            client.load_checkpoint("full")
+            with self.assertRaises(flatshard.AbortedError):
+                model.step()
+            model.eval()
+            with torch.no_grad():
+                self.assertTrue(torch.equal(model(x), exported(x)))
+
+
 class ScriptedNorms:
     """Stands in for a ShardedModule: step() does nothing, grad_norm() replays `norms`."""
 
