@@ -12,9 +12,11 @@ gathered from the servers and its gradients reduced and stepped there. Small lay
 where the cost per group (a gather and a scatter per server, the waits) shows most;
 ShardedModule sends small groups' requests in pipelines (bench/RESULTS.md, "Pipelined
 transfers of many small groups"). With --tls the servers speak TLS on both planes
-(--tls_data_plane, with a throwaway CA the openssl command makes).
+(--tls_data_plane, with a throwaway CA the openssl command makes). With --batchnorm each
+layer is followed by a BatchNorm1d, whose running statistics ShardedModule keeps on the
+servers (one more group, gathered and sent every step with the others).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/sharded_module_bench.py [--quick] [--tls]
+    PYTHONPATH=build/python /usr/bin/python3 bench/sharded_module_bench.py [--quick] [--tls] [--batchnorm]
 """
 import os
 import statistics
@@ -29,8 +31,14 @@ import flatshard
 import flatshard.torch
 
 
+BATCHNORM = "--batchnorm" in sys.argv[1:]
+
+
 def model(layers):
     torch.manual_seed(0)
+    if BATCHNORM:  # no bias before BatchNorm (it subtracts the batch mean)
+        return torch.nn.Sequential(*[module for _ in range(layers)
+                                     for module in (torch.nn.Linear(32, 32, bias=False), torch.nn.BatchNorm1d(32))])
     return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)])
 
 
@@ -111,8 +119,9 @@ def run(cluster, batch, quick, tls_ca_file):
         steps = max(2, 2000 // layers)
         sharded = sharded_step_time(cluster, layers, batch, steps, tls_ca_file)
         local = torch_step_time(layers, batch, steps)
-        print(f"{layers:>7} {sharded * 1e3:>17.2f} {local * 1e3:>9.2f} "
-              f"{(sharded - local) / layers * 1e6:>13.0f} {local / sharded:>6.2f}x", flush=True)
+        groups = 2 * layers if BATCHNORM else layers  # each Linear and BatchNorm1d its own
+        print(f"{groups:>7} {sharded * 1e3:>17.2f} {local * 1e3:>9.2f} "
+              f"{(sharded - local) / groups * 1e6:>13.0f} {local / sharded:>6.2f}x", flush=True)
 
 
 def main():
@@ -122,7 +131,7 @@ def main():
     with tempfile.TemporaryDirectory() as tls_dir:
         server_args, ca = tls_files(tls_dir) if "--tls" in sys.argv[1:] else ([], None)
         print(f"{'groups':>7} {'ShardedModule ms':>17} {'torch ms':>9} {'per group us':>13} {'ratio':>7}"
-              f"{'   (servers in TLS)' if ca else ''}")
+              f"{'   (servers in TLS)' if ca else ''}{'   (each layer with a BatchNorm1d)' if BATCHNORM else ''}")
         with flatshard.LocalCluster(servers=2, server_args=server_args) as cluster:
             run(cluster, batch, quick, ca)
 

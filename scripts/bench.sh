@@ -15,6 +15,8 @@ echo
 echo "== flatshard.torch.ShardedModule step (ratio to torch.optim in one process, same run) =="
 if [[ -d "$build_dir/python/flatshard" ]] && /usr/bin/python3 -c "import torch" 2>/dev/null; then
   PYTHONPATH="$build_dir/python" /usr/bin/python3 bench/sharded_module_bench.py
+  # Models with BatchNorm: their running statistics on the servers too (one more group).
+  PYTHONPATH="$build_dir/python" /usr/bin/python3 bench/sharded_module_bench.py --quick --batchnorm
   if command -v openssl > /dev/null; then  # the same over TLS on both planes, the smaller models
     PYTHONPATH="$build_dir/python" /usr/bin/python3 bench/sharded_module_bench.py --quick --tls
   fi

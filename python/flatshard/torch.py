@@ -241,10 +241,14 @@ class _Buffers:
     state_dict holds besides parameters) as one group of the job with optimizer Average:
     each step every worker sends its buffers (`pack`), the servers keep their mean, and the
     next forward gathers it back (`unpack`), so the buffers are the same on every worker
-    and in the servers' checkpoints at each version. Held in fp32 on the servers (an integer
-    buffer, num_batches_tracked, is exact up to 2**24); copied in and out of the module's
-    own tensors, which a module may replace (reset_running_stats) or keep in any dtype.
-    Has the attributes ShardedModule's gather and scatter code reads from a _Group."""
+    and in the servers' checkpoints at each version. Held in fp32 on the servers (an
+    integer buffer, num_batches_tracked, is exact up to 2**24).
+
+    The module's buffers become views: fp32 ones of the flat buffer that gathers fill and
+    steps send (nothing to copy), the others of one tensor per dtype, cast into the flat
+    buffer and back in one operation each. A buffer the module replaced (an assignment,
+    module.to()) is taken in at the next pack or unpack and made a view again. Has the
+    attributes ShardedModule's gather and scatter code reads from a _Group."""
 
     def __init__(self, name, entries, layout):
         self.name = name
@@ -253,30 +257,69 @@ class _Buffers:
         device = getattr(entries[0][1], entries[0][2]).device
         self.flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         self.flat_buffer = _client_buffer(self.flat)
+        self.grad_buffer = self.flat_buffer  # what a step sends: the values themselves
         self.pending_gather = None
         self.gathered_step = None
         self.pending_scatter = None
+        self.bucketed = False
         self.sent = False
         offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
-        self.views = {fqn: self.flat[offsets[fqn][0]:offsets[fqn][0] + offsets[fqn][1]]
-                      for fqn, _, _ in entries}
+        by_dtype = collections.defaultdict(list)
+        for fqn, owner, attr in entries:
+            by_dtype[owner._buffers[attr].dtype].append((fqn, owner._buffers[attr].shape))
+        views = {}  # fqn: the view the module's buffer is
+        self.others = []  # [(tensor of another dtype, the positions of its elements in flat)]
+        for dtype, members in by_dtype.items():
+            if dtype == torch.float32:
+                for fqn, shape in members:
+                    offset, numel = offsets[fqn]
+                    views[fqn] = self.flat[offset:offset + numel].view(shape)
+                continue
+            positions = [i for fqn, _ in members for i in range(offsets[fqn][0], sum(offsets[fqn]))]
+            values = torch.empty(len(positions), dtype=dtype, device=device)
+            start = 0
+            for fqn, shape in members:
+                views[fqn] = values[start:start + offsets[fqn][1]].view(shape)
+                start += offsets[fqn][1]
+            self.others.append((values, torch.tensor(positions, dtype=torch.long, device=device)))
+        self.links = [views[fqn] for fqn, _, _ in entries]
+        self._relink(take_values=True)
 
     @property
     def params(self):
         """[(fqn, tensor)]: the module's buffers now, as _Group.params lists parameters."""
-        return [(fqn, getattr(owner, attr)) for fqn, owner, attr in self.entries]
+        return [(fqn, owner._buffers[attr]) for fqn, owner, attr in self.entries]
+
+    def _relink(self, take_values):
+        """Makes every buffer the module replaced a view again, with its values if
+        `take_values` (else with what the views hold)."""
+        with torch.no_grad():
+            for (fqn, owner, attr), view in zip(self.entries, self.links):
+                buffer = owner._buffers[attr]
+                if buffer is view:
+                    continue
+                if buffer is None or buffer.shape != view.shape:
+                    raise flatshard.FailedPreconditionError(
+                        f"buffer '{fqn}' is now {None if buffer is None else tuple(buffer.shape)}, but it was "
+                        f"{tuple(view.shape)} when the module was wrapped: wrap a new instance of the model")
+                if take_values:
+                    view.copy_(buffer)
+                owner._buffers[attr] = view
 
     def pack(self):
-        """Copies the module's buffers into the flat buffer that step() sends."""
+        """Puts the module's buffers into the flat buffer that step() sends."""
+        self._relink(take_values=True)
         with torch.no_grad():
-            for fqn, buffer in self.params:
-                self.views[fqn].copy_(buffer.reshape(-1))
+            for values, positions in self.others:
+                self.flat.index_copy_(0, positions, values.float())
 
     def unpack(self):
-        """Copies the gathered flat buffer into the module's buffers (integers rounded)."""
+        """Gives the module's buffers what a gather put into the flat buffer."""
+        self._relink(take_values=False)
         with torch.no_grad():
-            for fqn, buffer in self.params:
-                buffer.copy_(self.cast(self.views[fqn], buffer))
+            for values, positions in self.others:
+                gathered = self.flat.index_select(0, positions)
+                values.copy_(gathered if values.is_floating_point() else gathered.round())
 
     @staticmethod
     def cast(values, like):
@@ -491,28 +534,29 @@ class ShardedModule(torch.nn.Module):
         # version that a load back would never bring).
         gather = [group for group in self._groups
                   if group.pending_gather is None and group.gathered_step != self._step]
+        # The buffers (fp32) once per step: later forwards of the step go on from the
+        # buffers as those left them, as torch's do. With the parameters where they are
+        # gathered in fp32 too (one call for all).
+        buffers = self._buffer_group
+        if buffers is not None and buffers.gathered_step != self._step:
+            if self._param_dtype == torch.float32:
+                gather.append(buffers)
+            else:
+                buffers.pending_gather = self._client.gather_async(buffers.name, 0, "float32",
+                                                                   out=buffers.flat_buffer)
+                buffers.gathered_step = self._step
         if gather:  # in pipelines where the groups are small
             transfers = self._client.gather_many_async([group.name for group in gather], 0, _NAMES[self._param_dtype],
                                                        [group.flat_buffer for group in gather])
             for group, transfer in zip(gather, transfers):
                 group.gathered_step = self._step  # later forwards of the step reuse it
                 group.pending_gather = transfer
-        self._gather_buffers()
+        if buffers is not None and buffers.pending_gather is not None:
+            self._wait_gather(buffers)  # on failure the next forward gathers again
+            buffers.unpack()  # the servers' values of this step: the workers' mean of the last
         for group in self._groups:
             if group.eager:
                 self._wait_gather(group)
-
-    def _gather_buffers(self):
-        """Gives the module's buffers the servers' values of this step (the workers' mean
-        of the last one), once per step: later forwards of the step go on from the
-        buffers as those left them, as torch's do."""
-        buffers = self._buffer_group
-        if buffers is None or buffers.gathered_step == self._step:
-            return
-        buffers.gathered_step = self._step
-        buffers.pending_gather = self._client.gather_async(buffers.name, 0, "float32", out=buffers.flat_buffer)
-        self._wait_gather(buffers)  # on failure the next forward gathers again
-        buffers.unpack()
 
     def _wait_gather(self, group):
         if group.pending_gather is not None:
@@ -700,12 +744,16 @@ class ShardedModule(torch.nn.Module):
                     if fqn not in group.accumulated:
                         group.grad_views[fqn].zero_()
                 self._scatter(group)
-        self._send_bucket()
         buffers = self._buffer_group
-        if buffers is not None and buffers.pending_scatter is None and not buffers.sent:
+        if buffers is not None and buffers.pending_scatter is None and not buffers.sent and not buffers.bucketed:
             buffers.pack()  # what this step's forwards left in them
-            buffers.pending_scatter = self._client.scatter_async(buffers.name, buffers.flat_buffer, self._step,
-                                                                 "float32")
+            if self._reduce_dtype == torch.float32:  # with the last bucket, in one call
+                buffers.bucketed = True
+                self._bucket.add(buffers, 0)
+            else:
+                buffers.pending_scatter = self._client.scatter_async(buffers.name, buffers.flat_buffer, self._step,
+                                                                     "float32")
+        self._send_bucket()
         error = None
         for group in self._stepped():  # every transfer settles before any error is raised
             if group.pending_scatter is None:
@@ -748,6 +796,7 @@ class ShardedModule(torch.nn.Module):
             group.fired = False
             group.gathered_step = None
         if self._buffer_group:
+            self._buffer_group.bucketed = False
             self._buffer_group.sent = False
             self._buffer_group.gathered_step = None  # the load's, at the next forward
         self._step = self._servers_version()

@@ -841,6 +841,53 @@ class ModuleBuffersTest(unittest.TestCase):
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
         self.assertTrue(torch.equal(state["bn.num_batches_tracked"], torch.tensor(3)))
 
+    def test_buffers_move_in_fp32_under_mixed_precision(self):
+        # Gradients in bfloat16 (buffers sent apart from them, in fp32), then a model
+        # whose parameters and buffers are bfloat16 (gathered in bfloat16; buffers apart).
+        x, y = make_data("batchnorm")
+        for dtypes in ({"reduce_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16}):
+            with self.subTest(**{k: str(v) for k, v in dtypes.items()}), \
+                    checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+                net = make_model("batchnorm")
+                if "param_dtype" in dtypes:
+                    net = net.to(torch.bfloat16)
+                _, model = self.wrap(cluster, "bn", flatshard.SGD(lr=0.1), net=net, **dtypes)
+                for _ in range(2):
+                    F.mse_loss(model(x).float(), y).backward()
+                    model.step()
+                    state = model.state_dict()  # what the step sent
+                    for name, value in model.module.state_dict().items():
+                        if name.startswith("bn.running") or name == "bn.num_batches_tracked":
+                            self.assertTrue(torch.equal(state[name], value), name)
+                running_var = model.module.bn.running_var
+                if running_var.dtype == torch.float32:  # not a bfloat16 value: it went in fp32
+                    self.assertFalse(torch.equal(running_var.bfloat16().float(), running_var))
+                self.assertTrue(torch.equal(state["bn.num_batches_tracked"], torch.tensor(2)))
+
+    def test_a_buffer_the_module_replaces_is_sent_with_its_values(self):
+        x, y = make_data("batchnorm")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, model = self.wrap(cluster, "bn", flatshard.SGD(lr=0.1))
+            loss = F.mse_loss(model(x), y)
+            model.module.bn.running_mean = torch.full((32,), 5.0)  # a new tensor, after the forward
+            model.module.bn.num_batches_tracked = torch.tensor(7)
+            loss.backward()
+            model.step()
+            state = model.state_dict()
+            self.assertTrue(torch.equal(state["bn.running_mean"], torch.full((32,), 5.0)))
+            self.assertTrue(torch.equal(state["bn.num_batches_tracked"], torch.tensor(7)))
+            # Replaced between step() and the next forward: the servers' values win, as a
+            # parameter's do.
+            model.module.bn.running_mean = torch.full((32,), 9.0)
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            self.assertTrue(torch.equal(model.module.bn.running_mean, torch.full((32,), 5.0)))
+            model.train()
+            F.mse_loss(model(x), y).backward()  # it updates the buffers the servers' values are in
+            model.step()
+            self.assertTrue(torch.equal(model.state_dict()["bn.num_batches_tracked"], torch.tensor(8)))
+
     def test_load_state_dict_pushes_the_buffers_to_the_servers(self):
         x, y = make_data("batchnorm")
         trained = make_model("batchnorm")
@@ -903,6 +950,7 @@ class ModuleBuffersTest(unittest.TestCase):
             with torch.no_grad():
                 self.assertTrue(torch.equal(model(x), exported(x)))
             self.assertEqual(model.version, 3)
+            self.assertTrue(torch.equal(model.module.bn.num_batches_tracked, saved["bn.num_batches_tracked"]))
             # A load of the version the step is at, between its forward (which changed the
             # buffers here) and step(): the step is voided, the buffers are the loaded ones.
             model.train()
