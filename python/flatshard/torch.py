@@ -876,7 +876,8 @@ class ShardedModule(torch.nn.Module):
                 out[fqn] = _Buffers.cast(value, tensor) if group is self._buffer_group else value
         for alias, fqn in self._aliases.items():  # as torch's: shared tensors under each name
             out[alias] = out[fqn]
-        return collections.OrderedDict((name, out[name]) for name in self.module.state_dict(keep_vars=True))
+        order = [name for name in self.module.state_dict(keep_vars=True) if name in out]  # torch's
+        return collections.OrderedDict([(name, out.pop(name)) for name in order] + list(out.items()))
 
     def load_state_dict(self, state_dict, strict=True):
         """Pushes a full state dict, parameters and buffers, to the servers (before the
