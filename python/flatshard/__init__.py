@@ -526,8 +526,8 @@ class Client:
         optimizer step count of the tensors it loads (one per group: a kept tensor's Adam
         bias correction follows it); a trained group the checkpoint holds nothing of keeps
         its step count and takes the loaded trained groups' version (when they agree), so
-        the job steps on together. A tensor saved with another shape or dtype is refused all the same, as by
-        torch."""
+        the job steps on together. A tensor saved with another shape or dtype is refused
+        all the same, as by torch."""
         missing, unexpected = self._native.load_checkpoint(name, bool(strict), progress)
         return IncompatibleKeys(missing, unexpected)
 
