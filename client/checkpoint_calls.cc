@@ -16,6 +16,7 @@
 #include "client/checkpoint_cut.h"
 #include "client/cut_streams.h"
 #include "client/export_files.h"
+#include "client/import_files.h"
 #include "client/load_leases.h"
 #include "core/file.h"
 #include "core/status_macros.h"
@@ -121,6 +122,16 @@ absl::Status CheckpointCalls::Export(const std::string& out_dir, CheckpointKind 
   CancellationSet::Scope cancellation(cancellations_);
   return UnlessCancelled(*cancellation, absl::StrCat("the export into '", out_dir, "'"),
                          Export(*cancellation, out_dir, kind, optimizer, sent, at, progress));
+}
+
+absl::StatusOr<ImportedCheckpoint> CheckpointCalls::Import(const std::string& name, const std::string& in_dir,
+                                                           bool optimizer, int64_t version,
+                                                           const Client::Progress& progress) const {
+  CancellationSet::Scope cancellation(cancellations_);
+  absl::StatusOr<ImportedCheckpoint> imported = Import(*cancellation, name, in_dir, optimizer, version, progress);
+  FLATSHARD_RETURN_IF_ERROR(UnlessCancelled(
+      *cancellation, absl::StrCat("the import of '", in_dir, "' as checkpoint '", name, "'"), imported.status()));
+  return imported;
 }
 
 absl::Status CheckpointCalls::Save(Cancellation& cancellation, const std::string& name, CheckpointKind kind,
@@ -260,6 +271,43 @@ absl::Status LoadCommitOutcome(const std::string& name, const std::vector<absl::
                                    absl::StrJoin(kept, ","), " did not confirm it (", first_failure.message(),
                                    "): the job's groups may now hold different states on different servers (`flatshard "
                                    "status` shows each group's load); load the checkpoint again"));
+}
+
+// One stream to server 0, which keeps FULL checkpoints: the files, then the commit.
+absl::StatusOr<ImportedCheckpoint> CheckpointCalls::Import(Cancellation& cancellation, const std::string& name,
+                                                           const std::string& in_dir, bool optimizer, int64_t version,
+                                                           const Client::Progress& progress) const {
+  FLATSHARD_ASSIGN_OR_RETURN(const std::vector<StateDictFile> files, StateDictFiles(in_dir, optimizer));
+  grpc::ClientContext ctx;
+  control_.Prepare(ctx, control_.model_timeout());
+  const Registration registered(&cancellation, &ctx);
+  v1::ImportResponse response;
+  const std::unique_ptr<grpc::ClientWriter<v1::ImportMessage>> writer = control_.stub(0).ImportCheckpoint(&ctx, &response);
+  v1::ImportMessage first;
+  first.set_name(name);
+  first.set_version(version);
+  absl::Status sent = writer->Write(first) ? absl::OkStatus() : absl::UnavailableError("");
+  if (sent.ok()) sent = SendStateDictFiles(*writer, in_dir, files, export_chunk_bytes_, progress);
+  if (sent.ok()) {
+    if (!cancellation.Seal()) {  // cancelled, and ctx with it: server 0 drops what it has
+      (void)writer->Finish();
+      return absl::CancelledError("");
+    }
+    v1::ImportMessage commit;
+    commit.set_commit(true);
+    (void)writer->Write(commit);  // a refusal shows in Finish
+    writer->WritesDone();
+  } else if (!absl::IsUnavailable(sent)) {
+    ctx.TryCancel();  // a local error: server 0 drops what it has
+    (void)writer->Finish();
+    return sent;
+  }
+  FLATSHARD_RETURN_IF_ERROR(control_.Named(0, writer->Finish()));
+  ImportedCheckpoint imported;
+  imported.bytes = response.bytes();
+  imported.groups.assign(response.groups().begin(), response.groups().end());
+  imported.optimizer = response.optimizer();
+  return imported;
 }
 
 absl::StatusOr<std::vector<CheckpointEntry>> CheckpointCalls::List(std::stop_token stop) const {

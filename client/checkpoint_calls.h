@@ -44,7 +44,10 @@ class CheckpointCalls {
   [[nodiscard]] absl::Status Delete(const std::string& name, std::stop_token stop = {}) const;
   [[nodiscard]] absl::Status Export(const std::string& out_dir, CheckpointKind kind, bool optimizer,
                                     const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
-  // Cancels the saves, loads and exports in progress (Client::CancelCheckpointCalls).
+  [[nodiscard]] absl::StatusOr<ImportedCheckpoint> Import(const std::string& name, const std::string& in_dir,
+                                                          bool optimizer, int64_t version,
+                                                          const Client::Progress& progress) const;
+  // Cancels the saves, loads, exports and imports in progress (Client::CancelCheckpointCalls).
   void CancelAll() const { cancellations_.CancelAll(); }
 
  private:
@@ -55,6 +58,9 @@ class CheckpointCalls {
                                            const Client::Progress& progress) const;
   absl::Status Export(Cancellation& cancellation, const std::string& out_dir, CheckpointKind kind, bool optimizer,
                       const SentSteps& sent, const CutAt& at, const Client::Progress& progress) const;
+  absl::StatusOr<ImportedCheckpoint> Import(Cancellation& cancellation, const std::string& name,
+                                            const std::string& in_dir, bool optimizer, int64_t version,
+                                            const Client::Progress& progress) const;
   // Every server's status; kWithout leaves out the groups (a model may have tens of
   // thousands), which only a save's or an export's cut reads.
   enum class Groups { kWith, kWithout };

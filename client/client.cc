@@ -332,6 +332,11 @@ class ClientImpl final : public Client {
     return checkpoints_->Export(out_dir, kind, optimizer, sent_, at, progress);
   }
 
+  absl::StatusOr<ImportedCheckpoint> ImportCheckpoint(const std::string& name, const std::string& in_dir,
+                                                      bool optimizer, int64_t version, Progress progress) override {
+    return checkpoints_->Import(name, in_dir, optimizer, version, progress);
+  }
+
   void CancelCheckpointCalls() override { checkpoints_->CancelAll(); }
 
   using Client::SetHyperparams;

@@ -479,6 +479,19 @@ class PyClient {
                  [&](const Client::Progress& p) { return client_->ExportStateDict(path, k, optimizer, p, at); });
   }
 
+  // {"bytes", "groups", "optimizer"}: what Client::ImportCheckpoint brought in.
+  py::dict ImportCheckpoint(const std::string& name, const std::string& path, bool optimizer, int64_t version,
+                            const py::object& progress) {
+    ImportedCheckpoint imported;
+    WithProgress(progress, [&](const Client::Progress& p) -> absl::Status {
+      absl::StatusOr<ImportedCheckpoint> done = client_->ImportCheckpoint(name, path, optimizer, version, p);
+      if (done.ok()) imported = *std::move(done);
+      return done.status();
+    });
+    return py::dict(py::arg("bytes") = imported.bytes, py::arg("groups") = imported.groups,
+                    py::arg("optimizer") = imported.optimizer);
+  }
+
   void CancelCheckpointCalls() { client_->CancelCheckpointCalls(); }
 
   // As `flatshard status --json`; without the groups when `groups` is false.
@@ -628,6 +641,7 @@ PYBIND11_MODULE(_native, m) {
       .def("delete_job", &PyClient::DeleteJob)
       .def("list_checkpoints", &PyClient::ListCheckpoints)
       .def("export_state_dict", &PyClient::ExportStateDict)
+      .def("import_checkpoint", &PyClient::ImportCheckpoint)
       .def("cancel_checkpoint_calls", &PyClient::CancelCheckpointCalls, py::call_guard<py::gil_scoped_release>())
       .def("status_json", &PyClient::StatusJson, py::arg("groups"))
       .def("data_planes", &PyClient::DataPlanes);

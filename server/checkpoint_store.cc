@@ -600,6 +600,58 @@ absl::Status CheckpointStore::UnlessCommittedMeanwhile(const std::string& name, 
   return CommittedByAnotherSave(name, save_id);
 }
 
+PendingImport::~PendingImport() {
+  if (committed_ || dir_.empty()) return;
+  std::error_code ignored;
+  fs::remove_all(dir_, ignored);
+  fs::remove(fs::path(dir_).parent_path(), ignored);  // unless a save of the name is there
+}
+
+absl::StatusOr<std::unique_ptr<PendingImport>> CheckpointStore::BeginImport(const std::string& name) {
+  FLATSHARD_RETURN_IF_ERROR(CheckpointDir(name).status());
+  if (rank_ != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "imports go to server 0, whose root keeps FULL checkpoints; this is server ", rank_));
+  }
+  std::unique_ptr<PendingImport> import(new PendingImport());
+  import->name_ = name;
+  std::random_device random;
+  import->import_id_ = absl::StrFormat("import-%08x%08x", random(), random());
+  FLATSHARD_ASSIGN_OR_RETURN(import->claim_, ClaimName(name));
+  FLATSHARD_ASSIGN_OR_RETURN(import->dir_, CreateSaveDir(name, import->import_id_));
+  import->sink_ = std::make_unique<DirectorySink>(import->dir_);
+  return import;
+}
+
+absl::StatusOr<ImportedCheckpoint> CheckpointStore::CommitImport(PendingImport& import, int64_t version) {
+  std::map<std::string, std::vector<FileExtent>> extents = import.sink_->extents();
+  std::map<std::string, uint64_t> sizes;
+  for (const auto& [file, written] : extents) {
+    FLATSHARD_ASSIGN_OR_RETURN(File opened, File::Open(import.dir_ + "/" + file, File::Mode::kRead));
+    FLATSHARD_ASSIGN_OR_RETURN(const uint64_t size, opened.Size());
+    uint64_t sent = 0;
+    for (const FileExtent& extent : written) sent += extent.length;
+    if (sent != size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("import '", import.name_, "': ", sent, " of the ", size, " bytes of '", file, "' were sent"));
+    }
+    sizes[file] = size;
+  }
+  Json groups;
+  FLATSHARD_ASSIGN_OR_RETURN(ImportedCheckpoint imported, DescribeImport(import.dir_, sizes, version, groups));
+  const Json manifest{{"job", ""},
+                      {"kind", CheckpointKindName(CheckpointKind::kFull)},
+                      {"servers", 0},
+                      {"optimizer", imported.optimizer},
+                      {"imported", true},
+                      {"groups", std::move(groups)},
+                      {"save_id", import.import_id_}};
+  FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(import.name_));
+  FLATSHARD_RETURN_IF_ERROR(WriteManifest(root_, import.dir_, final_dir, import.name_, manifest, std::move(extents)));
+  import.committed_ = true;
+  return imported;
+}
+
 absl::Status CheckpointStore::CommitParts(const std::string& name, const std::string& save_id) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string final_dir, CheckpointDir(name));
   const std::string dir = SaveDir(name, save_id);

@@ -73,6 +73,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/checkpoint_import.h"
 #include "server/checkpoint_loader.h"
 #include "server/checkpoint_progress.h"
 #include "server/checkpoint_reader.h"
@@ -130,6 +131,30 @@ class PendingSave {
   std::map<std::string, int64_t> versions_;  // the cut pinned
   std::vector<SavedShard> shards_;           // pinned at versions_
   bool writing_ = false;                     // FinishSave has begun
+};
+
+// An import into this root (CheckpointStore::BeginImport) until it is destroyed: the name
+// claimed, and the import's directory, which sink() fills. Destroyed before CommitImport
+// succeeded, it removes the directory: nothing of the import stays. Owned by the one
+// caller that drives the import; not thread-safe.
+class PendingImport {
+ public:
+  PendingImport(const PendingImport&) = delete;
+  PendingImport& operator=(const PendingImport&) = delete;
+  ~PendingImport();
+
+  CheckpointSink& sink() { return *sink_; }
+
+ private:
+  friend class CheckpointStore;
+  PendingImport() = default;
+
+  std::string name_;
+  std::string import_id_;
+  std::string dir_;
+  std::shared_ptr<const std::string> claim_;
+  std::unique_ptr<DirectorySink> sink_;
+  bool committed_ = false;
 };
 
 // This server's shards of a job pinned at an export's cut (CheckpointStore::PinExport);
@@ -254,6 +279,17 @@ class CheckpointStore {
   // listed as incomplete.
   void AbandonPart(const std::string& name, const std::string& save_id, int rank, int servers, bool root_per_server,
                    const absl::Status& error);
+  // An import (ImportCheckpoint; server/checkpoint_import.h): server 0 receives a FULL
+  // state dict's files through the sink of BeginImport, into a directory of their own as
+  // a save's part, and CommitImport checks them, describes them (DescribeImport, with
+  // `version` where the files do not say) and commits them as checkpoint `name` with a
+  // manifest of the extents the sink hashed. BeginImport: FailedPrecondition on another
+  // server than 0 (whose root keeps FULL checkpoints) or without a root, AlreadyExists if
+  // `name` is committed or being saved here. CommitImport: InvalidArgument for a file
+  // not sent whole or files that are not a FULL state dict (the import then leaves
+  // nothing, once destroyed); AlreadyExists if a save of the name committed meanwhile.
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<PendingImport>> BeginImport(const std::string& name);
+  [[nodiscard]] absl::StatusOr<ImportedCheckpoint> CommitImport(PendingImport& import, int64_t version);
   // `length` bytes (0: to the end) at `offset` of `file` of committed checkpoint `name`,
   // handed to `emit` in pieces of at most 4 MiB, for a server loading it from this root.
   // NotFound, or DataLoss if the file ends first; `emit`'s error stops the read.

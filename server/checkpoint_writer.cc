@@ -172,6 +172,9 @@ absl::Status WriteFull(CheckpointSink& sink, int rank, const std::vector<SavedSh
     const std::string& group = shard.group->name();
     optimizer_metadata[group + ".optimizer"] = shard.group->optimizer_name();
     optimizer_metadata[group + ".step"] = std::to_string(shard.snapshot.optimizer_steps);
+    // What an import of the files needs to make them a checkpoint as this one is.
+    optimizer_metadata[group + ".version"] = std::to_string(shard.snapshot.version);
+    optimizer_metadata[group + ".momentum_initialized"] = shard.snapshot.momentum_initialized ? "true" : "false";
     optimizer_metadata[group + ".hyperparams"] = OptimizerHyperparamsJson(shard.group->optimizer_config());
     std::string fqns;
     for (const TensorSpec& t : shard.group->layout().tensors()) absl::StrAppend(&fqns, fqns.empty() ? "" : ",", t.fqn);

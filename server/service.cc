@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -487,6 +488,65 @@ grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,
   // The sender went away (or failed) before its last message.
   return abandon(absl::CancelledError(
       absl::StrCat("checkpoint '", name, "': server ", rank, "'s part ended before its description")));
+}
+
+grpc::Status FlatshardService::ImportCheckpoint(grpc::ServerContext* ctx, grpc::ServerReader<v1::ImportMessage>* reader,
+                                                v1::ImportResponse* response) {
+  if (grpc::Status admitted = Admit(ctx); !admitted.ok()) return admitted;
+  v1::ImportMessage message;
+  if (!reader->Read(&message)) return ToGrpc(absl::InvalidArgumentError("import: empty stream"));
+  const std::string name = message.name();
+  const int64_t version = message.version();
+  // Held until the commit; an import that ends any other way leaves nothing.
+  absl::StatusOr<std::unique_ptr<PendingImport>> import = checkpoints_.BeginImport(name);
+  if (!import.ok()) return ToGrpc(import.status());
+  CheckpointSink& sink = (*import)->sink();
+  std::map<std::string, uint64_t> sent;  // every file opened, each once, and its size
+  std::set<std::string> open;  // those not closed yet
+  auto take = [&](const v1::ImportMessage& message) -> absl::Status {
+    const v1::ExportChunk& chunk = message.chunk();
+    const std::string& file = chunk.file();
+    if (file.empty()) return absl::OkStatus();
+    if (message.open()) {
+      FLATSHARD_RETURN_IF_ERROR(CheckImportedFileName(file));
+      if (!sent.emplace(file, chunk.file_size()).second) {
+        return absl::InvalidArgumentError(absl::StrCat("import '", name, "': '", file, "' is sent twice"));
+      }
+      FLATSHARD_RETURN_IF_ERROR(sink.Open(file, chunk.file_size(), /*exclusive=*/true));
+      open.insert(file);
+    } else if (open.count(file) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("import '", name, "': a chunk of '", file, "', which is not open"));
+    }
+    if (!chunk.data().empty()) {
+      FLATSHARD_RETURN_IF_ERROR(sink.Write(
+          file, chunk.offset(),
+          absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
+    }
+    if (chunk.close()) {
+      FLATSHARD_RETURN_IF_ERROR(sink.Close(file));
+      open.erase(file);
+    }
+    return absl::OkStatus();
+  };
+  do {
+    if (message.commit()) {
+      if (!open.empty()) {
+        return ToGrpc(absl::InvalidArgumentError(
+            absl::StrCat("import '", name, "': '", *open.begin(), "' was not closed before the commit")));
+      }
+      absl::StatusOr<ImportedCheckpoint> imported = checkpoints_.CommitImport(**import, version);
+      if (!imported.ok()) return ToGrpc(imported.status());
+      uint64_t bytes = 0;
+      for (const auto& [file, size] : sent) bytes += size;
+      response->set_bytes(bytes);
+      for (const std::string& group : imported->groups) response->add_groups(group);
+      response->set_optimizer(imported->optimizer);
+      spdlog::info("checkpoint '{}' imported: {} files, {} bytes", name, sent.size(), bytes);
+      return grpc::Status::OK;
+    }
+    if (absl::Status taken = take(message); !taken.ok()) return ToGrpc(taken);
+  } while (reader->Read(&message));
+  return ToGrpc(absl::CancelledError(absl::StrCat("import '", name, "': the stream ended before its commit")));
 }
 
 grpc::Status FlatshardService::ReadCheckpointFile(grpc::ServerContext* ctx,

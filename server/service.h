@@ -77,6 +77,8 @@ class FlatshardService final : public v1::Flatshard::Service {
                                 v1::CheckpointResponse* response) override;
   grpc::Status ExportStateDict(grpc::ServerContext* ctx,
                                grpc::ServerReaderWriter<v1::ExportMessage, v1::ExportStep>* stream) override;
+  grpc::Status ImportCheckpoint(grpc::ServerContext* ctx, grpc::ServerReader<v1::ImportMessage>* reader,
+                                v1::ImportResponse* response) override;
   grpc::Status WriteCheckpointPart(grpc::ServerContext* ctx, grpc::ServerReader<v1::CheckpointPartMessage>* reader,
                                    v1::WriteCheckpointPartResponse* response) override;
   grpc::Status ReadCheckpointFile(grpc::ServerContext* ctx, const v1::ReadCheckpointFileRequest* request,

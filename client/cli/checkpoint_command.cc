@@ -101,6 +101,14 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     err << "flatshard export: --out=DIR is required\n";
     return 2;
   }
+  if (command == "import" && options.in.empty()) {
+    err << "flatshard import: --in=DIR is required\n";
+    return 2;
+  }
+  if (command == "import" && options.at_version < 0) {
+    err << "flatshard import: --at_version must be >= 0\n";
+    return 2;
+  }
   if (command != "checkpoints" && command != "export" && options.name.empty()) {
     err << "flatshard " << command << ": --name is required\n";
     return 2;
@@ -124,7 +132,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
     return 2;
   }
   client_options.export_chunk_bytes = static_cast<uint32_t>(options.chunk_mib) << 20;
-  const bool moves_the_model = command == "save" || command == "load" || command == "export";
+  const bool moves_the_model = command == "save" || command == "load" || command == "export" || command == "import";
   std::optional<CancelOnSignal> interrupts;  // before the client's threads start
   if (moves_the_model) interrupts.emplace(err, command);
   auto client = Client::Connect(client_options);
@@ -137,6 +145,7 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   absl::Status status;
   bool signalled = false;
   IncompatibleTensors omitted;  // a non-strict load's
+  ImportedCheckpoint imported;
   if (moves_the_model) {
     // The progress bar ends its line once something was drawn.
     auto drawn = std::make_shared<bool>(false);
@@ -152,6 +161,11 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
       if (loaded.ok()) omitted = *std::move(loaded);
     } else if (command == "load") {
       status = (*client)->LoadCheckpoint(options.name, progress);
+    } else if (command == "import") {
+      absl::StatusOr<ImportedCheckpoint> done =
+          (*client)->ImportCheckpoint(options.name, options.in, !options.weights_only, options.at_version, progress);
+      status = done.status();
+      if (done.ok()) imported = *std::move(done);
     } else {
       status = (*client)->ExportStateDict(options.out, *kind, options.optimizer, progress, *cut);
     }
@@ -187,9 +201,15 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
   }
   if (command != "checkpoints") {
     // The versions a save holds (a blocking one's: an async one is still being written).
-    const std::string saved = command == "save" ? SavedVersions(**client, options.name) : "";
+    const std::string saved =
+        command == "save" || command == "import" ? SavedVersions(**client, options.name) : "";
     out << absl::StrFormat("%s '%s': done in %.2f s%s\n", command, command == "export" ? options.out : options.name,
                            absl::ToDoubleSeconds(absl::Now() - start), saved.empty() ? "" : ", groups at " + saved);
+  }
+  if (command == "import") {
+    out << absl::StrFormat("%s in %d group(s), %s optimizer state; load it with: flatshard load --name=%s\n",
+                           HumanBytes(static_cast<int64_t>(imported.bytes)), imported.groups.size(),
+                           imported.optimizer ? "with" : "without", options.name);
   }
   if (options.non_strict && command == "load") {
     out << "missing (not in the checkpoint, kept as they were): "

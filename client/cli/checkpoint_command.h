@@ -1,4 +1,4 @@
-// `flatshard save | load | checkpoints | delete | export`: checkpoint operations through the C++
+// `flatshard save | load | checkpoints | delete | export | import`: checkpoint operations through the C++
 // client, with one line of progress per phase. Stateless.
 #ifndef FLATSHARD_CLIENT_CLI_CHECKPOINT_COMMAND_H_
 #define FLATSHARD_CLIENT_CLI_CHECKPOINT_COMMAND_H_
@@ -12,7 +12,7 @@
 namespace flatshard::cli {
 
 struct CheckpointCommandOptions {
-  std::string command;  // save, load, checkpoints, delete, export
+  std::string command;  // save, load, checkpoints, delete, export, import
   std::vector<std::string> servers;
   std::string token;
   CommandTls tls;
@@ -27,11 +27,14 @@ struct CheckpointCommandOptions {
   std::string cut = "now";
   bool json = false;
   std::string out;  // export: the local directory to write into
-  int chunk_mib = 4;  // export: MiB per streamed chunk
+  int chunk_mib = 4;  // export, import: MiB per streamed chunk
+  std::string in;     // import: the local directory to read
+  bool weights_only = false;  // import: without the optimizer files
+  int64_t at_version = 0;     // import: Client::ImportCheckpoint's version
 };
 
 // Returns 0 on success, 1 when the cluster refused (the status on `err`), 2 on bad options,
-// 130 when a save, load or export was cancelled by Ctrl-C or SIGTERM (cli/cancel_on_signal.h).
+// 130 when a save, load, export or import was cancelled by Ctrl-C or SIGTERM (cli/cancel_on_signal.h).
 int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& out, std::ostream& err);
 
 }  // namespace flatshard::cli

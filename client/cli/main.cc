@@ -54,11 +54,16 @@ ABSL_FLAG(std::string, checkpoint_root, "", "local-cluster: passed to every serv
 ABSL_FLAG(std::string, job, "",
           "save, load, export: the job whose groups are checkpointed (empty: 'default'); delete-job: the job to "
           "delete (required)");
-ABSL_FLAG(std::string, name, "", "save, load, delete: the checkpoint's name");
+ABSL_FLAG(std::string, name, "", "save, load, delete, import: the checkpoint's name");
 ABSL_FLAG(std::string, kind, "sharded", "save: full, sharded or local; export: full or sharded");
 ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
 ABSL_FLAG(std::string, out, "", "export: local directory for the state dict's files");
-ABSL_FLAG(int, chunk_mib, 4, "export: MiB per streamed chunk (1-64); bounds the memory per server stream");
+ABSL_FLAG(int, chunk_mib, 4,
+          "export, import: MiB per streamed chunk (1-64); bounds the memory per server stream");
+ABSL_FLAG(std::string, in, "", "import: local directory holding a FULL state dict (model.safetensors, ...)");
+ABSL_FLAG(bool, weights_only, false, "import: leave the optimizer files out (the optimizer starts afresh at a load)");
+ABSL_FLAG(int64_t, at_version, 0,
+          "import: the version of the checkpoint's groups where the files do not say (a weights-only file)");
 ABSL_FLAG(bool, async, false, "save: return once the servers have snapshotted; they write in the background");
 ABSL_FLAG(bool, non_strict, false,
           "load: load what the checkpoint and the job's groups have in common (fine-tuning from another model's "
@@ -92,7 +97,10 @@ constexpr char kUsage[] =
     "  export --cluster=... --out=DIR --kind=full|sharded [--optimizer] [--chunk_mib=4] [--job=J]\n"
     "       [--cut=now|boundary|VERSION]\n"
     "                                  stream a state dict to this machine's disk\n"
-    "  (save, load, export: Ctrl-C cancels; the servers keep nothing of it; exit status 130)\n";
+    "  import --cluster=... --name=N --in=DIR [--weights_only] [--at_version=0] [--chunk_mib=4]\n"
+    "                                  a FULL state dict on this machine's disk becomes\n"
+    "                                  checkpoint N (then: load --name=N)\n"
+    "  (save, load, export, import: Ctrl-C cancels; the servers keep nothing of it; exit status 130)\n";
 
 int Layout(const std::vector<std::string>& args) {
   const flatshard::cli::LayoutCommandOptions options{.json = absl::GetFlag(FLAGS_json),
@@ -175,6 +183,9 @@ int Checkpoint(const std::string& command) {
   options.non_strict = absl::GetFlag(FLAGS_non_strict);
   options.cut = absl::GetFlag(FLAGS_cut);
   options.chunk_mib = absl::GetFlag(FLAGS_chunk_mib);
+  options.in = absl::GetFlag(FLAGS_in);
+  options.weights_only = absl::GetFlag(FLAGS_weights_only);
+  options.at_version = absl::GetFlag(FLAGS_at_version);
   if (!ReadToken(options.token)) return 2;
   options.tls = CommandTls();
   return flatshard::cli::RunCheckpointCommand(options, std::cout, std::cerr);
@@ -213,7 +224,7 @@ int main(int argc, char** argv) {
   if (args[0] == "local-cluster") return LocalCluster();
   if (args[0] == "delete-job") return DeleteJob();
   if (args[0] == "save" || args[0] == "load" || args[0] == "checkpoints" || args[0] == "delete" ||
-      args[0] == "export") {
+      args[0] == "export" || args[0] == "import") {
     return Checkpoint(args[0]);
   }
   std::cerr << "flatshard: unknown command '" << args[0] << "'\n\n" << kUsage;

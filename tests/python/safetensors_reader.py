@@ -1,4 +1,4 @@
-"""A safetensors reader written from the format's specification, independent of flatshard
+"""A safetensors reader (and writer) written from the format's specification, independent of flatshard
 (Debian ships no `safetensors` package): 8-byte little-endian header length N, N bytes of
 JSON {name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {str: str}},
 then the data, offsets relative to its start."""
@@ -29,3 +29,22 @@ def read_safetensors(path):
         tensor = torch.from_numpy(array)
         tensors[name] = tensor.view(torch_dtype) if torch_dtype == torch.bfloat16 else tensor
     return tensors, metadata
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: torch.Tensor} (dtypes of _DTYPES) as the specification lays a file out:
+    the header padded with spaces to a multiple of 8, the tensors in the given order."""
+    names = {dtype: name for name, (_, dtype) in _DTYPES.items()}
+    header, blobs, offset = {}, [], 0
+    for name, tensor in tensors.items():
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))

@@ -3,6 +3,7 @@ against numpy float64, and its errors (each a flatshard.Error subclass, raised
 promptly)."""
 
 import gc
+import json
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import torch
 
 import checked_cluster
 import flatshard
-from safetensors_reader import read_safetensors
+from safetensors_reader import read_safetensors, write_safetensors
 
 TENSORS = [("weight", (4, 3), "float32"), ("bias", (4,), "float32")]
 # The servers' memory tier: FLATSHARD_TEST_MEMORY=device|pinned runs the suite over a GPU
@@ -399,6 +400,141 @@ class ClientTest(unittest.TestCase):
         module = torch.nn.Linear(3, 4)
         module.load_state_dict(tensors, strict=True)
         np.testing.assert_array_equal(module.weight.detach().numpy(), init["weight"])
+
+    def test_an_export_imported_into_another_cluster_trains_on_exactly(self):
+        # Two groups (Adam, and SGD with momentum) trained 3 steps on a 2-server cluster
+        # without a checkpoint root, exported with their optimizer state, imported into
+        # this 3-server cluster and loaded into another job: values, versions, and the next
+        # step (moments, step counts, momentum) are those of the source, bitwise.
+        groups = {"a": (TENSORS, flatshard.Adam(lr=0.01)),
+                  "s": ([("w2", (5,), "float32")], flatshard.SGD(lr=0.1, momentum=0.9))}
+        rng = np.random.default_rng(7)
+        grad = lambda g: {n: rng.standard_normal(shape).astype(np.float32) for n, shape, _ in groups[g][0]}
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as source_cluster, \
+                tempfile.TemporaryDirectory() as out:
+            source = flatshard.Client(source_cluster.addresses, token=source_cluster.token, job="src")
+            source.configure_job()
+            for name, (tensors, optimizer) in groups.items():
+                source.register_group(name, tensors, optimizer)
+            source.init_group("a", values(1))
+            source.init_group("s", {"w2": np.arange(5, dtype=np.float32)})
+            for step in range(3):
+                for name in groups:
+                    source.scatter(name, grad(name), step)
+            source.export_state_dict(out, kind="full", optimizer=True)
+            c = self.client(job="imported")
+            calls = []
+            imported = c.import_checkpoint("from-src", out, progress=lambda done, total: calls.append((done, total)))
+            self.assertEqual(sorted(imported["groups"]), ["a", "s"])
+            self.assertTrue(imported["optimizer"])
+            size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+            self.assertEqual(imported["bytes"], size)
+            self.assertEqual(calls[-1], (size, size))
+            listed = {e["name"]: e for e in c.list_checkpoints()}["from-src"]
+            self.assertTrue(listed["complete"])
+            self.assertEqual(listed["versions"], {"a": 3, "s": 3})
+            c.configure_job()
+            for name, (tensors, optimizer) in groups.items():
+                c.register_group(name, tensors, optimizer)
+            c.load_checkpoint("from-src")
+            for name in groups:
+                self.assertEqual(c.version(name), 3)
+                expected, got = source.gather(name, 3), c.gather(name, 3)
+                for fqn in expected:
+                    np.testing.assert_array_equal(got[fqn], expected[fqn])
+            for name in groups:
+                g = grad(name)
+                source.scatter(name, g, 3)
+                c.scatter(name, g, 3)
+                expected, got = source.gather(name, 4), c.gather(name, 4)
+                for fqn in expected:
+                    np.testing.assert_array_equal(got[fqn], expected[fqn])
+        c.delete_checkpoint("from-src")
+
+    def test_a_torch_written_file_imports_as_weights(self):
+        # A model.safetensors as torch or Hugging Face tools write it (no optimizer state,
+        # no flatshard metadata, a bfloat16 tensor), split with its index: one group at the
+        # version asked, loaded by name into groups wrapped otherwise; the optimizer starts
+        # afresh.
+        weight = torch.randn(4, 3)
+        bias = torch.randn(4)
+        head = torch.randn(2, 4).to(torch.bfloat16)
+        with tempfile.TemporaryDirectory() as out:
+            write_safetensors(os.path.join(out, "model-00001-of-00002.safetensors"), {"weight": weight, "bias": bias},
+                              {"format": "pt"})
+            write_safetensors(os.path.join(out, "model-00002-of-00002.safetensors"), {"head": head})
+            with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": 0}, "weight_map": {
+                    "weight": "model-00001-of-00002.safetensors", "bias": "model-00001-of-00002.safetensors",
+                    "head": "model-00002-of-00002.safetensors"}}, f)
+            with open(os.path.join(out, "README.md"), "w") as f:
+                f.write("not sent")
+            c = self.client(job="torch-file")
+            imported = c.import_checkpoint("torch-file", out, version=5)
+        self.assertEqual(imported["groups"], ["imported"])
+        self.assertFalse(imported["optimizer"])
+        c.configure_job()
+        c.register_group("body", TENSORS, flatshard.SGD(lr=0.5, momentum=0.9))
+        c.register_group("head", [("head", (2, 4), "bfloat16")], flatshard.SGD(lr=0.5))
+        c.load_checkpoint("torch-file")
+        self.assertEqual(c.version("body"), 5)
+        got = c.gather("body", 5)
+        np.testing.assert_array_equal(got["weight"], weight.numpy())
+        np.testing.assert_array_equal(got["bias"], bias.numpy())
+        np.testing.assert_array_equal(c.gather("head", 5)["head"], head.float().numpy())
+        step = {"weight": np.ones((4, 3), np.float32), "bias": np.ones(4, np.float32)}
+        c.scatter("body", step, 5)  # momentum afresh: buf = g, p -= lr * g
+        np.testing.assert_allclose(c.gather("body", 6)["weight"], weight.numpy() - 0.5, rtol=1e-6)
+        c.delete_checkpoint("torch-file")
+
+    def test_an_import_of_what_is_not_a_state_dict_is_refused_and_leaves_nothing(self):
+        c = self.client(job="bad-import")
+
+        def names():
+            return {e["name"] for e in c.list_checkpoints()}
+
+        before = names()
+        with tempfile.TemporaryDirectory() as out:
+            with self.assertRaisesRegex(flatshard.NotFoundError, "holds no model.safetensors"):
+                c.import_checkpoint("bad", out)
+            path = os.path.join(out, "model.safetensors")
+            with open(path, "wb") as f:
+                f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+            with self.assertRaisesRegex(flatshard.InvalidArgumentError, "model.safetensors"):
+                c.import_checkpoint("bad", out)
+            self.assertEqual(names(), before)
+            # A model tensor the optimizer metadata puts in no group.
+            write_safetensors(path, {"weight": torch.ones(4, 3), "bias": torch.ones(4)})
+            write_safetensors(os.path.join(out, "optimizer.safetensors"),
+                              {"weight.momentum_buffer": torch.zeros(4, 3)},
+                              {"g.params": "weight", "g.optimizer": "sgd", "g.step": "1"})
+            with self.assertRaisesRegex(flatshard.InvalidArgumentError,
+                                        "model tensor 'bias' is in no group of the optimizer metadata"):
+                c.import_checkpoint("bad", out)
+            # Optimizer state of another shape.
+            write_safetensors(os.path.join(out, "optimizer.safetensors"),
+                              {"weight.momentum_buffer": torch.zeros(3, 4), "bias.momentum_buffer": torch.zeros(4)},
+                              {"g.params": "weight,bias", "g.optimizer": "sgd", "g.step": "1"})
+            with self.assertRaisesRegex(flatshard.InvalidArgumentError, "'weight.momentum_buffer' must be float32"):
+                c.import_checkpoint("bad", out)
+            self.assertEqual(names(), before)
+            self.assertEqual(os.listdir(self.root.name).count(".bad.partial"), 0)
+            # Without the optimizer files it is a weights-only import; a second one of the
+            # name is refused.
+            self.assertFalse(c.import_checkpoint("bad", out, optimizer=False)["optimizer"])
+            with self.assertRaises(flatshard.AlreadyExistsError):
+                c.import_checkpoint("bad", out, optimizer=False)
+            # Cancelled mid-stream (chunks of 1 MiB), it leaves nothing either.
+            write_safetensors(path, {"big": torch.zeros(1 << 20)})
+            os.remove(os.path.join(out, "optimizer.safetensors"))
+            with self.assertRaisesRegex(flatshard.CancelledError, "was cancelled"):
+                c.import_checkpoint("cancelled", out, progress=lambda done, total: c.cancel_checkpoint_calls())
+            deadline = time.monotonic() + 10  # server 0 drops it as soon as it sees the stream gone
+            while "cancelled" in names() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertNotIn("cancelled", names())
+        c.delete_checkpoint("bad")
+        self.assertEqual(names(), before)
 
     def test_ctrl_c_or_a_cancel_stops_an_export_and_names_no_file(self):
         c = self.client(job="interrupted")

@@ -181,6 +181,13 @@ struct IncompatibleTensors {
   std::vector<std::string> unexpected;  // in the checkpoint, registered by no group: not loaded
 };
 
+// What Client::ImportCheckpoint brought into the cluster.
+struct ImportedCheckpoint {
+  uint64_t bytes = 0;               // of the files sent
+  std::vector<std::string> groups;  // the checkpoint's groups, as server 0 described the files
+  bool optimizer = false;           // whether it holds optimizer state
+};
+
 struct CheckpointEntry {
   std::string name;
   bool complete = false;  // false: a save that did not finish (never loadable)
@@ -450,7 +457,25 @@ class Client {
   // total announced so far.
   [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,
                                                      Progress progress = nullptr, CutAt at = {}) = 0;
-  // Cancels this client's SaveCheckpoint, LoadCheckpoint and ExportStateDict calls in
+  // The reverse of a FULL ExportStateDict: streams the FULL state dict in the directory
+  // `in_dir` on this machine (what an export writes, or model.safetensors as PyTorch or
+  // Hugging Face tools write it, split with its index or not; with `optimizer`, the
+  // optimizer files beside it too) to server 0, which checks it and commits it as
+  // checkpoint `name` in its root, as a save is. LoadCheckpoint (or
+  // LoadCheckpointNonStrict) then loads it into any server count, by tensor name. The
+  // groups are those the optimizer file's metadata describes (an export's: each with its
+  // version and optimizer steps); a file without optimizer state is one group at
+  // `version`, whose optimizer starts afresh at a load. Memory stays bounded by a chunk
+  // (ClientOptions::export_chunk_bytes); `progress` counts the bytes sent. NotFound when
+  // `in_dir` has no model file; InvalidArgument (from server 0, naming what is wrong)
+  // for files that are not a FULL state dict; AlreadyExists if `name` exists. A failed
+  // or cancelled import leaves nothing on the servers.
+  [[nodiscard]] virtual absl::StatusOr<ImportedCheckpoint> ImportCheckpoint(const std::string& name,
+                                                                            const std::string& in_dir,
+                                                                            bool optimizer = true,
+                                                                            int64_t version = 0,
+                                                                            Progress progress = nullptr) = 0;
+  // Cancels this client's SaveCheckpoint, LoadCheckpoint, ExportStateDict and ImportCheckpoint calls in
   // progress (from another thread, or from their progress callbacks); calls made later are
   // not affected. Each returns CANCELLED soon after, its servers having stopped and kept
   // nothing of it: no save is committed (its files go), no load installed, no export file
