@@ -29,7 +29,8 @@ namespace flatshard {
 // renews its staging on the servers that prepared while others still do (RENEW).
 // Revision 6: WaitVersion and SetHyperparams take several groups at once. Revision 7:
 // so does RegisterGroup. Revision 8: SetHyperparams on the data plane too (kSetHyperparams).
-inline constexpr uint32_t kProtocolRevision = 8;
+// Revision 9: ImportCheckpoint.
+inline constexpr uint32_t kProtocolRevision = 9;
 
 // This build's version (CMake's PROJECT_VERSION), "0.1.0".
 absl::string_view FlatshardVersion();
