@@ -1,6 +1,6 @@
 """Reads the float32 tensors of a safetensors file that flatshard wrote (an export's
 optimizer.safetensors, or its split files through their index), for
-ShardedModule.optim_state_dict. The format: an 8-byte little-endian header length N, N
+ShardedModule.optim_state_dict, and writes one (load_optim_state_dict). The format: an 8-byte little-endian header length N, N
 bytes of JSON {name: {"dtype", "shape", "data_offsets": [begin, end)}, "__metadata__":
 {str: str}}, then the data, offsets relative to its start."""
 
@@ -43,3 +43,28 @@ def read_floats(directory, prefix):
         arrays.update(part)
         metadata.update(part_metadata)
     return arrays, metadata
+
+
+def write_floats(path, arrays, metadata):
+    """Writes {name: float32 array} and metadata ({str: str}) as one safetensors file, the
+    header padded with spaces to a multiple of 8 as the format asks, the tensors in the
+    given order."""
+    header, offset = {}, 0
+    for name, array in arrays.items():
+        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + 4 * array.size]}
+        offset += 4 * array.size
+    header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for array in arrays.values():
+            f.write(np.ascontiguousarray(array, dtype="<f4").tobytes())
+
+
+def remove_files(directory, prefix):
+    """Removes `prefix`.safetensors, its split files and their index from `directory`."""
+    for name in os.listdir(directory):
+        if name.startswith(prefix) and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json")):
+            os.remove(os.path.join(directory, name))

@@ -95,7 +95,9 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 import tempfile
+import uuid
 
 import numpy as np
 import torch
@@ -363,6 +365,50 @@ class _Bucket:
 
     def clear(self):
         self.groups, self.bytes = [], 0
+
+
+_STATES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")  # as the servers name them
+
+
+def _replace_optimizer_state(group, given, arrays, metadata):
+    """Puts the state `given` ({fqn: torch optimizer state}) of `group`'s parameters into
+    an export's optimizer `arrays` and `metadata` (ShardedModule.load_optim_state_dict)."""
+    states = [s for s in _STATES if f"{group.params[0][0]}.{s}" in arrays]  # what the group keeps
+    saved = {fqn: {k: v for k, v in (given.get(fqn) or {}).items() if v is not None} for fqn, _ in group.params}
+    held = [fqn for fqn, _ in group.params if saved[fqn]]
+    if held and len(held) != len(group.params):
+        lacking = next(fqn for fqn, _ in group.params if not saved[fqn])
+        raise flatshard.InvalidArgumentError(
+            f"'{held[0]}' has optimizer state and '{lacking}' has none, but they share flat parameter "
+            f"'{group.name}' and its step count: give both, or neither (to start it afresh)")
+    steps = set()
+    for fqn, param in group.params:
+        values = dict(saved[fqn])
+        if "step" in values:
+            steps.add(int(float(values.pop("step"))))
+        extra = sorted(set(values) - set(states))
+        if extra:
+            raise flatshard.InvalidArgumentError(
+                f"optimizer state {extra} of '{fqn}': flat parameter '{group.name}' "
+                f"({metadata[group.name + '.optimizer']}) keeps {states}")
+        for state in states:
+            if held and state not in values:
+                raise flatshard.InvalidArgumentError(f"'{fqn}' lacks optimizer state '{state}'")
+            value = (torch.as_tensor(values[state]).detach().float().cpu().numpy() if held
+                     else np.zeros(tuple(param.shape), np.float32))
+            if value.shape != tuple(param.shape):
+                raise flatshard.InvalidArgumentError(
+                    f"optimizer state '{state}' of '{fqn}' has shape {list(value.shape)}, "
+                    f"the parameter {list(param.shape)}")
+            arrays[f"{fqn}.{state}"] = value
+    if metadata[group.name + ".optimizer"] in ("adam", "adamw"):
+        if held and len(steps) != 1:
+            raise flatshard.InvalidArgumentError(
+                f"the parameters of flat parameter '{group.name}' share one Adam step count; "
+                f"the state gives {sorted(steps) or 'none'}")
+        metadata[group.name + ".step"] = str(steps.pop() if held else 0)
+    else:  # SGD keeps no step in torch's state: momentum buffers say whether momentum has begun
+        metadata[group.name + ".momentum_initialized"] = "true" if held and "momentum_buffer" in states else "false"
 
 
 class ShardedModule(torch.nn.Module):
@@ -833,8 +879,8 @@ class ShardedModule(torch.nn.Module):
         k + 1, with the settings the servers run now. Shared parameters appear once, under
         their first name; frozen ones have no state. It is read through
         ``export_state_dict(optimizer=True)`` into a temporary directory on this machine,
-        whose disk the model and its state pass through. Restoring optimizer state is the
-        checkpoints' job (``load_checkpoint``)."""
+        whose disk the model and its state pass through. ``load_optim_state_dict``
+        restores it (``torch.save`` it beside ``state_dict()``)."""
         arrays, metadata = {}, {}
         if self._groups:  # a module without trained parameters has no state to export
             with tempfile.TemporaryDirectory(prefix="flatshard-optim-") as directory:
@@ -844,10 +890,14 @@ class ShardedModule(torch.nn.Module):
         for group in self._groups:
             steps = int(metadata[f"{group.name}.step"])
             adam = metadata[f"{group.name}.optimizer"] in ("adam", "adamw")
+            # Whether its state has begun: Adam's with its first step, SGD's momentum with
+            # the first step that had momentum (or a load of momentum buffers).
+            begun = steps > 0 if adam else metadata.get(f"{group.name}.momentum_initialized", str(steps > 0)) in (
+                "true", "True")
             for fqn, _ in group.params:
                 saved = {"step": torch.tensor(float(steps))} if adam and steps else {}
-                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"):
-                    if steps and f"{fqn}.{name}" in arrays:
+                for name in _STATES:
+                    if begun and f"{fqn}.{name}" in arrays:
                         saved[name] = torch.from_numpy(arrays[f"{fqn}.{name}"])
                 state[fqn] = saved
         param_groups = []
@@ -857,6 +907,50 @@ class ShardedModule(torch.nn.Module):
             param_groups.append(dict(dataclasses.asdict(current),
                                      params=[fqn for group in groups for fqn, _ in group.params]))
         return {"state": state, "param_groups": param_groups}
+
+    def load_optim_state_dict(self, optim_state_dict):
+        """Restores the servers' optimizer state from a dict of ``optim_state_dict()``'s form
+        (FSDP's: keyed by parameter name, a shared one under any of its names): each trained
+        parameter's moments (SGD: momentum buffer), and each flat parameter's Adam step
+        count, which its parameters share (their "step" must agree). A flat parameter none
+        of whose parameters has state starts afresh, as a torch optimizer before its first
+        step. ``param_groups`` are left to ``ServerOptimizer.load_state_dict``. The
+        parameters keep their values.
+
+        It goes through the servers' checkpoints: the module's state is exported into a
+        temporary directory on this machine, its optimizer file rewritten with the given
+        state, imported as a checkpoint of a random name (servers started with
+        ``--checkpoint_root``), loaded and deleted. Call it between steps, with every
+        worker at the same step (on one worker, or on each: every load is the same); the
+        module resumes as after any load, gathering at its next forward."""
+        state = optim_state_dict.get("state") if isinstance(optim_state_dict, dict) else None
+        if not isinstance(state, dict):
+            raise flatshard.InvalidArgumentError(
+                "load_optim_state_dict takes a dict with a 'state' dict keyed by parameter name "
+                "(optim_state_dict()'s form)")
+        given = {self._aliases.get(key, key): value for key, value in state.items()}
+        trained = {fqn for group in self._groups for fqn, _ in group.params}
+        unknown = sorted(set(given) - trained)
+        if unknown:
+            raise flatshard.InvalidArgumentError(
+                f"optimizer state for {unknown}, which are not trained parameters of this module")
+        if not self._groups:
+            return
+        self._settle_gathers()
+        name = f"optim-load-{uuid.uuid4().hex[:16]}"
+        with tempfile.TemporaryDirectory(prefix="flatshard-optim-") as directory:
+            self._client.export_state_dict(directory, kind="full", optimizer=True)
+            arrays, metadata = _safetensors.read_floats(directory, "optimizer")
+            for group in self._groups:
+                _replace_optimizer_state(group, given, arrays, metadata)
+            _safetensors.remove_files(directory, "optimizer")
+            _safetensors.write_floats(os.path.join(directory, "optimizer.safetensors"), arrays, metadata)
+            self._client.import_checkpoint(name, directory)
+        try:
+            self._client.load_checkpoint(name)
+        finally:
+            self._client.delete_checkpoint(name)
+        self._resume_after_load()
 
     def state_dict(self, *args, **kwargs):
         """The full state dict read from the servers at the module's version: parameters
@@ -921,8 +1015,10 @@ class ServerOptimizer(torch.optim.Optimizer):
     reaches the servers at the module's next forward (a call per server for each group
     changed), so it applies from the next step on, as torch's does. ``step()`` is the
     module's (a closure is called first, with grad enabled, and its loss returned);
-    ``zero_grad()`` finds nothing left after a step; ``state_dict()`` and
-    ``load_state_dict()`` are refused (the state is the servers', in their checkpoints). It
+    ``zero_grad()`` finds nothing left after a step; ``state_dict()`` reads the servers'
+    state and ``load_state_dict()`` restores it (through the servers' checkpoint root), so
+    ``torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, f)`` and
+    the matching loads resume training. It
     sends only what changes in its own ``param_groups``: change hyper-parameters through it
     or through ``ShardedModule.set_hyperparams``, not both."""
 
@@ -969,20 +1065,54 @@ class ServerOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self):
-        """Refused: the optimizer state lives on the servers, and a state dict without it
-        would restore moments and step counts of zero without a word."""
-        raise self._state_on_servers()
+        """The servers' optimizer state in torch's form, keyed by parameter name
+        (``ShardedModule.optim_state_dict()``, FSDP's form), with the param_groups the
+        servers run."""
+        return self._model.optim_state_dict()
 
     def load_state_dict(self, state_dict):
-        """Refused, as state_dict()."""
-        raise self._state_on_servers()
+        """Restores what state_dict() returned: the state on the servers
+        (``ShardedModule.load_optim_state_dict``, between steps) and the param_groups'
+        hyper-parameters, which reach the servers at the next forward as changes made here
+        do (a scheduler's learning rate included)."""
+        saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.param_groups):
+            raise flatshard.InvalidArgumentError(
+                f"the state dict has {len(saved) if isinstance(saved, list) else 'no'} param_groups; "
+                f"this optimizer has {len(self.param_groups)}")
+        self._model.load_optim_state_dict(state_dict)
+        for group, given in zip(self.param_groups, saved):
+            for key, value in given.items():
+                if key != "params" and key in group:
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
-    @staticmethod
-    def _state_on_servers():
-        return flatshard.FailedPreconditionError(
-            "the optimizer state lives on the servers: save and restore it with the client's "
-            "save_checkpoint(name, optimizer=True) and load_checkpoint(name) (or ShardedModule's "
-            "load_checkpoint=name); ShardedModule.optim_state_dict() reads it in torch's form")
+
+def named_optim_state_dict(module, optimizer):
+    """A torch optimizer's state_dict keyed by parameter name, the form
+    ``ShardedModule.load_optim_state_dict`` and ``ServerOptimizer.load_state_dict`` take
+    (FSDP's), rather than by position: what brings a run trained with torch alone onto
+    flatshard with its optimizer state::
+
+        model.load_state_dict(torch_model.state_dict())   # before the first step
+        flatshard.torch.ServerOptimizer(model).load_state_dict(
+            flatshard.torch.named_optim_state_dict(torch_model, torch_optimizer))
+
+    `module` is the model `optimizer` trains (a shared parameter goes under its first
+    name); param_groups keep their hyper-parameters."""
+    names = {}
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), name)
+    saved = optimizer.state_dict()
+    by_index = {}
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for param, index in zip(group["params"], saved_group["params"]):
+            if id(param) not in names:
+                raise flatshard.InvalidArgumentError(
+                    f"the optimizer trains a tensor of shape {tuple(param.shape)} that is not a parameter of the module")
+            by_index[index] = names[id(param)]
+    return {"state": {by_index[index]: state for index, state in saved["state"].items()},
+            "param_groups": [dict(group, params=[by_index[index] for index in group["params"]])
+                             for group in saved["param_groups"]]}
 
 
 class GradScaler:

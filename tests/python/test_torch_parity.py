@@ -462,10 +462,10 @@ class MisuseAndRecoveryTest(unittest.TestCase):
             with self.assertRaises(flatshard.InvalidArgumentError) as refused:
                 flatshard.torch.ServerOptimizer(net)
             self.assertIn("not a Sequential", str(refused.exception))
-            for call in (optimizer.state_dict, lambda: optimizer.load_state_dict({})):
-                with self.assertRaises(flatshard.FailedPreconditionError) as refused:
-                    call()
-                self.assertIn("the optimizer state lives on the servers", str(refused.exception))
+            self.assertEqual([g["lr"] for g in optimizer.state_dict()["param_groups"]], [0.1, 0.0])
+            with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+                optimizer.load_state_dict({"state": {}, "param_groups": [{}]})
+            self.assertIn("the state dict has 1 param_groups; this optimizer has 2", str(refused.exception))
 
     def test_a_checkpoint_loads_into_a_module_wrapped_otherwise(self):
         # FULL and SHARDED checkpoints load by tensor: a module wrapped into other groups
@@ -1046,6 +1046,93 @@ class OptimStateDictTest(unittest.TestCase):
                 self.assertEqual([g["weight_decay"] for g in got["param_groups"]], [ours.weight_decay, 0.0])
                 model.set_hyperparams(lr=1e-3)
                 self.assertEqual([g["lr"] for g in model.optim_state_dict()["param_groups"]], [1e-3, 1e-3])
+
+
+    def test_a_torch_run_resumes_on_flatshard_with_its_optimizer_state(self):
+        # Three steps of torch alone, then its model and optimizer state dicts (named) into
+        # a ShardedModule and its ServerOptimizer: two more steps agree with torch's own
+        # next two (Adam's moments and step count restored: afresh, its first step would
+        # move every parameter by about lr); the state reads back as given, bitwise.
+        import flatshard.torch
+        x, y = make_data("mlp")
+        no_decay = [name for name, p in make_model("mlp").named_parameters() if p.ndim < 2]
+        for ours, make_theirs in [
+                (flatshard.AdamW(lr=1e-2, weight_decay=0.05, amsgrad=True),
+                 lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05, amsgrad=True)),
+                (flatshard.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
+                 lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3))]:
+            with self.subTest(optimizer=type(ours).__name__), \
+                    checked_cluster.LocalCluster(servers=2, memory=MEMORY,
+                                                 checkpoint_root=self.enterContext(tempfile.TemporaryDirectory())) \
+                    as cluster:
+                reference = make_model("mlp")
+                named = dict(reference.named_parameters())
+                theirs = make_theirs([{"params": [p for n, p in named.items() if n not in no_decay]},
+                                      {"params": [named[n] for n in no_decay], "weight_decay": 0.0, "lr": 2e-2}])
+                for _ in range(3):
+                    theirs.zero_grad()
+                    F.mse_loss(reference(x), y).backward()
+                    theirs.step()
+                saved = {"model": reference.state_dict(),
+                         "optim": flatshard.torch.named_optim_state_dict(reference, theirs)}
+                client = flatshard.Client(cluster.addresses, token=cluster.token, job="resume")
+                client.configure_job()
+                model = flatshard.torch.ShardedModule(make_model("mlp"), client, ours, auto_wrap_min_params=200,
+                                                      param_groups=[{"params": no_decay, "weight_decay": 0.0}])
+                optimizer = flatshard.torch.ServerOptimizer(model)
+                model.load_state_dict(saved["model"])
+                optimizer.load_state_dict(saved["optim"])
+                self.assertEqual([g["lr"] for g in optimizer.param_groups], [ours.lr, 2e-2])  # torch's, restored
+                self.assertEqual([c["name"] for c in client.list_checkpoints()], [])  # the import's, deleted
+                got = optimizer.state_dict()
+                for name, param in named.items():
+                    for key, value in theirs.state[param].items():
+                        if key == "step":
+                            self.assertEqual(float(got["state"][name][key]), float(value), name)
+                        else:
+                            self.assertTrue(torch.equal(got["state"][name][key], value), f"{name}.{key}")
+                train_side_by_side(model, reference, theirs, x, y, steps=2)
+                state = model.state_dict()
+                for name, param in named.items():
+                    self.assertLess(relative_error(state[name], param.detach()), REL_TOL, name)
+
+    def test_optimizer_state_that_does_not_fit_is_refused_and_changes_nothing(self):
+        import flatshard.torch
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY,
+                                          checkpoint_root=self.enterContext(tempfile.TemporaryDirectory())) as cluster:
+            client = flatshard.Client(cluster.addresses, token=cluster.token, job="misfit")
+            client.configure_job()
+            model = flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.Adam(lr=1e-2),
+                                                  auto_wrap_min_params=200)
+            x, y = make_data("mlp")
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            before = model.optim_state_dict()
+            good = before["state"]["0.weight"]
+            bias_state = {k: v for k, v in before["state"]["0.bias"].items()}
+            for state, message in [
+                    ({"nonsense": {}}, "optimizer state for ['nonsense'], which are not trained parameters"),
+                    ({"0.weight": good}, "'0.weight' has optimizer state and '0.bias' has none"),
+                    ({"0.weight": dict(good, exp_avg=torch.zeros(3)), "0.bias": bias_state},
+                     "optimizer state 'exp_avg' of '0.weight' has shape [3], the parameter [32, 8]"),
+                    ({"0.weight": dict(good, momentum_buffer=good["exp_avg"]), "0.bias": bias_state},
+                     "optimizer state ['momentum_buffer'] of '0.weight'"),
+                    ({"0.weight": dict(good, step=torch.tensor(7.0)), "0.bias": bias_state},
+                     "share one Adam step count; the state gives [1, 7]")]:
+                with self.subTest(message=message):
+                    with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+                        model.load_optim_state_dict({"state": state})
+                    self.assertIn(message, str(refused.exception))
+            after = model.optim_state_dict()
+            for name, saved in before["state"].items():
+                for key, value in saved.items():
+                    self.assertTrue(torch.equal(after["state"][name][key], value), f"{name}.{key}")
+            # A state dict without state starts the optimizer afresh; training goes on.
+            model.load_optim_state_dict({"state": {}})
+            self.assertEqual(set(map(len, model.optim_state_dict()["state"].values())), {0})
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            self.assertEqual(model.version, 2)
 
 
 class SchedulerWithGradScalerTest(unittest.TestCase):
