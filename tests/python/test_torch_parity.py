@@ -1133,6 +1133,16 @@ class OptimStateDictTest(unittest.TestCase):
             F.mse_loss(model(x), y).backward()
             model.step()
             self.assertEqual(model.version, 2)
+            # Inside a step (the bucket of small groups' gradients not sent yet), it is a
+            # load like any other: the step is void, its gradients dropped, and the next
+            # forward trains on from the loaded version (2, the cut's).
+            F.mse_loss(model(x), y).backward()
+            model.load_optim_state_dict(model.optim_state_dict())
+            with self.assertRaisesRegex(flatshard.FailedPreconditionError, "a checkpoint load voided the last step"):
+                model.step()
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            self.assertEqual(model.version, 3)
 
 
 class SchedulerWithGradScalerTest(unittest.TestCase):
