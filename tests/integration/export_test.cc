@@ -1,15 +1,18 @@
 // State-dict exports through the client and the `flatshard export` command against real
 // server processes: memory stays bounded, the files match the parameters, an export
 // replaces the earlier one in its directory, and one interrupted mid-way leaves nothing.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -18,6 +21,7 @@
 #include "core/file.h"
 #include "core/float_bits.h"
 #include "core/safetensors.h"
+#include "client/cli/checkpoint_command.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/scratch_dir.h"
 
@@ -25,6 +29,7 @@ namespace flatshard {
 namespace {
 
 namespace fs = std::filesystem;
+using ::testing::HasSubstr;
 
 std::set<std::string> Listing(const std::string& dir) {
   std::set<std::string> names;
@@ -188,6 +193,77 @@ TEST(ExportIntegrationTest, AnExportKilledMidWayLeavesNothingInItsDirectory) {
   const absl::Status next = (*client)->ExportStateDict(out, CheckpointKind::kFull, false);
   ASSERT_TRUE(next.ok()) << next;
   EXPECT_EQ(Listing(out), std::set<std::string>{"model.safetensors"});
+}
+
+// `flatshard import` brings an export of a 2-server cluster (no checkpoint root) into a
+// 3-server cluster whose servers each have a root of their own: the checkpoint is kept in
+// server 0's root, the others load their shards from there, and the loaded job trains on
+// exactly as the exported one (values, version, Adam's moments and step count).
+TEST(ExportIntegrationTest, AnExportImportedWithTheCommandTrainsOnInAnotherCluster) {
+  const std::vector<TensorSpec> tensors = {{"w", {1000, 3}, DType::kFloat32}, {"b", {7}, DType::kFloat32}};
+  testing::TestCluster source(2, "tok", ::testing::TempDir());
+  auto a = source.Connect(0, 1);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE((*a)->ConfigureJob({}).ok());
+  auto layout = (*a)->RegisterGroup("g", tensors, 0, AdamOptions{.lr = 0.01});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE((*a)->InitGroupFromSeed("g", 5).ok());
+  std::vector<float> grad((*layout)->padded_numel());
+  for (size_t i = 0; i < grad.size(); ++i) grad[i] = std::sin(0.1f * static_cast<float>(i));
+  ASSERT_TRUE((*a)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
+  ASSERT_EQ(*(*a)->WaitVersion("g", 1), 1);
+  const testing::ScratchDir exported("import-source");
+  ASSERT_TRUE((*a)->ExportStateDict(exported.path(), CheckpointKind::kFull, true).ok());
+
+  const testing::ScratchDir root0("import-root0"), root1("import-root1"), root2("import-root2");
+  testing::TestCluster target(3, "tok", ::testing::TempDir(), "",
+                              {{"--checkpoint_root=" + root0.path()},
+                               {"--checkpoint_root=" + root1.path()},
+                               {"--checkpoint_root=" + root2.path()}});
+  cli::CheckpointCommandOptions command;
+  command.command = "import";
+  command.servers = target.addresses();
+  command.token = "tok";
+  command.name = "moved";
+  std::ostringstream out, err;
+  EXPECT_EQ(cli::RunCheckpointCommand(command, out, err), 2);
+  EXPECT_THAT(err.str(), HasSubstr("flatshard import: --in=DIR is required"));
+  command.in = exported.path();
+  ASSERT_EQ(cli::RunCheckpointCommand(command, out, err), 0) << err.str();
+  EXPECT_THAT(out.str(), HasSubstr("import 'moved': done in"));
+  EXPECT_THAT(out.str(), HasSubstr("groups at g@1"));
+  EXPECT_THAT(out.str(), HasSubstr("in 1 group(s), with optimizer state; load it with: flatshard load --name=moved"));
+  EXPECT_TRUE(fs::exists(root0.path() + "/moved/manifest.json"));
+  EXPECT_FALSE(fs::exists(root1.path() + "/moved"));
+
+  auto b = target.Connect(0, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE((*b)->ConfigureJob({}).ok());
+  auto moved = (*b)->RegisterGroup("g", tensors, 0, AdamOptions{.lr = 0.01});
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  const absl::Status loaded = (*b)->LoadCheckpoint("moved");
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  // The tensors' values (w, then b) at `version`, and a gradient laid out as `layout` is.
+  auto params = [](Client& client, const FlatLayout& layout, int64_t version) {
+    std::vector<float> values(layout.padded_numel());
+    const absl::StatusOr<int64_t> got = client.Gather("g", version, DType::kFloat32, AsBytes(values)).get();
+    EXPECT_TRUE(got.ok()) << got.status();
+    std::vector<float> tensors(values.begin() + layout.tensor_offset(0), values.begin() + layout.tensor_offset(0) + 3000);
+    tensors.insert(tensors.end(), values.begin() + layout.tensor_offset(1), values.begin() + layout.tensor_offset(1) + 7);
+    return tensors;
+  };
+  auto gradient = [](const FlatLayout& layout) {
+    std::vector<float> g(layout.padded_numel(), 0.0f);
+    for (int64_t i = 0; i < 3007; ++i) {
+      g[layout.tensor_offset(i < 3000 ? 0 : 1) + (i < 3000 ? i : i - 3000)] = std::cos(0.3f * static_cast<float>(i));
+    }
+    return g;
+  };
+  EXPECT_EQ(*(*b)->WaitVersion("g", 0), 1);
+  EXPECT_EQ(params(**b, **moved, 1), params(**a, **layout, 1));
+  ASSERT_TRUE((*a)->Scatter("g", 1, DType::kFloat32, AsBytes(gradient(**layout))).get().ok());
+  ASSERT_TRUE((*b)->Scatter("g", 1, DType::kFloat32, AsBytes(gradient(**moved))).get().ok());
+  EXPECT_EQ(params(**b, **moved, 2), params(**a, **layout, 2));
 }
 
 }  // namespace
