@@ -603,7 +603,7 @@ double TimeIt(const std::function<absl::Status()>& body) {
   return absl::ToDoubleSeconds(absl::Now() - start);
 }
 
-// Save, load and export throughput of a model on 2 servers, vs dd on the same disk.
+// Save, load, export and import throughput of a model on 2 servers, vs dd on the same disk.
 // This disk's rates swing by several times within seconds, so every row interleaves 3
 // runs of its anchor with 3 runs of the operation and compares the medians: writes vs dd
 // conv=fdatasync into a new file (as a save writes new files), cold loads (page cache
@@ -678,6 +678,12 @@ void Checkpoints(int64_t bytes) {
   }
   row("export full vs dd conv=fdatasync", [&](int) { return dd_write(); },
       [&](int i) { return client->ExportStateDict(absl::StrCat(dir, "/export-", i), CheckpointKind::kFull, false); });
+  // The reverse: each export streamed back to server 0 (one gRPC stream of 4 MiB chunks,
+  // written through O_DIRECT and fsync'd, as a save writes) and committed as a checkpoint.
+  row("import full vs dd conv=fdatasync", [&](int) { return dd_write(); },
+      [&](int i) {
+        return client->ImportCheckpoint(absl::StrCat("imported-", i), absl::StrCat(dir, "/export-", i)).status();
+      });
   // The exporter's memory: peak RSS growth over one more export (this process holds the
   // client and both servers, so it bounds the client's from above).
   const int64_t before = ResetPeakRssKib();

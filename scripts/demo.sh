@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's main command (make demo): a local cluster of 2 servers on 127.0.0.1,
 # 2 training workers of examples/mlp_worker.cc (AdamW on a two-layer MLP), the same as a
-# hybrid-sharded job, the cluster's status, a FULL state-dict export (safetensors), then
-# a clean shutdown.
+# hybrid-sharded job, the cluster's status, a FULL state-dict export (safetensors) and its
+# import back into the cluster, then a clean shutdown.
 # Ports: FLATSHARD_DEMO_PORT (default 17070) and up.
 set -euo pipefail
 build_dir=${1:-build}
@@ -47,8 +47,12 @@ echo "== state-dict export: a FULL checkpoint (safetensors) with optimizer state
 ls -l "$checkpoints/mlp-final"
 echo
 echo "== the same state dict streamed to this machine (flatshard export) =="
-"$bin/flatshard" export --cluster="$cluster" --job=mlp-demo --out="$checkpoints/exported" --kind=full
+"$bin/flatshard" export --cluster="$cluster" --job=mlp-demo --out="$checkpoints/exported" --kind=full --optimizer
 ls -l "$checkpoints/exported"
+echo
+echo "== and back: the exported files become a checkpoint (flatshard import), loaded into the job =="
+"$bin/flatshard" import --cluster="$cluster" --name=mlp-reimported --in="$checkpoints/exported"
+"$bin/flatshard" load --cluster="$cluster" --job=mlp-demo --name=mlp-reimported
 
 echo
 echo "== training is over: the jobs go, with their memory (flatshard delete-job) =="
