@@ -892,8 +892,8 @@ class ShardedModule(torch.nn.Module):
             adam = metadata[f"{group.name}.optimizer"] in ("adam", "adamw")
             # Whether its state has begun: Adam's with its first step, SGD's momentum with
             # the first step that had momentum (or a load of momentum buffers).
-            begun = steps > 0 if adam else metadata.get(f"{group.name}.momentum_initialized", str(steps > 0)) in (
-                "true", "True")
+            initialized = metadata.get(f"{group.name}.momentum_initialized")
+            begun = steps > 0 if adam or initialized is None else initialized == "true"
             for fqn, _ in group.params:
                 saved = {"step": torch.tensor(float(steps))} if adam and steps else {}
                 for name in _STATES:
