@@ -28,7 +28,7 @@ struct ProgressCounter {
 
 struct ProgressRow {
   std::string name;       // the checkpoint
-  std::string operation;  // "save" or "load"
+  std::string operation;  // "save", "load" or "import"
   uint64_t done = 0;
   uint64_t total = 0;
 };

@@ -620,6 +620,7 @@ absl::StatusOr<std::unique_ptr<PendingImport>> CheckpointStore::BeginImport(cons
   FLATSHARD_ASSIGN_OR_RETURN(import->claim_, ClaimName(name));
   FLATSHARD_ASSIGN_OR_RETURN(import->dir_, CreateSaveDir(name, import->import_id_));
   import->sink_ = std::make_unique<DirectorySink>(import->dir_);
+  import->progress_ = progress_.Start(name, "import");
   return import;
 }
 

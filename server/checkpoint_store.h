@@ -144,6 +144,8 @@ class PendingImport {
   ~PendingImport();
 
   CheckpointSink& sink() { return *sink_; }
+  // Its row in the server's status ("import"): the caller counts the bytes it receives.
+  ProgressCounter& progress() { return *progress_; }
 
  private:
   friend class CheckpointStore;
@@ -154,6 +156,7 @@ class PendingImport {
   std::string dir_;
   std::shared_ptr<const std::string> claim_;
   std::unique_ptr<DirectorySink> sink_;
+  std::shared_ptr<ProgressCounter> progress_;
   bool committed_ = false;
 };
 

@@ -514,6 +514,7 @@ grpc::Status FlatshardService::ImportCheckpoint(grpc::ServerContext* ctx, grpc::
       }
       FLATSHARD_RETURN_IF_ERROR(sink.Open(file, chunk.file_size(), /*exclusive=*/true));
       open.insert(file);
+      (*import)->progress().total += chunk.file_size();
     } else if (open.count(file) == 0) {
       return absl::InvalidArgumentError(absl::StrCat("import '", name, "': a chunk of '", file, "', which is not open"));
     }
@@ -521,6 +522,7 @@ grpc::Status FlatshardService::ImportCheckpoint(grpc::ServerContext* ctx, grpc::
       FLATSHARD_RETURN_IF_ERROR(sink.Write(
           file, chunk.offset(),
           absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
+      (*import)->progress().done += chunk.data().size();
     }
     if (chunk.close()) {
       FLATSHARD_RETURN_IF_ERROR(sink.Close(file));

@@ -1,4 +1,4 @@
-// A save, load or export that its client cancels (Client::CancelCheckpointCalls; Ctrl-C
+// A save, load, export or import that its client cancels (Client::CancelCheckpointCalls; Ctrl-C
 // on the `flatshard` command) or whose client dies while the servers work: the servers,
 // which would go on for a part no one will commit (a save, with the job's groups pinned)
 // or a staged copy of the shards no one will install (a load), stop within a slice, keep
@@ -190,6 +190,34 @@ TEST_F(CheckpointInterruptTest, ALoadCancelledWhileTheServersReadInstallsNothing
   AwaitIdle();
   for (const v1::ServerStatus& server : Statuses()) EXPECT_EQ(server.staged_loads_size(), 0);
   EXPECT_EQ(client_->WaitVersion("big", 0).value_or(-1), 1);  // not rolled back
+}
+
+// Ctrl-C on `flatshard import` while server 0 writes the files: it drops them, and once it
+// lists the import no more, nothing of it is listed or left in its root; the name is free.
+TEST_F(CheckpointInterruptTest, CtrlCOnAnImportLeavesNothing) {
+  const testing::ScratchDir exported("import-interrupted");
+  ASSERT_TRUE(client_->ExportStateDict(exported.path(), CheckpointKind::kFull, false).ok());
+  bool listed_while_written = false;
+  const absl::StatusOr<int> status =
+      cluster_.InterruptCommand("import", {"--name=x", "--in=" + exported.path()}, [&](pid_t) {
+        if (!SaveFileIn(root_.path(), "x")) return false;
+        const std::vector<v1::ServerStatus> statuses = Statuses();
+        for (const v1::CheckpointProgress& row : statuses[0].checkpoints_in_progress()) {
+          listed_while_written |= row.name() == "x" && row.operation() == "import" && row.total() > 0;
+        }
+        return true;
+      });
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 130) << *status;
+  EXPECT_TRUE(listed_while_written);
+  AwaitIdle();
+  const auto listed = client_->ListCheckpoints();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty()) << (*listed)[0].name << " complete: " << (*listed)[0].complete;
+  EXPECT_FALSE(fs::exists(root_.path() + "/.x.partial"));
+  const absl::StatusOr<ImportedCheckpoint> imported = client_->ImportCheckpoint("x", exported.path());
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ(imported->groups, std::vector<std::string>{"imported"});
 }
 
 TEST_F(CheckpointInterruptTest, AnExportCancelledFromItsProgressNamesNoFile) {
