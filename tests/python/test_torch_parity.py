@@ -1005,6 +1005,15 @@ class GradScalerPolicyTest(unittest.TestCase):
                 flatshard.torch.GradScaler(ScriptedNorms([]), **bad)
 
 
+# Optimizers whose state every kind of it exercises (Adam's moments, its amsgrad maximum
+# and step count; SGD's momentum buffers): ours and torch's of the same settings.
+OPTIMIZERS_WITH_STATE = [
+    (flatshard.AdamW(lr=1e-2, weight_decay=0.05, amsgrad=True),
+     lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05, amsgrad=True)),
+    (flatshard.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
+     lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3))]
+
+
 class OptimStateDictTest(unittest.TestCase):
     def test_the_servers_optimizer_state_in_torchs_form_matches_torchs(self):
         # One worker on the whole batch against torch's optimizer with the same param
@@ -1013,11 +1022,7 @@ class OptimStateDictTest(unittest.TestCase):
         # about as much, and the squares in Adam's second moments to twice that).
         x, y = make_data("mlp")
         no_decay = [name for name, p in make_model("mlp").named_parameters() if p.ndim < 2]
-        for ours, make_theirs in [
-                (flatshard.AdamW(lr=1e-2, weight_decay=0.05, amsgrad=True),
-                 lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05, amsgrad=True)),
-                (flatshard.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
-                 lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3))]:
+        for ours, make_theirs in OPTIMIZERS_WITH_STATE:
             with self.subTest(optimizer=type(ours).__name__), \
                     checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
                 client = flatshard.Client(cluster.addresses, token=cluster.token, job="optim")
@@ -1047,7 +1052,6 @@ class OptimStateDictTest(unittest.TestCase):
                 model.set_hyperparams(lr=1e-3)
                 self.assertEqual([g["lr"] for g in model.optim_state_dict()["param_groups"]], [1e-3, 1e-3])
 
-
     def test_a_torch_run_resumes_on_flatshard_with_its_optimizer_state(self):
         # Three steps of torch alone, then its model and optimizer state dicts (named) into
         # a ShardedModule and its ServerOptimizer: two more steps agree with torch's own
@@ -1056,11 +1060,7 @@ class OptimStateDictTest(unittest.TestCase):
         import flatshard.torch
         x, y = make_data("mlp")
         no_decay = [name for name, p in make_model("mlp").named_parameters() if p.ndim < 2]
-        for ours, make_theirs in [
-                (flatshard.AdamW(lr=1e-2, weight_decay=0.05, amsgrad=True),
-                 lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05, amsgrad=True)),
-                (flatshard.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
-                 lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-3))]:
+        for ours, make_theirs in OPTIMIZERS_WITH_STATE:
             with self.subTest(optimizer=type(ours).__name__), \
                     checked_cluster.LocalCluster(servers=2, memory=MEMORY,
                                                  checkpoint_root=self.enterContext(tempfile.TemporaryDirectory())) \
