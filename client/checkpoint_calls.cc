@@ -282,7 +282,8 @@ absl::StatusOr<ImportedCheckpoint> CheckpointCalls::Import(Cancellation& cancell
   control_.Prepare(ctx, control_.model_timeout());
   const Registration registered(&cancellation, &ctx);
   v1::ImportResponse response;
-  const std::unique_ptr<grpc::ClientWriter<v1::ImportMessage>> writer = control_.stub(0).ImportCheckpoint(&ctx, &response);
+  const std::unique_ptr<grpc::ClientWriter<v1::ImportMessage>> writer =
+      control_.stub(0).ImportCheckpoint(&ctx, &response);
   v1::ImportMessage first;
   first.set_name(name);
   first.set_version(version);

@@ -22,7 +22,8 @@ absl::StatusOr<StateDictFile> Regular(const std::string& dir, const std::string&
     return absl::NotFoundError(absl::StrCat("'", path.string(), "' is not there (or not a regular file)"));
   }
   const uintmax_t bytes = fs::file_size(path, error);
-  if (error) return absl::InternalError(absl::StrCat("cannot read the size of '", path.string(), "': ", error.message()));
+  if (error)
+    return absl::InternalError(absl::StrCat("cannot read the size of '", path.string(), "': ", error.message()));
   return StateDictFile{name, static_cast<uint64_t>(bytes)};
 }
 
@@ -52,12 +53,13 @@ absl::StatusOr<bool> AddPrefix(const std::string& dir, const std::string& prefix
   }
   for (const std::string& name : mapped) {
     if (name.find('/') != std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("'", dir, "/", index, "' names '", name, "', not a file beside it"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", dir, "/", index, "' names '", name, "', not a file beside it"));
     }
     absl::StatusOr<StateDictFile> file = Regular(dir, name);
     if (!file.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("'", index, "' maps tensors to '", name, "': ",
-                                                     file.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", index, "' maps tensors to '", name, "': ", file.status().message()));
     }
     files.push_back(*std::move(file));
   }

@@ -1,9 +1,8 @@
 #include "server/checkpoint_import.h"
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cctype>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <utility>
@@ -104,14 +103,14 @@ absl::StatusOr<PrefixTensors> ReadPrefix(const std::string& dir, const std::map<
     absl::StatusOr<SafetensorsHeader> header = SafetensorsHeader::Read(dir + "/" + file);
     if (!header.ok()) return absl::InvalidArgumentError(header.status().message());
     if (header->file_size() != files.at(file)) {
-      return absl::InvalidArgumentError(absl::StrCat("'", file, "' has ", files.at(file), " bytes; its header describes ",
-                                                     header->file_size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", file, "' has ", files.at(file), " bytes; its header describes ", header->file_size()));
     }
     for (const auto& [key, value] : header->metadata()) {
       const auto [it, added] = out.metadata.emplace(key, value);
       if (!added && it->second != value) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("the ", prefix, " files disagree on metadata '", key, "': '", it->second, "' and '", value, "'"));
+        return absl::InvalidArgumentError(absl::StrCat("the ", prefix, " files disagree on metadata '", key, "': '",
+                                                       it->second, "' and '", value, "'"));
       }
     }
     const SafetensorsHeader& kept = out.headers.emplace(file, *std::move(header)).first->second;
@@ -150,9 +149,8 @@ const std::string* Field(const std::map<std::string, std::string>& metadata, con
   return it == metadata.end() ? nullptr : &it->second;
 }
 
-absl::StatusOr<int64_t> NonNegativeField(const std::map<std::string, std::string>& metadata,
-                                         const std::string& group, absl::string_view suffix,
-                                         std::optional<int64_t> absent) {
+absl::StatusOr<int64_t> NonNegativeField(const std::map<std::string, std::string>& metadata, const std::string& group,
+                                         absl::string_view suffix, std::optional<int64_t> absent) {
   const std::string* text = Field(metadata, group, suffix);
   if (text == nullptr && absent.has_value()) return *absent;
   int64_t value = 0;
@@ -168,7 +166,7 @@ absl::StatusOr<int64_t> NonNegativeField(const std::map<std::string, std::string
 absl::StatusOr<Json> OptimizerGroups(const PrefixTensors& model, const PrefixTensors& state, int64_t version) {
   Json groups = Json::array();
   absl::flat_hash_map<std::string, std::string> owner;  // model tensor -> its group
-  std::set<std::string> claimed;                         // the state tensors of the groups' tensors
+  std::set<std::string> claimed;                        // the state tensors of the groups' tensors
   for (const auto& [key, value] : state.metadata) {
     absl::string_view group_view = key;
     if (!absl::ConsumeSuffix(&group_view, ".params")) continue;
@@ -178,7 +176,8 @@ absl::StatusOr<Json> OptimizerGroups(const PrefixTensors& model, const PrefixTen
       return absl::InvalidArgumentError(absl::StrCat("the optimizer metadata lacks '", group, ".optimizer'"));
     }
     FLATSHARD_ASSIGN_OR_RETURN(const int64_t steps, NonNegativeField(state.metadata, group, ".step", std::nullopt));
-    FLATSHARD_ASSIGN_OR_RETURN(const int64_t group_version, NonNegativeField(state.metadata, group, ".version", version));
+    FLATSHARD_ASSIGN_OR_RETURN(const int64_t group_version,
+                               NonNegativeField(state.metadata, group, ".version", version));
     const std::vector<std::string> fqns = absl::StrSplit(value, ',');
     // The state the group's first tensor has is the group's.
     std::vector<std::string> states;
@@ -194,8 +193,8 @@ absl::StatusOr<Json> OptimizerGroups(const PrefixTensors& model, const PrefixTen
       }
       const SafetensorsTensor& tensor = *found->second;
       if (const auto [it, added] = owner.emplace(fqn, group); !added) {
-        return absl::InvalidArgumentError(absl::StrCat("the optimizer metadata lists tensor '", fqn,
-                                                       "' in groups '", it->second, "' and '", group, "'"));
+        return absl::InvalidArgumentError(absl::StrCat("the optimizer metadata lists tensor '", fqn, "' in groups '",
+                                                       it->second, "' and '", group, "'"));
       }
       for (const char* name : kStates) {
         const std::string state_name = absl::StrCat(fqn, ".", name);
@@ -204,13 +203,12 @@ absl::StatusOr<Json> OptimizerGroups(const PrefixTensors& model, const PrefixTen
         if (held == state.by_name.end() && !wanted) continue;
         if (held == state.by_name.end() || !wanted) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "group '", group, "' has optimizer state [", absl::StrJoin(states, ", "), "] for tensor '",
-              fqns.front(), "' but ", held == state.by_name.end() ? "lacks " : "also holds ", "'", state_name, "'"));
+              "group '", group, "' has optimizer state [", absl::StrJoin(states, ", "), "] for tensor '", fqns.front(),
+              "' but ", held == state.by_name.end() ? "lacks " : "also holds ", "'", state_name, "'"));
         }
         if (held->second->dtype != DType::kFloat32 || held->second->shape != tensor.shape) {
-          return absl::InvalidArgumentError(absl::StrCat("optimizer state '", state_name,
-                                                         "' must be float32 of the tensor's shape ",
-                                                         Json(tensor.shape).dump()));
+          return absl::InvalidArgumentError(absl::StrCat(
+              "optimizer state '", state_name, "' must be float32 of the tensor's shape ", Json(tensor.shape).dump()));
         }
         claimed.insert(state_name);
       }
@@ -232,8 +230,8 @@ absl::StatusOr<Json> OptimizerGroups(const PrefixTensors& model, const PrefixTen
   }
   for (const SafetensorsTensor* tensor : model.order) {
     if (owner.count(tensor->name) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("model tensor '", tensor->name,
-                                                     "' is in no group of the optimizer metadata (\"<group>.params\")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model tensor '", tensor->name, "' is in no group of the optimizer metadata (\"<group>.params\")"));
     }
   }
   for (const SafetensorsTensor* tensor : state.order) {

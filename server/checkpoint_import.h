@@ -20,10 +20,9 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "absl/status/statusor.h"
 
@@ -40,9 +39,10 @@ struct ImportedCheckpoint {
 
 // Describes the files `files` (name -> size) of directory `dir`, whose groups get
 // `version` where the files do not say; `group_specs` gets the manifest's "groups" (as
-// server/checkpoint_writer.cc's GroupJson writes them, without "align"). InvalidArgument saying what is wrong: a file
-// missing or not mapped by its index, a malformed header, a tensor in no group or in
-// two, optimizer state missing or of another dtype or shape.
+// server/checkpoint_writer.cc's GroupJson writes them, without "align").
+// InvalidArgument saying what is wrong: a file missing or not mapped by its index, a
+// malformed header, a tensor in no group or in two, optimizer state missing or of
+// another dtype or shape.
 [[nodiscard]] absl::StatusOr<ImportedCheckpoint> DescribeImport(const std::string& dir,
                                                                 const std::map<std::string, uint64_t>& files,
                                                                 int64_t version, nlohmann::json& group_specs);

@@ -516,7 +516,8 @@ grpc::Status FlatshardService::ImportCheckpoint(grpc::ServerContext* ctx, grpc::
       open.insert(file);
       (*import)->progress().total += chunk.file_size();
     } else if (open.count(file) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("import '", name, "': a chunk of '", file, "', which is not open"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("import '", name, "': a chunk of '", file, "', which is not open"));
     }
     if (!chunk.data().empty()) {
       FLATSHARD_RETURN_IF_ERROR(sink.Write(

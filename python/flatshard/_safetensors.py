@@ -1,8 +1,9 @@
 """Reads the float32 tensors of a safetensors file that flatshard wrote (an export's
 optimizer.safetensors, or its split files through their index), for
-ShardedModule.optim_state_dict, and writes one (load_optim_state_dict). The format: an 8-byte little-endian header length N, N
-bytes of JSON {name: {"dtype", "shape", "data_offsets": [begin, end)}, "__metadata__":
-{str: str}}, then the data, offsets relative to its start."""
+ShardedModule.optim_state_dict, and writes one (load_optim_state_dict). The format: an
+8-byte little-endian header length N, N bytes of JSON {name: {"dtype", "shape",
+"data_offsets": [begin, end)}, "__metadata__": {str: str}}, then the data, offsets
+relative to its start."""
 
 import json
 import os

@@ -1107,8 +1107,8 @@ def named_optim_state_dict(module, optimizer):
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         for param, index in zip(group["params"], saved_group["params"]):
             if id(param) not in names:
-                raise flatshard.InvalidArgumentError(
-                    f"the optimizer trains a tensor of shape {tuple(param.shape)} that is not a parameter of the module")
+                raise flatshard.InvalidArgumentError(f"the optimizer trains a tensor of shape {tuple(param.shape)} "
+                                                     "that is not a parameter of the module")
             by_index[index] = names[id(param)]
     return {"state": {by_index[index]: state for index, state in saved["state"].items()},
             "param_groups": [dict(group, params=[by_index[index] for index in group["params"]])

@@ -248,8 +248,10 @@ TEST(ExportIntegrationTest, AnExportImportedWithTheCommandTrainsOnInAnotherClust
     std::vector<float> values(layout.padded_numel());
     const absl::StatusOr<int64_t> got = client.Gather("g", version, DType::kFloat32, AsBytes(values)).get();
     EXPECT_TRUE(got.ok()) << got.status();
-    std::vector<float> tensors(values.begin() + layout.tensor_offset(0), values.begin() + layout.tensor_offset(0) + 3000);
-    tensors.insert(tensors.end(), values.begin() + layout.tensor_offset(1), values.begin() + layout.tensor_offset(1) + 7);
+    const auto w = values.begin() + layout.tensor_offset(0);
+    const auto b = values.begin() + layout.tensor_offset(1);
+    std::vector<float> tensors(w, w + 3000);
+    tensors.insert(tensors.end(), b, b + 7);
     return tensors;
   };
   auto gradient = [](const FlatLayout& layout) {

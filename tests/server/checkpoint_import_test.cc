@@ -51,9 +51,9 @@ class ImportedExport : public ::testing::Test {
                 Tensor("b.exp_avg_sq", {3}), Tensor("v.momentum_buffer", {4})});
   }
   void WriteState(std::vector<SafetensorsTensor> tensors, std::map<std::string, std::string> changes = {}) {
-    std::map<std::string, std::string> metadata = {
-        {"format", "pt"}, {"a.params", "w,b"}, {"a.optimizer", "adamw"}, {"a.step", "5"}, {"a.version", "6"},
-        {"a.hyperparams", "{}"}, {"s.params", "v"}, {"s.optimizer", "sgd"}, {"s.step", "5"}};
+    std::map<std::string, std::string> metadata = {{"format", "pt"},  {"a.params", "w,b"},    {"a.optimizer", "adamw"},
+                                                   {"a.step", "5"},   {"a.version", "6"},     {"a.hyperparams", "{}"},
+                                                   {"s.params", "v"}, {"s.optimizer", "sgd"}, {"s.step", "5"}};
     for (const auto& [key, value] : changes) {
       if (value.empty()) {
         metadata.erase(key);
