@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "core/state_dict_files.h"
 #include "core/status_macros.h"
 
 namespace flatshard::client_internal {
@@ -31,21 +32,17 @@ bool AllChars(absl::string_view text, int (*is)(int)) {
   return std::all_of(text.begin(), text.end(), [is](char c) { return is(static_cast<unsigned char>(c)) != 0; });
 }
 
-// Whether `text` is "<digits>" (at least `min_digits`) and then `tail`.
-bool IsNumberThen(absl::string_view text, size_t min_digits, absl::string_view tail) {
-  return absl::ConsumeSuffix(&text, tail) && text.size() >= min_digits && AllChars(text, isdigit);
+// Whether `text` is "<digits>" (at least one) and then `tail`.
+bool IsNumberThen(absl::string_view text, absl::string_view tail) {
+  return absl::ConsumeSuffix(&text, tail) && !text.empty() && AllChars(text, isdigit);
 }
 
 // The names an export gives its files (server/checkpoint_writer.cc): FULL's model and
-// optimizer files, split ("model-00001-of-00003.safetensors") or not, with their
-// indexes, and SHARDED's file per server ("shard-3.safetensors").
+// optimizer files (core/state_dict_files.h), and SHARDED's file per server
+// ("shard-3.safetensors").
 bool IsExportFileName(absl::string_view name) {
-  if (absl::ConsumePrefix(&name, "shard-")) return IsNumberThen(name, 1, ".safetensors");
-  if (!absl::ConsumePrefix(&name, "model") && !absl::ConsumePrefix(&name, "optimizer")) return false;
-  if (name == ".safetensors" || name == ".safetensors.index.json") return true;
-  const size_t of = name.find("-of-");
-  return absl::ConsumePrefix(&name, "-") && of != absl::string_view::npos &&
-         IsNumberThen(name.substr(0, of - 1), 5, "") && IsNumberThen(name.substr(of + 3), 5, ".safetensors");
+  if (absl::ConsumePrefix(&name, "shard-")) return IsNumberThen(name, ".safetensors");
+  return IsStateDictFileName(name);
 }
 
 // Whether `name` is an export's temporary file.

@@ -1,18 +1,17 @@
 #include "client/import_files.h"
 
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "core/file.h"
+#include "core/state_dict_files.h"
 #include "core/status_macros.h"
 
 namespace flatshard::client_internal {
 namespace {
 
 namespace fs = std::filesystem;
-using Json = nlohmann::json;
 
 // `dir`/`name` as a file to send; NotFound if it is not a regular file.
 absl::StatusOr<StateDictFile> Regular(const std::string& dir, const std::string& name) {
@@ -39,18 +38,9 @@ absl::StatusOr<bool> AddPrefix(const std::string& dir, const std::string& prefix
     return true;
   }
   FLATSHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(dir + "/" + index));
-  const Json parsed = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!parsed.is_object() || !parsed.contains("weight_map") || !parsed["weight_map"].is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat("'", dir, "/", index, "' is not JSON with a \"weight_map\" object"));
-  }
+  FLATSHARD_ASSIGN_OR_RETURN(const auto weight_map, ParseWeightMap(text, dir + "/" + index));
   std::set<std::string> mapped;
-  for (const auto& [tensor, file] : parsed["weight_map"].items()) {
-    if (!file.is_string()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("'", dir, "/", index, "' maps tensor '", tensor, "' to ", file.dump(), ", not a file name"));
-    }
-    mapped.insert(file.get<std::string>());
-  }
+  for (const auto& [tensor, file] : weight_map) mapped.insert(file);
   for (const std::string& name : mapped) {
     if (name.find('/') != std::string::npos) {
       return absl::InvalidArgumentError(

@@ -1,7 +1,6 @@
 #include "server/checkpoint_import.h"
 
 #include <algorithm>
-#include <cctype>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -16,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "core/file.h"
 #include "core/safetensors.h"
+#include "core/state_dict_files.h"
 #include "core/status_macros.h"
 
 namespace flatshard::server {
@@ -26,20 +26,6 @@ using Json = nlohmann::json;
 // The optimizer states a FULL file may hold per tensor, in the order groups keep them
 // (Optimizer::state_names).
 constexpr const char* kStates[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
-
-bool AllDigits(absl::string_view text) {
-  return !text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return std::isdigit(c) != 0; });
-}
-
-// Whether `file` is one of a split state dict's files: "<prefix>-<i>-of-<n>.safetensors".
-bool IsSplitFile(absl::string_view file, absl::string_view prefix) {
-  if (!absl::ConsumePrefix(&file, prefix) || !absl::ConsumePrefix(&file, "-") ||
-      !absl::ConsumeSuffix(&file, ".safetensors")) {
-    return false;
-  }
-  const std::vector<absl::string_view> numbers = absl::StrSplit(file, "-of-");
-  return numbers.size() == 2 && AllDigits(numbers[0]) && AllDigits(numbers[1]);
-}
 
 // The tensors of one prefix's files ("model" or "optimizer"): one file, or the files a
 // split state dict's index maps.
@@ -54,17 +40,13 @@ struct PrefixTensors {
 absl::StatusOr<std::map<std::string, std::string>> ReadWeightMap(const std::string& dir, const std::string& index,
                                                                  const std::set<std::string>& split) {
   FLATSHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(dir + "/" + index));
-  const Json parsed = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!parsed.is_object() || !parsed.contains("weight_map") || !parsed["weight_map"].is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat("'", index, "' is not JSON with a \"weight_map\" object"));
-  }
-  std::map<std::string, std::string> weight_map;
-  for (const auto& [tensor, file] : parsed["weight_map"].items()) {
-    if (!file.is_string() || split.count(file.get<std::string>()) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("'", index, "' maps tensor '", tensor, "' to ", file.dump(),
-                                                     ", which is not among the files imported"));
+  using WeightMap = std::map<std::string, std::string>;
+  FLATSHARD_ASSIGN_OR_RETURN(WeightMap weight_map, ParseWeightMap(text, index));
+  for (const auto& [tensor, file] : weight_map) {
+    if (split.count(file) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", index, "' maps tensor '", tensor, "' to '", file, "', which is not among the files imported"));
     }
-    weight_map[tensor] = file.get<std::string>();
   }
   return weight_map;
 }
@@ -75,7 +57,7 @@ absl::StatusOr<PrefixTensors> ReadPrefix(const std::string& dir, const std::map<
   const std::string index = single + ".index.json";
   std::set<std::string> split;
   for (const auto& [file, size] : files) {
-    if (IsSplitFile(file, prefix)) split.insert(file);
+    if (IsSplitStateDictFileName(file, prefix)) split.insert(file);
   }
   std::map<std::string, std::string> weight_map;  // tensor -> file, for split files
   std::vector<std::string> data_files;
@@ -246,10 +228,7 @@ absl::StatusOr<Json> OptimizerGroups(const PrefixTensors& model, const PrefixTen
 }  // namespace
 
 absl::Status CheckImportedFileName(const std::string& file) {
-  for (const char* prefix : {"model", "optimizer"}) {
-    const std::string single = absl::StrCat(prefix, ".safetensors");
-    if (file == single || file == single + ".index.json" || IsSplitFile(file, prefix)) return absl::OkStatus();
-  }
+  if (IsStateDictFileName(file)) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("'", file, "' is not a file of a FULL state dict (model.safetensors, model-<i>-of-<n>.safetensors, ",
                    "model.safetensors.index.json, and the same for optimizer)"));

@@ -1,9 +1,9 @@
 // Checkpoint imports (ImportCheckpoint, proto/flatshard.proto): a FULL state dict brought
 // from a client's disk into server 0's root, as the files of a checkpoint whose manifest
 // server 0 writes. The files are what an export writes, or what PyTorch and Hugging Face
-// tools write: model.safetensors, or model.safetensors.index.json and the
-// model-<i>-of-<n>.safetensors files its weight_map names; optionally the optimizer's
-// likewise. What the manifest says of them comes from the files alone, checked here:
+// tools write (names as core/state_dict_files.h gives them): model.safetensors, or
+// model.safetensors.index.json and the split files its weight_map names; optionally the
+// optimizer's likewise. What the manifest says of them comes from the files alone, checked here:
 //  - with optimizer files, their metadata describes the groups as a FULL save writes it:
 //    "<group>.params" (the group's fqns, comma-separated, in layout order), ".optimizer",
 //    ".step", and, from exports that have them, ".version" and ".momentum_initialized"

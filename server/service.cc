@@ -30,6 +30,20 @@ grpc::Status ToGrpc(const absl::Status& status) {
 
 using ExportStream = grpc::ServerReaderWriter<v1::ExportMessage, v1::ExportStep>;
 
+// What a chunk a peer or client streams here carries (WriteCheckpointPart, ImportCheckpoint)
+// into `sink`: its file opened first with `open` (of chunk.file_size, `exclusive` as
+// CheckpointSink::Open takes it), its bytes, the file closed last with chunk.close.
+absl::Status WriteChunk(CheckpointSink& sink, const v1::ExportChunk& chunk, bool open, bool exclusive) {
+  if (open) FLATSHARD_RETURN_IF_ERROR(sink.Open(chunk.file(), chunk.file_size(), exclusive));
+  if (!chunk.data().empty()) {
+    FLATSHARD_RETURN_IF_ERROR(sink.Write(
+        chunk.file(), chunk.offset(),
+        absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
+  }
+  if (chunk.close()) FLATSHARD_RETURN_IF_ERROR(sink.Close(chunk.file()));
+  return absl::OkStatus();
+}
+
 // Export: checkpoint files as a stream of chunks (at most chunk_bytes of data each).
 class StreamSink final : public CheckpointSink {
  public:
@@ -474,15 +488,7 @@ grpc::Status FlatshardService::WriteCheckpointPart(grpc::ServerContext* ctx,
       const absl::Status finished = checkpoints_.FinishPart(name, save_id, rank, **sink, message.part(), async);
       return finished.ok() || absl::IsAlreadyExists(finished) ? ToGrpc(finished) : abandon(finished);
     }
-    const v1::ExportChunk& chunk = message.chunk();
-    absl::Status status;
-    if (message.open()) status.Update((*sink)->Open(chunk.file(), chunk.file_size(), message.exclusive()));
-    if (status.ok() && !chunk.data().empty()) {
-      status.Update((*sink)->Write(
-          chunk.file(), chunk.offset(),
-          absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
-    }
-    if (status.ok() && chunk.close()) status.Update((*sink)->Close(chunk.file()));
+    const absl::Status status = WriteChunk(**sink, message.chunk(), message.open(), message.exclusive());
     if (!status.ok()) return abandon(status);
   }
   // The sender went away (or failed) before its last message.
@@ -512,23 +518,18 @@ grpc::Status FlatshardService::ImportCheckpoint(grpc::ServerContext* ctx, grpc::
       if (!sent.emplace(file, chunk.file_size()).second) {
         return absl::InvalidArgumentError(absl::StrCat("import '", name, "': '", file, "' is sent twice"));
       }
-      FLATSHARD_RETURN_IF_ERROR(sink.Open(file, chunk.file_size(), /*exclusive=*/true));
-      open.insert(file);
-      (*import)->progress().total += chunk.file_size();
     } else if (open.count(file) == 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("import '", name, "': a chunk of '", file, "', which is not open"));
     }
-    if (!chunk.data().empty()) {
-      FLATSHARD_RETURN_IF_ERROR(sink.Write(
-          file, chunk.offset(),
-          absl::MakeConstSpan(reinterpret_cast<const std::byte*>(chunk.data().data()), chunk.data().size())));
-      (*import)->progress().done += chunk.data().size();
+    FLATSHARD_RETURN_IF_ERROR(WriteChunk(sink, chunk, message.open(), /*exclusive=*/true));
+    ProgressCounter& progress = (*import)->progress();
+    if (message.open()) {
+      open.insert(file);
+      progress.total += chunk.file_size();
     }
-    if (chunk.close()) {
-      FLATSHARD_RETURN_IF_ERROR(sink.Close(file));
-      open.erase(file);
-    }
+    progress.done += chunk.data().size();
+    if (chunk.close()) open.erase(file);
     return absl::OkStatus();
   };
   do {
