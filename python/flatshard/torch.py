@@ -43,7 +43,13 @@ the module resumes at the loaded version, so the loop goes on with its next batc
 ``param_dtype`` / ``reduce_dtype`` follow FSDP's ``MixedPrecision``: parameters are
 gathered in param_dtype (the servers keep the fp32 master and cast), gradients are sent
 in reduce_dtype (default: param_dtype) and accumulated in it under ``no_sync()``. One
-backward per step outside ``no_sync()`` (a second one raises); sync jobs only.
+backward per step outside ``no_sync()`` (a second one raises); sync jobs only. Modules
+of the classes in ``full_precision_modules`` (default BatchNorm's, as FSDP's
+``MixedPrecision`` leaves them out) stay in fp32 under a lower param_dtype or
+reduce_dtype: their parameters are a flat parameter of their own,
+``<module's group>.<full_precision>``, gathered and sent in fp32; their floating buffers
+are fp32; their forward takes its floating inputs cast to fp32 and gives its outputs back
+in the inputs' dtype, as FSDP's hooks do.
 
 Shared parameters (tied embeddings: one Parameter under several names) are stored once,
 under the first name ``named_parameters()`` gives; ``state_dict()`` repeats them under
@@ -143,6 +149,71 @@ def _auto_wrap(module, min_params, keep, prefix=""):
     return groups, [(fqn, p) for fqn, p in own if keep(fqn, p)] + leftover
 
 
+def _cast_floats(value, dtype):
+    """`value` with every floating tensor in it (nested in tuples, lists and dicts) cast to
+    `dtype`."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _floating_dtype(value):
+    """The dtype of the last floating tensor in `value` (as _cast_floats walks it), or None."""
+    if torch.is_tensor(value):
+        return value.dtype if value.is_floating_point() else None
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    found = None
+    for v in values:
+        found = _floating_dtype(v) or found
+    return found
+
+
+def _full_precision_modules(module, classes):
+    """The submodules of `module` that are instances of `classes` (ShardedModule's
+    full_precision_modules), outermost only: one inside another is in full precision
+    already."""
+    classes = tuple(classes or ())
+    if not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+        raise flatshard.InvalidArgumentError(
+            f"full_precision_modules: expected torch.nn.Module classes, got {list(classes)}")
+    found, inside = [], set()
+    for m in module.modules():
+        if id(m) in inside or not isinstance(m, classes):
+            continue
+        found.append(m)
+        inside.update(id(s) for s in m.modules())
+    return found
+
+
+def _run_in_full_precision(module):
+    """Hooks that run `module`'s forward in fp32, as FSDP's do for the module classes its
+    MixedPrecision leaves out: floating inputs cast to fp32, floating outputs cast back to
+    the dtype of the last floating input (when it was another)."""
+    cast_from = []  # the dtype of each forward in progress (a stack: a module may call itself)
+
+    def before(_module, args):
+        dtype = _floating_dtype(args)
+        cast_from.append(dtype if dtype not in (None, torch.float32) else None)
+        return _cast_floats(args, torch.float32) if cast_from[-1] is not None else None
+
+    def after(_module, _args, output):
+        dtype = cast_from.pop()
+        return _cast_floats(output, dtype) if dtype is not None else None
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
+def _precision_suffix(full_precision):
+    """What a flat parameter's name ends with: `.<full_precision>` for the one of a
+    module's parameters that stay fp32 under a lower param_dtype."""
+    return ".<full_precision>" if full_precision else ""
+
+
 def _parameter_names(module):
     """(canonical, aliases): canonical maps id(param) to the name named_parameters() gives
     it (its first); aliases maps every other name of a shared parameter to that one."""
@@ -195,8 +266,9 @@ def _param_group_settings(optimizer, param_groups, canonical, aliases):
 
 
 class _Group:
-    """One flat parameter: `params` view `flat`; gradients gather in `flat_grad` (None for
-    the frozen parameters' group), each parameter's in its view of it (`grad_views`).
+    """One flat parameter: `params` view `flat` (of param_dtype); gradients gather in
+    `flat_grad` (of reduce_dtype; None for the frozen parameters' groups), each
+    parameter's in its view of it (`grad_views`).
     `flat_buffer` and `grad_buffer` are what the client reads and writes
     (_client_buffer)."""
 
@@ -260,6 +332,7 @@ class _Buffers:
         self.flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         self.flat_buffer = _client_buffer(self.flat)
         self.grad_buffer = self.flat_buffer  # what a step sends: the values themselves
+        self.param_dtype = self.reduce_dtype = torch.float32  # gathered and sent as held
         self.pending_gather = None
         self.gathered_step = None
         self.pending_scatter = None
@@ -348,6 +421,14 @@ def _persistent_buffers(module):
     return entries
 
 
+def _by_dtype(groups, dtype_of):
+    """{dtype name: [group]} in the groups' order, for a transfer call per dtype."""
+    calls = {}
+    for group in groups:
+        calls.setdefault(_NAMES[dtype_of(group)], []).append(group)
+    return calls
+
+
 class _Bucket:
     """Small groups whose gradients wait to be sent together (ShardedModule._scatter). A
     plain object: each change of a module's attribute costs a torch.nn.Module.__setattr__,
@@ -416,7 +497,7 @@ class ShardedModule(torch.nn.Module):
 
     def __init__(self, module, client, optimizer, param_dtype=None, reduce_dtype=None,
                  auto_wrap_min_params=100_000, name="model", load_checkpoint=None, param_groups=None,
-                 load_strict=True):
+                 load_strict=True, full_precision_modules=(torch.nn.modules.batchnorm._BatchNorm,)):
         super().__init__()
         if getattr(module, "_flatshard_wrapped", False):  # its parameters' hooks send to that one
             raise flatshard.InvalidArgumentError(
@@ -435,6 +516,18 @@ class ShardedModule(torch.nn.Module):
         for dtype in (self._param_dtype, self._reduce_dtype):
             if dtype not in _NAMES:
                 raise flatshard.InvalidArgumentError(f"dtype {dtype}: expected float32, bfloat16 or float16")
+        # FSDP's MixedPrecision._module_classes_to_ignore: modules kept in fp32 (nothing to
+        # keep apart when everything is fp32).
+        full_precision = _full_precision_modules(module, full_precision_modules)
+        if self._param_dtype == torch.float32 and self._reduce_dtype == torch.float32:
+            full_precision = []
+        in_full_precision = {id(p) for m in full_precision for p in m.parameters()}
+        with torch.no_grad():  # their buffers are fp32 before the servers' group of buffers is laid out
+            for m in full_precision:
+                for submodule in m.modules():
+                    for attr, buffer in submodule._buffers.items():
+                        if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                            submodule._buffers[attr] = buffer.float()
         canonical, self._aliases = _parameter_names(module)
         optimizers, entry_of = _param_group_settings(optimizer, param_groups, canonical, self._aliases)
         self._param_group_count = len(optimizers)
@@ -446,6 +539,8 @@ class ShardedModule(torch.nn.Module):
         if rest:
             wrapped.insert(0, ("", rest))  # the root group: forward starts there
         frozen = [(fqn, p) for fqn, p in module.named_parameters() if not p.requires_grad]
+        frozen_full = [(fqn, p) for fqn, p in frozen if id(p) in in_full_precision]
+        frozen = [(fqn, p) for fqn, p in frozen if id(p) not in in_full_precision]
         buffers = _persistent_buffers(module)
         modules = dict(module.named_modules())
         # fp32 initial values, taken before the parameters become views of (possibly
@@ -453,32 +548,38 @@ class ShardedModule(torch.nn.Module):
         initial = {fqn: p.detach().float().clone() for fqn, p in module.named_parameters()}
         initial.update({fqn: getattr(owner, attr).detach().float().clone() for fqn, owner, attr in buffers})
         # Every group in one call per server: (name, module path, parameters, optimizer,
-        # param_groups entry). A wrapped module whose parameters are in several entries
-        # gets a flat parameter per entry, as FSDP needs one optimizer setting per flat
-        # parameter: the parameters in none of them first, under the module's own name.
+        # param_groups entry, in full precision). A wrapped module whose parameters are in
+        # several entries gets a flat parameter per entry, as FSDP needs one optimizer
+        # setting per flat parameter: the parameters in none of them first, under the
+        # module's own name; and one more for each entry's parameters kept in fp32, as a
+        # flat parameter has one dtype.
         specs = []
         for path, params in wrapped:
             base = f"{name}.{path or '<root>'}"
             by_entry = collections.defaultdict(list)
             for fqn, param in params:
-                by_entry[entry_of.get(fqn, -1)].append((fqn, param))
-            for entry in sorted(by_entry):
-                specs.append((base, path, by_entry[entry], optimizer, None) if entry < 0 else
-                             (f"{base}.<param_groups[{entry}]>", path, by_entry[entry], optimizers[entry], entry))
+                by_entry[entry_of.get(fqn, -1), id(param) in in_full_precision].append((fqn, param))
+            for entry, full in sorted(by_entry):
+                group_name = (base if entry < 0 else f"{base}.<param_groups[{entry}]>") + _precision_suffix(full)
+                specs.append((group_name, path, by_entry[entry, full], optimizer if entry < 0 else optimizers[entry],
+                              None if entry < 0 else entry, full))
         trained = len(specs)
-        if frozen:
-            specs.append((f"{name}.<frozen>", None, frozen, flatshard.Frozen(), None))
+        for params, full in ((frozen, False), (frozen_full, True)):
+            if params:
+                specs.append((f"{name}.<frozen>{_precision_suffix(full)}", None, params, flatshard.Frozen(), None,
+                              full))
         registered = [(group_name, [(fqn, tuple(p.shape), "float32") for fqn, p in params], group_optimizer)
-                      for group_name, _, params, group_optimizer, _ in specs]
+                      for group_name, _, params, group_optimizer, _, _ in specs]
         if buffers:
             registered.append((f"{name}.<buffers>", [(fqn, tuple(getattr(owner, attr).shape), "float32")
                                                      for fqn, owner, attr in buffers], flatshard.Average()))
         layouts = client.register_groups(registered) if registered else []
         groups = [_Group(group_name, path, modules[path] if path is not None else None, params, layout,
-                         self._param_dtype, self._reduce_dtype, trained=path is not None, param_group=entry)
-                  for (group_name, path, params, _, entry), layout in zip(specs, layouts)]
+                         torch.float32 if full else self._param_dtype, torch.float32 if full else self._reduce_dtype,
+                         trained=path is not None, param_group=entry)
+                  for (group_name, path, params, _, entry, full), layout in zip(specs, layouts)]
         self._groups = groups[:trained]  # trained, in forward order
-        self._frozen = groups[trained] if frozen else None
+        self._frozen = groups[trained:len(specs)]  # the frozen parameters' groups (one per dtype)
         self._buffer_group = _Buffers(f"{name}.<buffers>", buffers, layouts[-1]) if buffers else None
         # Worker 0's load_checkpoint: what it left out (None elsewhere, or without one).
         self.load_result = None
@@ -489,17 +590,20 @@ class ShardedModule(torch.nn.Module):
                 lambda _m, _inputs, index=index: self._before_forward(index))
             for fqn, param in group.params:
                 param.register_hook(lambda grad, group=group, fqn=fqn: self._on_grad(group, fqn, grad))
+        for m in full_precision:
+            _run_in_full_precision(m)
         self._params = list(self.parameters())  # what _clear_grads clears each step
         module._flatshard_wrapped = True
 
     @property
     def groups(self):
         """[(group name, module path, [parameter fqn])], in forward order, then the frozen
-        parameters' group (module path None) if there is one."""
+        parameters' groups (module path None; a second, `<frozen>.<full_precision>`, for
+        those of full_precision_modules under a lower param_dtype)."""
         return [(g.name, g.path, [f for f, _ in g.params]) for g in self._all_groups()]
 
     def _all_groups(self):
-        return self._groups + ([self._frozen] if self._frozen else [])
+        return self._groups + self._frozen
 
     def _pushed_groups(self):
         """Every group worker 0 pushes: the flat parameters, then the buffers'."""
@@ -569,9 +673,9 @@ class ShardedModule(torch.nn.Module):
 
     def _gather_frozen(self):
         """Fills the frozen parameters from the servers (they never change there)."""
-        if self._frozen:
-            self._client.gather_async(self._frozen.name, 0, _NAMES[self._param_dtype],
-                                      out=self._frozen.flat_buffer).wait()
+        for transfer in [self._client.gather_async(group.name, 0, _NAMES[group.param_dtype], out=group.flat_buffer)
+                         for group in self._frozen]:
+            transfer.wait()
 
     def _gather_all(self):
         # Every group is at self._step when a forward starts (step() waited for it), so a
@@ -581,20 +685,16 @@ class ShardedModule(torch.nn.Module):
         gather = [group for group in self._groups
                   if group.pending_gather is None and group.gathered_step != self._step]
         # The buffers (fp32) once per step: later forwards of the step go on from the
-        # buffers as those left them, as torch's do. With the parameters where they are
-        # gathered in fp32 too (one call for all).
+        # buffers as those left them, as torch's do.
         buffers = self._buffer_group
         if buffers is not None and buffers.gathered_step != self._step:
-            if self._param_dtype == torch.float32:
-                gather.append(buffers)
-            else:
-                buffers.pending_gather = self._client.gather_async(buffers.name, 0, "float32",
-                                                                   out=buffers.flat_buffer)
-                buffers.gathered_step = self._step
-        if gather:  # in pipelines where the groups are small
-            transfers = self._client.gather_many_async([group.name for group in gather], 0, _NAMES[self._param_dtype],
-                                                       [group.flat_buffer for group in gather])
-            for group, transfer in zip(gather, transfers):
+            gather.append(buffers)
+        # One call per dtype (a flat parameter in full precision beside lower ones), in
+        # pipelines where the groups are small.
+        for dtype, members in _by_dtype(gather, lambda group: group.param_dtype).items():
+            transfers = self._client.gather_many_async([group.name for group in members], 0, dtype,
+                                                       [group.flat_buffer for group in members])
+            for group, transfer in zip(members, transfers):
                 group.gathered_step = self._step  # later forwards of the step reuse it
                 group.pending_gather = transfer
         if buffers is not None and buffers.pending_gather is not None:
@@ -688,7 +788,7 @@ class ShardedModule(torch.nn.Module):
         size = group.flat_grad.numel() * group.flat_grad.element_size()
         if size > _BUCKET_GROUP_BYTES:
             group.pending_scatter = self._client.scatter_async(
-                group.name, group.grad_buffer, self._step, _NAMES[self._reduce_dtype])
+                group.name, group.grad_buffer, self._step, _NAMES[group.reduce_dtype])
             return
         group.bucketed = True
         if self._bucket.add(group, size):
@@ -696,21 +796,17 @@ class ShardedModule(torch.nn.Module):
 
     def _send_bucket(self):
         bucket = self._bucket.groups
-        if not bucket:
-            return
-        transfers = self._client.scatter_many_async([group.name for group in bucket],
-                                                    [group.grad_buffer for group in bucket], self._step,
-                                                    _NAMES[self._reduce_dtype])
         self._bucket.clear()
-        for group, transfer in zip(bucket, transfers):
-            group.bucketed = False
-            group.pending_scatter = transfer
+        for dtype, members in _by_dtype(bucket, lambda group: group.reduce_dtype).items():  # a call per dtype
+            transfers = self._client.scatter_many_async([group.name for group in members],
+                                                        [group.grad_buffer for group in members], self._step, dtype)
+            for group, transfer in zip(members, transfers):
+                group.bucketed = False
+                group.pending_scatter = transfer
 
     def forward(self, *args, **kwargs):
         if self._param_dtype != torch.float32:  # MixedPrecision casts floating inputs too
-            cast = lambda x: x.to(self._param_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
-            args = tuple(cast(a) for a in args)
-            kwargs = {k: cast(v) for k, v in kwargs.items()}
+            args, kwargs = _cast_floats(args, self._param_dtype), _cast_floats(kwargs, self._param_dtype)
         self._voided = False
         if self._hyperparams_from is not None:  # a scheduler's changes, for this step on
             self._hyperparams_from._send()
@@ -750,8 +846,8 @@ class ShardedModule(torch.nn.Module):
             raise flatshard.FailedPreconditionError(
                 f"a checkpoint load voided the last step; the module is at version {self._step}: "
                 "run forward and backward on the next batch before step()")
-        if self._frozen:  # unfrozen after wrapping: its gradient would go nowhere
-            for fqn, param in self._frozen.params:
+        for group in self._frozen:  # unfrozen after wrapping: its gradient would go nowhere
+            for fqn, param in group.params:
                 if param.grad is not None:
                     raise flatshard.FailedPreconditionError(
                         f"parameter '{fqn}' has a gradient, but it was frozen (requires_grad=False) when the "
@@ -793,12 +889,8 @@ class ShardedModule(torch.nn.Module):
         buffers = self._buffer_group
         if buffers is not None and buffers.pending_scatter is None and not buffers.sent and not buffers.bucketed:
             buffers.pack()  # what this step's forwards left in them
-            if self._reduce_dtype == torch.float32:  # with the last bucket, in one call
-                buffers.bucketed = True
-                self._bucket.add(buffers, 0)
-            else:
-                buffers.pending_scatter = self._client.scatter_async(buffers.name, buffers.flat_buffer, self._step,
-                                                                     "float32")
+            buffers.bucketed = True  # with the last bucket (its fp32 call)
+            self._bucket.add(buffers, 0)
         self._send_bucket()
         error = None
         for group in self._stepped():  # every transfer settles before any error is raised
@@ -960,8 +1052,7 @@ class ShardedModule(torch.nn.Module):
         stepped = self._stepped()
         names = [group.name for group in stepped]
         pending = list(zip(stepped, self._client.gather_many_async(names, self._step) if names else []))
-        if self._frozen:
-            pending.append((self._frozen, self._client.gather_async(self._frozen.name, 0)))
+        pending.extend((group, self._client.gather_async(group.name, 0)) for group in self._frozen)
         for group, transfer in pending:
             flat, _ = transfer.wait()
             values = group.layout.views(flat)

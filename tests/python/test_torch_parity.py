@@ -843,9 +843,11 @@ class ModuleBuffersTest(unittest.TestCase):
 
     def test_buffers_move_in_fp32_under_mixed_precision(self):
         # Gradients in bfloat16 (buffers sent apart from them, in fp32), then a model
-        # whose parameters and buffers are bfloat16 (gathered in bfloat16; buffers apart).
+        # whose parameters and buffers are bfloat16, BatchNorm's too (gathered in
+        # bfloat16; buffers apart).
         x, y = make_data("batchnorm")
-        for dtypes in ({"reduce_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16}):
+        for dtypes in ({"reduce_dtype": torch.bfloat16},
+                       {"param_dtype": torch.bfloat16, "full_precision_modules": ()}):  # BatchNorm in bf16
             with self.subTest(**{k: str(v) for k, v in dtypes.items()}), \
                     checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
                 net = make_model("batchnorm")
@@ -961,6 +963,131 @@ class ModuleBuffersTest(unittest.TestCase):
             model.eval()
             with torch.no_grad():
                 self.assertTrue(torch.equal(model(x), exported(x)))
+
+
+def torch_bf16_with_fp32_batchnorm(model, steps, lr):
+    """Trains `model` (the BatchNorm net, fp32) with torch alone, as FSDP's
+    MixedPrecision(param_dtype=torch.bfloat16) runs it on one worker: the Linear layers on
+    bf16 copies of the fp32 parameters and a bf16 input, BatchNorm in fp32 (its parameters
+    and buffers as they are) on its input cast up, its output cast back to bf16; SGD on the
+    fp32 parameters with their gradients as they come (the Linear layers' bf16)."""
+    x, y = make_data("batchnorm")
+    for _ in range(steps):
+        model.zero_grad()
+        h = F.linear(x.bfloat16(), model.fc1.weight.bfloat16())
+        h = model.bn(h.float()).bfloat16()
+        out = F.linear(torch.tanh(h), model.fc2.weight.bfloat16(), model.fc2.bias.bfloat16())
+        F.mse_loss(out.float(), y).backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                param -= lr * param.grad
+    return model
+
+
+class FullPrecisionModulesTest(unittest.TestCase):
+    """BatchNorm kept in fp32 under a lower param_dtype, as FSDP's MixedPrecision keeps it
+    (full_precision_modules)."""
+
+    wrap = ModuleBuffersTest.wrap
+
+    def test_batchnorm_trains_in_fp32_under_bf16_params(self):
+        # The model as it comes (fp32), then converted to bf16 (BatchNorm's buffers too:
+        # they become fp32 again).
+        x, y = make_data("batchnorm")
+        for converted in (False, True):
+            with self.subTest(converted=converted), \
+                    checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+                net = make_model("batchnorm").to(torch.bfloat16 if converted else torch.float32)
+                _, model = self.wrap(cluster, "bn", flatshard.SGD(lr=0.1), net=net, param_dtype=torch.bfloat16)
+                self.assertEqual([name for name, _, _ in model.groups],
+                                 ["model.<root>", "model.<root>.<full_precision>", "model.fc1"])
+                for _ in range(3):
+                    out = model(x)
+                    F.mse_loss(out.float(), y).backward()
+                    model.step()
+                self.assertEqual(out.dtype, torch.bfloat16)  # BatchNorm's output cast back for fc2
+                self.assertEqual([net.fc1.weight.dtype, net.fc2.weight.dtype, net.bn.weight.dtype,
+                                  net.bn.bias.dtype, net.bn.running_var.dtype],
+                                 [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float32])
+                state = model.state_dict()
+            reference = make_model("batchnorm")
+            if converted:
+                reference = reference.to(torch.bfloat16).float()
+            torch_bf16_with_fp32_batchnorm(reference, 3, lr=0.1)
+            for name, value in reference.state_dict().items():
+                self.assertLess(relative_error(state[name], value), REL_TOL, name)
+            # Not what BatchNorm in bf16 gives: its running variance is no bf16 value.
+            self.assertFalse(torch.equal(state["bn.running_var"].bfloat16().float(), state["bn.running_var"]))
+            self.assertTrue(torch.equal(state["bn.num_batches_tracked"], torch.tensor(3)))
+
+    def test_frozen_batchnorm_is_gathered_in_fp32(self):
+        # BatchNorm and fc1 frozen: two frozen groups, BatchNorm's gathered in fp32.
+        x, y = make_data("batchnorm")
+        net = make_model("batchnorm")
+        with torch.no_grad():
+            net.bn.weight.uniform_(0.5, 1.5)  # values bf16 would round
+            net.bn.bias.uniform_(-0.5, 0.5)
+        original = {name: value.clone() for name, value in net.state_dict().items()}
+        for param in list(net.fc1.parameters()) + list(net.bn.parameters()):
+            param.requires_grad_(False)
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, model = self.wrap(cluster, "frozen", flatshard.SGD(lr=0.1), net=net, param_dtype=torch.bfloat16)
+            self.assertEqual(model.groups, [("model.<root>", "", ["fc2.weight", "fc2.bias"]),
+                                            ("model.<frozen>", None, ["fc1.weight"]),
+                                            ("model.<frozen>.<full_precision>", None, ["bn.weight", "bn.bias"])])
+            for _ in range(2):
+                F.mse_loss(model(x).float(), y).backward()
+                model.step()
+            self.assertEqual(net.bn.weight.dtype, torch.float32)
+            self.assertTrue(torch.equal(net.fc1.weight, original["fc1.weight"].bfloat16()))
+            state = model.state_dict()
+        for name in ("fc1.weight", "bn.weight", "bn.bias"):  # frozen: the fp32 values wrapped
+            self.assertTrue(torch.equal(state[name], original[name]), name)
+        self.assertFalse(torch.equal(state["fc2.weight"], original["fc2.weight"]))  # trained
+        self.assertTrue(torch.equal(net.bn.weight, state["bn.weight"]))  # gathered in fp32
+        self.assertTrue(torch.equal(net.bn.bias, state["bn.bias"]))
+
+    def test_a_full_precision_module_runs_on_fp32_inputs_and_gives_back_bf16(self):
+        class Probe(torch.nn.Module):  # a module of the user's, kept in fp32
+            def __init__(self):
+                super().__init__()
+                self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16))
+                self.seen = []
+
+            def forward(self, x, pair):
+                self.seen.append((x.dtype, pair[1].dtype, self.scale.dtype))
+                return x * self.scale, {"sum": x.sum(dim=1)}
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = torch.nn.Linear(8, 16)
+                self.probe = Probe()
+                self.fc2 = torch.nn.Linear(16, 4)
+
+            def forward(self, x):
+                h = self.fc1(x)
+                h, extra = self.probe(h, (1, h))
+                return self.fc2(h), extra["sum"]
+
+        x, y = make_data("mlp")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            for classes in ((Probe,), ()):
+                with self.subTest(classes=classes):
+                    _, model = self.wrap(cluster, f"probe{len(classes)}", flatshard.SGD(lr=0.1), net=Net(),
+                                         param_dtype=torch.bfloat16, full_precision_modules=classes)
+                    out, total = model(x)
+                    F.mse_loss(out.float(), y).backward()
+                    model.step()
+                    inside = torch.float32 if classes else torch.bfloat16
+                    self.assertEqual(model.module.probe.seen, [(inside, inside, inside)])
+                    self.assertEqual((out.dtype, total.dtype), (torch.bfloat16, torch.bfloat16))
+
+    def test_full_precision_modules_must_be_module_classes(self):
+        with checked_cluster.LocalCluster(servers=1, memory=MEMORY) as cluster:
+            with self.assertRaisesRegex(flatshard.InvalidArgumentError, "full_precision_modules: expected"):
+                self.wrap(cluster, "bad", flatshard.SGD(lr=0.1), param_dtype=torch.bfloat16,
+                          full_precision_modules=("BatchNorm1d",))
 
 
 class ScriptedNorms:
