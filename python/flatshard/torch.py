@@ -53,7 +53,7 @@ in the inputs' dtype, as FSDP's hooks do.
 
 Shared parameters (tied embeddings: one Parameter under several names) are stored once,
 under the first name ``named_parameters()`` gives; ``state_dict()`` repeats them under
-every name, as torch's does. Frozen parameters (``requires_grad=False`` when the module
+every name, as torch's does, and so the buffers of a module registered under two paths. Frozen parameters (``requires_grad=False`` when the module
 is wrapped) live in one group of their own, named ``<name>.<frozen>``: on the servers, so
 checkpoints hold them and every worker gets worker 0's values, but gathered once, never
 sent gradients and never stepped (torch's optimizers skip a parameter without a gradient,
@@ -429,6 +429,21 @@ def _by_dtype(groups, dtype_of):
     return calls
 
 
+def _buffer_aliases(module):
+    """{alias: name}: every persistent buffer of a submodule reachable under several paths
+    (one module registered twice) under each path after its first, which
+    _persistent_buffers names it by, as torch's state_dict lists it under every path."""
+    first, aliases = {}, {}
+    for path, submodule in module.named_modules(remove_duplicate=False):
+        canonical = first.setdefault(id(submodule), path)
+        if canonical == path:
+            continue
+        for attr, buffer in submodule._buffers.items():
+            if buffer is not None and attr not in submodule._non_persistent_buffers_set:
+                aliases[f"{path}.{attr}"] = f"{canonical}.{attr}"  # never the root: it is in no module
+    return aliases
+
+
 class _Bucket:
     """Small groups whose gradients wait to be sent together (ShardedModule._scatter). A
     plain object: each change of a module's attribute costs a torch.nn.Module.__setattr__,
@@ -528,7 +543,7 @@ class ShardedModule(torch.nn.Module):
                     for attr, buffer in submodule._buffers.items():
                         if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
                             submodule._buffers[attr] = buffer.float()
-        canonical, self._aliases = _parameter_names(module)
+        canonical, self._aliases = _parameter_names(module)  # parameters' aliases, then buffers'
         optimizers, entry_of = _param_group_settings(optimizer, param_groups, canonical, self._aliases)
         self._param_group_count = len(optimizers)
         self._entry_settings = [optimizer] + optimizers  # what ServerOptimizer starts from
@@ -542,6 +557,7 @@ class ShardedModule(torch.nn.Module):
         frozen_full = [(fqn, p) for fqn, p in frozen if id(p) in in_full_precision]
         frozen = [(fqn, p) for fqn, p in frozen if id(p) not in in_full_precision]
         buffers = _persistent_buffers(module)
+        self._aliases.update(_buffer_aliases(module))
         modules = dict(module.named_modules())
         # fp32 initial values, taken before the parameters become views of (possibly
         # bf16) flat buffers: the servers' master copy starts from full precision.

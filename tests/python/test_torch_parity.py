@@ -908,6 +908,33 @@ class ModuleBuffersTest(unittest.TestCase):
             with torch.no_grad():
                 self.assertTrue(torch.equal(model(x), trained(x)))  # its forward gathered them
 
+    def test_a_module_under_two_paths_has_its_buffers_under_both(self):
+        x, y = make_data("batchnorm")
+        net = make_model("batchnorm")
+        net.norm = net.bn  # one BatchNorm1d, registered twice: torch's state_dict lists both
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, model = self.wrap(cluster, "bn", flatshard.SGD(lr=0.1), net=net)
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            state = model.state_dict()
+            self.assertEqual(list(state), list(net.state_dict()))
+            for name in ("weight", "running_mean", "num_batches_tracked"):
+                self.assertTrue(torch.equal(state[f"norm.{name}"], state[f"bn.{name}"]), name)
+            reference = make_model("batchnorm")
+            reference.norm = reference.bn
+            reference.load_state_dict(state, strict=True)
+            # Pushed under the second path alone (torch's strict load would want both).
+            given = {name: value for name, value in state.items() if not name.startswith("bn.")}
+            given["norm.running_mean"] = torch.full((32,), 3.0)
+            again = make_model("batchnorm")
+            again.norm = again.bn
+            _, fresh = self.wrap(cluster, "pushed", flatshard.SGD(lr=0.1), net=again)
+            result = fresh.load_state_dict(given, strict=False)
+            self.assertEqual(result.missing_keys, sorted(name for name in state if name.startswith("bn.")))
+            pushed = fresh.state_dict()
+            self.assertTrue(torch.equal(pushed["bn.running_mean"], torch.full((32,), 3.0)))
+            self.assertTrue(torch.equal(pushed["bn.running_var"], state["bn.running_var"]))
+
     def test_checkpoints_and_exports_hold_the_buffers(self):
         x, y = make_data("batchnorm")
         with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out, \
