@@ -287,6 +287,7 @@ absl::StatusOr<ImportedCheckpoint> CheckpointCalls::Import(Cancellation& cancell
   v1::ImportMessage first;
   first.set_name(name);
   first.set_version(version);
+  first.set_weights_only(!optimizer);
   absl::Status sent = writer->Write(first) ? absl::OkStatus() : absl::UnavailableError("");
   if (sent.ok()) sent = SendStateDictFiles(*writer, in_dir, files, export_chunk_bytes_, progress);
   if (sent.ok()) {
@@ -308,6 +309,7 @@ absl::StatusOr<ImportedCheckpoint> CheckpointCalls::Import(Cancellation& cancell
   imported.bytes = response.bytes();
   imported.groups.assign(response.groups().begin(), response.groups().end());
   imported.optimizer = response.optimizer();
+  FLATSHARD_ASSIGN_OR_RETURN(imported.kind, FromProto(response.kind()));
   return imported;
 }
 

@@ -32,17 +32,11 @@ bool AllChars(absl::string_view text, int (*is)(int)) {
   return std::all_of(text.begin(), text.end(), [is](char c) { return is(static_cast<unsigned char>(c)) != 0; });
 }
 
-// Whether `text` is "<digits>" (at least one) and then `tail`.
-bool IsNumberThen(absl::string_view text, absl::string_view tail) {
-  return absl::ConsumeSuffix(&text, tail) && !text.empty() && AllChars(text, isdigit);
-}
-
 // The names an export gives its files (server/checkpoint_writer.cc): FULL's model and
 // optimizer files (core/state_dict_files.h), and SHARDED's file per server
 // ("shard-3.safetensors").
 bool IsExportFileName(absl::string_view name) {
-  if (absl::ConsumePrefix(&name, "shard-")) return IsNumberThen(name, ".safetensors");
-  return IsStateDictFileName(name);
+  return IsShardFileName(name) || IsStateDictFileName(name);
 }
 
 // Whether `name` is an export's temporary file.

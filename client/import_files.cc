@@ -1,6 +1,7 @@
 #include "client/import_files.h"
 
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -57,14 +58,37 @@ absl::StatusOr<bool> AddPrefix(const std::string& dir, const std::string& prefix
   return true;
 }
 
+// A SHARDED export's files in `dir`, by shard index.
+absl::StatusOr<std::vector<StateDictFile>> ShardFiles(const std::string& dir) {
+  std::map<int, StateDictFile> shards;
+  std::error_code error;
+  for (fs::directory_iterator entry(dir, error), end; !error && entry != end; entry.increment(error)) {
+    int index = 0;
+    const std::string name = entry->path().filename().string();
+    if (!IsShardFileName(name, &index)) continue;
+    FLATSHARD_ASSIGN_OR_RETURN(shards[index], Regular(dir, name));
+  }
+  if (error) return absl::NotFoundError(absl::StrCat("cannot list '", dir, "': ", error.message()));
+  std::vector<StateDictFile> files;
+  for (auto& [index, file] : shards) files.push_back(std::move(file));
+  return files;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<StateDictFile>> StateDictFiles(const std::string& dir, bool optimizer) {
   std::vector<StateDictFile> files;
   FLATSHARD_ASSIGN_OR_RETURN(const bool model, AddPrefix(dir, "model", files));
+  FLATSHARD_ASSIGN_OR_RETURN(std::vector<StateDictFile> shards, ShardFiles(dir));
+  if (model && !shards.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", dir, "' holds a FULL state dict (", files.front().name,
+                                                   ") and a SHARDED one (", shards.front().name,
+                                                   "): import one directory per state dict"));
+  }
+  if (!shards.empty()) return shards;  // their optimizer state inside: server 0 leaves it out if asked
   if (!model) {
-    return absl::NotFoundError(
-        absl::StrCat("'", dir, "' holds no model.safetensors (nor model.safetensors.index.json) to import"));
+    return absl::NotFoundError(absl::StrCat("'", dir, "' holds no model.safetensors (nor model.safetensors.index.json)",
+                                            " nor shard-<i>.safetensors to import"));
   }
   if (optimizer) FLATSHARD_RETURN_IF_ERROR(AddPrefix(dir, "optimizer", files).status());
   return files;

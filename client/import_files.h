@@ -1,11 +1,12 @@
-// The client's side of an import (Client::ImportCheckpoint): which files of a FULL state
-// dict in a directory of the caller's go to server 0, and their bytes on the
-// ImportCheckpoint stream (proto/flatshard.proto, ImportMessage). For the model and, if
-// asked, the optimizer: "<prefix>.safetensors.index.json" and the files its weight_map
-// names where the index is there (a split state dict), else "<prefix>.safetensors".
-// Other files in the directory stay out (an export's stale leftovers cannot be among
-// them: an export removes them). Server 0 checks what the files hold. Internal to the
-// client library; functions only, thread-safe.
+// The client's side of an import (Client::ImportCheckpoint): which files of a state dict
+// in a directory of the caller's go to server 0, and their bytes on the ImportCheckpoint
+// stream (proto/flatshard.proto, ImportMessage). FULL, for the model and, if asked, the
+// optimizer: "<prefix>.safetensors.index.json" and the files its weight_map names where
+// the index is there (a split state dict), else "<prefix>.safetensors". SHARDED (an
+// export's): every "shard-<i>.safetensors". Other files in the directory stay out (an
+// export's stale leftovers cannot be among them: an export removes them). Server 0
+// checks what the files hold. Internal to the client library; functions only,
+// thread-safe.
 //
 //   FLATSHARD_ASSIGN_OR_RETURN(auto files, StateDictFiles(dir, /*optimizer=*/true));
 //   FLATSHARD_RETURN_IF_ERROR(SendStateDictFiles(*writer, dir, files, 4 << 20, progress));
@@ -29,9 +30,11 @@ struct StateDictFile {
   uint64_t bytes = 0;
 };
 
-// The files an import of `dir` sends, model first. NotFound when `dir` holds neither
-// model.safetensors nor model.safetensors.index.json; InvalidArgument for an index that
-// is not JSON with a "weight_map" of file names, or that names a file not in `dir`.
+// The files an import of `dir` sends: FULL's model first, or SHARDED's by index (whose
+// optimizer state is inside them whatever `optimizer` says). NotFound when `dir` holds
+// neither model.safetensors nor model.safetensors.index.json nor shard files;
+// InvalidArgument for an index that is not JSON with a "weight_map" of file names, or
+// that names a file not in `dir`, or for a FULL state dict beside a SHARDED one.
 [[nodiscard]] absl::StatusOr<std::vector<StateDictFile>> StateDictFiles(const std::string& dir, bool optimizer);
 
 // Writes `files` of `dir` on `writer`, each opened with its size, in chunks of

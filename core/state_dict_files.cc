@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 
@@ -38,6 +39,20 @@ bool IsStateDictFileName(absl::string_view name) {
   }
   return false;
 }
+
+bool IsShardFileName(absl::string_view name, int* index) {
+  absl::string_view number = name;
+  int value = 0;
+  if (!absl::ConsumePrefix(&number, "shard-") || !absl::ConsumeSuffix(&number, ".safetensors") ||
+      number.empty() || !std::isdigit(static_cast<unsigned char>(number[0])) || !absl::SimpleAtoi(number, &value) ||
+      name != ShardFileName(value)) {  // one name per index: no sign, no leading zeros
+    return false;
+  }
+  if (index != nullptr) *index = value;
+  return true;
+}
+
+std::string ShardFileName(int index) { return absl::StrCat("shard-", index, ".safetensors"); }
 
 absl::StatusOr<std::map<std::string, std::string>> ParseWeightMap(absl::string_view text, const std::string& where) {
   const nlohmann::json parsed = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);

@@ -29,8 +29,9 @@ namespace flatshard {
 // renews its staging on the servers that prepared while others still do (RENEW).
 // Revision 6: WaitVersion and SetHyperparams take several groups at once. Revision 7:
 // so does RegisterGroup. Revision 8: SetHyperparams on the data plane too (kSetHyperparams).
-// Revision 9: ImportCheckpoint.
-inline constexpr uint32_t kProtocolRevision = 9;
+// Revision 9: ImportCheckpoint. Revision 10: it takes SHARDED exports (weights_only,
+// kind).
+inline constexpr uint32_t kProtocolRevision = 10;
 
 // This build's version (CMake's PROJECT_VERSION), "0.1.0".
 absl::string_view FlatshardVersion();

@@ -479,7 +479,7 @@ class PyClient {
                  [&](const Client::Progress& p) { return client_->ExportStateDict(path, k, optimizer, p, at); });
   }
 
-  // {"bytes", "groups", "optimizer"}: what Client::ImportCheckpoint brought in.
+  // {"kind", "bytes", "groups", "optimizer"}: what Client::ImportCheckpoint brought in.
   py::dict ImportCheckpoint(const std::string& name, const std::string& path, bool optimizer, int64_t version,
                             const py::object& progress) {
     ImportedCheckpoint imported;
@@ -488,8 +488,8 @@ class PyClient {
       if (done.ok()) imported = *std::move(done);
       return done.status();
     });
-    return py::dict(py::arg("bytes") = imported.bytes, py::arg("groups") = imported.groups,
-                    py::arg("optimizer") = imported.optimizer);
+    return py::dict(py::arg("kind") = std::string(CheckpointKindName(imported.kind)), py::arg("bytes") = imported.bytes,
+                    py::arg("groups") = imported.groups, py::arg("optimizer") = imported.optimizer);
   }
 
   void CancelCheckpointCalls() { client_->CancelCheckpointCalls(); }

@@ -600,6 +600,20 @@ absl::Status CheckpointStore::UnlessCommittedMeanwhile(const std::string& name, 
   return CommittedByAnotherSave(name, save_id);
 }
 
+namespace {
+
+// Writes a SHARDED checkpoint's index.json (`text`) into its directory `dir` and adds its
+// extent to `files`, the manifest's list.
+absl::Status AddShardedIndex(const std::string& dir, const std::string& text,
+                             std::map<std::string, std::vector<FileExtent>>& files) {
+  FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(dir + "/index.json", text));
+  const absl::Span<const std::byte> bytes(reinterpret_cast<const std::byte*>(text.data()), text.size());
+  files["index.json"] = {{0, text.size(), Xxh3(bytes)}};
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 PendingImport::~PendingImport() {
   if (committed_ || dir_.empty()) return;
   std::error_code ignored;
@@ -624,7 +638,8 @@ absl::StatusOr<std::unique_ptr<PendingImport>> CheckpointStore::BeginImport(cons
   return import;
 }
 
-absl::StatusOr<ImportedCheckpoint> CheckpointStore::CommitImport(PendingImport& import, int64_t version) {
+absl::StatusOr<ImportedCheckpoint> CheckpointStore::CommitImport(PendingImport& import, int64_t version,
+                                                                 bool weights_only) {
   std::map<std::string, std::vector<FileExtent>> extents = import.sink_->extents();
   std::map<std::string, uint64_t> sizes;
   for (const auto& [file, written] : extents) {
@@ -639,10 +654,14 @@ absl::StatusOr<ImportedCheckpoint> CheckpointStore::CommitImport(PendingImport& 
     sizes[file] = size;
   }
   Json groups;
-  FLATSHARD_ASSIGN_OR_RETURN(ImportedCheckpoint imported, DescribeImport(import.dir_, sizes, version, groups));
+  FLATSHARD_ASSIGN_OR_RETURN(ImportedCheckpoint imported,
+                             DescribeImport(import.dir_, sizes, version, weights_only, groups));
+  if (imported.kind == CheckpointKind::kSharded) {
+    FLATSHARD_RETURN_IF_ERROR(AddShardedIndex(import.dir_, imported.index_json, extents));
+  }
   const Json manifest{{"job", ""},
-                      {"kind", CheckpointKindName(CheckpointKind::kFull)},
-                      {"servers", 0},
+                      {"kind", CheckpointKindName(imported.kind)},
+                      {"servers", imported.shards},
                       {"optimizer", imported.optimizer},
                       {"imported", true},
                       {"groups", std::move(groups)},
@@ -726,9 +745,7 @@ absl::Status CheckpointStore::CommitParts(const std::string& name, const std::st
     std::vector<std::string> shard_files;
     for (const auto& entry : files) shard_files.push_back(entry.first);
     FLATSHARD_ASSIGN_OR_RETURN(const std::string index, ShardedIndexJson(dir, shard_files));
-    FLATSHARD_RETURN_IF_ERROR(WriteFileAtomically(dir + "/index.json", index));
-    const absl::Span<const std::byte> index_bytes(reinterpret_cast<const std::byte*>(index.data()), index.size());
-    files["index.json"] = {{0, index.size(), Xxh3(index_bytes)}};
+    FLATSHARD_RETURN_IF_ERROR(AddShardedIndex(dir, index, files));
   }
   return WriteManifest(root_, dir, final_dir, name, std::move(manifest), files);
 }

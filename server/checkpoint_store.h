@@ -282,17 +282,20 @@ class CheckpointStore {
   // listed as incomplete.
   void AbandonPart(const std::string& name, const std::string& save_id, int rank, int servers, bool root_per_server,
                    const absl::Status& error);
-  // An import (ImportCheckpoint; server/checkpoint_import.h): server 0 receives a FULL
-  // state dict's files through the sink of BeginImport, into a directory of their own as
-  // a save's part, and CommitImport checks them, describes them (DescribeImport, with
-  // `version` where the files do not say) and commits them as checkpoint `name` with a
-  // manifest of the extents the sink hashed. BeginImport: FailedPrecondition on another
-  // server than 0 (whose root keeps FULL checkpoints) or without a root, AlreadyExists if
-  // `name` is committed or being saved here. CommitImport: InvalidArgument for a file
-  // not sent whole or files that are not a FULL state dict (the import then leaves
-  // nothing, once destroyed); AlreadyExists if a save of the name committed meanwhile.
+  // An import (ImportCheckpoint; server/checkpoint_import.h): server 0 receives a FULL or
+  // SHARDED state dict's files through the sink of BeginImport, into a directory of their
+  // own as a save's part, and CommitImport checks them, describes them (DescribeImport,
+  // with `version` where the files do not say, without optimizer state if
+  // `weights_only`) and commits them as checkpoint `name` of that kind (SHARDED with its
+  // index.json) with a manifest of the extents the sink hashed. BeginImport:
+  // FailedPrecondition on another server than 0 (whose root keeps FULL and SHARDED
+  // checkpoints) or without a root, AlreadyExists if `name` is committed or being saved
+  // here. CommitImport: InvalidArgument for a file not sent whole or files that are not
+  // a state dict (the import then leaves nothing, once destroyed); AlreadyExists if a
+  // save of the name committed meanwhile.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<PendingImport>> BeginImport(const std::string& name);
-  [[nodiscard]] absl::StatusOr<ImportedCheckpoint> CommitImport(PendingImport& import, int64_t version);
+  [[nodiscard]] absl::StatusOr<ImportedCheckpoint> CommitImport(PendingImport& import, int64_t version,
+                                                                bool weights_only);
   // `length` bytes (0: to the end) at `offset` of `file` of committed checkpoint `name`,
   // handed to `emit` in pieces of at most 4 MiB, for a server loading it from this root.
   // NotFound, or DataLoss if the file ends first; `emit`'s error stops the read.

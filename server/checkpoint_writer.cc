@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/safetensors.h"
+#include "core/state_dict_files.h"
 #include "core/status_macros.h"
 #include "kernels/kernels.h"
 
@@ -206,10 +207,19 @@ std::string PieceName(const std::string& group, const std::string& fqn, int64_t 
   return absl::StrCat(group, "/", fqn, "@", intra_start);
 }
 
-// SHARDED and LOCAL: one file per server, written by it alone, fp32.
+// The groups' specs, as the manifest lists them.
+Json GroupSpecs(const std::vector<SavedShard>& shards, bool optimizer) {
+  Json specs = Json::array();
+  for (const SavedShard& shard : shards) specs.push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
+  return specs;
+}
+
+// SHARDED and LOCAL: one file per server, written by it alone, fp32. With
+// `describe_groups`, SHARDED's shard 0 carries what a manifest would say of the files
+// (kShardedDescriptionKey).
 absl::Status WriteOwnFile(CheckpointSink& sink, int rank, CheckpointKind kind,
-                          const std::vector<SavedShard>& shards, bool optimizer, ProgressCounter* progress,
-                          std::vector<std::string>& files) {
+                          const std::vector<SavedShard>& shards, bool optimizer, bool describe_groups,
+                          ProgressCounter* progress, std::vector<std::string>& files) {
   struct Item {
     std::string name;
     const SavedShard* shard;
@@ -239,8 +249,16 @@ absl::Status WriteOwnFile(CheckpointSink& sink, int rank, CheckpointKind kind,
   }
   std::vector<SafetensorsTensor> tensors;
   for (const Item& item : items) tensors.push_back({item.name, DType::kFloat32, {item.count}});
-  FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Build(tensors, {}));
-  const std::string name = absl::StrCat(kind == CheckpointKind::kLocal ? "local-" : "shard-", rank, ".safetensors");
+  std::map<std::string, std::string> metadata;
+  if (describe_groups && kind == CheckpointKind::kSharded && rank == 0) {
+    metadata[kShardedDescriptionKey] = Json{{"shards", shards.front().group->layout().num_shards()},
+                                            {"optimizer", optimizer},
+                                            {"groups", GroupSpecs(shards, optimizer)}}
+                                           .dump();
+  }
+  FLATSHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Build(tensors, metadata));
+  const std::string name =
+      kind == CheckpointKind::kLocal ? absl::StrCat("local-", rank, ".safetensors") : ShardFileName(rank);
   FLATSHARD_RETURN_IF_ERROR(sink.Open(name, header.file_size(), /*exclusive=*/true));
   FLATSHARD_RETURN_IF_ERROR(sink.Write(name, 0, header.bytes()));
   std::vector<float> slice;
@@ -366,12 +384,11 @@ absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int r
   if (kind == CheckpointKind::kFull) {
     FLATSHARD_RETURN_IF_ERROR(WriteFull(sink, rank, shards, optimizer, max_file_bytes, progress, files));
   } else {
-    FLATSHARD_RETURN_IF_ERROR(WriteOwnFile(sink, rank, kind, shards, optimizer, progress, files));
+    // A save's manifest describes the groups; an export's shard 0 must.
+    FLATSHARD_RETURN_IF_ERROR(
+        WriteOwnFile(sink, rank, kind, shards, optimizer, /*describe_groups=*/group_specs == nullptr, progress, files));
   }
-  if (group_specs != nullptr) {
-    *group_specs = Json::array();
-    for (const SavedShard& shard : shards) group_specs->push_back(GroupJson(*shard.group, shard.snapshot, optimizer));
-  }
+  if (group_specs != nullptr) *group_specs = GroupSpecs(shards, optimizer);
   return files;
 }
 

@@ -503,6 +503,7 @@ grpc::Status FlatshardService::ImportCheckpoint(grpc::ServerContext* ctx, grpc::
   if (!reader->Read(&message)) return ToGrpc(absl::InvalidArgumentError("import: empty stream"));
   const std::string name = message.name();
   const int64_t version = message.version();
+  const bool weights_only = message.weights_only();
   // Held until the commit; an import that ends any other way leaves nothing.
   absl::StatusOr<std::unique_ptr<PendingImport>> import = checkpoints_.BeginImport(name);
   if (!import.ok()) return ToGrpc(import.status());
@@ -538,14 +539,16 @@ grpc::Status FlatshardService::ImportCheckpoint(grpc::ServerContext* ctx, grpc::
         return ToGrpc(absl::InvalidArgumentError(
             absl::StrCat("import '", name, "': '", *open.begin(), "' was not closed before the commit")));
       }
-      absl::StatusOr<ImportedCheckpoint> imported = checkpoints_.CommitImport(**import, version);
+      absl::StatusOr<ImportedCheckpoint> imported = checkpoints_.CommitImport(**import, version, weights_only);
       if (!imported.ok()) return ToGrpc(imported.status());
       uint64_t bytes = 0;
       for (const auto& [file, size] : sent) bytes += size;
       response->set_bytes(bytes);
       for (const std::string& group : imported->groups) response->add_groups(group);
       response->set_optimizer(imported->optimizer);
-      spdlog::info("checkpoint '{}' imported: {} files, {} bytes", name, sent.size(), bytes);
+      response->set_kind(ToProto(imported->kind));
+      spdlog::info("checkpoint '{}' imported ({}): {} files, {} bytes", name,
+                   std::string(CheckpointKindName(imported->kind)), sent.size(), bytes);
       return grpc::Status::OK;
     }
     if (absl::Status taken = take(message); !taken.ok()) return ToGrpc(taken);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -207,7 +208,8 @@ int RunCheckpointCommand(const CheckpointCommandOptions& options, std::ostream& 
                            absl::ToDoubleSeconds(absl::Now() - start), saved.empty() ? "" : ", groups at " + saved);
   }
   if (command == "import") {
-    out << absl::StrFormat("%s in %d group(s), %s optimizer state; load it with: flatshard load --name=%s\n",
+    out << absl::StrFormat("%s %s in %d group(s), %s optimizer state; load it with: flatshard load --name=%s\n",
+                           absl::AsciiStrToUpper(CheckpointKindName(imported.kind)),
                            HumanBytes(static_cast<int64_t>(imported.bytes)), imported.groups.size(),
                            imported.optimizer ? "with" : "without", options.name);
   }

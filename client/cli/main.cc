@@ -60,8 +60,10 @@ ABSL_FLAG(bool, optimizer, false, "save, export: include the optimizer state");
 ABSL_FLAG(std::string, out, "", "export: local directory for the state dict's files");
 ABSL_FLAG(int, chunk_mib, 4,
           "export, import: MiB per streamed chunk (1-64); bounds the memory per server stream");
-ABSL_FLAG(std::string, in, "", "import: local directory holding a FULL state dict (model.safetensors, ...)");
-ABSL_FLAG(bool, weights_only, false, "import: leave the optimizer files out (the optimizer starts afresh at a load)");
+ABSL_FLAG(std::string, in, "",
+          "import: local directory holding a FULL state dict (model.safetensors, ...) or a SHARDED export "
+          "(shard-<i>.safetensors)");
+ABSL_FLAG(bool, weights_only, false, "import: leave the optimizer state out (the optimizer starts afresh at a load)");
 ABSL_FLAG(int64_t, at_version, 0,
           "import: the version of the checkpoint's groups where the files do not say (a weights-only file)");
 ABSL_FLAG(bool, async, false, "save: return once the servers have snapshotted; they write in the background");

@@ -546,16 +546,19 @@ class Client:
         self._native.export_state_dict(str(path), kind, bool(optimizer), progress, cut)
 
     def import_checkpoint(self, name, path, optimizer=True, version=0, progress=None):
-        """The reverse of a FULL export: streams the FULL state dict in directory `path` on
-        this machine (what export_state_dict(kind="full") writes, or a model.safetensors
-        written by torch or Hugging Face tools, split with its index or not; with
-        `optimizer`, the optimizer files beside it) to server 0, which checks it and
-        commits it as checkpoint `name`; load_checkpoint(name) then loads it into any
-        number of servers. Its groups are those the optimizer file's metadata describes
-        (an export's, with their versions and optimizer steps); a file without optimizer
+        """The reverse of an export: streams the state dict in directory `path` on this
+        machine to server 0, which checks it and commits it as checkpoint `name`;
+        load_checkpoint(name) then loads it into any number of servers. FULL: what
+        export_state_dict(kind="full") writes, or a model.safetensors written by torch or
+        Hugging Face tools, split with its index or not (with `optimizer`, the optimizer
+        files beside it); its groups are those the optimizer file's metadata describes (an
+        export's, with their versions and optimizer steps), and a file without optimizer
         state is one group "imported" at `version`, whose optimizer starts afresh at a
-        load. Returns {"bytes", "groups", "optimizer"}. `progress(done, total)` counts
-        the bytes sent; cancelling, as for save_checkpoint, leaves nothing."""
+        load. SHARDED: what export_state_dict(kind="sharded") writes (shard-<i>.safetensors),
+        a SHARDED checkpoint of the exported groups (without their optimizer state unless
+        `optimizer`). Returns {"kind", "bytes", "groups", "optimizer"}. `progress(done,
+        total)` counts the bytes sent; cancelling, as for save_checkpoint, leaves
+        nothing."""
         return self._native.import_checkpoint(str(name), str(path), bool(optimizer), int(version), progress)
 
     def cancel_checkpoint_calls(self):

@@ -108,6 +108,8 @@ TEST_P(ExportFilesTest, AnExportReplacesTheEarlierExportsFilesAndNothingElse) {
                                           "model.bin",
                                           "shard-x.safetensors",
                                           "shard-.safetensors",
+                                          "shard-03.safetensors",  // no export names a shard so
+                                          "shard-+3.safetensors",
                                           "model-1-of-2.safetensors",
                                           "model-00001-of-0000x.safetensors",
                                           "optimizer-00001-of-00002.safetensors.bak",

@@ -195,10 +195,11 @@ TEST(ExportIntegrationTest, AnExportKilledMidWayLeavesNothingInItsDirectory) {
   EXPECT_EQ(Listing(out), std::set<std::string>{"model.safetensors"});
 }
 
-// `flatshard import` brings an export of a 2-server cluster (no checkpoint root) into a
-// 3-server cluster whose servers each have a root of their own: the checkpoint is kept in
-// server 0's root, the others load their shards from there, and the loaded job trains on
-// exactly as the exported one (values, version, Adam's moments and step count).
+// `flatshard import` brings a FULL and a SHARDED export of a 2-server cluster (no
+// checkpoint root) into a 3-server cluster whose servers each have a root of their own:
+// each checkpoint is kept in server 0's root, the others load their shards from there,
+// and the loaded job trains on exactly as the exported one (values, version, Adam's
+// moments and step count).
 TEST(ExportIntegrationTest, AnExportImportedWithTheCommandTrainsOnInAnotherCluster) {
   const std::vector<TensorSpec> tensors = {{"w", {1000, 3}, DType::kFloat32}, {"b", {7}, DType::kFloat32}};
   testing::TestCluster source(2, "tok", ::testing::TempDir());
@@ -212,37 +213,10 @@ TEST(ExportIntegrationTest, AnExportImportedWithTheCommandTrainsOnInAnotherClust
   for (size_t i = 0; i < grad.size(); ++i) grad[i] = std::sin(0.1f * static_cast<float>(i));
   ASSERT_TRUE((*a)->Scatter("g", 0, DType::kFloat32, AsBytes(grad)).get().ok());
   ASSERT_EQ(*(*a)->WaitVersion("g", 1), 1);
-  const testing::ScratchDir exported("import-source");
-  ASSERT_TRUE((*a)->ExportStateDict(exported.path(), CheckpointKind::kFull, true).ok());
+  const testing::ScratchDir full("import-source"), sharded("import-source-sharded");
+  ASSERT_TRUE((*a)->ExportStateDict(full.path(), CheckpointKind::kFull, true).ok());
+  ASSERT_TRUE((*a)->ExportStateDict(sharded.path(), CheckpointKind::kSharded, true).ok());
 
-  const testing::ScratchDir root0("import-root0"), root1("import-root1"), root2("import-root2");
-  testing::TestCluster target(3, "tok", ::testing::TempDir(), "",
-                              {{"--checkpoint_root=" + root0.path()},
-                               {"--checkpoint_root=" + root1.path()},
-                               {"--checkpoint_root=" + root2.path()}});
-  cli::CheckpointCommandOptions command;
-  command.command = "import";
-  command.servers = target.addresses();
-  command.token = "tok";
-  command.name = "moved";
-  std::ostringstream out, err;
-  EXPECT_EQ(cli::RunCheckpointCommand(command, out, err), 2);
-  EXPECT_THAT(err.str(), HasSubstr("flatshard import: --in=DIR is required"));
-  command.in = exported.path();
-  ASSERT_EQ(cli::RunCheckpointCommand(command, out, err), 0) << err.str();
-  EXPECT_THAT(out.str(), HasSubstr("import 'moved': done in"));
-  EXPECT_THAT(out.str(), HasSubstr("groups at g@1"));
-  EXPECT_THAT(out.str(), HasSubstr("in 1 group(s), with optimizer state; load it with: flatshard load --name=moved"));
-  EXPECT_TRUE(fs::exists(root0.path() + "/moved/manifest.json"));
-  EXPECT_FALSE(fs::exists(root1.path() + "/moved"));
-
-  auto b = target.Connect(0, 1);
-  ASSERT_TRUE(b.ok()) << b.status();
-  ASSERT_TRUE((*b)->ConfigureJob({}).ok());
-  auto moved = (*b)->RegisterGroup("g", tensors, 0, AdamOptions{.lr = 0.01});
-  ASSERT_TRUE(moved.ok()) << moved.status();
-  const absl::Status loaded = (*b)->LoadCheckpoint("moved");
-  ASSERT_TRUE(loaded.ok()) << loaded;
   // The tensors' values (w, then b) at `version`, and a gradient laid out as `layout` is.
   auto params = [](Client& client, const FlatLayout& layout, int64_t version) {
     std::vector<float> values(layout.padded_numel());
@@ -261,11 +235,52 @@ TEST(ExportIntegrationTest, AnExportImportedWithTheCommandTrainsOnInAnotherClust
     }
     return g;
   };
-  EXPECT_EQ(*(*b)->WaitVersion("g", 0), 1);
-  EXPECT_EQ(params(**b, **moved, 1), params(**a, **layout, 1));
+  // The source's values at the exports' version and after one more Adam step.
+  const std::vector<float> exported = params(**a, **layout, 1);
   ASSERT_TRUE((*a)->Scatter("g", 1, DType::kFloat32, AsBytes(gradient(**layout))).get().ok());
-  ASSERT_TRUE((*b)->Scatter("g", 1, DType::kFloat32, AsBytes(gradient(**moved))).get().ok());
-  EXPECT_EQ(params(**b, **moved, 2), params(**a, **layout, 2));
+  const std::vector<float> stepped = params(**a, **layout, 2);
+
+  const testing::ScratchDir root0("import-root0"), root1("import-root1"), root2("import-root2");
+  testing::TestCluster target(3, "tok", ::testing::TempDir(), "",
+                              {{"--checkpoint_root=" + root0.path()},
+                               {"--checkpoint_root=" + root1.path()},
+                               {"--checkpoint_root=" + root2.path()}});
+  auto b = target.Connect(0, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE((*b)->ConfigureJob({}).ok());
+  auto moved = (*b)->RegisterGroup("g", tensors, 0, AdamOptions{.lr = 0.01});
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  cli::CheckpointCommandOptions command;
+  command.command = "import";
+  command.servers = target.addresses();
+  command.token = "tok";
+  command.name = "moved";
+  std::ostringstream missing_out, missing_err;
+  EXPECT_EQ(cli::RunCheckpointCommand(command, missing_out, missing_err), 2);
+  EXPECT_THAT(missing_err.str(), HasSubstr("flatshard import: --in=DIR is required"));
+  // Each kind into the 3 servers (SHARDED: resharded from 2 by the load), which load it
+  // from server 0's root and train on as the source did.
+  for (const auto& [dir, kind] : {std::pair{&full, std::string("FULL")}, std::pair{&sharded, std::string("SHARDED")}}) {
+    SCOPED_TRACE(kind);
+    command.in = dir->path();
+    command.name = "moved-" + kind;
+    std::ostringstream out, err;
+    ASSERT_EQ(cli::RunCheckpointCommand(command, out, err), 0) << err.str();
+    EXPECT_THAT(out.str(), HasSubstr("import '" + command.name + "': done in"));
+    EXPECT_THAT(out.str(), HasSubstr("groups at g@1"));
+    EXPECT_THAT(out.str(), HasSubstr(kind + " "));
+    EXPECT_THAT(out.str(), HasSubstr(" in 1 group(s), with optimizer state; load it with: flatshard load --name=" +
+                                     command.name));
+    EXPECT_TRUE(fs::exists(root0.path() + "/" + command.name + "/manifest.json"));
+    EXPECT_EQ(fs::exists(root0.path() + "/" + command.name + "/index.json"), kind == "SHARDED");
+    EXPECT_FALSE(fs::exists(root1.path() + "/" + command.name));
+    const absl::Status loaded = (*b)->LoadCheckpoint(command.name);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    EXPECT_EQ(*(*b)->WaitVersion("g", 0), 1);
+    EXPECT_EQ(params(**b, **moved, 1), exported);
+    ASSERT_TRUE((*b)->Scatter("g", 1, DType::kFloat32, AsBytes(gradient(**moved))).get().ok());
+    EXPECT_EQ(params(**b, **moved, 2), stepped);
+  }
 }
 
 }  // namespace

@@ -403,53 +403,71 @@ class ClientTest(unittest.TestCase):
 
     def test_an_export_imported_into_another_cluster_trains_on_exactly(self):
         # Two groups (Adam, and SGD with momentum) trained 3 steps on a 2-server cluster
-        # without a checkpoint root, exported with their optimizer state, imported into
-        # this 3-server cluster and loaded into another job: values, versions, and the next
+        # without a checkpoint root, exported with their optimizer state (FULL, then
+        # SHARDED: a SHARDED checkpoint, resharded by the load), imported into this
+        # 3-server cluster and loaded into another job: values, versions, and the next
         # step (moments, step counts, momentum) are those of the source, bitwise.
         groups = {"a": (TENSORS, flatshard.Adam(lr=0.01)),
                   "s": ([("w2", (5,), "float32")], flatshard.SGD(lr=0.1, momentum=0.9))}
         rng = np.random.default_rng(7)
         grad = lambda g: {n: rng.standard_normal(shape).astype(np.float32) for n, shape, _ in groups[g][0]}
-        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as source_cluster, \
-                tempfile.TemporaryDirectory() as out:
-            source = flatshard.Client(source_cluster.addresses, token=source_cluster.token, job="src")
-            source.configure_job()
-            for name, (tensors, optimizer) in groups.items():
-                source.register_group(name, tensors, optimizer)
-            source.init_group("a", values(1))
-            source.init_group("s", {"w2": np.arange(5, dtype=np.float32)})
-            for step in range(3):
+        for kind in ("full", "sharded"):
+            with self.subTest(kind=kind), checked_cluster.LocalCluster(servers=2, memory=MEMORY) as source_cluster, \
+                    tempfile.TemporaryDirectory() as out:
+                source = flatshard.Client(source_cluster.addresses, token=source_cluster.token, job="src")
+                source.configure_job()
+                for name, (tensors, optimizer) in groups.items():
+                    source.register_group(name, tensors, optimizer)
+                source.init_group("a", values(1))
+                source.init_group("s", {"w2": np.arange(5, dtype=np.float32)})
+                for step in range(3):
+                    for name in groups:
+                        source.scatter(name, grad(name), step)
+                source.export_state_dict(out, kind=kind, optimizer=True)
+                c = self.client(job=f"imported-{kind}")
+                calls = []
+                imported = c.import_checkpoint(f"from-{kind}", out,
+                                               progress=lambda done, total: calls.append((done, total)))
+                self.assertEqual(imported["kind"], kind)
+                self.assertEqual(sorted(imported["groups"]), ["a", "s"])
+                self.assertTrue(imported["optimizer"])
+                size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+                self.assertEqual(imported["bytes"], size)
+                self.assertEqual(calls[-1], (size, size))
+                listed = {e["name"]: e for e in c.list_checkpoints()}[f"from-{kind}"]
+                self.assertTrue(listed["complete"])
+                self.assertEqual(listed["kind"], kind)
+                self.assertEqual(listed["versions"], {"a": 3, "s": 3})
+                c.configure_job()
+                for name, (tensors, optimizer) in groups.items():
+                    c.register_group(name, tensors, optimizer)
+                c.load_checkpoint(f"from-{kind}")
                 for name in groups:
-                    source.scatter(name, grad(name), step)
-            source.export_state_dict(out, kind="full", optimizer=True)
-            c = self.client(job="imported")
-            calls = []
-            imported = c.import_checkpoint("from-src", out, progress=lambda done, total: calls.append((done, total)))
-            self.assertEqual(sorted(imported["groups"]), ["a", "s"])
-            self.assertTrue(imported["optimizer"])
-            size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-            self.assertEqual(imported["bytes"], size)
-            self.assertEqual(calls[-1], (size, size))
-            listed = {e["name"]: e for e in c.list_checkpoints()}["from-src"]
-            self.assertTrue(listed["complete"])
-            self.assertEqual(listed["versions"], {"a": 3, "s": 3})
-            c.configure_job()
-            for name, (tensors, optimizer) in groups.items():
-                c.register_group(name, tensors, optimizer)
-            c.load_checkpoint("from-src")
-            for name in groups:
-                self.assertEqual(c.version(name), 3)
-                expected, got = source.gather(name, 3), c.gather(name, 3)
-                for fqn in expected:
-                    np.testing.assert_array_equal(got[fqn], expected[fqn])
-            for name in groups:
-                g = grad(name)
-                source.scatter(name, g, 3)
-                c.scatter(name, g, 3)
-                expected, got = source.gather(name, 4), c.gather(name, 4)
-                for fqn in expected:
-                    np.testing.assert_array_equal(got[fqn], expected[fqn])
-        c.delete_checkpoint("from-src")
+                    self.assertEqual(c.version(name), 3)
+                    expected, got = source.gather(name, 3), c.gather(name, 3)
+                    for fqn in expected:
+                        np.testing.assert_array_equal(got[fqn], expected[fqn])
+                for name in groups:
+                    g = grad(name)
+                    source.scatter(name, g, 3)
+                    c.scatter(name, g, 3)
+                    expected, got = source.gather(name, 4), c.gather(name, 4)
+                    for fqn in expected:
+                        np.testing.assert_array_equal(got[fqn], expected[fqn])
+                c.delete_checkpoint(f"from-{kind}")
+                if kind == "sharded":  # weights only: the versions, not the optimizer state
+                    imported = c.import_checkpoint("weights", out, optimizer=False)
+                    self.assertFalse(imported["optimizer"])
+                    weights = self.client(job="weights")
+                    weights.configure_job()
+                    weights.register_group("s", *groups["s"])
+                    weights.load_checkpoint("weights", strict=False)
+                    self.assertEqual(weights.version("s"), 3)
+                    before = weights.gather("s", 3)["w2"]
+                    step = {"w2": np.ones(5, np.float32)}
+                    weights.scatter("s", step, 3)  # momentum afresh: buf = g, p -= lr * g
+                    np.testing.assert_allclose(weights.gather("s", 4)["w2"], before - 0.1, rtol=1e-6)
+                    c.delete_checkpoint("weights")
 
     def test_a_torch_written_file_imports_as_weights(self):
         # A model.safetensors as torch or Hugging Face tools write it (no optimizer state,
@@ -519,6 +537,12 @@ class ClientTest(unittest.TestCase):
                 c.import_checkpoint("bad", out)
             self.assertEqual(names(), before)
             self.assertEqual(os.listdir(self.root.name).count(".bad.partial"), 0)
+            # A SHARDED export's file beside the FULL state dict: which one is meant?
+            open(os.path.join(out, "shard-0.safetensors"), "wb").close()
+            with self.assertRaisesRegex(flatshard.InvalidArgumentError,
+                                        "holds a FULL state dict .model.safetensors. and a SHARDED one"):
+                c.import_checkpoint("bad", out)
+            os.remove(os.path.join(out, "shard-0.safetensors"))
             # Without the optimizer files it is a weights-only import; a second one of the
             # name is refused.
             self.assertFalse(c.import_checkpoint("bad", out, optimizer=False)["optimizer"])

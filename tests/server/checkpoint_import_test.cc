@@ -1,5 +1,5 @@
-// Imports (server/checkpoint_import.h): what the files of a FULL state dict describe, as a
-// checkpoint's manifest lists it, and what is refused; CheckpointStore's side of an
+// Imports (server/checkpoint_import.h): what the files of a FULL or SHARDED state dict
+// describe, as a checkpoint's manifest lists it, and what is refused; CheckpointStore's side of an
 // import (its directory, commit and what a failed one leaves).
 #include "server/checkpoint_import.h"
 
@@ -15,6 +15,7 @@
 #include "core/file.h"
 #include "core/safetensors.h"
 #include "server/checkpoint_store.h"
+#include "server/sharded_index.h"
 #include "tests/scratch_dir.h"
 
 namespace flatshard::server {
@@ -64,7 +65,7 @@ class ImportedExport : public ::testing::Test {
     sizes_["optimizer.safetensors"] = WriteFile(dir_.path(), "optimizer.safetensors", std::move(tensors), metadata);
   }
   absl::StatusOr<ImportedCheckpoint> Describe(int64_t version = 0) {
-    return DescribeImport(dir_.path(), sizes_, version, specs_);
+    return DescribeImport(dir_.path(), sizes_, version, /*weights_only=*/false, specs_);
   }
 
   const testing::ScratchDir dir_{"import"};
@@ -148,7 +149,7 @@ TEST(DescribeImport, ASplitWeightsOnlyFileIsOneGroupAtTheVersionAsked) {
   index({{"x", "model-00001-of-00002.safetensors"},
          {"y", "model-00001-of-00002.safetensors"},
          {"z", "model-00002-of-00002.safetensors"}});
-  absl::StatusOr<ImportedCheckpoint> imported = DescribeImport(dir.path(), sizes, 12, specs);
+  absl::StatusOr<ImportedCheckpoint> imported = DescribeImport(dir.path(), sizes, 12, false, specs);
   ASSERT_TRUE(imported.ok()) << imported.status();
   EXPECT_FALSE(imported->optimizer);
   EXPECT_EQ(imported->groups, std::vector<std::string>{"imported"});
@@ -160,15 +161,170 @@ TEST(DescribeImport, ASplitWeightsOnlyFileIsOneGroupAtTheVersionAsked) {
   index({{"x", "model-00002-of-00002.safetensors"},
          {"y", "model-00001-of-00002.safetensors"},
          {"z", "model-00002-of-00002.safetensors"}});
-  EXPECT_THAT(DescribeImport(dir.path(), sizes, 0, specs).status().message(),
+  EXPECT_THAT(DescribeImport(dir.path(), sizes, 0, false, specs).status().message(),
               HasSubstr("'model-00001-of-00002.safetensors' holds tensor 'x', which "
                         "'model.safetensors.index.json' maps to 'model-00002-of-00002.safetensors'"));
   index({{"x", "model-00001-of-00002.safetensors"}, {"y", "model-00001-of-00002.safetensors"}});
-  EXPECT_THAT(DescribeImport(dir.path(), sizes, 0, specs).status().message(),
+  EXPECT_THAT(DescribeImport(dir.path(), sizes, 0, false, specs).status().message(),
               HasSubstr("maps no tensor to 'model-00002-of-00002.safetensors'"));
   sizes.erase("model.safetensors.index.json");
-  EXPECT_THAT(DescribeImport(dir.path(), sizes, 0, specs).status().message(),
+  EXPECT_THAT(DescribeImport(dir.path(), sizes, 0, false, specs).status().message(),
               HasSubstr("'model-00001-of-00002.safetensors' comes without 'model.safetensors.index.json'"));
+}
+
+// A SHARDED export of two servers: group "a" (Adam: w of 2x3, 5 steps at version 6) and
+// "s" (SGD with momentum: v of 4), each tensor's pieces split 4 + 2 and 2 + 2 between
+// shard 0 and shard 1, each state's as its tensor's; shard 0 describes them.
+class ImportedShardedExport : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    description_ = Json::parse(R"({"shards": 2, "optimizer": true, "groups": [
+      {"name": "a", "align": 4, "tensors": [{"name": "w", "shape": [2, 3], "dtype": "bfloat16"}],
+       "version": 6, "optimizer": "adam", "optimizer_steps": 5, "momentum_initialized": false,
+       "state": ["exp_avg", "exp_avg_sq"]},
+      {"name": "s", "align": 4, "tensors": [{"name": "v", "shape": [4], "dtype": "float32"}],
+       "version": 6, "optimizer": "sgd", "optimizer_steps": 5, "momentum_initialized": true,
+       "state": ["momentum_buffer"]}]})");
+    shards_ = {Pieces({{"a/w@0", 4}, {"s/v@0", 2}}), Pieces({{"a/w@4", 2}, {"s/v@2", 2}})};
+  }
+  // The pieces (name, elements) of a shard, each with its states' pieces.
+  static std::vector<SafetensorsTensor> Pieces(const std::vector<std::pair<std::string, int64_t>>& pieces) {
+    std::vector<SafetensorsTensor> tensors;
+    for (const auto& [name, numel] : pieces) {
+      const std::vector<std::string> states = name[0] == 'a' ? std::vector<std::string>{".exp_avg", ".exp_avg_sq"}
+                                                             : std::vector<std::string>{".momentum_buffer"};
+      tensors.push_back(Tensor(name, {numel}));
+      for (const std::string& state : states) tensors.push_back(Tensor(name + state, {numel}));
+    }
+    return tensors;
+  }
+  absl::StatusOr<ImportedCheckpoint> Describe(bool weights_only = false) {
+    sizes_.clear();
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      const std::string file = "shard-" + std::to_string(i) + ".safetensors";
+      std::map<std::string, std::string> metadata;
+      if (i == 0 && !description_.is_null()) metadata["flatshard.sharded"] = description_.dump();
+      sizes_[file] = WriteFile(dir_.path(), file, shards_[i], metadata);
+    }
+    return DescribeImport(dir_.path(), sizes_, /*version=*/0, weights_only, specs_);
+  }
+
+  const testing::ScratchDir dir_{"import-sharded"};
+  Json description_;
+  std::vector<std::vector<SafetensorsTensor>> shards_;
+  std::map<std::string, uint64_t> sizes_;
+  Json specs_;
+};
+
+TEST_F(ImportedShardedExport, DescribesTheGroupsAndIndexesThePieces) {
+  absl::StatusOr<ImportedCheckpoint> imported = Describe();
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ(imported->kind, CheckpointKind::kSharded);
+  EXPECT_TRUE(imported->optimizer);
+  EXPECT_EQ(imported->shards, 2);
+  EXPECT_EQ(imported->groups, (std::vector<std::string>{"a", "s"}));
+  Json expected = description_["groups"];
+  for (Json& group : expected) group.erase("align");  // only a LOCAL load reads it
+  EXPECT_EQ(specs_, expected) << specs_.dump(1);
+  // The index a SHARDED save's commit writes: shard 1's piece of w's exp_avg_sq at its
+  // offset in that file.
+  absl::StatusOr<ShardedIndex> index = ParseShardedIndex(imported->index_json, "index.json");
+  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_EQ((*index)["a/w.exp_avg_sq"].size(), 2u);
+  const StoredPiece& piece = (*index)["a/w.exp_avg_sq"][1];
+  absl::StatusOr<SafetensorsHeader> shard1 = SafetensorsHeader::Read(dir_.path() + "/shard-1.safetensors");
+  ASSERT_TRUE(shard1.ok());
+  EXPECT_EQ(piece.file, "shard-1.safetensors");
+  EXPECT_EQ(piece.intra_start, 4);
+  EXPECT_EQ(piece.numel, 2);
+  EXPECT_EQ(piece.offset, shard1->data_start() + shard1->Find("a/w@4.exp_avg_sq")->begin);
+
+  // Weights only: the groups keep their versions, not their optimizer state.
+  imported = Describe(/*weights_only=*/true);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_FALSE(imported->optimizer);
+  for (const Json& group : specs_) {
+    EXPECT_EQ(group["version"], 6);
+    EXPECT_EQ(group["optimizer_steps"], 0);
+    EXPECT_EQ(group["state"], Json::array());
+    EXPECT_EQ(group["momentum_initialized"], false);
+  }
+}
+
+TEST_F(ImportedShardedExport, SaysWhatIsWrongWithTheFilesOrTheirDescription) {
+  const Json description = description_;
+  const std::vector<std::vector<SafetensorsTensor>> shards = shards_;
+  struct Case {
+    std::string field;  // a JSON pointer into the description, empty: none
+    Json value;
+    std::string message;
+  };
+  const std::vector<Case> description_cases = {
+      {"/shards", 0, "shards must be between 1 and 1048576"},
+      {"/optimizer", "yes", "has no 'optimizer' boolean"},
+      {"/groups", Json::array(), "lists no groups"},
+      {"/groups/0/name", "a/b", "without '/'"},
+      {"/groups/1/name", "a", "must be unique"},
+      {"/groups/0/version", -1, "group 'a' has no 'version' integer >= 0"},
+      {"/groups/0/optimizer_steps", "5", "has no 'optimizer_steps' integer >= 0"},
+      {"/groups/0/momentum_initialized", 1, "has no 'momentum_initialized' boolean"},
+      {"/groups/0/state/1", "exp_avg", "lists optimizer state \"exp_avg\""},
+      {"/groups/0/state/1", "velocity", "lists optimizer state \"velocity\""},
+      {"/groups/0/tensors", Json::array(), "group 'a' has no tensors"},
+      {"/groups/0/tensors/0/dtype", "int7", "tensor 'w' of group 'a': "},
+      {"/groups/0/tensors/0/shape", Json::array({2, -3}), "tensor 'w' of group 'a' has shape [2,-3]"},
+      {"/groups/0/tensors/0/shape", Json::array({int64_t{1} << 30, int64_t{1} << 30}), "at most 2^50 elements"},
+      {"/groups/1/tensors/0/shape", Json::array({5}), "the shard files hold 4 elements of 's/v', whose tensor has 5"},
+  };
+  for (const Case& c : description_cases) {
+    description_ = description;
+    description_[Json::json_pointer(c.field)] = c.value;
+    const absl::StatusOr<ImportedCheckpoint> imported = Describe();
+    EXPECT_TRUE(absl::IsInvalidArgument(imported.status())) << c.field << ": " << imported.status();
+    EXPECT_THAT(imported.status().message(), HasSubstr(c.message)) << c.field;
+  }
+  description_ = description;
+  ASSERT_TRUE(Describe().ok());
+
+  struct PiecesCase {
+    std::vector<std::vector<SafetensorsTensor>> shards;
+    std::string message;
+  };
+  const std::vector<PiecesCase> pieces_cases = {
+      {{shards[0], Pieces({{"a/w@3", 3}, {"s/v@2", 2}})}, "elements [3, 4) of 'a/w' twice"},
+      {{shards[0], Pieces({{"a/w@5", 1}, {"s/v@2", 2}})}, "elements [4, 5) of 'a/w' in none"},
+      {{shards[0], Pieces({{"s/v@2", 2}})}, "the shard files hold 4 elements of 'a/w', whose tensor has 6"},
+      {{shards[0], Pieces({{"a/w@4", 2}, {"s/v@2", 2}, {"a/x@0", 1}})},
+       "hold pieces of 'a/x', which the description lists no tensor"},
+      {{shards[0], {Tensor("a/w@4", {2}), Tensor("a/w@4.exp_avg", {2}), Tensor("s/v@2", {2}),
+                    Tensor("s/v@2.momentum_buffer", {2})}},
+       "the shard files hold 4 elements of 'a/w.exp_avg_sq', whose tensor has 6"},
+      {{shards[0], {Tensor("a/w-4", {2})}}, "has an unexpected tensor 'a/w-4'"},
+  };
+  for (const PiecesCase& c : pieces_cases) {
+    shards_ = c.shards;
+    const absl::StatusOr<ImportedCheckpoint> imported = Describe();
+    EXPECT_TRUE(absl::IsInvalidArgument(imported.status())) << c.message << ": " << imported.status();
+    EXPECT_THAT(imported.status().message(), HasSubstr(c.message));
+  }
+  shards_ = shards;
+
+  // Files: shard 0 without its description; a shard missing; a file beside the shards.
+  description_ = Json();
+  EXPECT_THAT(Describe().status().message(), HasSubstr("'shard-0.safetensors' has no 'flatshard.sharded' metadata"));
+  description_ = description;
+  ASSERT_TRUE(Describe().ok());
+  sizes_.erase("shard-1.safetensors");
+  EXPECT_THAT(DescribeImport(dir_.path(), sizes_, 0, false, specs_).status().message(),
+              HasSubstr("the import lacks 'shard-1.safetensors' of the 2 shard files"));
+  ASSERT_TRUE(Describe().ok());
+  sizes_["model.safetensors"] = WriteFile(dir_.path(), "model.safetensors", {Tensor("w", {2, 3})});
+  EXPECT_THAT(DescribeImport(dir_.path(), sizes_, 0, false, specs_).status().message(),
+              HasSubstr("holds 'model.safetensors' beside the 2 shard files"));
+  sizes_.erase("model.safetensors");
+  sizes_["shard-01.safetensors"] = 8;
+  EXPECT_THAT(DescribeImport(dir_.path(), sizes_, 0, false, specs_).status().message(),
+              HasSubstr("'shard-01.safetensors' is not a file of a FULL state dict"));
 }
 
 TEST(CheckpointStoreImport, CommitsWhatWasSentWholeAndLeavesNothingOtherwise) {
@@ -198,7 +354,7 @@ TEST(CheckpointStoreImport, CommitsWhatWasSentWholeAndLeavesNothingOtherwise) {
     ASSERT_TRUE((*import)->sink().Open("model.safetensors", size, true).ok());
     ASSERT_TRUE((*import)->sink().Write("model.safetensors", 0, span(0, size / 2)).ok());
     ASSERT_TRUE((*import)->sink().Close("model.safetensors").ok());
-    const absl::Status committed = store.CommitImport(**import, 0).status();
+    const absl::Status committed = store.CommitImport(**import, 0, false).status();
     EXPECT_TRUE(absl::IsInvalidArgument(committed)) << committed;
     EXPECT_THAT(committed.message(), HasSubstr("of the " + std::to_string(size) + " bytes of 'model.safetensors'"));
     EXPECT_EQ(listed(), std::vector<std::string>{"x?"});
@@ -209,7 +365,7 @@ TEST(CheckpointStoreImport, CommitsWhatWasSentWholeAndLeavesNothingOtherwise) {
   ASSERT_TRUE((*import)->sink().Open("model.safetensors", size, true).ok());
   ASSERT_TRUE((*import)->sink().Write("model.safetensors", 0, span(0, size)).ok());
   ASSERT_TRUE((*import)->sink().Close("model.safetensors").ok());
-  ASSERT_TRUE(store.CommitImport(**import, 3).ok());
+  ASSERT_TRUE(store.CommitImport(**import, 3, false).ok());
   import->reset();
   const std::vector<CheckpointInfo> infos = *store.List();
   ASSERT_EQ(infos.size(), 1u);

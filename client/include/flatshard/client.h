@@ -183,6 +183,7 @@ struct IncompatibleTensors {
 
 // What Client::ImportCheckpoint brought into the cluster.
 struct ImportedCheckpoint {
+  CheckpointKind kind = CheckpointKind::kFull;  // of the files, and so of the checkpoint
   uint64_t bytes = 0;               // of the files sent
   std::vector<std::string> groups;  // the checkpoint's groups, as server 0 described the files
   bool optimizer = false;           // whether it holds optimizer state
@@ -457,19 +458,20 @@ class Client {
   // total announced so far.
   [[nodiscard]] virtual absl::Status ExportStateDict(const std::string& out_dir, CheckpointKind kind, bool optimizer,
                                                      Progress progress = nullptr, CutAt at = {}) = 0;
-  // The reverse of a FULL ExportStateDict: streams the FULL state dict in the directory
-  // `in_dir` on this machine (what an export writes, or model.safetensors as PyTorch or
-  // Hugging Face tools write it, split with its index or not; with `optimizer`, the
-  // optimizer files beside it too) to server 0, which checks it and commits it as
-  // checkpoint `name` in its root, as a save is. LoadCheckpoint (or
-  // LoadCheckpointNonStrict) then loads it into any server count, by tensor name. The
-  // groups are those the optimizer file's metadata describes (an export's: each with its
-  // version and optimizer steps); a file without optimizer state is one group at
-  // `version`, whose optimizer starts afresh at a load. Memory stays bounded by a chunk
-  // (ClientOptions::export_chunk_bytes); `progress` counts the bytes sent. NotFound when
-  // `in_dir` has no model file; InvalidArgument (from server 0, naming what is wrong)
-  // for files that are not a FULL state dict; AlreadyExists if `name` exists. A failed
-  // or cancelled import leaves nothing on the servers.
+  // The reverse of ExportStateDict: streams the state dict in the directory `in_dir` on
+  // this machine to server 0, which checks it and commits it as checkpoint `name` in its
+  // root, as a save is. LoadCheckpoint (or LoadCheckpointNonStrict) then loads it into
+  // any server count, by tensor name. FULL: what an export writes, or model.safetensors
+  // as PyTorch or Hugging Face tools write it, split with its index or not (with
+  // `optimizer`, the optimizer files beside it too); the groups are those the optimizer
+  // file's metadata describes (an export's: each with its version and optimizer steps),
+  // and a file without optimizer state is one group at `version`, whose optimizer starts
+  // afresh at a load. SHARDED: a SHARDED export's shard files, a SHARDED checkpoint of the
+  // exported groups (their optimizer state only with `optimizer`). Memory stays bounded
+  // by a chunk (ClientOptions::export_chunk_bytes); `progress` counts the bytes sent.
+  // NotFound when `in_dir` has no model or shard file; InvalidArgument (from server 0,
+  // naming what is wrong) for files that are not a state dict; AlreadyExists if `name`
+  // exists. A failed or cancelled import leaves nothing on the servers.
   [[nodiscard]] virtual absl::StatusOr<ImportedCheckpoint> ImportCheckpoint(const std::string& name,
                                                                             const std::string& in_dir,
                                                                             bool optimizer = true,
