@@ -289,6 +289,9 @@ absl::StatusOr<ImportedCheckpoint> CheckpointCalls::Import(Cancellation& cancell
   first.set_version(version);
   first.set_weights_only(!optimizer);
   absl::Status sent = writer->Write(first) ? absl::OkStatus() : absl::UnavailableError("");
+  // Server 0 answers with its initial metadata once it has taken the name, or ends the
+  // call with its refusal (the name exists): no file goes before it has.
+  if (sent.ok()) writer->WaitForInitialMetadata();
   if (sent.ok()) sent = SendStateDictFiles(*writer, in_dir, files, export_chunk_bytes_, progress);
   if (sent.ok()) {
     if (!cancellation.Seal()) {  // cancelled, and ctx with it: server 0 drops what it has

@@ -507,6 +507,7 @@ grpc::Status FlatshardService::ImportCheckpoint(grpc::ServerContext* ctx, grpc::
   // Held until the commit; an import that ends any other way leaves nothing.
   absl::StatusOr<std::unique_ptr<PendingImport>> import = checkpoints_.BeginImport(name);
   if (!import.ok()) return ToGrpc(import.status());
+  reader->SendInitialMetadata();  // taken: the client sends no file before it sees this
   CheckpointSink& sink = (*import)->sink();
   std::map<std::string, uint64_t> sent;  // every file opened, each once, and its size
   std::set<std::string> open;  // those not closed yet

@@ -546,8 +546,10 @@ class ClientTest(unittest.TestCase):
             # Without the optimizer files it is a weights-only import; a second one of the
             # name is refused.
             self.assertFalse(c.import_checkpoint("bad", out, optimizer=False)["optimizer"])
+            sent = []  # refused before any file goes
             with self.assertRaises(flatshard.AlreadyExistsError):
-                c.import_checkpoint("bad", out, optimizer=False)
+                c.import_checkpoint("bad", out, optimizer=False, progress=lambda done, total: sent.append(done))
+            self.assertEqual(sent, [])
             # Cancelled mid-stream (chunks of 1 MiB), it leaves nothing either.
             write_safetensors(path, {"big": torch.zeros(1 << 20)})
             os.remove(os.path.join(out, "optimizer.safetensors"))
