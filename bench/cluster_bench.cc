@@ -676,14 +676,18 @@ void Checkpoints(int64_t bytes) {
         },
         /*alternate=*/true);
   }
-  row("export full vs dd conv=fdatasync", [&](int) { return dd_write(); },
-      [&](int i) { return client->ExportStateDict(absl::StrCat(dir, "/export-", i), CheckpointKind::kFull, false); });
-  // The reverse: each export streamed back to server 0 (one gRPC stream of 4 MiB chunks,
-  // written through O_DIRECT and fsync'd, as a save writes) and committed as a checkpoint.
-  row("import full vs dd conv=fdatasync", [&](int) { return dd_write(); },
-      [&](int i) {
-        return client->ImportCheckpoint(absl::StrCat("imported-", i), absl::StrCat(dir, "/export-", i)).status();
-      });
+  for (auto [name, kind] : {std::pair{"full", CheckpointKind::kFull}, std::pair{"sharded", CheckpointKind::kSharded}}) {
+    const std::string exported = absl::StrCat(dir, "/export-", name, "-");
+    row(absl::StrCat("export ", name, " vs dd conv=fdatasync"), [&](int) { return dd_write(); },
+        [&](int i) { return client->ExportStateDict(absl::StrCat(exported, i), kind, false); });
+    // The reverse: each export streamed back to server 0 (one gRPC stream of 4 MiB
+    // chunks, written through O_DIRECT and fsync'd, as a save writes) and committed as a
+    // checkpoint (SHARDED: its pieces checked and indexed first).
+    row(absl::StrCat("import ", name, " vs dd conv=fdatasync"), [&](int) { return dd_write(); },
+        [&](int i) {
+          return client->ImportCheckpoint(absl::StrCat("imported-", name, "-", i), absl::StrCat(exported, i)).status();
+        });
+  }
   // The exporter's memory: peak RSS growth over one more export (this process holds the
   // client and both servers, so it bounds the client's from above).
   const int64_t before = ResetPeakRssKib();
