@@ -11,7 +11,8 @@
 //    it owns, in fp32, named "<group>/<fqn>@<first element>" (+ ".<state>"), and
 //    index.json (server/sharded_index.h) saying where every piece of every tensor lives.
 //    A server loading it reads the index and only the pieces that overlap its new shard:
-//    any server count.
+//    any server count. An export has no index: its shard 0 describes the groups in its
+//    metadata instead (core/state_dict_files.h), from which an import writes the index.
 //  - LOCAL: local-<rank>.safetensors with each group's flat shard and optimizer state as
 //    they are; loads only into the same server count and layout.
 // Hybrid-sharded jobs (server/job.h): every replica group holds the same shards, so

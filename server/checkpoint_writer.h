@@ -80,8 +80,10 @@ uint64_t PartBytes(CheckpointKind kind, bool optimizer, const std::vector<SavedS
 
 // Writes this server's part of the checkpoint files into `sink` (FULL files above
 // `max_file_bytes` of data are split Hugging Face style); returns the names of the files
-// it wrote to and, if asked, the groups' specs for the manifest (a JSON array). With
-// `progress`, adds each slice of tensor bytes to progress->done once the sink took it.
+// it wrote to and, if asked, the groups' specs for the manifest (a JSON array). Not asked
+// (an export: no manifest goes with the files), a SHARDED shard 0 carries them in its
+// metadata (core/state_dict_files.h, kShardedDescriptionKey). With `progress`, adds each
+// slice of tensor bytes to progress->done once the sink took it.
 [[nodiscard]] absl::StatusOr<std::vector<std::string>> WriteShards(CheckpointSink& sink, int rank,
                                                                    CheckpointKind kind, bool optimizer,
                                                                    uint64_t max_file_bytes,
