@@ -688,10 +688,18 @@ class ShardedModule(torch.nn.Module):
         return freed
 
     def _gather_frozen(self):
-        """Fills the frozen parameters from the servers (they never change there)."""
-        for transfer in [self._client.gather_async(group.name, 0, _NAMES[group.param_dtype], out=group.flat_buffer)
-                         for group in self._frozen]:
-            transfer.wait()
+        """Fills the frozen parameters from the servers (they never change there): every
+        group's gather settles (none writes into its buffer later) before an error is raised."""
+        transfers = [self._client.gather_async(group.name, 0, _NAMES[group.param_dtype], out=group.flat_buffer)
+                     for group in self._frozen]
+        errors = []
+        for transfer in transfers:
+            try:
+                transfer.wait()
+            except Exception as e:  # noqa: BLE001 (raised below)
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _gather_all(self):
         # Every group is at self._step when a forward starts (step() waited for it), so a
