@@ -437,6 +437,7 @@ class ClientTest(unittest.TestCase):
                 listed = {e["name"]: e for e in c.list_checkpoints()}[f"from-{kind}"]
                 self.assertTrue(listed["complete"])
                 self.assertEqual(listed["kind"], kind)
+                self.assertEqual(listed["servers"], 2 if kind == "sharded" else 0)  # the shards it came in
                 self.assertEqual(listed["versions"], {"a": 3, "s": 3})
                 c.configure_job()
                 for name, (tensors, optimizer) in groups.items():
