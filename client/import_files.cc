@@ -22,8 +22,9 @@ absl::StatusOr<StateDictFile> Regular(const std::string& dir, const std::string&
     return absl::NotFoundError(absl::StrCat("'", path.string(), "' is not there (or not a regular file)"));
   }
   const uintmax_t bytes = fs::file_size(path, error);
-  if (error)
+  if (error) {
     return absl::InternalError(absl::StrCat("cannot read the size of '", path.string(), "': ", error.message()));
+  }
   return StateDictFile{name, static_cast<uint64_t>(bytes)};
 }
 

@@ -17,6 +17,7 @@
 #include "core/safetensors.h"
 #include "core/state_dict_files.h"
 #include "core/status_macros.h"
+#include "server/json_fields.h"
 #include "server/sharded_index.h"
 
 namespace flatshard::server {
@@ -232,13 +233,13 @@ constexpr int64_t kMaxNumel = int64_t{1} << 50;
 // Most shard files a SHARDED import's description may announce.
 constexpr int64_t kMaxShards = 1 << 20;
 
-// `spec`'s field `key`, an integer >= 0; InvalidArgument naming it and `what` otherwise.
+// `spec`'s field `key`, an integer in [0, 2^63) as a manifest's (server/json_fields.h);
+// InvalidArgument naming it and `what` otherwise: the description came from a client.
 absl::StatusOr<int64_t> CountField(const Json& spec, const char* key, const std::string& what) {
-  const auto it = spec.find(key);
-  if (it == spec.end() || !it->is_number_integer() || it->get<int64_t>() < 0) {  // past 2^63: negative
-    return absl::InvalidArgumentError(absl::StrCat(what, " has no '", key, "' integer >= 0"));
-  }
-  return it->get<int64_t>();
+  absl::StatusOr<int64_t> value = NonNegativeInteger(spec, key, /*absent=*/-1, what);
+  if (!value.ok()) return absl::InvalidArgumentError(value.status().message());
+  if (*value < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": \"", key, "\" is missing"));
+  return value;
 }
 
 // `spec`'s field `key` of JSON type `type`; InvalidArgument naming it and `what` otherwise.

@@ -779,19 +779,21 @@ def two_workers_with_averaged_buffers(steps, lr):
     return copies[0]
 
 
+def wrap_in_cluster(cluster, job, optimizer, rank=0, workers=1, net=None, **options):
+    """(client, ShardedModule of `net`, default a new BatchNorm net) of worker `rank` of job
+    `job` on `cluster`."""
+    import flatshard.torch
+    client = flatshard.Client(cluster.addresses, worker_rank=rank, num_workers=workers, token=cluster.token, job=job)
+    client.configure_job()
+    return client, flatshard.torch.ShardedModule(net or make_model("batchnorm"), client, optimizer,
+                                                 auto_wrap_min_params=200, **options)
+
+
 class ModuleBuffersTest(unittest.TestCase):
     """Module buffers (BatchNorm's running statistics, num_batches_tracked) on the servers:
     stepped with the parameters, the workers' mean, in state_dict, checkpoints and exports."""
 
-    def wrap(self, cluster, job, optimizer, rank=0, workers=1, net=None, **options):
-        """(client, ShardedModule of `net`, default a new BatchNorm net) of worker `rank`
-        of job `job`."""
-        import flatshard.torch
-        client = flatshard.Client(cluster.addresses, worker_rank=rank, num_workers=workers, token=cluster.token,
-                                  job=job)
-        client.configure_job()
-        return client, flatshard.torch.ShardedModule(net or make_model("batchnorm"), client, optimizer,
-                                                     auto_wrap_min_params=200, **options)
+    wrap = staticmethod(wrap_in_cluster)
 
     def test_one_worker_keeps_torchs_buffers_and_state_dict(self):
         x, y = make_data("batchnorm")
@@ -1015,7 +1017,7 @@ class FullPrecisionModulesTest(unittest.TestCase):
     """BatchNorm kept in fp32 under a lower param_dtype, as FSDP's MixedPrecision keeps it
     (full_precision_modules)."""
 
-    wrap = ModuleBuffersTest.wrap
+    wrap = staticmethod(wrap_in_cluster)
 
     def test_batchnorm_trains_in_fp32_under_bf16_params(self):
         # The model as it comes (fp32), then converted to bf16 (BatchNorm's buffers too:

@@ -265,8 +265,8 @@ TEST_F(ImportedShardedExport, SaysWhatIsWrongWithTheFilesOrTheirDescription) {
       {"/groups", Json::array(), "lists no groups"},
       {"/groups/0/name", "a/b", "without '/'"},
       {"/groups/1/name", "a", "must be unique"},
-      {"/groups/0/version", -1, "group 'a' has no 'version' integer >= 0"},
-      {"/groups/0/optimizer_steps", "5", "has no 'optimizer_steps' integer >= 0"},
+      {"/groups/0/version", -1, "group 'a': \"version\" must be a non-negative integer, not -1"},
+      {"/groups/0/optimizer_steps", "5", "group 'a': \"optimizer_steps\" must be a non-negative integer"},
       {"/groups/0/momentum_initialized", 1, "has no 'momentum_initialized' boolean"},
       {"/groups/0/state/1", "exp_avg", "lists optimizer state \"exp_avg\""},
       {"/groups/0/state/1", "velocity", "lists optimizer state \"velocity\""},
@@ -283,6 +283,9 @@ TEST_F(ImportedShardedExport, SaysWhatIsWrongWithTheFilesOrTheirDescription) {
     EXPECT_TRUE(absl::IsInvalidArgument(imported.status())) << c.field << ": " << imported.status();
     EXPECT_THAT(imported.status().message(), HasSubstr(c.message)) << c.field;
   }
+  description_ = description;
+  description_["groups"][1].erase("version");
+  EXPECT_THAT(Describe().status().message(), HasSubstr("group 's': \"version\" is missing"));
   description_ = description;
   ASSERT_TRUE(Describe().ok());
 
