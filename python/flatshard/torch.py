@@ -36,6 +36,26 @@ A forward's gathers go out together likewise (``gather_many_async``).
 
 Loss scaling for float16 (``GradScaler`` below) needs a job with ``skip_nonfinite``.
 
+By default a worker holds every group's full parameters (gathered again in place each
+step) and their gradients, as FSDP's NO_SHARD holds them. ``reshard_after_forward=True``
+is FSDP's FULL_SHARD: a group's parameters are freed once its module's forward has run
+and gathered again (at the step's version) when backward reaches the module. Each
+group's turn, in forward or backward, prefetches the groups that come after it in the
+order the last forward ran them (in backward, the reverse of the order their forwards
+ended): the next one, and more while their parameters fit in 1 MiB, so that small groups
+go in pipelines. A parameter's gradient goes into its group's flat gradient buffer alone
+(``param.grad`` stays None), which is freed once sent. So a worker holds the parameters of
+the group in use and those prefetched, and the gradients in flight, besides the root
+group (the leftover parameters: backward begins with them), the groups of shared
+parameters (tied embeddings: another module uses them) and the frozen parameters' group.
+The memory goes with the storage of the flat buffer (as FSDP frees it), so autograd's
+saved views see the parameters gathered again; a freed parameter is an empty tensor, so
+that a use of it outside its module's forward fails on its shape. Every group is gathered
+up front in the first step, and in any step those whose module's forward did not run in
+the last (used functionally). A recomputation in backward (activation checkpointing)
+gathers what it needs and keeps it until its gradients are in. It costs a second gather
+of every freed group per backward.
+
 A checkpoint load while the workers train (an operator rolling the job back or forward)
 voids the step in progress: ``step()`` or the next forward raises ``AbortedError``, and
 the module resumes at the loaded version, so the loop goes on with its next batch.
@@ -98,6 +118,7 @@ torch's learning-rate schedulers drive the servers' optimizer through ``ServerOp
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import itertools
 import math
@@ -119,15 +140,80 @@ _PUSH_BYTES = 64 << 20  # initial values pushed per init_groups call (ShardedMod
 _BUCKET_GROUP_BYTES = 128 << 10
 _BUCKET_BYTES = 1 << 20
 _BUCKET_GROUPS = 64
+# reshard_after_forward: the parameters gathered ahead of their module (the next group's
+# always, and more while they fit): small groups' gathers go in pipelines.
+_PREFETCH_BYTES = 1 << 20
 
 
-def _client_buffer(tensor):
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}  # bf16: same bits
+
+
+def _client_buffer(tensor, resizable=False):
     """What the client reads or writes for `tensor` every step: a numpy view of a host
     tensor (bfloat16 as int16, the same bits), cheaper to hand over than the tensor's
-    DLPack capsule, or the tensor itself on a GPU (DLPack, for the GPU data planes)."""
+    DLPack capsule, or the tensor itself on a GPU (DLPack, for the GPU data planes).
+    `resizable`: a flat buffer whose storage reshard_after_forward frees and restores, which
+    Tensor.numpy() would fix for good; the array is then over the memory's address and must
+    be dropped before the storage is resized."""
     if tensor.is_cuda:
         return tensor
+    if resizable:
+        raw = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+        return np.frombuffer(raw, dtype=_NUMPY[tensor.dtype])
     return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def _resize_storage(tensor, numel):
+    """Resizes the storage under flat buffer `tensor` (a whole storage) to `numel` of its
+    elements, as FSDP frees and restores its unsharded flat parameters: 0 frees the memory
+    while the tensor and its views (those autograd saved for backward among them) stay,
+    the tensor's numel gives it memory again, not initialized, which those views see."""
+    if hasattr(tensor, "untyped_storage"):
+        tensor.untyped_storage().resize_(numel * tensor.element_size())
+    else:  # torch before 2.0
+        tensor.storage().resize_(numel)
+
+
+def _tensors_in(value):
+    """The tensors in `value`, nested in tuples, lists and dicts (a module's output)."""
+    if torch.is_tensor(value):
+        return [value]
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [t for v in values for t in _tensors_in(v)]
+
+
+class _Prefetch:
+    """Which resharding groups to gather ahead (reshard_after_forward), in `order` (group
+    indices as the last forward ran them, or as its backward will: the reverse of the
+    order their forwards ended): at a group's turn, the groups after it while their
+    parameters fit in _PREFETCH_BYTES (the next one always), topped up in one call once
+    less than half of that is ahead, so that small groups go in pipelines. `sizes[i]`: the
+    bytes of group i's parameters."""
+
+    def __init__(self, order, sizes):
+        self.order = order
+        self.position = {}
+        self.prefix = [0]  # bytes of order[:k]
+        for k, index in enumerate(order):
+            self.position.setdefault(index, k)
+            self.prefix.append(self.prefix[-1] + sizes[index])
+        self.issued = -1  # the last position of `order` whose gather was asked for
+
+    def ahead(self, index):
+        """The group indices to gather at group `index`'s turn (None: before the first);
+        none for a group the order does not hold."""
+        at = -1 if index is None else self.position.get(index)
+        if at is None:
+            return []
+        start = max(self.issued, at) + 1
+        if start > at + 1 and self.prefix[start] - self.prefix[at + 1] >= _PREFETCH_BYTES / 2:
+            return []
+        end = start
+        while end < len(self.order) and (
+                end == at + 1 or self.prefix[end + 1] - self.prefix[at + 1] <= _PREFETCH_BYTES):
+            end += 1
+        self.issued = max(self.issued, end - 1)
+        return self.order[start:end]
 
 
 def _auto_wrap(module, min_params, keep, prefix=""):
@@ -270,10 +356,12 @@ class _Group:
     `flat_grad` (of reduce_dtype; None for the frozen parameters' groups), each
     parameter's in its view of it (`grad_views`).
     `flat_buffer` and `grad_buffer` are what the client reads and writes
-    (_client_buffer)."""
+    (_client_buffer). With ShardedModule's reshard_after_forward, `reshards` groups free
+    `flat` between uses (release/restore) and `flat_grad` once it is sent
+    (release_grad/restore_grad); the buffers are None while freed."""
 
     def __init__(self, name, path, module, params, layout, param_dtype, reduce_dtype, trained=True,
-                 param_group=None):
+                 param_group=None, reshards=False):
         self.name = name
         self.path = path
         self.module = module
@@ -287,8 +375,8 @@ class _Group:
         self.flat = torch.empty(layout.padded_numel, dtype=param_dtype, device=device)
         self.flat_grad = (torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=device)
                           if trained else None)
-        self.flat_buffer = _client_buffer(self.flat)
-        self.grad_buffer = _client_buffer(self.flat_grad) if trained else None
+        self.flat_buffer = _client_buffer(self.flat, resizable=reshards)
+        self.grad_buffer = _client_buffer(self.flat_grad, resizable=reshards) if trained else None
         self.grad_views = {}  # fqn: its gradient's view of flat_grad, of its parameter's shape
         self.pending_gather = None
         self.gathered_step = None  # the step whose gather was issued last
@@ -299,6 +387,13 @@ class _Group:
         self.accumulated = set()  # parameters whose gradient flat_grad holds for the step
         self.eager = True   # wait for its gather before the forward (until its hook is seen)
         self.fired = False  # its module's pre-hook ran in this step
+        self.reshards = reshards  # frees flat after its forward and flat_grad once sent (ShardedModule)
+        self.resident = True  # flat holds memory
+        self.grad_resident = trained  # flat_grad holds memory
+        self.views = {}  # fqn: its parameter's view of flat (what param.data is while resident)
+        self.accumulators = []  # its parameters' AccumulateGrad nodes, kept for their hooks (reshards)
+        self.backward_done = set()  # parameters whose gradient this backward accumulated (reshards)
+        self.scatter_error = None  # of a scatter found finished before step() (reshards), for step() to raise
         offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
         with torch.no_grad():
             for fqn, param in params:
@@ -306,8 +401,42 @@ class _Group:
                 view = self.flat[offset:offset + numel].view(param.shape)
                 view.copy_(param.detach())
                 param.data = view
+                self.views[fqn] = view
                 if trained:
                     self.grad_views[fqn] = self.flat_grad[offset:offset + numel].view(param.shape)
+
+    def release(self):
+        """Frees flat's memory (no gather may be in flight into it). The parameters become
+        empty tensors until restore(), so that a use of them before it fails on their
+        shape rather than reading freed memory; autograd's views of flat keep theirs."""
+        empty = self.flat.new_empty(0)
+        for _, param in self.params:
+            param.data = empty
+        _resize_storage(self.flat, 0)
+        self.flat_buffer = None
+        self.resident = False
+
+    def restore(self):
+        """Gives flat memory again (not initialized: a gather fills it) and the parameters
+        their views of it."""
+        _resize_storage(self.flat, self.flat.numel())
+        self.flat_buffer = _client_buffer(self.flat, resizable=True)
+        for fqn, param in self.params:
+            param.data = self.views[fqn]
+        self.resident = True
+
+    def release_grad(self):
+        """Frees flat_grad's memory (its scatter has finished)."""
+        _resize_storage(self.flat_grad, 0)
+        self.grad_buffer = None
+        self.grad_resident = False
+
+    def restore_grad(self):
+        """Gives flat_grad memory again, zeroed (its padding is sent as it is)."""
+        _resize_storage(self.flat_grad, self.flat_grad.numel())
+        self.flat_grad.zero_()
+        self.grad_buffer = _client_buffer(self.flat_grad, resizable=True)
+        self.grad_resident = True
 
 
 class _Buffers:
@@ -338,6 +467,7 @@ class _Buffers:
         self.pending_scatter = None
         self.bucketed = False
         self.sent = False
+        self.scatter_error = None
         offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
         by_dtype = collections.defaultdict(list)
         for fqn, owner, attr in entries:
@@ -508,11 +638,14 @@ def _replace_optimizer_state(group, given, arrays, metadata):
 
 
 class ShardedModule(torch.nn.Module):
-    """Wraps `module` so its parameters live on the flatshard servers (see module doc)."""
+    """Wraps `module` so its parameters live on the flatshard servers (see module doc);
+    reshard_after_forward=True frees each wrapped module's full parameters between its
+    forward and its backward (FSDP's FULL_SHARD)."""
 
     def __init__(self, module, client, optimizer, param_dtype=None, reduce_dtype=None,
                  auto_wrap_min_params=100_000, name="model", load_checkpoint=None, param_groups=None,
-                 load_strict=True, full_precision_modules=(torch.nn.modules.batchnorm._BatchNorm,)):
+                 load_strict=True, full_precision_modules=(torch.nn.modules.batchnorm._BatchNorm,),
+                 reshard_after_forward=False):
         super().__init__()
         if getattr(module, "_flatshard_wrapped", False):  # its parameters' hooks send to that one
             raise flatshard.InvalidArgumentError(
@@ -524,6 +657,15 @@ class ShardedModule(torch.nn.Module):
         self._accumulating = False  # inside no_sync()
         self._grad_scale = 1.0  # GradScaler.scale(): gradients are divided by it before sending
         self._voided = False  # a load voided the step: step() waits for the next forward
+        if not isinstance(reshard_after_forward, bool):
+            raise flatshard.InvalidArgumentError(
+                f"reshard_after_forward: expected True or False, got {reshard_after_forward!r}")
+        # reshard_after_forward: the order in which this forward's resharding groups began
+        # and ended their forwards, and from the last forward's, which to prefetch after which.
+        self._forward_calls, self._finished_calls = [], []
+        self._forward_prefetch = self._backward_prefetch = None  # _Prefetch
+        self._in_backward = False  # between a backward's first pre-backward hook and its end
+        self._scattering = []  # resharding groups whose gradient is in flight (freed once sent)
         self._name = name
         self._bucket = _Bucket()
         self._param_dtype = param_dtype or torch.float32
@@ -590,11 +732,17 @@ class ShardedModule(torch.nn.Module):
             registered.append((f"{name}.<buffers>", [(fqn, tuple(getattr(owner, attr).shape), "float32")
                                                      for fqn, owner, attr in buffers], flatshard.Average()))
         layouts = client.register_groups(registered) if registered else []
+        # FSDP's FULL_SHARD frees a unit's parameters after its forward, but not the root's
+        # (backward begins with it); nor does it free a shared parameter's, which another
+        # module's forward uses.
+        shared = set(self._aliases.values())
         groups = [_Group(group_name, path, modules[path] if path is not None else None, params, layout,
                          torch.float32 if full else self._param_dtype, torch.float32 if full else self._reduce_dtype,
-                         trained=path is not None, param_group=entry)
+                         trained=path is not None, param_group=entry,
+                         reshards=reshard_after_forward and bool(path) and not any(fqn in shared for fqn, _ in params))
                   for (group_name, path, params, _, entry, full), layout in zip(specs, layouts)]
         self._groups = groups[:trained]  # trained, in forward order
+        self._group_bytes = [group.flat.numel() * group.flat.element_size() for group in self._groups]
         self._frozen = groups[trained:len(specs)]  # the frozen parameters' groups (one per dtype)
         self._buffer_group = _Buffers(f"{name}.<buffers>", buffers, layouts[-1]) if buffers else None
         # Worker 0's load_checkpoint: what it left out (None elsewhere, or without one).
@@ -604,8 +752,16 @@ class ShardedModule(torch.nn.Module):
         for index, group in enumerate(self._groups):
             group.module.register_forward_pre_hook(
                 lambda _m, _inputs, index=index: self._before_forward(index))
+            if group.reshards:
+                group.module.register_forward_hook(
+                    lambda _m, _inputs, output, index=index: self._after_forward(index, output))
             for fqn, param in group.params:
                 param.register_hook(lambda grad, group=group, fqn=fqn: self._on_grad(group, fqn, grad))
+                if group.reshards:  # runs once the parameter's gradient is accumulated
+                    accumulator = param.expand_as(param).grad_fn.next_functions[0][0]
+                    accumulator.register_hook(
+                        lambda *_, group=group, fqn=fqn, param=param: self._after_accumulate(group, fqn, param))
+                    group.accumulators.append(accumulator)
         for m in full_precision:
             _run_in_full_precision(m)
         self._params = list(self.parameters())  # what _clear_grads clears each step
@@ -706,27 +862,47 @@ class ShardedModule(torch.nn.Module):
         # gather asks for no version: one that comes at another means that a checkpoint
         # load moved the servers, which _wait_gather reports (rather than wait for a
         # version that a load back would never bring).
-        gather = [group for group in self._groups
-                  if group.pending_gather is None and group.gathered_step != self._step]
+        # Resharding groups are gathered as their forwards come (each prefetching those
+        # after it in the last forward's order), but for those prefetched from the start and
+        # those whose module's forward has not been seen to run.
+        if self._forward_calls:
+            self._forward_prefetch = _Prefetch(self._forward_calls, self._group_bytes)
+        elif self._forward_prefetch is not None:
+            self._forward_prefetch.issued = -1  # the same order again
+        first = set(self._forward_prefetch.ahead(None)) if self._forward_prefetch else set()
+        self._forward_calls, self._finished_calls = [], []
+        gather = [group for index, group in enumerate(self._groups)
+                  if self._needs_gather(group) and (not group.reshards or group.eager or index in first)]
         # The buffers (fp32) once per step: later forwards of the step go on from the
         # buffers as those left them, as torch's do.
         buffers = self._buffer_group
         if buffers is not None and buffers.gathered_step != self._step:
             gather.append(buffers)
-        # One call per dtype (a flat parameter in full precision beside lower ones), in
-        # pipelines where the groups are small.
-        for dtype, members in _by_dtype(gather, lambda group: group.param_dtype).items():
-            transfers = self._client.gather_many_async([group.name for group in members], 0, dtype,
-                                                       [group.flat_buffer for group in members])
-            for group, transfer in zip(members, transfers):
-                group.gathered_step = self._step  # later forwards of the step reuse it
-                group.pending_gather = transfer
+        self._issue_gathers(gather)
         if buffers is not None and buffers.pending_gather is not None:
             self._wait_gather(buffers)  # on failure the next forward gathers again
             buffers.unpack()  # the servers' values of this step: the workers' mean of the last
         for group in self._groups:
             if group.eager:
                 self._wait_gather(group)
+
+    def _needs_gather(self, group):
+        """Whether `group` holds neither this step's parameters nor a gather of them."""
+        return group.pending_gather is None and (group.gathered_step != self._step or not group.resident)
+
+    def _issue_gathers(self, groups):
+        """Starts the gathers of `groups` (restored first where freed): one call per dtype
+        (a flat parameter in full precision beside lower ones), in pipelines where the
+        groups are small."""
+        for group in groups:
+            if not getattr(group, "resident", True):
+                group.restore()
+        for dtype, members in _by_dtype(groups, lambda group: group.param_dtype).items():
+            transfers = self._client.gather_many_async([group.name for group in members], 0, dtype,
+                                                       [group.flat_buffer for group in members])
+            for group, transfer in zip(members, transfers):
+                group.gathered_step = self._step  # later forwards of the step reuse it
+                group.pending_gather = transfer
 
     def _wait_gather(self, group):
         if group.pending_gather is not None:
@@ -749,13 +925,121 @@ class ShardedModule(torch.nn.Module):
     def _before_forward(self, index):
         group = self._groups[index]
         group.fired = True
+        if group.reshards:
+            self._forward_calls.append(index)
+            self._gather_ahead(group, self._forward_prefetch, index)
         self._wait_gather(group)
+
+    def _gather_ahead(self, group, prefetch, index):
+        """Starts `group`'s gather where it needs one, then those `prefetch` (a _Prefetch or
+        None) says to start at its turn (`index`), in one call."""
+        if self._needs_gather(group):
+            self._issue_gathers([group])
+        if prefetch is not None:
+            self._issue_gathers([self._groups[i] for i in dict.fromkeys(prefetch.ahead(index))
+                                 if self._needs_gather(self._groups[i])])
+
+    def _release(self, group):
+        """Frees a resharding group's parameters, once a gather in flight into them settled
+        (its error is dropped: the group is gathered again when next used)."""
+        try:
+            self._wait_gather(group)
+        except Exception:  # noqa: BLE001 (not resident: its next use gathers and reports)
+            pass
+        if group.resident:
+            group.release()
+
+    def _after_forward(self, index, output):
+        """A resharding group's module ran its forward: its parameters are freed, and hooks
+        on the output gather them again when backward reaches it. In a backward (a
+        recomputation for activation checkpointing) they stay until their gradients are in."""
+        group = self._groups[index]
+        self._finished_calls.append(index)
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            ran = []  # the first of the outputs' gradients runs the hook, once
+
+            def before_backward(_grad):
+                if not ran:
+                    ran.append(True)
+                    self._before_backward(index)
+
+            for tensor in tensors:
+                tensor.register_hook(before_backward)
+        if not self._in_backward:
+            self._release(group)
+
+    def _before_backward(self, index):
+        """Backward reached a resharding group's module: gathers its parameters again (at
+        the step's version) and prefetches those whose forwards ended before its."""
+        if not self._in_backward:
+            self._in_backward = True
+            self._backward_prefetch = _Prefetch(self._finished_calls[::-1], self._group_bytes)
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        group = self._groups[index]
+        try:
+            self._gather_ahead(group, self._backward_prefetch, index)
+            self._wait_gather(group)
+        except flatshard.AbortedError:  # a load moved the servers: the step is void
+            self._in_backward = False
+            self._resume_after_load()
+            raise
+        except BaseException:
+            self._in_backward = False
+            self._settle_gathers()
+            raise
+
+    def _after_accumulate(self, group, fqn, param):
+        """A resharding group's parameter has its gradient (in flat_grad: the parameter keeps
+        none); once all have, the group's parameters are freed."""
+        param.grad = None
+        group.backward_done.add(fqn)
+        if len(group.backward_done) == len(group.params):
+            group.backward_done.clear()
+            self._release(group)
+            self._reap_scatters()
+
+    def _after_backward(self):
+        """The end of a backward: every resharding group's parameters are freed (those of
+        parameters that got no gradient too), and the gradients sent are."""
+        self._in_backward = False
+        for group in self._groups:
+            group.backward_done.clear()
+            if group.reshards:
+                self._release(group)
+        self._reap_scatters()
+
+    def _reap_scatters(self):
+        """Frees the gradients of resharding groups whose scatter has finished; one that
+        failed keeps its gradient and its error, which step() raises (and a step() after
+        it sends the gradient again)."""
+        still = []
+        for group in self._scattering:
+            pending = group.pending_scatter
+            if pending is None:
+                continue
+            if not pending.done():
+                still.append(group)
+                continue
+            group.pending_scatter = None
+            try:
+                pending.wait()
+            except flatshard.AlreadyExistsError:  # a resend: every server has it already
+                pass
+            except BaseException as e:  # noqa: BLE001 (step() raises it)
+                group.scatter_error = e
+                continue
+            group.sent = True
+            group.release_grad()
+        self._scattering = still
 
     def _on_grad(self, group, fqn, grad):
         if group.pending_scatter is not None or group.bucketed or group.sent:  # it would change what was sent
             raise flatshard.FailedPreconditionError(
                 f"group '{group.name}' was already sent for step {self._step}: call step() "
                 "before the next backward, or run the earlier micro-batches under no_sync()")
+        if not group.grad_resident:  # freed once last sent (reshard_after_forward)
+            group.restore_grad()
         target = group.grad_views[fqn]
         grad = grad.detach()
         if self._grad_scale != 1.0:  # unscaled in fp32, then into the reduce dtype
@@ -813,6 +1097,8 @@ class ShardedModule(torch.nn.Module):
         if size > _BUCKET_GROUP_BYTES:
             group.pending_scatter = self._client.scatter_async(
                 group.name, group.grad_buffer, self._step, _NAMES[group.reduce_dtype])
+            if group.reshards:
+                self._scattering.append(group)
             return
         group.bucketed = True
         if self._bucket.add(group, size):
@@ -827,16 +1113,24 @@ class ShardedModule(torch.nn.Module):
             for group, transfer in zip(members, transfers):
                 group.bucketed = False
                 group.pending_scatter = transfer
+                if getattr(group, "reshards", False):
+                    self._scattering.append(group)
 
     def forward(self, *args, **kwargs):
         if self._param_dtype != torch.float32:  # MixedPrecision casts floating inputs too
             args, kwargs = _cast_floats(args, self._param_dtype), _cast_floats(kwargs, self._param_dtype)
         self._voided = False
+        self._in_backward = False  # one that raised never reached its end
         if self._hyperparams_from is not None:  # a scheduler's changes, for this step on
             self._hyperparams_from._send()
         try:
             self._gather_all()
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+            if not torch.is_grad_enabled():  # no backward follows: what was gathered ahead is freed
+                for group in self._groups:
+                    if group.reshards:
+                        self._release(group)
+            return output
         except flatshard.AbortedError:
             self._resume_after_load()
             raise
@@ -895,6 +1189,9 @@ class ShardedModule(torch.nn.Module):
             group.accumulated.clear()
             group.eager = not group.fired
             group.fired = False
+            if group.reshards and group.grad_resident:
+                group.release_grad()
+        self._scattering.clear()
         if self._buffer_group:
             self._buffer_group.sent = False
         self._step += 1
@@ -905,7 +1202,9 @@ class ShardedModule(torch.nn.Module):
         """Sends the step's gradients and waits for the next version. Of several
         transfers' errors it raises an ABORTED one (a load voided the step) first."""
         for group in self._groups:
-            if group.pending_scatter is None and not group.bucketed and not group.sent:
+            if group.pending_scatter is None and not group.bucketed and not group.sent and group.scatter_error is None:
+                if not group.grad_resident:
+                    group.restore_grad()
                 for fqn, _ in group.params:
                     if fqn not in group.accumulated:
                         group.grad_views[fqn].zero_()
@@ -918,6 +1217,11 @@ class ShardedModule(torch.nn.Module):
         self._send_bucket()
         error = None
         for group in self._stepped():  # every transfer settles before any error is raised
+            if group.scatter_error is not None:  # found finished during backward
+                e, group.scatter_error = group.scatter_error, None
+                if error is None or isinstance(e, flatshard.AbortedError):
+                    error = e
+                continue
             if group.pending_scatter is None:
                 continue  # sent by an earlier call
             pending, group.pending_scatter = group.pending_scatter, None
@@ -949,6 +1253,14 @@ class ShardedModule(torch.nn.Module):
         ABORTED): what this step gathered and accumulated is void. Resumes at the loaded
         version, so that the next forward gathers it."""
         self._settle_gathers()
+        for group in self._stepped():  # a backward that raised may have left gradients in flight
+            pending, group.pending_scatter, group.scatter_error = group.pending_scatter, None, None
+            if pending is not None:
+                try:
+                    pending.wait()
+                except Exception:  # noqa: BLE001 (the step is void either way)
+                    pass
+        self._scattering.clear()
         self._bucket.clear()  # what waited there is void too
         for group in self._groups:  # step() has settled every scatter
             group.bucketed = False

@@ -108,6 +108,28 @@ class BatchNormNet(nn.Module):
         return self.fc2(torch.tanh(self.bn(self.fc1(x))))
 
 
+class Chain(nn.Module):
+    """Linear layers in a row, each a group of its own under auto_wrap_min_params=200, and
+    a scale at the root: for reshard_after_forward, which holds each layer's parameters
+    around its forward and its backward alone. At 192 features a layer's gradient (145 KiB)
+    is sent as soon as backward reaches it rather than in the bucket of small ones."""
+
+    def __init__(self, depth=4, dim=192):
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.head = nn.Linear(dim, 4)
+        self.skip = set()  # indices of layers left out (a layer drop)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                h = torch.tanh(layer(h))
+        return self.head(h * self.scale)
+
+
 def make_model(kind):
     torch.manual_seed(0)
     if kind == "mlp":
@@ -125,6 +147,8 @@ def make_model(kind):
         return TiedFrozenModel()
     if kind == "batchnorm":
         return BatchNormNet()
+    if kind == "chain":
+        return Chain()
     raise ValueError(kind)
 
 
@@ -133,7 +157,7 @@ def make_data(kind, batch=16):
     if kind == "tied_frozen":  # token ids
         x = torch.randint(0, 12, (batch, 5), generator=generator)
         return x, torch.randn(batch, 4, generator=generator)
-    x = torch.randn(batch, 8, generator=generator) if kind in ("mlp", "batchnorm") else \
+    x = torch.randn(batch, 8, generator=generator) if kind in ("mlp", "batchnorm", "chain") else \
         torch.randn(batch, 5, 6, generator=generator)
     y = torch.randn(batch, 4, generator=generator)
     return x, y

@@ -17,7 +17,7 @@ from models import make_data, make_model, make_scheduler
 
 def run(addresses, token, rank, kind, settings, job, steps, param_dtype, queue, device="cpu",
         micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None,
-        scheduler=None):
+        scheduler=None, reshard_after_forward=False):
     try:
         torch.set_num_threads(1)
         client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token,
@@ -26,7 +26,8 @@ def run(addresses, token, rank, kind, settings, job, steps, param_dtype, queue, 
         model = flatshard.torch.ShardedModule(make_model(kind).to(device), client, optimizer=settings,
                                               param_dtype=param_dtype,
                                               reduce_dtype=torch.float32 if param_dtype else None,
-                                              auto_wrap_min_params=200, param_groups=param_groups)
+                                              auto_wrap_min_params=200, param_groups=param_groups,
+                                              reshard_after_forward=reshard_after_forward)
         scaler = flatshard.torch.GradScaler(model, init_scale=2.0 ** 10, growth_interval=3) if grad_scaler else None
         scaled = scaler.scale if scaler else (lambda loss: loss)
         optimizer = flatshard.torch.ServerOptimizer(model) if scheduler else None

@@ -19,6 +19,7 @@ import threading
 import time
 import unittest
 import warnings
+from unittest import mock
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 import checked_cluster
 import flatshard
 import parity_worker
+import models
 from models import make_data, make_model, make_scheduler
 from safetensors_reader import read_safetensors
 
@@ -99,13 +101,14 @@ def train_reference(kind, make_optimizer, steps, max_grad_norm=None, device="cpu
 
 def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None, device="cpu",
                     micro_batches=1, lr_schedule=None, poison_step=None, grad_scaler=False, param_groups=None,
-                    scheduler=None):
+                    scheduler=None, reshard_after_forward=False):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=parity_worker.run,
                                args=(cluster.addresses, cluster.token, rank, kind, optimizer,
                                      job or {}, steps, param_dtype, queue, device, micro_batches,
-                                     lr_schedule, poison_step, grad_scaler, param_groups, scheduler))
+                                     lr_schedule, poison_step, grad_scaler, param_groups, scheduler,
+                                     reshard_after_forward))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -128,7 +131,8 @@ def train_flatshard(cluster, kind, optimizer, steps, job=None, param_dtype=None,
 class ParityTest(unittest.TestCase):
     def check(self, kind, optimizer, make_reference_optimizer, steps, max_grad_norm=None,
               device="cpu", memory=MEMORY, micro_batches=1, lr_schedule=None, servers=3,
-              replicas=1, poison_step=None, grad_scaler=False, param_groups=None, scheduler=None):
+              replicas=1, poison_step=None, grad_scaler=False, param_groups=None, scheduler=None,
+              reshard_after_forward=False):
         job = {"max_grad_norm": max_grad_norm} if max_grad_norm else {}
         if replicas > 1:
             job["replicas"] = replicas
@@ -138,7 +142,7 @@ class ParityTest(unittest.TestCase):
             losses, state, groups, norms, scales = train_flatshard(
                 cluster, kind, optimizer, steps, job, device=device, micro_batches=micro_batches,
                 lr_schedule=lr_schedule, poison_step=poison_step, grad_scaler=grad_scaler,
-                param_groups=param_groups, scheduler=scheduler)
+                param_groups=param_groups, scheduler=scheduler, reshard_after_forward=reshard_after_forward)
             if replicas > 1:  # server r holds shard r % S in replica group r // S
                 status = flatshard.Client(cluster.addresses, token=cluster.token).status()
                 per_replica = servers // replicas
@@ -293,6 +297,28 @@ class ParityTest(unittest.TestCase):
                          max_grad_norm=0.5, poison_step=4, grad_scaler=True)
         self.assertEqual(run.scales, [2.0 ** 11, 2.0 ** 11])
 
+    # FSDP's FULL_SHARD: each wrapped module's parameters freed after its forward and
+    # gathered again for its backward (ReshardAfterForwardTest checks what is held when).
+    def test_reshard_after_forward_transformer_clipped(self):
+        self.check("transformer", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 10, max_grad_norm=0.5,
+                   reshard_after_forward=True)
+
+    def test_reshard_after_forward_with_activation_checkpointing(self):
+        # The MLP's forward runs again in backward, where its groups stay gathered.
+        self.check("checkpointed", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 8, reshard_after_forward=True)
+
+    def test_reshard_after_forward_with_modules_used_functionally(self):
+        # (SGD: MultiheadAttention's key bias has a gradient of rounding noise, which Adam amplifies.)
+        self.check("attention", flatshard.SGD(lr=0.05, momentum=0.9),
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 8, reshard_after_forward=True)
+
+    def test_reshard_after_forward_tied_frozen_and_accumulated(self):
+        self.check("tied_frozen", flatshard.SGD(lr=0.05, momentum=0.9),
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 8, micro_batches=2,
+                   reshard_after_forward=True)
+
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
                    lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)
@@ -325,20 +351,21 @@ class ParityTest(unittest.TestCase):
                            device="cuda", memory=memory)
 
 
-def one_worker_mlp_on(cluster, job):
-    """(client, ShardedModule of the MLP with SGD) of a one-worker job on `cluster`."""
+def one_worker_mlp_on(cluster, job, kind="mlp", **options):
+    """(client, ShardedModule of the MLP (or model `kind`) with SGD) of a one-worker job on
+    `cluster`."""
     import flatshard.torch
     client = flatshard.Client(cluster.addresses, token=cluster.token, job=job)
     client.configure_job()
-    return client, flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
-                                                 auto_wrap_min_params=200)
+    return client, flatshard.torch.ShardedModule(make_model(kind), client, flatshard.SGD(lr=0.1),
+                                                 auto_wrap_min_params=200, **options)
 
 
 @contextlib.contextmanager
-def one_worker_mlp(job):
+def one_worker_mlp(job, **options):
     """one_worker_mlp_on a cluster of 2 servers of its own."""
     with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
-        yield one_worker_mlp_on(cluster, job)
+        yield one_worker_mlp_on(cluster, job, **options)
 
 
 class Failed:
@@ -349,6 +376,9 @@ class Failed:
 
     def wait(self):
         raise self.error
+
+    def done(self):
+        return True
 
 
 def fail_first_scatter(client, victim, error, arrives):
@@ -385,9 +415,10 @@ def fail_first_scatter(client, victim, error, arrives):
 
 
 class MisuseAndRecoveryTest(unittest.TestCase):
-    def assert_matches_sgd(self, state, steps):
-        """`state` is what torch.optim.SGD(lr=0.1) makes of the MLP in `steps` steps."""
-        reference, _, _ = train_reference("mlp", lambda p: torch.optim.SGD(p, lr=0.1), steps)
+    def assert_matches_sgd(self, state, steps, kind="mlp"):
+        """`state` is what torch.optim.SGD(lr=0.1) makes of the MLP (or model `kind`) in
+        `steps` steps."""
+        reference, _, _ = train_reference(kind, lambda p: torch.optim.SGD(p, lr=0.1), steps)
         for name, value in reference.state_dict().items():
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
 
@@ -1131,6 +1162,196 @@ class ScriptedNorms:
 
     def grad_norm(self):
         return self._norms.pop(0)
+
+
+def held(layers):
+    """The indices of `layers` whose parameters hold memory (reshard_after_forward leaves a
+    freed module's parameters empty)."""
+    return [i for i, layer in enumerate(layers) if layer.weight.numel() > 0]
+
+
+class ReshardAfterForwardTest(unittest.TestCase):
+    """reshard_after_forward=True (FSDP's FULL_SHARD): what a worker holds when, and that
+    failures and loads met in backward leave the module as they do without it. Parity
+    with torch: ParityTest.test_reshard_after_forward_*."""
+
+    def train(self, model, x, y, steps, record=None):
+        """`steps` SGD steps on (x, y), the second with a micro-batch accumulated under
+        no_sync() first; returns the losses."""
+        losses = []
+        for step in range(steps):
+            if step == 1:
+                with model.no_sync():
+                    F.mse_loss(model(x[:4]), y[:4]).backward()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            if record is not None:
+                record(model)
+            model.step()
+            losses.append(loss.item())
+        return losses
+
+    def test_each_layer_is_held_around_its_forward_and_backward_alone(self):
+        import flatshard.torch
+        x, y = make_data("chain")
+        layer_bytes = 4 * (192 * 192 + 192)
+        # The prefetch budget: the next group's parameters alone, or those of the next two
+        # layers (and the small head or embedding beside them).
+        for budget, ahead in ((0, 1), (2 * layer_bytes + 8192, 2)):
+            with self.subTest(ahead=ahead), mock.patch.object(flatshard.torch, "_PREFETCH_BYTES", budget), \
+                    checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+                self.check_held(cluster, x, y, ahead)
+
+    def check_held(self, cluster, x, y, ahead):
+        _, plain = one_worker_mlp_on(cluster, "plain", kind="chain")
+        plain_losses = self.train(plain, x, y, 3)
+        _, model = one_worker_mlp_on(cluster, "resharded", kind="chain", reshard_after_forward=True)
+        layers = list(model.module.layers)
+        forwards, backwards = [], []  # (layer, the layers held then)
+        for i, layer in enumerate(layers):  # hooks after the module's own: it has gathered
+            layer.register_forward_pre_hook(lambda _m, _in, i=i: forwards.append((i, held(layers))))
+
+            def on_output(_m, _in, output, i=i):
+                if output.requires_grad:
+                    output.register_hook(lambda _g, i=i: backwards.append((i, held(layers))))
+
+            layer.register_forward_hook(on_output)
+
+        def after_backward(model):
+            self.assertEqual(held(layers), [])
+            for layer in layers:
+                self.assertEqual(layer.weight.numel(), 0)  # a use outside its forward fails on its shape
+                self.assertIsNone(layer.weight.grad)  # the flat gradient holds it, not the parameter
+            self.assertEqual(model.module.scale.numel(), 192)  # the root's stay
+
+        losses = self.train(model, x, y, 3, record=after_backward)
+        self.assertEqual(losses, plain_losses)
+        ours, theirs = model.state_dict(), plain.state_dict()
+        for name, value in theirs.items():
+            self.assertTrue(torch.equal(ours[name], value), name)
+        self.assertEqual(held(layers), [])
+        resharded = [group for group in model._groups if group.reshards]
+        self.assertEqual(len(resharded), 6)  # embed, the layers and the head; not the root
+        self.assertFalse(any(group.grad_resident for group in resharded))  # freed once sent
+        # The first step gathers everything up front; from the second on, a layer's forward
+        # holds itself and the layers `ahead` (prefetched), backward itself and those before.
+        later = len(layers)  # the first forward
+        self.assertEqual([i for i, _ in forwards[later:]], list(range(len(layers))) * 3)
+        for i, holding in forwards[later:]:
+            self.assertEqual(holding, list(range(i, min(i + ahead + 1, len(layers)))), forwards)
+        self.assertEqual([i for i, _ in backwards], list(reversed(range(len(layers)))) * 4)
+        for i, holding in backwards[len(layers):]:
+            self.assertEqual(holding, list(range(max(i - ahead, 0), i + 1)), backwards)
+        with torch.no_grad():  # an evaluation frees them as it goes, and what it gathered ahead
+            self.assertTrue(torch.equal(model(x), plain(x)))
+        self.assertEqual(held(layers), [])
+
+    def test_a_layer_left_out_of_a_forward_is_freed_by_the_end_of_backward(self):
+        # Layer 1's forward prefetches layer 2, as in the forward before; layer 2 is skipped
+        # (a layer drop), gets no gradient, and is freed when backward ends.
+        x, y = make_data("chain")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, plain = one_worker_mlp_on(cluster, "plain", kind="chain")
+            _, model = one_worker_mlp_on(cluster, "resharded", kind="chain", reshard_after_forward=True)
+            layers = list(model.module.layers)
+            for net in (plain, model):
+                self.train(net, x, y, 1)
+                net.module.skip = {2}
+            during = []
+            layers[3].register_forward_pre_hook(lambda _m, _in: during.append(held(layers)))
+            self.assertEqual(self.train(model, x, y, 1, record=lambda _: during.append(held(layers))),
+                             self.train(plain, x, y, 1))
+            self.assertEqual(during, [[2, 3], []])
+            with torch.no_grad():  # an evaluation frees what it gathered ahead in vain too
+                model(x)
+            self.assertEqual(during[-1], [2, 3])
+            self.assertEqual(held(layers), [])
+            ours, theirs = model.state_dict(), plain.state_dict()
+            for name, value in theirs.items():
+                self.assertTrue(torch.equal(ours[name], value), name)
+
+    def test_a_shared_parameter_stays_with_its_group(self):
+        # The tied embedding's group holds it for unembed, whose forward uses it later; the
+        # MLP's groups are freed.
+        def net():
+            torch.manual_seed(0)
+            return models.TiedFrozenModel(dim=32)
+
+        x, y = make_data("tied_frozen")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, plain = wrap_in_cluster(cluster, "plain", flatshard.SGD(lr=0.1), net=net())
+            _, model = wrap_in_cluster(cluster, "resharded", flatshard.SGD(lr=0.1), net=net(),
+                                       reshard_after_forward=True)
+            self.assertEqual(self.train(model, x, y, 3), self.train(plain, x, y, 3))
+            self.assertIn("model.embed", [name for name, _, _ in model.groups])
+            self.assertEqual(model.module.embed.weight.numel(), 12 * 32)
+            self.assertEqual(held(list(model.module.mlp)[::2]), [])
+
+    def test_a_scatter_that_failed_in_backward_is_raised_by_step_and_sent_again(self):
+        with one_worker_mlp("resend", kind="chain", reshard_after_forward=True) as (client, model):
+            x, y = make_data("chain")
+            victim = "model.layers.2"  # sent from backward (145 KiB), found failed there
+            sent = fail_first_scatter(client, victim, arrives=False,
+                                      error=flatshard.DeadlineExceededError("injected: the transfer timed out"))
+            F.mse_loss(model(x), y).backward()
+            self.assertIn(victim, sent)  # before step()
+            with self.assertRaises(flatshard.DeadlineExceededError):
+                model.step()
+            self.assertEqual(model.version, 0)
+            first = len(sent)
+            model.step()  # the retry sends the gradient it kept
+            self.assertEqual(sent[first:], [victim])
+            self.assertEqual(model.version, 1)
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            state = model.state_dict()
+        MisuseAndRecoveryTest.assert_matches_sgd(self, state, steps=2, kind="chain")
+
+    def test_a_load_met_in_backward_voids_the_step_there(self):
+        import flatshard.torch
+        # Each group gathers the next alone (no prefetch budget), so that gathers follow the load.
+        with mock.patch.object(flatshard.torch, "_PREFETCH_BYTES", 0), tempfile.TemporaryDirectory() as root, \
+                checked_cluster.LocalCluster(servers=2, checkpoint_root=root, memory=MEMORY) as cluster:
+            client, model = one_worker_mlp_on(cluster, "reload", kind="chain", reshard_after_forward=True)
+            client.save_checkpoint("start", kind="sharded")  # version 0
+            x, y = make_data("chain")
+            for _ in range(2):
+                F.mse_loss(model(x), y).backward()
+                model.step()
+            # The operator's load comes once backward has sent the last layers' gradients
+            # (145 KiB each: at once) and gathered layer 2 again: a later gather finds it.
+            loaded = []
+
+            def load_once(_grad):
+                if not loaded:
+                    loaded.append(client.load_checkpoint("start"))
+
+            def on_output(_m, _in, output):
+                output.register_hook(load_once)
+
+            model.module.layers[2].register_forward_hook(on_output)
+            loss = F.mse_loss(model(x), y)
+            with self.assertRaises(flatshard.AbortedError) as aborted:
+                loss.backward()
+            self.assertEqual(len(loaded), 1)
+            self.assertIn("the servers are at version 0 during step 2", aborted.exception.message)
+            self.assertEqual(model.version, 0)
+            with self.assertRaises(flatshard.FailedPreconditionError):
+                model.step()
+            loaded.append("no more")
+            F.mse_loss(model(x), y).backward()  # training goes on from the loaded version
+            model.step()
+            self.assertEqual(model.version, 1)
+            state = model.state_dict()
+        MisuseAndRecoveryTest.assert_matches_sgd(self, state, steps=1, kind="chain")
+
+    def test_reshard_after_forward_must_be_a_bool(self):
+        with one_worker_mlp("refused") as (client, _):
+            import flatshard.torch
+            with self.assertRaises(flatshard.InvalidArgumentError) as refused:
+                flatshard.torch.ShardedModule(make_model("mlp"), client, flatshard.SGD(lr=0.1),
+                                              reshard_after_forward="yes")
+            self.assertIn("reshard_after_forward: expected True or False", refused.exception.message)
 
 
 class GradScalerPolicyTest(unittest.TestCase):
