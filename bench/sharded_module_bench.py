@@ -14,9 +14,14 @@ ShardedModule sends small groups' requests in pipelines (bench/RESULTS.md, "Pipe
 transfers of many small groups"). With --tls the servers speak TLS on both planes
 (--tls_data_plane, with a throwaway CA the openssl command makes). With --batchnorm each
 layer is followed by a BatchNorm1d, whose running statistics ShardedModule keeps on the
-servers (one more group, gathered and sent every step with the others).
+servers (one more group, gathered and sent every step with the others). With --reshard
+the module frees each layer's parameters after its forward and gathers them again for its
+backward (reshard_after_forward=True: a second gather per group and step), and a second
+table sets 8 layers of 1024x1024 (4 MiB each, batch 64) by default and resharded beside
+torch: the time per step and the parameters a worker holds at its layers' forwards (the
+most, after the warm-up steps, which gather everything up front).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/sharded_module_bench.py [--quick] [--tls] [--batchnorm]
+    PYTHONPATH=build/python /usr/bin/python3 bench/sharded_module_bench.py [--quick] [--tls] [--batchnorm] [--reshard]
 """
 import os
 import statistics
@@ -32,14 +37,16 @@ import flatshard.torch
 
 
 BATCHNORM = "--batchnorm" in sys.argv[1:]
+RESHARD = "--reshard" in sys.argv[1:]
 
 
-def model(layers):
+def model(layers, width=32):
     torch.manual_seed(0)
     if BATCHNORM:  # no bias before BatchNorm (it subtracts the batch mean)
         return torch.nn.Sequential(*[module for _ in range(layers)
-                                     for module in (torch.nn.Linear(32, 32, bias=False), torch.nn.BatchNorm1d(32))])
-    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)])
+                                     for module in (torch.nn.Linear(width, width, bias=False),
+                                                    torch.nn.BatchNorm1d(width))])
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
 
 def learning_rate(step):
@@ -64,7 +71,7 @@ def time_steps(step, steps):
 
 
 def torch_step_time(layers, batch, steps):
-    net = model(layers)
+    net = model(layers, batch.shape[1])
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
 
     def step(count):
@@ -96,32 +103,55 @@ def tls_files(directory):
             f"--tls_ca_file={ca}", "--tls_data_plane"], ca
 
 
-def sharded_step_time(cluster, layers, batch, steps, tls_ca_file=None):
-    client = flatshard.Client(servers=cluster.addresses, token=cluster.token, job=f"bench-{layers}",
-                              tls_ca_file=tls_ca_file)
+def sharded_step_time(cluster, layers, batch, steps, tls_ca_file=None, reshard=RESHARD, measure_held=False):
+    """(seconds per step, with `measure_held` the most parameter bytes the worker held at a
+    layer's forward after the warm-up: the hooks that look cost time per layer)."""
+    client = flatshard.Client(servers=cluster.addresses, token=cluster.token,
+                              job=f"bench-{layers}-{batch.shape[1]}-{reshard}", tls_ca_file=tls_ca_file)
     client.configure_job()
-    sharded = flatshard.torch.ShardedModule(model(layers), client, optimizer=flatshard.AdamW(lr=1e-3),
-                                            auto_wrap_min_params=1)
+    sharded = flatshard.torch.ShardedModule(model(layers, batch.shape[1]), client,
+                                            optimizer=flatshard.AdamW(lr=1e-3), auto_wrap_min_params=1,
+                                            reshard_after_forward=reshard)
+    held = [0, False]  # the most bytes, whether the warm-up is over
+
+    def sample(*_):
+        if held[1]:
+            held[0] = max(held[0], sum(p.numel() * p.element_size() for p in sharded.module.parameters()))
+
+    for layer in sharded.module if measure_held else ():
+        layer.register_forward_pre_hook(sample)
 
     def step(count):
+        held[1] = count >= 3
         sharded.set_hyperparams(lr=learning_rate(count))
         sharded(batch).pow(2).mean().backward()
         sharded.step()
 
     seconds = time_steps(step, steps)
     sharded.delete_job()
-    return seconds
+    return seconds, held[0]
 
 
 def run(cluster, batch, quick, tls_ca_file):
     """Prints a row per model size: ShardedModule's step on `cluster` against torch's."""
     for layers in ((10, 100) if quick else (10, 100, 1000)):
         steps = max(2, 2000 // layers)
-        sharded = sharded_step_time(cluster, layers, batch, steps, tls_ca_file)
+        sharded, _ = sharded_step_time(cluster, layers, batch, steps, tls_ca_file)
         local = torch_step_time(layers, batch, steps)
         groups = 2 * layers if BATCHNORM else layers  # each Linear and BatchNorm1d its own
         print(f"{groups:>7} {sharded * 1e3:>17.2f} {local * 1e3:>9.2f} "
               f"{(sharded - local) / groups * 1e6:>13.0f} {local / sharded:>6.2f}x", flush=True)
+
+
+def run_wide(cluster):
+    """The second table of --reshard: 8 layers of 1024x1024, by default and resharded."""
+    batch = torch.randn(64, 1024)
+    print(f"\n{'8 x 1024x1024':>13} {'ms':>8} {'torch ms':>9} {'ratio':>7} {'held MiB':>9}")
+    local = torch_step_time(8, batch, 3)
+    for reshard in (False, True):
+        seconds, held = sharded_step_time(cluster, 8, batch, 3, reshard=reshard, measure_held=True)
+        print(f"{'resharded' if reshard else 'default':>13} {seconds * 1e3:>8.1f} {local * 1e3:>9.1f} "
+              f"{local / seconds:>6.2f}x {held / 2**20:>9.1f}", flush=True)
 
 
 def main():
@@ -131,9 +161,12 @@ def main():
     with tempfile.TemporaryDirectory() as tls_dir:
         server_args, ca = tls_files(tls_dir) if "--tls" in sys.argv[1:] else ([], None)
         print(f"{'groups':>7} {'ShardedModule ms':>17} {'torch ms':>9} {'per group us':>13} {'ratio':>7}"
-              f"{'   (servers in TLS)' if ca else ''}{'   (each layer with a BatchNorm1d)' if BATCHNORM else ''}")
+              f"{'   (servers in TLS)' if ca else ''}{'   (each layer with a BatchNorm1d)' if BATCHNORM else ''}"
+              f"{'   (reshard_after_forward)' if RESHARD else ''}")
         with flatshard.LocalCluster(servers=2, server_args=server_args) as cluster:
             run(cluster, batch, quick, ca)
+            if RESHARD and not BATCHNORM:
+                run_wide(cluster)
 
 
 if __name__ == "__main__":

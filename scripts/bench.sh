@@ -17,6 +17,8 @@ if [[ -d "$build_dir/python/flatshard" ]] && /usr/bin/python3 -c "import torch" 
   PYTHONPATH="$build_dir/python" /usr/bin/python3 bench/sharded_module_bench.py
   # Models with BatchNorm: their running statistics on the servers too (one more group).
   PYTHONPATH="$build_dir/python" /usr/bin/python3 bench/sharded_module_bench.py --quick --batchnorm
+  # Each layer's parameters freed after its forward, gathered again for its backward.
+  PYTHONPATH="$build_dir/python" /usr/bin/python3 bench/sharded_module_bench.py --quick --reshard
   if command -v openssl > /dev/null; then  # the same over TLS on both planes, the smaller models
     PYTHONPATH="$build_dir/python" /usr/bin/python3 bench/sharded_module_bench.py --quick --tls
   fi
