@@ -163,15 +163,14 @@ def _client_buffer(tensor, resizable=False):
     return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
-def _resize_storage(tensor, numel):
-    """Resizes the storage under flat buffer `tensor` (a whole storage) to `numel` of its
-    elements, as FSDP frees and restores its unsharded flat parameters: 0 frees the memory
-    while the tensor and its views (those autograd saved for backward among them) stay,
-    the tensor's numel gives it memory again, not initialized, which those views see."""
+def _untyped_storage(tensor):
+    """The storage under flat buffer `tensor` (all of it), sized in bytes. Resizing it is how
+    FSDP frees and restores its unsharded flat parameters: to 0 frees the memory while the
+    tensor and its views (those autograd saved for backward among them) stay; back to the
+    tensor's bytes gives it memory again, not initialized, which those views see."""
     if hasattr(tensor, "untyped_storage"):
-        tensor.untyped_storage().resize_(numel * tensor.element_size())
-    else:  # torch before 2.0
-        tensor.storage().resize_(numel)
+        return tensor.untyped_storage()
+    return tensor.storage().untyped()  # torch before 2.0
 
 
 def _tensors_in(value):
@@ -377,6 +376,8 @@ class _Group:
                           if trained else None)
         self.flat_buffer = _client_buffer(self.flat, resizable=reshards)
         self.grad_buffer = _client_buffer(self.flat_grad, resizable=reshards) if trained else None
+        self.flat_storage = _untyped_storage(self.flat) if reshards else None
+        self.grad_storage = _untyped_storage(self.flat_grad) if reshards and trained else None
         self.grad_views = {}  # fqn: its gradient's view of flat_grad, of its parameter's shape
         self.pending_gather = None
         self.gathered_step = None  # the step whose gather was issued last
@@ -412,14 +413,14 @@ class _Group:
         empty = self.flat.new_empty(0)
         for _, param in self.params:
             param.data = empty
-        _resize_storage(self.flat, 0)
+        self.flat_storage.resize_(0)
         self.flat_buffer = None
         self.resident = False
 
     def restore(self):
         """Gives flat memory again (not initialized: a gather fills it) and the parameters
         their views of it."""
-        _resize_storage(self.flat, self.flat.numel())
+        self.flat_storage.resize_(self.flat.numel() * self.flat.element_size())
         self.flat_buffer = _client_buffer(self.flat, resizable=True)
         for fqn, param in self.params:
             param.data = self.views[fqn]
@@ -427,13 +428,13 @@ class _Group:
 
     def release_grad(self):
         """Frees flat_grad's memory (its scatter has finished)."""
-        _resize_storage(self.flat_grad, 0)
+        self.grad_storage.resize_(0)
         self.grad_buffer = None
         self.grad_resident = False
 
     def restore_grad(self):
         """Gives flat_grad memory again, zeroed (its padding is sent as it is)."""
-        _resize_storage(self.flat_grad, self.flat_grad.numel())
+        self.grad_storage.resize_(self.flat_grad.numel() * self.flat_grad.element_size())
         self.flat_grad.zero_()
         self.grad_buffer = _client_buffer(self.flat_grad, resizable=True)
         self.grad_resident = True
