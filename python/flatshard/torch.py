@@ -1079,6 +1079,44 @@ class ShardedModule(torch.nn.Module):
             self._client.set_hyperparams_of([group.name for group in groups], **changes)
 
     @contextlib.contextmanager
+    def full_params(self):
+        """The module's parameters and buffers at the servers' version for the block, as
+        FSDP's summon_full_params(writeback=False) gives them: between steps, the module
+        otherwise holds what its last forward gathered (the values before the last step),
+        or, with reshard_after_forward, nothing. Every group is gathered (the pending ones
+        settle before an error is raised); after the block the resharding groups are freed
+        again, the others kept for the next forward. Changes made in the block do not
+        reach the servers (load_state_dict() pushes values). Not inside forward or
+        backward::
+
+            with model.full_params():
+                torch.save(model.module.state_dict(), "weights.pt")
+        """
+        if self._in_backward:
+            raise flatshard.FailedPreconditionError("full_params() inside a backward")
+        gather = [group for group in self._groups if self._needs_gather(group)]
+        buffers = self._buffer_group
+        if buffers is not None and buffers.pending_gather is None and buffers.gathered_step != self._step:
+            gather.append(buffers)
+        self._issue_gathers(gather)
+        try:
+            errors = []
+            for group in self._stepped():
+                try:
+                    self._wait_gather(group)
+                except Exception as e:  # noqa: BLE001 (raised below)
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+            if buffers in gather:
+                buffers.unpack()
+            yield self
+        finally:
+            for group in self._groups:
+                if group.reshards:
+                    self._release(group)
+
+    @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation (FSDP's and DDP's no_sync()): backward passes inside add
         their gradients into the local flat gradient buffers and send nothing. The first

@@ -863,6 +863,14 @@ class ModuleBuffersTest(unittest.TestCase):
 
             in_parallel([lambda r=r: train(r) for r in range(2)])
             state = wrapped[0].state_dict()
+            # Each worker holds its own buffers until the next forward; full_params() gives
+            # the servers' (the mean), parameters and buffers alike.
+            bn = wrapped[0].module.bn
+            self.assertFalse(torch.equal(bn.running_var, state["bn.running_var"]))
+            with wrapped[0].full_params():
+                local = wrapped[0].module.state_dict()
+                for name, value in state.items():
+                    self.assertTrue(torch.equal(local[name], value), name)
             outputs = []
             for model in wrapped:  # each gathers the servers' buffers: one model again
                 model.eval()
@@ -873,6 +881,41 @@ class ModuleBuffersTest(unittest.TestCase):
         for name, value in two_workers_with_averaged_buffers(3, lr=0.1).state_dict().items():
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
         self.assertTrue(torch.equal(state["bn.num_batches_tracked"], torch.tensor(3)))
+
+    def test_full_params_gives_the_servers_buffers_of_any_dtype(self):
+        # A float64 buffer that each worker's forwards move apart (the sum of its inputs):
+        # held apart from the fp32 ones, so full_params() must unpack it.
+        class Counted(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(8, 4)
+                self.register_buffer("seen", torch.zeros(1, dtype=torch.float64))
+
+            def forward(self, x):
+                self.seen += x.sum().double()
+                return self.linear(x)
+
+        x, y = make_data("mlp")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            wrapped = [None, None]
+
+            def wrap(rank):
+                torch.manual_seed(0)
+                wrapped[rank] = self.wrap(cluster, "counted", flatshard.SGD(lr=0.1), rank=rank, workers=2,
+                                          net=Counted())[1]
+
+            in_parallel([lambda r=r: wrap(r) for r in range(2)])
+
+            def train(rank):
+                F.mse_loss(wrapped[rank](x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
+                wrapped[rank].step()
+
+            in_parallel([lambda r=r: train(r) for r in range(2)])
+            mean = (x[:8].sum().double() + x[8:].sum().double()) / 2
+            self.assertNotAlmostEqual(wrapped[0].module.seen.item(), mean.item(), places=3)  # its own
+            with wrapped[0].full_params():
+                self.assertAlmostEqual(wrapped[0].module.seen.item(), mean.item(), places=4)
+                self.assertEqual(wrapped[0].module.seen.dtype, torch.float64)
 
     def test_buffers_move_in_fp32_under_mixed_precision(self):
         # Gradients in bfloat16 (buffers sent apart from them, in fp32), then a model
@@ -1269,6 +1312,36 @@ class ReshardAfterForwardTest(unittest.TestCase):
             ours, theirs = model.state_dict(), plain.state_dict()
             for name, value in theirs.items():
                 self.assertTrue(torch.equal(ours[name], value), name)
+
+    def test_full_params_holds_the_servers_values_for_a_block(self):
+        x, y = make_data("chain")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            for reshard in (False, True):
+                with self.subTest(reshard_after_forward=reshard):
+                    _, model = one_worker_mlp_on(cluster, f"full-{reshard}", kind="chain",
+                                                 reshard_after_forward=reshard)
+                    for _ in range(2):  # as train_reference trains
+                        F.mse_loss(model(x), y).backward()
+                        model.step()
+                    layers = list(model.module.layers)
+                    # Without it, the module holds what its last forward gathered: the values
+                    # before the last step; with it, nothing.
+                    last = [layer.weight.detach().clone() for layer in layers]
+                    servers = model.state_dict()
+                    with model.full_params() as same:
+                        self.assertIs(same, model)
+                        local = model.module.state_dict()
+                        self.assertEqual(set(local), set(servers))
+                        for name, value in servers.items():
+                            self.assertTrue(torch.equal(local[name], value), name)
+                    if reshard:
+                        self.assertEqual(held(layers), [])
+                    else:
+                        self.assertFalse(torch.equal(last[0], layers[0].weight))
+                    F.mse_loss(model(x), y).backward()  # and training goes on
+                    model.step()
+                    state = model.state_dict()
+                    MisuseAndRecoveryTest.assert_matches_sgd(self, state, steps=3, kind="chain")
 
     def test_a_shared_parameter_stays_with_its_group(self):
         # The tied embedding's group holds it for unembed, whose forward uses it later; the
