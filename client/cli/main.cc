@@ -100,8 +100,9 @@ constexpr char kUsage[] =
     "       [--cut=now|boundary|VERSION]\n"
     "                                  stream a state dict to this machine's disk\n"
     "  import --cluster=... --name=N --in=DIR [--weights_only] [--at_version=0] [--chunk_mib=4]\n"
-    "                                  a FULL state dict on this machine's disk becomes\n"
-    "                                  checkpoint N (then: load --name=N)\n"
+    "                                  a FULL state dict or a SHARDED export on this\n"
+    "                                  machine's disk becomes checkpoint N of its kind\n"
+    "                                  (then: load --name=N)\n"
     "  (save, load, export, import: Ctrl-C cancels; the servers keep nothing of it; exit status 130)\n";
 
 int Layout(const std::vector<std::string>& args) {
