@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Trains a small PyTorch model with 2 worker processes on a local flatshard cluster,
 saves a checkpoint, kills the cluster, starts a fresh one on the same checkpoint root,
-loads the checkpoint and continues: the loss picks up where it stopped. Each worker
+loads the checkpoint and continues: the loss picks up where it stopped, the workers now
+freeing each layer's parameters between its forward and its backward
+(reshard_after_forward, FSDP's FULL_SHARD: the same numbers, less memory). Each worker
 accumulates its half batch over 2 micro-batches (no_sync) and follows a cosine
 learning-rate schedule: torch's LambdaLR over a ServerOptimizer, which stands for the
 servers' optimizer, resumed at the loaded step. Biases train without weight decay
@@ -48,7 +50,7 @@ def learning_rate(step, total):
     return 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + math.cos(math.pi * min(step, total) / total))
 
 
-def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, queue):
+def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, reshard, queue):
     torch.set_num_threads(1)
     client = flatshard.Client(addresses, worker_rank=rank, num_workers=2, token=token)
     client.configure_job(max_grad_norm=1.0)
@@ -56,7 +58,8 @@ def worker(addresses, token, rank, first_step, steps, total_steps, checkpoint, q
     biases = [p for p in net.parameters() if p.ndim < 2]
     model = flatshard.torch.ShardedModule(net, client, optimizer=flatshard.AdamW(lr=1e-2, weight_decay=0.01),
                                           param_groups=[{"params": biases, "weight_decay": 0.0}],
-                                          auto_wrap_min_params=1000, load_checkpoint=checkpoint)
+                                          auto_wrap_min_params=1000, load_checkpoint=checkpoint,
+                                          reshard_after_forward=reshard)
     assert model.version == first_step, (model.version, first_step)
     optimizer = flatshard.torch.ServerOptimizer(model)
     for group in optimizer.param_groups:  # as a scheduler resumed from its state expects
@@ -105,12 +108,12 @@ def fine_tune(cluster, checkpoint, steps):
     return model.load_result, losses
 
 
-def train(cluster, first_step, steps, total_steps, checkpoint=None):
+def train(cluster, first_step, steps, total_steps, checkpoint=None, reshard=False):
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     processes = [context.Process(target=worker, args=(cluster.addresses, cluster.token, rank,
                                                       first_step, steps, total_steps, checkpoint,
-                                                      queue))
+                                                      reshard, queue))
                  for rank in range(2)]
     for p in processes:
         p.start()
@@ -140,8 +143,8 @@ def main():
         with flatshard.LocalCluster(servers=2, checkpoint_root=root) as cluster:
             print(f"cluster 2: servers {cluster.addresses} (fresh processes, same checkpoint root)")
             resumed, _, _ = train(cluster, args.steps, args.steps, 2 * args.steps,
-                                  checkpoint="torch-example")
-            print(f"steps {args.steps + 1}-{2 * args.steps} after loading: "
+                                  checkpoint="torch-example", reshard=True)
+            print(f"steps {args.steps + 1}-{2 * args.steps} after loading, with reshard_after_forward: "
                   f"loss {resumed[0]:.4f} -> {resumed[-1]:.4f}")
             keys, tuned = fine_tune(cluster, "torch-example", args.steps // 2)
             print(f"fine-tuning a new head on the loaded body (strict=False): missing {keys.missing_keys}, "
