@@ -76,7 +76,8 @@ ABSL_FLAG(std::vector<std::string>, one_to_one_mib, std::vector<std::string>({"4
           "data section: the group sizes (MiB) of the 1 server x 1 worker rows");
 ABSL_FLAG(std::vector<std::string>, sections,
           std::vector<std::string>({"data", "optimizer", "latency", "checkpoints", "tls"}),
-          "which tables to print: data, optimizer, latency, checkpoints, tls");
+          "which tables to print: data, optimizer, latency, checkpoints, tls; checkpoint-groups is the "
+          "checkpoints' tables of many groups alone");
 
 extern char** environ;
 
@@ -909,6 +910,8 @@ int main(int argc, char** argv) {
   }
   if (wanted("checkpoints")) {
     Checkpoints(quick ? (int64_t{64} << 20) : (int64_t{512} << 20));
+  }
+  if (wanted("checkpoints") || wanted("checkpoint-groups")) {
     ManyGroupCheckpoints(quick ? 1000 : 10000, 64);
     ManyGroupCheckpoints(quick ? 16 : 128, 512);
   }
