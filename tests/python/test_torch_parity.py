@@ -414,13 +414,18 @@ def fail_first_scatter(client, victim, error, arrives):
     return sent
 
 
-class MisuseAndRecoveryTest(unittest.TestCase):
+class MatchesSgd:
+    """For test cases whose one-worker modules (one_worker_mlp_on) train with SGD(lr=0.1)."""
+
     def assert_matches_sgd(self, state, steps, kind="mlp"):
         """`state` is what torch.optim.SGD(lr=0.1) makes of the MLP (or model `kind`) in
         `steps` steps."""
         reference, _, _ = train_reference(kind, lambda p: torch.optim.SGD(p, lr=0.1), steps)
         for name, value in reference.state_dict().items():
             self.assertLess(relative_error(state[name], value), REL_TOL, name)
+
+
+class MisuseAndRecoveryTest(MatchesSgd, unittest.TestCase):
 
     def test_delete_job_leaves_nothing_of_the_module_on_the_servers(self):
         with one_worker_mlp("finished") as (client, model):
@@ -1213,7 +1218,7 @@ def held(layers):
     return [i for i, layer in enumerate(layers) if layer.weight.numel() > 0]
 
 
-class ReshardAfterForwardTest(unittest.TestCase):
+class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
     """reshard_after_forward=True (FSDP's FULL_SHARD): what a worker holds when, and that
     failures and loads met in backward leave the module as they do without it. Parity
     with torch: ParityTest.test_reshard_after_forward_*."""
@@ -1341,7 +1346,7 @@ class ReshardAfterForwardTest(unittest.TestCase):
                     F.mse_loss(model(x), y).backward()  # and training goes on
                     model.step()
                     state = model.state_dict()
-                    MisuseAndRecoveryTest.assert_matches_sgd(self, state, steps=3, kind="chain")
+                    self.assert_matches_sgd(state, steps=3, kind="chain")
 
     def test_a_shared_parameter_stays_with_its_group(self):
         # The tied embedding's group holds it for unembed, whose forward uses it later; the
@@ -1378,7 +1383,7 @@ class ReshardAfterForwardTest(unittest.TestCase):
             F.mse_loss(model(x), y).backward()
             model.step()
             state = model.state_dict()
-        MisuseAndRecoveryTest.assert_matches_sgd(self, state, steps=2, kind="chain")
+        self.assert_matches_sgd(state, steps=2, kind="chain")
 
     def test_a_load_met_in_backward_voids_the_step_there(self):
         import flatshard.torch
@@ -1416,7 +1421,7 @@ class ReshardAfterForwardTest(unittest.TestCase):
             model.step()
             self.assertEqual(model.version, 1)
             state = model.state_dict()
-        MisuseAndRecoveryTest.assert_matches_sgd(self, state, steps=1, kind="chain")
+        self.assert_matches_sgd(state, steps=1, kind="chain")
 
     def test_reshard_after_forward_must_be_a_bool(self):
         with one_worker_mlp("refused") as (client, _):
