@@ -340,6 +340,16 @@ class ParityTest(unittest.TestCase):
         self.assertEqual(run.scales, [2.0 ** 11, 2.0 ** 11])
 
     @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device for torch on this machine")
+    def test_cuda_model_resharded_after_forward_on_the_gpu_tiers(self):
+        # The flat buffers freed and restored are GPU memory: gathered again over CUDA IPC
+        # (device tier) or through pinned staging (pinned tier), with activation checkpointing.
+        for memory in ("device", "pinned"):
+            with self.subTest(memory=memory):
+                self.check("checkpointed", flatshard.AdamW(lr=5e-3, weight_decay=0.01),
+                           lambda p: torch.optim.AdamW(p, lr=5e-3, weight_decay=0.01), 8, max_grad_norm=0.5,
+                           device="cuda", memory=memory, reshard_after_forward=True)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "no CUDA device for torch on this machine")
     def test_cuda_model_hybrid_tied_frozen_on_the_gpu_tiers(self):
         # Replica groups exchanging reduced gradients on the device tier (over CUDA IPC) and
         # on the pinned tier (over TCP from pinned staging), with a frozen group.
