@@ -46,8 +46,13 @@ ended): the next one, and more while their parameters fit in 1 MiB, so that smal
 go in pipelines. A parameter's gradient goes into its group's flat gradient buffer alone
 (``param.grad`` stays None), which is freed once sent. So a worker holds the parameters of
 the group in use and those prefetched, and the gradients in flight, besides the root
-group (the leftover parameters: backward begins with them), the groups of shared
-parameters (tied embeddings: another module uses them) and the frozen parameters' group.
+group (the leftover parameters: backward begins with them) and the groups of shared
+parameters (tied embeddings: another module uses them). Frozen parameters are wrapped
+by module too, ``<module's group>.<frozen>`` (the frozen base layers of a model trained
+through adapters, as in LoRA, are most of it): gathered and freed alike, and in backward
+freed once backward has gone through their module (no gradient of theirs says so: an
+identity autograd function on the module's inputs does); the frozen parameters of no
+wrapped module stay in ``<name>.<frozen>``, held.
 The memory goes with the storage of the flat buffer (as FSDP frees it), so autograd's
 saved views see the parameters gathered again; a freed parameter is an empty tensor, so
 that a use of it outside its module's forward fails on its shape. Every group is gathered
@@ -365,6 +370,7 @@ class _Group:
         self.path = path
         self.module = module
         self.param_group = param_group  # its entry of ShardedModule's param_groups (None: none)
+        self.trained = trained  # stepped (else frozen: never sent a gradient, its version never moves)
         self.params = params  # [(fqn, nn.Parameter)] in layout order
         self.layout = layout
         self.param_dtype = param_dtype
@@ -575,6 +581,22 @@ def _buffer_aliases(module):
     return aliases
 
 
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a module's inputs, whose backward calls `callback` once backward has
+    gone through the module (the gradients of all those inputs are in): where a resharding
+    frozen group is freed in backward, as FSDP's RegisterPostBackwardFunction frees one."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None,) + grads
+
+
 class _Bucket:
     """Small groups whose gradients wait to be sent together (ShardedModule._scatter). A
     plain object: each change of a module's attribute costs a torch.nn.Module.__setattr__,
@@ -696,7 +718,20 @@ class ShardedModule(torch.nn.Module):
             lambda fqn, p: p.requires_grad and canonical[id(p)] == fqn)
         if rest:
             wrapped.insert(0, ("", rest))  # the root group: forward starts there
-        frozen = [(fqn, p) for fqn, p in module.named_parameters() if not p.requires_grad]
+        # FSDP's FULL_SHARD frees a unit's parameters after its forward, but not the root's
+        # (backward begins with it); nor does it free a shared parameter's, which another
+        # module's forward uses.
+        shared = set(self._aliases.values())
+        # Resharded, frozen parameters are wrapped by module too (a frozen model under
+        # adapters, as in LoRA fine-tuning, is most of it), each module's a flat parameter
+        # of its own beside its trained one; the rest stay in the frozen group, held.
+        frozen_wrapped = []
+        if reshard_after_forward:
+            frozen_wrapped, _ = _auto_wrap(
+                module, auto_wrap_min_params,
+                lambda fqn, p: not p.requires_grad and canonical[id(p)] == fqn and fqn not in shared)
+        in_wrapped = {id(p) for _, params in frozen_wrapped for _, p in params}
+        frozen = [(fqn, p) for fqn, p in module.named_parameters() if not p.requires_grad and id(p) not in in_wrapped]
         frozen_full = [(fqn, p) for fqn, p in frozen if id(p) in in_full_precision]
         frozen = [(fqn, p) for fqn, p in frozen if id(p) not in in_full_precision]
         buffers = _persistent_buffers(module)
@@ -723,6 +758,13 @@ class ShardedModule(torch.nn.Module):
                 specs.append((group_name, path, by_entry[entry, full], optimizer if entry < 0 else optimizers[entry],
                               None if entry < 0 else entry, full))
         trained = len(specs)
+        for path, params in frozen_wrapped:
+            for full in (False, True):
+                members = [(fqn, p) for fqn, p in params if (id(p) in in_full_precision) == full]
+                if members:
+                    specs.append((f"{name}.{path}.<frozen>{_precision_suffix(full)}", path, members,
+                                  flatshard.Frozen(), None, full))
+        wrapped_frozen = len(specs)
         for params, full in ((frozen, False), (frozen_full, True)):
             if params:
                 specs.append((f"{name}.<frozen>{_precision_suffix(full)}", None, params, flatshard.Frozen(), None,
@@ -733,30 +775,28 @@ class ShardedModule(torch.nn.Module):
             registered.append((f"{name}.<buffers>", [(fqn, tuple(getattr(owner, attr).shape), "float32")
                                                      for fqn, owner, attr in buffers], flatshard.Average()))
         layouts = client.register_groups(registered) if registered else []
-        # FSDP's FULL_SHARD frees a unit's parameters after its forward, but not the root's
-        # (backward begins with it); nor does it free a shared parameter's, which another
-        # module's forward uses.
-        shared = set(self._aliases.values())
         groups = [_Group(group_name, path, modules[path] if path is not None else None, params, layout,
                          torch.float32 if full else self._param_dtype, torch.float32 if full else self._reduce_dtype,
-                         trained=path is not None, param_group=entry,
+                         trained=k < trained, param_group=entry,
                          reshards=reshard_after_forward and bool(path) and not any(fqn in shared for fqn, _ in params))
-                  for (group_name, path, params, _, entry, full), layout in zip(specs, layouts)]
+                  for k, ((group_name, path, params, _, entry, full), layout) in enumerate(zip(specs, layouts))]
         self._groups = groups[:trained]  # trained, in forward order
-        self._group_bytes = [group.flat.numel() * group.flat.element_size() for group in self._groups]
-        self._frozen = groups[trained:len(specs)]  # the frozen parameters' groups (one per dtype)
+        self._frozen_wrapped = groups[trained:wrapped_frozen]  # resharded frozen parameters, by module
+        self._frozen = groups[wrapped_frozen:len(specs)]  # the other frozen parameters (a group per dtype)
+        self._used = self._groups + self._frozen_wrapped  # the groups forwards gather, by index
+        self._group_bytes = [group.flat.numel() * group.flat.element_size() for group in self._used]
         self._buffer_group = _Buffers(f"{name}.<buffers>", buffers, layouts[-1]) if buffers else None
         # Worker 0's load_checkpoint: what it left out (None elsewhere, or without one).
         self.load_result = None
         self._initialize(name, load_checkpoint, load_strict, initial)
         del initial
-        for index, group in enumerate(self._groups):
+        for index, group in enumerate(self._used):
             group.module.register_forward_pre_hook(
-                lambda _m, _inputs, index=index: self._before_forward(index))
+                lambda _m, inputs, index=index: self._before_forward(index, inputs))
             if group.reshards:
                 group.module.register_forward_hook(
                     lambda _m, _inputs, output, index=index: self._after_forward(index, output))
-            for fqn, param in group.params:
+            for fqn, param in group.params if group.trained else ():
                 param.register_hook(lambda grad, group=group, fqn=fqn: self._on_grad(group, fqn, grad))
                 if group.reshards:  # runs once the parameter's gradient is accumulated
                     accumulator = param.expand_as(param).grad_fn.next_functions[0][0]
@@ -770,13 +810,15 @@ class ShardedModule(torch.nn.Module):
 
     @property
     def groups(self):
-        """[(group name, module path, [parameter fqn])], in forward order, then the frozen
-        parameters' groups (module path None; a second, `<frozen>.<full_precision>`, for
-        those of full_precision_modules under a lower param_dtype)."""
+        """[(group name, module path, [parameter fqn])], in forward order, then (with
+        reshard_after_forward) the frozen parameters' groups by module,
+        `<module's group>.<frozen>`, then the other frozen parameters' groups (module path
+        None; a second, `<frozen>.<full_precision>`, for those of full_precision_modules
+        under a lower param_dtype)."""
         return [(g.name, g.path, [f for f, _ in g.params]) for g in self._all_groups()]
 
     def _all_groups(self):
-        return self._groups + self._frozen
+        return self._used + self._frozen
 
     def _pushed_groups(self):
         """Every group worker 0 pushes: the flat parameters, then the buffers'."""
@@ -872,7 +914,7 @@ class ShardedModule(torch.nn.Module):
             self._forward_prefetch.issued = -1  # the same order again
         first = set(self._forward_prefetch.ahead(None)) if self._forward_prefetch else set()
         self._forward_calls, self._finished_calls = [], []
-        gather = [group for index, group in enumerate(self._groups)
+        gather = [group for index, group in enumerate(self._used)
                   if self._needs_gather(group) and (not group.reshards or group.eager or index in first)]
         # The buffers (fp32) once per step: later forwards of the step go on from the
         # buffers as those left them, as torch's do.
@@ -883,7 +925,7 @@ class ShardedModule(torch.nn.Module):
         if buffers is not None and buffers.pending_gather is not None:
             self._wait_gather(buffers)  # on failure the next forward gathers again
             buffers.unpack()  # the servers' values of this step: the workers' mean of the last
-        for group in self._groups:
+        for group in self._used:
             if group.eager:
                 self._wait_gather(group)
 
@@ -913,7 +955,8 @@ class ShardedModule(torch.nn.Module):
             except BaseException:
                 group.gathered_step = None  # the next forward gathers again
                 raise
-            if group.gathered_step is not None and version != group.gathered_step:
+            # (A frozen group's version never moves: the groups' versions say what a load did.)
+            if group.gathered_step is not None and version != group.gathered_step and getattr(group, "trained", True):
                 step, group.gathered_step = group.gathered_step, None
                 raise self._moved(version, step)
 
@@ -923,13 +966,26 @@ class ShardedModule(torch.nn.Module):
             f"the servers are at version {version} during step {step}: a checkpoint load moved "
             "them; the step is void and the module resumes at their version")
 
-    def _before_forward(self, index):
-        group = self._groups[index]
+    def _before_forward(self, index, inputs):
+        """A group's module begins its forward: its parameters are there when this returns.
+        A resharding frozen group's floating inputs are returned through _AfterBackward,
+        whose backward frees the group once backward has gone through the module (it gets
+        no gradient that would say so)."""
+        group = self._used[index]
         group.fired = True
         if group.reshards:
             self._forward_calls.append(index)
             self._gather_ahead(group, self._forward_prefetch, index)
         self._wait_gather(group)
+        if group.reshards and not group.trained and torch.is_grad_enabled():
+            needing = [k for k, value in enumerate(inputs) if torch.is_tensor(value) and value.requires_grad]
+            if needing:
+                passed = _AfterBackward.apply(lambda: self._release(group), *[inputs[k] for k in needing])
+                inputs = list(inputs)
+                for k, value in zip(needing, passed):
+                    inputs[k] = value
+                return tuple(inputs)
+        return None
 
     def _gather_ahead(self, group, prefetch, index):
         """Starts `group`'s gather where it needs one, then those `prefetch` (a _Prefetch or
@@ -937,8 +993,8 @@ class ShardedModule(torch.nn.Module):
         if self._needs_gather(group):
             self._issue_gathers([group])
         if prefetch is not None:
-            self._issue_gathers([self._groups[i] for i in dict.fromkeys(prefetch.ahead(index))
-                                 if self._needs_gather(self._groups[i])])
+            self._issue_gathers([self._used[i] for i in dict.fromkeys(prefetch.ahead(index))
+                                 if self._needs_gather(self._used[i])])
 
     def _release(self, group):
         """Frees a resharding group's parameters, once a gather in flight into them settled
@@ -954,7 +1010,7 @@ class ShardedModule(torch.nn.Module):
         """A resharding group's module ran its forward: its parameters are freed, and hooks
         on the output gather them again when backward reaches it. In a backward (a
         recomputation for activation checkpointing) they stay until their gradients are in."""
-        group = self._groups[index]
+        group = self._used[index]
         self._finished_calls.append(index)
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
@@ -977,7 +1033,7 @@ class ShardedModule(torch.nn.Module):
             self._in_backward = True
             self._backward_prefetch = _Prefetch(self._finished_calls[::-1], self._group_bytes)
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-        group = self._groups[index]
+        group = self._used[index]
         try:
             self._gather_ahead(group, self._backward_prefetch, index)
             self._wait_gather(group)
@@ -1004,7 +1060,7 @@ class ShardedModule(torch.nn.Module):
         """The end of a backward: every resharding group's parameters are freed (those of
         parameters that got no gradient too), and the gradients sent are."""
         self._in_backward = False
-        for group in self._groups:
+        for group in self._used:
             group.backward_done.clear()
             if group.reshards:
                 self._release(group)
@@ -1094,14 +1150,14 @@ class ShardedModule(torch.nn.Module):
         """
         if self._in_backward:
             raise flatshard.FailedPreconditionError("full_params() inside a backward")
-        gather = [group for group in self._groups if self._needs_gather(group)]
+        gather = [group for group in self._used if self._needs_gather(group)]
         buffers = self._buffer_group
         if buffers is not None and buffers.pending_gather is None and buffers.gathered_step != self._step:
             gather.append(buffers)
         self._issue_gathers(gather)
         try:
             errors = []
-            for group in self._stepped():
+            for group in self._used + ([buffers] if buffers else []):
                 try:
                     self._wait_gather(group)
                 except Exception as e:  # noqa: BLE001 (raised below)
@@ -1112,7 +1168,7 @@ class ShardedModule(torch.nn.Module):
                 buffers.unpack()
             yield self
         finally:
-            for group in self._groups:
+            for group in self._used:
                 if group.reshards:
                     self._release(group)
 
@@ -1166,7 +1222,7 @@ class ShardedModule(torch.nn.Module):
             self._gather_all()
             output = self.module(*args, **kwargs)
             if not torch.is_grad_enabled():  # no backward follows: what was gathered ahead is freed
-                for group in self._groups:
+                for group in self._used:
                     if group.reshards:
                         self._release(group)
             return output
@@ -1182,7 +1238,7 @@ class ShardedModule(torch.nn.Module):
         into a buffer the next forward gathers into again), so that the next forward
         issues again exactly those that failed. Their errors are dropped: the forward's
         own is being raised."""
-        for group in self._groups:
+        for group in self._used:
             try:
                 self._wait_gather(group)
             except Exception:  # noqa: BLE001 (reported by the failed forward)
@@ -1203,7 +1259,7 @@ class ShardedModule(torch.nn.Module):
             raise flatshard.FailedPreconditionError(
                 f"a checkpoint load voided the last step; the module is at version {self._step}: "
                 "run forward and backward on the next batch before step()")
-        for group in self._frozen:  # unfrozen after wrapping: its gradient would go nowhere
+        for group in self._frozen + self._frozen_wrapped:  # unfrozen after wrapping: its gradient would go nowhere
             for fqn, param in group.params:
                 if param.grad is not None:
                     raise flatshard.FailedPreconditionError(
@@ -1226,10 +1282,11 @@ class ShardedModule(torch.nn.Module):
             group.sent = False
             group.seen.clear()
             group.accumulated.clear()
-            group.eager = not group.fired
-            group.fired = False
             if group.reshards and group.grad_resident:
                 group.release_grad()
+        for group in self._used:
+            group.eager = not group.fired
+            group.fired = False
         self._scattering.clear()
         if self._buffer_group:
             self._buffer_group.sent = False
@@ -1284,7 +1341,7 @@ class ShardedModule(torch.nn.Module):
         for reached in (self._client.wait_versions(names, self._step + 1) if names else []):
             if reached != self._step + 1:
                 raise self._moved(reached, self._step)
-        for group in self._groups:
+        for group in self._used:
             self._wait_gather(group)  # a prefetch nobody waited for: its buffer is ours again
 
     def _resume_after_load(self):
@@ -1306,6 +1363,9 @@ class ShardedModule(torch.nn.Module):
             group.sent = False
             group.seen.clear()
             group.accumulated.clear()
+            group.fired = False
+            group.gathered_step = None
+        for group in self._frozen_wrapped:  # the load may have changed them too
             group.fired = False
             group.gathered_step = None
         if self._buffer_group:
@@ -1427,7 +1487,8 @@ class ShardedModule(torch.nn.Module):
         stepped = self._stepped()
         names = [group.name for group in stepped]
         pending = list(zip(stepped, self._client.gather_many_async(names, self._step) if names else []))
-        pending.extend((group, self._client.gather_async(group.name, 0)) for group in self._frozen)
+        pending.extend((group, self._client.gather_async(group.name, 0))
+                       for group in self._frozen + self._frozen_wrapped)
         for group, transfer in pending:
             flat, _ = transfer.wait()
             values = group.layout.views(flat)
@@ -1456,7 +1517,7 @@ class ShardedModule(torch.nn.Module):
         self._push(self._pushed_groups(), lambda group: {
             fqn: (given[fqn] if fqn in given else p).detach().float() for fqn, p in group.params})
         self._gather_frozen()
-        for group in self._stepped():  # the next forward gathers the pushed values
+        for group in self._stepped() + self._frozen_wrapped:  # the next forward gathers the pushed values
             self._wait_gather(group)
             group.gathered_step = None
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -130,6 +130,38 @@ class Chain(nn.Module):
         return self.head(h * self.scale)
 
 
+class LoraLinear(nn.Module):
+    """A frozen Linear with a trained low-rank update beside it (LoRA: base(x) + up(down(x)))."""
+
+    def __init__(self, dim, rank):
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+class LoraChain(nn.Module):
+    """Chain's layers as frozen Linears under trained low-rank adapters: under
+    auto_wrap_min_params=200 each layer's adapters are a trained group and (with
+    reshard_after_forward) its base a frozen group of its own."""
+
+    def __init__(self, depth=4, dim=64, rank=2):
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.layers = nn.ModuleList(LoraLinear(dim, rank) for _ in range(depth))
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
 def make_model(kind):
     torch.manual_seed(0)
     if kind == "mlp":
@@ -149,6 +181,8 @@ def make_model(kind):
         return BatchNormNet()
     if kind == "chain":
         return Chain()
+    if kind == "lora":
+        return LoraChain()
     raise ValueError(kind)
 
 
@@ -157,7 +191,7 @@ def make_data(kind, batch=16):
     if kind == "tied_frozen":  # token ids
         x = torch.randint(0, 12, (batch, 5), generator=generator)
         return x, torch.randn(batch, 4, generator=generator)
-    x = torch.randn(batch, 8, generator=generator) if kind in ("mlp", "batchnorm", "chain") else \
+    x = torch.randn(batch, 8, generator=generator) if kind in ("mlp", "batchnorm", "chain", "lora") else \
         torch.randn(batch, 5, 6, generator=generator)
     y = torch.randn(batch, 4, generator=generator)
     return x, y

@@ -1358,6 +1358,54 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
                     state = model.state_dict()
                     self.assert_matches_sgd(state, steps=3, kind="chain")
 
+    def test_frozen_layers_under_adapters_are_held_around_their_forward_and_backward(self):
+        # LoRA fine-tuning: each layer's frozen base is a group of its own, freed after its
+        # forward and, in backward, once backward has gone through it (no gradient says so).
+        import flatshard.torch
+        x, y = make_data("lora")
+        with mock.patch.object(flatshard.torch, "_PREFETCH_BYTES", 0), \
+                checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, plain = one_worker_mlp_on(cluster, "plain", kind="lora")
+            _, model = one_worker_mlp_on(cluster, "resharded", kind="lora", reshard_after_forward=True)
+            names = [name for name, _, _ in model.groups]
+            self.assertIn("model.layers.0.base.<frozen>", names)
+            self.assertIn("model.layers.0", names)  # its adapters
+            self.assertNotIn("model.layers.0.base.<frozen>", [name for name, _, _ in plain.groups])
+            bases = [layer.base for layer in model.module.layers]
+            forwards, backwards = [], []
+            for i, layer in enumerate(model.module.layers):
+                bases[i].register_forward_pre_hook(lambda _m, _in, i=i: forwards.append((i, held(bases))))
+
+                def on_output(_m, _in, output, i=i):
+                    if output.requires_grad:
+                        output.register_hook(lambda _g, i=i: backwards.append((i, held(bases))))
+
+                layer.register_forward_hook(on_output)
+            self.assertEqual(self.train(model, x, y, 3, record=lambda _: self.assertEqual(held(bases), [])),
+                             self.train(plain, x, y, 3))
+            ours, theirs = model.state_dict(), plain.state_dict()
+            for name, value in theirs.items():
+                self.assertTrue(torch.equal(ours[name], value), name)
+            initial = make_model("lora").state_dict()
+            self.assertTrue(torch.equal(ours["layers.0.base.weight"], initial["layers.0.base.weight"]))
+            self.assertFalse(torch.equal(ours["layers.0.down.weight"], initial["layers.0.down.weight"]))
+            later = len(bases)  # the first forward gathers everything up front
+            self.assertEqual(forwards[later:], [(i, [i]) for i in range(len(bases))] * 3)
+            self.assertEqual(backwards[len(bases):], [(i, [i]) for i in reversed(range(len(bases)))] * 3)
+            with model.full_params():
+                self.assertEqual(held(bases), list(range(len(bases))))
+            self.assertEqual(held(bases), [])
+            # Values pushed (before the first step) while held: the next forward gathers
+            # them, frozen ones too.
+            _, model = one_worker_mlp_on(cluster, "pushed", kind="lora", reshard_after_forward=True)
+            fresh = make_model("lora")
+            with torch.no_grad():
+                for p in fresh.parameters():
+                    p.mul_(0.5)
+            with model.full_params(), torch.no_grad():
+                model.load_state_dict(fresh.state_dict())
+                self.assertTrue(torch.equal(model(x), fresh(x)))
+
     def test_a_shared_parameter_stays_with_its_group(self):
         # The tied embedding's group holds it for unembed, whose forward uses it later; the
         # MLP's groups are freed.
