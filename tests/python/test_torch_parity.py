@@ -319,6 +319,12 @@ class ParityTest(unittest.TestCase):
                    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 8, micro_batches=2,
                    reshard_after_forward=True)
 
+    def test_reshard_after_forward_frozen_layers_under_adapters(self):
+        # LoRA: each layer's frozen base a group of its own, freed alike.
+        self.check("lora", flatshard.AdamW(lr=1e-2, weight_decay=0.01),
+                   lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01), 10, max_grad_norm=0.5,
+                   reshard_after_forward=True)
+
     def test_adam(self):
         self.check("mlp", flatshard.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
                    lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3), 20)
