@@ -1412,6 +1412,28 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
                 model.load_state_dict(fresh.state_dict())
                 self.assertTrue(torch.equal(model(x), fresh(x)))
 
+    def test_bfloat16_parameters_and_gradients_reshard_too(self):
+        # Host flat buffers of bfloat16 go to the client as int16 arrays over their address.
+        x, y = make_data("lora")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            runs = []
+            for reshard in (False, True):
+                _, model = one_worker_mlp_on(cluster, f"bf16-{reshard}", kind="lora", param_dtype=torch.bfloat16,
+                                             reshard_after_forward=reshard)
+                losses = []
+                for _ in range(3):
+                    loss = F.mse_loss(model(x).float(), y)
+                    loss.backward()
+                    model.step()
+                    losses.append(loss.item())
+                runs.append((losses, model.state_dict()))
+            (plain_losses, plain_state), (losses, state) = runs
+            self.assertEqual(losses, plain_losses)
+            self.assertLess(losses[-1], losses[0])
+            for name, value in plain_state.items():
+                self.assertTrue(torch.equal(state[name], value), name)
+            self.assertEqual(held([layer.base for layer in model.module.layers]), [])
+
     def test_a_shared_parameter_stays_with_its_group(self):
         # The tied embedding's group holds it for unembed, whose forward uses it later; the
         # MLP's groups are freed.
