@@ -955,8 +955,10 @@ class ShardedModule(torch.nn.Module):
             except BaseException:
                 group.gathered_step = None  # the next forward gathers again
                 raise
-            # (A frozen group's version never moves: the groups' versions say what a load did.)
-            if group.gathered_step is not None and version != group.gathered_step and getattr(group, "trained", True):
+            # A frozen group's version stays where it was whatever the step: a trained group's
+            # says that a load moved the servers.
+            moved = version != group.gathered_step and getattr(group, "trained", True)
+            if group.gathered_step is not None and moved:
                 step, group.gathered_step = group.gathered_step, None
                 raise self._moved(version, step)
 
@@ -968,9 +970,9 @@ class ShardedModule(torch.nn.Module):
 
     def _before_forward(self, index, inputs):
         """A group's module begins its forward: its parameters are there when this returns.
-        A resharding frozen group's floating inputs are returned through _AfterBackward,
-        whose backward frees the group once backward has gone through the module (it gets
-        no gradient that would say so)."""
+        A resharding frozen group's inputs that require grad are returned through
+        _AfterBackward, whose backward frees the group once backward has gone through the
+        module (no gradient of its own says so)."""
         group = self._used[index]
         group.fired = True
         if group.reshards:
