@@ -123,7 +123,6 @@ torch's learning-rate schedulers drive the servers' optimizer through ``ServerOp
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import itertools
 import math
@@ -135,7 +134,8 @@ import numpy as np
 import torch
 
 import flatshard
-from flatshard import _safetensors
+from flatshard import _safetensors, _torch_reshard
+from flatshard._torch_flat import Buffers, Group, client_buffer
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PUSH_BYTES = 64 << 20  # initial values pushed per init_groups call (ShardedModule._push)
@@ -145,79 +145,6 @@ _PUSH_BYTES = 64 << 20  # initial values pushed per init_groups call (ShardedMod
 _BUCKET_GROUP_BYTES = 128 << 10
 _BUCKET_BYTES = 1 << 20
 _BUCKET_GROUPS = 64
-# reshard_after_forward: the parameters gathered ahead of their module (the next group's
-# always, and more while they fit): small groups' gathers go in pipelines.
-_PREFETCH_BYTES = 1 << 20
-
-
-_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}  # bf16: same bits
-
-
-def _client_buffer(tensor, resizable=False):
-    """What the client reads or writes for `tensor` every step: a numpy view of a host
-    tensor (bfloat16 as int16, the same bits), cheaper to hand over than the tensor's
-    DLPack capsule, or the tensor itself on a GPU (DLPack, for the GPU data planes).
-    `resizable`: a flat buffer whose storage reshard_after_forward frees and restores, which
-    Tensor.numpy() would fix for good; the array is then over the memory's address and must
-    be dropped before the storage is resized."""
-    if tensor.is_cuda:
-        return tensor
-    if resizable:
-        raw = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
-        return np.frombuffer(raw, dtype=_NUMPY[tensor.dtype])
-    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
-
-
-def _untyped_storage(tensor):
-    """The storage under flat buffer `tensor` (all of it), sized in bytes. Resizing it is how
-    FSDP frees and restores its unsharded flat parameters: to 0 frees the memory while the
-    tensor and its views (those autograd saved for backward among them) stay; back to the
-    tensor's bytes gives it memory again, not initialized, which those views see."""
-    if hasattr(tensor, "untyped_storage"):
-        return tensor.untyped_storage()
-    return tensor.storage().untyped()  # torch before 2.0
-
-
-def _tensors_in(value):
-    """The tensors in `value`, nested in tuples, lists and dicts (a module's output)."""
-    if torch.is_tensor(value):
-        return [value]
-    values = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
-    return [t for v in values for t in _tensors_in(v)]
-
-
-class _Prefetch:
-    """Which resharding groups to gather ahead (reshard_after_forward), in `order` (group
-    indices as the last forward ran them, or as its backward will: the reverse of the
-    order their forwards ended): at a group's turn, the groups after it while their
-    parameters fit in _PREFETCH_BYTES (the next one always), topped up in one call once
-    less than half of that is ahead, so that small groups go in pipelines. `sizes[i]`: the
-    bytes of group i's parameters."""
-
-    def __init__(self, order, sizes):
-        self.order = order
-        self.position = {}
-        self.prefix = [0]  # bytes of order[:k]
-        for k, index in enumerate(order):
-            self.position.setdefault(index, k)
-            self.prefix.append(self.prefix[-1] + sizes[index])
-        self.issued = -1  # the last position of `order` whose gather was asked for
-
-    def ahead(self, index):
-        """The group indices to gather at group `index`'s turn (None: before the first);
-        none for a group the order does not hold."""
-        at = -1 if index is None else self.position.get(index)
-        if at is None:
-            return []
-        start = max(self.issued, at) + 1
-        if start > at + 1 and self.prefix[start] - self.prefix[at + 1] >= _PREFETCH_BYTES / 2:
-            return []
-        end = start
-        while end < len(self.order) and (
-                end == at + 1 or self.prefix[end + 1] - self.prefix[at + 1] <= _PREFETCH_BYTES):
-            end += 1
-        self.issued = max(self.issued, end - 1)
-        return self.order[start:end]
 
 
 def _auto_wrap(module, min_params, keep, prefix=""):
@@ -355,192 +282,6 @@ def _param_group_settings(optimizer, param_groups, canonical, aliases):
     return optimizers, entry_of
 
 
-class _Group:
-    """One flat parameter: `params` view `flat` (of param_dtype); gradients gather in
-    `flat_grad` (of reduce_dtype; None for the frozen parameters' groups), each
-    parameter's in its view of it (`grad_views`).
-    `flat_buffer` and `grad_buffer` are what the client reads and writes
-    (_client_buffer). With ShardedModule's reshard_after_forward, `reshards` groups free
-    `flat` between uses (release/restore) and `flat_grad` once it is sent
-    (release_grad/restore_grad); the buffers are None while freed."""
-
-    def __init__(self, name, path, module, params, layout, param_dtype, reduce_dtype, trained=True,
-                 param_group=None, reshards=False):
-        self.name = name
-        self.path = path
-        self.module = module
-        self.param_group = param_group  # its entry of ShardedModule's param_groups (None: none)
-        self.trained = trained  # stepped (else frozen: never sent a gradient, its version never moves)
-        self.params = params  # [(fqn, nn.Parameter)] in layout order
-        self.layout = layout
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        # On the parameters' device: CUDA tensors move by CUDA IPC or staging (DLPack).
-        device = params[0][1].device
-        self.flat = torch.empty(layout.padded_numel, dtype=param_dtype, device=device)
-        self.flat_grad = (torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=device)
-                          if trained else None)
-        self.flat_buffer = _client_buffer(self.flat, resizable=reshards)
-        self.grad_buffer = _client_buffer(self.flat_grad, resizable=reshards) if trained else None
-        self.flat_storage = _untyped_storage(self.flat) if reshards else None
-        self.grad_storage = _untyped_storage(self.flat_grad) if reshards and trained else None
-        self.grad_views = {}  # fqn: its gradient's view of flat_grad, of its parameter's shape
-        self.pending_gather = None
-        self.gathered_step = None  # the step whose gather was issued last
-        self.pending_scatter = None
-        self.bucketed = False  # its gradient waits in the module's bucket to be sent
-        self.sent = False         # its gradient for the step arrived (step() may be retried)
-        self.seen = set()         # parameters whose gradient this backward delivered
-        self.accumulated = set()  # parameters whose gradient flat_grad holds for the step
-        self.eager = True   # wait for its gather before the forward (until its hook is seen)
-        self.fired = False  # its module's pre-hook ran in this step
-        self.reshards = reshards  # frees flat after its forward and flat_grad once sent (ShardedModule)
-        self.resident = True  # flat holds memory
-        self.grad_resident = trained  # flat_grad holds memory
-        self.views = {}  # fqn: its parameter's view of flat (what param.data is while resident)
-        self.accumulators = []  # its parameters' AccumulateGrad nodes, kept for their hooks (reshards)
-        self.backward_done = set()  # parameters whose gradient this backward accumulated (reshards)
-        self.scatter_error = None  # of a scatter found finished before step() (reshards), for step() to raise
-        offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
-        with torch.no_grad():
-            for fqn, param in params:
-                offset, numel = offsets[fqn]
-                view = self.flat[offset:offset + numel].view(param.shape)
-                view.copy_(param.detach())
-                param.data = view
-                self.views[fqn] = view
-                if trained:
-                    self.grad_views[fqn] = self.flat_grad[offset:offset + numel].view(param.shape)
-
-    def release(self):
-        """Frees flat's memory (no gather may be in flight into it). The parameters become
-        empty tensors until restore(), so that a use of them before it fails on their
-        shape rather than reading freed memory; autograd's views of flat keep theirs."""
-        empty = self.flat.new_empty(0)
-        for _, param in self.params:
-            param.data = empty
-        self.flat_storage.resize_(0)
-        self.flat_buffer = None
-        self.resident = False
-
-    def restore(self):
-        """Gives flat memory again (not initialized: a gather fills it) and the parameters
-        their views of it."""
-        self.flat_storage.resize_(self.flat.numel() * self.flat.element_size())
-        self.flat_buffer = _client_buffer(self.flat, resizable=True)
-        for fqn, param in self.params:
-            param.data = self.views[fqn]
-        self.resident = True
-
-    def release_grad(self):
-        """Frees flat_grad's memory (its scatter has finished)."""
-        self.grad_storage.resize_(0)
-        self.grad_buffer = None
-        self.grad_resident = False
-
-    def restore_grad(self):
-        """Gives flat_grad memory again, zeroed (its padding is sent as it is)."""
-        self.grad_storage.resize_(self.flat_grad.numel() * self.flat_grad.element_size())
-        self.flat_grad.zero_()
-        self.grad_buffer = _client_buffer(self.flat_grad, resizable=True)
-        self.grad_resident = True
-
-
-class _Buffers:
-    """The module's persistent buffers (BatchNorm's running statistics: what its
-    state_dict holds besides parameters) as one group of the job with optimizer Average:
-    each step every worker sends its buffers (`pack`), the servers keep their mean, and the
-    next forward gathers it back (`unpack`), so the buffers are the same on every worker
-    and in the servers' checkpoints at each version. Held in fp32 on the servers (an
-    integer buffer, num_batches_tracked, is exact up to 2**24).
-
-    The module's buffers become views: fp32 ones of the flat buffer that gathers fill and
-    steps send (nothing to copy), the others of one tensor per dtype, cast into the flat
-    buffer and back in one operation each. A buffer the module replaced (an assignment,
-    module.to()) is taken in at the next pack or unpack and made a view again. Has the
-    attributes ShardedModule's gather and scatter code reads from a _Group."""
-
-    def __init__(self, name, entries, layout):
-        self.name = name
-        self.entries = entries  # [(fqn, owning module, attribute)]
-        self.layout = layout
-        device = getattr(entries[0][1], entries[0][2]).device
-        self.flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-        self.flat_buffer = _client_buffer(self.flat)
-        self.grad_buffer = self.flat_buffer  # what a step sends: the values themselves
-        self.param_dtype = self.reduce_dtype = torch.float32  # gathered and sent as held
-        self.pending_gather = None
-        self.gathered_step = None
-        self.pending_scatter = None
-        self.bucketed = False
-        self.sent = False
-        self.scatter_error = None
-        offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
-        by_dtype = collections.defaultdict(list)
-        for fqn, owner, attr in entries:
-            by_dtype[owner._buffers[attr].dtype].append((fqn, owner._buffers[attr].shape))
-        views = {}  # fqn: the view the module's buffer is
-        self.others = []  # [(tensor of another dtype, the positions of its elements in flat)]
-        for dtype, members in by_dtype.items():
-            if dtype == torch.float32:
-                for fqn, shape in members:
-                    offset, numel = offsets[fqn]
-                    views[fqn] = self.flat[offset:offset + numel].view(shape)
-                continue
-            positions = [i for fqn, _ in members for i in range(offsets[fqn][0], sum(offsets[fqn]))]
-            values = torch.empty(len(positions), dtype=dtype, device=device)
-            start = 0
-            for fqn, shape in members:
-                views[fqn] = values[start:start + offsets[fqn][1]].view(shape)
-                start += offsets[fqn][1]
-            self.others.append((values, torch.tensor(positions, dtype=torch.long, device=device)))
-        self.links = [views[fqn] for fqn, _, _ in entries]
-        self._relink(take_values=True)
-
-    @property
-    def params(self):
-        """[(fqn, tensor)]: the module's buffers now, as _Group.params lists parameters."""
-        return [(fqn, owner._buffers[attr]) for fqn, owner, attr in self.entries]
-
-    def _relink(self, take_values):
-        """Makes every buffer the module replaced a view again, with its values if
-        `take_values` (else with what the views hold)."""
-        with torch.no_grad():
-            for (fqn, owner, attr), view in zip(self.entries, self.links):
-                buffer = owner._buffers[attr]
-                if buffer is view:
-                    continue
-                if buffer is None or buffer.shape != view.shape:
-                    raise flatshard.FailedPreconditionError(
-                        f"buffer '{fqn}' is now {None if buffer is None else tuple(buffer.shape)}, but it was "
-                        f"{tuple(view.shape)} when the module was wrapped: wrap a new instance of the model")
-                if take_values:
-                    view.copy_(buffer)
-                owner._buffers[attr] = view
-
-    def pack(self):
-        """Puts the module's buffers into the flat buffer that step() sends."""
-        self._relink(take_values=True)
-        with torch.no_grad():
-            for values, positions in self.others:
-                self.flat.index_copy_(0, positions, values.float())
-
-    def unpack(self):
-        """Gives the module's buffers what a gather put into the flat buffer."""
-        self._relink(take_values=False)
-        with torch.no_grad():
-            for values, positions in self.others:
-                gathered = self.flat.index_select(0, positions)
-                values.copy_(gathered if values.is_floating_point() else gathered.round())
-
-    @staticmethod
-    def cast(values, like):
-        """fp32 `values` in the shape and dtype of buffer `like` (integers rounded)."""
-        if not like.is_floating_point():
-            values = values.round()
-        return values.reshape(like.shape).to(like.dtype)
-
-
 def _persistent_buffers(module):
     """[(fqn, owning module, attribute)] of what module.state_dict() holds besides
     parameters (torch leaves out buffers registered with persistent=False)."""
@@ -579,22 +320,6 @@ def _buffer_aliases(module):
             if buffer is not None and attr not in submodule._non_persistent_buffers_set:
                 aliases[f"{path}.{attr}"] = f"{canonical}.{attr}"  # never the root: it is in no module
     return aliases
-
-
-class _AfterBackward(torch.autograd.Function):
-    """The identity on a module's inputs, whose backward calls `callback` once backward has
-    gone through the module (the gradients of all those inputs are in): where a resharding
-    frozen group is freed in backward, as FSDP's RegisterPostBackwardFunction frees one."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None,) + grads
 
 
 class _Bucket:
@@ -686,7 +411,7 @@ class ShardedModule(torch.nn.Module):
         # reshard_after_forward: the order in which this forward's resharding groups began
         # and ended their forwards, and from the last forward's, which to prefetch after which.
         self._forward_calls, self._finished_calls = [], []
-        self._forward_prefetch = self._backward_prefetch = None  # _Prefetch
+        self._forward_prefetch = self._backward_prefetch = None  # _torch_reshard.Prefetch
         self._in_backward = False  # between a backward's first pre-backward hook and its end
         self._scattering = []  # resharding groups whose gradient is in flight (freed once sent)
         self._name = name
@@ -775,7 +500,7 @@ class ShardedModule(torch.nn.Module):
             registered.append((f"{name}.<buffers>", [(fqn, tuple(getattr(owner, attr).shape), "float32")
                                                      for fqn, owner, attr in buffers], flatshard.Average()))
         layouts = client.register_groups(registered) if registered else []
-        groups = [_Group(group_name, path, modules[path] if path is not None else None, params, layout,
+        groups = [Group(group_name, path, modules[path] if path is not None else None, params, layout,
                          torch.float32 if full else self._param_dtype, torch.float32 if full else self._reduce_dtype,
                          trained=k < trained, param_group=entry,
                          reshards=reshard_after_forward and bool(path) and not any(fqn in shared for fqn, _ in params))
@@ -785,7 +510,7 @@ class ShardedModule(torch.nn.Module):
         self._frozen = groups[wrapped_frozen:len(specs)]  # the other frozen parameters (a group per dtype)
         self._used = self._groups + self._frozen_wrapped  # the groups forwards gather, by index
         self._group_bytes = [group.flat.numel() * group.flat.element_size() for group in self._used]
-        self._buffer_group = _Buffers(f"{name}.<buffers>", buffers, layouts[-1]) if buffers else None
+        self._buffer_group = Buffers(f"{name}.<buffers>", buffers, layouts[-1]) if buffers else None
         # Worker 0's load_checkpoint: what it left out (None elsewhere, or without one).
         self.load_result = None
         self._initialize(name, load_checkpoint, load_strict, initial)
@@ -909,7 +634,7 @@ class ShardedModule(torch.nn.Module):
         # after it in the last forward's order), but for those prefetched from the start and
         # those whose module's forward has not been seen to run.
         if self._forward_calls:
-            self._forward_prefetch = _Prefetch(self._forward_calls, self._group_bytes)
+            self._forward_prefetch = _torch_reshard.Prefetch(self._forward_calls, self._group_bytes)
         elif self._forward_prefetch is not None:
             self._forward_prefetch.issued = -1  # the same order again
         first = set(self._forward_prefetch.ahead(None)) if self._forward_prefetch else set()
@@ -971,7 +696,7 @@ class ShardedModule(torch.nn.Module):
     def _before_forward(self, index, inputs):
         """A group's module begins its forward: its parameters are there when this returns.
         A resharding frozen group's inputs that require grad are returned through
-        _AfterBackward, whose backward frees the group once backward has gone through the
+        AfterBackward (_torch_reshard), whose backward frees the group once backward has gone through the
         module (no gradient of its own says so)."""
         group = self._used[index]
         group.fired = True
@@ -982,7 +707,7 @@ class ShardedModule(torch.nn.Module):
         if group.reshards and not group.trained and torch.is_grad_enabled():
             needing = [k for k, value in enumerate(inputs) if torch.is_tensor(value) and value.requires_grad]
             if needing:
-                passed = _AfterBackward.apply(lambda: self._release(group), *[inputs[k] for k in needing])
+                passed = _torch_reshard.AfterBackward.apply(lambda: self._release(group), *[inputs[k] for k in needing])
                 inputs = list(inputs)
                 for k, value in zip(needing, passed):
                     inputs[k] = value
@@ -990,7 +715,7 @@ class ShardedModule(torch.nn.Module):
         return None
 
     def _gather_ahead(self, group, prefetch, index):
-        """Starts `group`'s gather where it needs one, then those `prefetch` (a _Prefetch or
+        """Starts `group`'s gather where it needs one, then those `prefetch` (a Prefetch or
         None) says to start at its turn (`index`), in one call."""
         if self._needs_gather(group):
             self._issue_gathers([group])
@@ -1015,7 +740,7 @@ class ShardedModule(torch.nn.Module):
         group = self._used[index]
         self._finished_calls.append(index)
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            tensors = [t for t in _torch_reshard.tensors_in(output) if t.requires_grad]
             ran = []  # the first of the outputs' gradients runs the hook, once
 
             def before_backward(_grad):
@@ -1033,7 +758,7 @@ class ShardedModule(torch.nn.Module):
         the step's version) and prefetches those whose forwards ended before its."""
         if not self._in_backward:
             self._in_backward = True
-            self._backward_prefetch = _Prefetch(self._finished_calls[::-1], self._group_bytes)
+            self._backward_prefetch = _torch_reshard.Prefetch(self._finished_calls[::-1], self._group_bytes)
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         group = self._used[index]
         try:
@@ -1496,7 +1221,7 @@ class ShardedModule(torch.nn.Module):
             values = group.layout.views(flat)
             for fqn, tensor in group.params:
                 value = torch.from_numpy(np.array(values[fqn]))
-                out[fqn] = _Buffers.cast(value, tensor) if group is self._buffer_group else value
+                out[fqn] = Buffers.cast(value, tensor) if group is self._buffer_group else value
         for alias, fqn in self._aliases.items():  # as torch's: shared tensors under each name
             out[alias] = out[fqn]
         order = [name for name in self.module.state_dict(keep_vars=True) if name in out]  # torch's

@@ -1262,7 +1262,7 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
         # The prefetch budget: the next group's parameters alone, or those of the next two
         # layers (and the small head or embedding beside them).
         for budget, ahead in ((0, 1), (2 * layer_bytes + 8192, 2)):
-            with self.subTest(ahead=ahead), mock.patch.object(flatshard.torch, "_PREFETCH_BYTES", budget), \
+            with self.subTest(ahead=ahead), mock.patch.object(flatshard._torch_reshard, "PREFETCH_BYTES", budget), \
                     checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
                 self.check_held(cluster, x, y, ahead)
 
@@ -1369,7 +1369,7 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
         # forward and, in backward, once backward has gone through it (no gradient says so).
         import flatshard.torch
         x, y = make_data("lora")
-        with mock.patch.object(flatshard.torch, "_PREFETCH_BYTES", 0), \
+        with mock.patch.object(flatshard._torch_reshard, "PREFETCH_BYTES", 0), \
                 checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
             _, plain = one_worker_mlp_on(cluster, "plain", kind="lora")
             _, model = one_worker_mlp_on(cluster, "resharded", kind="lora", reshard_after_forward=True)
@@ -1474,7 +1474,7 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
     def test_a_load_met_in_backward_voids_the_step_there(self):
         import flatshard.torch
         # Each group gathers the next alone (no prefetch budget), so that gathers follow the load.
-        with mock.patch.object(flatshard.torch, "_PREFETCH_BYTES", 0), tempfile.TemporaryDirectory() as root, \
+        with mock.patch.object(flatshard._torch_reshard, "PREFETCH_BYTES", 0), tempfile.TemporaryDirectory() as root, \
                 checked_cluster.LocalCluster(servers=2, checkpoint_root=root, memory=MEMORY) as cluster:
             client, model = one_worker_mlp_on(cluster, "reload", kind="chain", reshard_after_forward=True)
             client.save_checkpoint("start", kind="sharded")  # version 0
