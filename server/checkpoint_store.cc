@@ -615,10 +615,16 @@ absl::Status AddShardedIndex(const std::string& dir, const std::string& text,
 }  // namespace
 
 PendingImport::~PendingImport() {
-  if (committed_ || dir_.empty()) return;
-  std::error_code ignored;
-  fs::remove_all(dir_, ignored);
-  fs::remove(fs::path(dir_).parent_path(), ignored);  // unless a save of the name is there
+  sink_.reset();  // its files closed before they are removed
+  if (!committed_ && !dir_.empty()) {
+    std::error_code ignored;
+    fs::remove_all(dir_, ignored);
+    fs::remove(fs::path(dir_).parent_path(), ignored);  // unless a save of the name is there
+  }
+  // The name is free before the status stops listing the import: whoever sees it gone
+  // may take the name at once (members would go the other way round).
+  claim_.reset();
+  progress_.reset();
 }
 
 absl::StatusOr<std::unique_ptr<PendingImport>> CheckpointStore::BeginImport(const std::string& name) {

@@ -136,8 +136,9 @@ class PendingSave {
 
 // An import into this root (CheckpointStore::BeginImport) until it is destroyed: the name
 // claimed, and the import's directory, which sink() fills. Destroyed before CommitImport
-// succeeded, it removes the directory: nothing of the import stays. Owned by the one
-// caller that drives the import; not thread-safe.
+// succeeded, it removes the directory: nothing of the import stays. Its status row goes
+// last, once the name is free. Owned by the one caller that drives the import; not
+// thread-safe.
 class PendingImport {
  public:
   PendingImport(const PendingImport&) = delete;
