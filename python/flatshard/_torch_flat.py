@@ -159,6 +159,9 @@ class Buffers:
         self.bucketed = False
         self.sent = False
         self.scatter_error = None
+        self.trained = True  # stepped: its version says what a load did
+        self.reshards = False  # held (gathered once per step, sent by step())
+        self.resident = True
         offsets = {t["name"]: (t["offset"], t["numel"]) for t in layout.tensors}
         by_dtype = collections.defaultdict(list)
         for fqn, owner, attr in entries:

@@ -663,7 +663,7 @@ class ShardedModule(torch.nn.Module):
         (a flat parameter in full precision beside lower ones), in pipelines where the
         groups are small."""
         for group in groups:
-            if not getattr(group, "resident", True):
+            if not group.resident:
                 group.restore()
         for dtype, members in _by_dtype(groups, lambda group: group.param_dtype).items():
             transfers = self._client.gather_many_async([group.name for group in members], 0, dtype,
@@ -682,7 +682,7 @@ class ShardedModule(torch.nn.Module):
                 raise
             # A frozen group's version stays where it was whatever the step: a trained group's
             # says that a load moved the servers.
-            moved = version != group.gathered_step and getattr(group, "trained", True)
+            moved = version != group.gathered_step and group.trained
             if group.gathered_step is not None and moved:
                 step, group.gathered_step = group.gathered_step, None
                 raise self._moved(version, step)
@@ -789,9 +789,14 @@ class ShardedModule(torch.nn.Module):
         self._in_backward = False
         for group in self._used:
             group.backward_done.clear()
+        self._release_all()
+        self._reap_scatters()
+
+    def _release_all(self):
+        """Frees every resharding group's parameters that are held."""
+        for group in self._used:
             if group.reshards:
                 self._release(group)
-        self._reap_scatters()
 
     def _reap_scatters(self):
         """Frees the gradients of resharding groups whose scatter has finished; one that
@@ -895,9 +900,7 @@ class ShardedModule(torch.nn.Module):
                 buffers.unpack()
             yield self
         finally:
-            for group in self._used:
-                if group.reshards:
-                    self._release(group)
+            self._release_all()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -935,7 +938,7 @@ class ShardedModule(torch.nn.Module):
             for group, transfer in zip(members, transfers):
                 group.bucketed = False
                 group.pending_scatter = transfer
-                if getattr(group, "reshards", False):
+                if group.reshards:
                     self._scattering.append(group)
 
     def forward(self, *args, **kwargs):
@@ -949,9 +952,7 @@ class ShardedModule(torch.nn.Module):
             self._gather_all()
             output = self.module(*args, **kwargs)
             if not torch.is_grad_enabled():  # no backward follows: what was gathered ahead is freed
-                for group in self._used:
-                    if group.reshards:
-                        self._release(group)
+                self._release_all()
             return output
         except flatshard.AbortedError:
             self._resume_after_load()
