@@ -141,7 +141,9 @@ void DataServer::ServeConnection(uint64_t id, std::unique_ptr<Connection> conn) 
         break;  // garbage or a closed peer: the stream cannot be trusted any more
       }
       const LatencyClock::time_point start = LatencyClock::now();
+      ++stats_.data_requests_in_flight;
       const bool serving = ServeRequest(*conn, *request);
+      --stats_.data_requests_in_flight;
       op_latency_[static_cast<size_t>(request->op)]->RecordSince(start);  // RecvRequest took only known ops
       if (!serving) break;
     }

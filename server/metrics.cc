@@ -123,6 +123,10 @@ std::vector<MetricFamily> StatusMetrics(const v1::ServerStatus& s) {
   add(received);
   Family connections("flatshard_data_connections", "Data-plane connections open now.", MetricType::Gauge);
   add(connections.Add(s.open_data_connections()));
+  Family in_flight("flatshard_requests_in_flight", "Requests being served now (waiting ones among them), by plane.",
+                   MetricType::Gauge);
+  in_flight.Add(s.data_requests_in_flight(), {{"plane", "data"}}).Add(s.rpcs_in_flight(), {{"plane", "control"}});
+  add(in_flight);
 
   Family workers("flatshard_job_workers", "Workers of each configured job.", MetricType::Gauge);
   Family norm("flatshard_job_last_grad_norm", "The last global gradient norm of a clipped job (absent before one).",

@@ -31,9 +31,14 @@ std::string Caller(const grpc::ServerContextBase& context) {
 
 class RequestLog : public grpc::experimental::Interceptor {
  public:
-  RequestLog(grpc::experimental::ServerRpcInfo* info, NamedLatencies& latencies, RpcErrorCounts& errors,
-             LogThrottle& warnings)
-      : info_(info), latencies_(latencies), errors_(errors), warnings_(warnings) {}
+  RequestLog(grpc::experimental::ServerRpcInfo* info, ServerStats& stats)
+      : info_(info), latencies_(stats.rpcs), errors_(stats.rpc_errors), warnings_(stats.warnings),
+        in_flight_(stats.rpcs_in_flight) {
+    in_flight_.Begin();
+  }
+  ~RequestLog() override { in_flight_.End(); }
+  RequestLog(const RequestLog&) = delete;
+  RequestLog& operator=(const RequestLog&) = delete;
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
@@ -68,13 +73,14 @@ class RequestLog : public grpc::experimental::Interceptor {
   NamedLatencies& latencies_;
   RpcErrorCounts& errors_;
   LogThrottle& warnings_;
+  CallsInFlight& in_flight_;
   const LatencyClock::time_point start_ = LatencyClock::now();
 };
 
 }  // namespace
 
 grpc::experimental::Interceptor* RequestLogFactory::CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) {
-  return new RequestLog(info, latencies_, errors_, warnings_);
+  return new RequestLog(info, stats_);
 }
 
 }  // namespace flatshard::server

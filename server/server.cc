@@ -203,8 +203,7 @@ absl::Status Server::Start() {
   builder.AddListeningPort(options_.listen, ServerCredentials(options_.tls, tls_files_->get()), &control_port_);
   builder.RegisterService(service_.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<RequestLogFactory>(stats_.rpcs, stats_.rpc_errors, stats_.warnings));
-  interceptors.push_back(calls_.Interceptors());
+  interceptors.push_back(std::make_unique<RequestLogFactory>(stats_));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(16 << 20);
   if (options_.threads > 0) {
@@ -295,7 +294,7 @@ void Server::Shutdown() {
     // own graceful shutdown would also wait for every open connection to close, and an
     // idle gRPC client reads its socket only every few seconds (its backup poller): a
     // connected worker or peer with no call would hold the shutdown for the whole grace.
-    calls_.AwaitNone(absl::Now() + options_.shutdown_grace);
+    stats_.rpcs_in_flight.AwaitNone(absl::Now() + options_.shutdown_grace);
     grpc_server_->Shutdown(std::chrono::system_clock::now());
     grpc_server_->Wait();
     grpc_server_.reset();

@@ -20,7 +20,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "server/auth.h"
-#include "server/calls_in_flight.h"
 #include "server/checkpoint_store.h"
 #include "server/clip_coordinator.h"
 #include "server/data_server.h"
@@ -116,7 +115,7 @@ class Server {
   absl::StatusOr<std::unique_ptr<TlsFiles>> tls_files_;
   PeerClient peers_;
   ClipCoordinator clip_;
-  ServerStats stats_;
+  ServerStats stats_;  // its RPCs in flight are the gRPC server's: declared before it
   StepDriver driver_;
   CheckpointStore checkpoints_;
   SessionTokens sessions_;
@@ -128,7 +127,6 @@ class Server {
   // names the endpoint's address) and serves empty scrapes until then.
   std::atomic<FlatshardService*> serving_{nullptr};
   std::unique_ptr<MetricsEndpoint> metrics_;
-  CallsInFlight calls_;  // the gRPC server's; declared before it, which refers to it
   std::unique_ptr<grpc::Server> grpc_server_;
   int control_port_ = 0;
 

@@ -678,6 +678,8 @@ v1::ServerStatus FlatshardService::Status(const v1::GetStatusRequest& request) {
   response->set_nccl_scatters(stats_.nccl_scatters.load());
   response->set_errors(stats_.errors.load());
   response->set_open_data_connections(stats_.open_data_connections.load());
+  response->set_data_requests_in_flight(stats_.data_requests_in_flight.load());
+  response->set_rpcs_in_flight(stats_.rpcs_in_flight.count());
   stats_.data_requests.ToProto(response->mutable_data_request_seconds());
   stats_.rpcs.ToProto(response->mutable_rpc_seconds());
   stats_.rpc_errors.ToProto(response->mutable_rpc_errors());

@@ -1,12 +1,13 @@
-// Traffic counters and request latencies of one server, updated lock-free by the data
-// plane (and the RPC interceptor, server/request_log.h) and read by the status RPC; and
-// the throttle their warnings share. Thread-safe.
+// Traffic counters, requests in flight and request latencies of one server, updated
+// lock-free by the data plane (and the RPC interceptor, server/request_log.h) and read by
+// the status RPC; and the throttle their warnings share. Thread-safe.
 #ifndef FLATSHARD_SERVER_STATS_H_
 #define FLATSHARD_SERVER_STATS_H_
 
 #include <atomic>
 #include <cstdint>
 
+#include "server/calls_in_flight.h"
 #include "server/latency_histogram.h"
 #include "server/log_throttle.h"
 #include "server/rpc_errors.h"
@@ -20,6 +21,10 @@ struct ServerStats {
   std::atomic<int64_t> scatters{0};
   std::atomic<int64_t> errors{0};
   std::atomic<int32_t> open_data_connections{0};
+  // Data-plane requests being served now (a gather waiting for its version among them),
+  // and control-plane calls (a shutdown waits for these).
+  std::atomic<int32_t> data_requests_in_flight{0};
+  CallsInFlight rpcs_in_flight;
   std::atomic<int64_t> ipc_gathers{0};   // CUDA IPC plane (also counted in gathers)
   std::atomic<int64_t> ipc_scatters{0};  // CUDA IPC plane (also counted in scatters)
   std::atomic<int64_t> nccl_gathers{0};   // NCCL plane (also counted in gathers)

@@ -158,14 +158,15 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
     if (*local_gpu == s.gpu_uuid()) return "cuda-ipc";
     return !s.nccl_version().empty() && client_internal::NcclLink::Available() ? "nccl" : "tcp";
   };
-  // held: the memory of its groups (each group's is in the table below); x-sent, x-recv:
+  // held: the memory of its groups (each group's is in the table below); busy: requests
+  // it serves now, waiting ones among them, besides this command's; x-sent, x-recv:
   // a hybrid-sharded job's exchange between replica groups.
   // tls: how long the certificate it presents has left (+mtls: it asks callers for theirs;
   // +data: its data plane speaks TLS too).
   const absl::Time now = absl::Now();
-  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-13s %7s %6s %10s %5s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
-                         "address", "memory", "plane", "tls", "threads", "groups", "held", "conns", "sent", "received",
-                         "x-sent", "x-recv", "gathers", "scatters", "errors");
+  out << absl::StrFormat("%-4s %-21s %-6s %-8s %-13s %7s %6s %10s %5s %4s %10s %10s %10s %10s %8s %8s %6s\n", "rank",
+                         "address", "memory", "plane", "tls", "threads", "groups", "held", "conns", "busy", "sent",
+                         "received", "x-sent", "x-recv", "gathers", "scatters", "errors");
   for (size_t i = 0; i < statuses.size(); ++i) {
     if (!statuses[i].ok()) {
       out << absl::StrFormat("%-4s %-21s unreachable: %s\n", "?", options.servers[i],
@@ -180,9 +181,11 @@ int RunStatusCommand(const StatusCommandOptions& options, std::ostream& out, std
       groups += j.summary().groups();
       held += j.summary().bytes();
     }
-    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-13s %7d %6d %10s %5d %10s %10s %10s %10s %8d %8d %6d\n", s.rank(),
-                           s.control_address(), s.memory(), plane(s), TlsLeft(s, now), s.compute_threads(),
-                           groups, HumanBytes(held), s.open_data_connections(), HumanBytes(s.bytes_sent()),
+    // This command's GetStatus is one of the RPCs in flight (none for a server older than the count).
+    const int busy = s.data_requests_in_flight() + std::max(s.rpcs_in_flight() - 1, 0);
+    out << absl::StrFormat("%-4d %-21s %-6s %-8s %-13s %7d %6d %10s %5d %4d %10s %10s %10s %10s %8d %8d %6d\n",
+                           s.rank(), s.control_address(), s.memory(), plane(s), TlsLeft(s, now), s.compute_threads(),
+                           groups, HumanBytes(held), s.open_data_connections(), busy, HumanBytes(s.bytes_sent()),
                            HumanBytes(s.bytes_received()), HumanBytes(s.exchange_bytes_sent()),
                            HumanBytes(s.exchange_bytes_received()), s.gathers(), s.scatters(), s.errors());
   }

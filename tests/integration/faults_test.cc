@@ -955,6 +955,24 @@ ClippedWorker StartClippedWorker(const testing::TestCluster& cluster, int worker
 // wait on it, for a version or a step's gradient norm, ends their waits with UNAVAILABLE
 // and exits within its shutdown grace. Before, each wait held the shutdown until its
 // deadline: the client's timeout, 60 s here (the test's limit is 30 s).
+// Polls server 0 of `cluster` for up to 10 s until it serves `data_requests` data-plane
+// requests and `rpcs` control-plane calls besides the status call that asks; false if it
+// never does (the status then fails the test).
+bool AwaitInFlight(const testing::TestCluster& cluster, int data_requests, int rpcs) {
+  const ClientOptions status_options{.servers = {cluster.addresses()[0]}, .token = cluster.token()};
+  for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;) {
+    const absl::StatusOr<v1::ServerStatus> status = FetchClusterStatus(status_options)[0];
+    if (!status.ok()) {
+      ADD_FAILURE() << status.status();
+      return false;
+    }
+    if (status->data_requests_in_flight() == data_requests && status->rpcs_in_flight() == rpcs + 1) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ADD_FAILURE() << "server 0 never served " << data_requests << " data requests and " << rpcs << " rpcs at once";
+  return false;
+}
+
 TEST(ServerShutdownTest, WaitsEndWhenTheServerStopsAndItExitsAtOnce) {
   testing::TestCluster cluster(1, "tok", ::testing::TempDir());
   ClippedWorker worker = StartClippedWorker(cluster, 2);
@@ -964,7 +982,7 @@ TEST(ServerShutdownTest, WaitsEndWhenTheServerStopsAndItExitsAtOnce) {
   auto gathered = worker.client->Gather("g", 1, DType::kFloat32, AsBytes(params));
   auto version = std::async(std::launch::async, [&] { return worker.client->WaitVersion("g", 1); });
   auto norm = std::async(std::launch::async, [&] { return worker.client->GradNorm(0); });
-  absl::SleepFor(absl::Milliseconds(300));  // the three wait on the server
+  ASSERT_TRUE(AwaitInFlight(cluster, 1, 2));  // the three wait on the server
   const auto [status, took] = cluster.Terminate(0, absl::Seconds(30));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_LT(took, absl::Seconds(20));
@@ -1020,7 +1038,7 @@ TEST(StoppedWaitTest, AStopEndsAWaitForAVersionOrANormAtOnce) {
   auto version =
       std::async(std::launch::async, [&] { return worker.client->WaitVersion("g", 1, version_source.get_token()); });
   auto norm = std::async(std::launch::async, [&] { return worker.client->GradNorm(0, norm_source.get_token()); });
-  absl::SleepFor(absl::Milliseconds(300));  // both wait on the servers: no step comes
+  ASSERT_TRUE(AwaitInFlight(cluster, 0, 2));  // both wait on the servers: no step comes
   version_source.request_stop();
   norm_source.request_stop();
   const absl::StatusOr<int64_t> waited = version.get();

@@ -156,12 +156,13 @@ TEST(StatusCommandTest, TableAndJsonDescribeEveryServerAndAnUnreachableOneFails)
     EXPECT_EQ(std::vector<std::string>(server.begin() + 2, server.begin() + 7),
               (std::vector<std::string>{"host", "tcp", "no", "3", "2"}))
         << table.str();
-    // ..., held (2 words), conns, sent (2), received (2), x-sent (2), x-recv (2), ...
-    ASSERT_GE(server.size(), 18u) << table.str();
+    // ..., held (2 words), conns, busy, sent (2), received (2), x-sent (2), x-recv (2), ...
+    ASSERT_GE(server.size(), 19u) << table.str();
     int64_t held = 0;
     for (const v1::GroupStatus& g : statuses[rank]->groups()) held += g.bytes();
     EXPECT_EQ(absl::StrCat(server[7], " ", server[8]), cli::HumanBytes(held)) << table.str();
-    EXPECT_EQ(std::vector<std::string>(server.begin() + 14, server.begin() + 18),
+    EXPECT_EQ(server[10], "0") << table.str();  // nothing but the command's own GetStatus
+    EXPECT_EQ(std::vector<std::string>(server.begin() + 15, server.begin() + 19),
               (std::vector<std::string>{"3.9", "KiB", "3.9", "KiB"}))
         << table.str();
     // rank, job/group, version, shard_numel (500 of 1000 elements), memory (2 words),

@@ -37,6 +37,8 @@ TEST(StatusMetricsTest, SplitsRequestsByPlaneAndLabelsJobsGroupsAndLoads) {
   status.set_bytes_sent(1 << 20);
   status.set_exchange_bytes_received(4096);
   status.set_cluster_check("checking");
+  status.set_data_requests_in_flight(2);
+  status.set_rpcs_in_flight(1);
   v1::JobStatus* clipped = status.add_jobs();
   clipped->set_job("a");
   clipped->set_num_workers(4);
@@ -68,6 +70,8 @@ TEST(StatusMetricsTest, SplitsRequestsByPlaneAndLabelsJobsGroupsAndLoads) {
   EXPECT_EQ(metrics["flatshard_sent_bytes_total"]["to=workers"], 1 << 20);
   EXPECT_EQ(metrics["flatshard_received_bytes_total"]["from=peers"], 4096);
   EXPECT_EQ(metrics["flatshard_cluster_agreed"][""], 0);
+  EXPECT_EQ(metrics["flatshard_requests_in_flight"],
+            (std::map<std::string, double>{{"plane=data", 2}, {"plane=control", 1}}));
   EXPECT_EQ(metrics["flatshard_job_workers"], (std::map<std::string, double>{{"job=a", 4}, {"job=b", 2}}));
   // Job b has no norm yet: no sample rather than a made-up 0.
   EXPECT_EQ(metrics["flatshard_job_last_grad_norm"], (std::map<std::string, double>{{"job=a", 2.5}}));
