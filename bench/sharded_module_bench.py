@@ -19,7 +19,8 @@ the module frees each layer's parameters after its forward and gathers them agai
 backward (reshard_after_forward=True: a second gather per group and step), and a second
 table sets 8 layers of 1024x1024 (4 MiB each, batch 64) by default and resharded beside
 torch: the time per step and the parameters a worker holds at its layers' forwards (the
-most, after the warm-up steps, which gather everything up front).
+most, over every step: the first, whose forward is watched for uses outside the
+modules', included).
 
     PYTHONPATH=build/python /usr/bin/python3 bench/sharded_module_bench.py [--quick] [--tls] [--batchnorm] [--reshard]
 """
@@ -105,24 +106,22 @@ def tls_files(directory):
 
 def sharded_step_time(cluster, layers, batch, steps, tls_ca_file=None, reshard=RESHARD, measure_held=False):
     """(seconds per step, with `measure_held` the most parameter bytes the worker held at a
-    layer's forward after the warm-up: the hooks that look cost time per layer)."""
+    layer's forward in any step: the hooks that look cost time per layer)."""
     client = flatshard.Client(servers=cluster.addresses, token=cluster.token,
                               job=f"bench-{layers}-{batch.shape[1]}-{reshard}", tls_ca_file=tls_ca_file)
     client.configure_job()
     sharded = flatshard.torch.ShardedModule(model(layers, batch.shape[1]), client,
                                             optimizer=flatshard.AdamW(lr=1e-3), auto_wrap_min_params=1,
                                             reshard_after_forward=reshard)
-    held = [0, False]  # the most bytes, whether the warm-up is over
+    held = [0]  # the most bytes
 
     def sample(*_):
-        if held[1]:
-            held[0] = max(held[0], sum(p.numel() * p.element_size() for p in sharded.module.parameters()))
+        held[0] = max(held[0], sum(p.numel() * p.element_size() for p in sharded.module.parameters()))
 
     for layer in sharded.module if measure_held else ():
         layer.register_forward_pre_hook(sample)
 
     def step(count):
-        held[1] = count >= 3
         sharded.set_hyperparams(lr=learning_rate(count))
         sharded(batch).pow(2).mean().backward()
         sharded.step()

@@ -76,8 +76,12 @@ class Group:
         self.sent = False         # its gradient for the step arrived (step() may be retried)
         self.seen = set()         # parameters whose gradient this backward delivered
         self.accumulated = set()  # parameters whose gradient flat_grad holds for the step
-        self.eager = True   # wait for its gather before the forward (until its hook is seen)
+        # Wait for its gather before the forward: its parameters were used outside its
+        # module's forward, or its module's forward did not run (set by each step from the
+        # first's watched forwards, ShardedModule's GatherOnUse).
+        self.eager = False
         self.fired = False  # its module's pre-hook ran in this step
+        self.functional = False  # its parameters were used outside its module's forward (once is enough)
         self.reshards = reshards  # frees flat after its forward and flat_grad once sent (ShardedModule)
         self.resident = True  # flat holds memory
         self.grad_resident = trained  # flat_grad holds memory

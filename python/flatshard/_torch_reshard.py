@@ -1,9 +1,13 @@
 """reshard_after_forward's pieces for flatshard.torch.ShardedModule: which groups to gather
 ahead of their modules (Prefetch), the tensors of a module's output that backward reaches
-(tensors_in), and the autograd function whose backward says that backward has gone
-through a module (AfterBackward)."""
+(tensors_in), the autograd function whose backward says that backward has gone
+through a module (AfterBackward), and the torch function mode that finds parameters used
+outside their module's forward (GatherOnUse; also without reshard_after_forward)."""
+
+import itertools
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # reshard_after_forward: the parameters gathered ahead of their module (the next group's
 # always, and more while they fit): small groups' gathers go in pipelines.
@@ -66,3 +70,31 @@ class AfterBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.callback()
         return (None,) + grads
+
+
+class GatherOnUse(TorchFunctionMode):
+    """A torch function mode for the forwards before the first step, which wait for each
+    group's gather (and gather a resharding group) as its module's forward comes rather
+    than up front: a torch function given a group's parameter (in its arguments, or in a
+    list or tuple of them) calls `fetch(index)` first, which makes the group's parameters
+    ready where they are not (a use outside its module's forward: MultiheadAttention's
+    functional use of its out_proj, a use before the module runs or after a resharding
+    module freed them). `owners`: id(parameter) to its group's index in the module's
+    groups. Setting a parameter's .data (how groups are freed and restored) is no use of
+    it. Torch calls it with the mode off, so what `fetch` and `func` run is not watched
+    again."""
+
+    def __init__(self, owners, fetch):
+        super().__init__()
+        self.owners = owners
+        self.fetch = fetch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) != "__set__":
+            for value in itertools.chain(args, kwargs.values()):
+                for item in value if isinstance(value, (list, tuple)) else (value,):
+                    index = self.owners.get(id(item))
+                    if index is not None:
+                        self.fetch(index)
+        return func(*args, **kwargs)

@@ -26,8 +26,11 @@ worker waits for them (a barrier on the servers) before its first forward and re
 the servers' version. Each parameter is a view into its group's flat
 buffer, which gathers fill in place (no per-tensor copies). Each forward starts the
 gathers of every group (prefetch); a group's forward pre-hook waits for its own. Groups
-whose module's forward never runs (used functionally, like MultiheadAttention's
-out_proj) are waited for up front, as is everything in the first step. Gradient hooks
+whose parameters are used outside their module's forward (functionally, like
+MultiheadAttention's out_proj, or before the module runs) are waited for up front, and so
+are those whose module's forward did not run: the forwards until the first step() ends
+run under a torch function mode that finds such uses and waits for the group there
+(``_torch_reshard.GatherOnUse``). Gradient hooks
 copy each gradient into the group's flat gradient buffer, and the group is scattered the
 moment its last gradient arrives, while backward continues with the other groups; small
 groups (128 KiB of gradient or less) wait in a bucket of up to 1 MiB or 64 groups, sent
@@ -55,11 +58,14 @@ identity autograd function on the module's inputs does); the frozen parameters o
 wrapped module stay in ``<name>.<frozen>``, held.
 The memory goes with the storage of the flat buffer (as FSDP frees it), so autograd's
 saved views see the parameters gathered again; a freed parameter is an empty tensor, so
-that a use of it outside its module's forward fails on its shape. Every group is gathered
-up front in the first step, and in any step those whose module's forward did not run in
-the last (used functionally). A recomputation in backward (activation checkpointing)
-gathers what it needs and keeps it until its gradients are in. It costs a second gather
-of every freed group per backward.
+that a use of it outside its module's forward fails on its shape. Wrapping frees them;
+the first step's forwards (and any before it) prefetch in the order the modules were
+registered, and the torch function mode above gathers the parameters of a group used
+outside its module's forward (as MultiheadAttention's out_proj, or a weight used again
+after its module): those groups, and those whose module's forward did not run, are
+gathered up front and held through later steps. A recomputation in backward
+(activation checkpointing) gathers what it needs and keeps it until its gradients are
+in. It costs a second gather of every freed group per backward.
 
 A checkpoint load while the workers train (an operator rolling the job back or forward)
 voids the step in progress: ``step()`` or the next forward raises ``AbortedError``, and
@@ -510,6 +516,14 @@ class ShardedModule(torch.nn.Module):
         self._frozen = groups[wrapped_frozen:len(specs)]  # the other frozen parameters (a group per dtype)
         self._used = self._groups + self._frozen_wrapped  # the groups forwards gather, by index
         self._group_bytes = [group.flat.numel() * group.flat.element_size() for group in self._used]
+        # Until a step has been watched (GatherOnUse), the groups' parameters, and the order
+        # in which the resharding groups' modules were registered: the guess at their
+        # forwards' order.
+        self._owners = {id(param): index for index, group in enumerate(self._used) for _, param in group.params}
+        self._watching = bool(self._owners)
+        registered_at = {path: k for k, path in enumerate(modules)}
+        self._module_order = sorted((index for index, group in enumerate(self._used) if group.reshards),
+                                    key=lambda index: registered_at[self._used[index].path])
         self._buffer_group = Buffers(f"{name}.<buffers>", buffers, layouts[-1]) if buffers else None
         # Worker 0's load_checkpoint: what it left out (None elsewhere, or without one).
         self.load_result = None
@@ -528,6 +542,12 @@ class ShardedModule(torch.nn.Module):
                     accumulator.register_hook(
                         lambda *_, group=group, fqn=fqn, param=param: self._after_accumulate(group, fqn, param))
                     group.accumulators.append(accumulator)
+            # The servers hold them now: gathered as their forwards come. (Freed after their
+            # gradient accumulators are made: those take the parameters' shapes.)
+            if group.reshards:
+                group.release()
+                if group.trained:
+                    group.release_grad()
         for m in full_precision:
             _run_in_full_precision(m)
         self._params = list(self.parameters())  # what _clear_grads clears each step
@@ -631,12 +651,15 @@ class ShardedModule(torch.nn.Module):
         # load moved the servers, which _wait_gather reports (rather than wait for a
         # version that a load back would never bring).
         # Resharding groups are gathered as their forwards come (each prefetching those
-        # after it in the last forward's order), but for those prefetched from the start and
-        # those whose module's forward has not been seen to run.
+        # after it in the last forward's order, or in the modules' before any), but for those
+        # prefetched from the start and those used outside their module's forward or whose
+        # module's forward was not seen to run in the watched step.
         if self._forward_calls:
             self._forward_prefetch = _torch_reshard.Prefetch(self._forward_calls, self._group_bytes)
         elif self._forward_prefetch is not None:
             self._forward_prefetch.issued = -1  # the same order again
+        elif self._module_order:  # no forward seen yet
+            self._forward_prefetch = _torch_reshard.Prefetch(self._module_order, self._group_bytes)
         first = set(self._forward_prefetch.ahead(None)) if self._forward_prefetch else set()
         self._forward_calls, self._finished_calls = [], []
         gather = [group for index, group in enumerate(self._used)
@@ -707,7 +730,8 @@ class ShardedModule(torch.nn.Module):
         if group.reshards and not group.trained and torch.is_grad_enabled():
             needing = [k for k, value in enumerate(inputs) if torch.is_tensor(value) and value.requires_grad]
             if needing:
-                passed = _torch_reshard.AfterBackward.apply(lambda: self._release(group), *[inputs[k] for k in needing])
+                passed = _torch_reshard.AfterBackward.apply(lambda: self._release_unless_functional(group),
+                                                            *[inputs[k] for k in needing])
                 inputs = list(inputs)
                 for k, value in zip(needing, passed):
                     inputs[k] = value
@@ -722,6 +746,26 @@ class ShardedModule(torch.nn.Module):
         if prefetch is not None:
             self._issue_gathers([self._used[i] for i in dict.fromkeys(prefetch.ahead(index))
                                  if self._needs_gather(self._used[i])])
+
+    def _gather_for_use(self, index):
+        """A watched forward uses a group's parameters (GatherOnUse): unless its module's
+        forward has them ready, they are used outside it, and are gathered (or their gather
+        waited for) now; from the next step on, up front (and a resharding group's are held
+        through the step)."""
+        group = self._used[index]
+        if group.pending_gather is None and not self._needs_gather(group):
+            return
+        group.functional = True
+        if self._needs_gather(group):
+            self._issue_gathers([group])
+        self._wait_gather(group)
+
+    def _release_unless_functional(self, group):
+        """Frees a resharding group's parameters after its module's forward or backward,
+        unless they are used outside it (freed once their gradients are in, or at the end
+        of backward)."""
+        if not group.functional:
+            self._release(group)
 
     def _release(self, group):
         """Frees a resharding group's parameters, once a gather in flight into them settled
@@ -751,7 +795,7 @@ class ShardedModule(torch.nn.Module):
             for tensor in tensors:
                 tensor.register_hook(before_backward)
         if not self._in_backward:
-            self._release(group)
+            self._release_unless_functional(group)
 
     def _before_backward(self, index):
         """Backward reached a resharding group's module: gathers its parameters again (at
@@ -950,7 +994,13 @@ class ShardedModule(torch.nn.Module):
             self._hyperparams_from._send()
         try:
             self._gather_all()
-            output = self.module(*args, **kwargs)
+            watch = (_torch_reshard.GatherOnUse(self._owners, self._gather_for_use) if self._watching
+                     else contextlib.nullcontext())
+            with watch:
+                output = self.module(*args, **kwargs)
+            if self._watching:  # a gather of a group its forward did not use ends here, not in step()
+                for group in self._used:
+                    self._wait_gather(group)
             if not torch.is_grad_enabled():  # no backward follows: what was gathered ahead is freed
                 self._release_all()
             return output
@@ -1013,8 +1063,9 @@ class ShardedModule(torch.nn.Module):
             if group.reshards and group.grad_resident:
                 group.release_grad()
         for group in self._used:
-            group.eager = not group.fired
+            group.eager = not group.fired or group.functional
             group.fired = False
+        self._watching = False  # a step was watched: its forwards' order and uses are known
         self._scattering.clear()
         if self._buffer_group:
             self._buffer_group.sent = False
@@ -1231,7 +1282,8 @@ class ShardedModule(torch.nn.Module):
     def load_state_dict(self, state_dict, strict=True):
         """Pushes a full state dict, parameters and buffers, to the servers (before the
         first step); the next forward gathers them. A shared parameter may come under any
-        of its names."""
+        of its names; one left out (strict=False) keeps the servers' value, as torch's load
+        leaves a parameter it does not name as it is."""
         names = set(itertools.chain.from_iterable([f for f, _ in g.params] for g in self._pushed_groups()))
         names |= set(self._aliases)
         missing = sorted(names - set(state_dict))
@@ -1242,8 +1294,12 @@ class ShardedModule(torch.nn.Module):
         for alias, fqn in self._aliases.items():
             if fqn not in given and alias in given:
                 given[fqn] = given[alias]
+        # (Not the module's own tensors: resharded ones hold nothing.)
+        if any(fqn not in given for group in self._pushed_groups() for fqn, _ in group.params):
+            current = self.state_dict()
+            given.update({fqn: value for fqn, value in current.items() if fqn not in given})
         self._push(self._pushed_groups(), lambda group: {
-            fqn: (given[fqn] if fqn in given else p).detach().float() for fqn, p in group.params})
+            fqn: torch.as_tensor(given[fqn]).detach().float() for fqn, _ in group.params})
         self._gather_frozen()
         for group in self._stepped() + self._frozen_wrapped:  # the next forward gathers the pushed values
             self._wait_gather(group)

@@ -3,6 +3,7 @@
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn import functional as F
 
 
 class TransformerBlock(nn.Module):
@@ -162,6 +163,24 @@ class LoraChain(nn.Module):
         return self.head(h)
 
 
+class ReusedWeights(Chain):
+    """The chain, whose forward also uses two layers' weights outside their forwards: layer
+    1's before its forward (a projection of the embedding), layer 0's after it (a read-out
+    of the last hidden state). reshard_after_forward must find those uses in its first step
+    (no hook of theirs says so) and hold those layers through every step."""
+
+    def __init__(self):
+        super().__init__(depth=3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = h + 0.1 * F.linear(h, self.layers[1].weight)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        h = h + 0.1 * F.linear(h, self.layers[0].weight)
+        return self.head(h * self.scale)
+
+
 def make_model(kind):
     torch.manual_seed(0)
     if kind == "mlp":
@@ -183,6 +202,8 @@ def make_model(kind):
         return Chain()
     if kind == "lora":
         return LoraChain()
+    if kind == "reused":
+        return ReusedWeights()
     raise ValueError(kind)
 
 
@@ -191,7 +212,7 @@ def make_data(kind, batch=16):
     if kind == "tied_frozen":  # token ids
         x = torch.randint(0, 12, (batch, 5), generator=generator)
         return x, torch.randn(batch, 4, generator=generator)
-    x = torch.randn(batch, 8, generator=generator) if kind in ("mlp", "batchnorm", "chain", "lora") else \
+    x = torch.randn(batch, 8, generator=generator) if kind in ("mlp", "batchnorm", "chain", "lora", "reused") else \
         torch.randn(batch, 5, 6, generator=generator)
     y = torch.randn(batch, 4, generator=generator)
     return x, y

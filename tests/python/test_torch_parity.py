@@ -205,6 +205,10 @@ class ParityTest(unittest.TestCase):
         self.check("attention", flatshard.SGD(lr=0.05, momentum=0.9),
                    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 10)
 
+    def test_weights_used_outside_their_modules_get_their_parameters(self):
+        self.check("reused", flatshard.SGD(lr=0.05, momentum=0.9),
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 8)
+
     def test_tied_and_frozen_parameters(self):
         # Parity covers the rest: torch counts the tied weight once in the norm, gives it
         # the sum of both uses' gradients, and skips the frozen projection (no gradient, so
@@ -312,6 +316,10 @@ class ParityTest(unittest.TestCase):
     def test_reshard_after_forward_with_modules_used_functionally(self):
         # (SGD: MultiheadAttention's key bias has a gradient of rounding noise, which Adam amplifies.)
         self.check("attention", flatshard.SGD(lr=0.05, momentum=0.9),
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 8, reshard_after_forward=True)
+
+    def test_reshard_after_forward_with_weights_used_outside_their_modules(self):
+        self.check("reused", flatshard.SGD(lr=0.05, momentum=0.9),
                    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 8, reshard_after_forward=True)
 
     def test_reshard_after_forward_tied_frozen_and_accumulated(self):
@@ -1230,8 +1238,35 @@ class ScriptedNorms:
 
 def held(layers):
     """The indices of `layers` whose parameters hold memory (reshard_after_forward leaves a
-    freed module's parameters empty)."""
-    return [i for i, layer in enumerate(layers) if layer.weight.numel() > 0]
+    freed module's parameters empty). In a watched forward it looks with the torch function
+    mode off: GatherOnUse takes a look at a parameter for a use, which gathers it."""
+    watched = torch.overrides._is_torch_function_mode_enabled()
+    with torch.overrides._pop_mode_temporarily() if watched else contextlib.nullcontext():
+        return [i for i, layer in enumerate(layers) if layer.weight.numel() > 0]
+
+
+class WatchedForwardTest(unittest.TestCase):
+    """The forwards before the first step run under GatherOnUse, which finds the groups
+    whose parameters are used outside their module's forward; from then on their gathers
+    are waited for before the forward begins. (With reshard_after_forward:
+    ReshardAfterForwardTest.)"""
+
+    def test_a_weight_used_before_its_module_is_waited_for_up_front(self):
+        # Layer 1's weight is used before layer 1's forward, whose pre-hook would wait for
+        # its gather; layer 0's after its forward, which has waited.
+        x, y = make_data("reused")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, model = one_worker_mlp_on(cluster, "watched", kind="reused")
+            layer1 = next(group for group in model._used if group.path == "layers.1")
+            in_flight = []  # at the embedding's forward: whether layer 1's gather is in flight
+            model.module.embed.register_forward_pre_hook(
+                lambda _m, _in: in_flight.append(layer1.pending_gather is not None))
+            for _ in range(3):
+                F.mse_loss(model(x), y).backward()
+                model.step()
+            self.assertEqual([group.path for group in model._used if group.functional], ["layers.1"])
+            self.assertEqual(in_flight, [True, False, False])
+            self.assertFalse(model._watching)
 
 
 class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
@@ -1297,18 +1332,50 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
         resharded = [group for group in model._groups if group.reshards]
         self.assertEqual(len(resharded), 6)  # embed, the layers and the head; not the root
         self.assertFalse(any(group.grad_resident for group in resharded))  # freed once sent
-        # The first step gathers everything up front; from the second on, a layer's forward
-        # holds itself and the layers `ahead` (prefetched), backward itself and those before.
-        later = len(layers)  # the first forward
-        self.assertEqual([i for i, _ in forwards[later:]], list(range(len(layers))) * 3)
-        for i, holding in forwards[later:]:
+        # From the first step on (which prefetches in the modules' order: the forward's
+        # here), a layer's forward holds itself and the layers `ahead` (prefetched),
+        # backward itself and those before.
+        self.assertEqual([i for i, _ in forwards], list(range(len(layers))) * 4)
+        for i, holding in forwards:
             self.assertEqual(holding, list(range(i, min(i + ahead + 1, len(layers)))), forwards)
         self.assertEqual([i for i, _ in backwards], list(reversed(range(len(layers)))) * 4)
-        for i, holding in backwards[len(layers):]:
+        for i, holding in backwards:
             self.assertEqual(holding, list(range(max(i - ahead, 0), i + 1)), backwards)
         with torch.no_grad():  # an evaluation frees them as it goes, and what it gathered ahead
             self.assertTrue(torch.equal(model(x), plain(x)))
         self.assertEqual(held(layers), [])
+
+    def test_weights_used_outside_their_modules_are_found_in_the_first_step_and_held(self):
+        # Layer 1's weight is used before its forward, layer 0's after: the first step's
+        # watched forward gathers them there, and from then on they are gathered up front
+        # and held through the step, while layer 2 comes and goes around its own forward.
+        x, y = make_data("reused")
+        with mock.patch.object(flatshard._torch_reshard, "PREFETCH_BYTES", 0), \
+                checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            _, plain = one_worker_mlp_on(cluster, "plain", kind="reused")
+            _, model = one_worker_mlp_on(cluster, "resharded", kind="reused", reshard_after_forward=True)
+            layers = list(model.module.layers)
+            during = []  # the layers held at each layer's forward
+            for i, layer in enumerate(layers):
+                layer.register_forward_pre_hook(lambda _m, _in, i=i: during.append((i, held(layers))))
+            after = []
+            self.assertEqual(self.train(model, x, y, 3, record=lambda _: after.append(held(layers))),
+                             self.train(plain, x, y, 3))
+            ours, theirs = model.state_dict(), plain.state_dict()
+            for name, value in theirs.items():
+                self.assertTrue(torch.equal(ours[name], value), name)
+            # The first forward: layer 1 was gathered for its early use and stays, layer 0
+            # is freed after its forward (its later use gathers it again), and the next layer
+            # is prefetched at each layer's turn.
+            self.assertEqual(during[:3], [(0, [0, 1]), (1, [1, 2]), (2, [1, 2])])
+            for i, holding in during[3:]:  # later forwards: 0 and 1 up front
+                self.assertEqual(holding, [0, 1, 2] if i > 0 else [0, 1], during)
+            self.assertEqual(after, [[], [], []])  # freed once their gradients are in
+            functional = [group.path for group in model._used if group.functional]
+            self.assertEqual(functional, ["layers.0", "layers.1"])
+            with torch.no_grad():
+                self.assertTrue(torch.equal(model(x), plain(x)))
+            self.assertEqual(held(layers), [])
 
     def test_a_layer_left_out_of_a_forward_is_freed_by_the_end_of_backward(self):
         # Layer 1's forward prefetches layer 2, as in the forward before; layer 2 is skipped
@@ -1333,6 +1400,27 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
             ours, theirs = model.state_dict(), plain.state_dict()
             for name, value in theirs.items():
                 self.assertTrue(torch.equal(ours[name], value), name)
+
+    def test_a_state_dict_loaded_non_strictly_leaves_the_rest_at_the_servers_values(self):
+        # Resharded, the module's tensors hold nothing from the wrapping on: what a key left
+        # out keeps is the servers' value.
+        x, y = make_data("chain")
+        with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
+            for reshard in (False, True):
+                with self.subTest(reshard_after_forward=reshard):
+                    _, model = one_worker_mlp_on(cluster, f"partial-{reshard}", kind="chain",
+                                                 reshard_after_forward=reshard)
+                    before = model.state_dict()
+                    result = model.load_state_dict({"layers.0.weight": torch.zeros(192, 192)}, strict=False)
+                    self.assertEqual(result.missing_keys, sorted(set(before) - {"layers.0.weight"}))
+                    after = model.state_dict()
+                    self.assertTrue(torch.equal(after["layers.0.weight"], torch.zeros(192, 192)))
+                    for name, value in before.items():
+                        if name != "layers.0.weight":
+                            self.assertTrue(torch.equal(after[name], value), name)
+                    F.mse_loss(model(x), y).backward()  # trains on from the values loaded
+                    model.step()
+                    self.assertEqual(model.version, 1)
 
     def test_full_params_holds_the_servers_values_for_a_block(self):
         x, y = make_data("chain")
