@@ -1245,6 +1245,14 @@ def held(layers):
         return [i for i, layer in enumerate(layers) if layer.weight.numel() > 0]
 
 
+def plain_and_resharded(cluster, kind):
+    """Model `kind` wrapped twice in one-worker jobs on `cluster` (one_worker_mlp_on): by
+    default, and with reshard_after_forward."""
+    _, plain = one_worker_mlp_on(cluster, "plain", kind=kind)
+    _, model = one_worker_mlp_on(cluster, "resharded", kind=kind, reshard_after_forward=True)
+    return plain, model
+
+
 class WatchedForwardTest(unittest.TestCase):
     """The forwards before the first step run under GatherOnUse, which finds the groups
     whose parameters are used outside their module's forward; from then on their gathers
@@ -1352,8 +1360,7 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
         x, y = make_data("reused")
         with mock.patch.object(flatshard._torch_reshard, "PREFETCH_BYTES", 0), \
                 checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
-            _, plain = one_worker_mlp_on(cluster, "plain", kind="reused")
-            _, model = one_worker_mlp_on(cluster, "resharded", kind="reused", reshard_after_forward=True)
+            plain, model = plain_and_resharded(cluster, "reused")
             layers = list(model.module.layers)
             during = []  # the layers held at each layer's forward
             for i, layer in enumerate(layers):
@@ -1382,8 +1389,7 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
         # (a layer drop), gets no gradient, and is freed when backward ends.
         x, y = make_data("chain")
         with checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
-            _, plain = one_worker_mlp_on(cluster, "plain", kind="chain")
-            _, model = one_worker_mlp_on(cluster, "resharded", kind="chain", reshard_after_forward=True)
+            plain, model = plain_and_resharded(cluster, "chain")
             layers = list(model.module.layers)
             for net in (plain, model):
                 self.train(net, x, y, 1)
@@ -1459,8 +1465,7 @@ class ReshardAfterForwardTest(MatchesSgd, unittest.TestCase):
         x, y = make_data("lora")
         with mock.patch.object(flatshard._torch_reshard, "PREFETCH_BYTES", 0), \
                 checked_cluster.LocalCluster(servers=2, memory=MEMORY) as cluster:
-            _, plain = one_worker_mlp_on(cluster, "plain", kind="lora")
-            _, model = one_worker_mlp_on(cluster, "resharded", kind="lora", reshard_after_forward=True)
+            plain, model = plain_and_resharded(cluster, "lora")
             names = [name for name, _, _ in model.groups]
             self.assertIn("model.layers.0.base.<frozen>", names)
             self.assertIn("model.layers.0", names)  # its adapters
