@@ -72,6 +72,27 @@ class AfterBackward(torch.autograd.Function):
         return (None,) + grads
 
 
+# What a torch function may look at without using a parameter's values: its metadata,
+# which a freed parameter gives as an empty tensor's in any step (properties by name, as
+# their __get__ comes, and methods).
+_METADATA = frozenset((
+    "shape", "dtype", "device", "layout", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "names",
+    "is_cuda", "is_sparse", "is_quantized", "is_meta", "is_nested", "output_nr", "_version",
+    "numel", "nelement", "size", "dim", "ndimension", "element_size", "stride", "is_contiguous",
+    "is_floating_point", "is_complex", "get_device", "__len__", "__hash__"))
+
+
+def _looks_only(func):
+    """Whether torch function `func` leaves its tensors' values alone: it sets a property
+    (a parameter's .data, as groups are freed and restored) or reads metadata."""
+    name = getattr(func, "__name__", None)
+    if name == "__set__":
+        return True
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return name in _METADATA
+
+
 class GatherOnUse(TorchFunctionMode):
     """A torch function mode for the forwards before the first step, which wait for each
     group's gather (and gather a resharding group) as its module's forward comes rather
@@ -80,9 +101,9 @@ class GatherOnUse(TorchFunctionMode):
     ready where they are not (a use outside its module's forward: MultiheadAttention's
     functional use of its out_proj, a use before the module runs or after a resharding
     module freed them). `owners`: id(parameter) to its group's index in the module's
-    groups. Setting a parameter's .data (how groups are freed and restored) is no use of
-    it. Torch calls it with the mode off, so what `fetch` and `func` run is not watched
-    again."""
+    groups. Setting a parameter's .data (how groups are freed and restored) or reading its
+    metadata (a hook summing numel(), say) is no use of it. Torch calls it with the mode
+    off, so what `fetch` and `func` run is not watched again."""
 
     def __init__(self, owners, fetch):
         super().__init__()
@@ -91,7 +112,7 @@ class GatherOnUse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) != "__set__":
+        if not _looks_only(func):
             for value in itertools.chain(args, kwargs.values()):
                 for item in value if isinstance(value, (list, tuple)) else (value,):
                     index = self.owners.get(id(item))

@@ -1238,11 +1238,9 @@ class ScriptedNorms:
 
 def held(layers):
     """The indices of `layers` whose parameters hold memory (reshard_after_forward leaves a
-    freed module's parameters empty). In a watched forward it looks with the torch function
-    mode off: GatherOnUse takes a look at a parameter for a use, which gathers it."""
-    watched = torch.overrides._is_torch_function_mode_enabled()
-    with torch.overrides._pop_mode_temporarily() if watched else contextlib.nullcontext():
-        return [i for i, layer in enumerate(layers) if layer.weight.numel() > 0]
+    freed module's parameters empty). A look at their metadata, which a watched forward's
+    GatherOnUse does not take for a use."""
+    return [i for i, layer in enumerate(layers) if layer.weight.numel() > 0]
 
 
 def plain_and_resharded(cluster, kind):
