@@ -1,9 +1,9 @@
-// CallsInFlight: counts the requests a server is serving, from each one's Begin() to its
-// End(): on the control plane the gRPC calls (server/request_log.h begins and ends each
-// one with its interceptor, which lives from the call's arrival to its end: its handler
-// returned and its status sent or the call cancelled). A shutdown waits on it to give the
-// calls in progress a grace period, and none to connections that are only open; the
-// status RPC reports the count. Thread-safe; outlives whatever begins and ends calls.
+// CallsInFlight: counts the control-plane calls a server is serving, from each one's
+// Begin() to its End() (server/request_log.h's interceptor calls them: it lives from the
+// call's arrival to its end, its handler returned and its status sent or the call
+// cancelled). A shutdown waits on it to give the calls in progress a grace period, and
+// none to connections that are only open; the status RPC reports the count. Thread-safe;
+// outlives whatever begins and ends calls.
 //
 //   CallsInFlight calls;
 //   calls.Begin(); ... calls.End();   // per call

@@ -1,6 +1,7 @@
-// Traffic counters, requests in flight and request latencies of one server, updated
-// lock-free by the data plane (and the RPC interceptor, server/request_log.h) and read by
-// the status RPC; and the throttle their warnings share. Thread-safe.
+// Traffic counters, requests in flight and request latencies of one server, updated by
+// the data plane (and the RPC interceptor, server/request_log.h: lock-free but for the
+// calls in flight, which a shutdown waits on) and read by the status RPC; and the
+// throttle their warnings share. Thread-safe.
 #ifndef FLATSHARD_SERVER_STATS_H_
 #define FLATSHARD_SERVER_STATS_H_
 

@@ -77,8 +77,8 @@ class Group:
         self.seen = set()         # parameters whose gradient this backward delivered
         self.accumulated = set()  # parameters whose gradient flat_grad holds for the step
         # Wait for its gather before the forward: its parameters were used outside its
-        # module's forward, or its module's forward did not run (set by each step from the
-        # first's watched forwards, ShardedModule's GatherOnUse).
+        # module's forward, or its module's forward did not run (set by each step(), from
+        # what its forwards' hooks and the first step's GatherOnUse saw).
         self.eager = False
         self.fired = False  # its module's pre-hook ran in this step
         self.functional = False  # its parameters were used outside its module's forward (once is enough)

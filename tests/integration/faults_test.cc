@@ -951,10 +951,6 @@ ClippedWorker StartClippedWorker(const testing::TestCluster& cluster, int worker
   return worker;
 }
 
-// A server told to stop (SIGTERM: `systemctl stop`, a pod's termination) while workers
-// wait on it, for a version or a step's gradient norm, ends their waits with UNAVAILABLE
-// and exits within its shutdown grace. Before, each wait held the shutdown until its
-// deadline: the client's timeout, 60 s here (the test's limit is 30 s).
 // Polls server 0 of `cluster` for up to 10 s until it serves `data_requests` data-plane
 // requests and `rpcs` control-plane calls besides the status call that asks; false if it
 // never does (the status then fails the test).
@@ -973,6 +969,10 @@ bool AwaitInFlight(const testing::TestCluster& cluster, int data_requests, int r
   return false;
 }
 
+// A server told to stop (SIGTERM: `systemctl stop`, a pod's termination) while workers
+// wait on it, for a version or a step's gradient norm, ends their waits with UNAVAILABLE
+// and exits within its shutdown grace. Before, each wait held the shutdown until its
+// deadline: the client's timeout, 60 s here (the test's limit is 30 s).
 TEST(ServerShutdownTest, WaitsEndWhenTheServerStopsAndItExitsAtOnce) {
   testing::TestCluster cluster(1, "tok", ::testing::TempDir());
   ClippedWorker worker = StartClippedWorker(cluster, 2);

@@ -166,8 +166,9 @@ class LoraChain(nn.Module):
 class ReusedWeights(Chain):
     """The chain, whose forward also uses two layers' weights outside their forwards: layer
     1's before its forward (a projection of the embedding), layer 0's after it (a read-out
-    of the last hidden state). reshard_after_forward must find those uses in its first step
-    (no hook of theirs says so) and hold those layers through every step."""
+    of the last hidden state). ShardedModule must find those uses in its first step (no
+    hook of theirs says so): to wait for layer 1's gather before the forward, and with
+    reshard_after_forward to hold both layers through every step."""
 
     def __init__(self):
         super().__init__(depth=3)
