@@ -753,10 +753,11 @@ class ShardedModule(torch.nn.Module):
         waited for) now; from the next step on, up front (and a resharding group's are held
         through the step)."""
         group = self._used[index]
-        if group.pending_gather is None and not self._needs_gather(group):
+        needs_gather = self._needs_gather(group)
+        if group.pending_gather is None and not needs_gather:
             return
         group.functional = True
-        if self._needs_gather(group):
+        if needs_gather:
             self._issue_gathers([group])
         self._wait_gather(group)
 
